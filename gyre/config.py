@@ -1,0 +1,123 @@
+"""Typed configuration: one pydantic model per service, from a YAML file with environment
+overrides, frozen after start-up.
+
+A cluster config file has one section per service plus ``cluster`` (shared settings)::
+
+    cluster: {name: demo, etcd_endpoints: ["127.0.0.1:23790"]}
+    scheduler: {port: 50051, batch_size: 4}
+
+A service reads ``cluster`` merged with its own section. Environment variables override
+both: ``GYRE_<SECTION>__<FIELD>`` (e.g. ``GYRE_SCHEDULER__BATCH_SIZE=8``), nested fields
+with another ``__``. pydantic-settings does the parsing and validation; this module only
+orders the sources (env over file over defaults).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+T = TypeVar("T", bound="ServiceConfig")
+
+CONFIG_ENV = "GYRE_CONFIG"
+"""Environment variable naming the config file when ``--config`` is not given."""
+
+
+class TlsConfig(BaseModel):
+    """TLS for gRPC servers and clients; off when ``cert_file`` is empty."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    cert_file: str = Field("", description="PEM certificate chain of this service.")
+    key_file: str = Field("", description="PEM private key of this service.")
+    ca_file: str = Field("", description="PEM CA bundle used to verify peers.")
+
+
+class ServiceConfig(BaseSettings):
+    """Settings every service shares. Subclasses add their own fields and set ``SECTION``."""
+
+    SECTION: ClassVar[str] = "service"
+
+    model_config = SettingsConfigDict(
+        frozen=True, extra="forbid", env_nested_delimiter="__", case_sensitive=False
+    )
+
+    cluster_name: str = Field("gyre", description="Prefix of every etcd key: /gyre/<cluster_name>/.")
+    etcd_endpoints: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:23790"], description="etcd client endpoints, host:port."
+    )
+    etcd_timeout_s: float = Field(5.0, gt=0, description="Deadline of each etcd call.")
+    lease_ttl_s: int = Field(5, ge=2, le=60, description="TTL of this process's etcd lease.")
+    host: str = Field("127.0.0.1", description="Address to bind; loopback unless configured.")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    advertise_host: str = Field(
+        "", description="Host other services use to reach this one; defaults to `host`."
+    )
+    max_message_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
+    )
+    grace_s: float = Field(5.0, ge=0, description="Drain period on shutdown before cancelling.")
+    rpc_timeout_s: float = Field(10.0, gt=0, description="Default deadline of outgoing unary calls.")
+    log_level: str = Field("INFO", description="Python logging level.")
+    log_json: bool = Field(True, description="Structured JSON logs (one object a line).")
+    history_file: str = Field("", description="Append operations as JSONL here (checker input).")
+    tracing: str = Field("off", description='OpenTelemetry exporter: "off", "console" or "otlp".')
+    otlp_endpoint: str = Field("127.0.0.1:4317", description="OTLP gRPC collector, if tracing=otlp.")
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS; off by default.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file (passed as init kwargs), which beats the defaults.
+        return (env_settings, init_settings)
+
+    @property
+    def advertised_target(self) -> str:
+        """host:port other services dial; valid once ``port`` is known (non-zero)."""
+        return f"{self.advertise_host or self.host}:{self.port}"
+
+
+def read_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The raw YAML mapping of a config file ({} for no file)."""
+    if not path:
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def load(cls: type[T], path: str | os.PathLike[str] | None = None, **overrides: Any) -> T:
+    """Builds ``cls`` from the ``cluster`` and ``cls.SECTION`` sections of ``path`` (or
+    $GYRE_CONFIG), environment variables ``GYRE_<SECTION>__*``, and ``overrides``."""
+    data = read_file(path or os.environ.get(CONFIG_ENV))
+    section = cls.SECTION
+    merged: dict[str, Any] = {}
+    merged.update(_shared_fields(cls, data.get("cluster") or {}))
+    merged.update(data.get(section) or {})
+    merged.update(overrides)
+    env_prefix = f"GYRE_{section.upper()}__"
+
+    class _Bound(cls):  # type: ignore[valid-type,misc]
+        model_config = SettingsConfigDict(env_prefix=env_prefix)
+
+    _Bound.__name__ = cls.__name__
+    built = _Bound(**merged)
+    return cls.model_validate(built.model_dump())
+
+
+def _shared_fields(cls: type[ServiceConfig], cluster: dict[str, Any]) -> dict[str, Any]:
+    out = dict(cluster)
+    if "name" in out:
+        out["cluster_name"] = out.pop("name")
+    return {k: v for k, v in out.items() if k in cls.model_fields}

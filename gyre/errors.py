@@ -1,0 +1,128 @@
+"""Domain errors, and the one place that maps them to gRPC status codes and HTTP statuses.
+
+Domain code raises these; servicers and HTTP handlers never build status codes by hand.
+Per-request errors are recoverable. A :class:`FatalError` means the process can no longer
+keep its promises (engine dead, lease lost): it is fanned out to waiters and the process
+exits non-zero so its lease lapses and a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class GyreError(Exception):
+    """Base of every per-request error. ``code`` is the gRPC status it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    http_status: int = 500
+
+
+class InvalidArgument(GyreError):
+    """Malformed or out-of-range input; nothing was changed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class NotFound(GyreError):
+    """An unknown id."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class Unauthenticated(GyreError):
+    """No token, or a token that names no execution."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
+class PermissionDenied(GyreError):
+    """A valid token used on an execution it does not hold."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+
+
+class FailedPrecondition(GyreError):
+    """The request is well-formed but illegal in the current state."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
+
+
+class StaleEpoch(FailedPrecondition):
+    """A command or write carried a fencing epoch older than the newest seen."""
+
+
+class Conflict(GyreError):
+    """A compare-and-swap lost a race; the caller may re-read and retry."""
+
+    code = grpc.StatusCode.ABORTED
+    http_status = 409
+
+
+class ResourceExhausted(GyreError):
+    """Too large, or no capacity left."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 413
+
+
+class Unavailable(GyreError):
+    """A dependency is down or no destination can take the work; retry later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class DeadlineExceeded(GyreError):
+    """The caller's deadline passed before the work finished."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
+class FatalError(Exception):
+    """The process must stop (engine dead, lease lost, etcd gone past its budget)."""
+
+
+_FROM_GRPC: dict[grpc.StatusCode, type[GyreError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        Unauthenticated,
+        PermissionDenied,
+        FailedPrecondition,
+        Conflict,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+    )
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for an exception raised while serving a call."""
+    if isinstance(exc, GyreError):
+        return exc.code, str(exc) or type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def http_status_for(exc: BaseException) -> int:
+    """The HTTP status for an exception raised while serving an HTTP request."""
+    return exc.http_status if isinstance(exc, GyreError) else 500
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> GyreError:
+    """Turns a failed call's status back into the matching domain error."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    cls = _FROM_GRPC.get(code, GyreError)
+    details = err.details() if hasattr(err, "details") else str(err)
+    out = cls(details or code.name)
+    if cls is GyreError:
+        out.code = code
+    return out

@@ -1,0 +1,253 @@
+"""The process's one etcd client: a thin layer over aetcd with deadlines, typed results and
+compare-and-swap helpers.
+
+Load only one etcd client per process (two register the same protobuf symbols). Per-call
+deadlines come from ``timeout_s``; aetcd errors surface as :class:`gyre.errors.Unavailable`
+(transport) or propagate (programming errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aetcd
+import aetcd.exceptions
+
+from gyre.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KV:
+    """One key's value and revisions."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_raw(cls, kv: Any) -> KV:
+        return cls(
+            key=kv.key,
+            value=kv.value,
+            create_revision=kv.create_revision,
+            mod_revision=kv.mod_revision,
+            version=kv.version,
+            lease=kv.lease,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operation inside a transaction: a put (value set) or a delete (value None)."""
+
+    key: bytes
+    value: bytes | None = None
+    lease: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compare:
+    """One guard of a transaction. ``target`` is "create", "mod", "version" or "value"."""
+
+    key: bytes
+    target: str
+    op: str  # "==", "!=", "<", ">"
+    value: Any
+
+
+def create_revision_is(key: bytes, revision: int) -> Compare:
+    """Guard: the key's create revision equals ``revision`` (0: the key does not exist)."""
+    return Compare(key, "create", "==", revision)
+
+
+def mod_revision_is(key: bytes, revision: int) -> Compare:
+    """Guard: the key was last modified at ``revision`` (0: the key does not exist)."""
+    return Compare(key, "mod", "==", revision)
+
+
+def value_is(key: bytes, value: bytes) -> Compare:
+    """Guard: the key holds exactly ``value``."""
+    return Compare(key, "value", "==", value)
+
+
+_TRANSPORT_ERRORS = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+    asyncio.TimeoutError,
+)
+
+
+class Etcd:
+    """An etcd connection for one process."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints")
+        self._endpoints = list(endpoints)
+        self._timeout_s = timeout_s
+        self._client: aetcd.Client | None = None
+
+    @property
+    def client(self) -> aetcd.Client:
+        if self._client is None:
+            raise RuntimeError("Etcd.connect() first")
+        return self._client
+
+    async def connect(self) -> None:
+        """Connects to the first endpoint that answers a status call."""
+        last: Exception | None = None
+        for endpoint in self._endpoints:
+            host, _, port = endpoint.rpartition(":")
+            client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=self._timeout_s)
+            try:
+                await client.connect()
+                await asyncio.wait_for(client.status(), self._timeout_s)
+            except Exception as exc:  # try the next endpoint
+                last = exc
+                await client.close()
+                continue
+            self._client = client
+            return
+        raise Unavailable(f"no etcd endpoint answered ({self._endpoints}): {last!r}")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def __aenter__(self) -> Etcd:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # Reads -------------------------------------------------------------------------------
+
+    async def get(self, key: bytes) -> KV | None:
+        try:
+            got = await self.client.get(key)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd get: {exc!r}") from exc
+        return None if got is None else KV.from_raw(got)
+
+    async def get_prefix(self, prefix: bytes) -> tuple[int, list[KV]]:
+        """All keys under ``prefix`` and the store revision they were read at."""
+        try:
+            got = await self.client.get_prefix(prefix)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd get_prefix: {exc!r}") from exc
+        return got.header.revision, [KV.from_raw(kv) for kv in got.kvs]
+
+    async def count_prefix(self, prefix: bytes) -> int:
+        try:
+            got = await self.client.get_prefix(prefix, keys_only=True)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd count: {exc!r}") from exc
+        return int(got.count)
+
+    # Writes ------------------------------------------------------------------------------
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None) -> int:
+        """Unconditional put; returns the revision of the write."""
+        try:
+            got = await self.client.put(key, value, lease=lease)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd put: {exc!r}") from exc
+        return got.header.revision
+
+    async def delete(self, key: bytes) -> bool:
+        try:
+            got = await self.client.delete(key)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd delete: {exc!r}") from exc
+        return bool(got)
+
+    async def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op] = (),
+        failure: Sequence[Op] = (),
+    ) -> tuple[bool, int]:
+        """One transaction; returns (succeeded, revision after it)."""
+        client = self.client
+        t = client.transactions
+        built = []
+        for c in compares:
+            target = {"create": t.create, "mod": t.mod, "version": t.version, "value": t.value}[c.target](c.key)
+            built.append(_apply_op(target, c.op, c.value))
+        try:
+            # aetcd returns only (succeeded, responses); read the header revision from the
+            # raw response by calling the stub ourselves.
+            request = aetcd.rpc.TxnRequest(
+                compare=[b.build_message() for b in built],
+                success=client._ops_to_requests([_to_aetcd(t, o) for o in success]),
+                failure=client._ops_to_requests([_to_aetcd(t, o) for o in failure]),
+            )
+            resp = await client.kvstub.Txn(request, timeout=self._timeout_s, metadata=client.metadata)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd txn: {exc!r}") from exc
+        except aetcd.rpc.AioRpcError as exc:
+            raise Unavailable(f"etcd txn: {exc.code().name} {exc.details()}") from exc
+        return resp.succeeded, resp.header.revision
+
+    async def cas(self, key: bytes, value: bytes, expected_mod_revision: int, lease: int | None = None) -> tuple[bool, int]:
+        """Writes ``value`` only if the key still has ``expected_mod_revision`` (0: absent)."""
+        return await self.txn([mod_revision_is(key, expected_mod_revision)], [Op(key, value, lease)])
+
+    async def create(self, key: bytes, value: bytes, lease: int | None = None) -> tuple[bool, int]:
+        """Writes ``value`` only if the key does not exist."""
+        return await self.txn([create_revision_is(key, 0)], [Op(key, value, lease)])
+
+    # Leases ------------------------------------------------------------------------------
+
+    async def grant(self, ttl_s: int) -> int:
+        try:
+            lease = await self.client.lease(ttl_s)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd lease grant: {exc!r}") from exc
+        return int(lease.id)
+
+    async def refresh(self, lease_id: int) -> int:
+        """Refreshes a lease; returns its remaining TTL (<= 0: the lease is gone)."""
+        try:
+            reply = await self.client.refresh_lease(lease_id)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd lease refresh: {exc!r}") from exc
+        return int(reply.TTL) if reply is not None else 0
+
+    async def revoke(self, lease_id: int) -> None:
+        try:
+            await self.client.revoke_lease(lease_id)
+        except _TRANSPORT_ERRORS as exc:
+            raise Unavailable(f"etcd lease revoke: {exc!r}") from exc
+
+    async def compact(self, revision: int) -> None:
+        await self.client.compact(revision, physical=True)
+
+
+def _apply_op(target: Any, op: str, value: Any) -> Any:
+    if op == "==":
+        return target == value
+    if op == "!=":
+        return target != value
+    if op == "<":
+        return target < value
+    if op == ">":
+        return target > value
+    raise ValueError(f"bad compare op {op!r}")
+
+
+def _to_aetcd(t: Any, op: Op) -> Any:
+    if op.value is None:
+        return t.delete(op.key)
+    return t.put(op.key, op.value, lease=op.lease)

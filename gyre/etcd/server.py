@@ -1,0 +1,120 @@
+"""A private etcd process: temp data dir, loopback, non-default ports.
+
+Used by the local launcher and by integration tests (which restart and stop it to test
+resync and lease expiry). Needs the ``etcd`` binary (Debian's etcd-server) on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdServer:
+    """Starts, restarts, pauses and stops one etcd member on loopback."""
+
+    def __init__(self, data_dir: str | None = None, client_port: int = 0, peer_port: int = 0, log_path: str | None = None) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="gyre-etcd-"))
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self._log_path = log_path or str(self.data_dir / "etcd.log")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd not on PATH: run `make install` (apt-get install etcd-server)")
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            binary,
+            "--name", "gyre",
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"gyre={peer}",
+            "--log-level", "error",
+            "--logger", "zap",
+        ]
+        log = open(self._log_path, "ab")
+        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
+        self._proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, start_new_session=True)
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self._proc.returncode}; see {self._log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"etcd not ready after {timeout_s}s; see {self._log_path}")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self) -> None:
+        """Stops and starts on the same ports and data (keys survive, watches break)."""
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -1,0 +1,111 @@
+"""Watches as hints: a local mirror of a key prefix that lists at a revision, watches from
+the next, resyncs after an etcd restart or compaction, and reconciles periodically.
+
+etcd watches are not linearizable and have had bugs under partitions and compaction, so the
+mirror never trusts a watch alone: any watch error (etcd restarted, revision compacted)
+leads to a fresh list, and every ``resync_s`` the mirror relists anyway. Consumers are
+level-triggered: they read :attr:`PrefixMirror.items` and are woken through
+:meth:`PrefixMirror.changed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aetcd.exceptions
+
+from gyre.errors import Unavailable
+from gyre.etcd.client import KV, Etcd
+
+log = logging.getLogger(__name__)
+
+
+class PrefixMirror:
+    """Keeps ``items`` (key -> KV) equal to etcd's view of ``prefix``."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        prefix: bytes,
+        resync_s: float = 10.0,
+        on_change: Callable[[dict[bytes, KV]], None] | None = None,
+    ) -> None:
+        self._etcd = etcd
+        self._prefix = prefix
+        self._resync_s = resync_s
+        self._on_change = on_change
+        self.items: dict[bytes, KV] = {}
+        self.revision = 0
+        self.resyncs = 0
+        self._changed = asyncio.Condition()
+        self.synced = asyncio.Event()
+
+    async def changed(self, timeout_s: float | None = None) -> None:
+        """Waits for the next change (or the timeout)."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def wait_for(self, predicate: Callable[[dict[bytes, KV]], bool], timeout_s: float) -> None:
+        """Waits until ``predicate(items)`` holds; raises TimeoutError after ``timeout_s``."""
+        async def _wait() -> None:
+            while not predicate(self.items):
+                await self.changed(0.5)
+
+        await asyncio.wait_for(_wait(), timeout_s)
+
+    async def _notify(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.items)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def relist(self) -> None:
+        revision, kvs = await self._etcd.get_prefix(self._prefix)
+        fresh = {kv.key: kv for kv in kvs}
+        different = fresh != self.items
+        self.items = fresh
+        self.revision = revision
+        self.resyncs += 1
+        self.synced.set()
+        if different:
+            await self._notify()
+
+    async def run(self) -> None:
+        """Mirrors forever; survives etcd restarts (backs off and relists)."""
+        backoff = 0.1
+        while True:
+            try:
+                await self.relist()
+                backoff = 0.1
+                await self._watch_until_resync()
+            except asyncio.CancelledError:
+                raise
+            except (Unavailable, aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
+                log.info("watch interrupted; relisting", extra={"prefix": self._prefix.decode(), "error": repr(exc)})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _watch_until_resync(self) -> None:
+        watch = await self._etcd.client.watch_prefix(self._prefix, start_revision=self.revision + 1)
+        try:
+            async with asyncio.timeout(self._resync_s):
+                async for event in watch:
+                    kv = KV.from_raw(event.kv)
+                    if event.kind == "DELETE":
+                        self.items.pop(kv.key, None)
+                    else:
+                        self.items[kv.key] = kv
+                    self.revision = max(self.revision, kv.mod_revision)
+                    await self._notify()
+        except TimeoutError:
+            pass  # periodic reconcile: fall through to a relist
+        finally:
+            try:
+                await watch.cancel()
+            except Exception:  # the stream may already be gone after an etcd restart
+                log.debug("watch cancel failed", exc_info=True)

@@ -1,0 +1,1 @@
+"""gRPC scaffolding shared by every service: servers, channels, error mapping, fencing."""

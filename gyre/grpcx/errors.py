@@ -1,0 +1,85 @@
+"""Servicer-side error mapping: domain errors become precise statuses in one place.
+
+Wrap every servicer method with :func:`rpc` (unary) or :func:`rpc_stream` (server
+streaming). A :class:`~gyre.errors.GyreError` aborts the call with its status and changes
+nothing further; any other exception is logged and becomes INTERNAL. Cancellation is never
+swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from gyre.errors import GyreError, Unauthenticated, status_for
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc(fn: F) -> F:
+    """Decorates a unary servicer method."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except GyreError as exc:
+            code, msg = status_for(exc)
+            await context.abort(code, msg)
+        except Exception as exc:  # one place turns the unexpected into INTERNAL
+            if _is_abort(exc):
+                raise
+            log.exception("unhandled error in %s", fn.__qualname__)
+            code, msg = status_for(exc)
+            await context.abort(code, msg)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def rpc_stream(fn: F) -> F:
+    """Decorates a server-streaming servicer method (an async generator)."""
+
+    @functools.wraps(fn)
+    async def wrapper(
+        self: Any, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except asyncio.CancelledError:
+            raise
+        except GyreError as exc:
+            code, msg = status_for(exc)
+            await context.abort(code, msg)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            log.exception("unhandled error in %s", fn.__qualname__)
+            code, msg = status_for(exc)
+            await context.abort(code, msg)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort() raises an internal exception that must propagate untouched.
+    return type(exc).__name__ == "AbortError" or isinstance(exc, grpc.RpcError)
+
+
+def bearer_token(context: grpc.aio.ServicerContext) -> str:
+    """The execution token from ``authorization: Bearer <token>``; UNAUTHENTICATED if absent."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and value.startswith("Bearer "):
+            token = value[len("Bearer ") :].strip()
+            if token:
+                return token
+    raise Unauthenticated("missing execution token (authorization: Bearer <token>)")
+

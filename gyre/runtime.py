@@ -1,0 +1,129 @@
+"""The common start-up and shutdown of a Gyre service process.
+
+Every service's ``__main__`` is: parse ``--config``, build its typed config, and call
+:func:`main` with a ``build`` coroutine that wires its domain objects and returns its gRPC
+servicers. This module does the rest, the same way for every service: logging and tracing,
+the one etcd client, the process lease and its keeper, the gRPC server (health, reflection,
+limits), registration under ``/gyre/<cluster>/services/<kind>/``, signal handling, and the
+ordered shutdown. A :class:`~gyre.errors.FatalError` exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from gyre import config as config_mod
+from gyre.config import ServiceConfig
+from gyre.errors import FatalError
+from gyre.etcd import Etcd, Keys, LeaseKeeper
+from gyre.grpcx.server import GrpcServer, Registrar
+from gyre.supervisor import Supervisor
+from gyre.telemetry import setup_logging, setup_tracing
+
+log = logging.getLogger(__name__)
+C = TypeVar("C", bound=ServiceConfig)
+Services = Sequence[tuple[Any, Registrar, str]]
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What a service's ``build`` gets: shared infrastructure of the process."""
+
+    name: str
+    instance: str
+    config: ServiceConfig
+    etcd: Etcd
+    lease: LeaseKeeper
+    keys: Keys
+    supervisor: Supervisor
+    server: GrpcServer | None = None
+    port: int = 0
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.advertise_host or self.config.host}:{self.port}"
+
+
+Build = Callable[[Runtime], Awaitable[Services]]
+AfterStart = Callable[[Runtime], Awaitable[None]]
+
+
+async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None) -> None:
+    """Runs one service until a signal or a fatal error."""
+    setup_tracing(name, cfg.tracing, cfg.otlp_endpoint)
+    etcd = Etcd(cfg.etcd_endpoints, cfg.etcd_timeout_s)
+    await etcd.connect()
+    lease = LeaseKeeper(etcd, cfg.lease_ttl_s)
+    await lease.grant()
+    sup = Supervisor(name)
+    sup.install_signal_handlers()
+    rt = Runtime(name, instance, cfg, etcd, lease, Keys(cfg.cluster_name), sup)
+    sup.spawn("lease", lease.run())
+    services = await build(rt)
+    server = GrpcServer(cfg, services)
+    rt.server = server
+    rt.port = await server.start()
+    await etcd.put(
+        rt.keys.service(name, instance),
+        json.dumps({"target": rt.target, "pid": os.getpid()}).encode(),
+        lease=lease.lease_id,
+    )
+    if after_start is not None:
+        await after_start(rt)
+    log.info("service ready", extra={"service": name, "target": rt.target})
+    print(json.dumps({"ready": name, "instance": instance, "target": rt.target}), flush=True)
+
+    async def _stop_intake() -> None:
+        await server.set_serving(False)
+
+    async def _drain() -> None:
+        await server.stop(cfg.grace_s)
+
+    async def _flush() -> None:
+        await lease.revoke()
+        await etcd.close()
+
+    sup.on_stop_intake(_stop_intake)
+    sup.on_drain(_drain)
+    sup.on_flush(_flush)
+    await sup.run(cfg.grace_s)
+
+
+def main(
+    name: str,
+    config_cls: type[C],
+    build: Build,
+    argv: Sequence[str] | None = None,
+    after_start: AfterStart | None = None,
+    instance_field: str | None = None,
+) -> None:
+    """The ``__main__`` of a service: ``python -m services.<name> --config FILE``."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
+    parser.add_argument("--config", default=os.environ.get(config_mod.CONFIG_ENV), help="cluster config YAML")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    cfg = config_mod.load(config_cls, args.config, **overrides)
+    setup_logging(name, cfg.log_level, cfg.log_json)
+    instance = str(getattr(cfg, instance_field)) if instance_field else f"{name}-{os.getpid()}"
+    try:
+        asyncio.run(serve(name, instance, cfg, build, after_start))
+    except FatalError as exc:
+        log.error("fatal: %s", exc)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass

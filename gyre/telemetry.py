@@ -1,0 +1,75 @@
+"""Structured logs with the execution and cell ids, and OpenTelemetry tracing.
+
+Logs are one JSON object a line (python-json-logger). The execution and cell ids come from
+context variables, so every line logged while serving an execution carries them without
+each call site passing them. Tracing is off by default; ``tracing: console`` or ``otlp``
+turns it on (gRPC interceptors are added in :mod:`gyre.grpcx`, aiohttp in the router).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import sys
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter
+
+execution_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("execution_id", default="")
+cell_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("cell_id", default="")
+
+
+class _ContextFilter(logging.Filter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.service = self._service
+        if not getattr(record, "execution_id", ""):
+            record.execution_id = execution_id_var.get()
+        if not getattr(record, "cell_id", ""):
+            record.cell_id = cell_id_var.get()
+        return True
+
+
+def setup_logging(service: str, level: str = "INFO", json_lines: bool = True) -> None:
+    """Configures the root logger for one service process (stderr)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if json_lines:
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(service)s %(name)s %(message)s %(execution_id)s %(cell_id)s",
+                rename_fields={"asctime": "ts", "levelname": "level"},
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(service)s] %(message)s"))
+    handler.addFilter(_ContextFilter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("aetcd", "grpc", "asyncio", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def setup_tracing(service: str, exporter: str, otlp_endpoint: str = "") -> Any:
+    """Installs a tracer provider; returns it (None when tracing is off)."""
+    if exporter == "off":
+        return None
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": f"gyre-{service}"}))
+    if exporter == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+    elif exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+    else:
+        raise ValueError(f"tracing must be off, console or otlp, not {exporter!r}")
+    trace.set_tracer_provider(provider)
+    return provider

@@ -1,0 +1,197 @@
+from gyre.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ClaimOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLAIM_OUTCOME_UNSPECIFIED: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_CLAIMED: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_WAIT: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_CLOSED: _ClassVar[ClaimOutcome]
+CLAIM_OUTCOME_UNSPECIFIED: ClaimOutcome
+CLAIM_OUTCOME_CLAIMED: ClaimOutcome
+CLAIM_OUTCOME_WAIT: ClaimOutcome
+CLAIM_OUTCOME_CLOSED: ClaimOutcome
+
+class TurnRecord(_message.Message):
+    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask")
+    EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    execution_id: str
+    group_id: str
+    turn_index: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    output_policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    output_loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RecordTurnResponse(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class FinishReport(_message.Message):
+    __slots__ = ("execution_id", "group_id", "group_size", "status", "reward", "policy_version")
+    EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    execution_id: str
+    group_id: str
+    group_size: int
+    status: _common_pb2.ExecutionStatus
+    reward: float
+    policy_version: int
+    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ExecutionStatus, str]] = ..., reward: _Optional[float] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ReportFinishResponse(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class ClaimMicroStepRequest(_message.Message):
+    __slots__ = ("cell_id", "batch_id", "policy_version", "wait_s")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    batch_id: int
+    policy_version: int
+    wait_s: float
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class MicroStep(_message.Message):
+    __slots__ = ("micro_step_id", "batch_id", "sequences", "num_tokens")
+    MICRO_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    micro_step_id: str
+    batch_id: int
+    sequences: _containers.RepeatedCompositeFieldContainer[PackedSequence]
+    num_tokens: int
+    def __init__(self, micro_step_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PackedSequence, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PackedSequence(_message.Message):
+    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    advantage: float
+    execution_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ...) -> None: ...
+
+class ClaimMicroStepResponse(_message.Message):
+    __slots__ = ("outcome", "micro_step", "claim_ttl_s")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEP_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    outcome: ClaimOutcome
+    micro_step: MicroStep
+    claim_ttl_s: float
+    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., micro_step: _Optional[_Union[MicroStep, _Mapping]] = ..., claim_ttl_s: _Optional[float] = ...) -> None: ...
+
+class AckMicroStepRequest(_message.Message):
+    __slots__ = ("cell_id", "batch_id", "micro_step_id")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    batch_id: int
+    micro_step_id: str
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., micro_step_id: _Optional[str] = ...) -> None: ...
+
+class AckMicroStepResponse(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class KeepClaimsRequest(_message.Message):
+    __slots__ = ("cell_id",)
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    def __init__(self, cell_id: _Optional[str] = ...) -> None: ...
+
+class KeepClaimsResponse(_message.Message):
+    __slots__ = ("claims",)
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    claims: int
+    def __init__(self, claims: _Optional[int] = ...) -> None: ...
+
+class GetBatchRequest(_message.Message):
+    __slots__ = ("batch_id",)
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
+
+class BatchStatus(_message.Message):
+    __slots__ = ("batch_id", "policy_version", "batch_size", "groups_packed", "micro_steps", "claimed", "acked", "sealed", "total_tokens", "closed")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    policy_version: int
+    batch_size: int
+    groups_packed: int
+    micro_steps: int
+    claimed: int
+    acked: int
+    sealed: bool
+    total_tokens: int
+    closed: bool
+    def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ...) -> None: ...
+
+class WatchSupplyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SupplySignal(_message.Message):
+    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    READY_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_NEEDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ready_groups: int
+    batch_needs: int
+    batch_id: int
+    dropped: _containers.ScalarMap[str, int]
+    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
