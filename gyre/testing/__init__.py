@@ -1,0 +1,1 @@
+"""Helpers for tests and the launcher: real service processes on loopback."""

@@ -1,0 +1,139 @@
+"""Runs Gyre services as real processes (``python -m services.<name>``) and waits until
+each prints its ready line (``{"ready": name, "target": "host:port"}`` on stdout).
+
+Used by integration and fault tests (SIGKILL, SIGSTOP/SIGCONT) and by the local launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServiceProcess:
+    """One service process. ``target`` is known once :meth:`start` returns."""
+
+    def __init__(
+        self,
+        service: str,
+        config_path: str | os.PathLike[str] | None,
+        overrides: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.service = service
+        self.name = name or service
+        self.config_path = str(config_path) if config_path else None
+        self.overrides = dict(overrides or {})
+        self.env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen[str] | None = None
+        self.target = ""
+        self.ready_info: dict[str, Any] = {}
+        self._ready = threading.Event()
+        self._lines: list[str] = []
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", f"services.{self.service}"]
+        if self.config_path:
+            cmd += ["--config", self.config_path]
+        for key, value in self.overrides.items():
+            cmd += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        return cmd
+
+    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env)
+        stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before ready; log: {self.log_path}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} not ready after {timeout_s}s; log: {self.log_path}")
+        return self
+
+    def _read_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.append(line)
+            if not self._ready.is_set() and line.startswith("{"):
+                try:
+                    info = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "ready" in info:
+                    self.ready_info = info
+                    self.target = info.get("target", "")
+                    self._ready.set()
+
+    @property
+    def stdout_lines(self) -> list[str]:
+        return list(self._lines)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no clean shutdown (its lease lapses after the TTL)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM and wait (graceful shutdown); SIGKILL past the timeout."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout_s)
+
+
+def stop_all(procs: Sequence[ServiceProcess]) -> None:
+    for p in reversed(list(procs)):
+        p.stop()
