@@ -1,0 +1,1 @@
+"""Model directories: the tiny locally built model for tests and the demo."""

@@ -1,0 +1,125 @@
+"""Builds a tiny Qwen2-architecture model and tokenizer in a local directory.
+
+No model hub is reachable from Gyre's test and demo machines, so tests and the demo build
+their model here: a byte-level BPE tokenizer trained with ``tokenizers`` on a short built-in
+text (wrapped in ``PreTrainedTokenizerFast`` with a ChatML chat template), and a randomly
+initialised Qwen2 causal LM (hidden 128, 2 layers, 4 heads / 2 KV heads, bf16) from a seed.
+The directory loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and with vLLM, exactly
+like a downloaded checkpoint. The build is deterministic for a seed.
+
+    python -m gyre.model.tiny OUT_DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Text the tokenizer's merges are learned from: chat roles, tool-call words, digits and file
+# names, so agent transcripts tokenize into a reasonable number of tokens.
+_CORPUS = """
+system user assistant tool You are a helpful coding agent working in a repository.
+Use the tools to read, write and list files, then answer. The task is done when the file
+contains the answer. call read_file write_file list_files run_tests submit done ok error
+The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 256 512
+def main(): return 0  import os  print("hello world")  README.md  main.py  test_main.py
+Observation: the command finished with exit code 0. Thought: I should check the file.
+Action: read_file path=notes.txt Answer: the value is 7. reward step turn episode group
+""" * 4
+
+DEFAULT_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 512):  # -> PreTrainedTokenizerFast
+    """Trains the byte-level BPE tokenizer and saves it (tokenizer.json + config)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides: object) -> Path:
+    """Writes tokenizer + model to ``out_dir`` (created); returns the path. Idempotent: an
+    existing complete build with the same seed and config is kept."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_values = {**DEFAULT_CONFIG, **overrides}
+    stamp = {"seed": seed, "config": cfg_values, "builder": 1}
+    stamp_path = out / "gyre_tiny.json"
+    if stamp_path.exists() and (out / "model.safetensors").exists():
+        if json.loads(stamp_path.read_text()) == stamp:
+            return out
+
+    tokenizer = build_tokenizer(out, vocab_size=int(cfg_values["vocab_size"]))
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        **cfg_values,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False)
+    model.save_pretrained(str(out), safe_serialization=True)
+    stamp_path.write_text(json.dumps(stamp))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = build_tiny_model(args.out_dir, seed=args.seed)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
