@@ -105,6 +105,23 @@ _FROM_GRPC: dict[grpc.StatusCode, type[GyreError]] = {
 }
 
 
+_FROM_HTTP: dict[int, type[GyreError]] = {
+    401: Unauthenticated,
+    403: PermissionDenied,
+    404: NotFound,
+    409: FailedPrecondition,
+    413: ResourceExhausted,
+    503: Unavailable,
+    504: DeadlineExceeded,
+}
+
+
+def from_http_status(status: int, message: str) -> GyreError:
+    """The domain error for an HTTP error status (any other 4xx is InvalidArgument)."""
+    cls = _FROM_HTTP.get(status) or (InvalidArgument if 400 <= status < 500 else GyreError)
+    return cls(f"HTTP {status}: {message}")
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message for an exception raised while serving a call."""
     if isinstance(exc, GyreError):

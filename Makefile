@@ -1,0 +1,37 @@
+# Gyre: the two commands are `make demo` and `make test`. Both install what is missing.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install demo test test-fast bench protos lock clean up
+
+install:  ## etcd (apt) when missing, .venv with the pinned packages
+	@./scripts/install.sh
+
+demo: install  ## the real system end to end on this machine
+	$(PY) -m gyre.demo $(DEMO_ARGS)
+
+up: install  ## start etcd + every service from one config (Ctrl-C stops all)
+	$(PY) -m gyre.launch --config $(or $(CONFIG),deploy/local/cluster.yaml)
+
+test: install  ## the whole suite (unit, integration, fault; gpu tests skip without CUDA)
+	@./scripts/install_browser.sh
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: install  ## unit tests only
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+bench: install  ## benchmarks; results in bench/results/ and docs/benchmarks*.md
+	$(PY) bench/cluster.py
+	$(PY) bench/router_latency.py
+	$(PY) bench/packer_claims.py
+	$(PY) bench/training_elastic.py
+
+protos: install  ## regenerate gyre/v1 from protos/ (the output is committed)
+	./scripts/gen_protos.sh
+
+lock:  ## re-pin requirements.lock from the current .venv
+	$(PY) -m pip freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec|triton)==' > requirements.lock.new && mv requirements.lock.new requirements.lock
+
+clean:
+	rm -rf runs .pytest_cache

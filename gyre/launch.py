@@ -1,0 +1,177 @@
+"""The local launcher: a private etcd and every service as processes, from one config file.
+
+    python -m gyre.launch --config deploy/local/cluster.yaml [--free-ports] [--run-dir DIR]
+
+The config file is the cluster config every service reads, plus a ``launch:`` section::
+
+    launch:
+      etcd: {}                      # a private etcd on cluster.etcd_endpoints[0]
+      processes:                    # started in order, each waits for its ready line
+        - {service: packer}
+        - {service: cell_agent, name: cell-0, set: {cell_id: cell-0, kind: elastic, index: 0, port: 50060}}
+
+``--free-ports`` remaps every loopback port of the file to a free one (tests, parallel
+runs). Logs go to ``<run-dir>/logs/<name>.log``. The launcher shows each process's status,
+restarts nothing (crash-only services are restarted by a real supervisor in production),
+and stops everything in reverse order on Ctrl-C or when a process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gyre.etcd.server import EtcdServer, free_port
+from gyre.testing.procs import ServiceProcess
+
+_PORT_RE = re.compile(r"(?P<pre>(?:127\.0\.0\.1|localhost):|port: )(?P<port>\d{2,5})\b")
+
+
+def remap_ports(text: str) -> str:
+    """Replaces every loopback port in a config text with a free one, consistently."""
+    mapping: dict[str, str] = {}
+
+    def sub(m: re.Match[str]) -> str:
+        port = m.group("port")
+        if port == "0":
+            return m.group(0)
+        if port not in mapping:
+            mapping[port] = str(free_port())
+        return m.group("pre") + mapping[port]
+
+    return _PORT_RE.sub(sub, text)
+
+
+class Cluster:
+    """etcd + service processes described by one config file."""
+
+    def __init__(self, config_path: str | Path, run_dir: str | Path, free_ports: bool = False, env: dict[str, str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        text = Path(config_path).read_text()
+        if free_ports:
+            text = remap_ports(text)
+        self.config_path = self.run_dir / "cluster.yaml"
+        self.config_path.write_text(text)
+        self.config: dict[str, Any] = yaml.safe_load(text)
+        self.env = dict(env or {})
+        self.etcd: EtcdServer | None = None
+        self.procs: dict[str, ServiceProcess] = {}
+
+    @property
+    def launch(self) -> dict[str, Any]:
+        return self.config.get("launch") or {}
+
+    def start_etcd(self) -> None:
+        if "etcd" not in self.launch:
+            return
+        endpoint = (self.config.get("cluster") or {}).get("etcd_endpoints", ["127.0.0.1:23790"])[0]
+        port = int(endpoint.rpartition(":")[2])
+        self.etcd = EtcdServer(data_dir=str(self.run_dir / "etcd"), client_port=port, log_path=str(self.run_dir / "logs" / "etcd.log"))
+        self.etcd.start()
+
+    def process_specs(self) -> list[dict[str, Any]]:
+        return list(self.launch.get("processes") or [])
+
+    def start_process(self, spec: dict[str, Any], timeout_s: float = 120.0) -> ServiceProcess:
+        name = spec.get("name") or spec["service"]
+        proc = ServiceProcess(
+            spec["service"],
+            self.config_path,
+            overrides=spec.get("set") or {},
+            env={**self.env, **{k: str(v) for k, v in (spec.get("env") or {}).items()}},
+            log_path=self.run_dir / "logs" / f"{name}.log",
+            name=name,
+        )
+        self.procs[name] = proc
+        proc.start(timeout_s=spec.get("ready_timeout_s", timeout_s))
+        return proc
+
+    def start(self, progress: Any = None) -> Cluster:
+        self.start_etcd()
+        if progress:
+            progress("etcd", self.etcd.endpoint if self.etcd else "external")
+        try:
+            for spec in self.process_specs():
+                proc = self.start_process(spec)
+                if progress:
+                    progress(proc.name, proc.target)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.proc is not None and not p.alive()]
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.config.get(name) or {})
+
+
+def _status_table(cluster: Cluster) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"gyre cluster ({cluster.run_dir})")
+    for col in ("process", "pid", "target", "state"):
+        table.add_column(col)
+    if cluster.etcd is not None:
+        table.add_row("etcd", "-", cluster.etcd.endpoint, "[green]up" if cluster.etcd.running() else "[red]down")
+    for name, p in cluster.procs.items():
+        alive = p.alive()
+        table.add_row(name, str(p.pid if p.proc else "-"), p.target, "[green]up" if alive else f"[red]exited {p.proc.returncode if p.proc else ''}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gyre.launch", description="Start etcd and every Gyre service locally.")
+    parser.add_argument("--config", default="deploy/local/cluster.yaml")
+    parser.add_argument("--run-dir", default=f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--free-ports", action="store_true", help="remap every loopback port to a free one")
+    args = parser.parse_args(argv)
+
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    cluster = Cluster(args.config, args.run_dir, free_ports=args.free_ports)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        cluster.start(progress=lambda name, target: console.print(f"[bold green]started[/] {name} {target}"))
+        console.print(f"config: {cluster.config_path}; logs: {cluster.run_dir / 'logs'}; Ctrl-C stops everything")
+        with Live(_status_table(cluster), console=console, refresh_per_second=1) as live:
+            while not stop.wait(1.0):
+                live.update(_status_table(cluster))
+                if cluster.dead():
+                    console.print(f"[red]process exited: {', '.join(cluster.dead())}; stopping")
+                    return 1
+        return 0
+    finally:
+        console.print("stopping ...")
+        cluster.stop()
+        console.print("stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
