@@ -80,40 +80,54 @@ class ClaimMicroStepRequest(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class MicroStep(_message.Message):
-    __slots__ = ("micro_step_id", "batch_id", "sequences", "num_tokens")
+    __slots__ = ("micro_step_id", "batch_id", "sequences", "num_tokens", "policy_version", "packed_tokens")
     MICRO_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     micro_step_id: str
     batch_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[PackedSequence]
     num_tokens: int
-    def __init__(self, micro_step_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PackedSequence, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    policy_version: int
+    packed_tokens: int
+    def __init__(self, micro_step_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PackedSequence, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., packed_tokens: _Optional[int] = ...) -> None: ...
 
 class PackedSequence(_message.Message):
-    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id")
+    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id", "group_id", "turn_index", "policy_version")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     advantage: float
     execution_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ...) -> None: ...
+    group_id: str
+    turn_index: int
+    policy_version: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class ClaimMicroStepResponse(_message.Message):
-    __slots__ = ("outcome", "micro_step", "claim_ttl_s")
+    __slots__ = ("outcome", "micro_step", "claim_ttl_s", "batch_id", "policy_version")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MICRO_STEP_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     outcome: ClaimOutcome
     micro_step: MicroStep
     claim_ttl_s: float
-    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., micro_step: _Optional[_Union[MicroStep, _Mapping]] = ..., claim_ttl_s: _Optional[float] = ...) -> None: ...
+    batch_id: int
+    policy_version: int
+    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., micro_step: _Optional[_Union[MicroStep, _Mapping]] = ..., claim_ttl_s: _Optional[float] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class AckMicroStepRequest(_message.Message):
     __slots__ = ("cell_id", "batch_id", "micro_step_id")
@@ -150,7 +164,7 @@ class GetBatchRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
 
 class BatchStatus(_message.Message):
-    __slots__ = ("batch_id", "policy_version", "batch_size", "groups_packed", "micro_steps", "claimed", "acked", "sealed", "total_tokens", "closed")
+    __slots__ = ("batch_id", "policy_version", "batch_size", "groups_packed", "micro_steps", "claimed", "acked", "sealed", "total_tokens", "closed", "done", "active", "unclaimed", "participants", "counters")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +175,11 @@ class BatchStatus(_message.Message):
     SEALED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    UNCLAIMED_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     policy_version: int
     batch_size: int
@@ -171,14 +190,58 @@ class BatchStatus(_message.Message):
     sealed: bool
     total_tokens: int
     closed: bool
-    def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ...) -> None: ...
+    done: bool
+    active: bool
+    unclaimed: int
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    counters: PackerCounters
+    def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ..., done: _Optional[bool] = ..., active: _Optional[bool] = ..., unclaimed: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ...) -> None: ...
+
+class PackerCounters(_message.Message):
+    __slots__ = ("produced", "consumed", "buffered", "dropped", "pending", "ready", "assigned", "packed", "claims_expired", "policy_version")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PRODUCED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    produced: int
+    consumed: int
+    buffered: int
+    dropped: _containers.ScalarMap[str, int]
+    pending: int
+    ready: int
+    assigned: int
+    packed: int
+    claims_expired: int
+    policy_version: int
+    def __init__(self, produced: _Optional[int] = ..., consumed: _Optional[int] = ..., buffered: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., assigned: _Optional[int] = ..., packed: _Optional[int] = ..., claims_expired: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class SealBatchRequest(_message.Message):
+    __slots__ = ("fence", "batch_id")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    fence: _common_pb2.Fence
+    batch_id: int
+    def __init__(self, fence: _Optional[_Union[_common_pb2.Fence, _Mapping]] = ..., batch_id: _Optional[int] = ...) -> None: ...
 
 class WatchSupplyRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SupplySignal(_message.Message):
-    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped")
+    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped", "batch_active", "unclaimed_micro_steps", "ready_unassigned", "counters")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,8 +253,16 @@ class SupplySignal(_message.Message):
     BATCH_NEEDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    UNCLAIMED_MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    READY_UNASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     ready_groups: int
     batch_needs: int
     batch_id: int
     dropped: _containers.ScalarMap[str, int]
-    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    batch_active: bool
+    unclaimed_micro_steps: int
+    ready_unassigned: int
+    counters: PackerCounters
+    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., batch_active: _Optional[bool] = ..., unclaimed_micro_steps: _Optional[int] = ..., ready_unassigned: _Optional[int] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ...) -> None: ...

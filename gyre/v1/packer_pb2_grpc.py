@@ -69,6 +69,11 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.WatchSupplyRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.SupplySignal.FromString,
                 _registered_method=True)
+        self.SealBatch = channel.unary_unary(
+                '/gyre.v1.Packer/SealBatch',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.SealBatchRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.BatchStatus.FromString,
+                _registered_method=True)
 
 
 class PackerServicer:
@@ -90,14 +95,18 @@ class PackerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimMicroStep(self, request, context):
-        """A training cell claims the next micro-step of a batch.
+        """A training cell claims the next micro-step of a batch. The first claim of a batch pins
+        its weight version (and activates it: ready groups are assigned to it from then on); a
+        claim with another version is FAILED_PRECONDITION. After CLOSED, only cells that already
+        claimed in the batch may still take a micro-step returned by an expired claim.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AckMicroStep(self, request, context):
-        """A cell reports a claimed micro-step trained. Idempotent.
+        """A cell reports a claimed micro-step trained. Idempotent. NOT_FOUND for an unknown
+        micro-step; FAILED_PRECONDITION when another cell holds or acknowledged it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +128,14 @@ class PackerServicer:
 
     def WatchSupply(self, request, context):
         """Supply for the scheduler: a new signal whenever it changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SealBatch(self, request, context):
+        """Scheduler -> packer: seal a batch with the groups it has (burst end, fewer groups than
+        batch_size will come). Fenced; idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,6 +178,11 @@ def add_PackerServicer_to_server(servicer, server):
                     servicer.WatchSupply,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.WatchSupplyRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.SupplySignal.SerializeToString,
+            ),
+            'SealBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SealBatch,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.SealBatchRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.BatchStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +374,33 @@ class Packer:
             '/gyre.v1.Packer/WatchSupply',
             gyre_dot_v1_dot_packer__pb2.WatchSupplyRequest.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.SupplySignal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SealBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Packer/SealBatch',
+            gyre_dot_v1_dot_packer__pb2.SealBatchRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.BatchStatus.FromString,
             options,
             channel_credentials,
             insecure,
