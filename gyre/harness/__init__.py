@@ -1,0 +1,1 @@
+"""An example long-horizon agent environment and the harness that runs it against Gyre."""

@@ -1,0 +1,106 @@
+"""The example harness: runs agent episodes for Gyre executions until the burst is done.
+
+    python -m gyre.harness.example --scheduler 127.0.0.1:50051 --concurrency 8
+
+Each execution is acquired from the scheduler, its episode runs against the router's
+OpenAI-compatible endpoint with the execution's token, and its reward is reported. The
+harness and its workspaces live here, outside every GPU cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+
+from gyre.client import ExecutionHandle, HarnessClient
+from gyre.errors import GyreError
+from gyre.harness.env import EnvConfig, Episode, Task
+
+log = logging.getLogger("gyre.harness")
+
+
+@dataclass
+class HarnessStats:
+    completed: int = 0
+    failed: int = 0
+    rewards: list[tuple[int, float]] = field(default_factory=list)  # (policy version, reward)
+    turns: int = 0
+
+
+async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: HarnessStats) -> None:
+    task = Task.from_json(execution.task) if execution.task else Task(execution.task_id, 42, hash(execution.task_id) & 0xFFFF)
+    member = int(execution.execution_id.rsplit("-", 1)[-1]) if execution.execution_id[-1:].isdigit() else 0
+    episode = Episode(task, env, member)
+
+    async def chat(messages: list[dict[str, str]], max_tokens: int, temperature: float) -> str:
+        return await execution.chat(messages, max_tokens=max_tokens, temperature=temperature)
+
+    async with execution:
+        try:
+            result = await episode.run(chat, asyncio.sleep)
+        except GyreError as exc:
+            log.warning("episode failed: %s", exc, extra={"execution_id": execution.execution_id})
+            await execution.finish(status="failed")
+            stats.failed += 1
+            return
+        await execution.finish(reward=result.reward)
+        stats.completed += 1
+        stats.turns += result.turns
+        stats.rewards.append((execution.policy_version, result.reward))
+
+
+async def run_harness(
+    scheduler_target: str,
+    env: EnvConfig,
+    concurrency: int = 8,
+    max_executions: int | None = None,
+    stop_when_exhausted: bool = True,
+    harness_id: str = "",
+    stop: asyncio.Event | None = None,
+) -> HarnessStats:
+    """Runs up to ``concurrency`` executions at a time until the burst is exhausted (or
+    ``max_executions``, or ``stop`` is set)."""
+    stats = HarnessStats()
+    started = 0
+    async with HarnessClient(scheduler_target, harness_id=harness_id) as client:
+        running: set[asyncio.Task[None]] = set()
+        while stop is None or not stop.is_set():
+            if max_executions is not None and started >= max_executions:
+                break
+            if len(running) >= concurrency:
+                _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            execution = await client.acquire(wait_s=1.0)
+            if execution is None:
+                if client.last_burst_exhausted and stop_when_exhausted and not running:
+                    break
+                if running:
+                    done, running = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            started += 1
+            running.add(asyncio.create_task(run_execution(execution, env, stats), name=execution.execution_id))
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gyre.harness.example")
+    parser.add_argument("--scheduler", default="127.0.0.1:50051")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-executions", type=int, default=None)
+    parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    env = EnvConfig(**json.loads(args.env))
+    stats = asyncio.run(run_harness(args.scheduler, env, args.concurrency, args.max_executions))
+    print(json.dumps({"completed": stats.completed, "failed": stats.failed, "turns": stats.turns}))
+    return 0 if stats.failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
