@@ -1,0 +1,1 @@
+"""The Gyre scheduler: bursts, the execution ledger, the waterlevel, cell roles, transitions."""
