@@ -61,10 +61,11 @@ async def run_harness(
     stop_when_exhausted: bool = True,
     harness_id: str = "",
     stop: asyncio.Event | None = None,
+    stats: HarnessStats | None = None,
 ) -> HarnessStats:
     """Runs up to ``concurrency`` executions at a time until the burst is exhausted (or
-    ``max_executions``, or ``stop`` is set)."""
-    stats = HarnessStats()
+    ``max_executions``, or ``stop`` is set). ``stats`` is updated live if given."""
+    stats = stats if stats is not None else HarnessStats()
     started = 0
     async with HarnessClient(scheduler_target, harness_id=harness_id) as client:
         running: set[asyncio.Task[None]] = set()

