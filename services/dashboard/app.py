@@ -1,0 +1,151 @@
+"""The dashboard's aiohttp application: the status poller and the HTTP routes.
+
+``DashboardApp(status_source).make_app()`` gives an :class:`aiohttp.web.Application` whose
+start-up launches a poller task (one ``status_source()`` call every ``poll_interval_s``,
+folded into a :class:`~services.dashboard.timeline.Timeline`) and whose clean-up cancels it.
+Routes:
+
+- ``GET /``: one self-contained HTML page (inline JS drawing on a canvas, no external
+  resources) that fetches ``/api/timeline`` every second;
+- ``GET /api/timeline``: the timeline as JSON;
+- ``GET /healthz``: liveness, with the poller's counters.
+
+The demo runner embeds it in-process with :meth:`DashboardApp.start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from services.dashboard.source import StatusSource
+from services.dashboard.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+PAGE_PATH = Path(__file__).with_name("static") / "index.html"
+TIMELINE_KEY = web.AppKey("timeline", Timeline)
+
+
+class DashboardApp:
+    """Polls ``status_source`` and serves the timeline.
+
+    ``status_source`` is an async callable returning a SchedulerStatus-like dict; ``clock``
+    (monotonic seconds) is injectable so tests can drive time.
+    """
+
+    def __init__(
+        self,
+        status_source: StatusSource,
+        *,
+        poll_interval_s: float = 0.5,
+        poll_timeout_s: float = 2.0,
+        max_samples: int = 7200,
+        clock: Callable[[], float] = time.monotonic,
+        title: str = "Gyre",
+    ) -> None:
+        if poll_interval_s <= 0 or poll_timeout_s <= 0:
+            raise ValueError("poll_interval_s and poll_timeout_s must be > 0")
+        self._source = status_source
+        self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
+        self._clock = clock
+        self._t0 = clock()
+        self.timeline = Timeline(max_samples)
+        self.title = title
+        self._page = PAGE_PATH.read_text(encoding="utf-8").replace("{{TITLE}}", _html_escape(title))
+        self._last_logged_error = ""
+
+    def now_s(self) -> float:
+        """Seconds since this dashboard started (the timeline's time axis)."""
+        return self._clock() - self._t0
+
+    async def poll_once(self) -> bool:
+        """One poll; True when a status was added. Errors are recorded, never raised."""
+        t_s = self.now_s()
+        try:
+            status = await asyncio.wait_for(self._source(), self.poll_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any source failure is a failed poll, shown on the page
+            message = f"{type(exc).__name__}: {exc}"
+            self.timeline.record_error(t_s, message)
+            self._log_error(message)
+            return False
+        try:
+            return self.timeline.add(max(t_s, self.timeline.last_t_s), status)
+        except ValueError as exc:  # malformed status: already counted by the timeline
+            self._log_error(str(exc))
+            return False
+
+    def _log_error(self, message: str) -> None:
+        if message != self._last_logged_error:  # log each distinct failure once in a row
+            log.warning("status poll failed", extra={"error": message})
+            self._last_logged_error = message
+
+    async def run_poller(self) -> None:
+        """Polls until cancelled, one call every ``poll_interval_s`` (no overlap)."""
+        while True:
+            started = self._clock()
+            await self.poll_once()
+            elapsed = self._clock() - started
+            await asyncio.sleep(max(0.0, self.poll_interval_s - elapsed))
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application; its start-up starts the poller, its clean-up stops it."""
+        app = web.Application(client_max_size=64 * 1024)
+        app[TIMELINE_KEY] = self.timeline
+        app.router.add_get("/", self._index)
+        app.router.add_get("/api/timeline", self._timeline)
+        app.router.add_get("/healthz", self._healthz)
+        app.cleanup_ctx.append(self._poller_ctx)
+        return app
+
+    async def _poller_ctx(self, _app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.run_poller(), name="dashboard.poller")
+        yield
+        task.cancel()
+        # The poller's own CancelledError comes back as a result; a cancellation of this
+        # clean-up itself still propagates out of gather.
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
+        """Serves the dashboard on ``host:port`` in the running loop; returns the runner (call
+        ``await runner.cleanup()`` to stop) and the bound port."""
+        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        return runner, int(bound)
+
+    async def _index(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self._page, content_type="text/html", headers={"Cache-Control": "no-store"})
+
+    async def _timeline(self, _request: web.Request) -> web.Response:
+        body: dict[str, Any] = self.timeline.to_json(self.now_s())
+        body["poll_interval_s"] = self.poll_interval_s
+        body["title"] = self.title
+        return web.json_response(body, headers={"Cache-Control": "no-store"})
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        stats = self.timeline.stats
+        last_ok_age = None if stats.last_ok_s is None else round(self.now_s() - stats.last_ok_s, 3)
+        return web.json_response({
+            "ok": True,
+            "polls": stats.polls,
+            "polls_ok": stats.ok,
+            "poll_errors": stats.errors,
+            "last_ok_age_s": last_ok_age,
+            "last_error": stats.last_error,
+        })
+
+
+def _html_escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
