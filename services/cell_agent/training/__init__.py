@@ -1,0 +1,1 @@
+"""Streaming elastic training of one cell: trainer, core optimizer, prefix groups, controller."""

@@ -1,0 +1,47 @@
+"""Typed settings of a cell's trainer (a nested section of the cell agent's config)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainingSettings(BaseModel):
+    """How a cell trains: model, loss, optimizer, collectives, snapshots, checkpoints.
+
+    The cell agent embeds it as ``cell_agent.training`` (YAML) /
+    ``GYRE_CELL_AGENT__TRAINING__<FIELD>`` (env)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: str = Field("", description="Local directory of the causal LM (transformers layout).")
+    dtype: str = Field(
+        "float32", pattern="^(float32|float64|bfloat16)$",
+        description="Dtype of the trained (master) weights and gradients.",
+    )
+    device: str = Field("auto", description='"auto" (cuda:<local> when CUDA is up, else cpu), "cpu" or "cuda:N".')
+    initial_policy_version: int = Field(1, ge=1, description="Version of the weights loaded from model_dir.")
+    # Loss (token-level PPO-clip / GRPO).
+    clip_eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the importance ratio: 1 - eps.")
+    clip_eps_high: float = Field(0.2, ge=0, le=10, description="Upper clip of the importance ratio: 1 + eps.")
+    # Optimizer (AdamW on the core only).
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip after normalization.")
+    # Collectives: one process group over every elastic cell, a subgroup per prefix.
+    world_size: int = Field(1, ge=1, le=1024, description="Number of elastic cells (core + satellites).")
+    dist_master: str = Field("127.0.0.1:29500", description="host:port of the core's rendezvous store.")
+    dist_backend: str = Field("auto", pattern="^(auto|gloo|nccl)$", description="auto: nccl on CUDA, else gloo.")
+    dist_timeout_s: float = Field(600.0, gt=0, description="Timeout of rendezvous and of each collective.")
+    join_wait_s: float = Field(10.0, ge=0, description="How long a satellite waits for its predecessor to join.")
+    # Streaming claims.
+    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep when data pauses.")
+    packer_target: str = Field("", description="gRPC target of the packer.")
+    # Snapshots and checkpoints.
+    snapshot_keep: int = Field(2, ge=1, le=16, description="Snapshot versions the core keeps for pulls.")
+    snapshot_chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Chunk size of snapshot pulls.")
+    pull_timeout_s: float = Field(300.0, gt=0, description="Deadline of one snapshot pull.")
+    checkpoint_dir: str = Field("", description="Where the core writes a checkpoint per step; empty: none.")
+    checkpoint_keep: int = Field(2, ge=1, le=100, description="Checkpoints kept on disk.")

@@ -1,0 +1,364 @@
+"""The training controller of one elastic cell: joins batches, streams micro-steps from the
+packer, reduces gradient sums to the core over the prefix group, and (on the core) takes the
+batch's one optimizer step, broadcasts it and publishes the new policy.
+
+The cell agent's servicer calls :meth:`TrainingController.join_batch` for ``JoinBatch`` and
+the lifecycle hooks (:meth:`on_enter_training`, :meth:`on_leave_training`, :meth:`close`).
+
+One batch, on every participant (core = index 0, satellites 1..):
+  1. join: the core opens the batch at its weight version ``v`` (and exposes snapshot
+     ``v``); a satellite registers in index order while the window is open, then pulls
+     snapshot ``v`` from the core unless it holds it already, while the core trains on;
+  2. stream: claim micro-steps (one claim prefetched while the current one computes),
+     accumulate the sum of token-loss gradients and the token count on version ``v``; when
+     the packer says WAIT, wait between micro-steps (never half-way through one);
+  3. close: the packer answers CLOSED once every micro-step is claimed; the core freezes
+     the membership (the joining window closes), everyone learns the prefix size ``k``;
+  4. reduce: gradient sums and [tokens, stale] over the prefix group of size ``k`` to the
+     core; the core normalizes by the total tokens, clips, steps once (idempotent per
+     batch id, durable before it is announced);
+  5. share: the core broadcasts [version] and the new weights to the prefix, exposes
+     snapshot ``v+1`` and publishes the policy version in etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from gyre.errors import DeadlineExceeded, FailedPrecondition, GyreError, InvalidArgument, Unavailable
+from services.cell_agent.snapshots import SnapshotStore
+from services.cell_agent.training.core import CoreOptimizer
+from services.cell_agent.training.microstep import Claim, Outcome
+from services.cell_agent.training.ports import (
+    Collective,
+    JoinResult,
+    Membership,
+    MicroStepSource,
+    PolicyPublisher,
+    Puller,
+)
+from services.cell_agent.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerParams:
+    claim_wait_s: float = 1.0
+    join_wait_s: float = 10.0
+    collective_timeout_s: float = 600.0
+    prefetch: bool = True
+    keep_claims_every_s: float = 2.0
+
+
+@dataclasses.dataclass
+class BatchOutcome:
+    """What one batch did on this cell."""
+
+    batch_id: int
+    base_version: int
+    new_version: int = 0
+    prefix_size: int = 0
+    local_tokens: int = 0
+    local_micro_steps: int = 0
+    total_tokens: int = 0  # core only
+    stale_participants: int = 0  # core only: satellites that contributed nothing
+    applied: bool = False
+    stale: bool = False  # satellite: could not hold version base_version
+    joined_s: float = 0.0  # satellite: join → weights ready (pull) seconds
+    first_micro_step_s: float = 0.0  # join → first micro-step accumulated
+    seconds: float = 0.0
+
+
+class TrainingController:
+    """Drives one cell's part in streaming elastic training."""
+
+    def __init__(
+        self,
+        *,
+        cell_id: str,
+        index: int,
+        trainer: Trainer,
+        snapshots: SnapshotStore,
+        source: MicroStepSource,
+        membership: Membership,
+        collective: Collective,
+        publisher: PolicyPublisher | None,
+        puller: Puller,
+        core: CoreOptimizer | None = None,
+        params: ControllerParams | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if (index == 0) != (core is not None):
+            raise ValueError("the core (index 0) and only the core owns the optimizer")
+        self.cell_id = cell_id
+        self.index = index
+        self.trainer = trainer
+        self.snapshots = snapshots
+        self.source = source
+        self.membership = membership
+        self.collective = collective
+        self.publisher = publisher
+        self.puller = puller
+        self.core = core
+        self.params = params or ControllerParams()
+        self.clock = clock
+        self.outcomes: dict[int, BatchOutcome] = {}
+        self._tasks: dict[int, asyncio.Task[BatchOutcome]] = {}
+        self._current: asyncio.Task[BatchOutcome] | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def is_core(self) -> bool:
+        return self.core is not None
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    # Lifecycle hooks -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start-up of the core: restore the newest checkpoint (replaying an uncommitted
+        step), expose the current weights and re-announce them (idempotent)."""
+        if self.core is None:
+            return
+        restored = await asyncio.to_thread(self.core.restore)
+        await asyncio.to_thread(self.snapshots.publish, self.version, self.trainer.state_dict())
+        if restored and self.publisher is not None and self.core.last_batch_id:
+            await self.publisher.publish(self.version, self.core.last_batch_id)
+
+    async def on_enter_training(self) -> None:
+        """The cell entered TRAINING: nothing to rebuild (groups and model stay alive)."""
+
+    async def on_leave_training(self, timeout_s: float | None = None) -> None:
+        """The cell leaves TRAINING: finish (drain) the batch in progress first."""
+        task = self._current
+        if task is not None and not task.done():
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def status(self) -> dict[str, object]:
+        cur = self._current
+        return {
+            "cell_id": self.cell_id,
+            "index": self.index,
+            "version": self.version,
+            "batch_running": cur is not None and not cur.done(),
+            "last_batch_id": self.core.last_batch_id if self.core else max(self.outcomes, default=0),
+        }
+
+    async def wait_batch(self, batch_id: int) -> BatchOutcome:
+        """The outcome of a batch this cell joined (raises what the batch raised)."""
+        task = self._tasks.get(batch_id)
+        if task is None:
+            raise FailedPrecondition(f"batch {batch_id} was not joined here")
+        return await asyncio.shield(task)
+
+    # Joining -------------------------------------------------------------------------
+
+    async def join_batch(self, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
+        """Joins batch ``batch_id`` trained on ``policy_version``. True when this cell
+        trains on it (idempotent); False when the joining window had closed, the version is
+        not the batch's, or a predecessor never joined."""
+        if batch_id <= 0 or policy_version <= 0 or prefix_size <= 0:
+            raise InvalidArgument("batch_id, policy_version and prefix_size must be > 0")
+        if self._closed:
+            raise Unavailable("the trainer is shutting down")
+        if not self.is_core and not core_target:
+            raise InvalidArgument("a satellite needs core_target")
+        async with self._lock:
+            if batch_id in self._tasks:
+                return True
+            prev = self._current
+            if prev is not None and not prev.done():
+                # The previous batch is finishing (step, broadcast): joins follow it.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(prev), self.params.join_wait_s)
+                if not prev.done():
+                    return False
+            started = self.clock()
+            if self.is_core:
+                joined = await self._open_as_core(batch_id, policy_version)
+                if not joined:
+                    return False
+                coro = self._run_core(batch_id, policy_version, started)
+            else:
+                if not await self._register(batch_id, policy_version):
+                    return False
+                coro = self._run_satellite(batch_id, policy_version, core_target, started)
+            task = asyncio.create_task(coro, name=f"train.b{batch_id}")
+            self._tasks[batch_id] = task
+            self._current = task
+            log.info("joined batch", extra={"batch_id": batch_id, "version": policy_version, "index": self.index})
+            return True
+
+    async def _open_as_core(self, batch_id: int, version: int) -> bool:
+        assert self.core is not None
+        if batch_id <= self.core.last_batch_id:
+            log.info("batch already committed", extra={"batch_id": batch_id})
+            return False
+        if version != self.version:
+            log.warning("core holds another version", extra={"wanted": version, "have": self.version})
+            return False
+        # Expose v before training on it (a no-op when it is exposed already).
+        await asyncio.to_thread(self.snapshots.publish, version, self.trainer.state_dict())
+        await asyncio.to_thread(self.membership.open, batch_id, version)
+        return True
+
+    async def _register(self, batch_id: int, version: int) -> bool:
+        deadline = self.clock() + self.params.join_wait_s
+        while True:
+            got = await asyncio.to_thread(self.membership.register, batch_id, self.index, version)
+            if got is JoinResult.JOINED:
+                return True
+            if got is not JoinResult.NOT_YET or self.clock() >= deadline:
+                log.info("not joining", extra={"batch_id": batch_id, "why": got.value})
+                return False
+            await asyncio.sleep(0.02)
+
+    # One batch -----------------------------------------------------------------------
+
+    async def _run_core(self, batch_id: int, version: int, started: float) -> BatchOutcome:
+        assert self.core is not None
+        out = BatchOutcome(batch_id, version)
+        self.trainer.open_window(version)
+        await self._consume(batch_id, version, out, started)
+        # 3. Close the joining window.
+        k = await asyncio.to_thread(self.membership.freeze, batch_id)
+        out.prefix_size = k
+        # 4. Reduce to the core, step once.
+        grad = self.trainer.flat_grads()
+        header = torch.tensor([float(self.trainer.tokens), 0.0], dtype=torch.float64, device=grad.device)
+        if k > 1:
+            await asyncio.to_thread(self.collective.reduce_to_core, k, grad)
+            await asyncio.to_thread(self.collective.reduce_to_core, k, header)
+        out.total_tokens, out.stale_participants = int(header[0].item()), int(header[1].item())
+        result = await asyncio.to_thread(self.core.step, batch_id, grad, out.total_tokens)
+        self.trainer.close_window()
+        out.new_version, out.applied = result.version, result.applied
+        # 5. Share: broadcast to the prefix, expose, publish.
+        if k > 1:
+            await asyncio.to_thread(
+                self.collective.broadcast_from_core, k,
+                torch.tensor([float(result.version)], dtype=torch.float64, device=grad.device),
+            )
+            await asyncio.to_thread(self.collective.broadcast_from_core, k, self.trainer.flat_params().contiguous())
+        await asyncio.to_thread(self.snapshots.publish, result.version, self.trainer.state_dict())
+        if self.publisher is not None and result.applied:
+            await self.publisher.publish(result.version, batch_id)
+        out.seconds = self.clock() - started
+        self.outcomes[batch_id] = out
+        log.info("batch stepped", extra=dataclasses.asdict(out))
+        return out
+
+    async def _run_satellite(self, batch_id: int, version: int, core_target: str, started: float) -> BatchOutcome:
+        out = BatchOutcome(batch_id, version)
+        # 1. Hold version v: pull it from the core unless this cell has it already.
+        if self.trainer.version != version:
+            try:
+                got, state = await self.puller(core_target, version)
+                if got != version:
+                    raise FailedPrecondition(f"pulled version {got}, wanted {version}")
+                await asyncio.to_thread(self.trainer.load_state, state, version)
+            except (GyreError, OSError) as exc:
+                log.warning("cannot hold the batch's version; contributing nothing", extra={"error": repr(exc)})
+                out.stale = True
+        out.joined_s = self.clock() - started
+        if not out.stale:
+            self.trainer.open_window(version)
+            await self._consume(batch_id, version, out, started)
+        # 3. The core closes the window; learn the prefix size.
+        k = await asyncio.to_thread(self.membership.wait_frozen, batch_id, self.params.collective_timeout_s)
+        out.prefix_size = k
+        if self.index >= k:  # cannot happen: registration precedes the freeze
+            raise FailedPrecondition(f"index {self.index} outside the frozen prefix {k}")
+        # 4. Reduce (zeros when stale: a gradient on another version never enters).
+        grad = self.trainer.flat_grads()
+        if out.stale:
+            grad.zero_()
+        header = torch.tensor(
+            [0.0 if out.stale else float(self.trainer.tokens), 1.0 if out.stale else 0.0],
+            dtype=torch.float64, device=grad.device,
+        )
+        await asyncio.to_thread(self.collective.reduce_to_core, k, grad)
+        await asyncio.to_thread(self.collective.reduce_to_core, k, header)
+        self.trainer.close_window()
+        # 5. Receive the new weights.
+        ver = torch.zeros(1, dtype=torch.float64, device=grad.device)
+        await asyncio.to_thread(self.collective.broadcast_from_core, k, ver)
+        flat = torch.empty_like(self.trainer.flat_params())
+        await asyncio.to_thread(self.collective.broadcast_from_core, k, flat)
+        out.new_version = int(ver.item())
+        await asyncio.to_thread(self.trainer.load_flat_params, flat, out.new_version)
+        await asyncio.to_thread(self.snapshots.publish, out.new_version, self.trainer.state_dict())
+        out.seconds = self.clock() - started
+        self.outcomes[batch_id] = out
+        log.info("batch done", extra=dataclasses.asdict(out))
+        return out
+
+    async def _consume(self, batch_id: int, version: int, out: BatchOutcome, started: float) -> None:
+        """Claims and trains micro-steps until the packer says CLOSED. A WAIT is a
+        consistent pause point: no micro-step is half done."""
+        keeper = asyncio.create_task(self._keep_claims(), name=f"keep.b{batch_id}")
+        pending: asyncio.Task[Claim] | None = asyncio.create_task(self._claim(batch_id, version))
+        try:
+            while pending is not None:
+                claim = await pending
+                pending = None
+                if claim.outcome is Outcome.CLOSED:
+                    break
+                if claim.outcome is Outcome.WAIT:
+                    pending = asyncio.create_task(self._claim(batch_id, version))
+                    continue
+                step = claim.micro_step
+                assert step is not None
+                if step.batch_id not in (0, batch_id):
+                    raise FailedPrecondition(f"claimed micro-step of batch {step.batch_id} for {batch_id}")
+                if self.params.prefetch:  # overlap the next claim with this compute
+                    pending = asyncio.create_task(self._claim(batch_id, version))
+                n = await asyncio.to_thread(self.trainer.accumulate, step, version)
+                if out.local_micro_steps == 0:
+                    out.first_micro_step_s = self.clock() - started
+                out.local_tokens += n
+                out.local_micro_steps += 1
+                await self._retrying(lambda s=step: self.source.ack(batch_id, s.micro_step_id))
+                if pending is None:
+                    pending = asyncio.create_task(self._claim(batch_id, version))
+        finally:
+            keeper.cancel()
+            if pending is not None and not pending.done():
+                pending.cancel()
+            await asyncio.gather(keeper, *( [pending] if pending else []), return_exceptions=True)
+
+    async def _claim(self, batch_id: int, version: int) -> Claim:
+        return await self._retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s))
+
+    async def _keep_claims(self) -> None:
+        while True:
+            await asyncio.sleep(self.params.keep_claims_every_s)
+            with contextlib.suppress(Unavailable, DeadlineExceeded):
+                await self.source.keep()
+
+    async def _retrying(self, call):  # type: ignore[no-untyped-def]
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except (Unavailable, DeadlineExceeded) as exc:
+                log.warning("packer unavailable; retrying", extra={"error": repr(exc)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)

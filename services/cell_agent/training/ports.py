@@ -1,0 +1,67 @@
+"""The small interfaces the training controller drives (packer claims, batch membership,
+prefix collectives, policy publication, snapshot pulls), so each has a real and a fake
+implementation."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import torch
+
+from services.cell_agent.training.microstep import Claim
+
+
+class MicroStepSource(Protocol):
+    """The packer's claim API for one cell."""
+
+    async def claim(self, batch_id: int, policy_version: int, wait_s: float) -> Claim: ...
+
+    async def ack(self, batch_id: int, micro_step_id: str) -> None: ...
+
+    async def keep(self) -> None: ...
+
+
+class JoinResult(enum.Enum):
+    """A satellite's registration into a batch."""
+
+    JOINED = "joined"
+    CLOSED = "closed"  # the joining window had closed
+    STALE = "stale"  # the batch trains on another version than the caller claimed
+    NOT_YET = "not_yet"  # the core has not opened the batch, or a predecessor has not joined
+
+
+class Membership(Protocol):
+    """Who takes part in a batch. Blocking calls (run them in a thread).
+
+    The core opens a batch at a version; satellites register in index order while the
+    window is open; the core freezes it (closing the window) and everyone learns the
+    final prefix size."""
+
+    def open(self, batch_id: int, version: int) -> None: ...
+
+    def register(self, batch_id: int, index: int, version: int) -> JoinResult: ...
+
+    def freeze(self, batch_id: int) -> int: ...
+
+    def wait_frozen(self, batch_id: int, timeout_s: float) -> int: ...
+
+
+class Collective(Protocol):
+    """Collectives over the prefix group of size ``k`` (ranks 0..k-1; rank 0 is the core).
+    Blocking calls; every member of the prefix calls each one in the same order."""
+
+    def reduce_to_core(self, k: int, tensor: torch.Tensor) -> None: ...
+
+    def broadcast_from_core(self, k: int, tensor: torch.Tensor) -> None: ...
+
+
+class PolicyPublisher(Protocol):
+    """Announces a new policy version (etcd ``keys.policy()``)."""
+
+    async def publish(self, version: int, batch_id: int) -> None: ...
+
+
+Puller = Callable[[str, int], Awaitable[tuple[int, dict[str, torch.Tensor]]]]
+"""pull(target, version) -> (version, state dict): a WeightSnapshots client."""

@@ -1,0 +1,142 @@
+"""Equivalence, the core promise of streaming elastic training: on the same batches, the
+update taken with 1 cell equals the update taken with 2 and 3 cells whose satellites join
+at different micro-steps (float64, tight tolerance), on the core and on every satellite;
+and the check is sensitive (a batch missing one micro-step gives different parameters)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from services.cell_agent.snapshots import SnapshotStore
+from services.cell_agent.training.controller import ControllerParams, TrainingController
+from services.cell_agent.training.core import CoreOptimizer, OptimConfig
+from services.cell_agent.training.fakes import (
+    FakePacker,
+    FakeSource,
+    InProcessCollective,
+    InProcessMembership,
+    RecordingPublisher,
+    synthetic_batch,
+    tiny_lm,
+)
+from services.cell_agent.training.trainer import Trainer
+
+TOL = 1e-10
+MICRO_STEPS = 8
+OPT = OptimConfig(lr=1e-2, max_grad_norm=0.5, weight_decay=0.01)
+
+
+def _batches():
+    return {b: synthetic_batch(b, MICRO_STEPS, seed=3) for b in (1, 2)}
+
+
+class Cluster:
+    """k controllers in one process sharing a fake packer, membership and collectives."""
+
+    def __init__(self, k: int, base_model, batches) -> None:
+        self.packer = FakePacker()
+        self.membership = InProcessMembership()
+        self.collective = InProcessCollective()
+        self.publisher = RecordingPublisher()
+        self.batches = batches
+        self.snapshots = [SnapshotStore(keep=2) for _ in range(k)]
+        self.cells: list[TrainingController] = []
+        for i in range(k):
+            # Satellites start from other weights: they must pull the core's snapshot.
+            model = copy.deepcopy(base_model) if i == 0 else tiny_lm(seed=100 + i)
+            trainer = Trainer(model, version=1 if i == 0 else 0)
+            self.cells.append(
+                TrainingController(
+                    cell_id=f"c{i}", index=i, trainer=trainer, snapshots=self.snapshots[i],
+                    source=FakeSource(self.packer, f"c{i}"), membership=self.membership,
+                    collective=self.collective.for_rank(i),
+                    publisher=self.publisher if i == 0 else None, puller=self._pull,
+                    core=CoreOptimizer(trainer, OPT) if i == 0 else None,
+                    params=ControllerParams(claim_wait_s=0.05, join_wait_s=5.0, collective_timeout_s=60),
+                )
+            )
+
+    async def _pull(self, target: str, version: int):
+        assert target == "core"
+        snap = self.snapshots[0].get(version)
+        return snap.version, snap.state_dict()
+
+    async def run_batch(self, batch_id: int, version: int, join_after: list[int]) -> None:
+        """Satellite i joins once the packer handed out join_after[i-1] micro-steps."""
+        steps = self.batches[batch_id]
+        first = max([1, *join_after])
+        self.packer.add_batch(batch_id, version, steps, released=first)
+        assert await self.cells[0].join_batch(batch_id, version, 1, "core")
+        for i, after in enumerate(join_after, start=1):
+            await asyncio.to_thread(self.packer.wait_claimed, batch_id, after)
+            assert await self.cells[i].join_batch(batch_id, version, i + 1, "core")
+            self.packer.release(batch_id, 2)
+        self.packer.release(batch_id)
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(c.wait_batch(batch_id) for c in self.cells[: 1 + len(join_after)])), 120
+        )
+        assert outs[0].prefix_size == 1 + len(join_after)
+        assert sum(o.local_micro_steps for o in outs) == len(steps)
+        assert outs[0].total_tokens == sum(s.num_tokens for s in steps)
+        assert all(o.new_version == version + 1 for o in outs)
+
+
+def _params(c: TrainingController) -> torch.Tensor:
+    return c.trainer.flat_params().clone()
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return tiny_lm(seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(base_model):
+    async def run():
+        cl = Cluster(1, base_model, _batches())
+        await cl.run_batch(1, 1, [])
+        await cl.run_batch(2, 2, [])
+        assert cl.publisher.published == [(2, 1), (3, 2)]
+        return _params(cl.cells[0])
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "joins",
+    [
+        pytest.param([[2], [0]], id="2cells-s1-after-2-then-from-start"),
+        pytest.param([[1, 5], [3, 4]], id="3cells-staggered"),
+    ],
+)
+async def test_k_cells_equal_one_cell(base_model, reference, joins):
+    k = 1 + len(joins[0])
+    cl = Cluster(k, base_model, _batches())
+    await cl.run_batch(1, 1, joins[0])
+    await cl.run_batch(2, 2, joins[1])
+    for cell in cl.cells:
+        got = _params(cell)
+        assert cell.version == 3
+        assert torch.allclose(got, reference, rtol=0, atol=TOL), (cell.cell_id, (got - reference).abs().max())
+    # Satellites did train part of the batch (the test is not 1-cell in disguise).
+    for b in (1, 2):
+        owners = set(cl.packer.claimed_by(b).values())
+        assert len(owners) >= 2, owners
+
+
+async def test_the_check_is_sensitive(base_model, reference):
+    batches = _batches()
+    batches[1] = batches[1][:-1]  # one micro-step missing
+    cl = Cluster(1, base_model, batches)
+    await cl.run_batch(1, 1, [])
+    await cl.run_batch(2, 2, [])
+    assert (_params(cl.cells[0]) - reference).abs().max() > 1e3 * TOL
+    assert (_params(cl.cells[0]) - base_model_flat(base_model)).abs().max() > 1e-4
+
+
+def base_model_flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
