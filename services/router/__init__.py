@@ -1,0 +1,1 @@
+"""The router: the harness-facing model API, tokenization, routing, reroute and turn records."""

@@ -1,0 +1,88 @@
+"""Wiring of the router process: ``python -m services.router --config cluster.yaml``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from gyre.runtime import Runtime, Services, main
+from gyre.v1 import router_pb2_grpc
+from services.router.calls import CallPolicy
+from services.router.config import RouterConfig
+from services.router.engine_client import GrpcEngineClient, PackerTurnSink
+from services.router.http_api import OpenAIApi
+from services.router.manager import CallManager
+from services.router.routes import RouteTable
+from services.router.servicer import RouterServicer
+from services.router.store import RouteStore
+from services.router.tokenization import Tokenizer
+from services.router.turns import TurnRecorder
+
+log = logging.getLogger(__name__)
+
+
+async def build(rt: Runtime) -> Services:
+    cfg = rt.config
+    assert isinstance(cfg, RouterConfig)
+    if not cfg.model_dir:
+        raise SystemExit("router: model_dir is required (a local directory with the tokenizer)")
+    tokenizer = await asyncio.to_thread(Tokenizer.load, cfg.model_dir)
+    table = RouteTable()
+    store = RouteStore(rt.etcd, rt.keys, table, cfg.route_resync_s)
+    engines = GrpcEngineClient(cfg)
+    sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
+    turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s)
+    policy = CallPolicy(
+        retry_budget=cfg.retry_budget,
+        failover_wait_s=cfg.failover_wait_s,
+        engine_idle_timeout_s=cfg.engine_idle_timeout_s,
+        abort_timeout_s=cfg.abort_timeout_s,
+        kv_handoff=cfg.kv_handoff,
+        kv_timeout_s=cfg.kv_timeout_s,
+    )
+    manager = CallManager(table, engines, policy, turns)
+    limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit, request_timeout_s=cfg.request_timeout_s)
+    servicer = RouterServicer(
+        manager, store, turns, vocab_size=tokenizer.vocab_size, stop_token_ids=tokenizer.stop_token_ids,
+        move_route_wait_s=cfg.move_route_wait_s, **limits,
+    )
+    api = OpenAIApi(
+        manager, tokenizer, model_name=cfg.served_model_name or Path(cfg.model_dir).name,
+        max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, **limits,
+    )
+
+    rt.supervisor.spawn("routes", store.run())
+    rt.supervisor.spawn("turns", turns.run())
+    await asyncio.wait_for(store.mirror.synced.wait(), cfg.etcd_timeout_s * 2)
+
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.http_port)
+    await site.start()
+    port = runner.addresses[0][1]
+    url = f"http://{cfg.advertise_host or cfg.host}:{port}/v1"
+    # Before the ready line, so process runners find the HTTP endpoint of a port-0 router.
+    print(json.dumps({"router_http": url}), flush=True)
+    log.info("http api listening", extra={"url": url})
+
+    async def stop_http() -> None:
+        await runner.cleanup()  # stops intake; in-flight handlers get the shutdown timeout
+
+    async def flush() -> None:
+        await turns.flush(cfg.grace_s)
+        await manager.close()
+        await engines.close()
+        if sink is not None:
+            await sink.close()
+
+    rt.supervisor.on_drain(stop_http)
+    rt.supervisor.on_flush(flush)
+    return [(servicer, router_pb2_grpc.add_RouterServicer_to_server, "gyre.v1.Router")]
+
+
+if __name__ == "__main__":
+    main("router", RouterConfig, build)

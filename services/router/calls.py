@@ -1,0 +1,409 @@
+"""One model call and its continuation across engines: the attempt loop that moves a live
+stream to a new route (a scheduler move, or an engine that died) as prompt + tokens already
+generated with the remaining budget, so the harness sees one unbroken response.
+
+Pure asyncio: the engine is behind :class:`~services.router.engine.EngineClient` and routes
+come from a :class:`~services.router.routes.RouteTable`. The loop is:
+
+1. read the execution's current route; start an attempt (a *pump* task streaming from the
+   engine, appending to the call's output, and handing chunks to the consumer);
+2. wait for the pump to end or for a move;
+3. on a move: optionally export the KV blocks at the source, cancel the pump, abort the
+   source request, and go to 1 (a move costs no retry budget);
+4. on an engine failure: spend one unit of retry budget, give the scheduler
+   ``failover_wait_s`` to move the route, then go to 1; past the budget, fail cleanly.
+
+Tokens are appended to the call's output by the pump only, on the one event loop, so the
+continuation prompt is exactly prompt + what the harness has been (or will be) given: no
+token is duplicated or lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from gyre.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    GyreError,
+    InvalidArgument,
+    Unavailable,
+)
+from services.router.engine import Chunk, EngineClient, EngineRequest, Finish, KvHandle, Sampling
+from services.router.routes import Route, RouteTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPolicy:
+    """How a call reacts to moves and failures (from RouterConfig)."""
+
+    retry_budget: int = 2
+    failover_wait_s: float = 2.0
+    engine_idle_timeout_s: float = 30.0
+    abort_timeout_s: float = 0.5
+    kv_handoff: bool = False
+    kv_timeout_s: float = 1.0
+
+
+@dataclasses.dataclass
+class RouterStats:
+    """Counters of one router process (GetRouterStatus)."""
+
+    inflight: int = 0
+    reroutes: int = 0
+    moves: int = 0
+    engine_failures: int = 0
+    failed_calls: int = 0
+    turn_records: int = 0
+    turn_records_dropped: int = 0
+    kv_handoffs: int = 0
+    kv_recomputes: int = 0
+    aborts_sent: int = 0
+
+
+class _End:
+    """Sentinel: the stream ended normally (the last chunk carried the finish reason)."""
+
+
+_END = _End()
+_RETRYABLE = (Unavailable, DeadlineExceeded, FailedPrecondition)
+
+
+class ModelCall:
+    """One model call of an execution; iterate :meth:`stream` once to run it."""
+
+    def __init__(
+        self,
+        call_id: str,
+        execution_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        routes: RouteTable,
+        engines: EngineClient,
+        policy: CallPolicy,
+        stats: RouterStats,
+        deadline: float,
+        background: Callable[[Any], None],
+    ) -> None:
+        self.call_id = call_id
+        self.execution_id = execution_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.policy_versions: list[int] = []
+        self.reroutes = 0
+        self.failures = 0
+        self.attempts = 0
+        self.finish: Finish | None = None
+        self.route: Route | None = None
+        """The route of the attempt running now (None between attempts)."""
+        self._routes = routes
+        self._engines = engines
+        self._policy = policy
+        self._stats = stats
+        self._deadline = deadline
+        self._background = background
+        self._moved = asyncio.Event()
+        self._route_changed = asyncio.Event()
+        self._move_waiters: list[asyncio.Future[None]] = []
+        self._buf: collections.deque[Any] = collections.deque()
+        self._ready = asyncio.Event()
+        self._runner: asyncio.Task[None] | None = None
+
+    # Control ---------------------------------------------------------------------------
+
+    def request_move(self) -> asyncio.Future[None] | None:
+        """The execution's route changed: moves the running attempt if it is at a stale
+        engine, and wakes a call waiting for a route after an engine failure.
+
+        Returns a future resolved once the source attempt is stopped (cancelled and its
+        abort sent), or None when the call is not at a stale route.
+        """
+        self._route_changed.set()
+        route, current = self.route, self._routes.get(self.execution_id)
+        if route is None or current is None or (current.cell_id == route.cell_id and current.target == route.target):
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._move_waiters.append(fut)
+        self._moved.set()
+        return fut
+
+    @property
+    def at_cell(self) -> str:
+        return self.route.cell_id if self.route is not None else ""
+
+    # The harness side --------------------------------------------------------------------
+
+    async def stream(self) -> AsyncIterator[Chunk]:
+        """Yields coalesced chunks; the last one carries the finish reason. Raises a
+        GyreError when the call cannot complete. Closing or cancelling the iterator aborts
+        the engine request."""
+        if self._runner is not None:
+            raise RuntimeError("ModelCall.stream() runs once")
+        self._runner = asyncio.create_task(self._run(), name=f"call.{self.call_id}")
+        try:
+            while True:
+                while not self._buf:
+                    self._ready.clear()
+                    await self._ready.wait()
+                merged: Chunk | None = None
+                end: Any = None
+                while self._buf:
+                    item = self._buf.popleft()
+                    if isinstance(item, Chunk):
+                        if merged is None:
+                            merged = Chunk(list(item.token_ids), list(item.logprobs), item.policy_version, item.finish)
+                        elif item.policy_version != merged.policy_version:
+                            self._buf.appendleft(item)  # never merge across policy versions
+                            break
+                        else:
+                            merged.token_ids.extend(item.token_ids)
+                            merged.logprobs.extend(item.logprobs)
+                            merged.finish = item.finish
+                    else:
+                        end = item
+                        break
+                if merged is not None:
+                    yield merged
+                if isinstance(end, BaseException):
+                    raise end
+                if end is _END:
+                    return
+        finally:
+            if not self._runner.done():
+                self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+
+    def _emit(self, item: Any) -> None:
+        self._buf.append(item)
+        self._ready.set()
+
+    # The attempt loop --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                await self._attempts()
+            self._emit(_END)
+        except TimeoutError:
+            self._stats.failed_calls += 1
+            self._emit(DeadlineExceeded(f"model call {self.call_id} passed its deadline"))
+        except GyreError as exc:
+            self._stats.failed_calls += 1
+            self._emit(exc)
+        except Exception as exc:  # a bug must end the call cleanly, never hang the harness
+            log.exception("model call crashed", extra={"execution_id": self.execution_id})
+            self._stats.failed_calls += 1
+            self._emit(GyreError(f"internal error: {type(exc).__name__}"))
+        finally:
+            self.route = None
+            self._resolve_move_waiters()
+
+    async def _attempts(self) -> None:
+        kv: tuple[KvHandle, str] | None = None  # handle + source target, for the next attempt
+        while True:
+            if self._complete():
+                return
+            route = self._routes.get(self.execution_id)
+            if route is None:
+                raise Unavailable(f"execution {self.execution_id} has no route (closed, or no engine can take it)")
+            request = self._next_request(kv[0] if kv else None)
+            if self.attempts > 1 and kv is None:
+                self._stats.kv_recomputes += 1
+            self._resolve_move_waiters()  # the previous attempt, if any, is stopped
+            self.route = route
+            self._moved.clear()
+            pump = asyncio.create_task(self._pump(route, request, kv), name=f"pump.{request.request_id}")
+            kv = None
+            moved = asyncio.create_task(self._moved.wait())
+            try:
+                await asyncio.wait({pump, moved}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                await self._stop(pump, route, request)
+                raise
+            finally:
+                moved.cancel()
+            if pump.done():
+                exc = pump.exception()
+                if exc is None and pump.result() in (Finish.STOP, Finish.LENGTH):
+                    return
+                self.route = None
+                await self._failed(route, request, exc)
+                continue
+            # A move: 3. export (optional), stop the source, continue at the new route.
+            self._stats.moves += 1
+            self.reroutes += 1
+            self._stats.reroutes += 1
+            if self._policy.kv_handoff:
+                handle = await self._export(route, request)
+                kv = (handle, route.target) if handle is not None else None
+            await self._stop(pump, route, request)
+            self.route = None
+            self._resolve_move_waiters()
+
+    def _complete(self) -> bool:
+        """True (and emits the final chunk) when the output is already complete."""
+        if self.output_ids and self.output_ids[-1] in self.sampling.stop_token_ids:
+            self.finish = Finish.STOP
+        elif len(self.output_ids) >= self.sampling.max_tokens:
+            self.finish = Finish.LENGTH
+        else:
+            return False
+        version = self.policy_versions[-1] if self.policy_versions else 0
+        self._emit(Chunk([], [], version, self.finish))
+        return True
+
+    def _next_request(self, kv_handle: KvHandle | None) -> EngineRequest:
+        self.attempts += 1
+        remaining = self.sampling.max_tokens - len(self.output_ids)
+        return EngineRequest(
+            request_id=f"{self.call_id}.{self.attempts}",
+            execution_id=self.execution_id,
+            prompt_token_ids=tuple(self.prompt_token_ids + self.output_ids),
+            sampling=dataclasses.replace(self.sampling, max_tokens=remaining),
+            # A continuation must be served by the policy that produced the tokens so far.
+            required_policy_version=self.policy_versions[-1] if self.policy_versions else 0,
+            kv_handle=kv_handle,
+        )
+
+    async def _pump(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> Finish | None:
+        """Streams one attempt into the call; returns the engine's finish reason (None when
+        the stream ended without one)."""
+        loop = asyncio.get_running_loop()
+        idle = self._policy.engine_idle_timeout_s
+        first = True
+        timeout_s = max(0.001, self._deadline - loop.time())
+        stream = self._engines.generate(route.target, request, timeout_s)
+        try:
+            async with asyncio.timeout(idle) as guard:
+                async for chunk in stream:
+                    guard.reschedule(loop.time() + idle)
+                    if first and kv is not None:
+                        first = False
+                        self._stats.kv_handoffs += 1
+                        self._background(self._release(kv))
+                    finish = self._take(chunk)
+                    if finish is not None:
+                        return finish
+        except TimeoutError as exc:
+            raise Unavailable(f"engine at {route.target} sent nothing for {idle}s") from exc
+        finally:
+            await _aclose(stream)
+            if first and kv is not None:
+                self._background(self._release(kv))  # the destination never took over
+        return None
+
+    def _take(self, chunk: Chunk) -> Finish | None:
+        """Appends an engine chunk to the output and hands it to the consumer."""
+        room = self.sampling.max_tokens - len(self.output_ids)
+        ids, logprobs = chunk.token_ids[:room], chunk.logprobs[:room]
+        finish = chunk.finish
+        for i, tok in enumerate(ids):
+            if tok in self.sampling.stop_token_ids:  # nothing after a stop token
+                ids, logprobs, finish = ids[: i + 1], logprobs[: i + 1], Finish.STOP
+                break
+        else:
+            if len(self.output_ids) + len(ids) >= self.sampling.max_tokens:
+                finish = Finish.LENGTH
+        if finish is Finish.ABORT:
+            # The engine gave the request up (draining): keep its tokens, continue elsewhere.
+            self._commit(ids, logprobs, chunk.policy_version, None)
+            return Finish.ABORT
+        self._commit(ids, logprobs, chunk.policy_version, finish)
+        return finish
+
+    def _commit(self, ids: list[int], logprobs: list[float], version: int, finish: Finish | None) -> None:
+        if not ids and finish is None:
+            return
+        self.output_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.policy_versions.extend([version] * len(ids))
+        if finish is not None:
+            self.finish = finish
+        self._emit(Chunk(ids, logprobs, version, finish))
+
+    async def _failed(self, route: Route, request: EngineRequest, exc: BaseException | None) -> None:
+        """4. An attempt ended without finishing: spend budget, wait for a move, retry."""
+        if isinstance(exc, InvalidArgument):
+            raise exc  # the request itself is bad; no engine will take it
+        if exc is not None and not isinstance(exc, _RETRYABLE) and not isinstance(exc, GyreError):
+            raise exc
+        self._abort(route, request)
+        self.failures += 1
+        self._stats.engine_failures += 1
+        reason = f"{exc}" if exc is not None else "stream ended early"
+        log.warning(
+            "engine attempt failed",
+            extra={"execution_id": self.execution_id, "cell_id": route.cell_id, "error": reason, "failures": self.failures},
+        )
+        if self.failures > self._policy.retry_budget:
+            raise Unavailable(
+                f"model call failed after {self.failures} engine failure(s) (retry budget {self._policy.retry_budget}): {reason}"
+            )
+        await self._wait_route_change(route, self._policy.failover_wait_s)
+        self.reroutes += 1
+        self._stats.reroutes += 1
+
+    async def _wait_route_change(self, old: Route, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while loop.time() < until:
+            current = self._routes.get(self.execution_id)
+            if current is None or current.epoch != old.epoch or current.created_revision != old.created_revision:
+                return
+            self._route_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(until):
+                    await self._route_changed.wait()
+
+    async def _stop(self, pump: asyncio.Task[Any], route: Route, request: EngineRequest) -> None:
+        """Cancels an attempt (closing its stream cancels the engine call) and aborts it."""
+        pump.cancel()
+        self._abort(route, request)
+        await asyncio.gather(pump, return_exceptions=True)
+
+    def _abort(self, route: Route, request: EngineRequest) -> None:
+        self._stats.aborts_sent += 1
+        self._background(self._send_abort(route.target, request.request_id))
+
+    async def _send_abort(self, target: str, request_id: str) -> None:
+        try:
+            await self._engines.abort(target, request_id, self._policy.abort_timeout_s)
+        except GyreError as exc:  # the engine may be gone; cancelling the stream sufficed
+            log.info("abort failed", extra={"target": target, "request_id": request_id, "error": str(exc)})
+
+    async def _export(self, route: Route, request: EngineRequest) -> KvHandle | None:
+        try:
+            async with asyncio.timeout(self._policy.kv_timeout_s):
+                return await self._engines.export_kv(route.target, request.request_id, self._policy.kv_timeout_s)
+        except (GyreError, TimeoutError) as exc:  # timeout or no support: the destination recomputes
+            log.info("kv export failed; recomputing", extra={"target": route.target, "error": str(exc)})
+            return None
+
+    async def _release(self, kv: tuple[KvHandle, str]) -> None:
+        handle, target = kv
+        try:
+            await self._engines.release_kv(target, handle.handle_id, self._policy.kv_timeout_s)
+        except GyreError as exc:
+            log.info("kv release failed", extra={"target": target, "error": str(exc)})
+
+    def _resolve_move_waiters(self) -> None:
+        waiters, self._move_waiters = self._move_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+
+async def _aclose(stream: AsyncIterator[Chunk]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()

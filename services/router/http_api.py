@@ -1,0 +1,316 @@
+"""The harness-facing OpenAI-compatible HTTP API on aiohttp: /v1/chat/completions and
+/v1/completions (SSE streaming and not) and /v1/models.
+
+Handler cancellation is on: a harness that disconnects cancels its handler, which closes
+the model call and aborts the engine request. Bodies larger than ``max_body_bytes`` get
+413, malformed JSON 400, an unknown token 401, another execution's token 403; none of
+them changes anything. Non-standard extensions: ``return_token_ids`` (token ids in every
+choice), ``stop_token_ids``, and the headers ``x-gyre-execution-id`` (the execution the
+token must hold) and ``x-gyre-timeout-s`` (the caller's deadline, propagated downstream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from gyre.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, http_status_for
+from services.router.calls import ModelCall
+from services.router.engine import Chunk, Sampling
+from services.router.manager import CallManager
+from services.router.routes import Route
+from services.router.tokenization import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 503: "service_unavailable", 504: "timeout"}
+
+
+class OpenAIApi:
+    """Builds the aiohttp application; one instance per router process."""
+
+    def __init__(
+        self,
+        manager: CallManager,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        max_body_bytes: int,
+        max_prompt_tokens: int,
+        max_tokens_limit: int,
+        default_max_tokens: int,
+        request_timeout_s: float,
+    ) -> None:
+        self._manager = manager
+        self._tok = tokenizer
+        self.model_name = model_name
+        self._max_body_bytes = max_body_bytes
+        self._max_prompt_tokens = max_prompt_tokens
+        self._max_tokens_limit = max_tokens_limit
+        self._default_max_tokens = default_max_tokens
+        self._request_timeout_s = request_timeout_s
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # Endpoints ---------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "gyre"}]}
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    # The common path ---------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            route = self._authorize(request)  # 1. who (headers only: nothing read yet)
+            body = await self._read_json(request)  # 2. what (413 / 400)
+            prompt, sampling, opts = await self._parse(body, chat)  # 3. validate, tokenize
+            timeout_s = self._timeout(request)
+        except GyreError as exc:
+            return _error_response(exc)
+        gen = self._manager.generate(route, prompt, sampling, timeout_s, opts["box"])
+        async with contextlib.aclosing(gen):
+            if opts["stream"]:
+                return await self._stream(request, gen, prompt, opts, chat)
+            return await self._unary(gen, prompt, opts, chat)
+
+    def _authorize(self, request: web.Request) -> Route:
+        header = request.headers.get("Authorization", "")
+        token = header[len("Bearer ") :].strip() if header.startswith("Bearer ") else ""
+        execution_id = request.headers.get("x-gyre-execution-id") or None
+        if not token:
+            raise Unauthenticated("missing execution token (Authorization: Bearer <token>)")
+        return self._manager.routes.authorize(token, execution_id)
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        if request.content_length is not None and request.content_length > self._max_body_bytes:
+            raise ResourceExhausted(f"request body larger than {self._max_body_bytes} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ResourceExhausted(f"request body larger than {self._max_body_bytes} bytes") from exc
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"malformed JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+    def _timeout(self, request: web.Request) -> float:
+        raw = request.headers.get("x-gyre-timeout-s")
+        if raw is None:
+            return self._request_timeout_s
+        try:
+            value = float(raw)
+        except ValueError as exc:
+            raise InvalidArgument("x-gyre-timeout-s must be a number of seconds") from exc
+        if not value > 0 or not math.isfinite(value):
+            raise InvalidArgument("x-gyre-timeout-s must be > 0")
+        return min(value, self._request_timeout_s)
+
+    async def _parse(self, body: dict[str, Any], chat: bool) -> tuple[list[int], Sampling, dict[str, Any]]:
+        model = body.get("model")
+        if model not in (None, "", self.model_name):
+            raise NotFound(f"model {model!r} is not served here (serving {self.model_name!r})")
+        if body.get("n", 1) != 1:
+            raise InvalidArgument("only n=1 is supported")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = self._default_max_tokens if max_tokens is None else _int(max_tokens, "max_tokens")
+        stops = list(self._tok.stop_token_ids)
+        extra_stops = body.get("stop_token_ids") or []
+        if not isinstance(extra_stops, list):
+            raise InvalidArgument("stop_token_ids must be a list of token ids")
+        stops += [_int(t, "stop_token_ids[]") for t in extra_stops]
+        stops += self._stop_strings(body.get("stop"))
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=_float(body.get("temperature", 1.0), "temperature"),
+            top_p=_float(body.get("top_p", 1.0), "top_p"),
+            seed=_int(body.get("seed", 0) or 0, "seed"),
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+        ).validate(self._max_tokens_limit)
+        if chat:
+            prompt = await self._tok.aencode_chat(body.get("messages"))
+        else:
+            prompt = await self._completion_prompt(body.get("prompt"))
+        if not 1 <= len(prompt) <= self._max_prompt_tokens:
+            raise InvalidArgument(f"the prompt must hold 1..{self._max_prompt_tokens} tokens, got {len(prompt)}")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidArgument("stream must be a boolean")
+        opts = {
+            "stream": stream,
+            "token_ids": bool(body.get("return_token_ids", False)),
+            "logprobs": bool(body.get("logprobs", False)),
+            "usage": bool((body.get("stream_options") or {}).get("include_usage", False)) if isinstance(body.get("stream_options"), dict) else False,
+            "box": [],
+        }
+        return prompt, sampling, opts
+
+    def _stop_strings(self, stop: Any) -> list[int]:
+        if stop in (None, "", []):
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise InvalidArgument("stop must be a string or a list of strings")
+        out = []
+        for s in items:
+            ids = self._tok.encode(s)
+            if len(ids) != 1:
+                raise InvalidArgument(f"stop string {s!r} is not a single token; use stop_token_ids")
+            out.append(ids[0])
+        return out
+
+    async def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return await self._tok.aencode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(t < 0 or t >= self._tok.vocab_size for t in prompt):
+                raise InvalidArgument(f"prompt token ids must be in [0, {self._tok.vocab_size})")
+            return list(prompt)
+        raise InvalidArgument("prompt must be a string or a non-empty list of token ids")
+
+    # Responses ---------------------------------------------------------------------------
+
+    async def _unary(self, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool) -> web.Response:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish = None
+        try:
+            async for chunk in gen:
+                ids.extend(chunk.token_ids)
+                logprobs.extend(chunk.logprobs)
+                finish = chunk.finish or finish
+        except GyreError as exc:
+            return _error_response(exc)
+        text = self._tok.decode(ids)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish.openai if finish else None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if opts["logprobs"]:
+            choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs, strict=True)]}
+        if opts["token_ids"]:
+            choice["token_ids"] = ids
+        body = self._envelope(chat, False)
+        body["choices"] = [choice]
+        body["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+        if opts["token_ids"]:
+            body["prompt_token_ids"] = prompt
+        body["gyre"] = {"reroutes": _reroutes(opts)}
+        return web.json_response(body)
+
+    async def _stream(
+        self, request: web.Request, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool
+    ) -> web.StreamResponse:
+        # Wait for the first chunk before committing to 200, so an early failure is a 5xx.
+        try:
+            first: Chunk | None = await anext(gen)
+        except StopAsyncIteration:
+            first = None
+        except GyreError as exc:
+            return _error_response(exc)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        envelope = self._envelope(chat, True)
+        detok = self._tok.detokenizer()
+        completion = 0
+        if chat:
+            await _send(resp, envelope, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        try:
+            chunk = first
+            while chunk is not None:
+                completion += len(chunk.token_ids)
+                text = detok.push(chunk.token_ids)
+                if chunk.finish is not None:
+                    text += detok.flush()
+                choice: dict[str, Any] = {"index": 0, "finish_reason": chunk.finish.openai if chunk.finish else None}
+                if chat:
+                    choice["delta"] = {"content": text}
+                else:
+                    choice["text"] = text
+                if opts["token_ids"]:
+                    choice["token_ids"] = chunk.token_ids
+                if opts["logprobs"]:
+                    choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]}
+                await _send(resp, envelope, choice)
+                chunk = await anext(gen, None)
+            if opts["usage"]:
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+                await resp.write(_sse({**envelope, "choices": [], "usage": usage}))
+        except GyreError as exc:
+            status = http_status_for(exc)
+            await resp.write(_sse({"error": {"message": str(exc), "type": _ERROR_TYPES.get(status, "server_error"), "code": status}}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _envelope(self, chat: bool, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
+
+def _reroutes(opts: dict[str, Any]) -> int:
+    box: list[ModelCall] = opts["box"]
+    return box[0].reroutes if box else 0
+
+
+async def _send(resp: web.StreamResponse, envelope: dict[str, Any], choice: dict[str, Any]) -> None:
+    await resp.write(_sse({**envelope, "choices": [choice]}))
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error_response(exc: GyreError) -> web.Response:
+    status = http_status_for(exc)
+    return web.json_response(
+        {"error": {"message": str(exc) or type(exc).__name__, "type": _ERROR_TYPES.get(status, "server_error"), "code": status}},
+        status=status,
+    )
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidArgument(f"{name} must be a finite number")
+    return float(value)

@@ -1,0 +1,149 @@
+"""The calls in flight: creates model calls, finds the ones a route change or a scheduler
+move concerns, numbers each execution's turns and hands finished turns to the recorder."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gyre.telemetry import execution_id_var
+from services.router.calls import CallPolicy, ModelCall, RouterStats
+from services.router.engine import Chunk, EngineClient, Finish, Sampling
+from services.router.routes import Route, RouteTable
+from services.router.turns import Turn, TurnRecorder
+
+log = logging.getLogger(__name__)
+
+
+class CallManager:
+    """Owns every ModelCall of this router process."""
+
+    def __init__(
+        self,
+        routes: RouteTable,
+        engines: EngineClient,
+        policy: CallPolicy,
+        turns: TurnRecorder,
+        stats: RouterStats | None = None,
+    ) -> None:
+        self.routes = routes
+        self.stats = stats or RouterStats()
+        self._engines = engines
+        self._policy = policy
+        self._turns = turns
+        self._calls: dict[str, set[ModelCall]] = {}
+        self._turn_index: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._prefix = f"r{os.getpid():x}"
+        self._background: set[asyncio.Task[Any]] = set()
+        routes.add_listener(self._on_route)
+        routes.add_remove_listener(self.forget)
+
+    def spawn(self, coro: Any) -> None:
+        """Runs a short background coroutine (aborts, KV releases), kept until done."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def generate(
+        self,
+        route: Route,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        timeout_s: float,
+        call_box: list[ModelCall] | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Runs one model call of ``route``'s execution (the caller already authorized it).
+
+        Yields coalesced chunks; raises a GyreError on failure. A completed call's turn is
+        queued for the packer. ``call_box`` receives the call (for reroute counts).
+        """
+        execution_id = route.execution_id
+        execution_id_var.set(execution_id)
+        loop = asyncio.get_running_loop()
+        call = ModelCall(
+            call_id=f"{self._prefix}-{next(self._ids)}",
+            execution_id=execution_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            routes=self.routes,
+            engines=self._engines,
+            policy=self._policy,
+            stats=self.stats,
+            deadline=loop.time() + timeout_s,
+            background=self.spawn,
+        )
+        if call_box is not None:
+            call_box.append(call)
+        self._calls.setdefault(execution_id, set()).add(call)
+        self.stats.inflight += 1
+        try:
+            async for chunk in call.stream():
+                yield chunk
+            if call.finish in (Finish.STOP, Finish.LENGTH):
+                self._record(route, call)
+        finally:
+            self.stats.inflight -= 1
+            calls = self._calls.get(execution_id)
+            if calls is not None:
+                calls.discard(call)
+                if not calls:
+                    del self._calls[execution_id]
+
+    def _record(self, route: Route, call: ModelCall) -> None:
+        current = self.routes.get(route.execution_id) or route
+        index = self._turn_index.get(route.execution_id, 0)
+        self._turn_index[route.execution_id] = index + 1
+        self._turns.submit(
+            Turn(
+                execution_id=route.execution_id,
+                group_id=current.group_id,
+                turn_index=index,
+                prompt_token_ids=tuple(call.prompt_token_ids),
+                output_token_ids=tuple(call.output_ids),
+                output_logprobs=tuple(call.logprobs),
+                output_policy_versions=tuple(call.policy_versions),
+            )
+        )
+
+    def _on_route(self, route: Route) -> None:
+        for call in list(self._calls.get(route.execution_id, ())):
+            call.request_move()
+
+    def forget(self, execution_id: str) -> None:
+        """The execution closed: drop its turn counter."""
+        self._turn_index.pop(execution_id, None)
+
+    async def move(self, execution_ids: list[str], from_cells: set[str]) -> tuple[int, int]:
+        """Moves the outstanding calls of these executions to their current routes.
+
+        Returns (calls moved, calls still attempting at any of ``from_cells``) once every
+        moved call's source attempt is stopped.
+        """
+        waits = []
+        for execution_id in execution_ids:
+            for call in list(self._calls.get(execution_id, ())):
+                fut = call.request_move()
+                if fut is not None:
+                    waits.append(fut)
+        if waits:
+            await asyncio.gather(*waits)
+        remaining = sum(
+            1
+            for calls in self._calls.values()
+            for call in calls
+            if call.at_cell in from_cells
+        )
+        return len(waits), remaining
+
+    def calls_of(self, execution_id: str) -> list[ModelCall]:
+        return list(self._calls.get(execution_id, ()))
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,154 @@
+"""The execution -> engine route table and the execution-token check (pure; no etcd, no grpc).
+
+A route is written by the scheduler leader under ``keys.route(execution_id)``; its epoch is
+the etcd key's ``version`` (each fenced rewrite adds one). The table keeps the newest epoch
+it has seen per execution and never goes back to an older one, so a late watch event or a
+stale relist cannot undo a move. A harness is authorized by sha256(token) == the route's
+``token_sha256``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+from collections.abc import Callable, Iterable
+
+from gyre.errors import InvalidArgument, PermissionDenied, Unauthenticated
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where one execution's model calls go, at one epoch."""
+
+    execution_id: str
+    cell_id: str
+    target: str
+    token_sha256: str
+    group_id: str
+    burst_id: int
+    policy_version: int
+    epoch: int
+    created_revision: int = 0
+    """The route key's create revision: tells a re-created route from a newer epoch."""
+
+    @classmethod
+    def from_json(cls, value: bytes, epoch: int, created_revision: int = 0) -> Route:
+        """Parses a route key's JSON value; ``epoch`` is the key's version."""
+        try:
+            raw = json.loads(value)
+            return cls(
+                execution_id=str(raw["execution_id"]),
+                cell_id=str(raw["cell_id"]),
+                target=str(raw["target"]),
+                token_sha256=str(raw["token_sha256"]).lower(),
+                group_id=str(raw.get("group_id", "")),
+                burst_id=int(raw.get("burst_id", 0) or 0),
+                policy_version=int(raw.get("policy_version", 0) or 0),
+                epoch=int(epoch),
+                created_revision=int(created_revision),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"malformed route: {exc!r}") from exc
+
+    def to_json(self) -> bytes:
+        """The key's value (the epoch lives in the key's version, not the value)."""
+        body = dataclasses.asdict(self)
+        body.pop("epoch")
+        body.pop("created_revision")
+        return json.dumps(body).encode()
+
+
+def _newer(new: Route, old: Route) -> bool:
+    if new.created_revision != old.created_revision:
+        return new.created_revision > old.created_revision
+    return new.epoch > old.epoch
+
+
+def token_sha256(token: str) -> str:
+    """The hex digest routes store instead of the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+RouteListener = Callable[[Route], None]
+
+
+class RouteTable:
+    """Routes by execution id, plus an index token hash -> execution id."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, Route] = {}
+        self._by_token: dict[str, str] = {}
+        self._listeners: list[RouteListener] = []
+        self._remove_listeners: list[Callable[[str], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def get(self, execution_id: str) -> Route | None:
+        return self._routes.get(execution_id)
+
+    def add_listener(self, listener: RouteListener) -> None:
+        """``listener(route)`` runs whenever an execution's route changes epoch."""
+        self._listeners.append(listener)
+
+    def add_remove_listener(self, listener: Callable[[str], None]) -> None:
+        """``listener(execution_id)`` runs when an execution's route is deleted."""
+        self._remove_listeners.append(listener)
+
+    def apply(self, route: Route) -> bool:
+        """Takes ``route`` if it is newer than what the table holds; True when it changed."""
+        old = self._routes.get(route.execution_id)
+        if old is not None and not _newer(route, old):
+            return False
+        if old is not None and self._by_token.get(old.token_sha256) == old.execution_id:
+            del self._by_token[old.token_sha256]
+        self._routes[route.execution_id] = route
+        self._by_token[route.token_sha256] = route.execution_id
+        for listener in self._listeners:
+            listener(route)
+        return True
+
+    def remove(self, execution_id: str) -> None:
+        """The execution closed (its route key was deleted)."""
+        old = self._routes.pop(execution_id, None)
+        if old is None:
+            return
+        if self._by_token.get(old.token_sha256) == execution_id:
+            del self._by_token[old.token_sha256]
+        for listener in self._remove_listeners:
+            listener(execution_id)
+
+    def replace_all(self, routes: Iterable[Route]) -> None:
+        """A full relist: applies newer routes and drops executions that are gone."""
+        fresh = {r.execution_id: r for r in routes}
+        for execution_id in list(self._routes):
+            if execution_id not in fresh:
+                self.remove(execution_id)
+        for route in fresh.values():
+            self.apply(route)
+
+    def authorize(self, token: str, execution_id: str | None = None) -> Route:
+        """The route ``token`` may use.
+
+        With ``execution_id``: UNAUTHENTICATED when that execution has no route or the token
+        names no execution; PERMISSION_DENIED when the token belongs to another execution.
+        Without: the token's own execution, or UNAUTHENTICATED.
+        """
+        if not token:
+            raise Unauthenticated("missing execution token")
+        digest = token_sha256(token)
+        if execution_id is None:
+            owner = self._by_token.get(digest)
+            if owner is None or owner not in self._routes:
+                raise Unauthenticated("unknown execution token")
+            return self._routes[owner]
+        route = self._routes.get(execution_id)
+        if route is None:
+            raise Unauthenticated(f"no live execution {execution_id!r}")
+        if hmac.compare_digest(route.token_sha256, digest):
+            return route
+        if digest in self._by_token:
+            raise PermissionDenied(f"this token does not hold execution {execution_id!r}")
+        raise Unauthenticated("unknown execution token")

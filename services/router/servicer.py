@@ -1,0 +1,109 @@
+"""The gRPC Router service: thin translation between gyre.v1 messages and the CallManager;
+domain errors become statuses through @rpc / @rpc_stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gyre.errors import InvalidArgument
+from gyre.fencing import FenceGuard
+from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
+from gyre.v1 import router_pb2, router_pb2_grpc
+from services.router.calls import ModelCall
+from services.router.engine import Sampling
+from services.router.manager import CallManager
+from services.router.store import RouteStore
+from services.router.turns import TurnRecorder
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Generate (token level), MoveExecutions (fenced, from the scheduler), GetRouterStatus."""
+
+    def __init__(
+        self,
+        manager: CallManager,
+        store: RouteStore | None,
+        turns: TurnRecorder,
+        *,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        max_prompt_tokens: int,
+        max_tokens_limit: int,
+        request_timeout_s: float,
+        move_route_wait_s: float,
+    ) -> None:
+        self._manager = manager
+        self._store = store
+        self._turns = turns
+        self._vocab_size = vocab_size
+        self._stop_token_ids = stop_token_ids
+        self._max_prompt_tokens = max_prompt_tokens
+        self._max_tokens_limit = max_tokens_limit
+        self._request_timeout_s = request_timeout_s
+        self._move_route_wait_s = move_route_wait_s
+        self.fence = FenceGuard()
+
+    @rpc_stream
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        token = bearer_token(context)
+        if not request.execution_id:
+            raise InvalidArgument("execution_id is required")
+        route = self._manager.routes.authorize(token, request.execution_id)
+        prompt = list(request.prompt_token_ids)
+        if not 1 <= len(prompt) <= self._max_prompt_tokens:
+            raise InvalidArgument(f"prompt_token_ids must hold 1..{self._max_prompt_tokens} tokens")
+        if any(t < 0 or t >= self._vocab_size for t in prompt):
+            raise InvalidArgument(f"prompt token ids must be in [0, {self._vocab_size})")
+        if request.prompt_loss_mask and len(request.prompt_loss_mask) != len(prompt):
+            raise InvalidArgument("prompt_loss_mask must be empty or as long as the prompt")
+        sampling = Sampling.from_proto(request.sampling, self._max_tokens_limit, self._stop_token_ids)
+        remaining = context.time_remaining()
+        timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
+        box: list[ModelCall] = []
+        async for chunk in self._manager.generate(route, prompt, sampling, timeout_s, box):
+            yield router_pb2.GenerateResponse(chunk=chunk.to_proto(), reroutes=box[0].reroutes)
+
+    @rpc
+    async def MoveExecutions(
+        self, request: router_pb2.MoveExecutionsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.MoveExecutionsResponse:
+        self.fence.check(request.fence.epoch)
+        for move in request.moves:
+            if not move.execution_id or move.route_epoch < 0:
+                raise InvalidArgument("each move needs an execution_id and a route_epoch >= 0")
+        # The announced epoch may not have reached the watch yet: read it from etcd.
+        if self._store is not None:
+            await asyncio.gather(*(self._await_epoch(m.execution_id, m.route_epoch) for m in request.moves))
+        moved, remaining = await self._manager.move(
+            [m.execution_id for m in request.moves], {m.from_cell for m in request.moves if m.from_cell}
+        )
+        return router_pb2.MoveExecutionsResponse(moved_requests=moved, remaining_at_source=remaining)
+
+    async def _await_epoch(self, execution_id: str, epoch: int) -> None:
+        assert self._store is not None
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._move_route_wait_s
+        while True:
+            route = await self._store.refresh(execution_id)
+            if route is None or route.epoch >= epoch or loop.time() >= until:
+                return
+            await asyncio.sleep(0.02)
+
+    @rpc
+    async def GetRouterStatus(
+        self, request: router_pb2.GetRouterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterStatus:
+        s = self._manager.stats
+        return router_pb2.RouterStatus(
+            inflight=s.inflight,
+            reroutes=s.reroutes,
+            failed_calls=s.failed_calls,
+            turn_records=self._turns.sent,
+            kv_handoffs=s.kv_handoffs,
+            kv_recomputes=s.kv_recomputes,
+        )

@@ -1,0 +1,145 @@
+"""Turn records to the packer: one per completed model call, buffered and retried in the
+background so that a slow or absent packer never blocks a harness.
+
+RecordTurn is idempotent on (execution_id, turn_index), so a retry after an ambiguous
+failure (UNAVAILABLE / DEADLINE_EXCEEDED do not prove the call did nothing) is safe. The
+buffer is bounded; when it is full the oldest record is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied
+from gyre.v1 import packer_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One model call of an execution, as training data."""
+
+    execution_id: str
+    group_id: str
+    turn_index: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    output_policy_versions: tuple[int, ...]
+    output_loss_mask: tuple[int, ...] = ()
+
+    def to_proto(self) -> packer_pb2.TurnRecord:
+        return packer_pb2.TurnRecord(
+            execution_id=self.execution_id,
+            group_id=self.group_id,
+            turn_index=self.turn_index,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            output_logprobs=self.output_logprobs,
+            output_policy_versions=self.output_policy_versions,
+            output_loss_mask=self.output_loss_mask,
+        )
+
+
+class TurnSink(Protocol):
+    """Where turns go (the packer's RecordTurn); raises a GyreError on failure."""
+
+    async def record(self, turn: Turn) -> None: ...
+
+
+_PERMANENT = (InvalidArgument, FailedPrecondition, NotFound, PermissionDenied)
+
+
+class TurnRecorder:
+    """A bounded buffer drained by ``senders`` coroutines with capped exponential back-off."""
+
+    def __init__(
+        self,
+        sink: TurnSink | None,
+        capacity: int = 10000,
+        senders: int = 4,
+        retry_max_s: float = 5.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._sink = sink
+        self._capacity = capacity
+        self._senders = senders
+        self._retry_max_s = retry_max_s
+        self._sleep = sleep
+        self._queue: collections.deque[Turn] = collections.deque()
+        self._wake = asyncio.Event()
+        self._sending = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.sent = 0
+        self.dropped = 0
+        self.rejected = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + self._sending
+
+    def submit(self, turn: Turn) -> None:
+        """Queues a turn; never blocks."""
+        if self._sink is None:
+            return
+        if len(self._queue) >= self._capacity:
+            lost = self._queue.popleft()
+            self.dropped += 1
+            log.error("turn buffer full; dropped a turn record", extra={"execution_id": lost.execution_id, "turn_index": lost.turn_index})
+        self._queue.append(turn)
+        self._idle.clear()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Sends forever (a supervised task)."""
+        if self._sink is None:
+            await asyncio.Event().wait()
+        await asyncio.gather(*(self._sender() for _ in range(self._senders)))
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Waits until everything queued was sent (or given up); False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def _sender(self) -> None:
+        assert self._sink is not None
+        while True:
+            while not self._queue:
+                if self._sending == 0:
+                    self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+            turn = self._queue.popleft()
+            self._sending += 1
+            try:
+                await self._send(turn)
+            finally:
+                self._sending -= 1
+
+    async def _send(self, turn: Turn) -> None:
+        assert self._sink is not None
+        backoff = 0.05
+        while True:
+            try:
+                await self._sink.record(turn)
+                self.sent += 1
+                return
+            except _PERMANENT as exc:
+                self.rejected += 1
+                log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
+                return
+            except GyreError as exc:
+                log.info("packer unavailable; retrying", extra={"error": str(exc), "backoff_s": backoff})
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, self._retry_max_s)

@@ -1,0 +1,315 @@
+"""A model call survives moves and engine failures as an exact continuation: the tokens the
+harness receives equal those of one uninterrupted engine (none duplicated, none lost), on
+the same policy version; past the retry budget, without a route, on a hung engine or past
+the deadline it ends with a clean error, never a hang; a cancelled call aborts its engine
+request; the KV handoff exports at the source, imports at the destination and releases
+after the destination's first token (recomputing on export failure)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gyre.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.router.calls import CallPolicy, RouterStats
+from services.router.engine import Chunk, EngineRequest, Finish, KvHandle, Sampling
+from services.router.manager import CallManager
+from services.router.routes import Route, RouteTable
+from services.router.turns import Turn, TurnRecorder
+from tests.router_fake_engine import context_state, next_state, reference, token_for
+
+PROMPT = [5, 6, 7, 8]
+
+
+@dataclasses.dataclass
+class Script:
+    policy_version: int = 1
+    delay_s: float = 0.001
+    per_chunk: int = 1
+    fail_after: int = 0  # raise Unavailable after this many tokens (once per target)
+    hang_after: int = 0
+    export_ok: bool = True
+    export_delay_s: float = 0.0
+
+
+class FakeEngines:
+    """In-memory engines keyed by target, same token function as the gRPC fake."""
+
+    def __init__(self, scripts: dict[str, Script]) -> None:
+        self.scripts = scripts
+        self.requests: list[tuple[str, EngineRequest]] = []
+        self.aborts: list[tuple[str, str]] = []
+        self.cancelled: list[str] = []
+        self.exports: list[str] = []
+        self.releases: list[tuple[str, str]] = []
+        self.tokens_sent: dict[str, int] = {}
+
+    async def generate(self, target: str, request: EngineRequest, timeout_s: float) -> AsyncIterator[Chunk]:
+        s = self.scripts[target]
+        self.requests.append((target, request))
+        if request.required_policy_version and request.required_policy_version != s.policy_version:
+            raise FailedPrecondition("policy version mismatch")
+        state = context_state(s.policy_version, list(request.prompt_token_ids))
+        sent = 0
+        try:
+            while sent < request.sampling.max_tokens:
+                ids, lps = [], []
+                finish = None
+                for _ in range(s.per_chunk):
+                    tok, lp = token_for(state, 512)
+                    state = next_state(state, tok)
+                    ids.append(tok)
+                    lps.append(lp)
+                    if tok in request.sampling.stop_token_ids:
+                        finish = Finish.STOP
+                        break
+                    if sent + len(ids) >= request.sampling.max_tokens:
+                        finish = Finish.LENGTH
+                        break
+                await asyncio.sleep(s.delay_s)
+                yield Chunk(ids, lps, s.policy_version, finish)
+                sent += len(ids)
+                self.tokens_sent[request.request_id] = sent
+                if s.fail_after and sent >= s.fail_after:
+                    s.fail_after = 0
+                    raise Unavailable("engine died")
+                if s.hang_after and sent >= s.hang_after:
+                    await asyncio.Event().wait()
+                if finish:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def abort(self, target: str, request_id: str, timeout_s: float) -> None:
+        self.aborts.append((target, request_id))
+
+    async def export_kv(self, target: str, request_id: str, timeout_s: float) -> KvHandle | None:
+        s = self.scripts[target]
+        self.exports.append(request_id)
+        await asyncio.sleep(s.export_delay_s)
+        if not s.export_ok:
+            return None
+        return KvHandle(f"h-{request_id}", target, self.tokens_sent.get(request_id, 0), "shm://x", "shm")
+
+    async def release_kv(self, target: str, handle_id: str, timeout_s: float) -> None:
+        self.releases.append((target, handle_id))
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.turns: list[Turn] = []
+
+    async def record(self, turn: Turn) -> None:
+        self.turns.append(turn)
+
+
+def route(cell: str, epoch: int, token_hash: str = "ab" * 32) -> Route:
+    return Route("e1", cell, cell, token_hash, "g1", 1, 1, epoch, created_revision=10)
+
+
+def setup(scripts: dict[str, Script], **policy: object) -> tuple[CallManager, RouteTable, FakeEngines, Sink, TurnRecorder]:
+    table = RouteTable()
+    table.apply(route("a", 1))
+    engines = FakeEngines(scripts)
+    sink = Sink()
+    turns = TurnRecorder(sink)
+    pol = CallPolicy(**{"failover_wait_s": 0.05, "engine_idle_timeout_s": 5.0, **policy})  # type: ignore[arg-type]
+    return CallManager(table, engines, pol, turns, RouterStats()), table, engines, sink, turns
+
+
+async def run_call(mgr: CallManager, max_tokens: int, on_tokens=None, timeout_s: float = 10.0, stop=()) -> tuple[list[int], list[Chunk]]:
+    out: list[int] = []
+    chunks: list[Chunk] = []
+    r = mgr.routes.get("e1")
+    assert r is not None
+    async for chunk in mgr.generate(r, PROMPT, Sampling(max_tokens=max_tokens, stop_token_ids=tuple(stop)), timeout_s):
+        out.extend(chunk.token_ids)
+        chunks.append(chunk)
+        if on_tokens is not None:
+            await on_tokens(len(out))
+    return out, chunks
+
+
+async def test_unmoved_call_matches_reference_and_records_turn():
+    mgr, _, engines, sink, turns = setup({"a": Script()})
+    task = asyncio.create_task(turns.run())
+    out, chunks = await run_call(mgr, 20)
+    assert out == reference(1, PROMPT, 20)
+    assert chunks[-1].finish is Finish.LENGTH
+    assert await turns.flush(2.0)
+    assert len(sink.turns) == 1 and list(sink.turns[0].output_token_ids) == out
+    assert sink.turns[0].output_policy_versions == (1,) * 20 and sink.turns[0].turn_index == 0
+    task.cancel()
+
+
+@pytest.mark.parametrize("moves", [1, 3])
+async def test_moved_call_is_token_identical(moves):
+    cells = ["a", "b", "c", "d"]
+    mgr, table, engines, sink, _ = setup({c: Script(per_chunk=2) for c in cells})
+    done_moves = 0
+
+    async def on_tokens(n: int) -> None:
+        nonlocal done_moves
+        if done_moves < moves and n >= 4 * (done_moves + 1):
+            done_moves += 1
+            table.apply(route(cells[done_moves], done_moves + 1))
+
+    out, _ = await run_call(mgr, 30, on_tokens)
+    assert out == reference(1, PROMPT, 30)
+    assert done_moves == moves
+    assert mgr.stats.moves == moves
+    targets = [t for t, _ in engines.requests]
+    assert targets == cells[: moves + 1]
+    # Every source attempt was aborted; continuations carry prompt + generated tokens.
+    assert [t for t, _ in engines.aborts] == cells[:moves]
+    for _, req in engines.requests[1:]:
+        assert list(req.prompt_token_ids[: len(PROMPT)]) == PROMPT
+        generated = list(req.prompt_token_ids[len(PROMPT):])
+        assert generated == out[: len(generated)]
+        assert req.sampling.max_tokens == 30 - len(generated)
+        assert req.required_policy_version == 1
+
+
+async def test_move_via_manager_waits_for_source_stop():
+    mgr, table, engines, _, _ = setup({"a": Script(delay_s=0.01), "b": Script(delay_s=0.01)})
+    result: dict[str, object] = {}
+
+    async def on_tokens(n: int) -> None:
+        if n == 3:
+            table._routes["e1"] = route("b", 2)  # table updated without listeners (as a MoveExecutions would find it)
+            result["move"] = await mgr.move(["e1"], {"a"})
+
+    out, _ = await run_call(mgr, 12, on_tokens)
+    assert out == reference(1, PROMPT, 12)
+    assert result["move"] == (1, 0)
+
+
+async def test_engine_failure_with_budget_completes_identically():
+    mgr, table, engines, _, _ = setup({"a": Script(fail_after=5), "b": Script()}, retry_budget=1)
+
+    async def on_tokens(n: int) -> None:
+        return None
+
+    # The scheduler moves the route shortly after the failure.
+    async def mover() -> None:
+        while not engines.aborts:
+            await asyncio.sleep(0.001)
+        table.apply(route("b", 2))
+
+    m = asyncio.create_task(mover())
+    out, _ = await run_call(mgr, 15, on_tokens)
+    await m
+    assert out == reference(1, PROMPT, 15)
+    assert mgr.stats.engine_failures == 1
+    assert [t for t, _ in engines.requests] == ["a", "b"]
+
+
+async def test_engine_failure_retries_same_route_when_not_moved():
+    mgr, _, engines, _, _ = setup({"a": Script(fail_after=5)}, retry_budget=1)
+    out, _ = await run_call(mgr, 15)
+    assert out == reference(1, PROMPT, 15)
+    assert [t for t, _ in engines.requests] == ["a", "a"]
+
+
+async def test_engine_failure_without_budget_is_a_clean_error():
+    mgr, _, _, _, turns = setup({"a": Script(fail_after=5)}, retry_budget=0)
+    got: list[int] = []
+    with pytest.raises(Unavailable, match="retry budget 0"):
+        async for chunk in mgr.generate(mgr.routes.get("e1"), PROMPT, Sampling(max_tokens=15), 5.0):
+            got.extend(chunk.token_ids)
+    assert got == reference(1, PROMPT, 5)
+    assert mgr.stats.failed_calls == 1 and mgr.stats.inflight == 0
+    assert turns.pending == 0  # a failed call records no turn
+
+
+async def test_destination_on_another_policy_version_is_refused():
+    mgr, table, engines, _, _ = setup({"a": Script(), "b": Script(policy_version=2)}, retry_budget=0)
+
+    async def on_tokens(n: int) -> None:
+        if n == 3:
+            table.apply(route("b", 2))
+
+    with pytest.raises(Unavailable, match="policy version"):
+        await run_call(mgr, 12, on_tokens)
+    assert engines.requests[-1][1].required_policy_version == 1
+
+
+async def test_no_route_is_a_clean_error():
+    mgr, table, _, _, _ = setup({"a": Script()})
+    r = table.get("e1")
+    table.remove("e1")
+    with pytest.raises(Unavailable, match="no route"):
+        async for _ in mgr.generate(r, PROMPT, Sampling(max_tokens=5), 5.0):
+            pass
+
+
+async def test_hung_engine_becomes_an_error_not_a_hang():
+    mgr, _, _, _, _ = setup({"a": Script(hang_after=3)}, retry_budget=0, engine_idle_timeout_s=0.2)
+    with pytest.raises(Unavailable, match="sent nothing"):
+        await asyncio.wait_for(run_call(mgr, 10), 5)
+
+
+async def test_deadline_is_enforced():
+    mgr, _, engines, _, _ = setup({"a": Script(delay_s=0.05)})
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(run_call(mgr, 100, timeout_s=0.2), 5)
+    await asyncio.sleep(0.01)
+    assert engines.aborts, "a call past its deadline aborts its engine request"
+
+
+async def test_cancelled_call_aborts_engine_request():
+    mgr, _, engines, _, _ = setup({"a": Script(delay_s=0.01)})
+    task = asyncio.create_task(run_call(mgr, 1000))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.01)
+    rid = engines.requests[0][1].request_id
+    assert rid in engines.cancelled
+    assert ("a", rid) in engines.aborts
+    assert mgr.stats.inflight == 0
+
+
+async def test_stop_token_ends_call_and_nothing_follows():
+    ref = reference(1, PROMPT, 50)
+    stop = ref[6]
+    mgr, _, _, _, _ = setup({"a": Script(per_chunk=4)})
+    out, chunks = await run_call(mgr, 50, stop=[stop])
+    assert out == ref[: ref.index(stop) + 1]
+    assert chunks[-1].finish is Finish.STOP
+
+
+async def test_kv_handoff_exports_imports_and_releases():
+    mgr, table, engines, _, _ = setup({"a": Script(), "b": Script()}, kv_handoff=True)
+
+    async def on_tokens(n: int) -> None:
+        if n == 4:
+            table.apply(route("b", 2))
+
+    out, _ = await run_call(mgr, 12, on_tokens)
+    await asyncio.sleep(0.01)
+    assert out == reference(1, PROMPT, 12)
+    src_req = engines.requests[0][1]
+    dst_req = engines.requests[1][1]
+    assert engines.exports == [src_req.request_id]
+    assert dst_req.kv_handle is not None and dst_req.kv_handle.handle_id == f"h-{src_req.request_id}"
+    assert engines.releases == [("a", dst_req.kv_handle.handle_id)]
+    assert mgr.stats.kv_handoffs == 1 and mgr.stats.kv_recomputes == 0
+
+
+async def test_kv_export_timeout_falls_back_to_recompute():
+    mgr, table, engines, _, _ = setup({"a": Script(delay_s=0.02, export_delay_s=0.5), "b": Script()}, kv_handoff=True, kv_timeout_s=0.05)
+
+    async def on_tokens(n: int) -> None:
+        if n == 4:
+            table.apply(route("b", 2))
+
+    out, _ = await run_call(mgr, 12, on_tokens)
+    assert out == reference(1, PROMPT, 12)
+    assert engines.requests[1][1].kv_handle is None
+    assert mgr.stats.kv_handoffs == 0 and mgr.stats.kv_recomputes == 1
