@@ -42,8 +42,9 @@ Stable API (other code imports it; extend, do not break):
 ``decide`` is level-triggered: called with the same snapshot it returns the same actions,
 so the caller must apply them (and let the next snapshot reflect them) before asking again.
 A cell whose move is in progress shows up as DRAINING or RETURNING; the waterlevel policy
-starts no move while any elastic cell is DRAINING or RETURNING (one at a time), and never
-moves a satellite before the core (index 0).
+starts no move while any elastic cell is DRAINING or RETURNING (one at a time), never
+moves a satellite before the core (index 0), and returns training cells that a cell loss or
+restart left outside the prefix (or without a training core).
 """
 
 from __future__ import annotations
@@ -379,10 +380,13 @@ class WaterlevelPolicy:
 
     def _mid_burst(self, s: Snapshot) -> list[Action]:
         elastic = s.elastic()
+        prefix = training_set(elastic)
+        repair = self._repair(elastic, prefix)
+        if repair:
+            return repair
         busy = [c for c in elastic if c.state in _IN_FLIGHT]
         if busy:
             return [Hold(f"waiting: {busy[0].cell_id} is {busy[0].state.value}", busy[0].cell_id)]
-        prefix = training_set(elastic)
         rest = [c for c in elastic if c.state not in _TRAINING_SIDE and c.state is not CellState.FAILED]
         if not rest:
             return []
@@ -399,6 +403,21 @@ class WaterlevelPolicy:
         if not ok:
             return [Hold(f"kept {cand.cell_id} in rollout: {why}", cand.cell_id)]
         return [MoveToTraining(cand.cell_id, f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}")]
+
+    @staticmethod
+    def _repair(elastic: list[CellView], prefix: list[CellView]) -> list[Action]:
+        """After a cell loss or restart: training without the core is pointless, and cells
+        above a gap in the prefix break the order; both go back to rollout."""
+        if not prefix:
+            return []
+        if not prefix[0].is_core:
+            return [ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: the core is not training") for c in prefix]
+        alive = [c for c in elastic if c.state is not CellState.FAILED]
+        k = next((i for i, c in enumerate(alive) if c.state not in _TRAINING_SIDE), len(alive))
+        return [
+            ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix")
+            for c in alive[k:] if c.state in _TRAINING_SIDE
+        ]
 
     def _burst_end(self, s: Snapshot) -> list[Action]:
         assert s.burst is not None

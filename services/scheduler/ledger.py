@@ -1,0 +1,366 @@
+"""The execution ledger: bursts, executions, D / L / F, exactly-once close, heartbeats.
+
+Pure (no I/O): the live scheduler asks for a *plan* (the next record), persists it in etcd
+with a fenced transaction, then *applies* it; a rebuild after failover applies every record
+read back from etcd. The counts are derived from the records, never stored apart from them:
+
+* a burst record fixes its quota and task list at dispatch (D += quota);
+* an execution record exists from its launch on (L = number of records);
+* a record with a final status is closed (F = number of final records).
+
+So an execution is launched at most once (its record is created only if absent) and closed at
+most once (a close is a compare on the record's revision), and model-request retries, which
+never touch the ledger, change no count. Queued executions are the members of a burst with no
+record yet, launched in order (oldest burst first).
+
+Heartbeat deadlines live in memory only (a heartbeat costs no etcd write): after a failover
+the new leader gives every running execution a fresh deadline, which can only delay a
+time-out, never cause a wrong one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from services.scheduler.policy import LedgerCounts
+
+
+class ExecState(enum.Enum):
+    """Execution status (names as in the proto's ExecutionStatus, without the prefix)."""
+
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    TIMED_OUT = "TIMED_OUT"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL
+
+
+FINAL = frozenset({ExecState.COMPLETED, ExecState.FAILED, ExecState.TIMED_OUT, ExecState.CANCELLED})
+HARNESS_FINAL = frozenset({ExecState.COMPLETED, ExecState.FAILED, ExecState.CANCELLED})
+"""The statuses a harness may report (TIMED_OUT is the scheduler's own)."""
+
+_ALLOWED: dict[ExecState, frozenset[ExecState]] = {
+    ExecState.QUEUED: frozenset({ExecState.RUNNING}),
+    ExecState.RUNNING: FINAL,
+}
+"""The one table of allowed execution transitions; final states go nowhere."""
+
+
+def sha256_hex(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of a burst: every member execution of its group runs it."""
+
+    task_id: str
+    task_json: str = "{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Burst:
+    """A burst record: quota = len(tasks) * group_size, fixed at dispatch."""
+
+    burst_id: int
+    policy_version: int
+    target_version: int
+    group_size: int
+    tasks: tuple[Task, ...]
+    dispatched_s: float = 0.0
+
+    @property
+    def quota(self) -> int:
+        return len(self.tasks) * self.group_size
+
+    def member(self, seq: int) -> tuple[str, str, Task]:
+        """(execution_id, group_id, task) of the ``seq``-th execution of the burst."""
+        t, m = divmod(seq, self.group_size)
+        group = f"b{self.burst_id}-t{t}"
+        return f"{group}-{m}", group, self.tasks[t]
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "burst_id": self.burst_id, "policy_version": self.policy_version,
+            "target_version": self.target_version, "group_size": self.group_size,
+            "tasks": [[t.task_id, t.task_json] for t in self.tasks], "dispatched_s": self.dispatched_s,
+        }).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Burst:
+        d = json.loads(raw)
+        return cls(
+            int(d["burst_id"]), int(d["policy_version"]), int(d["target_version"]), int(d["group_size"]),
+            tuple(Task(str(a), str(b)) for a, b in d["tasks"]), float(d.get("dispatched_s", 0.0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionRecord:
+    """One launched execution (persisted at ``keys.execution(burst_id, execution_id)``)."""
+
+    execution_id: str
+    burst_id: int
+    seq: int
+    group_id: str
+    task_id: str
+    policy_version: int
+    state: ExecState
+    token_sha256: str
+    harness_id: str = ""
+    launched_s: float = 0.0
+    finished_s: float = 0.0
+    reward: float = 0.0
+    idempotency_key: str = ""
+    revision: int = 0
+    """etcd mod revision of the stored record (0: not stored yet); not serialized."""
+
+    def to_json(self) -> bytes:
+        d = dataclasses.asdict(self)
+        d.pop("revision")
+        d["state"] = self.state.value
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int = 0) -> ExecutionRecord:
+        d: dict[str, Any] = json.loads(raw)
+        d["state"] = ExecState(d["state"])
+        d["revision"] = revision
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """What FinishExecution reports, validated."""
+
+    status: ExecState
+    reward: float
+    idempotency_key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishOutcome:
+    """The answer to a finish: the recorded status, and whether it was a repeat."""
+
+    record: ExecutionRecord
+    duplicate: bool
+
+
+def validate_finish(status: ExecState, reward: float, key: str, reward_min: float, reward_max: float) -> Finish:
+    """Checks a harness's finish report; raises InvalidArgument with the reason.
+
+    Rewards must be finite and within [reward_min, reward_max] for COMPLETED (a NaN, an
+    infinity or an out-of-range value is refused, not clamped); other statuses carry no
+    reward (stored as 0)."""
+    if status not in HARNESS_FINAL:
+        raise InvalidArgument(f"status must be COMPLETED, FAILED or CANCELLED, not {status.value}")
+    if not 1 <= len(key) <= 128:
+        raise InvalidArgument("idempotency_key must have 1..128 characters")
+    if status is ExecState.COMPLETED:
+        if not math.isfinite(reward):
+            raise InvalidArgument(f"reward must be finite, got {reward}")
+        if not reward_min <= reward <= reward_max:
+            raise InvalidArgument(f"reward {reward} outside [{reward_min}, {reward_max}]")
+    else:
+        reward = 0.0
+    return Finish(status, float(reward), key)
+
+
+class Ledger:
+    """Bursts and executions of one scheduler, with counts derived from the records."""
+
+    def __init__(self) -> None:
+        self.bursts: dict[int, Burst] = {}
+        self.records: dict[str, ExecutionRecord] = {}
+        self._by_token: dict[str, str] = {}
+        self._deadline: dict[str, float] = {}
+        self._launched: dict[int, int] = {}  # burst -> records
+        self._finished: dict[int, int] = {}  # burst -> final records
+        self._by_status: dict[str, int] = {}
+        self._cursor: dict[int, int] = {}  # burst -> lowest seq that may still be queued
+
+    # Counts -------------------------------------------------------------------------------
+
+    def counts(self, burst_id: int | None = None) -> LedgerCounts:
+        """D / L / F of one burst, or of all bursts (None)."""
+        ids = [burst_id] if burst_id is not None else list(self.bursts)
+        d = sum(self.bursts[b].quota for b in ids if b in self.bursts)
+        lc = sum(self._launched.get(b, 0) for b in ids)
+        f = sum(self._finished.get(b, 0) for b in ids)
+        return LedgerCounts(d, lc, f)
+
+    def finished_by_status(self) -> dict[str, int]:
+        return dict(self._by_status)
+
+    @property
+    def current_burst(self) -> Burst | None:
+        return self.bursts[max(self.bursts)] if self.bursts else None
+
+    # Bursts -------------------------------------------------------------------------------
+
+    def plan_burst(self, tasks: Iterable[Task], group_size: int, policy_version: int, batches: int, now_s: float) -> Burst:
+        """The next burst (not applied): id = newest + 1."""
+        tasks = tuple(tasks)
+        if not tasks or group_size < 1:
+            raise InvalidArgument("a burst needs tasks and group_size >= 1")
+        burst_id = (max(self.bursts) + 1) if self.bursts else 1
+        return Burst(burst_id, policy_version, policy_version + batches, group_size, tasks, now_s)
+
+    def apply_burst(self, burst: Burst) -> None:
+        if burst.burst_id in self.bursts:
+            return
+        self.bursts[burst.burst_id] = burst
+        self._cursor.setdefault(burst.burst_id, 0)
+
+    # Launch -------------------------------------------------------------------------------
+
+    def next_queued(self) -> tuple[Burst, int] | None:
+        """The oldest queued execution: (burst, seq), or None when nothing is queued."""
+        for b in sorted(self.bursts):
+            burst = self.bursts[b]
+            seq = self._cursor.get(b, 0)
+            while seq < burst.quota and burst.member(seq)[0] in self.records:
+                seq += 1
+            self._cursor[b] = seq
+            if seq < burst.quota:
+                return burst, seq
+        return None
+
+    def plan_launch(self, burst: Burst, seq: int, token_sha256: str, harness_id: str, now_s: float) -> ExecutionRecord:
+        execution_id, group_id, task = burst.member(seq)
+        if execution_id in self.records:
+            raise FailedPrecondition(f"{execution_id} already launched")
+        return ExecutionRecord(
+            execution_id, burst.burst_id, seq, group_id, task.task_id, burst.policy_version,
+            ExecState.RUNNING, token_sha256, harness_id, now_s,
+        )
+
+    # Close --------------------------------------------------------------------------------
+
+    def authorize(self, execution_id: str, token: str) -> ExecutionRecord:
+        """The record of ``execution_id`` if ``token`` holds it. NOT_FOUND for an unknown
+        execution; UNAUTHENTICATED for a token that names no execution; PERMISSION_DENIED
+        for a token of another execution."""
+        rec = self.records.get(execution_id)
+        if rec is None:
+            if self.is_queued(execution_id):
+                raise FailedPrecondition(f"{execution_id} is queued, not launched")
+            raise NotFound(f"unknown execution {execution_id!r}")
+        digest = sha256_hex(token)
+        if digest != rec.token_sha256:
+            if digest in self._by_token:
+                raise PermissionDenied(f"the token does not hold {execution_id}")
+            raise Unauthenticated("the token names no execution")
+        return rec
+
+    def is_queued(self, execution_id: str) -> bool:
+        """True for a dispatched execution ("b<burst>-t<task>-<member>") with no record yet."""
+        parts = execution_id.split("-")
+        if len(parts) != 3 or not parts[0].startswith("b") or not parts[1].startswith("t"):
+            return False
+        try:
+            b, t, m = int(parts[0][1:]), int(parts[1][1:]), int(parts[2])
+        except ValueError:
+            return False
+        burst = self.bursts.get(b)
+        if burst is None or not (0 <= t < len(burst.tasks) and 0 <= m < burst.group_size):
+            return False
+        return execution_id not in self.records
+
+    def plan_finish(self, execution_id: str, finish: Finish, now_s: float) -> FinishOutcome:
+        """The closed record, or (duplicate=True) the first outcome when already closed."""
+        rec = self.records.get(execution_id)
+        if rec is None:
+            raise NotFound(f"unknown execution {execution_id!r}")
+        if rec.state.final:
+            return FinishOutcome(rec, True)
+        closed = dataclasses.replace(
+            rec, state=finish.status, reward=finish.reward, idempotency_key=finish.idempotency_key, finished_s=now_s
+        )
+        return FinishOutcome(closed, False)
+
+    def plan_timeouts(self, now_s: float) -> list[ExecutionRecord]:
+        """Running executions past their heartbeat deadline, closed as TIMED_OUT (not applied)."""
+        out = []
+        for eid, deadline in self._deadline.items():
+            rec = self.records[eid]
+            if now_s >= deadline and rec.state is ExecState.RUNNING:
+                out.append(dataclasses.replace(rec, state=ExecState.TIMED_OUT, finished_s=now_s, idempotency_key="timeout"))
+        return out
+
+    # Apply --------------------------------------------------------------------------------
+
+    def apply(self, rec: ExecutionRecord, deadline_s: float | None = None) -> None:
+        """Applies a persisted record (from our own write or a rebuild). Refuses a
+        transition the table does not allow; re-applying the same state is a no-op."""
+        if rec.burst_id not in self.bursts:
+            raise FailedPrecondition(f"{rec.execution_id}: unknown burst {rec.burst_id}")
+        old = self.records.get(rec.execution_id)
+        old_state = old.state if old is not None else ExecState.QUEUED
+        if old is not None and old_state is rec.state:
+            self.records[rec.execution_id] = rec
+            return
+        if rec.state not in _ALLOWED.get(old_state, frozenset()):
+            raise FailedPrecondition(f"{rec.execution_id}: {old_state.value} -> {rec.state.value} not allowed")
+        self.records[rec.execution_id] = rec
+        if old is None:
+            self._launched[rec.burst_id] = self._launched.get(rec.burst_id, 0) + 1
+            self._by_token[rec.token_sha256] = rec.execution_id
+        if rec.state is ExecState.RUNNING:
+            if deadline_s is not None:
+                self._deadline[rec.execution_id] = deadline_s
+        else:  # a final state
+            self._finished[rec.burst_id] = self._finished.get(rec.burst_id, 0) + 1
+            self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
+            self._deadline.pop(rec.execution_id, None)
+            self._by_token.pop(rec.token_sha256, None)
+
+    def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
+        """Rebuild: applies a record read back from etcd (any state)."""
+        if rec.execution_id in self.records:
+            self.apply(rec, deadline_s)
+            return
+        if rec.state.final:
+            # QUEUED -> RUNNING -> final, in one go.
+            self.apply(dataclasses.replace(rec, state=ExecState.RUNNING))
+        self.apply(rec, deadline_s if rec.state is ExecState.RUNNING else None)
+
+    # Heartbeats ---------------------------------------------------------------------------
+
+    def heartbeat(self, execution_id: str, now_s: float, deadline_after_s: float) -> float:
+        """Pushes the deadline of a running execution; returns seconds left."""
+        rec = self.records.get(execution_id)
+        if rec is None:
+            raise NotFound(f"unknown execution {execution_id!r}")
+        if rec.state is ExecState.RUNNING:
+            self._deadline[execution_id] = now_s + deadline_after_s
+            return deadline_after_s
+        return 0.0
+
+    def deadline(self, execution_id: str) -> float | None:
+        return self._deadline.get(execution_id)
+
+    def running_ids(self) -> list[str]:
+        return [e for e, r in self.records.items() if r.state is ExecState.RUNNING]
+
+    def check_invariants(self) -> None:
+        """D = Q + R + F and 0 <= F <= L <= D, per burst and in total (raises AssertionError)."""
+        for b in [*self.bursts, None]:
+            c = self.counts(b)
+            assert c.dispatched == c.queued + c.running + c.finished, c
+            assert 0 <= c.finished <= c.launched <= c.dispatched, c
+        n_final = sum(1 for r in self.records.values() if r.state.final)
+        assert n_final == sum(self._finished.values()) == sum(self._by_status.values())
+        assert len(self.records) == sum(self._launched.values())
