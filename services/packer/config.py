@@ -1,0 +1,79 @@
+"""The packer's typed configuration (section ``packer:`` of the cluster YAML)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from gyre.config import ServiceConfig
+
+
+class PackerConfig(ServiceConfig):
+    """Settings of one packer process; frozen after start-up."""
+
+    SECTION: ClassVar[str] = "packer"
+
+    wal_dir: str = Field(
+        ".gyre/packer", description="Directory of the write-ahead log (created if missing)."
+    )
+    wal_fsync: bool = Field(
+        True, description="fsync each group commit of the WAL (off only for throwaway runs)."
+    )
+    batch_size: int = Field(4, ge=1, le=100_000, description="Groups per training batch.")
+    micro_step_token_budget: int = Field(
+        8192,
+        ge=16,
+        le=16_777_216,
+        description="Most tokens (prompt + output) in one micro-step; a longer turn is refused.",
+    )
+    emit_fill_fraction: float = Field(
+        0.75,
+        ge=0.0,
+        le=1.0,
+        description="A packed bin at least this full is emitted at once; emptier bins wait for "
+        "more sequences until a claimer asks or the batch is sealed.",
+    )
+    max_group_size: int = Field(256, ge=1, le=65_536, description="Largest accepted group_size.")
+    failed_member_rule: Literal["drop_group", "keep_rest"] = Field(
+        "drop_group",
+        description="A group with a failed/timed-out/cancelled member: drop the whole group "
+        "(reason failed_group), or drop only those members (failed_execution) and keep the rest.",
+    )
+    min_group_members: int = Field(
+        2,
+        ge=1,
+        description="Under keep_rest: fewer completed members than this drops the group "
+        "(failed_group); a group-relative advantage needs at least two.",
+    )
+    drop_zero_variance: bool = Field(
+        True, description="Drop groups whose rewards are all equal (every advantage would be 0)."
+    )
+    advantage_std_normalize: bool = Field(
+        True, description="Divide (reward - group mean) by the group's std (GRPO); off: Dr. GRPO."
+    )
+    advantage_eps: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
+    zero_variance_tol: float = Field(
+        1e-9, ge=0, description="Reward std at or below this counts as zero variance."
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="A group whose oldest output token came from a policy more than this many "
+        "versions behind the newest known version is dropped (reason stale).",
+    )
+    claim_ttl_s: float = Field(
+        10.0, gt=0, le=600, description="A claim not kept (KeepClaims/claim/ack) this long returns."
+    )
+    reap_interval_s: float = Field(
+        0.5, gt=0, le=60, description="How often expired claims are returned to the pool."
+    )
+    max_claim_wait_s: float = Field(
+        30.0, ge=0, le=30, description="Upper bound on ClaimMicroStepRequest.wait_s."
+    )
+    max_buffered_turns: int = Field(
+        1_000_000, ge=1, description="Turns held at most; RecordTurn beyond is RESOURCE_EXHAUSTED."
+    )
+    policy_from_etcd: bool = Field(
+        True, description="Mirror the policy version from etcd (keys.policy()) for staleness."
+    )

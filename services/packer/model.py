@@ -1,0 +1,309 @@
+"""The packer's domain types (turns, finish reports, packed sequences, micro-steps), their
+validation, and their conversion to and from the wire (the only module that knows protos)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from gyre.errors import InvalidArgument, ResourceExhausted
+from gyre.ids import BatchId, CellId, ExecutionId, GroupId, PolicyVersion
+from gyre.v1 import common_pb2, packer_pb2
+
+MAX_ID_CHARS = 256
+"""Longest accepted execution, group or cell id."""
+
+
+class ExecStatus(enum.Enum):
+    """How an execution closed (the closed subset of gyre.v1.ExecutionStatus)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+    @property
+    def ok(self) -> bool:
+        return self is ExecStatus.COMPLETED
+
+
+_STATUS_FROM_PROTO = {
+    common_pb2.EXECUTION_STATUS_COMPLETED: ExecStatus.COMPLETED,
+    common_pb2.EXECUTION_STATUS_FAILED: ExecStatus.FAILED,
+    common_pb2.EXECUTION_STATUS_TIMED_OUT: ExecStatus.TIMED_OUT,
+    common_pb2.EXECUTION_STATUS_CANCELLED: ExecStatus.CANCELLED,
+}
+_STATUS_TO_PROTO = {v: k for k, v in _STATUS_FROM_PROTO.items()}
+
+
+class ClaimOutcome(enum.Enum):
+    """What a claim got."""
+
+    CLAIMED = "claimed"
+    WAIT = "wait"
+    CLOSED = "closed"
+
+
+def check_id(value: str, what: str) -> str:
+    """A non-empty id of bounded length without control characters."""
+    if not value:
+        raise InvalidArgument(f"{what} is required")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(f"{what} longer than {MAX_ID_CHARS} characters")
+    if any(ord(c) < 32 for c in value):
+        raise InvalidArgument(f"{what} contains control characters")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One model call of an execution, as the router recorded it."""
+
+    execution_id: ExecutionId
+    group_id: GroupId
+    turn_index: int
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]  # per output token; empty: unknown (the finish's version is used)
+    mask: tuple[int, ...]  # per output token, 0/1; never empty after validation
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.execution_id, self.turn_index)
+
+    @property
+    def tokens(self) -> int:
+        """All tokens of the packed sequence (what the micro-step budget bounds)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(self.mask)
+
+    def oldest_version(self, fallback: int) -> int:
+        return min(self.versions) if self.versions else fallback
+
+    def digest(self) -> int:
+        """A content checksum, to tell an idempotent retry from a conflicting duplicate."""
+        return zlib.crc32(repr(dataclasses.astuple(self)).encode())
+
+    @classmethod
+    def validated(
+        cls,
+        execution_id: str,
+        group_id: str,
+        turn_index: int,
+        prompt: Iterable[int],
+        output: Iterable[int],
+        logprobs: Iterable[float],
+        versions: Iterable[int],
+        mask: Iterable[int],
+        max_tokens: int,
+    ) -> Turn:
+        """Checks every field; raises InvalidArgument or ResourceExhausted (too long)."""
+        check_id(execution_id, "execution_id")
+        check_id(group_id, "group_id")
+        if turn_index < 0:
+            raise InvalidArgument(f"turn_index must be >= 0, got {turn_index}")
+        prompt_t, output_t = tuple(prompt), tuple(output)
+        logprobs_t, versions_t, mask_t = tuple(logprobs), tuple(versions), tuple(mask)
+        if len(prompt_t) + len(output_t) > max_tokens:
+            raise ResourceExhausted(
+                f"turn has {len(prompt_t) + len(output_t)} tokens; a micro-step holds at most {max_tokens}"
+            )
+        if not output_t:
+            raise InvalidArgument("output_token_ids is empty: nothing to train on")
+        if any(t < 0 for t in prompt_t) or any(t < 0 for t in output_t):
+            raise InvalidArgument("token ids must be >= 0")
+        if len(logprobs_t) != len(output_t):
+            raise InvalidArgument(
+                f"output_logprobs has {len(logprobs_t)} entries for {len(output_t)} output tokens"
+            )
+        for lp in logprobs_t:
+            if not math.isfinite(lp) or lp > 1e-6:
+                raise InvalidArgument(f"output_logprobs must be finite and <= 0, got {lp!r}")
+        if versions_t and len(versions_t) != len(output_t):
+            raise InvalidArgument(
+                f"output_policy_versions has {len(versions_t)} entries for {len(output_t)} output tokens"
+            )
+        if any(v < 0 for v in versions_t):
+            raise InvalidArgument("policy versions must be >= 0")
+        if mask_t:
+            if len(mask_t) != len(output_t):
+                raise InvalidArgument(
+                    f"output_loss_mask has {len(mask_t)} entries for {len(output_t)} output tokens"
+                )
+            if any(m not in (0, 1) for m in mask_t):
+                raise InvalidArgument("output_loss_mask entries must be 0 or 1")
+        else:
+            mask_t = (1,) * len(output_t)
+        return cls(
+            ExecutionId(execution_id), GroupId(group_id), turn_index, prompt_t, output_t,
+            tuple(float(x) for x in logprobs_t), versions_t, mask_t,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: packer_pb2.TurnRecord, max_tokens: int) -> Turn:
+        return cls.validated(
+            msg.execution_id, msg.group_id, msg.turn_index, msg.prompt_token_ids,
+            msg.output_token_ids, msg.output_logprobs, msg.output_policy_versions,
+            msg.output_loss_mask, max_tokens,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "x": self.execution_id, "g": self.group_id, "i": self.turn_index,
+            "p": list(self.prompt), "o": list(self.output), "lp": list(self.logprobs),
+            "v": list(self.versions), "m": list(self.mask),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Turn:
+        return cls(
+            ExecutionId(d["x"]), GroupId(d["g"]), int(d["i"]), tuple(d["p"]), tuple(d["o"]),
+            tuple(float(x) for x in d["lp"]), tuple(d["v"]), tuple(d["m"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """The scheduler's report that an execution closed, with its reward."""
+
+    execution_id: ExecutionId
+    group_id: GroupId
+    group_size: int
+    status: ExecStatus
+    reward: float
+    policy_version: PolicyVersion
+
+    @classmethod
+    def validated(
+        cls,
+        execution_id: str,
+        group_id: str,
+        group_size: int,
+        status: ExecStatus | None,
+        reward: float,
+        policy_version: int,
+        max_group_size: int,
+    ) -> Finish:
+        check_id(execution_id, "execution_id")
+        check_id(group_id, "group_id")
+        if not 1 <= group_size <= max_group_size:
+            raise InvalidArgument(f"group_size must be in 1..{max_group_size}, got {group_size}")
+        if status is None:
+            raise InvalidArgument("status must be COMPLETED, FAILED, TIMED_OUT or CANCELLED")
+        if not math.isfinite(reward):
+            raise InvalidArgument(f"reward must be finite, got {reward!r}")
+        if policy_version < 0:
+            raise InvalidArgument(f"policy_version must be >= 0, got {policy_version}")
+        return cls(
+            ExecutionId(execution_id), GroupId(group_id), group_size, status, float(reward),
+            PolicyVersion(policy_version),
+        )
+
+    @classmethod
+    def from_proto(cls, msg: packer_pb2.FinishReport, max_group_size: int) -> Finish:
+        return cls.validated(
+            msg.execution_id, msg.group_id, msg.group_size, _STATUS_FROM_PROTO.get(msg.status),
+            msg.reward, msg.policy_version, max_group_size,
+        )
+
+    def to_proto(self) -> packer_pb2.FinishReport:
+        return packer_pb2.FinishReport(
+            execution_id=self.execution_id, group_id=self.group_id, group_size=self.group_size,
+            status=_STATUS_TO_PROTO[self.status], reward=self.reward,
+            policy_version=self.policy_version,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "x": self.execution_id, "g": self.group_id, "n": self.group_size,
+            "s": self.status.value, "r": self.reward, "v": self.policy_version,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Finish:
+        return cls(
+            ExecutionId(d["x"]), GroupId(d["g"]), int(d["n"]), ExecStatus(d["s"]), float(d["r"]),
+            PolicyVersion(int(d["v"])),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedSequence:
+    """One turn ready to train: prompt + output, loss mask and log-probs aligned."""
+
+    turn: Turn
+    advantage: float
+    policy_version: int  # oldest version among its output tokens
+
+    def to_proto(self) -> packer_pb2.PackedSequence:
+        t = self.turn
+        n_prompt = len(t.prompt)
+        return packer_pb2.PackedSequence(
+            token_ids=list(t.prompt) + list(t.output),
+            loss_mask=[0] * n_prompt + list(t.mask),
+            logprobs=[0.0] * n_prompt + [lp if m else 0.0 for lp, m in zip(t.logprobs, t.mask)],
+            advantage=self.advantage,
+            execution_id=t.execution_id,
+            group_id=t.group_id,
+            turn_index=t.turn_index,
+            policy_version=self.policy_version,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStepView:
+    """A claimed micro-step as handed to a cell."""
+
+    micro_step_id: str
+    batch_id: BatchId
+    policy_version: int
+    sequences: tuple[PackedSequence, ...]
+    loss_tokens: int
+    packed_tokens: int
+
+    def to_proto(self) -> packer_pb2.MicroStep:
+        return packer_pb2.MicroStep(
+            micro_step_id=self.micro_step_id,
+            batch_id=self.batch_id,
+            sequences=[s.to_proto() for s in self.sequences],
+            num_tokens=self.loss_tokens,
+            policy_version=self.policy_version,
+            packed_tokens=self.packed_tokens,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimResult:
+    """The answer to a claim."""
+
+    outcome: ClaimOutcome
+    batch_id: BatchId
+    policy_version: int
+    ttl_s: float
+    micro_step: MicroStepView | None = None
+
+    def to_proto(self) -> packer_pb2.ClaimMicroStepResponse:
+        outcome = {
+            ClaimOutcome.CLAIMED: packer_pb2.CLAIM_OUTCOME_CLAIMED,
+            ClaimOutcome.WAIT: packer_pb2.CLAIM_OUTCOME_WAIT,
+            ClaimOutcome.CLOSED: packer_pb2.CLAIM_OUTCOME_CLOSED,
+        }[self.outcome]
+        resp = packer_pb2.ClaimMicroStepResponse(
+            outcome=outcome, claim_ttl_s=self.ttl_s, batch_id=self.batch_id,
+            policy_version=self.policy_version,
+        )
+        if self.micro_step is not None:
+            resp.micro_step.CopyFrom(self.micro_step.to_proto())
+        return resp
+
+
+def check_cell(cell_id: str) -> CellId:
+    return CellId(check_id(cell_id, "cell_id"))

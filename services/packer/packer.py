@@ -1,0 +1,452 @@
+"""The packer's controller: validates requests against the state, decides (readiness,
+advantages, staleness, batch assignment, packing, claims, expiry), and commits each decision
+as an event: applied in memory, appended to the WAL, made durable before the caller hears.
+
+Every public operation runs its checks and its commits without awaiting in between, so
+concurrent callers on the one event loop see each other's effects atomically (no two claims
+can take the same micro-step). A refused request raises before its first commit and so
+changes nothing. After every change the conservation invariant is rechecked; a violation
+is a bug and stops the process (FatalError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
+from gyre.fencing import FenceGuard
+from gyre.ids import BatchId, CellId
+from services.packer.advantages import group_advantages, is_stale, reward_std
+from services.packer.config import PackerConfig
+from services.packer.model import (
+    ClaimOutcome,
+    ClaimResult,
+    Finish,
+    MicroStepView,
+    PackedSequence,
+    Turn,
+    check_cell,
+)
+from services.packer.packing import first_fit_decreasing
+from services.packer.state import Batch, Event, Group, GroupState, MicroStep, PackerState
+from services.packer.wal import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class Packer:
+    """The trajectory buffer, packing buffer and claim table of one packer process."""
+
+    def __init__(
+        self,
+        config: PackerConfig,
+        log_: EventLog,
+        clock: Callable[[], float] = time.monotonic,
+        strict: bool = True,
+    ) -> None:
+        self.cfg = config
+        self.log = log_
+        self.clock = clock
+        self.strict = strict  # recheck conservation after every change
+        self.state = PackerState()
+        self.fence = FenceGuard()
+        self._wake = asyncio.Event()
+        self._waiting: collections.Counter[int] = collections.Counter()  # batch -> waiting claimers
+        self.changes = 0  # bumped on every change (supply watchers compare it)
+        self.fatal: BaseException | None = None
+
+    # Start-up ----------------------------------------------------------------------------
+
+    def recover(self, events: Iterable[Event]) -> int:
+        """Replays the WAL; held claims get a fresh TTL (their cells may still be training)."""
+        n = 0
+        for ev in events:
+            self.state.apply(ev)
+            n += 1
+        now = self.clock()
+        for ms in self.state.micro_steps.values():
+            if ms.holder is not None:
+                ms.deadline = now + self.cfg.claim_ttl_s
+        if not self.state.batches:
+            self._commit({"t": "batch", "b": 1, "size": self.cfg.batch_size})
+        self._after()
+        return n
+
+    # Commands ----------------------------------------------------------------------------
+
+    async def record_turn(self, turn: Turn) -> bool:
+        """Buffers one turn; True when it had been recorded before (idempotent)."""
+        st = self.state
+        digest = st.seen_turns.get(turn.key)
+        if digest is not None:
+            if digest != turn.digest():
+                raise FailedPrecondition(
+                    f"turn {turn.turn_index} of {turn.execution_id} was recorded with other content"
+                )
+            await self.log.sync()
+            return True
+        self._check_membership(turn.execution_id, turn.group_id)
+        group = st.groups.get(turn.group_id)
+        if turn.group_id in st.resolved or (group is not None and group.state is not GroupState.COLLECTING):
+            raise FailedPrecondition(
+                f"group {turn.group_id} is already complete; turn {turn.turn_index} of "
+                f"{turn.execution_id} came after its finish report and its group's readiness"
+            )
+        if self._held() >= self.cfg.max_buffered_turns:
+            raise ResourceExhausted(f"the packer holds {self._held()} turns (max_buffered_turns)")
+        self._commit({"t": "turn", "turn": turn.to_json()})
+        self._after()
+        await self.log.sync()
+        return False
+
+    async def report_finish(self, finish: Finish) -> bool:
+        """Closes an execution; True when it had been reported before (idempotent)."""
+        st = self.state
+        prev = st.finished.get(finish.execution_id)
+        if prev is not None:
+            if prev != finish:
+                raise FailedPrecondition(
+                    f"execution {finish.execution_id} was reported finished with other content"
+                )
+            await self.log.sync()
+            return True
+        self._check_membership(finish.execution_id, finish.group_id)
+        if finish.group_id in st.resolved:
+            raise FailedPrecondition(f"group {finish.group_id} is already complete")
+        group = st.groups.get(finish.group_id)
+        if group is not None:
+            if group.size and group.size != finish.group_size:
+                raise InvalidArgument(
+                    f"group {finish.group_id} has group_size {group.size}, not {finish.group_size}"
+                )
+            if group.state is not GroupState.COLLECTING or group.closed >= finish.group_size:
+                raise FailedPrecondition(
+                    f"group {finish.group_id} already has its {group.size} closed executions"
+                )
+        self._commit({"t": "finish", "finish": finish.to_json()})
+        self._resolve(st.groups[finish.group_id])
+        self._after()
+        await self.log.sync()
+        return False
+
+    async def claim(self, cell_id: str, batch_id: int, version: int, wait_s: float) -> ClaimResult:
+        """Claims the next free micro-step of a batch, waiting up to ``wait_s`` for one."""
+        cell = check_cell(cell_id)
+        if batch_id < 0:
+            raise InvalidArgument(f"batch_id must be >= 0, got {batch_id}")
+        if version < 0:
+            raise InvalidArgument(f"policy_version must be >= 0, got {version}")
+        if not math.isfinite(wait_s) or wait_s < 0:
+            raise InvalidArgument(f"wait_s must be a finite number >= 0, got {wait_s}")
+        wait_s = min(wait_s, self.cfg.max_claim_wait_s)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait_s
+        result = self._try_claim(cell, batch_id, version)
+        while result.outcome is ClaimOutcome.WAIT and loop.time() < until:
+            waiting_on = result.batch_id
+            self._waiting[waiting_on] += 1  # a waiting claimer is demand: partial bins go out
+            try:
+                await self.wait_changed(until - loop.time())
+                result = self._try_claim(cell, batch_id, version)
+            finally:
+                self._waiting[waiting_on] -= 1
+                if self._waiting[waiting_on] <= 0:
+                    del self._waiting[waiting_on]
+        await self.log.sync()
+        return result
+
+    def _try_claim(self, cell: CellId, batch_id: int, version: int) -> ClaimResult:
+        st = self.state
+        if self._reap():
+            self._after()
+        batch = self._batch(batch_id)
+        if batch.done or (batch.closed and cell not in batch.participants):
+            return self._result(ClaimOutcome.CLOSED, batch)
+        if batch.version is None:
+            self._commit({"t": "activate", "b": batch.id, "v": version})
+            if version > st.policy_version:
+                self._commit({"t": "policy", "v": version})
+        elif batch.version != version:
+            raise FailedPrecondition(
+                f"batch {batch.id} trains on policy version {batch.version}, not {version}"
+            )
+        self._touch(cell)
+        demand = {batch.id}
+        self._pump(demand)
+        ms = next((m for m in batch.micro_steps if m.free), None)
+        if ms is None:
+            self._after()
+            return self._result(ClaimOutcome.CLOSED if batch.closed else ClaimOutcome.WAIT, batch)
+        self._commit({"t": "claim", "ms": ms.id, "cell": cell})
+        ms.deadline = self.clock() + self.cfg.claim_ttl_s
+        self._after()
+        return self._result(ClaimOutcome.CLAIMED, batch, self._view(ms, batch))
+
+    async def ack(self, cell_id: str, batch_id: int, micro_step_id: str) -> bool:
+        """Records a micro-step trained; True when it had been acknowledged before."""
+        cell = check_cell(cell_id)
+        if self._reap():
+            self._after()
+        ms = self.state.micro_steps.get(micro_step_id)
+        if ms is None or (batch_id and ms.batch_id != batch_id):
+            raise NotFound(f"no micro-step {micro_step_id!r} in batch {batch_id or 'any'}")
+        if ms.acked_by is not None:
+            if ms.acked_by != cell:
+                raise FailedPrecondition(f"micro-step {ms.id} was trained by {ms.acked_by}")
+            await self.log.sync()
+            return True
+        if ms.holder is not None and ms.holder != cell:
+            raise FailedPrecondition(
+                f"micro-step {ms.id} is held by {ms.holder}: {cell}'s claim expired and was taken"
+            )
+        # Held by this cell, or returned to the pool and not yet retaken: either way it is
+        # trained exactly once by accepting this ack.
+        self._commit({"t": "ack", "ms": ms.id, "cell": cell})
+        self._touch(cell)
+        self._after()
+        await self.log.sync()
+        return False
+
+    async def keep(self, cell_id: str) -> int:
+        """Renews a cell's claims; returns how many it holds."""
+        cell = check_cell(cell_id)
+        if self._reap():
+            self._after()
+        n = self._touch(cell)
+        await self.log.sync()
+        return n
+
+    async def seal(self, batch_id: int, epoch: int) -> Batch:
+        """Seals a batch with the groups it has (burst end). Fenced; idempotent."""
+        self.fence.check(epoch)
+        batch = self._batch(batch_id or self.state.filling)
+        if not batch.sealed:
+            if not batch.groups:
+                raise FailedPrecondition(f"batch {batch.id} has no groups to seal")
+            self._pack(batch, flush=True)
+            self._seal(batch)
+            self._after()
+        await self.log.sync()
+        return batch
+
+    async def observe_policy(self, version: int) -> None:
+        """A newer policy version (from etcd): stale ready groups are dropped."""
+        if version > self.state.policy_version:
+            self._commit({"t": "policy", "v": version})
+            self._after()
+            await self.log.sync()
+
+    async def reap(self) -> int:
+        """Returns expired claims to the pool; how many."""
+        n = self._reap()
+        if n:
+            self._after()
+            await self.log.sync()
+        return n
+
+    async def run_reaper(self) -> None:
+        """A supervised task: expiry of claims, and the fatal-error watch."""
+        while True:
+            await asyncio.sleep(self.cfg.reap_interval_s)
+            if self.fatal is not None:
+                raise FatalError(f"packer invariant broken: {self.fatal}")
+            await self.reap()
+
+    # Queries -----------------------------------------------------------------------------
+
+    def batch_status(self, batch_id: int) -> dict[str, Any]:
+        b = self._batch(batch_id)
+        return {
+            "batch_id": b.id, "policy_version": b.version or 0, "batch_size": b.size,
+            "groups_packed": len(b.groups), "micro_steps": len(b.micro_steps),
+            "claimed": b.claimed, "acked": b.acked, "sealed": b.sealed,
+            "total_tokens": b.total_loss_tokens, "closed": b.closed, "done": b.done,
+            "active": b.active, "unclaimed": b.unclaimed, "participants": sorted(b.participants),
+            "counters": self.state.counters(),
+        }
+
+    def supply(self) -> dict[str, Any]:
+        st = self.state
+        filling = st.batches[st.filling]
+        ready = len(st.ready)
+        return {
+            "ready_groups": min(ready, filling.needs), "batch_needs": filling.needs,
+            "batch_id": filling.id, "dropped": dict(st.dropped),
+            "batch_active": filling.active,
+            "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
+            "ready_unassigned": ready, "counters": st.counters(),
+        }
+
+    async def wait_changed(self, timeout_s: float | None) -> None:
+        """Returns at the next change, or after ``timeout_s``."""
+        wake = self._wake
+        try:
+            await asyncio.wait_for(wake.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    # Decisions ---------------------------------------------------------------------------
+
+    def _resolve(self, group: Group) -> None:
+        """A group whose executions have all closed becomes ready, or is dropped (and why)."""
+        if group.state is not GroupState.COLLECTING or not group.size or group.closed < group.size:
+            return
+        cfg = self.cfg
+        members = {x: e for x, e in group.execs.items() if e.finish is not None}
+        drop_x = {x: "unfinished" for x, e in group.execs.items() if e.finish is None}
+        failed = [x for x, e in members.items() if e.finish is not None and not e.finish.status.ok]
+        if failed:
+            if cfg.failed_member_rule == "drop_group":
+                return self._drop(group, "failed_group")
+            drop_x.update({x: "failed_execution" for x in failed})
+            if len(members) - len(failed) < cfg.min_group_members:
+                return self._drop(group, "failed_group")
+        kept = {x: e for x, e in members.items() if x not in drop_x}
+        if not any(e.turns for e in kept.values()):
+            return self._drop(group, "empty")
+        rewards = {x: e.finish.reward for x, e in kept.items() if e.finish is not None}
+        if cfg.drop_zero_variance and reward_std(list(rewards.values())) <= cfg.zero_variance_tol:
+            return self._drop(group, "zero_variance")
+        oldest = min(
+            t.oldest_version(e.finish.policy_version)
+            for e in kept.values()
+            if e.finish is not None
+            for t in e.turns.values()
+        )
+        if is_stale(oldest, self.state.policy_version, cfg.max_staleness):
+            return self._drop(group, "stale")
+        adv = group_advantages(rewards, cfg.advantage_std_normalize, cfg.advantage_eps)
+        self._commit({"t": "ready", "g": group.id, "adv": adv, "oldest": oldest, "drop_x": drop_x})
+
+    def _drop(self, group: Group, reason: str) -> None:
+        log.info("group dropped", extra={"group_id": group.id, "reason": reason, "turns": group.turns})
+        self._commit({"t": "drop", "g": group.id, "reason": reason})
+
+    def _pump(self, demand: set[int] | None = None) -> None:
+        """Moves work forward: stale ready groups out, ready groups into the active batch,
+        sequences into micro-steps, full batches sealed."""
+        st, cfg = self.state, self.cfg
+        for gid in list(st.ready):
+            group = st.groups[gid]
+            if is_stale(group.oldest_version, st.policy_version, cfg.max_staleness):
+                self._drop(group, "stale")
+        batch = st.batches[st.filling]
+        if batch.active and not batch.sealed:
+            while batch.needs > 0 and st.ready:
+                self._commit({"t": "assign", "b": batch.id, "g": next(iter(st.ready))})
+            wanted = (demand is not None and batch.id in demand) or batch.id in self._waiting
+            full = batch.needs == 0
+            self._pack(batch, flush=full or wanted)
+            if full and not batch.pending:
+                self._seal(batch)
+
+    def _pack(self, batch: Batch, flush: bool) -> None:
+        """First-fit decreasing over the batch's unpacked sequences; emits bins that are full
+        enough (or every bin when ``flush``); the rest wait for more sequences."""
+        if not batch.pending:
+            return
+        st, budget = self.state, self.cfg.micro_step_token_budget
+        sizes = {ref: st.turn(ref).tokens for ref in batch.pending}
+        bins = first_fit_decreasing([(ref, sizes[ref]) for ref in batch.pending], budget)
+        threshold = self.cfg.emit_fill_fraction * budget
+        emitted = len(batch.micro_steps)
+        for refs in bins:
+            if flush or sum(sizes[r] for r in refs) >= threshold:
+                self._commit({
+                    "t": "emit", "b": batch.id, "ms": f"b{batch.id}-m{emitted}",
+                    "seqs": [[x, i] for x, i in refs],
+                })
+                emitted += 1
+
+    def _seal(self, batch: Batch) -> None:
+        self._commit({"t": "seal", "b": batch.id})
+        self._commit({"t": "batch", "b": batch.id + 1, "size": self.cfg.batch_size})
+        log.info("batch sealed", extra={"batch_id": batch.id, "groups": len(batch.groups),
+                                        "micro_steps": len(batch.micro_steps),
+                                        "total_tokens": batch.total_loss_tokens})
+
+    def _reap(self) -> int:
+        now, n = self.clock(), 0
+        for batch in self.state.batches.values():
+            if batch.done:
+                continue
+            for ms in batch.micro_steps:
+                if ms.holder is not None and ms.deadline <= now:
+                    log.info("claim expired", extra={"cell_id": ms.holder, "micro_step": ms.id})
+                    self._commit({"t": "release", "ms": ms.id, "cell": ms.holder})
+                    n += 1
+        return n
+
+    def _touch(self, cell: CellId) -> int:
+        deadline, n = self.clock() + self.cfg.claim_ttl_s, 0
+        for batch in self.state.batches.values():
+            if batch.done:
+                continue
+            for ms in batch.micro_steps:
+                if ms.holder == cell:
+                    ms.deadline = deadline
+                    n += 1
+        return n
+
+    # Plumbing ----------------------------------------------------------------------------
+
+    def _commit(self, ev: Event) -> None:
+        self.state.apply(ev)
+        self.log.append(ev)
+
+    def _after(self) -> None:
+        """After every change: move work forward, check invariants, wake waiters."""
+        self._pump()
+        if self.strict:
+            try:
+                self.state.check()
+            except FatalError as exc:
+                self.fatal = exc
+                raise
+        self.changes += 1
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def _check_membership(self, execution_id: str, group_id: str) -> None:
+        st = self.state
+        known = st.execs.get(execution_id)
+        owner = known.group_id if known is not None else None
+        if owner is None and execution_id in st.finished:
+            owner = st.finished[execution_id].group_id
+        if owner is not None and owner != group_id:
+            raise InvalidArgument(f"execution {execution_id} belongs to group {owner}, not {group_id}")
+
+    def _held(self) -> int:
+        st = self.state
+        return st.produced - st.consumed - sum(st.dropped.values())
+
+    def _batch(self, batch_id: int) -> Batch:
+        st = self.state
+        if batch_id == 0:
+            return st.current_batch()
+        batch = st.batches.get(batch_id)
+        if batch is None:
+            raise NotFound(f"no batch {batch_id} (the batch being filled is {st.filling})")
+        return batch
+
+    def _result(self, outcome: ClaimOutcome, batch: Batch, view: MicroStepView | None = None) -> ClaimResult:
+        return ClaimResult(outcome, BatchId(batch.id), batch.version or 0, self.cfg.claim_ttl_s, view)
+
+    def _view(self, ms: MicroStep, batch: Batch) -> MicroStepView:
+        st = self.state
+        seqs = []
+        for ref in ms.seqs:
+            turn = st.turn(ref)
+            group = st.groups[turn.group_id]
+            finish = st.execs[turn.execution_id].finish
+            fallback = finish.policy_version if finish is not None else 0
+            seqs.append(PackedSequence(turn, group.advantages[turn.execution_id], turn.oldest_version(fallback)))
+        return MicroStepView(
+            ms.id, BatchId(batch.id), batch.version or 0, tuple(seqs), ms.loss_tokens, ms.packed_tokens
+        )

@@ -1,0 +1,99 @@
+"""The packer's gRPC edge: protos to domain calls and back; errors become statuses in @rpc."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.v1 import packer_pb2, packer_pb2_grpc
+from services.packer.config import PackerConfig
+from services.packer.model import Finish, Turn
+from services.packer.packer import Packer
+
+SERVICE_NAME = "gyre.v1.Packer"
+
+
+def counters_to_proto(c: dict[str, Any]) -> packer_pb2.PackerCounters:
+    return packer_pb2.PackerCounters(
+        produced=c["produced"], consumed=c["consumed"], buffered=c["buffered"],
+        dropped=c["dropped"], pending=c["pending"], ready=c["ready"], assigned=c["assigned"],
+        packed=c["packed"], claims_expired=c["claims_expired"], policy_version=c["policy_version"],
+    )
+
+
+def batch_to_proto(s: dict[str, Any]) -> packer_pb2.BatchStatus:
+    fields = {k: v for k, v in s.items() if k != "counters"}
+    return packer_pb2.BatchStatus(**fields, counters=counters_to_proto(s["counters"]))
+
+
+def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
+    fields = {k: v for k, v in s.items() if k != "counters"}
+    return packer_pb2.SupplySignal(**fields, counters=counters_to_proto(s["counters"]))
+
+
+class PackerServicer(packer_pb2_grpc.PackerServicer):
+    """Implements gyre.v1.Packer on a :class:`Packer`."""
+
+    def __init__(self, packer: Packer, config: PackerConfig) -> None:
+        self._packer = packer
+        self._cfg = config
+
+    @rpc
+    async def RecordTurn(self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext) -> Any:
+        turn = Turn.from_proto(request, self._cfg.micro_step_token_budget)
+        return packer_pb2.RecordTurnResponse(duplicate=await self._packer.record_turn(turn))
+
+    @rpc
+    async def ReportFinish(self, request: packer_pb2.FinishReport, context: grpc.aio.ServicerContext) -> Any:
+        finish = Finish.from_proto(request, self._cfg.max_group_size)
+        return packer_pb2.ReportFinishResponse(duplicate=await self._packer.report_finish(finish))
+
+    @rpc
+    async def ClaimMicroStep(
+        self, request: packer_pb2.ClaimMicroStepRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        wait_s = request.wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer WAIT before the caller's deadline rather than let the call fail.
+            wait_s = max(0.0, min(wait_s, remaining - 0.2))
+        result = await self._packer.claim(request.cell_id, request.batch_id, request.policy_version, wait_s)
+        return result.to_proto()
+
+    @rpc
+    async def AckMicroStep(self, request: packer_pb2.AckMicroStepRequest, context: grpc.aio.ServicerContext) -> Any:
+        dup = await self._packer.ack(request.cell_id, request.batch_id, request.micro_step_id)
+        return packer_pb2.AckMicroStepResponse(duplicate=dup)
+
+    @rpc
+    async def KeepClaims(self, request: packer_pb2.KeepClaimsRequest, context: grpc.aio.ServicerContext) -> Any:
+        return packer_pb2.KeepClaimsResponse(claims=await self._packer.keep(request.cell_id))
+
+    @rpc
+    async def GetBatch(self, request: packer_pb2.GetBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+        return batch_to_proto(self._packer.batch_status(request.batch_id))
+
+    @rpc
+    async def SealBatch(self, request: packer_pb2.SealBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+        batch = await self._packer.seal(request.batch_id, request.fence.epoch)
+        return batch_to_proto(self._packer.batch_status(batch.id))
+
+    @rpc_stream
+    async def WatchSupply(
+        self, request: packer_pb2.WatchSupplyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[packer_pb2.SupplySignal]:
+        last: packer_pb2.SupplySignal | None = None
+        while True:
+            changes = self._packer.changes
+            signal = supply_to_proto(self._packer.supply())
+            if signal != last:
+                yield signal
+                last = signal
+            if self._packer.changes == changes:
+                await self._packer.wait_changed(None)
+            else:
+                await asyncio.sleep(0)

@@ -1,0 +1,368 @@
+"""The packer's state as a deterministic event-sourced machine: the trajectory buffer,
+groups, batches, micro-steps and claims, changed only by :meth:`PackerState.apply`.
+
+Every change is an event (a JSON-ready dict). The controller (:mod:`services.packer.packer`)
+decides which events to apply (validation, readiness rules, packing, claims) and writes
+them to the WAL; replaying the WAL through ``apply`` rebuilds exactly this state. ``apply``
+takes no decisions that depend on config, clock or policy version, so a replay cannot
+diverge from the run that wrote it. Claim deadlines are runtime only (not replayed).
+
+Conservation is counted in turns (one turn = one PackedSequence) and checked by recounting
+the structures: ``produced = consumed + pending + ready + assigned + packed + sum(dropped)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Any
+
+from gyre.errors import FatalError
+from gyre.ids import BatchId, CellId, ExecutionId, GroupId
+from services.packer.model import Finish, Turn
+
+SeqRef = tuple[str, int]
+"""(execution_id, turn_index) of a turn."""
+
+Event = dict[str, Any]
+
+
+class GroupState(enum.Enum):
+    """Lifecycle of a group: collecting -> ready -> assigned -> done, or dropped."""
+
+    COLLECTING = "collecting"
+    READY = "ready"
+    ASSIGNED = "assigned"
+    DONE = "done"
+    DROPPED = "dropped"
+
+
+_GROUP_TRANSITIONS = {
+    GroupState.COLLECTING: {GroupState.READY, GroupState.DROPPED},
+    GroupState.READY: {GroupState.ASSIGNED, GroupState.DROPPED},
+    GroupState.ASSIGNED: {GroupState.DONE},
+    GroupState.DONE: set(),
+    GroupState.DROPPED: set(),
+}
+
+
+@dataclasses.dataclass
+class Execution:
+    """One execution's turns and, once closed, its finish report."""
+
+    id: ExecutionId
+    group_id: GroupId
+    turns: dict[int, Turn] = dataclasses.field(default_factory=dict)
+    finish: Finish | None = None
+
+
+@dataclasses.dataclass
+class Group:
+    """The executions of one task; ready when ``size`` of them have closed."""
+
+    id: GroupId
+    size: int = 0  # 0 until the first finish report says
+    execs: dict[str, Execution] = dataclasses.field(default_factory=dict)
+    state: GroupState = GroupState.COLLECTING
+    batch_id: int = 0
+    advantages: dict[str, float] = dataclasses.field(default_factory=dict)
+    oldest_version: int = 0
+
+    @property
+    def closed(self) -> int:
+        return sum(1 for e in self.execs.values() if e.finish is not None)
+
+    @property
+    def turns(self) -> int:
+        return sum(len(e.turns) for e in self.execs.values())
+
+    def transition(self, to: GroupState) -> None:
+        if to not in _GROUP_TRANSITIONS[self.state]:
+            raise FatalError(f"group {self.id}: illegal transition {self.state.value} -> {to.value}")
+        self.state = to
+
+
+@dataclasses.dataclass
+class MicroStep:
+    """A packed piece of a batch, and who holds or trained it."""
+
+    id: str
+    batch_id: int
+    index: int
+    seqs: list[SeqRef]
+    n_seqs: int
+    loss_tokens: int
+    packed_tokens: int
+    holder: CellId | None = None
+    deadline: float = 0.0  # runtime only: when the holder's claim lapses
+    acked_by: CellId | None = None
+
+    @property
+    def free(self) -> bool:
+        return self.holder is None and self.acked_by is None
+
+
+@dataclasses.dataclass
+class Batch:
+    """Groups trained by one optimizer step, on one weight version."""
+
+    id: BatchId
+    size: int
+    version: int | None = None  # pinned by the first claim (the batch is active from then)
+    groups: list[str] = dataclasses.field(default_factory=list)
+    pending: list[SeqRef] = dataclasses.field(default_factory=list)  # assigned, not emitted
+    micro_steps: list[MicroStep] = dataclasses.field(default_factory=list)
+    participants: set[str] = dataclasses.field(default_factory=set)
+    sealed: bool = False
+    closed: bool = False
+    done: bool = False
+    total_loss_tokens: int = 0
+    acked: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.version is not None
+
+    @property
+    def needs(self) -> int:
+        return 0 if self.sealed else max(self.size - len(self.groups), 0)
+
+    @property
+    def claimed(self) -> int:
+        return sum(1 for m in self.micro_steps if m.holder is not None)
+
+    @property
+    def unclaimed(self) -> int:
+        return sum(1 for m in self.micro_steps if m.free)
+
+
+class PackerState:
+    """Everything the packer knows; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.execs: dict[str, Execution] = {}
+        self.groups: dict[str, Group] = {}
+        self.ready: dict[str, None] = {}  # READY groups in readiness order (an ordered set)
+        self.batches: dict[int, Batch] = {}
+        self.filling: int = 0  # the batch receiving groups
+        self.micro_steps: dict[str, MicroStep] = {}
+        self.seen_turns: dict[SeqRef, int] = {}  # -> content digest (idempotency)
+        self.finished: dict[str, Finish] = {}
+        self.resolved: set[str] = set()  # groups dropped or trained (their data is freed)
+        self.produced = 0
+        self.consumed = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.groups_dropped: collections.Counter[str] = collections.Counter()
+        self.claims_expired = 0
+        self.policy_version = 0
+        self.events_applied = 0
+
+    # Queries -----------------------------------------------------------------------------
+
+    def turn(self, ref: SeqRef) -> Turn:
+        return self.execs[ref[0]].turns[ref[1]]
+
+    def current_batch(self) -> Batch:
+        """The oldest batch not yet trained (the one cells train on now)."""
+        return self.batches[min(b for b, batch in self.batches.items() if not batch.done)]
+
+    def buffered(self) -> dict[str, int]:
+        """Turns held, by where they are, recounted from the structures."""
+        pending = ready = 0
+        for g in self.groups.values():
+            if g.state is GroupState.COLLECTING:
+                pending += g.turns
+            elif g.state is GroupState.READY:
+                ready += g.turns
+        assigned = sum(len(b.pending) for b in self.batches.values())
+        packed = sum(m.n_seqs for m in self.micro_steps.values() if m.acked_by is None)
+        return {"pending": pending, "ready": ready, "assigned": assigned, "packed": packed}
+
+    def counters(self) -> dict[str, Any]:
+        held = self.buffered()
+        return {
+            "produced": self.produced,
+            "consumed": self.consumed,
+            "buffered": sum(held.values()),
+            "dropped": dict(self.dropped),
+            **held,
+            "claims_expired": self.claims_expired,
+            "policy_version": self.policy_version,
+        }
+
+    def check(self) -> None:
+        """Conservation and structural invariants; a violation is a bug (FatalError)."""
+        held = sum(self.buffered().values())
+        dropped = sum(self.dropped.values())
+        if self.produced != self.consumed + held + dropped:
+            raise FatalError(
+                f"conservation broken: produced {self.produced} != consumed {self.consumed} "
+                f"+ buffered {held} + dropped {dropped}"
+            )
+        for b in self.batches.values():
+            if len(b.groups) > b.size:
+                raise FatalError(f"batch {b.id} holds {len(b.groups)} groups > {b.size}")
+            if b.closed and not b.sealed:
+                raise FatalError(f"batch {b.id} closed before sealed")
+        seen: set[SeqRef] = set()
+        for m in self.micro_steps.values():
+            if m.acked_by is not None:
+                continue
+            for ref in m.seqs:
+                if ref in seen:
+                    raise FatalError(f"turn {ref} packed twice")
+                seen.add(ref)
+
+    # The one mutator ---------------------------------------------------------------------
+
+    def apply(self, ev: Event) -> None:
+        """Applies one event. Events come from the controller or a WAL replay."""
+        handler = getattr(self, "_on_" + ev["t"], None)
+        if handler is None:
+            raise FatalError(f"unknown packer event {ev['t']!r}")
+        handler(ev)
+        self.events_applied += 1
+
+    def _exec(self, execution_id: str, group_id: str) -> Execution:
+        ex = self.execs.get(execution_id)
+        if ex is None:
+            ex = self.execs[execution_id] = Execution(ExecutionId(execution_id), GroupId(group_id))
+            group = self.groups.get(group_id)
+            if group is None:
+                group = self.groups[group_id] = Group(GroupId(group_id))
+            group.execs[execution_id] = ex
+        return ex
+
+    def _on_turn(self, ev: Event) -> None:
+        turn = Turn.from_json(ev["turn"])
+        self._exec(turn.execution_id, turn.group_id).turns[turn.turn_index] = turn
+        self.seen_turns[turn.key] = turn.digest()
+        self.produced += 1
+
+    def _on_finish(self, ev: Event) -> None:
+        finish = Finish.from_json(ev["finish"])
+        ex = self._exec(finish.execution_id, finish.group_id)
+        ex.finish = finish
+        self.groups[finish.group_id].size = finish.group_size
+        self.finished[finish.execution_id] = finish
+
+    def _on_ready(self, ev: Event) -> None:
+        group = self.groups[ev["g"]]
+        for x, reason in ev.get("drop_x", {}).items():
+            ex = group.execs.pop(x)
+            self.dropped[reason] += len(ex.turns)
+            self.execs.pop(x, None)
+        group.advantages = {k: float(v) for k, v in ev["adv"].items()}
+        group.oldest_version = int(ev["oldest"])
+        group.transition(GroupState.READY)
+        self.ready[group.id] = None
+
+    def _on_drop(self, ev: Event) -> None:
+        group = self.groups[ev["g"]]
+        group.transition(GroupState.DROPPED)
+        self.dropped[ev["reason"]] += group.turns
+        self.groups_dropped[ev["reason"]] += 1
+        self.ready.pop(group.id, None)
+        self._free_group(group)
+
+    def _free_group(self, group: Group) -> None:
+        for x in group.execs:
+            self.execs.pop(x, None)
+        self.groups.pop(group.id, None)
+        self.resolved.add(group.id)
+
+    def _on_batch(self, ev: Event) -> None:
+        b = int(ev["b"])
+        if b in self.batches:
+            raise FatalError(f"batch {b} created twice")
+        self.batches[b] = Batch(BatchId(b), int(ev["size"]))
+        self.filling = b
+
+    def _on_activate(self, ev: Event) -> None:
+        batch = self.batches[int(ev["b"])]
+        if batch.version is not None:
+            raise FatalError(f"batch {batch.id} activated twice")
+        batch.version = int(ev["v"])
+
+    def _on_assign(self, ev: Event) -> None:
+        batch = self.batches[int(ev["b"])]
+        group = self.groups[ev["g"]]
+        group.transition(GroupState.ASSIGNED)
+        group.batch_id = batch.id
+        self.ready.pop(group.id, None)
+        batch.groups.append(group.id)
+        for x in sorted(group.execs):
+            for i in sorted(group.execs[x].turns):
+                batch.pending.append((x, i))
+
+    def _on_emit(self, ev: Event) -> None:
+        batch = self.batches[int(ev["b"])]
+        refs = [(str(x), int(i)) for x, i in ev["seqs"]]
+        taken = set(refs)
+        if len(taken) != len(refs) or not taken.issubset(batch.pending):
+            raise FatalError(f"emit {ev['ms']}: sequences not pending in batch {batch.id}")
+        batch.pending = [r for r in batch.pending if r not in taken]
+        turns = [self.turn(r) for r in refs]
+        ms = MicroStep(
+            id=ev["ms"], batch_id=batch.id, index=len(batch.micro_steps), seqs=refs,
+            n_seqs=len(refs), loss_tokens=sum(t.loss_tokens for t in turns),
+            packed_tokens=sum(t.tokens for t in turns),
+        )
+        batch.micro_steps.append(ms)
+        batch.total_loss_tokens += ms.loss_tokens
+        self.micro_steps[ms.id] = ms
+
+    def _on_seal(self, ev: Event) -> None:
+        batch = self.batches[int(ev["b"])]
+        if batch.pending:
+            raise FatalError(f"batch {batch.id} sealed with unpacked sequences")
+        batch.sealed = True
+        self._maybe_close(batch)
+
+    def _on_claim(self, ev: Event) -> None:
+        ms = self.micro_steps[ev["ms"]]
+        if not ms.free:
+            raise FatalError(f"micro-step {ms.id} claimed while held or acked")
+        ms.holder = CellId(ev["cell"])
+        batch = self.batches[ms.batch_id]
+        batch.participants.add(ms.holder)
+        self._maybe_close(batch)
+
+    def _on_release(self, ev: Event) -> None:
+        ms = self.micro_steps[ev["ms"]]
+        ms.holder = None
+        if ev.get("expired", True):
+            self.claims_expired += 1
+
+    def _on_ack(self, ev: Event) -> None:
+        ms = self.micro_steps[ev["ms"]]
+        if ms.acked_by is not None:
+            raise FatalError(f"micro-step {ms.id} acknowledged twice")
+        ms.acked_by = CellId(ev["cell"])
+        ms.holder = None
+        self.consumed += ms.n_seqs
+        batch = self.batches[ms.batch_id]
+        batch.participants.add(ms.acked_by)
+        batch.acked += 1
+        self._maybe_close(batch)
+        if batch.sealed and batch.acked == len(batch.micro_steps):
+            self._finish_batch(batch)
+
+    def _on_policy(self, ev: Event) -> None:
+        self.policy_version = max(self.policy_version, int(ev["v"]))
+
+    def _maybe_close(self, batch: Batch) -> None:
+        if batch.sealed and not batch.closed and all(not m.free for m in batch.micro_steps):
+            batch.closed = True
+
+    def _finish_batch(self, batch: Batch) -> None:
+        # Trained: free the tokens; ids stay for idempotent answers.
+        batch.done = True
+        for m in batch.micro_steps:
+            m.seqs = []
+        for gid in batch.groups:
+            group = self.groups.get(gid)
+            if group is not None:
+                group.transition(GroupState.DONE)
+                self._free_group(group)

@@ -1,0 +1,113 @@
+"""Test helpers for the packer: a manual clock, record builders, and a full-state replay
+check (shared by unit, integration and fault tests and the benchmark)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gyre.v1 import common_pb2, packer_pb2
+from services.packer.config import PackerConfig
+from services.packer.model import ExecStatus, Finish, Turn
+from services.packer.packer import Packer
+from services.packer.state import PackerState
+from services.packer.wal import MemoryLog
+
+
+class ManualClock:
+    """A clock that moves only when told (lease/TTL expiry without sleeping)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def config(**overrides: Any) -> PackerConfig:
+    base: dict[str, Any] = {"batch_size": 2, "micro_step_token_budget": 64, "policy_from_etcd": False}
+    base.update(overrides)
+    return PackerConfig(**base)
+
+
+def make_packer(**overrides: Any) -> tuple[Packer, MemoryLog, ManualClock]:
+    log, clock = MemoryLog(), ManualClock()
+    packer = Packer(config(**overrides), log, clock=clock)
+    packer.recover([])
+    return packer, log, clock
+
+
+def turn(
+    x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: int = 0, **kw: Any
+) -> Turn:
+    """A valid turn with ``prompt`` prompt tokens and ``output`` output tokens."""
+    return Turn.validated(
+        x, g, i, kw.get("prompt_ids", range(1, prompt + 1)), kw.get("output_ids", range(100, 100 + output)),
+        kw.get("logprobs", [-0.5] * output), kw.get("versions", [version] * output),
+        kw.get("mask", []), kw.get("max_tokens", 1 << 20),
+    )
+
+
+def finish(
+    x: str, g: str, size: int, reward: float = 1.0, status: ExecStatus = ExecStatus.COMPLETED, version: int = 0
+) -> Finish:
+    return Finish.validated(x, g, size, status, reward, version, 1 << 16)
+
+
+def turn_proto(x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: int = 0) -> packer_pb2.TurnRecord:
+    return packer_pb2.TurnRecord(
+        execution_id=x, group_id=g, turn_index=i, prompt_token_ids=list(range(1, prompt + 1)),
+        output_token_ids=list(range(100, 100 + output)), output_logprobs=[-0.5] * output,
+        output_policy_versions=[version] * output,
+    )
+
+
+def finish_proto(x: str, g: str, size: int, reward: float = 1.0, version: int = 0) -> packer_pb2.FinishReport:
+    return packer_pb2.FinishReport(
+        execution_id=x, group_id=g, group_size=size, status=common_pb2.EXECUTION_STATUS_COMPLETED,
+        reward=reward, policy_version=version,
+    )
+
+
+async def feed_group(packer: Packer, g: str, size: int = 2, turns: int = 1, prompt: int = 4, output: int = 4) -> None:
+    """Records ``turns`` turns for each of ``size`` executions of group ``g`` and finishes
+    them with distinct rewards (so the group is never zero-variance)."""
+    for k in range(size):
+        x = f"{g}-x{k}"
+        for i in range(turns):
+            await packer.record_turn(turn(x, g, i, prompt, output))
+        await packer.report_finish(finish(x, g, size, reward=float(k)))
+
+
+def snapshot(state: PackerState) -> dict[str, Any]:
+    """A comparable summary of a state (what a replay must reproduce)."""
+    return {
+        "counters": state.counters(),
+        "groups": {g: (grp.state.value, grp.batch_id, sorted(grp.execs)) for g, grp in state.groups.items()},
+        "ready": list(state.ready),
+        "batches": {
+            b: (bt.size, bt.version, list(bt.groups), list(bt.pending), bt.sealed, bt.closed, bt.done,
+                bt.total_loss_tokens, sorted(bt.participants))
+            for b, bt in state.batches.items()
+        },
+        "micro_steps": {
+            m: (ms.batch_id, list(ms.seqs), ms.holder, ms.acked_by, ms.loss_tokens)
+            for m, ms in state.micro_steps.items()
+        },
+        "filling": state.filling,
+        "resolved": sorted(state.resolved),
+    }
+
+
+def replayed(events: list[dict[str, Any]]) -> PackerState:
+    state = PackerState()
+    for ev in events:
+        state.apply(ev)
+    return state
+
+
+def asdict(obj: Any) -> Any:
+    return dataclasses.asdict(obj)
