@@ -1,0 +1,85 @@
+"""Entry point: ``python -m services.cell_agent --config cluster.yaml [--set field=value ...]``.
+
+Wires the engine, the etcd store, the training hook and the servicers; the common runtime
+does the rest (lease, gRPC server, signals, ordered shutdown). The engine starts before the
+server, the cell registers and enters ROLLOUT once the server is up, and a monitor task
+ends the process (non-zero) when the engine dies or hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gyre.runtime import Runtime, Services, main
+from gyre.telemetry import cell_id_var
+from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
+from services.cell_agent.cell import Cell, CellIdentity
+from services.cell_agent.config import CellAgentConfig
+from services.cell_agent.engines import build_engine
+from services.cell_agent.hooks import NoopTrainingHook, TrainingHook
+from services.cell_agent.lifecycle import CellKind
+from services.cell_agent.servicer import CellControlServicer, EngineServicer
+from services.cell_agent.store import EtcdCellStore
+
+log = logging.getLogger(__name__)
+
+
+def _training_hook(rt: Runtime, cfg: CellAgentConfig, cell: Cell) -> TrainingHook:
+    """The trainer's hook if this build has one (services/cell_agent/training), else a no-op."""
+    try:
+        from services.cell_agent.training import build_hook  # type: ignore[attr-defined]
+    except ImportError:
+        return NoopTrainingHook()
+    return build_hook(rt, cfg, cell)
+
+
+class _App:
+    def __init__(self) -> None:
+        self.cell: Cell | None = None
+
+    async def build(self, rt: Runtime) -> Services:
+        cfg = rt.config
+        assert isinstance(cfg, CellAgentConfig)
+        cell_id_var.set(cfg.cell_id)
+        kind = CellKind.from_name(cfg.kind)
+        identity = CellIdentity(
+            cell_id=cfg.cell_id,
+            kind=kind,
+            index=-1 if kind is CellKind.STANDALONE else cfg.index,
+            slots=cfg.slots,
+            engine=cfg.engine,
+        )
+        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease.lease_id)
+        cell = Cell(
+            identity,
+            build_engine(cfg),
+            store,
+            drain_wait_s=cfg.drain_wait_s,
+            probe_interval_s=cfg.probe_interval_s,
+            probe_timeout_s=cfg.probe_timeout_s,
+            snapshot_timeout_s=cfg.snapshot_timeout_s,
+        )
+        cell.hook = _training_hook(rt, cfg, cell)
+        self.cell = cell
+        await cell.start()
+        rt.supervisor.on_flush(cell.close)
+        rt.supervisor.spawn("engine-monitor", cell.run())
+        return [
+            (EngineServicer(cell, cfg.max_prompt_tokens, cfg.max_tokens_limit),
+             pb_grpc.add_EngineServicer_to_server, "gyre.v1.Engine"),
+            (CellControlServicer(cell), pb_grpc.add_CellControlServicer_to_server, "gyre.v1.CellControl"),
+            *cell.hook.services(),
+        ]
+
+    async def after_start(self, rt: Runtime) -> None:
+        assert self.cell is not None
+        await self.cell.open(rt.target)
+
+
+def run(argv: list[str] | None = None) -> None:
+    app = _App()
+    main("cell_agent", CellAgentConfig, app.build, argv=argv, after_start=app.after_start, instance_field="cell_id")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,63 @@
+"""The cell agent's typed configuration (section ``cell_agent`` of the cluster YAML)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from gyre.config import ServiceConfig
+
+
+class CellAgentConfig(ServiceConfig):
+    """One cell: its identity, its engine, and the crash-only health probe."""
+
+    SECTION: ClassVar[str] = "cell_agent"
+
+    # Identity -------------------------------------------------------------------------------
+    cell_id: str = Field("cell-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
+                         description="Unique cell id; the key of its registration in etcd.")
+    kind: Literal["standalone", "elastic"] = Field(
+        "elastic", description="standalone cells always serve; elastic cells also train.")
+    index: int = Field(0, ge=-1, description="Elastic index (0 = core, 1.. satellites); -1 for standalone.")
+    slots: int = Field(8, ge=1, le=4096, description="Concurrent executions the engine serves in rollout.")
+
+    # Engine ---------------------------------------------------------------------------------
+    engine: Literal["mock", "vllm"] = Field("mock", description="Engine implementation.")
+    model_dir: str = Field("", description="Local model directory (required for vllm; mock hashes its weights).")
+    policy_version: int = Field(0, ge=0, description="Policy version the initial weights are served as.")
+    max_model_len: int = Field(4096, ge=16, description="vLLM: longest context (prompt + output) in tokens.")
+    max_num_seqs: int = Field(64, ge=1, description="vLLM: most sequences in one batch.")
+    dtype: str = Field("bfloat16", description="vLLM: weight dtype.")
+    seed: int = Field(0, ge=0, description="Engine seed (vLLM sampling seed; mock token hash seed).")
+    gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description="vLLM on GPU: memory fraction.")
+    max_prompt_tokens: int = Field(131072, ge=1, description="Longest prompt Generate accepts.")
+    max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
+
+    # Mock timing model (defaults: 7B on an H200, WORKLOADS.md) ----------------------------------
+    mock_time_scale: float = Field(1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
+    mock_fixed_decode_step_s: float = Field(
+        0.0, ge=0, description="If > 0, each decode step costs this instead of the roofline term.")
+    mock_step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of every engine step.")
+    mock_n_params: float = Field(7.0e9, gt=0, description="Model parameters (compute terms).")
+    mock_weight_bytes: float = Field(14.0e9, ge=0, description="Bytes of weights read per decode step.")
+    mock_n_layers: int = Field(28, ge=1, description="Layers (prefill attention term).")
+    mock_d_model: int = Field(3584, ge=1, description="Hidden size (prefill attention term).")
+    mock_kv_bytes_per_token: float = Field(57344.0, ge=0, description="KV-cache bytes per context token.")
+    mock_hbm_bytes_per_s: float = Field(4.8e12, gt=0, description="Memory bandwidth, bytes/s.")
+    mock_flops: float = Field(989e12, gt=0, description="Dense bf16 FLOP/s.")
+    mock_weight_load_s: float = Field(0.1, ge=0, description="Cost of an in-place weight update.")
+    mock_sleep_s: float = Field(0.5, ge=0, description="Cost of releasing rollout memory (sleep).")
+    mock_wake_s: float = Field(0.5, ge=0, description="Cost of restoring rollout memory (wake).")
+    mock_vocab_size: int = Field(512, ge=8, description="Mock token ids are drawn from [3, vocab).")
+    mock_max_batch: int = Field(256, ge=1, description="Most requests the mock runs in one step.")
+    mock_kv_dir: str = Field("", description="Directory for exported KV handles (file medium); memory if empty.")
+    mock_die_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock dies after this many tokens.")
+    mock_hang_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock hangs after this many tokens.")
+
+    # Lifecycle and health -----------------------------------------------------------------------
+    drain_wait_s: float = Field(
+        30.0, ge=0, description="How long SetState(TRAINING) waits for the engine to hold no request.")
+    probe_interval_s: float = Field(2.0, gt=0, description="Health probe period (a probe generates a token).")
+    probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
+    snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")

@@ -1,0 +1,59 @@
+"""Engines of a cell (one interface, :mod:`.base`): the vLLM engine and the mock engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from services.cell_agent.engines.base import Chunk, Engine, EngineDead, FinishReason, KvHandle, Sampling
+
+if TYPE_CHECKING:
+    from services.cell_agent.config import CellAgentConfig
+
+__all__ = ["Chunk", "Engine", "EngineDead", "FinishReason", "KvHandle", "Sampling", "build_engine"]
+
+
+def build_engine(cfg: CellAgentConfig) -> Engine:
+    """The engine the config names (not started)."""
+    if cfg.engine == "vllm":
+        from services.cell_agent.engines.vllm_engine import VllmEngine
+
+        if not cfg.model_dir:
+            raise ValueError("engine=vllm needs model_dir")
+        return VllmEngine(
+            cfg.model_dir,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            seed=cfg.seed,
+            dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            policy_version=cfg.policy_version,
+        )
+    from services.cell_agent.engines.mock import MockEngine, MockFaults, MockTiming
+
+    timing = MockTiming(
+        n_params=cfg.mock_n_params,
+        weight_bytes=cfg.mock_weight_bytes,
+        n_layers=cfg.mock_n_layers,
+        d_model=cfg.mock_d_model,
+        kv_bytes_per_token=cfg.mock_kv_bytes_per_token,
+        hbm_bytes_per_s=cfg.mock_hbm_bytes_per_s,
+        flops=cfg.mock_flops,
+        step_overhead_s=cfg.mock_step_overhead_s,
+        fixed_decode_step_s=cfg.mock_fixed_decode_step_s,
+        weight_load_s=cfg.mock_weight_load_s,
+        sleep_s=cfg.mock_sleep_s,
+        wake_s=cfg.mock_wake_s,
+        time_scale=cfg.mock_time_scale,
+    )
+    faults = MockFaults(die_after_tokens=cfg.mock_die_after_tokens, hang_after_tokens=cfg.mock_hang_after_tokens)
+    return MockEngine(
+        timing=timing,
+        faults=faults,
+        vocab_size=cfg.mock_vocab_size,
+        max_batch=cfg.mock_max_batch,
+        seed=cfg.seed,
+        model_dir=cfg.model_dir,
+        cell_id=cfg.cell_id,
+        kv_dir=cfg.mock_kv_dir,
+        policy_version=cfg.policy_version,
+    )

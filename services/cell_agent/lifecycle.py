@@ -1,0 +1,168 @@
+"""The role lifecycle of a cell: one enum of states, one table of allowed transitions, one
+``transition()`` that refuses the rest, and the fence check every command passes.
+
+    STARTING --> ROLLOUT --> DRAINING --> TRAINING --> RETURNING --> ROLLOUT
+                               |  ^
+                               v  |  (a drain can be called off: DRAINING -> ROLLOUT)
+                             ROLLOUT
+    any state --> FAILED (terminal; the process exits and its lease lapses)
+
+Standalone cells never train. A command that names the current state is a no-op success
+(commands are retried after UNAVAILABLE, so they must be idempotent). Pure logic: no grpc,
+no etcd; persistence is :mod:`services.cell_agent.store`, side effects are
+:mod:`services.cell_agent.cell`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+from gyre.errors import FailedPrecondition, InvalidArgument
+from gyre.fencing import FenceGuard
+from gyre.v1 import common_pb2
+
+
+class CellState(enum.Enum):
+    """Lifecycle states (mirrors ``gyre.v1.CellState``; values are the proto numbers)."""
+
+    STARTING = common_pb2.CELL_STATE_STARTING
+    ROLLOUT = common_pb2.CELL_STATE_ROLLOUT
+    DRAINING = common_pb2.CELL_STATE_DRAINING
+    TRAINING = common_pb2.CELL_STATE_TRAINING
+    RETURNING = common_pb2.CELL_STATE_RETURNING
+    FAILED = common_pb2.CELL_STATE_FAILED
+
+    @classmethod
+    def from_proto(cls, value: int) -> CellState:
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"unknown cell state {value}") from None
+
+    def to_proto(self) -> int:
+        return self.value
+
+    @classmethod
+    def from_name(cls, name: str) -> CellState:
+        try:
+            return cls[name]
+        except KeyError:
+            raise InvalidArgument(f"unknown cell state {name!r}") from None
+
+
+class CellKind(enum.Enum):
+    """Standalone cells always serve; elastic cells change role (mirrors ``gyre.v1.CellKind``)."""
+
+    STANDALONE = common_pb2.CELL_KIND_STANDALONE
+    ELASTIC = common_pb2.CELL_KIND_ELASTIC
+
+    @classmethod
+    def from_name(cls, name: str) -> CellKind:
+        return cls[name.upper()]
+
+    def to_proto(self) -> int:
+        return self.value
+
+
+S = CellState
+TRANSITIONS: dict[CellState, frozenset[CellState]] = {
+    S.STARTING: frozenset({S.ROLLOUT, S.FAILED}),
+    S.ROLLOUT: frozenset({S.DRAINING, S.FAILED}),
+    S.DRAINING: frozenset({S.TRAINING, S.ROLLOUT, S.FAILED}),
+    S.TRAINING: frozenset({S.RETURNING, S.FAILED}),
+    S.RETURNING: frozenset({S.ROLLOUT, S.FAILED}),
+    S.FAILED: frozenset(),
+}
+"""The one table of allowed transitions."""
+
+ELASTIC_ONLY = frozenset({S.TRAINING, S.RETURNING})
+"""States a standalone cell never enters."""
+
+SERVING = frozenset({S.ROLLOUT})
+"""States in which the engine takes new requests."""
+
+ENGINE_UP = frozenset({S.STARTING, S.ROLLOUT, S.DRAINING, S.RETURNING})
+"""States in which the engine is awake (may hold requests, may load weights, is probed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """One accepted state change (``source == target`` for an idempotent repeat)."""
+
+    source: CellState
+    target: CellState
+    epoch: int
+    reason: str
+
+    @property
+    def noop(self) -> bool:
+        return self.source == self.target
+
+
+class Lifecycle:
+    """The state of one cell and the rules for changing it.
+
+    ``check()`` validates a command (fence, table, kind) without changing anything;
+    ``commit()`` records a checked transition once it has been persisted. The split lets
+    the caller do the fallible work (drain wait, the fenced etcd write) in between, so a
+    refused or failed command leaves the state untouched.
+    """
+
+    def __init__(self, kind: CellKind, clock: Callable[[], float], state: CellState = S.STARTING) -> None:
+        self.kind = kind
+        self._clock = clock
+        self._state = state
+        self._updated_s = clock()
+        self.fence = FenceGuard()
+        self.history: list[Transition] = []
+
+    @property
+    def state(self) -> CellState:
+        return self._state
+
+    @property
+    def updated_s(self) -> float:
+        return self._updated_s
+
+    @property
+    def epoch(self) -> int:
+        return int(self.fence.highest)
+
+    def check(self, target: CellState, epoch: int, reason: str = "") -> Transition:
+        """Validates a fenced command: StaleEpoch for an old epoch, FailedPrecondition for
+        an illegal transition. Records the epoch as seen (a newer leader raises the floor
+        even if its first command is refused for another reason)."""
+        self.fence.check(epoch)
+        return self.check_unfenced(target, epoch, reason)
+
+    def check_unfenced(self, target: CellState, epoch: int = 0, reason: str = "") -> Transition:
+        """Validates a transition the cell makes on its own (start-up, failure)."""
+        source = self._state
+        if target in ELASTIC_ONLY and self.kind is CellKind.STANDALONE:
+            raise FailedPrecondition(f"a standalone cell cannot enter {target.name}")
+        if target != source and target not in TRANSITIONS[source]:
+            raise FailedPrecondition(f"illegal transition {source.name} -> {target.name}")
+        if source is S.FAILED:
+            raise FailedPrecondition("the cell has failed")
+        return Transition(source, target, epoch, reason)
+
+    def commit(self, t: Transition) -> None:
+        """Applies a checked transition. Refuses one checked against another state."""
+        if t.source != self._state:
+            raise FailedPrecondition(
+                f"state changed to {self._state.name} while moving {t.source.name} -> {t.target.name}"
+            )
+        self._state = t.target
+        self._updated_s = self._clock()
+        if not t.noop:
+            self.history.append(t)
+
+    def fail(self, reason: str) -> Transition:
+        """Moves to FAILED from anywhere (no fence: the cell's own verdict)."""
+        t = Transition(self._state, S.FAILED, self.epoch, reason)
+        self._state = S.FAILED
+        self._updated_s = self._clock()
+        self.history.append(t)
+        return t

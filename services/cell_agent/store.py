@@ -1,0 +1,47 @@
+"""The cell agent's etcd adapter: its lease-bound registration and its fenced state writes.
+
+``keys.cell(id)`` holds the registration (kind, index, slots, target, engine, policy
+version) and ``keys.cell_state(id)`` the lifecycle state; both are bound to the process
+lease, so a dead cell disappears when its lease lapses. A state change ordered by the
+scheduler is one transaction that also compares the leader key's create revision with the
+command's epoch: a deposed leader's command cannot be persisted, even by a cell that has
+not yet seen the new leader.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gyre.errors import StaleEpoch
+from gyre.etcd import Etcd, Keys, Op
+from gyre.etcd.client import create_revision_is
+from services.cell_agent.lifecycle import CellState
+
+
+class EtcdCellStore:
+    """Writes one cell's keys with its process lease."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, cell_id: str, lease_id: int) -> None:
+        self._etcd = etcd
+        self._keys = keys
+        self._cell_id = cell_id
+        self._lease_id = lease_id
+
+    async def register(self, record: dict[str, object]) -> None:
+        await self._etcd.put(self._keys.cell(self._cell_id), json.dumps(record).encode(), lease=self._lease_id)
+
+    async def write_state(self, state: CellState, epoch: int, updated_s: float) -> None:
+        key = self._keys.cell_state(self._cell_id)
+        value = json.dumps({"state": state.name, "epoch": epoch, "updated_s": updated_s}).encode()
+        if epoch <= 0:
+            await self._etcd.put(key, value, lease=self._lease_id)
+            return
+        ok, _ = await self._etcd.txn(
+            [create_revision_is(self._keys.leader(), epoch)], [Op(key, value, self._lease_id)]
+        )
+        if not ok:
+            raise StaleEpoch(f"epoch {epoch} is not the current scheduler leader's; state not changed")
+
+    async def read_state(self) -> dict[str, object] | None:
+        kv = await self._etcd.get(self._keys.cell_state(self._cell_id))
+        return None if kv is None else json.loads(kv.value)

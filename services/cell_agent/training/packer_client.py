@@ -1,0 +1,49 @@
+"""The packer's claim API for one training cell, over gRPC (the real MicroStepSource)."""
+
+from __future__ import annotations
+
+import grpc
+
+from gyre.grpcx.channel import unary
+from gyre.grpcx.server import channel_options
+from gyre.v1 import packer_pb2 as ppb
+from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from services.cell_agent.training.microstep import Claim, MicroStep, Outcome
+
+
+class PackerSource:
+    """Claims, acks and keeps micro-steps at the packer for ``cell_id``."""
+
+    def __init__(self, target: str, cell_id: str, rpc_timeout_s: float = 10.0,
+                 channel: grpc.aio.Channel | None = None, max_message_bytes: int = 16 * 1024 * 1024) -> None:
+        self.cell_id = cell_id
+        self.rpc_timeout_s = rpc_timeout_s
+        self._own = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._stub = ppb_grpc.PackerStub(self._channel)
+
+    async def claim(self, batch_id: int, policy_version: int, wait_s: float) -> Claim:
+        resp = await unary(
+            self._stub.ClaimMicroStep,
+            ppb.ClaimMicroStepRequest(
+                cell_id=self.cell_id, batch_id=batch_id, policy_version=policy_version, wait_s=wait_s
+            ),
+            timeout_s=wait_s + self.rpc_timeout_s,
+        )
+        outcome = Outcome.from_proto(resp.outcome)
+        step = MicroStep.from_proto(resp.micro_step) if outcome is Outcome.CLAIMED else None
+        return Claim(outcome, step, resp.claim_ttl_s)
+
+    async def ack(self, batch_id: int, micro_step_id: str) -> None:
+        await unary(
+            self._stub.AckMicroStep,
+            ppb.AckMicroStepRequest(cell_id=self.cell_id, batch_id=batch_id, micro_step_id=micro_step_id),
+            timeout_s=self.rpc_timeout_s,
+        )
+
+    async def keep(self) -> None:
+        await unary(self._stub.KeepClaims, ppb.KeepClaimsRequest(cell_id=self.cell_id), timeout_s=self.rpc_timeout_s)
+
+    async def close(self) -> None:
+        if self._own:
+            await self._channel.close()

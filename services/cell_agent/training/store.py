@@ -1,0 +1,40 @@
+"""The trainer's etcd adapter: publishing a new policy version at ``keys.policy()``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from gyre.etcd import Etcd, Keys
+from gyre.etcd.client import Op, mod_revision_is
+
+log = logging.getLogger(__name__)
+
+
+class EtcdPolicyPublisher:
+    """Writes {"version", "source_target", "batch_id"} at ``keys.policy()``; never moves
+    the version backwards (compare-and-set on the key's revision)."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, source_target: str) -> None:
+        self.etcd = etcd
+        self.key = keys.policy()
+        self.source_target = source_target
+
+    async def publish(self, version: int, batch_id: int) -> None:
+        value = json.dumps(
+            {"version": version, "source_target": self.source_target, "batch_id": batch_id}
+        ).encode()
+        while True:
+            cur = await self.etcd.get(self.key)
+            if cur is not None and int(json.loads(cur.value).get("version", 0)) >= version:
+                return  # already announced (a restart re-publishing, or a newer one)
+            ok, _ = await self.etcd.txn(
+                [mod_revision_is(self.key, cur.mod_revision if cur else 0)], [Op(self.key, value)]
+            )
+            if ok:
+                log.info("policy published", extra={"version": version, "batch_id": batch_id})
+                return
+
+    async def current(self) -> dict | None:
+        cur = await self.etcd.get(self.key)
+        return None if cur is None else json.loads(cur.value)
