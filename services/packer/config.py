@@ -23,7 +23,7 @@ class PackerConfig(ServiceConfig):
     batch_size: int = Field(4, ge=1, le=100_000, description="Groups per training batch.")
     micro_step_token_budget: int = Field(
         8192,
-        ge=16,
+        ge=8,
         le=16_777_216,
         description="Most tokens (prompt + output) in one micro-step; a longer turn is refused.",
     )

@@ -1,0 +1,245 @@
+"""Packer trajectory buffer: a group is ready only when all its executions closed; failed
+members follow the configured rule (never silently); GRPO advantages are group-relative;
+zero-variance and stale groups are dropped and counted; malformed or conflicting records are
+refused with a precise error and change nothing (state and WAL identical before and after)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gyre.v1 import common_pb2, packer_pb2
+from services.packer import testkit as tk
+from services.packer.advantages import group_advantages, is_stale
+from services.packer.model import ExecStatus, Finish, Turn
+
+
+async def test_group_ready_only_when_all_members_closed():
+    p, _, _ = tk.make_packer()
+    for k in range(3):
+        await p.record_turn(tk.turn(f"x{k}", "g", 0))
+    await p.report_finish(tk.finish("x0", "g", 3, reward=0.0))
+    await p.report_finish(tk.finish("x1", "g", 3, reward=1.0))
+    assert p.supply()["ready_unassigned"] == 0
+    assert p.state.counters()["pending"] == 3
+    await p.report_finish(tk.finish("x2", "g", 3, reward=2.0))
+    assert p.supply()["ready_unassigned"] == 1
+    assert p.state.counters()["ready"] == 3
+
+
+async def test_finish_without_turns_is_accepted_and_counts_as_closed():
+    # Decision: a finish for an execution the packer never saw a turn of is legitimate (it
+    # made no model call, or failed before one); it closes that member of its group.
+    p, _, _ = tk.make_packer()
+    await p.record_turn(tk.turn("x0", "g"))
+    assert await p.report_finish(tk.finish("x1", "g", 2, reward=0.0)) is False
+    await p.report_finish(tk.finish("x0", "g", 2, reward=1.0))
+    assert p.supply()["ready_unassigned"] == 1
+
+
+@pytest.mark.parametrize("status", [ExecStatus.FAILED, ExecStatus.TIMED_OUT, ExecStatus.CANCELLED])
+async def test_failed_member_drops_group_under_drop_group(status):
+    p, _, _ = tk.make_packer(failed_member_rule="drop_group")
+    for k in range(3):
+        await p.record_turn(tk.turn(f"x{k}", "g", 0))
+        await p.record_turn(tk.turn(f"x{k}", "g", 1))
+    await p.report_finish(tk.finish("x0", "g", 3, reward=0.0))
+    await p.report_finish(tk.finish("x1", "g", 3, reward=1.0))
+    await p.report_finish(tk.finish("x2", "g", 3, status=status))
+    c = p.state.counters()
+    assert c["dropped"] == {"failed_group": 6}
+    assert c["buffered"] == 0 and p.supply()["ready_unassigned"] == 0
+
+
+async def test_keep_rest_drops_only_failed_members():
+    p, _, _ = tk.make_packer(failed_member_rule="keep_rest", min_group_members=2)
+    for k in range(3):
+        await p.record_turn(tk.turn(f"x{k}", "g", 0))
+    await p.report_finish(tk.finish("x0", "g", 3, reward=0.0))
+    await p.report_finish(tk.finish("x1", "g", 3, status=ExecStatus.FAILED))
+    await p.report_finish(tk.finish("x2", "g", 3, reward=2.0))
+    c = p.state.counters()
+    assert c["dropped"] == {"failed_execution": 1}
+    assert c["ready"] == 2
+    adv = p.state.groups["g"].advantages
+    assert set(adv) == {"x0", "x2"}
+    assert adv["x0"] == pytest.approx(-1.0, abs=1e-5) and adv["x2"] == pytest.approx(1.0, abs=1e-5)
+
+
+async def test_keep_rest_with_too_few_completed_drops_group():
+    p, _, _ = tk.make_packer(failed_member_rule="keep_rest", min_group_members=2)
+    for k in range(2):
+        await p.record_turn(tk.turn(f"x{k}", "g", 0))
+    await p.report_finish(tk.finish("x0", "g", 2, reward=1.0))
+    await p.report_finish(tk.finish("x1", "g", 2, status=ExecStatus.CANCELLED))
+    assert p.state.counters()["dropped"] == {"failed_group": 2}
+
+
+async def test_zero_variance_group_dropped_or_kept_by_option():
+    p, _, _ = tk.make_packer(drop_zero_variance=True)
+    for k in range(2):
+        await p.record_turn(tk.turn(f"x{k}", "g", 0))
+        await p.report_finish(tk.finish(f"x{k}", "g", 2, reward=1.0))
+    assert p.state.counters()["dropped"] == {"zero_variance": 2}
+
+    p, _, _ = tk.make_packer(drop_zero_variance=False)
+    for k in range(2):
+        await p.record_turn(tk.turn(f"x{k}", "g", 0))
+        await p.report_finish(tk.finish(f"x{k}", "g", 2, reward=1.0))
+    assert p.state.counters()["ready"] == 2
+    assert p.state.groups["g"].advantages == {"x0": 0.0, "x1": 0.0}
+
+
+def test_grpo_advantages_are_group_relative():
+    adv = group_advantages({"a": 0.0, "b": 1.0, "c": 2.0, "d": 5.0}, std_normalize=True, eps=0.0)
+    assert math.fsum(adv.values()) == pytest.approx(0.0, abs=1e-12)
+    std = math.sqrt(sum(v * v for v in adv.values()) / 4)
+    assert std == pytest.approx(1.0)
+    raw = group_advantages({"a": 0.0, "b": 1.0, "c": 2.0, "d": 5.0}, std_normalize=False)
+    assert raw == {"a": -2.0, "b": -1.0, "c": 0.0, "d": 3.0}
+    assert group_advantages({"a": 3.0}) == {"a": 0.0}
+
+
+def test_staleness_rule():
+    assert not is_stale(5, 6, 1)
+    assert is_stale(4, 6, 1)
+    assert not is_stale(6, 6, 0)
+
+
+async def test_stale_group_dropped_at_readiness_and_when_policy_moves():
+    p, _, _ = tk.make_packer(max_staleness=1)
+    await p.observe_policy(3)
+    # Oldest token from version 1: two behind -> stale on arrival.
+    await p.record_turn(tk.turn("a0", "old", 0, version=1))
+    await p.record_turn(tk.turn("a1", "old", 0, version=2))
+    await p.report_finish(tk.finish("a0", "old", 2, reward=0.0, version=1))
+    await p.report_finish(tk.finish("a1", "old", 2, reward=1.0, version=2))
+    assert p.state.counters()["dropped"] == {"stale": 2}
+    # Fresh group: ready; then the policy moves two versions: dropped while waiting.
+    await p.record_turn(tk.turn("b0", "new", 0, version=3))
+    await p.record_turn(tk.turn("b1", "new", 0, version=3))
+    await p.report_finish(tk.finish("b0", "new", 2, reward=0.0, version=3))
+    await p.report_finish(tk.finish("b1", "new", 2, reward=1.0, version=3))
+    assert p.supply()["ready_unassigned"] == 1
+    await p.observe_policy(5)
+    assert p.supply()["ready_unassigned"] == 0
+    assert p.state.counters()["dropped"] == {"stale": 4}
+    assert p.supply()["dropped"] == {"stale": 4}
+
+
+async def test_duplicates_are_idempotent():
+    p, log, _ = tk.make_packer()
+    assert await p.record_turn(tk.turn("x0", "g")) is False
+    n = len(log.events)
+    assert await p.record_turn(tk.turn("x0", "g")) is True
+    assert await p.report_finish(tk.finish("x0", "g", 2, reward=0.5)) is False
+    m = len(log.events)
+    assert await p.report_finish(tk.finish("x0", "g", 2, reward=0.5)) is True
+    assert len(log.events) == m and m == n + 1
+    assert p.state.counters()["produced"] == 1
+
+
+def _turn_proto(**changes):
+    msg = tk.turn_proto("x0", "g", 0, prompt=4, output=4)
+    for key, value in changes.items():
+        field = getattr(msg, key)
+        del field[:]
+        field.extend(value)
+    return msg
+
+
+@pytest.mark.parametrize(
+    "msg, error",
+    [
+        (_turn_proto(output_logprobs=[-0.1] * 3), InvalidArgument),
+        (_turn_proto(output_logprobs=[-0.1, float("nan"), -0.1, -0.1]), InvalidArgument),
+        (_turn_proto(output_logprobs=[-0.1, float("inf"), -0.1, -0.1]), InvalidArgument),
+        (_turn_proto(output_logprobs=[-0.1, 0.5, -0.1, -0.1]), InvalidArgument),
+        (_turn_proto(output_policy_versions=[0, 0]), InvalidArgument),
+        (_turn_proto(output_loss_mask=[1, 2, 1, 1]), InvalidArgument),
+        (_turn_proto(output_loss_mask=[1, 1]), InvalidArgument),
+        (_turn_proto(output_token_ids=[], output_logprobs=[], output_policy_versions=[]), InvalidArgument),
+        (_turn_proto(prompt_token_ids=[-1, 2]), InvalidArgument),
+        (packer_pb2.TurnRecord(group_id="g", output_token_ids=[1], output_logprobs=[-1.0]), InvalidArgument),
+        (packer_pb2.TurnRecord(execution_id="x", output_token_ids=[1], output_logprobs=[-1.0]), InvalidArgument),
+        (packer_pb2.TurnRecord(execution_id="x" * 300, group_id="g", output_token_ids=[1], output_logprobs=[-1.0]),
+         InvalidArgument),
+        (packer_pb2.TurnRecord(execution_id="x", group_id="g", turn_index=-1, output_token_ids=[1],
+                               output_logprobs=[-1.0]), InvalidArgument),
+        (_turn_proto(prompt_token_ids=list(range(70))), ResourceExhausted),  # budget is 64
+    ],
+)
+async def test_malformed_turn_refused_and_changes_nothing(msg, error):
+    p, log, _ = tk.make_packer()
+    await tk.feed_group(p, "g0", size=2)
+    before, n = tk.snapshot(p.state), len(log.events)
+    with pytest.raises(error):
+        await p.record_turn(Turn.from_proto(msg, p.cfg.micro_step_token_budget))
+    assert tk.snapshot(p.state) == before and len(log.events) == n
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"reward": float("nan")},
+        {"reward": float("inf")},
+        {"status": common_pb2.EXECUTION_STATUS_RUNNING},
+        {"status": common_pb2.EXECUTION_STATUS_UNSPECIFIED},
+        {"group_size": 0},
+        {"group_size": 1 << 20},
+        {"policy_version": -1},
+        {"execution_id": ""},
+    ],
+)
+async def test_malformed_finish_refused(changes):
+    p, log, _ = tk.make_packer()
+    msg = tk.finish_proto("x0", "g", 2)
+    for key, value in changes.items():
+        setattr(msg, key, value)
+    with pytest.raises(InvalidArgument):
+        Finish.from_proto(msg, p.cfg.max_group_size)
+    assert len(log.events) == 1  # only the first batch's creation
+
+
+async def test_conflicting_records_refused_and_change_nothing():
+    p, log, _ = tk.make_packer()
+    await p.record_turn(tk.turn("x0", "g", 0))
+    await p.report_finish(tk.finish("x0", "g", 2, reward=0.0))
+    await tk.feed_group(p, "done", size=2)
+    before, n = tk.snapshot(p.state), len(log.events)
+    cases = [
+        (p.record_turn(tk.turn("x0", "g", 0, output=5)), FailedPrecondition),  # same key, other content
+        (p.record_turn(tk.turn("x0", "other", 1)), InvalidArgument),  # execution moved groups
+        (p.report_finish(tk.finish("x0", "g", 2, reward=1.0)), FailedPrecondition),  # other reward
+        (p.report_finish(tk.finish("x1", "g", 3)), InvalidArgument),  # other group_size
+        (p.report_finish(tk.finish("x9", "done", 2)), FailedPrecondition),  # group already complete
+        (p.record_turn(tk.turn("done-x0", "done", 5)), FailedPrecondition),  # late turn
+        (p.ack("c", 0, "b9-m9"), NotFound),  # unknown micro-step
+        (p.claim("c", 7, 0, 0), NotFound),  # unknown batch
+    ]
+    for coro, error in cases:
+        with pytest.raises(error):
+            await coro
+    assert tk.snapshot(p.state) == before and len(log.events) == n
+
+
+async def test_buffer_limit_is_resource_exhausted():
+    p, log, _ = tk.make_packer(max_buffered_turns=2)
+    await p.record_turn(tk.turn("x0", "g", 0))
+    await p.record_turn(tk.turn("x0", "g", 1))
+    with pytest.raises(ResourceExhausted):
+        await p.record_turn(tk.turn("x0", "g", 2))
+    assert p.state.counters()["produced"] == 2
+
+
+def test_packed_sequence_alignment():
+    t = Turn.validated("x", "g", 0, [1, 2, 3], [7, 8], [-0.1, -0.2], [4, 5], [1, 0], 100)
+    from services.packer.model import PackedSequence
+
+    msg = PackedSequence(t, 0.5, 4).to_proto()
+    assert list(msg.token_ids) == [1, 2, 3, 7, 8]
+    assert list(msg.loss_mask) == [0, 0, 0, 1, 0]
+    assert list(msg.logprobs) == pytest.approx([0, 0, 0, -0.1, 0])
+    assert msg.advantage == 0.5 and msg.policy_version == 4 and msg.turn_index == 0
