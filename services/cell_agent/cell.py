@@ -216,9 +216,9 @@ class Cell:
         if (t.source, t.target) == (s.DRAINING, s.TRAINING):
             released = await self.engine.sleep()
             log.info("rollout resources released", extra={"freed_memory": released})
-            await self.hook.enter_training()
+            await self.hook.on_enter_training()
         elif (t.source, t.target) == (s.TRAINING, s.RETURNING):
-            await self.hook.leave_training()
+            await self.hook.on_leave_training()
             await self.engine.wake()
         elif t.target is s.ROLLOUT:
             await self.engine.probe(self._probe_timeout_s)  # serve only a proven engine

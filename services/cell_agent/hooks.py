@@ -33,10 +33,10 @@ class JoinBatch:
 class TrainingHook(Protocol):
     """What the cell calls around its training role."""
 
-    async def enter_training(self) -> None:
+    async def on_enter_training(self) -> None:
         """Called after the engine released its rollout resources (DRAINING -> TRAINING)."""
 
-    async def leave_training(self) -> None:
+    async def on_leave_training(self) -> None:
         """Called before the engine is restored (TRAINING -> RETURNING)."""
 
     async def join_batch(self, cmd: JoinBatch) -> bool:
@@ -49,10 +49,10 @@ class TrainingHook(Protocol):
 class NoopTrainingHook:
     """The default hook: no trainer in this process."""
 
-    async def enter_training(self) -> None:
+    async def on_enter_training(self) -> None:
         return None
 
-    async def leave_training(self) -> None:
+    async def on_leave_training(self) -> None:
         return None
 
     async def join_batch(self, cmd: JoinBatch) -> bool:
