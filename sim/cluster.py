@@ -1,0 +1,668 @@
+"""The simulated cluster: cells with engines and a streaming trainer, executions, the ledger,
+and the GPU-second accounts. It owns the mechanism (what happens when a cell moves, how a
+request is rerouted, how training consumes groups); the decisions come from the scheduler's
+policy through ``sim.driver``.
+
+Engines use a fluid decode model: every active sequence of an engine gains one token per
+step and the step time is the cost model's (bytes read), integrated exactly between events
+(``DecodeRate``). Prefill and weight loads stall the engine's decode (they are queued GPU
+work on the same device). Training consumes ready groups first-in first-out at the summed
+throughput of the cells that have joined the stream.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from sim.config import CostConfig
+from sim.cost import CostModel, DecodeRate
+from sim.events import EventLoop
+from sim.workload import Episode
+
+CATEGORIES = ("decode", "prefill", "train", "weight_sync", "role_switch", "idle_rollout", "idle_train")
+"""GPU-second categories; every cell-second falls in exactly one."""
+
+_EPS = 1e-9
+
+
+class Role(enum.Enum):
+    """A cell's role lifecycle (names match services.scheduler.policy.CellState)."""
+
+    ROLLOUT = "ROLLOUT"
+    DRAINING = "DRAINING"  # moving to training: drained, switching
+    TRAINING = "TRAINING"
+    RETURNING = "RETURNING"  # moving back to rollout: switching
+
+
+class ExecState(enum.Enum):
+    QUEUED = 0
+    SANDBOX = 1
+    GPU = 2  # prefill + decode of a turn
+    TOOL = 3
+    REWARD = 4
+    CLOSED = 5
+
+
+@dataclass(slots=True)
+class Group:
+    """The executions of one task in one burst; ready when all have closed."""
+
+    gid: int
+    task: int
+    burst: int
+    version: int  # policy version it was dispatched with
+    size: int
+    closed: int = 0
+    tokens: int = 0  # training tokens (final contexts of every member)
+    ready_s: float = -1.0
+    # tokens generated under each policy version (for per-token lag)
+    gen_by_version: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Execution:
+    xid: int
+    group: Group
+    ep: Episode
+    state: ExecState = ExecState.QUEUED
+    cell: "Cell | None" = None
+    turn: int = 0
+    ctx: int = 0  # tokens in context (prompts, observations, outputs so far)
+    remaining: int = 0  # tokens still to generate in the current turn
+    recompute: bool = False  # its KV is not on its current engine (after a reroute)
+    dispatched_s: float = 0.0
+    launched_s: float = -1.0
+    closed_s: float = -1.0
+    reroutes: int = 0
+    # decode bookkeeping on the current engine
+    start_v: float = 0.0
+    ctx0: int = 0
+    token: int = 0  # invalidates heap entries on removal
+
+
+class Engine:
+    """The inference engine of one cell: fluid decode with stalls for prefill and weight loads."""
+
+    def __init__(self, cell: "Cell", cost: CostModel) -> None:
+        self.cell = cell
+        self.cost = cost
+        self.active: dict[int, Execution] = {}
+        self.heap: list[tuple[float, int, int]] = []  # (finish_v, xid, token)
+        self.v = 0.0
+        self.a = 0.0  # sum(ctx0 - start_v) of active sequences
+        self.t_last = 0.0
+        self.stalls: deque[list] = deque()  # [category, remaining_s]
+        self.rate: DecodeRate | None = None
+        self.gen = 0
+        self.version = 0
+        self.tokens = 0
+
+    def stall_s(self) -> float:
+        return sum(s[1] for s in self.stalls)
+
+    def advance(self, t: float, acc: dict[str, float]) -> None:
+        """Moves the engine's clock to t, charging the elapsed time to its categories."""
+        dt = t - self.t_last
+        if dt <= 0:
+            return
+        self.t_last = t
+        stalls = self.stalls
+        while dt > _EPS and stalls:
+            s = stalls[0]
+            take = s[1] if s[1] < dt else dt
+            acc[s[0]] += take
+            dt -= take
+            s[1] -= take
+            if s[1] <= _EPS:
+                stalls.popleft()
+        if dt > 0:
+            if self.active:
+                self.v = self._rate().advance(self.v, dt)
+                acc["decode"] += dt
+            else:
+                acc["idle_rollout"] += dt
+
+    def _rate(self) -> DecodeRate:
+        if self.rate is None:
+            self.rate = self.cost.decode_rate(len(self.active), self.a)
+        return self.rate
+
+    def add_stall(self, category: str, seconds: float) -> None:
+        if seconds > 0:
+            self.stalls.append([category, seconds])
+
+    def join(self, ex: Execution) -> None:
+        ex.start_v = self.v
+        ex.ctx0 = ex.ctx
+        ex.token += 1
+        self.active[ex.xid] = ex
+        self.a += ex.ctx0 - ex.start_v
+        heapq.heappush(self.heap, (self.v + ex.remaining, ex.xid, ex.token))
+        self.rate = None
+
+    def leave(self, ex: Execution) -> int:
+        """Removes a decoding sequence; returns the tokens it generated here."""
+        del self.active[ex.xid]
+        ex.token += 1
+        self.a -= ex.ctx0 - ex.start_v
+        self.rate = None
+        if not self.active:
+            self.a = 0.0
+        return int(min(ex.remaining, max(0.0, self.v - ex.start_v) + 1e-6))
+
+    def next_finish_v(self) -> float | None:
+        heap = self.heap
+        while heap:
+            fv, xid, tok = heap[0]
+            ex = self.active.get(xid)
+            if ex is not None and ex.token == tok:
+                return fv
+            heapq.heappop(heap)
+        return None
+
+    def pop_finished(self) -> list[Execution]:
+        out = []
+        heap = self.heap
+        while heap:
+            fv, xid, tok = heap[0]
+            ex = self.active.get(xid)
+            if ex is None or ex.token != tok:
+                heapq.heappop(heap)
+                continue
+            if fv > self.v + 1e-6:
+                break
+            heapq.heappop(heap)
+            out.append(ex)
+        return out
+
+
+class Cell:
+    """One cell: an engine while in rollout, a trainer member while in training."""
+
+    def __init__(self, cid: str, index: int, standalone: bool, slots: int, cost: CostModel) -> None:
+        self.cid = cid
+        self.index = index
+        self.standalone = standalone
+        self.slots = slots
+        self.role = Role.ROLLOUT
+        self.engine = Engine(self, cost)
+        self.execs: dict[int, Execution] = {}  # executions whose route points here
+        self.acc = {c: 0.0 for c in CATEGORIES}
+        self.mode = "rollout"  # rollout (engine accounts) or one of CATEGORIES
+        self.mode_since = 0.0
+        self.gen = 0
+        self.return_after_switch = False
+        self.joined = False  # member of the training stream
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.execs) if self.role is Role.ROLLOUT else 0
+
+    def account(self, t: float) -> None:
+        """Charges time up to t."""
+        if self.mode == "rollout":
+            self.engine.advance(t, self.acc)
+        else:
+            dt = t - self.mode_since
+            if dt > 0:
+                self.acc[self.mode] += dt
+        self.mode_since = t
+
+    def set_mode(self, t: float, mode: str) -> None:
+        self.account(t)
+        if mode == "rollout":
+            self.engine.t_last = t
+        self.mode = mode
+        self.mode_since = t
+
+
+class Trainer:
+    """The streaming training of the current batch: FIFO consumption of assigned groups by
+    the joined cells, then one optimizer step of fixed cost, then the version goes up."""
+
+    def __init__(self, cost: CostModel, batch_groups: int, max_staleness: int) -> None:
+        self.cost = cost
+        self.batch_groups = batch_groups
+        self.max_staleness = max_staleness
+        self.batch_id = 1
+        self.version = 0
+        self.needs = batch_groups
+        self.pool: deque[Group] = deque()  # ready, unassigned
+        self.work = 0.0  # tokens assigned to the batch, not yet trained
+        self.members: list[Cell] = []
+        self.opt_members: list[Cell] = []
+        self.optimizing_until = -1.0
+        self.t_last = 0.0
+        self.gen = 0
+        self.dropped_groups = 0
+        self.consumed_groups = 0
+        self.consumed_tokens = 0
+        self.lag_tokens: dict[int, int] = {}  # lag -> generated tokens consumed with that lag
+        self.per_cell_rate = cost.train_tokens_per_cell_s()
+
+    @property
+    def busy(self) -> bool:
+        return self.optimizing_until >= 0 or self.work > _EPS
+
+    def progress(self, t: float) -> None:
+        dt = t - self.t_last
+        self.t_last = t
+        if dt > 0 and self.work > 0 and self.optimizing_until < 0 and self.members:
+            self.work = max(0.0, self.work - dt * self.per_cell_rate * len(self.members))
+
+    def assign(self) -> None:
+        """Moves groups from the pool into the batch while members exist and it needs them.
+        One group is in progress at a time (the next is claimed when its work is done), so
+        the pool keeps showing the unassigned supply."""
+        while self.members and self.needs > 0 and self.work <= _EPS and self.optimizing_until < 0 and self.pool:
+            g = self.pool.popleft()
+            if self.version - g.version > self.max_staleness:
+                self.dropped_groups += 1
+                continue
+            self.needs -= 1
+            self.work += g.tokens
+            self.consumed_groups += 1
+            self.consumed_tokens += g.tokens
+            for v, n in g.gen_by_version.items():
+                lag = self.version - v
+                self.lag_tokens[lag] = self.lag_tokens.get(lag, 0) + n
+
+    def purge_stale(self) -> None:
+        keep = deque(g for g in self.pool if self.version - g.version <= self.max_staleness)
+        self.dropped_groups += len(self.pool) - len(keep)
+        self.pool = keep
+
+
+@dataclass
+class Ledger:
+    """Cumulative D / L / F over the whole run (W counts every open execution)."""
+
+    dispatched: int = 0
+    launched: int = 0
+    finished: int = 0
+
+
+class Cluster:
+    """The world the policy acts on. Public methods are the mechanism behind each action."""
+
+    def __init__(self, loop: EventLoop, cost_cfg: CostConfig, cells: int, standalone: int, slots: int,
+                 batch_groups: int, max_staleness: int, reroute_order: str = "descending_index") -> None:
+        self.loop = loop
+        self.reroute_order = reroute_order
+        self.cost = CostModel(cost_cfg)
+        self.cc = cost_cfg
+        self.cells: list[Cell] = [Cell(f"cell-{i}", i, False, slots, self.cost) for i in range(cells)]
+        self.cells += [Cell(f"standalone-{j}", -1, True, slots, self.cost) for j in range(standalone)]
+        self.trainer = Trainer(self.cost, batch_groups, max_staleness)
+        self.ledger = Ledger()
+        self.queue: deque[Execution] = deque()
+        self.homeless: deque[Execution] = deque()  # launched, lost their engine, wait for a slot
+        self.executions: list[Execution] = []
+        self.groups: list[Group] = []
+        self.published = 0
+        self.on_boundary = lambda: None  # set by the driver
+        self.on_update = lambda version: None
+        # counters
+        self.role_switches = 0
+        self.switch_s = 0.0
+        self.reroutes = 0
+        self.reroute_recompute_tokens = 0
+        self.kv_handoffs = 0
+        self.publishes = 0
+        self.elastic = [c for c in self.cells if not c.standalone]
+
+    # -- executions --------------------------------------------------------------------------
+
+    def dispatch(self, burst: int, version: int, tasks: list[int], episodes: list[list[Episode]]) -> None:
+        t = self.loop.now
+        for task, eps in zip(tasks, episodes):
+            g = Group(len(self.groups), task, burst, version, len(eps))
+            self.groups.append(g)
+            for ep in eps:
+                ex = Execution(len(self.executions), g, ep, dispatched_s=t)
+                self.executions.append(ex)
+                self.queue.append(ex)
+                self.ledger.dispatched += 1
+        self.fill()
+
+    def _pick(self) -> Cell | None:
+        """Launch target: most free slots; standalone first on ties, then higher index."""
+        best = None
+        best_key = None
+        for c in self.cells:
+            f = c.free
+            if f <= 0:
+                continue
+            key = (f, c.standalone, c.index)
+            if best_key is None or key > best_key:
+                best, best_key = c, key
+        return best
+
+    def fill(self) -> None:
+        """Places homeless executions, then launches queued ones, into free rollout slots."""
+        while self.homeless:
+            c = self._reroute_target()
+            if c is None:
+                break
+            ex = self.homeless.popleft()
+            self._place(ex, c)
+        while self.queue:
+            c = self._pick()
+            if c is None:
+                return
+            ex = self.queue.popleft()
+            ex.state = ExecState.SANDBOX
+            ex.cell = c
+            c.execs[ex.xid] = ex
+            ex.launched_s = self.loop.now
+            self.ledger.launched += 1
+            self.loop.schedule(self.loop.now + ex.ep.sandbox_s, self._turn_arrives, ex)
+
+    def _turn_arrives(self, ex: Execution) -> None:
+        c = ex.cell
+        if c is None:  # homeless: it will be resumed when placed
+            ex.state = ExecState.GPU
+            return
+        t = self.loop.now
+        ex.state = ExecState.GPU
+        eng = c.engine
+        c.account(t)
+        prompt = ex.ep.prompt_tokens[ex.turn]
+        if ex.recompute:
+            p = self.cost.prefill_s(ex.ctx + prompt, 0)
+            self.reroute_recompute_tokens += ex.ctx
+            ex.recompute = False
+        else:
+            p = self.cost.prefill_s(prompt, ex.ctx)
+        eng.add_stall("prefill", p)
+        ex.ctx += prompt
+        ex.remaining = ex.ep.output_tokens[ex.turn]
+        eng.join(ex)
+        self._reschedule(c)
+
+    def _reschedule(self, c: Cell) -> None:
+        eng = c.engine
+        eng.gen += 1
+        fv = eng.next_finish_v()
+        if fv is None:
+            return
+        t = self.loop.now + eng.stall_s() + eng._rate().time(eng.v, fv)
+        self.loop.schedule(t, self._engine_event, c, eng.gen)
+
+    def _engine_event(self, c: Cell, gen: int) -> None:
+        eng = c.engine
+        if gen != eng.gen or c.mode != "rollout":
+            return
+        t = self.loop.now
+        c.account(t)
+        fv = eng.next_finish_v()
+        if fv is not None and eng.v < fv:
+            eng.v = fv  # float slack of the integration
+        for ex in eng.pop_finished():
+            n = eng.leave(ex)
+            n = ex.remaining
+            self._generated(ex, n, eng.version)
+            ex.ctx += n
+            ex.remaining = 0
+            self._turn_done(ex)
+        self._reschedule(c)
+
+    def _generated(self, ex: Execution, n: int, version: int) -> None:
+        gv = ex.group.gen_by_version
+        gv[version] = gv.get(version, 0) + n
+        ex.cell.engine.tokens += n if ex.cell is not None else 0
+
+    def _turn_done(self, ex: Execution) -> None:
+        t = self.loop.now
+        last = ex.turn >= ex.ep.turns - 1
+        if last:
+            ex.state = ExecState.REWARD
+            self.loop.schedule(t + ex.ep.reward_s, self._close, ex)
+        else:
+            ex.state = ExecState.TOOL
+            delay = ex.ep.tool_s[ex.turn]
+            ex.turn += 1
+            self.loop.schedule(t + delay, self._turn_arrives, ex)
+
+    def _close(self, ex: Execution) -> None:
+        t = self.loop.now
+        ex.state = ExecState.CLOSED
+        ex.closed_s = t
+        if ex.cell is not None:
+            del ex.cell.execs[ex.xid]
+            ex.cell = None
+        self.ledger.finished += 1
+        g = ex.group
+        g.closed += 1
+        g.tokens += ex.ctx
+        if g.closed == g.size:
+            g.ready_s = t
+            self.trainer_progress()
+            self.trainer.pool.append(g)
+            self._trainer_kick()
+        self.fill()
+        self.on_boundary()
+
+    # -- rerouting ---------------------------------------------------------------------------
+
+    def _reroute_target(self) -> Cell | None:
+        """Standalone engines first, then rollout cells in descending index (or, with
+        reroute_order=least_loaded, the engine with the most free slots)."""
+        if self.reroute_order == "least_loaded":
+            return self._pick()
+        best = None
+        for c in self.cells:
+            if c.free <= 0:
+                continue
+            if best is None or (c.standalone, c.index) > (best.standalone, best.index):
+                best = c
+        return best
+
+    def _drain(self, src: Cell) -> None:
+        """Moves every execution routed to ``src`` elsewhere (continuations)."""
+        t = self.loop.now
+        src.account(t)
+        eng = src.engine
+        moving = sorted(src.execs.values(), key=lambda e: e.xid)
+        for ex in moving:
+            if ex.xid in eng.active:
+                n = eng.leave(ex)
+                if n:
+                    self._generated(ex, n, eng.version)
+                ex.ctx += n
+                ex.remaining -= n
+            del src.execs[ex.xid]
+            ex.cell = None
+            self.reroutes += 1
+            ex.reroutes += 1
+            dst = self._reroute_target()
+            if dst is None:
+                self.homeless.append(ex)
+            else:
+                self._place(ex, dst)
+        eng.heap.clear()
+        eng.stalls.clear()
+        eng.rate = None
+        eng.gen += 1
+
+    def _place(self, ex: Execution, dst: Cell) -> None:
+        t = self.loop.now
+        ex.cell = dst
+        dst.execs[ex.xid] = ex
+        dst.account(t)
+        if self.cc.kv_handoff and ex.ctx > 0:
+            dst.engine.add_stall("prefill", self.cc.kv_handoff_s)
+            self.kv_handoffs += 1
+        elif ex.ctx > 0:
+            ex.recompute = True
+        if ex.state is ExecState.GPU:
+            if ex.remaining > 0:  # continuation of the cancelled request
+                if ex.recompute:
+                    dst.engine.add_stall("prefill", self.cost.prefill_s(ex.ctx, 0))
+                    self.reroute_recompute_tokens += ex.ctx
+                    ex.recompute = False
+                dst.engine.join(ex)
+                self._reschedule(dst)
+            else:  # was homeless before its turn arrived
+                self._turn_arrives(ex)
+
+    # -- roles -------------------------------------------------------------------------------
+
+    def move_to_training(self, c: Cell) -> bool:
+        if c.role is not Role.ROLLOUT:
+            return False
+        t = self.loop.now
+        c.role = Role.DRAINING  # first: no destination may be the source
+        self._drain(c)
+        self.role_switches += 1
+        self.switch_s += self.cc.switch_to_train_s
+        c.set_mode(t, "role_switch")
+        c.gen += 1
+        self.loop.schedule(t + self.cc.switch_to_train_s, self._switched_to_training, c, c.gen)
+        self.fill()
+        return True
+
+    def _switched_to_training(self, c: Cell, gen: int) -> None:
+        if gen != c.gen:
+            return
+        t = self.loop.now
+        c.role = Role.TRAINING
+        if c.return_after_switch:
+            c.return_after_switch = False
+            self.return_to_rollout(c)
+            return
+        if c.index > 0 and self.cc.weight_sync_s > 0:  # satellites pull the core's weights
+            c.set_mode(t, "weight_sync")
+            c.gen += 1
+            self.loop.schedule(t + self.cc.weight_sync_s, self._join, c, c.gen)
+        else:
+            self._join(c, c.gen)
+        self.on_boundary()
+
+    def _join(self, c: Cell, gen: int) -> None:
+        if gen != c.gen or c.role is not Role.TRAINING:
+            return
+        self.trainer_progress()
+        c.joined = True
+        self.trainer.members.append(c)
+        c.set_mode(self.loop.now, "idle_train")
+        self._trainer_kick()
+
+    def return_to_rollout(self, c: Cell) -> bool:
+        t = self.loop.now
+        if c.role is Role.DRAINING:
+            changed = not c.return_after_switch
+            c.return_after_switch = True
+            return changed
+        if c.role is not Role.TRAINING:
+            return False
+        self.trainer_progress()
+        if c.joined:
+            self.trainer.members.remove(c)
+            c.joined = False
+        c.role = Role.RETURNING
+        self.role_switches += 1
+        self.switch_s += self.cc.switch_to_rollout_s
+        c.set_mode(t, "role_switch")
+        c.gen += 1
+        self.loop.schedule(t + self.cc.switch_to_rollout_s, self._switched_to_rollout, c, c.gen)
+        self._trainer_kick()
+        return True
+
+    def _switched_to_rollout(self, c: Cell, gen: int) -> None:
+        if gen != c.gen:
+            return
+        c.role = Role.ROLLOUT
+        c.engine.version = self.published
+        c.set_mode(self.loop.now, "rollout")
+        self.fill()
+        self.on_boundary()
+
+    def publish(self, version: int) -> bool:
+        """Loads ``version`` on every rollout engine (a stall of weight_sync_s each)."""
+        if version <= self.published:
+            return False
+        t = self.loop.now
+        self.published = version
+        self.publishes += 1
+        for c in self.cells:
+            if c.role is Role.ROLLOUT:
+                c.account(t)
+                c.engine.add_stall("weight_sync", self.cc.weight_sync_s)
+                c.engine.version = version
+                self._reschedule(c)
+        return True
+
+    # -- training ----------------------------------------------------------------------------
+
+    def trainer_progress(self) -> None:
+        self.trainer.progress(self.loop.now)
+
+    def _trainer_kick(self) -> None:
+        """Re-evaluates the stream after any change: assigns work, sets members' modes, and
+        schedules the next trainer event."""
+        tr = self.trainer
+        t = self.loop.now
+        tr.progress(t)
+        tr.assign()
+        for c in tr.members:
+            busy = tr.work > _EPS if tr.optimizing_until < 0 else c in tr.opt_members
+            mode = "train" if busy else "idle_train"
+            if c.mode != mode:
+                c.set_mode(t, mode)
+        tr.gen += 1
+        if tr.optimizing_until >= 0:
+            self.loop.schedule(tr.optimizing_until, self._trainer_event, tr.gen)
+        elif tr.members and tr.work > _EPS:
+            dt = tr.work / (tr.per_cell_rate * len(tr.members))
+            self.loop.schedule(t + dt, self._trainer_event, tr.gen)
+        elif tr.members and tr.needs == 0 and tr.work <= _EPS:
+            self._start_optimizer()
+
+    def _start_optimizer(self) -> None:
+        tr = self.trainer
+        tr.optimizing_until = self.loop.now + self.cc.train_step_fixed_s
+        tr.opt_members = list(tr.members)  # the joining window closes here
+        for c in tr.members:
+            if c.mode != "train":
+                c.set_mode(self.loop.now, "train")
+        tr.gen += 1
+        self.loop.schedule(tr.optimizing_until, self._trainer_event, tr.gen)
+
+    def _trainer_event(self, gen: int) -> None:
+        tr = self.trainer
+        if gen != tr.gen:
+            return
+        t = self.loop.now
+        if tr.optimizing_until >= 0:
+            if t + _EPS >= tr.optimizing_until:
+                tr.optimizing_until = -1.0
+                tr.opt_members = []
+                tr.t_last = t
+                tr.version += 1
+                tr.batch_id += 1
+                tr.needs = tr.batch_groups
+                tr.work = 0.0
+                tr.purge_stale()
+                self._trainer_kick()
+                self.on_update(tr.version)
+                self.on_boundary()
+            return
+        tr.progress(t)
+        if tr.work <= 1e-6:
+            tr.work = 0.0
+        self._trainer_kick()
+        self.on_boundary()  # the unassigned supply changed
+
+    # -- views -------------------------------------------------------------------------------
+
+    def capacity(self) -> int:
+        return sum(c.slots for c in self.cells if c.role is Role.ROLLOUT)
+
+    def finish(self, t: float) -> None:
+        """Closes the accounts at time t."""
+        for c in self.cells:
+            c.account(t)

@@ -1,0 +1,230 @@
+"""Simulator configuration: workload profiles, drift, the GPU cost model, the cluster and the
+scenarios, as pydantic models read from one YAML file with dotted ``--set`` overrides.
+
+Every number the simulator uses lives here (defaults follow docs/WORKLOADS.md); nothing is
+hard-coded in the engine. ``load_config(path, overrides)`` is the one entry point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LogNormal(_Frozen):
+    """LN(median, sigma): a lognormal with median ``median`` and log-sd ``sigma``, clipped."""
+
+    median: float = Field(..., gt=0, description="Median of the distribution.")
+    sigma: float = Field(..., ge=0, description="Standard deviation of log(x).")
+    lo: float | None = Field(None, description="Lower clip, if any.")
+    hi: float | None = Field(None, description="Upper clip, if any.")
+
+
+class ToolComponent(_Frozen):
+    """One component of a tool-latency mixture."""
+
+    weight: float = Field(..., gt=0, description="Mixture weight (weights are normalized).")
+    latency_s: LogNormal = Field(..., description="Latency of one call, in seconds.")
+    task_factor: bool = Field(False, description="Multiply by the task's heavy-tool factor.")
+
+
+class ProfileConfig(_Frozen):
+    """An agent workload: episode shapes as lognormals (WORKLOADS.md, profiles A/B/C)."""
+
+    name: str = Field("A", description="Short name used in reports.")
+    turns: LogNormal = Field(
+        LogNormal(median=60, sigma=0.5, lo=3, hi=250), description="Model turns per episode."
+    )
+    initial_prompt_tokens: int = Field(3000, ge=1, description="Prompt tokens of the first turn.")
+    output_tokens: LogNormal = Field(
+        LogNormal(median=150, sigma=0.9, lo=1, hi=16384), description="Generated tokens per turn."
+    )
+    observation_tokens: LogNormal = Field(
+        LogNormal(median=400, sigma=1.1, lo=1, hi=8000),
+        description="Tool observation tokens appended after each turn but the last.",
+    )
+    tool_latency: list[ToolComponent] = Field(
+        default_factory=lambda: [
+            ToolComponent(weight=0.60, latency_s=LogNormal(median=0.3, sigma=0.8)),
+            ToolComponent(weight=0.35, latency_s=LogNormal(median=1.0, sigma=1.0)),
+            ToolComponent(weight=0.05, latency_s=LogNormal(median=20.0, sigma=1.0), task_factor=True),
+        ],
+        description="Mixture of tool-call latencies (empty: no tool calls).",
+    )
+    task_factor: LogNormal = Field(
+        LogNormal(median=1.0, sigma=1.2), description="Per-task multiplier of heavy tool calls."
+    )
+    tool_cap_s: float = Field(600.0, gt=0, description="Cap of one tool call, seconds.")
+    sandbox_start_s: LogNormal | None = Field(
+        LogNormal(median=5.0, sigma=1.0), description="Sandbox start before the first turn."
+    )
+    reward_s: LogNormal | None = Field(
+        LogNormal(median=30.0, sigma=0.8), description="Reward computation after the last turn."
+    )
+    group_size: int = Field(4, ge=1, le=64, description="Executions per task (one group).")
+    group_length_factor: LogNormal | None = Field(
+        None, description="Per-task factor on output lengths, shared by a group (profile B)."
+    )
+    max_total_output_tokens: int = Field(
+        1_000_000, ge=1, description="Clip of an episode's total generated tokens (e.g. 16k/28k/64k)."
+    )
+
+
+class DriftConfig(_Frozen):
+    """Length drift: the median output length grows per policy version, with one jump."""
+
+    growth_per_version: float = Field(0.0, ge=0, le=0.1, description="Relative growth per version.")
+    jump_at_version: int = Field(-1, description="Version from which the jump applies (-1: none).")
+    jump_factor: float = Field(1.0, gt=0, description="Multiplier applied from jump_at_version on.")
+    turns_too: bool = Field(False, description="Also scale the number of turns.")
+
+    def factor(self, version: int) -> float:
+        f = (1.0 + self.growth_per_version) ** max(version, 0)
+        if 0 <= self.jump_at_version <= version:
+            f *= self.jump_factor
+        return f
+
+
+class CostConfig(_Frozen):
+    """The GPU cost model of WORKLOADS.md (defaults: a 7B model, one H200 per cell)."""
+
+    n_params: float = Field(7.6e9, gt=0, description="Model parameters N.")
+    weight_bytes: float = Field(15.2e9, gt=0, description="Bytes of weights read per decode step.")
+    n_layers: int = Field(28, ge=1, description="Transformer layers L.")
+    d_model: int = Field(3584, ge=1, description="Hidden size d.")
+    kv_bytes_per_token: float = Field(57344, gt=0, description="KV-cache bytes per context token.")
+    hbm_bw: float = Field(4.8e12, gt=0, description="HBM bandwidth per GPU, bytes/s.")
+    hbm_eff: float = Field(0.8, gt=0, le=1, description="Achieved fraction of HBM bandwidth.")
+    flops: float = Field(989e12, gt=0, description="Dense bf16 FLOP/s per GPU.")
+    decode_flops_eff: float = Field(0.5, gt=0, le=1, description="Achieved FLOP fraction, decode.")
+    prefill_flops_eff: float = Field(0.5, gt=0, le=1, description="Achieved FLOP fraction, prefill.")
+    train_flops_eff: float = Field(0.35, gt=0, le=1, description="Achieved FLOP fraction (MFU), training.")
+    decode_step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of one decode step.")
+    gpus_per_cell: int = Field(1, ge=1, description="GPUs in one cell.")
+    train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update.")
+    switch_to_train_s: float = Field(2.0, ge=0, description="Rollout -> train (sleep + optimizer in).")
+    switch_to_rollout_s: float = Field(1.5, ge=0, description="Train -> rollout (wake).")
+    weight_sync_s: float = Field(0.1, ge=0, description="Pushing/pulling one weight version.")
+    kv_handoff_s: float = Field(0.02, ge=0, description="Moving one request's KV on a reroute.")
+    kv_handoff: bool = Field(False, description="Reroutes move KV (else the prefix is recomputed).")
+
+
+class ClusterConfig(_Frozen):
+    """Cells and their rollout slots."""
+
+    cells: int = Field(64, ge=1, le=4096, description="Elastic cells (index 0 is the core).")
+    standalone_cells: int = Field(0, ge=0, description="Rollout-only cells (not counted in `cells`).")
+    slots_per_cell: int = Field(48, ge=1, description="Concurrent executions an engine serves.")
+    reroute_order: Literal["descending_index", "least_loaded"] = Field(
+        "descending_index",
+        description="Destination of a rerouted execution: ARCHITECTURE.md's order (standalone, then "
+        "rollout cells by descending index, filling each) or the least loaded rollout engine.",
+    )
+
+
+class TrainingConfig(_Frozen):
+    """Bursts and batches."""
+
+    batch_groups: int = Field(64, ge=1, description="Groups per training batch (one update each).")
+    overprovision: float = Field(0.25, ge=0, le=4, description="Extra executions dispatched per burst.")
+    max_staleness: int = Field(1, ge=0, description="Oldest policy lag a consumed group may have.")
+    updates: int = Field(20, ge=1, description="Stop after this many policy updates.")
+    horizon_s: float = Field(7 * 86400.0, gt=0, description="Give up after this much simulated time.")
+
+
+class PolicyParams(_Frozen):
+    """Parameters handed to the scheduler's policies (names follow services/scheduler/policy)."""
+
+    supply_fraction: float = Field(0.5, gt=0, le=1, description="Ready groups needed / batch_size.")
+    supply_interval_s: float = Field(5.0, ge=0, description="How long the supply must hold.")
+    static_rollout_cells: list[int] = Field(
+        default_factory=list, description="Static split sweep: rollout cell counts (empty: auto)."
+    )
+    colocated_overprovision: float = Field(
+        0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
+    )
+    tick_s: float = Field(1.0, gt=0, description="Period of policy evaluation between events.")
+
+
+class ScenarioConfig(_Frozen):
+    """One benchmark scenario: a profile, a cluster and a seed."""
+
+    name: str = Field(..., description="Scenario name (used in file names and tables).")
+    profile: str = Field("A", description="Key of `profiles`.")
+    seed: int = Field(1, description="Seed of the trace (same trace for every policy).")
+    drift: DriftConfig = Field(default_factory=DriftConfig, description="Length drift.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cells.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Batches.")
+
+
+class SimConfig(_Frozen):
+    """The whole benchmark: profiles, cost model, policy parameters and scenarios."""
+
+    profiles: dict[str, ProfileConfig] = Field(
+        default_factory=lambda: {"A": ProfileConfig()}, description="Workload profiles by key."
+    )
+    cost: CostConfig = Field(default_factory=CostConfig, description="GPU cost model.")
+    policy: PolicyParams = Field(default_factory=PolicyParams, description="Policy parameters.")
+    policies: list[Literal["waterlevel", "colocated", "static"]] = Field(
+        default_factory=lambda: ["waterlevel", "colocated", "static"], description="Compared."
+    )
+    scenarios: list[ScenarioConfig] = Field(
+        default_factory=lambda: [ScenarioConfig(name="A64")], description="Scenarios to run."
+    )
+
+    @model_validator(mode="after")
+    def _profiles_exist(self) -> "SimConfig":
+        for s in self.scenarios:
+            if s.profile not in self.profiles:
+                raise ValueError(f"scenario {s.name}: unknown profile {s.profile!r}")
+        return self
+
+    def scenario(self, name: str) -> ScenarioConfig:
+        for s in self.scenarios:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Sets ``a.b.c`` in nested dicts; list items are addressed by index or, for scenarios,
+    by name (``scenarios.A64.seed=3``)."""
+    parts = dotted.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            idx = next((j for j, it in enumerate(node) if isinstance(it, dict) and it.get("name") == part), None)
+            if idx is None:
+                idx = int(part)
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+            continue
+        if last:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SimConfig:
+    """Reads ``path`` (YAML) and applies ``overrides`` of the form ``dotted.key=yaml-value``."""
+    data: dict[str, Any] = {}
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r}: expected key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return SimConfig.model_validate(data)

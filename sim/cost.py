@@ -1,0 +1,113 @@
+"""The GPU cost model: decode as bytes read, prefill as FLOPs, training steps, role switches.
+
+Decode (WORKLOADS.md): one step of a batch of B sequences with total context S costs
+``max((weights + S*kv_bytes) / (hbm_eff*BW), 2*N*B / (eff*FLOPS)) + overhead`` and emits one
+token per sequence. Every sequence in the batch gains a token per step, so S grows by B per
+step: the step time is linear in the engine's virtual token clock V (tokens emitted per
+sequence), which ``DecodeRate`` integrates exactly instead of assuming a constant rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sim.config import CostConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRate:
+    """Step time as a function of V for a fixed batch: s(V) = max(comp, m0 + m1*V) + oh,
+    where m0 + m1*V is the memory time. ``time(v0, v1)`` integrates s; ``advance(v0, dt)``
+    inverts it."""
+
+    comp: float
+    m0: float
+    m1: float
+    oh: float
+
+    def step(self, v: float) -> float:
+        return max(self.comp, self.m0 + self.m1 * v) + self.oh
+
+    def _cross(self) -> float:
+        """V at which the memory term overtakes the compute term (-inf: memory from start)."""
+        if self.m1 <= 0:
+            return math.inf if self.m0 < self.comp else -math.inf
+        return (self.comp - self.m0) / self.m1
+
+    def time(self, v0: float, v1: float) -> float:
+        """Seconds to advance from v0 to v1 (v1 >= v0)."""
+        if v1 <= v0:
+            return 0.0
+        vc = self._cross()
+        t = 0.0
+        if v0 < vc:
+            seg_end = min(v1, vc)
+            t += (self.comp + self.oh) * (seg_end - v0)
+            v0 = seg_end
+        if v1 > v0:
+            k = self.m0 + self.oh
+            t += k * (v1 - v0) + 0.5 * self.m1 * (v1 * v1 - v0 * v0)
+        return t
+
+    def advance(self, v0: float, dt: float) -> float:
+        """V reached after dt seconds from v0."""
+        if dt <= 0:
+            return v0
+        vc = self._cross()
+        if v0 < vc:
+            c = self.comp + self.oh
+            t_const = (vc - v0) * c if vc != math.inf else math.inf
+            if dt <= t_const:
+                return v0 + dt / c
+            dt -= t_const
+            v0 = vc
+        k = self.m0 + self.oh
+        if self.m1 <= 1e-18:
+            return v0 + dt / k
+        # m1/2 v^2 + k v - (m1/2 v0^2 + k v0 + dt) = 0, solved stably.
+        a = 0.5 * self.m1
+        c = a * v0 * v0 + k * v0 + dt
+        disc = k * k + 4 * a * c
+        return (2 * c) / (k + math.sqrt(disc))
+
+
+class CostModel:
+    """Seconds of GPU time for each kind of work, from a ``CostConfig``."""
+
+    def __init__(self, cfg: CostConfig) -> None:
+        self.cfg = cfg
+        bw = cfg.hbm_eff * cfg.hbm_bw * cfg.gpus_per_cell
+        self._bw = bw
+        self._decode_flops = cfg.decode_flops_eff * cfg.flops * cfg.gpus_per_cell
+        self._prefill_flops = cfg.prefill_flops_eff * cfg.flops * cfg.gpus_per_cell
+        self._train_flops_per_cell = cfg.train_flops_eff * cfg.flops * cfg.gpus_per_cell
+
+    def decode_rate(self, batch: int, ctx_offset: float) -> DecodeRate:
+        """Rate for ``batch`` sequences whose total context at V is ctx_offset + batch*V."""
+        c = self.cfg
+        comp = 2.0 * c.n_params * batch / self._decode_flops
+        m0 = (c.weight_bytes + c.kv_bytes_per_token * ctx_offset) / self._bw
+        m1 = c.kv_bytes_per_token * batch / self._bw
+        return DecodeRate(comp=comp, m0=m0, m1=m1, oh=c.decode_step_overhead_s)
+
+    def decode_step_s(self, batch: int, total_ctx: float) -> float:
+        """One decode step of ``batch`` sequences holding ``total_ctx`` context tokens."""
+        return self.decode_rate(batch, total_ctx).step(0.0)
+
+    def prefill_s(self, tokens: int, prefix: int) -> float:
+        """Prefilling ``tokens`` new tokens after a cached prefix of ``prefix`` tokens: each
+        token attends to the prefix plus, on average, half of the new tokens."""
+        if tokens <= 0:
+            return 0.0
+        c = self.cfg
+        ctx = prefix + tokens / 2.0
+        return tokens * (2.0 * c.n_params + 4.0 * c.n_layers * c.d_model * ctx) / self._prefill_flops
+
+    def train_tokens_per_cell_s(self) -> float:
+        """Training throughput of one cell, tokens/s (6N FLOPs per token)."""
+        return self._train_flops_per_cell / (6.0 * self.cfg.n_params)
+
+    def train_s(self, tokens: float, cells: int) -> float:
+        """A whole synchronous step on ``cells`` cells: fixed cost + tokens*6N/(n*FLOPS*MFU)."""
+        return self.cfg.train_step_fixed_s + tokens / (cells * self.train_tokens_per_cell_s())

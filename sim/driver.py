@@ -1,0 +1,242 @@
+"""Drives the simulated cluster with the scheduler's own policy code.
+
+At every transition boundary (an execution closes, a group becomes ready, the trainer
+claims work or publishes an update, a cell finishes a role switch, and when the supply
+timer of the waterlevel policy expires) the driver builds a
+``services.scheduler.policy.Snapshot`` from the cluster, calls ``policy.decide()`` and
+applies the returned actions in order, until the policy only holds. Nothing in here
+decides a role: that is the policy's job.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from services.scheduler import policy as P
+from sim.cluster import Cluster, Role
+from sim.config import ScenarioConfig, SimConfig
+from sim.events import EventLoop
+from sim.metrics import RunResult, collect
+from sim.workload import Trace
+
+_STATE = {
+    Role.ROLLOUT: P.CellState.ROLLOUT,
+    Role.DRAINING: P.CellState.DRAINING,
+    Role.TRAINING: P.CellState.TRAINING,
+    Role.RETURNING: P.CellState.RETURNING,
+}
+
+MAX_ROUNDS = 8
+"""decide() calls per boundary: actions are applied, then the policy is asked again."""
+
+
+@dataclass
+class PolicySpec:
+    """Which policy to run and how (``training_cells`` for the static split)."""
+
+    name: str
+    training_cells: int = 0
+    overprovision: float | None = None  # None: the scenario's
+
+    @property
+    def label(self) -> str:
+        if self.name == "static":
+            return f"static T={self.training_cells}"
+        return self.name
+
+
+@dataclass
+class Sample:
+    """One point of the allocation / waterlevel time series."""
+
+    t: float
+    rollout: int
+    training: int
+    switching: int
+    waterlevel: int
+    capacity: int
+    ready: int
+    version: int
+
+
+@dataclass
+class Driver:
+    """One run: a scenario, a policy, a trace; ``run()`` returns its ``RunResult``."""
+
+    cfg: SimConfig
+    scenario: ScenarioConfig
+    spec: PolicySpec
+    record_every_s: float = 0.0
+    events: list[tuple[float, str, str]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sc = self.scenario
+        pp = self.cfg.policy
+        self.loop = EventLoop()
+        self.profile = self.cfg.profiles[sc.profile]
+        self.trace = Trace(self.profile, sc.seed, sc.drift)
+        self.cluster = Cluster(
+            self.loop, self.cfg.cost, sc.cluster.cells, sc.cluster.standalone_cells,
+            sc.cluster.slots_per_cell, sc.training.batch_groups, sc.training.max_staleness,
+            sc.cluster.reroute_order,
+        )
+        self.policy = P.make_policy(
+            self.spec.name, fraction=pp.supply_fraction, interval_s=pp.supply_interval_s,
+            training_cells=self.spec.training_cells,
+        )
+        self.tracker = P.SupplyTracker(pp.supply_fraction)
+        op = self.spec.overprovision
+        if op is None:
+            op = pp.colocated_overprovision if self.spec.name == "colocated" else sc.training.overprovision
+        self.groups_per_burst = max(sc.training.batch_groups, math.ceil(sc.training.batch_groups * (1 + op) - 1e-9))
+        self.quota = self.groups_per_burst * self.profile.group_size
+        self.burst: P.BurstView | None = None
+        self.next_task = 0
+        self.update_times: list[float] = []
+        self.done_s: float | None = None
+        self.holds = 0
+        self.decisions = 0
+        self._wake_at = -1.0
+        self._in_boundary = False
+        self._again = False
+        self.cluster.on_boundary = self.boundary
+        self.cluster.on_update = self._updated
+
+    # -- snapshot ----------------------------------------------------------------------------
+
+    def snapshot(self) -> P.Snapshot:
+        cl = self.cluster
+        now = self.loop.now
+        cells = tuple(
+            P.CellView(
+                c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
+                -1 if c.standalone else c.index, _STATE[c.role], c.slots,
+            )
+            for c in cl.cells
+        )
+        tr = cl.trainer
+        supply = self.tracker.observe(now, len(tr.pool), tr.batch_groups, tr.needs, tr.batch_id)
+        led = cl.ledger
+        target = self.scenario.training.updates
+        next_quota = self.quota if tr.version < target else 0
+        return P.Snapshot(
+            now_s=now,
+            ledger=P.LedgerCounts(led.dispatched, led.launched, led.finished),
+            cells=cells,
+            supply=supply,
+            burst=self.burst,
+            policy_version=tr.version,
+            next_quota=next_quota,
+        )
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def _cell(self, cid: str):
+        for c in self.cluster.cells:
+            if c.cid == cid:
+                return c
+        raise KeyError(cid)
+
+    def apply(self, a: P.Action) -> bool:
+        """Applies one action; False when it changed nothing (a repeat of a level-triggered
+        decision, e.g. publishing a version the engines already serve)."""
+        cl = self.cluster
+        if isinstance(a, P.MoveToTraining):
+            return cl.move_to_training(self._cell(a.cell_id))
+        if isinstance(a, P.ReturnToRollout):
+            return cl.return_to_rollout(self._cell(a.cell_id))
+        if isinstance(a, P.PublishPolicy):
+            return cl.publish(a.version)
+        if isinstance(a, P.DispatchBurst):
+            self._dispatch(a)
+            return True
+        if isinstance(a, P.KeepInTraining):
+            return False
+        raise TypeError(f"unknown action {a!r}")
+
+    def _dispatch(self, a: P.DispatchBurst) -> None:
+        n_groups = a.quota // self.profile.group_size
+        tasks = list(range(self.next_task, self.next_task + n_groups))
+        self.next_task += n_groups
+        episodes = [self.trace.group(task, a.policy_version) for task in tasks]
+        self.burst = P.BurstView(a.burst_id, n_groups * self.profile.group_size, a.policy_version, a.policy_version + 1)
+        self.cluster.dispatch(a.burst_id, a.policy_version, tasks, episodes)
+
+    # -- boundaries --------------------------------------------------------------------------
+
+    def boundary(self) -> None:
+        """Asks the policy and applies its actions until it only holds."""
+        if self._in_boundary:  # an action triggered another boundary: loop again after
+            self._again = True
+            return
+        self._in_boundary = True
+        try:
+            for _ in range(MAX_ROUNDS):
+                self._again = False
+                snap = self.snapshot()
+                actions = self.policy.decide(snap)
+                self.decisions += 1
+                acted = False
+                for a in actions:
+                    if isinstance(a, P.Hold):
+                        self.holds += 1
+                        continue
+                    if self.apply(a):
+                        acted = True
+                        self.events.append((self.loop.now, a.kind, a.reason))
+                if not acted and not self._again:
+                    break
+            self._sample(snap)
+            self._arm_supply_timer(snap)
+        finally:
+            self._in_boundary = False
+
+    def _arm_supply_timer(self, snap: P.Snapshot) -> None:
+        """The supply condition must hold for interval_s: wake the policy when it has."""
+        if snap.supply.held_since_s is None:
+            return
+        due = snap.supply.held_since_s + self.cfg.policy.supply_interval_s + 1e-6
+        if due > self.loop.now and due != self._wake_at:
+            self._wake_at = due
+            self.loop.schedule(due, self.boundary)
+
+    def _sample(self, snap: P.Snapshot) -> None:
+        cl = self.cluster
+        t = self.loop.now
+        if self.samples and self.record_every_s > 0 and t - self.samples[-1].t < self.record_every_s:
+            return
+        roles = [c.role for c in cl.elastic]
+        self.samples.append(Sample(
+            t=t,
+            rollout=sum(r is Role.ROLLOUT for r in roles),
+            training=sum(r is Role.TRAINING for r in roles),
+            switching=sum(r in (Role.DRAINING, Role.RETURNING) for r in roles),
+            waterlevel=snap.ledger.waterlevel,
+            capacity=cl.capacity(),
+            ready=len(cl.trainer.pool),
+            version=cl.trainer.version,
+        ))
+
+    def _updated(self, version: int) -> None:
+        self.update_times.append(self.loop.now)
+        if version >= self.scenario.training.updates:
+            self.done_s = self.loop.now
+            self.loop.stop()
+
+    # -- run ---------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        wall = time.perf_counter()
+        self.loop.schedule(0.0, self.boundary)
+        self.loop.run(until=self.scenario.training.horizon_s)
+        end = self.done_s if self.done_s is not None else self.loop.now
+        self.cluster.finish(end)
+        return collect(self, end, time.perf_counter() - wall)
+
+
+def run_policy(cfg: SimConfig, scenario: ScenarioConfig, spec: PolicySpec, record_every_s: float = 0.0) -> RunResult:
+    """Runs one policy on one scenario."""
+    return Driver(cfg, scenario, spec, record_every_s=record_every_s).run()

@@ -1,0 +1,121 @@
+"""Workload traces: episodes of profiles A/B/C drawn from lognormals, reproducible per seed.
+
+An episode's random draws depend only on (seed, task index, member), never on the policy or
+on when it runs, so every policy sees the same trace. Drift scales the output lengths by a
+factor of the policy version the episode is dispatched with (WORKLOADS.md, "Drift").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.config import DriftConfig, LogNormal, ProfileConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """One execution's shape: per turn the tokens appended before it (prompt or observation),
+    the tokens it generates, and the tool time after it (0 after the last turn)."""
+
+    task: int
+    member: int
+    prompt_tokens: tuple[int, ...]
+    output_tokens: tuple[int, ...]
+    tool_s: tuple[float, ...]
+    sandbox_s: float
+    reward_s: float
+
+    @property
+    def turns(self) -> int:
+        return len(self.output_tokens)
+
+    @property
+    def total_output(self) -> int:
+        return sum(self.output_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        """Final context length: every prompt, observation and generated token."""
+        return sum(self.prompt_tokens) + sum(self.output_tokens)
+
+    @property
+    def off_gpu_s(self) -> float:
+        """Time the episode spends outside the GPU: sandbox, tools, reward."""
+        return self.sandbox_s + sum(self.tool_s) + self.reward_s
+
+
+def _ln(rng: np.random.Generator, d: LogNormal, size: int | None = None, scale: float = 1.0) -> np.ndarray:
+    x = d.median * scale * np.exp(d.sigma * rng.standard_normal(size))
+    if d.lo is not None or d.hi is not None:
+        x = np.clip(x, d.lo if d.lo is not None else -np.inf, d.hi if d.hi is not None else np.inf)
+    return x
+
+
+class Trace:
+    """Draws episodes of one profile. ``episode(task, member, version)`` is a pure function of
+    the seed and its arguments."""
+
+    def __init__(self, profile: ProfileConfig, seed: int, drift: DriftConfig | None = None) -> None:
+        self.profile = profile
+        self.seed = seed
+        self.drift = drift or DriftConfig()
+        w = np.array([c.weight for c in profile.tool_latency], dtype=float)
+        self._tool_w = (w / w.sum()).cumsum() if len(w) else w
+
+    def _task_rng(self, task: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, task, 1_000_003])
+
+    def episode(self, task: int, member: int, version: int = 0) -> Episode:
+        p = self.profile
+        trng = self._task_rng(task)
+        task_factor = float(_ln(trng, p.task_factor))
+        length_factor = float(_ln(trng, p.group_length_factor)) if p.group_length_factor else 1.0
+        rng = np.random.default_rng([self.seed, task, member])
+        drift = self.drift.factor(version)
+        turn_scale = drift if self.drift.turns_too else 1.0
+        n_turns = max(1, int(round(float(_ln(rng, p.turns, scale=turn_scale)))))
+        if p.turns.hi is not None:
+            n_turns = min(n_turns, int(p.turns.hi))
+        out = np.maximum(1, np.rint(_ln(rng, p.output_tokens, n_turns, scale=drift * length_factor)))
+        out = _clip_total(out.astype(np.int64), p.max_total_output_tokens)
+        n_turns = len(out)
+        obs = np.maximum(1, np.rint(_ln(rng, p.observation_tokens, max(n_turns - 1, 0)))).astype(np.int64)
+        prompts = [p.initial_prompt_tokens] + obs.tolist()
+        tools = [0.0] * n_turns
+        if len(self._tool_w) and n_turns > 1:
+            comp = np.searchsorted(self._tool_w, rng.random(n_turns - 1), side="right")
+            z = rng.standard_normal(n_turns - 1)
+            for k in range(n_turns - 1):
+                c = p.tool_latency[min(int(comp[k]), len(p.tool_latency) - 1)]
+                t = c.latency_s.median * math.exp(c.latency_s.sigma * float(z[k]))
+                if c.task_factor:
+                    t *= task_factor
+                tools[k] = min(t, p.tool_cap_s)
+        sandbox = float(_ln(rng, p.sandbox_start_s)) if p.sandbox_start_s else 0.0
+        reward = float(_ln(rng, p.reward_s)) if p.reward_s else 0.0
+        return Episode(
+            task=task,
+            member=member,
+            prompt_tokens=tuple(int(x) for x in prompts),
+            output_tokens=tuple(int(x) for x in out.tolist()),
+            tool_s=tuple(tools),
+            sandbox_s=sandbox,
+            reward_s=reward,
+        )
+
+    def group(self, task: int, version: int = 0) -> list[Episode]:
+        return [self.episode(task, m, version) for m in range(self.profile.group_size)]
+
+
+def _clip_total(out: np.ndarray, cap: int) -> np.ndarray:
+    """Truncates the turns so that the episode generates at most ``cap`` tokens."""
+    c = np.cumsum(out)
+    if c[-1] <= cap:
+        return out
+    k = int(np.searchsorted(c, cap, side="left"))
+    kept = out[: k + 1].copy()
+    kept[-1] -= int(c[k] - cap)
+    return kept[kept > 0] if kept[-1] <= 0 else kept
