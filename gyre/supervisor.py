@@ -61,16 +61,19 @@ class Supervisor:
         stopper = asyncio.create_task(self._stop.wait(), name=f"{self.name}.stop")
         failure: BaseException | None = None
         try:
-            done, _ = await asyncio.wait(
-                [stopper, *self._tasks.values()], return_when=asyncio.FIRST_EXCEPTION
-            )
-            for task in done:
-                if task is not stopper and not task.cancelled() and task.exception() is not None:
-                    failure = task.exception()
-                    log.error("task failed", extra={"task": task.get_name(), "error": repr(failure)})
-                    break
-                if task is not stopper and failure is None:
-                    log.info("task ended", extra={"task": task.get_name()})
+            # FIRST_EXCEPTION alone would never return on a stop request (the stopper ends
+            # without an exception), so wait for the first completion until the stopper is
+            # done or a task failed; a task that ends normally is only logged.
+            pending: set[asyncio.Task[Any]] = {stopper, *self._tasks.values()}
+            while failure is None and not stopper.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not stopper and not task.cancelled() and task.exception() is not None:
+                        failure = task.exception()
+                        log.error("task failed", extra={"task": task.get_name(), "error": repr(failure)})
+                        break
+                    if task is not stopper and failure is None:
+                        log.info("task ended", extra={"task": task.get_name()})
         finally:
             stopper.cancel()
             await self._shutdown(grace_s)
