@@ -243,8 +243,10 @@ class OpenAIApi:
         envelope = self._envelope(chat, True)
         detok = self._tok.detokenizer()
         completion = 0
+        head = {**envelope, "prompt_token_ids": prompt} if opts["token_ids"] else envelope
         if chat:
-            await _send(resp, envelope, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            await _send(resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            head = envelope
         try:
             chunk = first
             while chunk is not None:
@@ -261,7 +263,8 @@ class OpenAIApi:
                     choice["token_ids"] = chunk.token_ids
                 if opts["logprobs"]:
                     choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]}
-                await _send(resp, envelope, choice)
+                await _send(resp, head, choice)
+                head = envelope
                 chunk = await anext(gen, None)
             if opts["usage"]:
                 usage = {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}

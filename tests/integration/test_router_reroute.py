@@ -1,0 +1,217 @@
+"""A live model call moved by the scheduler (route rewritten in etcd with a fenced epoch,
+then Router.MoveExecutions) continues at the destination: the harness receives exactly the
+tokens of the same request without a move — once and several times, over HTTP streaming,
+HTTP non-streaming and gRPC — every source attempt is aborted, and the turn record that
+reaches the packer carries those tokens and their policy version. A destination serving
+another policy version is refused with a clean error. The router runs as a real process
+against a real etcd; engines are the deterministic fake."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+
+from gyre.etcd import Etcd, Keys
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
+from tests.router_support import (
+    FakePacker,
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    read_sse,
+    sse_token_ids,
+    start_fake_packer,
+    start_router,
+    write_config,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_TOKENS = 48
+MESSAGES = [{"role": "user", "content": "read notes.txt and answer"}]
+
+
+@dataclasses.dataclass
+class Env:
+    proc: ServiceProcess
+    url: str
+    etcd: Etcd
+    keys: Keys
+    stub: router_pb2_grpc.RouterStub
+    engines: dict[str, FakeEngineServer]
+    packer: FakePacker
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(etcd_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    tok = build_tokenizer_dir(tmp / "model")
+    cluster = "rr" + secrets.token_hex(4)
+    packer, packer_server, packer_target = await start_fake_packer()
+    engines = {}
+    for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
+        engines[cell] = await FakeEngineServer(FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.004, tokens_per_chunk=2)).start()
+    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), packer_target=packer_target,
+                       http_port=0, retry_budget=0, failover_wait_s=0.5, log_json=False)
+    proc, url = start_router(cfg, tmp / "router.log")
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    channel = grpc.aio.insecure_channel(proc.target)
+    try:
+        yield Env(proc, url, etcd, Keys(cluster), router_pb2_grpc.RouterStub(channel), engines, packer)
+    finally:
+        proc.stop()
+        await channel.close()
+        await etcd.close()
+        for e in engines.values():
+            await e.stop(0)
+        await packer_server.stop(0)
+
+
+async def _attempts(env: Env, cell: str, execution_id: str) -> list[str]:
+    return [r.request_id for r in env.engines[cell].engine.requests if r.execution_id == execution_id]
+
+
+async def scheduler_moves(env: Env, execution_id: str, token: str, path: list[str], every: int) -> int:
+    """Acts as the scheduler: each time the current engine has produced ``every`` tokens of
+    the call, rewrites the route to the next cell and calls MoveExecutions."""
+    current = path[0]
+    for dest in path[1:]:
+        while True:
+            rids = await _attempts(env, current, execution_id)
+            progress = env.engines[current].engine.progress
+            if rids and progress.get(rids[-1], 0) >= every:
+                break
+            await asyncio.sleep(0.002)
+        epoch = await put_route(env.etcd, env.keys, execution_id, dest, env.engines[dest].target, token)
+        reply = await env.stub.MoveExecutions(
+            router_pb2.MoveExecutionsRequest(
+                fence=common_pb2.Fence(epoch=7),
+                moves=[router_pb2.Move(execution_id=execution_id, from_cell=current, to_cell=dest, route_epoch=epoch)],
+            ),
+            timeout=5,
+        )
+        assert reply.remaining_at_source == 0
+        current = dest
+    return len(path) - 1
+
+
+async def http_call(env: Env, token: str, stream: bool, execution_id: str | None = None) -> tuple[list[int], list[int], dict[str, Any]]:
+    """(prompt ids, output ids, last body/event) of one chat completion."""
+    headers = {"Authorization": f"Bearer {token}"}
+    if execution_id:
+        headers["x-gyre-execution-id"] = execution_id
+    body = {"model": "model", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream, "return_token_ids": True}
+    async with aiohttp.ClientSession() as s, s.post(f"{env.url}/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        if stream:
+            events = await read_sse(resp)
+            assert events[-1] == {"done": True}
+            assert not any("error" in e for e in events), events
+            return events[0]["prompt_token_ids"], sse_token_ids(events), events[-2]
+        data = await resp.json()
+        return data["prompt_token_ids"], data["choices"][0]["token_ids"], data
+
+
+async def grpc_call(env: Env, execution_id: str, token: str, prompt: list[int]) -> tuple[list[int], int, int]:
+    call = env.stub.Generate(
+        router_pb2.GenerateRequest(execution_id=execution_id, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS)),
+        metadata=(("authorization", f"Bearer {token}"),), timeout=30,
+    )
+    out: list[int] = []
+    reroutes = 0
+    finish = 0
+    async for msg in call:
+        out.extend(msg.chunk.token_ids)
+        reroutes = msg.reroutes
+        finish = msg.chunk.finish_reason or finish
+    return out, reroutes, finish
+
+
+async def _turn(env: Env, execution_id: str, index: int = 0):
+    for _ in range(500):
+        got = env.packer.turns.get((execution_id, index))
+        if got is not None:
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no turn record for {execution_id}/{index}")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+@pytest.mark.parametrize("path", [["a", "b"], ["a", "b", "c", "a"]], ids=["once", "thrice"])
+async def test_http_rerouted_call_is_token_identical(env, stream, path):
+    # The same request without a move, then with moves along `path`.
+    ex0, tok0 = new_execution()
+    await put_route(env.etcd, env.keys, ex0, "a", env.engines["a"].target, tok0)
+    ex1, tok1 = new_execution()
+    await put_route(env.etcd, env.keys, ex1, "a", env.engines["a"].target, tok1)
+    await asyncio.sleep(0.3)  # the watch delivers the new routes
+    prompt0, plain, _ = await http_call(env, tok0, stream)
+    mover = asyncio.create_task(scheduler_moves(env, ex1, tok1, path, every=6))
+    prompt1, moved, last = await http_call(env, tok1, stream, execution_id=ex1)
+    assert await mover == len(path) - 1
+    assert prompt1 == prompt0
+    assert moved == plain == reference(1, prompt0, MAX_TOKENS)
+    if not stream:
+        assert last["gyre"]["reroutes"] == len(path) - 1
+        assert last["choices"][0]["finish_reason"] == "length"
+    else:
+        assert last["choices"][0]["finish_reason"] == "length"
+    # Each cell visited served one attempt; every source attempt got an Abort.
+    for cell in set(path[:-1]):
+        for rid in await _attempts(env, cell, ex1):
+            if rid not in env.engines[cell].engine.kinds("finish"):
+                assert rid in env.engines[cell].engine.kinds("abort_rpc") or rid in env.engines[cell].engine.kinds("cancelled")
+    turn = await _turn(env, ex1)
+    assert list(turn.output_token_ids) == moved and list(turn.prompt_token_ids) == prompt1
+    assert list(turn.output_policy_versions) == [1] * MAX_TOKENS and len(turn.output_logprobs) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("path", [["a", "b"], ["b", "c", "a", "b"]], ids=["once", "thrice"])
+async def test_grpc_rerouted_call_is_token_identical(env, path):
+    ex, tok = new_execution()
+    await put_route(env.etcd, env.keys, ex, path[0], env.engines[path[0]].target, tok)
+    await asyncio.sleep(0.3)
+    prompt = [11, 12, 13, 14, 15]
+    mover = asyncio.create_task(scheduler_moves(env, ex, tok, path, every=5))
+    out, reroutes, finish = await grpc_call(env, ex, tok, prompt)
+    await mover
+    assert out == reference(1, prompt, MAX_TOKENS)
+    assert reroutes == len(path) - 1
+    assert finish == common_pb2.FINISH_REASON_LENGTH
+    status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+    assert status.reroutes >= reroutes and status.inflight == 0
+
+
+async def test_destination_with_other_policy_version_is_refused(env):
+    ex, tok = new_execution()
+    await put_route(env.etcd, env.keys, ex, "a", env.engines["a"].target, tok)
+    await asyncio.sleep(0.3)
+    mover = asyncio.create_task(scheduler_moves(env, ex, tok, ["a", "v2"], every=5))
+    headers = {"Authorization": f"Bearer {tok}"}
+    body = {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
+    async with aiohttp.ClientSession() as s, s.post(f"{env.url}/chat/completions", json=body, headers=headers) as resp:
+        events = await asyncio.wait_for(read_sse(resp), 20)
+    await mover
+    assert "error" in events[-2] and events[-2]["error"]["code"] == 503
+    assert events[-1] == {"done": True}
+    refused = [r for r in env.engines["v2"].engine.requests if r.execution_id == ex]
+    assert refused == []  # refused before it started: the engine never ran it
+    assert not await _attempts(env, "v2", ex)
+
+
+async def test_stale_fence_is_refused(env):
+    await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=9)), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=3)), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

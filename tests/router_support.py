@@ -1,0 +1,102 @@
+"""Helpers for the router's integration and fault tests: a tokenizer directory, a router
+process, route writes as the scheduler would make them, a fake packer, SSE parsing."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import yaml
+
+from gyre.etcd import Etcd, Keys
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import packer_pb2, packer_pb2_grpc
+from services.router.routes import token_sha256
+
+
+def build_tokenizer_dir(path: Path) -> Path:
+    """The tiny model's tokenizer (with its ChatML template) only: no weights needed."""
+    from gyre.model.tiny import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path)
+    return path
+
+
+def write_config(path: Path, cluster: str, etcd_endpoint: str, **router: Any) -> Path:
+    path.write_text(yaml.safe_dump({"cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]}, "router": router}))
+    return path
+
+
+def start_router(config: Path, log: Path, **overrides: Any) -> tuple[ServiceProcess, str]:
+    """Starts ``python -m services.router``; returns the process and its HTTP base URL."""
+    proc = ServiceProcess("router", config, overrides=overrides, log_path=log).start(timeout_s=90)
+    url = ""
+    for line in proc.stdout_lines:
+        if line.startswith("{") and "router_http" in line:
+            url = json.loads(line)["router_http"]
+    assert url, proc.stdout_lines
+    return proc, url
+
+
+def new_execution() -> tuple[str, str]:
+    n = random.randrange(1 << 40)
+    return f"ex-{n:x}", f"tok-{n:x}-{random.randrange(1 << 40):x}"
+
+
+async def put_route(etcd: Etcd, keys: Keys, execution_id: str, cell_id: str, target: str, token: str, policy_version: int = 1, group_id: str = "g1") -> int:
+    """Writes the route as the scheduler does; returns the route epoch (the key's version)."""
+    value = {
+        "execution_id": execution_id, "cell_id": cell_id, "target": target, "token_sha256": token_sha256(token),
+        "group_id": group_id, "burst_id": 1, "policy_version": policy_version,
+    }
+    await etcd.put(keys.route(execution_id), json.dumps(value).encode())
+    kv = await etcd.get(keys.route(execution_id))
+    assert kv is not None
+    return kv.version
+
+
+class FakePacker(packer_pb2_grpc.PackerServicer):
+    """Records RecordTurn calls; idempotent on (execution_id, turn_index)."""
+
+    def __init__(self) -> None:
+        self.turns: dict[tuple[str, int], packer_pb2.TurnRecord] = {}
+
+    async def RecordTurn(self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext) -> packer_pb2.RecordTurnResponse:
+        key = (request.execution_id, request.turn_index)
+        dup = key in self.turns
+        self.turns.setdefault(key, request)
+        return packer_pb2.RecordTurnResponse(duplicate=dup)
+
+
+async def start_fake_packer() -> tuple[FakePacker, grpc.aio.Server, str]:
+    packer = FakePacker()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    packer_pb2_grpc.add_PackerServicer_to_server(packer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return packer, server, f"127.0.0.1:{port}"
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    """All SSE data events of a response (``[DONE]`` as {"done": True})."""
+    events: list[dict[str, Any]] = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        events.append({"done": True} if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def sse_token_ids(events: list[dict[str, Any]]) -> list[int]:
+    out: list[int] = []
+    for ev in events:
+        for choice in ev.get("choices", []):
+            out.extend(choice.get("token_ids", []))
+    return out

@@ -1,0 +1,72 @@
+"""The route table authorizes exactly: an unknown token or execution is UNAUTHENTICATED, a
+token of another execution is PERMISSION_DENIED; a route never goes back to an older epoch
+(a late event cannot undo a move), a re-created route replaces the old incarnation, and a
+relist drops closed executions."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from services.router.routes import Route, RouteTable, token_sha256
+
+
+def r(ex: str, cell: str, epoch: int, token: str, created: int = 1) -> Route:
+    return Route(ex, cell, f"{cell}:1", token_sha256(token), "g", 1, 1, epoch, created)
+
+
+def test_authorize_by_token_and_execution():
+    t = RouteTable()
+    t.apply(r("e1", "a", 1, "tok1"))
+    t.apply(r("e2", "a", 1, "tok2"))
+    assert t.authorize("tok1").execution_id == "e1"
+    assert t.authorize("tok1", "e1").execution_id == "e1"
+    with pytest.raises(PermissionDenied):
+        t.authorize("tok2", "e1")
+    with pytest.raises(Unauthenticated):
+        t.authorize("nope", "e1")
+    with pytest.raises(Unauthenticated):
+        t.authorize("nope")
+    with pytest.raises(Unauthenticated):
+        t.authorize("tok1", "e9")
+    with pytest.raises(Unauthenticated):
+        t.authorize("")
+
+
+def test_epochs_only_move_forward_and_notify():
+    t = RouteTable()
+    seen: list[str] = []
+    t.add_listener(lambda route: seen.append(route.cell_id))
+    assert t.apply(r("e1", "a", 1, "x"))
+    assert t.apply(r("e1", "b", 2, "x"))
+    assert not t.apply(r("e1", "a", 1, "x"))  # late event
+    assert not t.apply(r("e1", "c", 2, "x"))  # same epoch
+    assert t.get("e1").cell_id == "b"
+    assert seen == ["a", "b"]
+    # A re-created route (new create revision) starts again at version 1.
+    assert t.apply(r("e1", "d", 1, "x", created=5))
+    assert not t.apply(r("e1", "b", 9, "x", created=1))
+    assert t.get("e1").cell_id == "d"
+
+
+def test_relist_drops_closed_executions_and_their_tokens():
+    t = RouteTable()
+    removed: list[str] = []
+    t.add_remove_listener(removed.append)
+    t.apply(r("e1", "a", 1, "t1"))
+    t.apply(r("e2", "a", 1, "t2"))
+    t.replace_all([r("e2", "b", 2, "t2")])
+    assert t.get("e1") is None and removed == ["e1"]
+    with pytest.raises(Unauthenticated):
+        t.authorize("t1")
+    assert t.get("e2").cell_id == "b"
+
+
+def test_route_json_round_trip_and_malformed():
+    route = r("e1", "a", 3, "t", created=7)
+    back = Route.from_json(route.to_json(), 3, 7)
+    assert back == route
+    with pytest.raises(InvalidArgument):
+        Route.from_json(b"{not json", 1)
+    with pytest.raises(InvalidArgument):
+        Route.from_json(b'{"execution_id": "e"}', 1)

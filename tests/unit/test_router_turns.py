@@ -1,0 +1,79 @@
+"""Turn records reach the packer even when it is slow or down for a while (retried; the
+harness never waits), are dropped (and counted) only when the bounded buffer overflows, and
+a record the packer refuses as malformed is not retried forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gyre.errors import InvalidArgument, Unavailable
+from services.router.turns import Turn, TurnRecorder
+
+
+def turn(i: int) -> Turn:
+    return Turn("e1", "g", i, (1, 2), (3,), (-0.1,), (1,))
+
+
+class FlakySink:
+    def __init__(self, failures: int, delay_s: float = 0.0) -> None:
+        self.failures = failures
+        self.delay_s = delay_s
+        self.got: list[int] = []
+        self.calls = 0
+
+    async def record(self, t: Turn) -> None:
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        if self.failures > 0:
+            self.failures -= 1
+            raise Unavailable("packer down")
+        if t.turn_index < 0:
+            raise InvalidArgument("bad turn")
+        self.got.append(t.turn_index)
+
+
+async def _no_sleep(_: float) -> None:
+    await asyncio.sleep(0)
+
+
+async def test_retries_until_acknowledged():
+    sink = FlakySink(failures=5)
+    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    task = asyncio.create_task(rec.run())
+    for i in range(3):
+        rec.submit(turn(i))
+    assert await rec.flush(2.0)
+    assert sorted(sink.got) == [0, 1, 2] and rec.sent == 3
+    task.cancel()
+
+
+async def test_submit_never_blocks_and_overflow_drops_oldest():
+    sink = FlakySink(failures=0, delay_s=10.0)  # a packer that hangs
+    rec = TurnRecorder(sink, capacity=3, senders=1)
+    task = asyncio.create_task(rec.run())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    for i in range(10):
+        rec.submit(turn(i))
+    assert loop.time() - t0 < 1.0
+    assert rec.dropped >= 6
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_refused_turn_is_not_retried():
+    sink = FlakySink(failures=0)
+    rec = TurnRecorder(sink, senders=2, sleep=_no_sleep)
+    task = asyncio.create_task(rec.run())
+    rec.submit(turn(-1))
+    rec.submit(turn(1))
+    assert await rec.flush(2.0)
+    assert sink.got == [1] and rec.rejected == 1 and sink.calls == 2
+    task.cancel()
+
+
+async def test_no_packer_configured_is_a_no_op():
+    rec = TurnRecorder(None)
+    rec.submit(turn(0))
+    assert rec.pending == 0
