@@ -55,6 +55,7 @@ class _Batch:
     released: int
     next: int = 0
     acked: set[str] = dataclasses.field(default_factory=set)
+    reserved: dict[int, str] = dataclasses.field(default_factory=dict)  # position -> cell
     claimed_by: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -71,10 +72,16 @@ class FakePacker:
             self._batches[batch_id] = _Batch(version, list(steps), len(steps) if released is None else released)
             self._cond.notify_all()
 
-    def release(self, batch_id: int, n: int | None = None) -> None:
+    def release(self, batch_id: int, n: int | None = None, for_cell: str | None = None) -> None:
+        """Makes ``n`` more micro-steps claimable (all when None); ``for_cell`` reserves
+        them for one cell (a scripted schedule: others see WAIT until it claims them)."""
         with self._cond:
             b = self._batches[batch_id]
-            b.released = len(b.steps) if n is None else min(len(b.steps), b.released + n)
+            new = len(b.steps) if n is None else min(len(b.steps), b.released + n)
+            if for_cell is not None:
+                for pos in range(b.released, new):
+                    b.reserved[pos] = for_cell
+            b.released = new
             self._cond.notify_all()
 
     def claimed(self, batch_id: int) -> int:
@@ -98,13 +105,16 @@ class FakePacker:
             if version != b.version:
                 raise FailedPrecondition(f"batch {batch_id} trains on version {b.version}, not {version}")
 
+            def mine() -> bool:
+                return b.reserved.get(b.next, cell_id) == cell_id
+
             def ready() -> bool:
-                return b.next < b.released or b.next >= len(b.steps)
+                return (b.next < b.released and mine()) or b.next >= len(b.steps)
 
             self._cond.wait_for(ready, wait_s)
             if b.next >= len(b.steps):
                 return Claim(Outcome.CLOSED)
-            if b.next >= b.released:
+            if b.next >= b.released or not mine():
                 return Claim(Outcome.WAIT)
             step = b.steps[b.next]
             b.next += 1

@@ -1,0 +1,151 @@
+"""What the cell agent holds for training: a :class:`TrainingService` that builds the
+trainer, the prefix groups and the controller in the background at start-up (the
+rendezvous waits for every elastic cell), serves snapshots from the moment the process is
+up, and forwards ``JoinBatch`` and the lifecycle hooks to the controller once it is ready.
+
+Wiring in the cell agent (elastic cells only)::
+
+    training = TrainingService(cfg.training, cell_id=..., index=..., target=rt.target,
+                               etcd=rt.etcd, keys=rt.keys)
+    services.append(snapshots.registration(training.snapshots))   # WeightSnapshots
+    rt.supervisor.spawn("training", training.run())                # after the server is up
+    ... JoinBatch -> await training.join_batch(batch_id, version, prefix_size, core_target)
+    ... TRAINING entered/left -> await training.on_enter_training() / on_leave_training()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import torch
+
+from gyre.errors import Unavailable
+from gyre.etcd import Etcd, Keys
+from services.cell_agent.snapshots import SnapshotStore, pull_snapshot
+from services.cell_agent.training.checkpoint import Checkpointer
+from services.cell_agent.training.config import TrainingSettings
+from services.cell_agent.training.controller import ControllerParams, TrainingController
+from services.cell_agent.training.core import CoreOptimizer, OptimConfig
+from services.cell_agent.training.dist import PrefixGroups, StoreMembership
+from services.cell_agent.training.packer_client import PackerSource
+from services.cell_agent.training.store import EtcdPolicyPublisher
+from services.cell_agent.training.trainer import LossConfig, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(setting: str, index: int) -> torch.device:
+    if setting != "auto":
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{index % torch.cuda.device_count()}")
+    return torch.device("cpu")
+
+
+class TrainingService:
+    """One elastic cell's training half, built in the background."""
+
+    def __init__(self, settings: TrainingSettings, *, cell_id: str, index: int, target: str,
+                 etcd: Etcd | None = None, keys: Keys | None = None) -> None:
+        if index < 0:
+            raise ValueError("only elastic cells (index >= 0) train")
+        self.settings = settings
+        self.cell_id = cell_id
+        self.index = index
+        self.target = target
+        self.etcd = etcd
+        self.keys = keys
+        self.snapshots = SnapshotStore(keep=settings.snapshot_keep)
+        self.controller: TrainingController | None = None
+        self.groups: PrefixGroups | None = None
+        self._ready = asyncio.Event()
+        self._failed: BaseException | None = None
+        self._source: PackerSource | None = None
+
+    async def run(self) -> None:
+        """Builds everything, then stays up until cancelled (a supervised task)."""
+        try:
+            await self.build()
+        except BaseException as exc:
+            self._failed = exc
+            self._ready.set()
+            raise
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    async def build(self) -> TrainingController:
+        s = self.settings
+        device = pick_device(s.device, self.index)
+        trainer = await asyncio.to_thread(
+            Trainer.from_dir, s.model_dir, s.initial_policy_version, s.dtype, str(device),
+            LossConfig(s.clip_eps_low, s.clip_eps_high),
+        )
+        groups = PrefixGroups(self.index, s.world_size, s.dist_master, s.dist_backend, device, s.dist_timeout_s)
+        await asyncio.to_thread(groups.setup)
+        self.groups = groups
+        core = None
+        if self.index == 0:
+            ckpt = Checkpointer(s.checkpoint_dir, s.checkpoint_keep) if s.checkpoint_dir else None
+            core = CoreOptimizer(
+                trainer,
+                OptimConfig(s.lr, (s.beta1, s.beta2), s.eps, s.weight_decay, s.max_grad_norm),
+                ckpt,
+            )
+        publisher = None
+        if self.index == 0 and self.etcd is not None and self.keys is not None:
+            publisher = EtcdPolicyPublisher(self.etcd, self.keys, self.target)
+        self._source = PackerSource(s.packer_target, self.cell_id)
+        assert groups.store is not None
+        self.controller = TrainingController(
+            cell_id=self.cell_id, index=self.index, trainer=trainer, snapshots=self.snapshots,
+            source=self._source, membership=StoreMembership(groups.store), collective=groups,
+            publisher=publisher,
+            puller=functools.partial(
+                _pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s
+            ),
+            core=core,
+            params=ControllerParams(
+                claim_wait_s=s.claim_wait_s, join_wait_s=s.join_wait_s, collective_timeout_s=s.dist_timeout_s
+            ),
+        )
+        await self.controller.start()
+        self._ready.set()
+        log.info("training ready", extra={"cell_id": self.cell_id, "index": self.index, "version": trainer.version})
+        return self.controller
+
+    async def ready(self, timeout_s: float) -> TrainingController:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            raise Unavailable("training is still starting (waiting for every elastic cell)") from None
+        if self.controller is None:
+            raise Unavailable(f"training failed to start: {self._failed!r}")
+        return self.controller
+
+    async def join_batch(self, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
+        ctl = await self.ready(self.settings.join_wait_s)
+        return await ctl.join_batch(batch_id, policy_version, prefix_size, core_target)
+
+    async def on_enter_training(self) -> None:
+        if self.controller is not None:
+            await self.controller.on_enter_training()
+
+    async def on_leave_training(self, timeout_s: float | None = None) -> None:
+        if self.controller is not None:
+            await self.controller.on_leave_training(timeout_s)
+
+    async def close(self) -> None:
+        if self.controller is not None:
+            await self.controller.close()
+        if self._source is not None:
+            await self._source.close()
+        if self.groups is not None:
+            await asyncio.to_thread(self.groups.close)
+
+
+async def _pull(target: str, version: int, *, chunk_bytes: int, timeout_s: float):
+    return await pull_snapshot(target, version, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
