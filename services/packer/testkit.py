@@ -102,6 +102,24 @@ def snapshot(state: PackerState) -> dict[str, Any]:
     }
 
 
+def write_config(tmp_path: Any, etcd_server: Any, cluster_name: str, **packer: Any) -> Any:
+    """A cluster YAML for one packer process on a test etcd; returns its path."""
+    import yaml
+
+    section: dict[str, Any] = {
+        "wal_dir": str(tmp_path / "wal"), "batch_size": 4, "micro_step_token_budget": 48,
+        "claim_ttl_s": 2.0, "reap_interval_s": 0.2, "lease_ttl_s": 3, "log_level": "WARNING",
+        "max_message_bytes": 1 << 20,
+    }
+    section.update(packer)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({
+        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        "packer": section,
+    }))
+    return path
+
+
 def replayed(events: list[dict[str, Any]]) -> PackerState:
     state = PackerState()
     for ev in events:

@@ -1,0 +1,160 @@
+"""The packer as a real process over real gRPC and a real etcd: 16 claimers racing over the
+network each get disjoint micro-steps and every turn is trained exactly once; malformed and
+oversized records get precise statuses (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND,
+FAILED_PRECONDITION) and change no counter; the policy version follows etcd's policy key;
+WatchSupply streams the supply as groups become ready."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import grpc
+import pytest
+
+from gyre.etcd import Etcd, Keys
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
+from services.packer import testkit as tk
+
+CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
+CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
+
+
+@pytest.fixture
+def packer_proc(tmp_path, etcd_server, cluster_name):
+    procs = []
+
+    def start(**packer):
+        path = tk.write_config(tmp_path, etcd_server, cluster_name, **packer)
+        proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+
+
+async def feed(stub, groups, size=3, turns=2, base=0):
+    async def one(g):
+        for k in range(size):
+            x = f"g{g}-x{k}"
+            for i in range(turns):
+                await stub.RecordTurn(tk.turn_proto(x, f"g{g}", i, prompt=4 + g % 3, output=3 + g % 4), timeout=10)
+            await stub.ReportFinish(tk.finish_proto(x, f"g{g}", size, reward=float(k)), timeout=10)
+
+    await asyncio.gather(*(one(g) for g in range(base, base + groups)))
+
+
+async def drain(stub, cell, batch_id, trained, wait_s=0.5):
+    mine = []
+    while True:
+        r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
+            cell_id=cell, batch_id=batch_id, policy_version=0, wait_s=wait_s), timeout=10)
+        if r.outcome == CLOSED:
+            return mine
+        if r.outcome != CLAIMED:
+            continue
+        mine.append(r.micro_step.micro_step_id)
+        trained.extend((s.execution_id, s.turn_index) for s in r.micro_step.sequences)
+        await asyncio.sleep(random.random() * 0.01)
+        ack = await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
+            cell_id=cell, batch_id=batch_id, micro_step_id=r.micro_step.micro_step_id), timeout=10)
+        assert not ack.duplicate
+
+
+async def test_sixteen_claimers_race_over_grpc(packer_proc):
+    proc = packer_proc(batch_size=8)
+    channels = [grpc.aio.insecure_channel(proc.target) for _ in range(4)]
+    stubs = [packer_pb2_grpc.PackerStub(c) for c in channels]
+    try:
+        trained: list[tuple[str, int]] = []
+        results = await asyncio.gather(
+            feed(stubs[0], 8),
+            *(drain(stubs[i % 4], f"cell{i}", 1, trained) for i in range(16)),
+        )
+        claimed = [m for ids in results[1:] for m in ids]
+        status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+        assert status.done and status.sealed and status.closed
+        assert len(claimed) == len(set(claimed)) == status.micro_steps == status.acked
+        assert len(trained) == len(set(trained)) == 8 * 3 * 2
+        c = status.counters
+        assert c.produced == c.consumed == 48 and c.buffered == 0
+    finally:
+        for c in channels:
+            await c.close()
+
+
+async def _code(call):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code()
+
+
+async def test_malformed_records_get_precise_statuses_and_change_nothing(packer_proc):
+    proc = packer_proc()
+    async with grpc.aio.insecure_channel(proc.target) as ch:
+        stub = packer_pb2_grpc.PackerStub(ch)
+        await feed(stub, 1, size=2, turns=1)
+        before = (await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)).counters
+
+        bad_len = tk.turn_proto("x1", "g9", 0)
+        del bad_len.output_logprobs[-1]
+        assert await _code(stub.RecordTurn(bad_len, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        nan_lp = tk.turn_proto("x1", "g9", 0)
+        nan_lp.output_logprobs[0] = float("nan")
+        assert await _code(stub.RecordTurn(nan_lp, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        nan_reward = tk.finish_proto("x1", "g9", 2, reward=float("nan"))
+        assert await _code(stub.ReportFinish(nan_reward, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        running = tk.finish_proto("x1", "g9", 2)
+        running.status = common_pb2.EXECUTION_STATUS_RUNNING
+        assert await _code(stub.ReportFinish(running, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        too_long = tk.turn_proto("x1", "g9", 0, prompt=60)  # budget is 48 tokens
+        assert await _code(stub.RecordTurn(too_long, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        huge = tk.turn_proto("x1", "g9", 0, prompt=300_000)  # past max_message_bytes (1 MiB)
+        assert await _code(stub.RecordTurn(huge, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        unknown = packer_pb2.AckMicroStepRequest(cell_id="c", batch_id=1, micro_step_id="nope")
+        assert await _code(stub.AckMicroStep(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
+        late = tk.turn_proto("g0-x0", "g0", 7)
+        assert await _code(stub.RecordTurn(late, timeout=5)) == grpc.StatusCode.FAILED_PRECONDITION
+        no_cell = packer_pb2.ClaimMicroStepRequest(batch_id=0)
+        assert await _code(stub.ClaimMicroStep(no_cell, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await _code(stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=99), timeout=5)) == \
+            grpc.StatusCode.NOT_FOUND
+        stale_seal = packer_pb2.SealBatchRequest(batch_id=0)
+        assert await _code(stub.SealBatch(stale_seal, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+
+        after = (await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)).counters
+        assert after == before
+        # The service is healthy for everyone else.
+        assert not (await stub.RecordTurn(tk.turn_proto("x1", "g9", 0), timeout=5)).duplicate
+
+
+async def test_policy_version_follows_etcd_and_supply_streams(packer_proc, etcd_server, cluster_name):
+    proc = packer_proc(batch_size=2)
+    etcd = Etcd([etcd_server.endpoint])
+    await etcd.connect()
+    try:
+        async with grpc.aio.insecure_channel(proc.target) as ch:
+            stub = packer_pb2_grpc.PackerStub(ch)
+            stream = stub.WatchSupply(packer_pb2.WatchSupplyRequest())
+            first = await asyncio.wait_for(stream.read(), 5)
+            assert first.batch_id == 1 and first.batch_needs == 2 and first.ready_groups == 0
+            await feed(stub, 1, size=2, turns=1)
+            while True:
+                sig = await asyncio.wait_for(stream.read(), 5)
+                if sig.ready_groups == 1:
+                    break
+            assert sig.counters.ready == 2
+            await etcd.put(Keys(cluster_name).policy(), json.dumps({"version": 4, "source_target": ""}).encode())
+            # Version 4 makes the version-0 group stale (max_staleness 1): dropped, streamed.
+            while True:
+                sig = await asyncio.wait_for(stream.read(), 5)
+                if sig.counters.policy_version == 4:
+                    break
+            assert sig.ready_groups == 0 and sig.dropped["stale"] == 2
+            stream.cancel()
+    finally:
+        await etcd.close()
