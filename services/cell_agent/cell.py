@@ -35,6 +35,9 @@ class CellStateStore(Protocol):
     async def register(self, record: dict[str, object]) -> None:
         """(Re)writes the cell's registration record."""
 
+    async def verify_leader(self, epoch: int) -> None:
+        """StaleEpoch unless ``epoch`` is the current scheduler leader's epoch."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CellIdentity:
@@ -199,6 +202,13 @@ class Cell:
                 raise Unavailable(f"cell failed during {t.source.name} -> {t.target.name}: {exc}") from exc
             return self.state
 
+    async def _verify_epoch(self, epoch: int) -> None:
+        """A fenced command that writes nothing to etcd: refuse a stale epoch, then ask the
+        store whether ``epoch`` is the current leader's before it becomes the floor."""
+        self.lifecycle.check_epoch(epoch)
+        await self.store.verify_leader(epoch)
+        self.lifecycle.observe_epoch(epoch)
+
     async def _wait_drained(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._drain_wait_s
@@ -230,7 +240,7 @@ class Cell:
         if version < 0:
             raise InvalidArgument("version must be >= 0")
         async with self._lock:
-            self.lifecycle.fence.check(epoch)
+            await self._verify_epoch(epoch)
             if self.state not in ENGINE_UP or self.engine.sleeping:
                 raise FailedPrecondition(f"cannot load weights while {self.state.name}")
             loop = asyncio.get_running_loop()
@@ -251,7 +261,7 @@ class Cell:
 
     async def join_batch(self, cmd: JoinBatch) -> bool:
         async with self._lock:
-            self.lifecycle.fence.check(cmd.epoch)
+            await self._verify_epoch(cmd.epoch)
             if self.state is not CellState.TRAINING:
                 raise FailedPrecondition(f"cannot join a batch while {self.state.name}")
         return await self.hook.join_batch(cmd)

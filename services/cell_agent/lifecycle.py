@@ -19,7 +19,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 
-from gyre.errors import FailedPrecondition, InvalidArgument
+from gyre.errors import FailedPrecondition, InvalidArgument, StaleEpoch
 from gyre.fencing import FenceGuard
 from gyre.v1 import common_pb2
 
@@ -131,11 +131,23 @@ class Lifecycle:
         return int(self.fence.highest)
 
     def check(self, target: CellState, epoch: int, reason: str = "") -> Transition:
-        """Validates a fenced command: StaleEpoch for an old epoch, FailedPrecondition for
-        an illegal transition. Records the epoch as seen (a newer leader raises the floor
-        even if its first command is refused for another reason)."""
-        self.fence.check(epoch)
+        """Validates a fenced command: StaleEpoch for an epoch older than the newest seen,
+        FailedPrecondition for an illegal transition. Records nothing: the epoch becomes
+        the floor only when the transition is committed (after etcd verified it), so an
+        unverified epoch can never lock the real leader out."""
+        self.check_epoch(epoch)
         return self.check_unfenced(target, epoch, reason)
+
+    def check_epoch(self, epoch: int) -> None:
+        """Refuses a missing or stale epoch without recording it."""
+        if epoch <= 0:
+            raise InvalidArgument("a fenced command needs fence.epoch > 0")
+        if epoch < self.fence.highest:
+            raise StaleEpoch(f"stale fencing epoch {epoch} < {self.fence.highest}")
+
+    def observe_epoch(self, epoch: int) -> None:
+        """Raises the floor to a verified epoch."""
+        self.fence.observe(epoch)
 
     def check_unfenced(self, target: CellState, epoch: int = 0, reason: str = "") -> Transition:
         """Validates a transition the cell makes on its own (start-up, failure)."""
@@ -156,6 +168,8 @@ class Lifecycle:
             )
         self._state = t.target
         self._updated_s = self._clock()
+        if t.epoch > 0:
+            self.fence.observe(t.epoch)
         if not t.noop:
             self.history.append(t)
 

@@ -48,11 +48,13 @@ def test_stale_epoch_refused_and_floor_rises():
     with pytest.raises(StaleEpoch):
         lc.check(S.ROLLOUT, epoch=9)
     assert lc.state is S.DRAINING
-    # A newer leader's illegal command is refused, but its epoch becomes the floor.
+    # An epoch becomes the floor only with a committed transition (verified by etcd).
     with pytest.raises(FailedPrecondition):
         lc.check(S.RETURNING, epoch=12)
+    lc.check(S.TRAINING, epoch=10)
+    lc.commit(lc.check(S.TRAINING, epoch=12))
     with pytest.raises(StaleEpoch):
-        lc.check(S.TRAINING, epoch=10)
+        lc.check(S.RETURNING, epoch=10)
     with pytest.raises(InvalidArgument):
         lc.check(S.TRAINING, epoch=0)
 
