@@ -1,0 +1,115 @@
+"""Exactly one optimizer step per batch across a core crash: a core process killed between
+its optimizer step and the step's record (checkpoint), or between the record and the
+policy announcement, restarts from its checkpoint, finishes the batch's one step (replaying
+the write-ahead record) and announces it; the redelivered JoinBatch/step for that batch is
+a no-op, and the weights equal one clean step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from gyre.etcd import Etcd, Keys
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import cell_agent_pb2 as pb
+from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
+from gyre.v1 import common_pb2 as cpb
+from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from services.cell_agent.snapshots import pull_snapshot
+from services.cell_agent.training.checkpoint import Checkpointer
+from services.cell_agent.training.core import CoreOptimizer, OptimConfig
+from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch
+from services.cell_agent.training.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(240)
+LR = 5e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from gyre.model.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+async def _join(target: str, batch: int, version: int) -> bool:
+    async with grpc.aio.insecure_channel(target) as ch:
+        r = await pb_grpc.CellControlStub(ch).JoinBatch(
+            pb.JoinBatchRequest(fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=version,
+                                prefix_size=1, core_target=target),
+            timeout=60,
+        )
+    return r.joined
+
+
+@pytest.mark.parametrize("point", ["training.after_step", "training.after_checkpoint"])
+async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_name, model_dir, tmp_path, point):
+    steps = synthetic_batch(1, 3, seed=9)
+    ref = Trainer.from_dir(model_dir, 1, "float64")
+    for s in steps:
+        ref.accumulate(s, 1)
+    CoreOptimizer(ref, OptimConfig(lr=LR)).step(1, ref.flat_grads(), ref.tokens)
+    want = ref.state_dict()
+
+    packer = FakePacker()
+    packer.add_batch(1, 1, steps)
+    server = grpc.aio.server()
+    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ckpt_dir = tmp_path / "ckpt"
+    cfg = {
+        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        "trainer_cell": {"training": {
+            "model_dir": str(model_dir), "dtype": "float64", "lr": LR, "world_size": 1,
+            "dist_master": "127.0.0.1:0", "packer_target": f"127.0.0.1:{port}",
+            "claim_wait_s": 0.2, "checkpoint_dir": str(ckpt_dir),
+        }},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    etcd = Etcd([etcd_server.endpoint])
+    await etcd.connect()
+    key = Keys(cluster_name).policy()
+
+    def proc(failpoint: str) -> ServiceProcess:
+        return ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": "core", "index": 0},
+                              env={"OMP_NUM_THREADS": "1", "GYRE_FAILPOINTS": failpoint},
+                              log_path=tmp_path / "core.log")
+
+    crashing = proc(point)
+    restarted = None
+    try:
+        await asyncio.to_thread(crashing.start, 90)
+        assert await _join(crashing.target, 1, 1)
+        assert await asyncio.to_thread(crashing.wait, 60) == 17  # died at the failpoint
+        assert await etcd.get(key) is None  # nothing announced
+        restarted = proc("")
+        await asyncio.to_thread(restarted.start, 90)
+        for _ in range(300):
+            kv = await etcd.get(key)
+            if kv is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None, "the restarted core never announced the step"
+        policy = json.loads(kv.value)
+        assert (policy["version"], policy["batch_id"]) == (2, 1)
+        assert not await _join(restarted.target, 1, 1)  # redelivered: already committed
+        version, got = await pull_snapshot(restarted.target, 0)
+        assert version == 2
+        for name, w in want.items():
+            assert torch.allclose(got[name], w, rtol=0, atol=1e-12), name
+        rec = Checkpointer(ckpt_dir).latest()
+        assert (rec.version, rec.batch_id, rec.steps) == (2, 1, 1)
+        assert {float(s["step"]) for s in rec.optimizer["state"].values()} == {1.0}
+        assert not Checkpointer(ckpt_dir).pending()
+    finally:
+        for p in (crashing, restarted):
+            if p is not None:
+                await asyncio.to_thread(p.stop, 10)
+        await server.stop(0)
+        await etcd.close()
