@@ -1,0 +1,284 @@
+"""The router's harness-facing edge, against the real process: a harness that disconnects
+gets its engine request aborted within 500 ms and the engine slot returns (HTTP and gRPC);
+an unknown token is 401 / UNAUTHENTICATED, another execution's token 403 /
+PERMISSION_DENIED, an oversized body 413, malformed JSON or fields 400 / INVALID_ARGUMENT,
+and none of them reaches an engine, records a turn or disturbs the next good request;
+/v1/models and /v1/completions answer like OpenAI's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+
+from gyre.etcd import Etcd, Keys
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
+from tests.router_support import (
+    FakePacker,
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    read_sse,
+    sse_token_ids,
+    start_fake_packer,
+    start_router,
+    write_config,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+MAX_BODY = 64 * 1024
+
+
+@dataclasses.dataclass
+class Env:
+    proc: ServiceProcess
+    url: str
+    etcd: Etcd
+    keys: Keys
+    stub: router_pb2_grpc.RouterStub
+    engine: FakeEngineServer
+    packer: FakePacker
+    ex1: str
+    tok1: str
+    ex2: str
+    tok2: str
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(etcd_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router_http")
+    tok = build_tokenizer_dir(tmp / "tiny")
+    cluster = "rh" + secrets.token_hex(4)
+    packer, packer_server, packer_target = await start_fake_packer()
+    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.01)).start()
+    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), packer_target=packer_target,
+                       http_port=0, max_body_bytes=MAX_BODY, max_tokens_limit=4096, log_json=False)
+    proc, url = start_router(cfg, tmp / "router.log")
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    keys = Keys(cluster)
+    ex1, tok1 = new_execution()
+    ex2, tok2 = new_execution()
+    await put_route(etcd, keys, ex1, "a", engine.target, tok1)
+    await put_route(etcd, keys, ex2, "a", engine.target, tok2)
+    await asyncio.sleep(0.3)
+    channel = grpc.aio.insecure_channel(proc.target)
+    try:
+        yield Env(proc, url, etcd, keys, router_pb2_grpc.RouterStub(channel), engine, packer, ex1, tok1, ex2, tok2)
+    finally:
+        proc.stop()
+        await channel.close()
+        await etcd.close()
+        await engine.stop(0)
+        await packer_server.stop(0)
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **kw}
+
+
+async def _wait_engine_idle(engine: FakeEngineServer, timeout_s: float) -> bool:
+    until = time.monotonic() + timeout_s
+    while time.monotonic() < until:
+        if not engine.engine.running:
+            return True
+        await asyncio.sleep(0.005)
+    return not engine.engine.running
+
+
+async def _snapshot(env: Env) -> tuple[int, int, int]:
+    status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+    return len(env.engine.engine.requests), len(env.packer.turns), status.inflight
+
+
+async def _settle(env: Env) -> None:
+    await asyncio.sleep(0.2)  # turn records of earlier calls are sent in the background
+
+
+async def test_models_and_completions(env):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{env.url}/models") as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+        h = {"Authorization": f"Bearer {env.tok1}"}
+        body = {"prompt": [20, 21, 22], "max_tokens": 6, "return_token_ids": True, "logprobs": True}
+        async with s.post(f"{env.url}/completions", json=body, headers=h) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            assert data["object"] == "text_completion"
+            assert data["choices"][0]["token_ids"] == reference(1, [20, 21, 22], 6)
+            assert len(data["choices"][0]["logprobs"]["content"]) == 6
+            assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+            assert isinstance(data["choices"][0]["text"], str)
+        async with s.post(f"{env.url}/completions", json={**body, "stream": True, "prompt": "hello world"}, headers=h) as r:
+            events = await read_sse(r)
+            assert events[-1] == {"done": True}
+            assert len(sse_token_ids(events)) == 6
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_http_disconnect_aborts_engine_request_within_500ms(env):
+    before = len(env.engine.engine.requests)
+    session = aiohttp.ClientSession()
+    resp = await session.post(f"{env.url}/chat/completions", json=chat_body(max_tokens=2000, stream=True),
+                              headers={"Authorization": f"Bearer {env.tok1}"})
+    assert resp.status == 200
+    got = 0
+    async for raw in resp.content:
+        if raw.startswith(b"data: ") and b"token" not in raw:
+            got += 1
+        if got >= 4:
+            break
+    assert env.engine.engine.running
+    rid = env.engine.engine.requests[before].request_id
+    t0 = time.monotonic()
+    resp.close()  # the harness goes away mid-stream
+    await session.close()
+    assert await _wait_engine_idle(env.engine, 2.0)
+    ended = [t for k, r, t in env.engine.engine.events if r == rid and k in ("cancelled", "abort_rpc", "aborted")]
+    assert ended and min(ended) - t0 < 0.5, ended
+    status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+    assert status.inflight == 0
+    load = env.engine.engine  # the slot is free again
+    assert len(load.running) == 0
+
+
+async def test_grpc_cancel_aborts_engine_request_within_500ms(env):
+    before = len(env.engine.engine.requests)
+    call = env.stub.Generate(
+        router_pb2.GenerateRequest(execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=2000)),
+        metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=30,
+    )
+    n = 0
+    async for _ in call:
+        n += 1
+        if n >= 3:
+            break
+    rid = env.engine.engine.requests[before].request_id
+    t0 = time.monotonic()
+    call.cancel()
+    assert await _wait_engine_idle(env.engine, 2.0)
+    ended = [t for k, r, t in env.engine.engine.events if r == rid and k in ("cancelled", "abort_rpc", "aborted")]
+    assert ended and min(ended) - t0 < 0.5
+
+
+async def test_grpc_deadline_propagates_to_engine(env):
+    before = len(env.engine.engine.requests)
+    call = env.stub.Generate(
+        router_pb2.GenerateRequest(execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=2000)),
+        metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=0.3,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await _wait_engine_idle(env.engine, 2.0)
+    rid = env.engine.engine.requests[before].request_id
+    assert rid not in env.engine.engine.kinds("finish")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["settle", "no_token", "unknown_token", "foreign_token", "oversized", "malformed_json", "not_object", "bad_max_tokens", "too_many_tokens", "empty_messages", "bad_role", "wrong_model"],
+)
+async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case):
+    if case == "settle":
+        await _settle(env)
+        return
+    before = await _snapshot(env)
+    headers = {"Authorization": f"Bearer {env.tok1}", "Content-Type": "application/json"}
+    data: bytes | None = None
+    body = chat_body()
+    expected = 400
+    if case == "no_token":
+        headers.pop("Authorization")
+        expected = 401
+    elif case == "unknown_token":
+        headers["Authorization"] = "Bearer nobody"
+        expected = 401
+    elif case == "foreign_token":
+        headers["Authorization"] = f"Bearer {env.tok2}"
+        headers["x-gyre-execution-id"] = env.ex1
+        expected = 403
+    elif case == "oversized":
+        body = chat_body(messages=[{"role": "user", "content": "x" * (MAX_BODY * 2)}])
+        expected = 413
+    elif case == "malformed_json":
+        data = b'{"messages": [ {"role": "user", "content": "hi"'
+    elif case == "not_object":
+        data = b"[1, 2, 3]"
+    elif case == "bad_max_tokens":
+        body = chat_body(max_tokens="many")
+    elif case == "too_many_tokens":
+        body = chat_body(max_tokens=10**6)
+    elif case == "empty_messages":
+        body = chat_body(messages=[])
+    elif case == "bad_role":
+        body = chat_body(messages=[{"role": "wizard", "content": "hi"}])
+    elif case == "wrong_model":
+        body = chat_body(model="gpt-9")
+        expected = 404
+    import json as _json
+
+    payload = data if data is not None else _json.dumps(body).encode()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{env.url}/chat/completions", data=payload, headers=headers) as r:
+            assert r.status == expected, await r.text()
+            err = await r.json()
+            assert err["error"]["code"] == expected and err["error"]["message"]
+        # Nothing changed, and the router still serves everyone else.
+        assert await _snapshot(env) == before
+        async with s.post(f"{env.url}/chat/completions", json=chat_body(return_token_ids=True),
+                          headers={"Authorization": f"Bearer {env.tok2}"}) as r:
+            assert r.status == 200
+            assert len((await r.json())["choices"][0]["token_ids"]) == 8
+        # ... and its turn reaches the packer (so the next case starts from a settled state).
+        for _ in range(200):
+            if len(env.packer.turns) == before[1] + 1:
+                break
+            await asyncio.sleep(0.01)
+        assert len(env.packer.turns) == before[1] + 1
+
+
+@pytest.mark.parametrize(
+    "case,code",
+    [
+        ("no_token", grpc.StatusCode.UNAUTHENTICATED),
+        ("unknown_token", grpc.StatusCode.UNAUTHENTICATED),
+        ("unknown_execution", grpc.StatusCode.UNAUTHENTICATED),
+        ("foreign_token", grpc.StatusCode.PERMISSION_DENIED),
+        ("empty_prompt", grpc.StatusCode.INVALID_ARGUMENT),
+        ("token_out_of_vocab", grpc.StatusCode.INVALID_ARGUMENT),
+        ("zero_max_tokens", grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case, code):
+    before = await _snapshot(env)
+    req = router_pb2.GenerateRequest(execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=4))
+    md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {env.tok1}"),)
+    if case == "no_token":
+        md = ()
+    elif case == "unknown_token":
+        md = (("authorization", "Bearer nobody"),)
+    elif case == "unknown_execution":
+        req.execution_id = "ex-nope"
+    elif case == "foreign_token":
+        md = (("authorization", f"Bearer {env.tok2}"),)
+    elif case == "empty_prompt":
+        del req.prompt_token_ids[:]
+    elif case == "token_out_of_vocab":
+        req.prompt_token_ids.append(10**6)
+    elif case == "zero_max_tokens":
+        req.sampling.max_tokens = 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in env.stub.Generate(req, metadata=md, timeout=5):
+            pass
+    assert err.value.code() == code
+    assert await _snapshot(env) == before
