@@ -198,7 +198,7 @@ class BatchStatus(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ..., done: _Optional[bool] = ..., active: _Optional[bool] = ..., unclaimed: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ...) -> None: ...
 
 class PackerCounters(_message.Message):
-    __slots__ = ("produced", "consumed", "buffered", "dropped", "pending", "ready", "assigned", "packed", "claims_expired", "policy_version")
+    __slots__ = ("produced", "consumed", "buffered", "dropped", "pending", "ready", "assigned", "packed", "claims_expired", "policy_version", "late_turns")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class PackerCounters(_message.Message):
     PACKED_FIELD_NUMBER: _ClassVar[int]
     CLAIMS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LATE_TURNS_FIELD_NUMBER: _ClassVar[int]
     produced: int
     consumed: int
     buffered: int
@@ -226,7 +227,8 @@ class PackerCounters(_message.Message):
     packed: int
     claims_expired: int
     policy_version: int
-    def __init__(self, produced: _Optional[int] = ..., consumed: _Optional[int] = ..., buffered: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., assigned: _Optional[int] = ..., packed: _Optional[int] = ..., claims_expired: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    late_turns: int
+    def __init__(self, produced: _Optional[int] = ..., consumed: _Optional[int] = ..., buffered: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., assigned: _Optional[int] = ..., packed: _Optional[int] = ..., claims_expired: _Optional[int] = ..., policy_version: _Optional[int] = ..., late_turns: _Optional[int] = ...) -> None: ...
 
 class SealBatchRequest(_message.Message):
     __slots__ = ("fence", "batch_id")

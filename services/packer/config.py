@@ -74,6 +74,13 @@ class PackerConfig(ServiceConfig):
     max_buffered_turns: int = Field(
         1_000_000, ge=1, description="Turns held at most; RecordTurn beyond is RESOURCE_EXHAUSTED."
     )
+    ready_grace_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="A group whose executions have all closed becomes ready this long after its "
+        "last finish report, so that turn records still in the router's send queue get in.",
+    )
     policy_from_etcd: bool = Field(
         True, description="Mirror the policy version from etcd (keys.policy()) for staleness."
     )

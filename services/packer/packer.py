@@ -60,6 +60,8 @@ class Packer:
         self._waiting: collections.Counter[int] = collections.Counter()  # batch -> waiting claimers
         self.changes = 0  # bumped on every change (supply watchers compare it)
         self.fatal: BaseException | None = None
+        self._complete: dict[str, float] = {}  # all closed, in the grace period -> since
+        self.late_turns = 0  # refused: their group was already ready (runtime count)
 
     # Start-up ----------------------------------------------------------------------------
 
@@ -73,6 +75,9 @@ class Packer:
         for ms in self.state.micro_steps.values():
             if ms.holder is not None:
                 ms.deadline = now + self.cfg.claim_ttl_s
+        for group in self.state.groups.values():
+            if group.state is GroupState.COLLECTING and group.size and group.closed >= group.size:
+                self._complete[group.id] = now  # the grace period restarts
         if not self.state.batches:
             self._commit({"t": "batch", "b": 1, "size": self.cfg.batch_size})
         self._after()
@@ -94,6 +99,7 @@ class Packer:
         self._check_membership(turn.execution_id, turn.group_id)
         group = st.groups.get(turn.group_id)
         if turn.group_id in st.resolved or (group is not None and group.state is not GroupState.COLLECTING):
+            self.late_turns += 1
             raise FailedPrecondition(
                 f"group {turn.group_id} is already complete; turn {turn.turn_index} of "
                 f"{turn.execution_id} came after its finish report and its group's readiness"
@@ -130,7 +136,9 @@ class Packer:
                     f"group {finish.group_id} already has its {group.size} closed executions"
                 )
         self._commit({"t": "finish", "finish": finish.to_json()})
-        self._resolve(st.groups[finish.group_id])
+        group = st.groups[finish.group_id]
+        if group.closed >= group.size:
+            self._complete[group.id] = self.clock()
         self._after()
         await self.log.sync()
         return False
@@ -243,9 +251,10 @@ class Packer:
             await self.log.sync()
 
     async def reap(self) -> int:
-        """Returns expired claims to the pool; how many."""
+        """Periodic work: returns expired claims to the pool (how many) and makes groups
+        whose grace period has passed ready."""
         n = self._reap()
-        if n:
+        if n or self._complete:
             self._after()
             await self.log.sync()
         return n
@@ -268,8 +277,11 @@ class Packer:
             "claimed": b.claimed, "acked": b.acked, "sealed": b.sealed,
             "total_tokens": b.total_loss_tokens, "closed": b.closed, "done": b.done,
             "active": b.active, "unclaimed": b.unclaimed, "participants": sorted(b.participants),
-            "counters": self.state.counters(),
+            "counters": self.counters(),
         }
+
+    def counters(self) -> dict[str, Any]:
+        return {**self.state.counters(), "late_turns": self.late_turns}
 
     def supply(self) -> dict[str, Any]:
         st = self.state
@@ -280,7 +292,7 @@ class Packer:
             "batch_id": filling.id, "dropped": dict(st.dropped),
             "batch_active": filling.active,
             "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
-            "ready_unassigned": ready, "counters": st.counters(),
+            "ready_unassigned": ready, "counters": self.counters(),
         }
 
     async def wait_changed(self, timeout_s: float | None) -> None:
@@ -332,6 +344,11 @@ class Packer:
         """Moves work forward: stale ready groups out, ready groups into the active batch,
         sequences into micro-steps, full batches sealed."""
         st, cfg = self.state, self.cfg
+        now = self.clock()
+        for gid, since in list(self._complete.items()):
+            if now >= since + cfg.ready_grace_s:
+                del self._complete[gid]
+                self._resolve(st.groups[gid])
         for gid in list(st.ready):
             group = st.groups[gid]
             if is_stale(group.oldest_version, st.policy_version, cfg.max_staleness):

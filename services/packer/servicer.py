@@ -22,6 +22,7 @@ def counters_to_proto(c: dict[str, Any]) -> packer_pb2.PackerCounters:
         produced=c["produced"], consumed=c["consumed"], buffered=c["buffered"],
         dropped=c["dropped"], pending=c["pending"], ready=c["ready"], assigned=c["assigned"],
         packed=c["packed"], claims_expired=c["claims_expired"], policy_version=c["policy_version"],
+        late_turns=c.get("late_turns", 0),
     )
 
 

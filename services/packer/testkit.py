@@ -28,7 +28,9 @@ class ManualClock:
 
 
 def config(**overrides: Any) -> PackerConfig:
-    base: dict[str, Any] = {"batch_size": 2, "micro_step_token_budget": 64, "policy_from_etcd": False}
+    base: dict[str, Any] = {
+        "batch_size": 2, "micro_step_token_budget": 64, "policy_from_etcd": False, "ready_grace_s": 0.0,
+    }
     base.update(overrides)
     return PackerConfig(**base)
 
@@ -109,7 +111,7 @@ def write_config(tmp_path: Any, etcd_server: Any, cluster_name: str, **packer: A
     section: dict[str, Any] = {
         "wal_dir": str(tmp_path / "wal"), "batch_size": 4, "micro_step_token_budget": 48,
         "claim_ttl_s": 2.0, "reap_interval_s": 0.2, "lease_ttl_s": 3, "log_level": "WARNING",
-        "max_message_bytes": 1 << 20,
+        "max_message_bytes": 1 << 20, "ready_grace_s": 0.0,
     }
     section.update(packer)
     path = tmp_path / "cluster.yaml"

@@ -29,6 +29,24 @@ async def test_group_ready_only_when_all_members_closed():
     assert p.state.counters()["ready"] == 3
 
 
+async def test_turns_arriving_during_the_grace_period_are_kept():
+    p, _, clock = tk.make_packer(ready_grace_s=1.0)
+    await p.record_turn(tk.turn("x0", "g", 0))
+    await p.report_finish(tk.finish("x0", "g", 2, reward=0.0))
+    await p.report_finish(tk.finish("x1", "g", 2, reward=1.0))
+    # x1's turn is still in the router's send queue when its finish arrives.
+    clock.advance(0.5)
+    await p.reap()
+    assert p.supply()["ready_unassigned"] == 0
+    await p.record_turn(tk.turn("x1", "g", 0))
+    clock.advance(0.6)
+    await p.reap()
+    assert p.supply()["ready_unassigned"] == 1 and p.state.counters()["ready"] == 2
+    with pytest.raises(FailedPrecondition):
+        await p.record_turn(tk.turn("x1", "g", 1))  # too late now: refused and counted
+    assert p.counters()["late_turns"] == 1 and p.state.counters()["produced"] == 2
+
+
 async def test_finish_without_turns_is_accepted_and_counts_as_closed():
     # Decision: a finish for an execution the packer never saw a turn of is legitimate (it
     # made no model call, or failed before one); it closes that member of its group.
