@@ -8,7 +8,8 @@ Routes:
 - ``GET /``: one self-contained HTML page (inline JS drawing on a canvas, no external
   resources) that fetches ``/api/timeline`` every second;
 - ``GET /api/timeline``: the timeline as JSON;
-- ``GET /healthz``: liveness, with the poller's counters.
+- ``GET /healthz``: liveness, with the poller's counters;
+- ``GET /metrics``: the scheduler's status as Prometheus gauges (``gyre_status_*``).
 
 The demo runner embeds it in-process with :meth:`DashboardApp.start`.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.dashboard import metrics
 from services.dashboard.source import StatusSource
 from services.dashboard.timeline import Timeline
 
@@ -58,6 +60,7 @@ class DashboardApp:
         self._clock = clock
         self._t0 = clock()
         self.timeline = Timeline(max_samples)
+        self._registry = metrics.make_registry(self.timeline)
         self.title = title
         self._page = PAGE_PATH.read_text(encoding="utf-8").replace("{{TITLE}}", _html_escape(title))
         self._last_logged_error = ""
@@ -104,6 +107,7 @@ class DashboardApp:
         app.router.add_get("/", self._index)
         app.router.add_get("/api/timeline", self._timeline)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
         app.cleanup_ctx.append(self._poller_ctx)
         return app
 
@@ -133,6 +137,9 @@ class DashboardApp:
         body["poll_interval_s"] = self.poll_interval_s
         body["title"] = self.title
         return web.json_response(body, headers={"Cache-Control": "no-store"})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(self._registry), headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         stats = self.timeline.stats

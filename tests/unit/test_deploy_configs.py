@@ -1,0 +1,168 @@
+"""The deployment configs load into the services' own typed configs.
+
+Invariants: for docker compose (deploy/compose/cluster.yaml + each container's environment)
+and Kubernetes (the gyre-config ConfigMap + each pod's environment), every section builds
+the service's pydantic config exactly as the service will at start-up (file, then
+GYRE_<SECTION>__<FIELD> overrides), so a renamed or removed field breaks this test instead of
+a deployment; every GYRE_ override names a real field (pydantic-settings would ignore a typo
+silently); per-container identities (cell id, kind, index, advertised host) come out right.
+A service whose config module has not landed yet is skipped, not passed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gyre import config as config_mod
+from gyre.config import ServiceConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+COMPOSE_CLUSTER = ROOT / "deploy" / "compose" / "cluster.yaml"
+K8S = ROOT / "deploy" / "k8s"
+
+SECTION_MODULES = {
+    "scheduler": "services.scheduler.config",
+    "router": "services.router.config",
+    "packer": "services.packer.config",
+    "cell_agent": "services.cell_agent.config",
+    "dashboard": "services.dashboard.config",
+}
+# Overrides for fields the services are expected to grow; accepted (and ignored by
+# pydantic-settings) until they exist. metrics_port: the Prometheus port (deploy/prometheus).
+PENDING_FIELDS = {"metrics_port"}
+
+# Which containers run which section: compose service names / Kubernetes workload names.
+COMPOSE_USERS = {
+    "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
+    "cell_agent": ["cell-0", "cell-1", "cell-2", "rollout-0"], "dashboard": ["dashboard"],
+}
+K8S_USERS = {
+    "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
+    "cell_agent": ["cell", "rollout"], "dashboard": ["dashboard"],
+}
+# What the Kubernetes downward API would give a pod (for $(VAR) and fieldRef values).
+FIELD_REFS = {
+    "metadata.name": "{name}-1",
+    "metadata.namespace": "gyre",
+    "status.podIP": "10.1.2.3",
+    "metadata.labels['apps.kubernetes.io/pod-index']": "1",
+}
+
+
+def config_class(section: str) -> type[ServiceConfig]:
+    try:
+        module = importlib.import_module(SECTION_MODULES[section])
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"{SECTION_MODULES[section]} has not landed yet ({exc})")
+    classes = [
+        obj for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, ServiceConfig) and obj.SECTION == section
+    ]
+    assert len(classes) == 1, f"{SECTION_MODULES[section]}: expected one config class for {section}"
+    return classes[0]
+
+
+def compose_env(service: str) -> dict[str, str]:
+    """A compose service's environment (anchors merged by PyYAML, ${X:-d} given its default)."""
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    env = data["services"][service].get("environment") or {}
+    out = {}
+    for key, value in env.items():
+        out[key] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+    return out
+
+
+def k8s_workload(name: str) -> dict[str, Any]:
+    for path in K8S.glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] == name:
+                return doc
+    raise AssertionError(f"no workload {name}")
+
+
+def k8s_env(name: str) -> dict[str, str]:
+    """A pod's environment as the kubelet would resolve it (downward API, $(VAR) references)."""
+    (container,) = k8s_workload(name)["spec"]["template"]["spec"]["containers"]
+    out: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            value = FIELD_REFS[item["valueFrom"]["fieldRef"]["fieldPath"]].format(name=name)
+        else:
+            value = re.sub(r"\$\(([A-Z_]+)\)", lambda m: out[m.group(1)], item["value"])
+        out[item["name"]] = value
+    return out
+
+
+def k8s_cluster_yaml() -> str:
+    doc = yaml.safe_load((K8S / "configmap.yaml").read_text())
+    return doc["data"]["cluster.yaml"]
+
+
+def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ServiceConfig:
+    cls = config_class(section)
+    prefix = f"GYRE_{section.upper()}__"
+    for key in list(os.environ):
+        if key.startswith("GYRE_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith(prefix):
+            field = key[len(prefix):].lower()
+            assert field in cls.model_fields or field in PENDING_FIELDS, f"{key}: {cls.__name__} has no field {field}"
+        elif key.startswith("GYRE_") and key != "GYRE_CONFIG":
+            raise AssertionError(f"{key} overrides another section than {section}")
+        monkeypatch.setenv(key, value)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return config_mod.load(cls, path)
+
+
+def test_every_section_is_known() -> None:
+    for text in (COMPOSE_CLUSTER.read_text(), k8s_cluster_yaml()):
+        sections = set(yaml.safe_load(text))
+        assert sections - {"cluster"} <= set(SECTION_MODULES), sections
+
+
+@pytest.mark.parametrize("section", sorted(COMPOSE_USERS))
+def test_compose_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for service in COMPOSE_USERS[section]:
+        cfg = build(section, COMPOSE_CLUSTER.read_text(), compose_env(service), tmp_path, monkeypatch)
+        assert cfg.cluster_name == "compose" and cfg.etcd_endpoints == ["etcd:2379"]
+        assert cfg.host == "0.0.0.0"
+        if section == "cell_agent":
+            assert cfg.cell_id == service and cfg.advertise_host == service  # type: ignore[attr-defined]
+            assert cfg.kind == ("standalone" if service.startswith("rollout") else "elastic")  # type: ignore[attr-defined]
+            assert cfg.index == (-1 if cfg.kind == "standalone" else int(service[-1]))  # type: ignore[attr-defined]
+            assert cfg.engine == "mock"  # type: ignore[attr-defined]
+        elif section != "dashboard":
+            assert cfg.advertise_host == service
+
+
+@pytest.mark.parametrize("section", sorted(K8S_USERS))
+def test_k8s_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for workload in K8S_USERS[section]:
+        cfg = build(section, k8s_cluster_yaml(), k8s_env(workload), tmp_path, monkeypatch)
+        assert cfg.cluster_name == "gyre" and len(cfg.etcd_endpoints) == 3
+        assert cfg.host == "0.0.0.0"
+        if section == "cell_agent":
+            assert cfg.cell_id == f"{workload}-1"  # type: ignore[attr-defined]
+            assert cfg.index == (-1 if workload == "rollout" else 1)  # type: ignore[attr-defined]
+            assert cfg.kind == ("standalone" if workload == "rollout" else "elastic")  # type: ignore[attr-defined]
+        if section != "dashboard":
+            assert cfg.advertise_host == "10.1.2.3"
+
+
+def test_a_typo_in_an_override_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = dict(compose_env("dashboard"), GYRE_DASHBOARD__POLL_INTERVAL=1)
+    with pytest.raises(AssertionError, match="no field poll_interval"):
+        build("dashboard", COMPOSE_CLUSTER.read_text(), {k: str(v) for k, v in env.items()}, tmp_path, monkeypatch)
+    bad = COMPOSE_CLUSTER.read_text().replace("poll_interval_s: 0.5", "poll_interval_s: 0.5\n  poll_every_s: 1")
+    with pytest.raises(ValueError, match="poll_every_s"):
+        build("dashboard", bad, {}, tmp_path, monkeypatch)

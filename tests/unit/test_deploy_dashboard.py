@@ -1,0 +1,174 @@
+"""The dashboard's timeline and poller (services/dashboard), without sockets.
+
+Invariants: a status is validated before it changes anything (a malformed one is counted as
+an error and leaves the timeline as it was); role bands merge equal consecutive states, mark
+a vanished cell GONE and stay contiguous; the timeline stays within ``max_samples``; a status
+from a lower fencing epoch (standby, deposed leader) is ignored; a failing or hanging source
+is a recorded error, never an exception out of the poller, while cancellation propagates;
+/api/timeline, /healthz and /metrics reflect the latest status; the page loads nothing from
+outside (no CDN).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import pytest
+
+from services.dashboard import metrics
+from services.dashboard.app import PAGE_PATH, DashboardApp
+from services.dashboard.timeline import GONE, Timeline, normalize_status
+
+
+def status(states: dict[str, str], epoch: int = 1, version: int = 0, w: int = 10, cap: int = 16) -> dict[str, Any]:
+    cells = []
+    for i, (cell_id, state) in enumerate(states.items()):
+        standalone = cell_id.startswith("s")
+        cells.append({"cell_id": cell_id, "kind": "CELL_KIND_STANDALONE" if standalone else "CELL_KIND_ELASTIC",
+                      "index": -1 if standalone else i, "state": f"CELL_STATE_{state}", "slots": 8})
+    return {"epoch": str(epoch), "capacity": cap, "policy_version": version, "reroutes": 0,
+            "ledger": {"burst_id": 1, "dispatched": 20, "finished": 20 - w, "waterlevel": w}, "cells": cells}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_normalize_accepts_every_enum_spelling() -> None:
+    raw = {"epoch": "5", "cells": [
+        {"cell_id": "a", "kind": 2, "index": 0, "state": 4},
+        {"cell_id": "b", "kind": "ELASTIC", "index": 1, "state": "draining"},
+        {"cell_id": "c", "kind": "CELL_KIND_STANDALONE", "index": -1, "state": "CELL_STATE_UNSPECIFIED"},
+    ]}
+    out = normalize_status(raw)
+    assert out["epoch"] == 5 and out["ledger"]["waterlevel"] == 0
+    assert [(c["kind"], c["state"]) for c in out["cells"]] == [
+        ("ELASTIC", "TRAINING"), ("ELASTIC", "DRAINING"), ("STANDALONE", "UNKNOWN")]
+
+
+@pytest.mark.parametrize("bad", [
+    {"cells": {"a": 1}},
+    {"cells": [{"cell_id": ""}]},
+    {"cells": [{"cell_id": "a"}, {"cell_id": "a"}]},
+    {"cells": [{"cell_id": "a", "state": "SLEEPING"}]},
+    {"cells": [{"cell_id": "a", "kind": True}]},
+    {"ledger": [1, 2]},
+    {"capacity": "lots"},
+    {"capacity": [1]},
+    [],
+])
+def test_malformed_status_changes_nothing(bad: Any) -> None:
+    tl = Timeline()
+    assert tl.add(0.0, status({"c0": "ROLLOUT"}))
+    before = tl.to_json(1.0)
+    with pytest.raises(ValueError):
+        tl.add(1.0, bad)
+    after = tl.to_json(1.0)
+    assert after["series"] == before["series"] and after["bands"] == before["bands"]
+    assert tl.stats.errors == 1 and tl.stats.ok == 1 and tl.stats.last_error
+
+
+def test_bands_merge_and_mark_gone() -> None:
+    tl = Timeline()
+    seq = ["ROLLOUT", "ROLLOUT", "DRAINING", "TRAINING", "TRAINING", "RETURNING", "ROLLOUT"]
+    for t, state in enumerate(seq):
+        tl.add(float(t), status({"c0": state, "c1": "ROLLOUT"} if t < 5 else {"c0": state}))
+    bands = tl.to_json(7.0)["bands"]
+    assert bands["c0"] == [[0.0, 2.0, "ROLLOUT"], [2.0, 3.0, "DRAINING"], [3.0, 5.0, "TRAINING"],
+                           [5.0, 6.0, "RETURNING"], [6.0, 6.0, "ROLLOUT"]]
+    assert bands["c1"] == [[0.0, 5.0, "ROLLOUT"], [5.0, 6.0, GONE]]
+    cells = {c["cell_id"]: c for c in tl.to_json(7.0)["cells"]}
+    assert cells["c1"]["state"] == GONE and cells["c0"]["role"] == "core"
+
+
+def test_timeline_is_bounded_and_forgets_long_gone_cells() -> None:
+    tl = Timeline(max_samples=10)
+    for t in range(50):
+        tl.add(float(t), status({"c0": "ROLLOUT" if t % 7 else "TRAINING", "old": "ROLLOUT"} if t < 5 else {"c0": "ROLLOUT"}))
+    out = tl.to_json(50.0)
+    assert len(out["series"]["t"]) == 10 and out["series"]["t"][0] == 40.0
+    assert "old" not in out["bands"] and [c["cell_id"] for c in out["cells"]] == ["c0"]
+    assert all(b[0] >= 40.0 for b in out["bands"]["c0"])
+
+
+def test_stale_epoch_is_ignored_and_policy_marks_recorded() -> None:
+    tl = Timeline()
+    assert tl.add(0.0, status({"c0": "ROLLOUT"}, epoch=7, version=1))
+    assert not tl.add(1.0, status({"c0": "TRAINING"}, epoch=6, version=9))  # a standby's view
+    assert tl.add(2.0, status({"c0": "ROLLOUT"}, epoch=7, version=2))
+    out = tl.to_json(3.0)
+    assert out["policy_marks"] == [[0.0, 1], [2.0, 2]]
+    assert {b[2] for b in out["bands"]["c0"]} == {"ROLLOUT"}
+    assert tl.stats.stale == 1 and out["counters"]["epoch"] == 7
+
+
+async def test_poller_records_errors_and_hangs() -> None:
+    calls: list[str] = []
+    script = ["ok", "boom", "hang", "ok"]
+
+    async def source() -> dict[str, Any]:
+        what = script[len(calls)]
+        calls.append(what)
+        if what == "boom":
+            raise ConnectionError("scheduler down")
+        if what == "hang":
+            await asyncio.sleep(3600)
+        return status({"c0": "ROLLOUT"})
+
+    clock = FakeClock()
+    dash = DashboardApp(source, poll_interval_s=0.01, poll_timeout_s=0.05, clock=clock)
+    results = []
+    for _ in script:
+        clock.t += 0.5
+        results.append(await dash.poll_once())
+    assert results == [True, False, False, True]
+    stats = dash.timeline.stats
+    assert (stats.ok, stats.errors) == (2, 2)
+    assert dash.timeline.to_json(0)["series"]["t"] == [0.5, 2.0]
+
+
+async def test_poller_does_not_swallow_cancellation() -> None:
+    async def source() -> dict[str, Any]:
+        raise asyncio.CancelledError
+
+    dash = DashboardApp(source)
+    with pytest.raises(asyncio.CancelledError):
+        await dash.poll_once()
+
+
+async def test_handlers_reflect_latest_status() -> None:
+    versions = iter(range(10))
+
+    async def source() -> dict[str, Any]:
+        v = next(versions)
+        return status({"c0": "TRAINING" if v else "ROLLOUT", "s9": "ROLLOUT"}, version=v, w=12 - v)
+
+    clock = FakeClock()
+    dash = DashboardApp(source, clock=clock)
+    for _ in range(3):
+        clock.t += 0.5
+        await dash.poll_once()
+    body = json.loads((await dash._timeline(None)).body)  # type: ignore[arg-type]
+    assert body["counters"]["policy_version"] == 2 and body["counters"]["waterlevel"] == 10
+    assert [c["role"] for c in body["cells"]] == ["core", "standalone"]
+    assert body["series"]["waterlevel"] == [12, 11, 10]
+    health = json.loads((await dash._healthz(None)).body)  # type: ignore[arg-type]
+    assert health["ok"] and health["polls_ok"] == 3 and health["last_ok_age_s"] == 0.0
+    text = metrics.render(dash._registry).decode()
+    assert "gyre_status_policy_version 2.0" in text
+    assert 'gyre_status_cell_state{cell_id="c0",kind="elastic",state="training"} 1.0' in text
+    assert 'gyre_status_cell_state{cell_id="c0",kind="elastic",state="rollout"} 0.0' in text
+
+
+def test_page_is_self_contained() -> None:
+    page = PAGE_PATH.read_text()
+    assert not re.search(r"https?://", page), "the page must not load anything from outside"
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", page)
+    assert "/api/timeline" in page and "<canvas" in page
