@@ -283,13 +283,20 @@ class Cell:
                 raise FatalError(str(self._fatal.exception() or "cell failed"))
             if self.engine.dead is not None:
                 await self._go_failed(f"engine dead: {self.engine.dead}")
+                self._retrieve_fatal()
                 raise FatalError(f"engine dead: {self.engine.dead}")
             if self.state in ENGINE_UP and not self.engine.sleeping and not self._lock.locked():
                 try:
                     await self.engine.probe(self._probe_timeout_s)
                 except EngineDead as exc:
                     await self._go_failed(str(exc))
+                    self._retrieve_fatal()
                     raise FatalError(str(exc)) from exc
+
+    def _retrieve_fatal(self) -> None:
+        # The monitor raises its own FatalError; mark the future's as retrieved.
+        if self._fatal is not None and self._fatal.done():
+            self._fatal.exception()
 
     async def _go_failed(self, reason: str, epoch: int = 0) -> None:
         if self.state is CellState.FAILED:
