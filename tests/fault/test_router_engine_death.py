@@ -1,0 +1,180 @@
+"""An engine process that dies (SIGKILL-like exit) or hangs (SIGSTOP) in the middle of a
+stream: with a retry budget the harness's response still completes, token-identical to an
+undisturbed one, once the scheduler moves the route; with no budget, or with no destination,
+the harness gets a clean error (SSE error event / gRPC UNAVAILABLE) within a bound, never a
+hang. Router and dying engines run as real processes against a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+
+from gyre.etcd import Etcd, Keys
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
+from tests.router_support import build_tokenizer_dir, new_execution, put_route, read_sse, sse_token_ids, start_router, write_config
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [30, 31, 32, 33]
+MAX_TOKENS = 40
+
+
+class EngineProcess:
+    """tests/router_fake_engine.py as its own process."""
+
+    def __init__(self, cell: str, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "router_fake_engine.py"), "--cell-id", cell, "--token-delay-s", "0.01", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self.target = json.loads(self.proc.stdout.readline())["target"]
+
+    def dead(self) -> bool:
+        return self.proc.poll() is not None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(etcd_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router_fault")
+    tok = build_tokenizer_dir(tmp / "model")
+    cluster = "rf" + secrets.token_hex(4)
+    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), http_port=0, log_json=False,
+                       failover_wait_s=0.5, engine_idle_timeout_s=1.0, abort_timeout_s=0.3)
+    with_budget, url = start_router(cfg, tmp / "router_budget.log", retry_budget=2)
+    no_budget, url0 = start_router(cfg, tmp / "router_nobudget.log", retry_budget=0)
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    healthy = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=0.01)).start()
+    ch1 = grpc.aio.insecure_channel(with_budget.target)
+    ch0 = grpc.aio.insecure_channel(no_budget.target)
+    try:
+        yield {
+            "url": url, "url0": url0, "etcd": etcd, "keys": Keys(cluster), "b": healthy,
+            "stub": router_pb2_grpc.RouterStub(ch1), "stub0": router_pb2_grpc.RouterStub(ch0),
+        }
+    finally:
+        with_budget.stop()
+        no_budget.stop()
+        await ch1.close()
+        await ch0.close()
+        await etcd.close()
+        await healthy.stop(0)
+
+
+async def _scheduler_moves_when(env, cond, execution_id: str, token: str) -> None:
+    """The scheduler's reaction to a dead/hung cell: rewrite the route to the healthy engine."""
+    while not cond():
+        await asyncio.sleep(0.01)
+    await put_route(env["etcd"], env["keys"], execution_id, "b", env["b"].target, token)
+
+
+async def _sse(url: str, token: str) -> list[dict]:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+        assert r.status == 200, await r.text()
+        return await read_sse(r)
+
+
+async def _grpc(stub, execution_id: str, token: str) -> list[int]:
+    out: list[int] = []
+    call = stub.Generate(
+        router_pb2.GenerateRequest(execution_id=execution_id, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS)),
+        metadata=(("authorization", f"Bearer {token}"),), timeout=30,
+    )
+    async for msg in call:
+        out.extend(msg.chunk.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("api", ["sse", "grpc"])
+async def test_killed_engine_with_budget_completes_identically(env, api):
+    dying = EngineProcess("a", "--die-after-tokens", "12")
+    try:
+        ex, tok = new_execution()
+        await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
+        await asyncio.sleep(0.3)
+        mover = asyncio.create_task(_scheduler_moves_when(env, dying.dead, ex, tok))
+        if api == "sse":
+            events = await asyncio.wait_for(_sse(env["url"], tok), 30)
+            assert not any("error" in e for e in events), events
+            out = sse_token_ids(events)
+        else:
+            out = await asyncio.wait_for(_grpc(env["stub"], ex, tok), 30)
+        await mover
+        assert dying.dead()
+        assert out == reference(1, PROMPT, MAX_TOKENS)
+    finally:
+        dying.kill()
+
+
+async def test_hung_engine_is_moved_away_identically(env):
+    hanging = EngineProcess("a")
+    try:
+        ex, tok = new_execution()
+        await put_route(env["etcd"], env["keys"], ex, "a", hanging.target, tok)
+        await asyncio.sleep(0.3)
+        stream = asyncio.create_task(_sse(env["url"], tok))
+        await asyncio.sleep(0.15)  # some tokens flow, then the engine freezes
+        hanging.proc.send_signal(signal.SIGSTOP)
+        await _scheduler_moves_when(env, lambda: True, ex, tok)
+        events = await asyncio.wait_for(stream, 30)
+        assert not any("error" in e for e in events), events
+        assert sse_token_ids(events) == reference(1, PROMPT, MAX_TOKENS)
+    finally:
+        hanging.kill()
+
+
+async def test_killed_engine_without_budget_is_a_clean_error(env):
+    dying = EngineProcess("a", "--die-after-tokens", "12")
+    try:
+        ex, tok = new_execution()
+        await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        events = await asyncio.wait_for(_sse(env["url0"], tok), 30)
+        assert time.monotonic() - t0 < 10
+        assert events[-1] == {"done": True}
+        assert events[-2]["error"]["code"] == 503 and "retry budget 0" in events[-2]["error"]["message"]
+        got = sse_token_ids(events)
+        assert got == reference(1, PROMPT, MAX_TOKENS)[: len(got)]  # a prefix: nothing wrong was sent
+        # gRPC: UNAVAILABLE. The route still points at the dead engine.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(_grpc(env["stub0"], ex, tok), 30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        dying.kill()
+
+
+async def test_killed_engine_with_no_destination_is_a_clean_error(env):
+    dying = EngineProcess("a", "--die-after-tokens", "12")
+    try:
+        ex, tok = new_execution()
+        await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        events = await asyncio.wait_for(_sse(env["url"], tok), 30)  # budget 2, but nowhere to go
+        assert time.monotonic() - t0 < 10
+        assert events[-2]["error"]["code"] == 503 and "3 engine failure" in events[-2]["error"]["message"]
+        status = await env["stub"].GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+        assert status.failed_calls >= 1 and status.inflight == 0
+    finally:
+        dying.kill()
