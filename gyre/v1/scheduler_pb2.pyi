@@ -139,7 +139,7 @@ class CellInfo(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.CellKind, str]] = ..., index: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.CellState, str]] = ..., slots: _Optional[int] = ..., routed: _Optional[int] = ..., target: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout")
+    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,9 @@ class SchedulerStatus(_message.Message):
     BURSTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     TRANSITIONS_TO_TRAINING_FIELD_NUMBER: _ClassVar[int]
     TRANSITIONS_TO_ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ledger: Ledger
     capacity: int
@@ -162,7 +165,10 @@ class SchedulerStatus(_message.Message):
     bursts_completed: int
     transitions_to_training: int
     transitions_to_rollout: int
-    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ...) -> None: ...
+    total: Ledger
+    policy: str
+    leader: bool
+    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_seq",)

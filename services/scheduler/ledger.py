@@ -201,8 +201,15 @@ class Ledger:
         f = sum(self._finished.get(b, 0) for b in ids)
         return LedgerCounts(d, lc, f)
 
-    def finished_by_status(self) -> dict[str, int]:
-        return dict(self._by_status)
+    def finished_by_status(self, burst_id: int | None = None) -> dict[str, int]:
+        """Closed executions by final status, of one burst or of all (None)."""
+        if burst_id is None:
+            return dict(self._by_status)
+        out: dict[str, int] = {}
+        for r in self.records.values():
+            if r.burst_id == burst_id and r.state.final:
+                out[r.state.value] = out.get(r.state.value, 0) + 1
+        return out
 
     @property
     def current_burst(self) -> Burst | None:
@@ -325,7 +332,6 @@ class Ledger:
             self._finished[rec.burst_id] = self._finished.get(rec.burst_id, 0) + 1
             self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
             self._deadline.pop(rec.execution_id, None)
-            self._by_token.pop(rec.token_sha256, None)
 
     def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
         """Rebuild: applies a record read back from etcd (any state)."""

@@ -33,7 +33,8 @@ Stable API (other code imports it; extend, do not break):
   stays trained and no next burst comes (task source exhausted): apply it once per version.
 * ``Policy`` protocol: ``name`` and ``decide(snapshot) -> list[Action]``. Implementations:
   :class:`WaterlevelPolicy` (Gyre), :class:`ColocatedSyncPolicy` and
-  :class:`StaticSplitPolicy` (the baselines), configured by :class:`WaterlevelConfig` /
+  :class:`StaticSplitPolicy` (the baselines), :class:`RolloutOnlyPolicy` (no training: bursts
+  back to back), configured by :class:`WaterlevelConfig` /
   :class:`StaticSplitConfig`. :func:`make_policy` builds one by name.
 * Helpers: :func:`capacity` (slots of standalone cells in ROLLOUT + elastic cells in
   ROLLOUT), :func:`training_set` (elastic cells in DRAINING or TRAINING: on their way to or
@@ -521,12 +522,28 @@ class StaticSplitPolicy:
         return actions
 
 
+class RolloutOnlyPolicy:
+    """No training (the walking skeleton, or a cluster without trainers): the next burst is
+    dispatched once every execution of the current one has closed."""
+
+    name = "rollout_only"
+
+    def decide(self, s: Snapshot) -> list[Action]:
+        if s.burst is None:
+            return _next_burst(s, f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
+        if s.ledger.waterlevel > 0:
+            return []
+        return _next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions (burst {s.burst.burst_id} closed)")
+
+
 def make_policy(name: str, *, fraction: float = 0.5, interval_s: float = 5.0, training_cells: int = 1) -> Policy:
-    """Builds a policy by name: "waterlevel" (Gyre), "colocated" or "static"."""
+    """Builds a policy by name: "waterlevel" (Gyre), "colocated", "static" or "rollout_only"."""
     if name == "waterlevel":
         return WaterlevelPolicy(WaterlevelConfig(fraction, interval_s))
     if name == "colocated":
         return ColocatedSyncPolicy()
     if name == "static":
         return StaticSplitPolicy(StaticSplitConfig(training_cells))
-    raise ValueError(f"unknown policy {name!r} (waterlevel, colocated, static)")
+    if name == "rollout_only":
+        return RolloutOnlyPolicy()
+    raise ValueError(f"unknown policy {name!r} (waterlevel, colocated, static, rollout_only)")

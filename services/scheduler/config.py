@@ -1,0 +1,63 @@
+"""The scheduler's typed configuration (section ``scheduler:`` of the cluster YAML)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from gyre.config import ServiceConfig
+
+
+class SchedulerConfig(ServiceConfig):
+    """Bursts, the waterlevel policy, heartbeats, peers and observability."""
+
+    SECTION: ClassVar[str] = "scheduler"
+
+    # Bursts and batches.
+    batch_size: int = Field(4, ge=1, le=100_000, description="Groups per training batch.")
+    group_size: int = Field(2, ge=1, le=1024, description="Executions per group (one task).")
+    over_provision: float = Field(
+        0.25, ge=0.0, le=10.0,
+        description="Extra groups per burst, as a fraction of batch_size, so stragglers need not be waited for.",
+    )
+    batches_per_burst: int = Field(1, ge=1, le=1000, description="Optimizer updates per burst; the last publishes.")
+    max_bursts: int = Field(0, ge=0, description="Stop dispatching after this many bursts (0: until tasks run out).")
+
+    # Task source.
+    tasks_file: str = Field("", description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator.")
+    task_seed: int = Field(0, description="Seed of the built-in task generator.")
+    loop_tasks: bool = Field(True, description="Start the tasks file over when it runs out.")
+
+    # The role policy.
+    policy: Literal["waterlevel", "colocated", "static", "rollout_only"] = Field(
+        "waterlevel", description="Role policy; rollout_only never trains (bursts back to back)."
+    )
+    fraction: float = Field(0.5, gt=0.0, le=1.0, description="Ready groups needed, as a fraction of batch_size.")
+    interval_s: float = Field(5.0, ge=0.0, le=3600.0, description="How long supply must hold before a move.")
+    static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
+    reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")
+
+    # Executions.
+    heartbeat_interval_s: float = Field(5.0, gt=0.0, description="How often harnesses should heartbeat.")
+    heartbeat_deadline_s: float = Field(30.0, gt=0.0, description="No heartbeat for this long: TIMED_OUT.")
+    reward_min: float = Field(0.0, description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT).")
+    reward_max: float = Field(1e6, description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT).")
+    max_wait_s: float = Field(60.0, ge=0.0, description="Cap on AcquireExecution's wait_s.")
+    model: str = Field("gyre-policy", description="Model name harnesses send in OpenAI requests.")
+
+    # Peers.
+    router_http_url: str = Field("http://127.0.0.1:8000/v1", description="Router's OpenAI base URL given to harnesses.")
+    router_target: str = Field("", description="Router gRPC target (also used when no router is registered).")
+    packer_target: str = Field("", description="Packer gRPC target; empty: no finish reports, no supply.")
+    drain_timeout_s: float = Field(30.0, gt=0.0, description="Longest wait for a draining cell to empty.")
+    command_timeout_s: float = Field(30.0, gt=0.0, description="Deadline of CellControl commands (LoadPolicy pulls weights).")
+
+    # Observability.
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
+    events_kept: int = Field(10_000, ge=10, description="Events kept for WatchEvents.")
+
+    def groups_per_burst(self) -> int:
+        """Groups a burst dispatches: batch_size * batches_per_burst, plus over-provision."""
+        base = self.batch_size * self.batches_per_burst
+        return base + int(round(self.over_provision * self.batch_size))

@@ -1,0 +1,173 @@
+"""Cells, routes and placement: which engine takes a new execution or a rerouted one.
+
+Pure. The cell table is built from the lease-bound registrations (``keys.cell``) and the
+lifecycle states (``keys.cell_state``) the cell agents write, overlaid with the transitions
+the scheduler has under way (a cell it is moving counts as DRAINING, one it is returning as
+RETURNING, before the agent confirms). Routes are the scheduler's own writes (it is their
+only writer), so the table is exact on the leader.
+
+Placement order, for launches and reroute destinations alike: standalone engines first
+(most free slots first), then elastic cells in rollout by descending index. The same order
+the paper gives for reroutes; used for launches too so that the cells that move to training
+first (the core, then low-index satellites) carry the fewest executions when they go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+
+from services.scheduler.policy import CellKind, CellState, CellView
+
+
+@dataclasses.dataclass(frozen=True)
+class CellRecord:
+    """A cell's registration (``keys.cell``)."""
+
+    cell_id: str
+    kind: CellKind
+    index: int
+    slots: int
+    target: str
+    engine: str = "mock"
+    policy_version: int = 0
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> CellRecord:
+        d = json.loads(raw)
+        kind = CellKind(str(d.get("kind", "standalone")).lower())
+        index = int(d.get("index", -1))
+        if kind is CellKind.STANDALONE:
+            index = -1
+        return cls(
+            str(d["cell_id"]), kind, index, max(0, int(d.get("slots", 0))), str(d.get("target", "")),
+            str(d.get("engine", "mock")), int(d.get("policy_version", 0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteRecord:
+    """One route (``keys.route``); ``epoch`` is the key's version, ``mod_revision`` guards CAS."""
+
+    execution_id: str
+    cell_id: str
+    target: str
+    token_sha256: str
+    group_id: str
+    burst_id: int
+    policy_version: int
+    epoch: int = 0
+    mod_revision: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "execution_id": self.execution_id, "cell_id": self.cell_id, "target": self.target,
+            "token_sha256": self.token_sha256, "group_id": self.group_id, "burst_id": self.burst_id,
+            "policy_version": self.policy_version,
+        }).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, epoch: int, mod_revision: int) -> RouteRecord:
+        d = json.loads(raw)
+        return cls(
+            str(d["execution_id"]), str(d["cell_id"]), str(d.get("target", "")), str(d.get("token_sha256", "")),
+            str(d.get("group_id", "")), int(d.get("burst_id", 0)), int(d.get("policy_version", 0)), epoch, mod_revision,
+        )
+
+
+def parse_state(raw: bytes | None) -> CellState:
+    """A ``keys.cell_state`` value; a cell with no state yet is STARTING."""
+    if raw is None:
+        return CellState.STARTING
+    try:
+        return CellState(str(json.loads(raw)["state"]).upper())
+    except (ValueError, KeyError, TypeError):
+        return CellState.STARTING
+
+
+class CellTable:
+    """Registrations + states + the scheduler's own in-flight overlays."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, CellRecord] = {}
+        self.states: dict[str, CellState] = {}
+        self.overlay: dict[str, CellState] = {}
+
+    def refresh(self, registrations: Iterable[bytes], states: Mapping[str, bytes]) -> None:
+        recs: dict[str, CellRecord] = {}
+        for raw in registrations:
+            try:
+                rec = CellRecord.from_json(raw)
+            except (ValueError, KeyError, TypeError):
+                continue  # a malformed registration is ignored, not fatal
+            recs[rec.cell_id] = rec
+        self.records = recs
+        self.states = {cid: parse_state(states.get(cid)) for cid in recs}
+
+    def state(self, cell_id: str) -> CellState:
+        return self.overlay.get(cell_id) or self.states.get(cell_id, CellState.STARTING)
+
+    def views(self) -> tuple[CellView, ...]:
+        return tuple(
+            CellView(r.cell_id, r.kind, r.index, self.state(r.cell_id), r.slots)
+            for r in sorted(self.records.values(), key=lambda r: (r.kind is CellKind.ELASTIC, r.index, r.cell_id))
+        )
+
+    def get(self, cell_id: str) -> CellRecord | None:
+        return self.records.get(cell_id)
+
+
+class RouteTable:
+    """Routes by execution, with per-cell counts (reservations included)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, RouteRecord] = {}
+
+    def put(self, route: RouteRecord) -> None:
+        self.routes[route.execution_id] = route
+
+    def drop(self, execution_id: str) -> None:
+        self.routes.pop(execution_id, None)
+
+    def on_cell(self, cell_id: str) -> list[RouteRecord]:
+        return sorted((r for r in self.routes.values() if r.cell_id == cell_id), key=lambda r: r.execution_id)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.routes.values():
+            out[r.cell_id] = out.get(r.cell_id, 0) + 1
+        return out
+
+
+def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterable[str] = ()) -> list[tuple[CellRecord, int]]:
+    """Rollout cells with free slots, in preference order, with their free slot counts."""
+    skip = set(exclude)
+    free = [
+        (r, r.slots - counts.get(r.cell_id, 0))
+        for r in cells.records.values()
+        if r.cell_id not in skip and cells.state(r.cell_id) is CellState.ROLLOUT and r.target
+    ]
+    free = [(r, f) for r, f in free if f > 0]
+    standalone = sorted((x for x in free if x[0].kind is CellKind.STANDALONE), key=lambda x: (-x[1], x[0].cell_id))
+    elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: -x[0].index)
+    return standalone + elastic
+
+
+def pick_launch_cell(cells: CellTable, routes: RouteTable) -> CellRecord | None:
+    """The engine for a new execution, or None when no rollout slot is free."""
+    order = placement_order(cells, routes.counts())
+    return order[0][0] if order else None
+
+
+def pick_destinations(cells: CellTable, routes: RouteTable, source: str, n: int) -> list[CellRecord]:
+    """Destinations for ``n`` executions leaving ``source`` (fewer if slots run out)."""
+    counts = routes.counts()
+    out: list[CellRecord] = []
+    for rec, free in placement_order(cells, counts, exclude=[source]):
+        while free > 0 and len(out) < n:
+            out.append(rec)
+            free -= 1
+        if len(out) == n:
+            break
+    return out

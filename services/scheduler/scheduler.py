@@ -1,0 +1,514 @@
+"""The scheduler leader's state and its harness-facing operations (acquire, heartbeat,
+finish), the control loop that applies the policy's actions, and the rebuild on takeover.
+
+Domain logic lives in :mod:`ledger`, :mod:`policy` and :mod:`placement` (pure); this module
+sequences them with persistence (:mod:`store`, every write fenced) and the peers
+(:mod:`peers`). It never imports grpc. Every change follows plan -> fenced write -> apply,
+so memory never runs ahead of etcd; a write refused for a stale epoch marks the process
+deposed, and the process exits (a supervisor restarts it as a standby).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gyre.errors import Conflict, FatalError, StaleEpoch, Unavailable
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.events import EventLog, Metrics
+from services.scheduler.ledger import ExecState, ExecutionRecord, FinishOutcome, Ledger, sha256_hex, validate_finish
+from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
+from services.scheduler.placement import CellTable, RouteRecord, RouteTable, pick_launch_cell
+from services.scheduler.policy import (
+    BurstView,
+    CellState,
+    DispatchBurst,
+    Hold,
+    KeepInTraining,
+    MoveToTraining,
+    Policy,
+    PublishPolicy,
+    ReturnToRollout,
+    Snapshot,
+    SupplyTracker,
+    capacity,
+    make_policy,
+)
+from services.scheduler.tasks import TaskSource
+from services.scheduler.transitions import TransitionRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """An execution handed to a harness (the token exists only here and in its hands)."""
+
+    record: ExecutionRecord
+    token: str
+    task_json: str
+    route: RouteRecord
+
+
+class Scheduler:
+    """One scheduler process's view; acts only while it leads (``epoch`` set)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: Any,
+        peers: Peers,
+        tasks: TaskSource,
+        events: EventLog | None = None,
+        metrics: Metrics | None = None,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = config
+        self.store = store
+        self.peers = peers
+        self.tasks = tasks
+        self.events = events or EventLog(config.events_kept)
+        self.metrics = metrics
+        self.policy = policy or make_policy(
+            config.policy, fraction=config.fraction, interval_s=config.interval_s,
+            training_cells=config.static_training_cells,
+        )
+        self.clock = clock
+        self.wall = wall
+        self.ledger = Ledger()
+        self.cells = CellTable()
+        self.routes = RouteTable()
+        self.tracker = SupplyTracker(config.fraction)
+        self.supply_raw = SupplyUpdate(0, config.batch_size, 0)
+        self.supply = self.tracker.observe(clock(), 0, config.batch_size, 0)
+        self.policy_version = 0
+        self.policy_source = ""
+        self.published = 0
+        self.router_targets: list[str] = []
+        self.epoch = 0
+        self.deposed = asyncio.Event()
+        self.reroutes = 0
+        self.to_training = 0
+        self.to_rollout = 0
+        self._launch_lock = asyncio.Lock()
+        self._close_lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._reports: asyncio.Queue[FinishReport] = asyncio.Queue()
+        self._registrations: list[bytes] = []
+        self._states: dict[str, bytes] = {}
+        self.transitions = TransitionRunner(self)
+        self.leader_target = ""
+
+    # Leadership ---------------------------------------------------------------------------
+
+    @property
+    def leading(self) -> bool:
+        return self.epoch > 0 and not self.deposed.is_set()
+
+    def require_leader(self) -> None:
+        if self.deposed.is_set():
+            raise StaleEpoch("this scheduler was deposed")
+        if self.epoch <= 0:
+            where = f"; the leader is at {self.leader_target}" if self.leader_target else ""
+            raise Unavailable(f"not the scheduler leader{where}")
+
+    def mark_deposed(self, exc: BaseException) -> None:
+        if not self.deposed.is_set():
+            log.error("deposed: %s", exc)
+            self.deposed.set()
+
+    async def _fenced(self, aw: Any) -> Any:
+        """Awaits a store write; a stale epoch marks us deposed and propagates."""
+        try:
+            return await aw
+        except StaleEpoch as exc:
+            self.mark_deposed(exc)
+            raise
+
+    async def take_over(self, epoch: int) -> None:
+        """Rebuilds from etcd as the new leader: bursts, executions, routes, transitions."""
+        bursts, execs, routes, transitions = await self.store.load()
+        ledger = Ledger()
+        for b in bursts:
+            ledger.apply_burst(b)
+        deadline = self.clock() + self.cfg.heartbeat_deadline_s
+        for rec in sorted(execs, key=lambda r: (r.burst_id, r.seq)):
+            ledger.load(rec, deadline)
+        self.ledger = ledger
+        # Routes without an open execution (a crash between writes cannot leave one, but an
+        # operator can) are left out of the table and left in etcd for inspection.
+        self.routes = RouteTable()
+        for r in routes:
+            rec = ledger.records.get(r.execution_id)
+            if rec is not None and not rec.state.final:
+                self.routes.put(r)
+        policy = await self.store.read_policy()
+        if policy:
+            self._set_policy(policy)
+        self.published = self.policy_version
+        self.epoch = epoch
+        c = ledger.counts()
+        self.emit("leader", f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts, D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, {len(transitions)} transitions to resume")
+        for rec in ledger.records.values():
+            if rec.state.final:
+                self._reports.put_nowait(self._report(rec))
+        for cell_id, body in transitions.items():
+            self.transitions.resume(cell_id, body)
+        await self._notify()
+
+    async def reload_routes(self) -> None:
+        """Re-reads every route from etcd (after a lost CAS), keeping open executions only."""
+        table = RouteTable()
+        for r in await self.store.read_routes():
+            rec = self.ledger.records.get(r.execution_id)
+            if rec is not None and not rec.state.final:
+                table.put(r)
+        self.routes = table
+
+    # Inputs from watches ------------------------------------------------------------------
+
+    def on_cells(self, items: Mapping[bytes, Any]) -> None:
+        self._registrations = [kv.value for kv in items.values()]
+        self.cells.refresh(self._registrations, self._states)
+        self._settle_overlays()
+        self._wake()
+
+    def on_cell_states(self, items: Mapping[bytes, Any]) -> None:
+        self._states = {kv.key.decode().rsplit("/", 1)[-1]: kv.value for kv in items.values()}
+        self.cells.refresh(self._registrations, self._states)
+        self._settle_overlays()
+        self._wake()
+
+    def on_policy(self, items: Mapping[bytes, Any]) -> None:
+        for kv in items.values():
+            try:
+                self._set_policy(json.loads(kv.value))
+            except (ValueError, TypeError):
+                log.warning("malformed policy key ignored")
+        self._wake()
+
+    def on_routers(self, items: Mapping[bytes, Any]) -> None:
+        targets = []
+        for kv in items.values():
+            try:
+                targets.append(str(json.loads(kv.value)["target"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        self.router_targets = sorted(set(targets))
+
+    def on_leader(self, items: Mapping[bytes, Any]) -> None:
+        for kv in items.values():
+            try:
+                self.leader_target = str(json.loads(kv.value).get("target", ""))
+            except (ValueError, TypeError, AttributeError):
+                self.leader_target = ""
+        if not items:
+            self.leader_target = ""
+
+    def _set_policy(self, body: Mapping[str, Any]) -> None:
+        version = int(body.get("version", 0))
+        if version > self.policy_version:
+            self.policy_version = version
+            self.policy_source = str(body.get("source_target", ""))
+            self.emit("policy_version", f"policy v{version} published by {self.policy_source or '?'}")
+
+    def _settle_overlays(self) -> None:
+        for cid, want in list(self.cells.overlay.items()):
+            if self.cells.states.get(cid) is want and not self.transitions.running(cid):
+                del self.cells.overlay[cid]
+
+    def all_router_targets(self) -> list[str]:
+        targets = list(self.router_targets)
+        if self.cfg.router_target and self.cfg.router_target not in targets:
+            targets.append(self.cfg.router_target)
+        return targets
+
+    # Harness API --------------------------------------------------------------------------
+
+    async def acquire(self, harness_id: str, wait_s: float) -> tuple[Launched | None, bool, float]:
+        """Launches the next queued execution on a free slot, waiting up to ``wait_s``.
+        Returns (launched or None, burst exhausted, retry-after hint)."""
+        deadline = self.clock() + min(wait_s, self.cfg.max_wait_s)
+        while True:
+            self.require_leader()
+            async with self._launch_lock:
+                got = await self._try_launch(harness_id)
+            if got is not None:
+                return got, False, 0.0
+            left = deadline - self.clock()
+            if left <= 0:
+                exhausted = self.ledger.next_queued() is None
+                return None, exhausted, self.cfg.reconcile_s * 2
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _try_launch(self, harness_id: str) -> Launched | None:
+        nxt = self.ledger.next_queued()
+        if nxt is None:
+            return None
+        cell = pick_launch_cell(self.cells, self.routes)
+        if cell is None:
+            return None
+        burst, seq = nxt
+        token = secrets.token_urlsafe(32)
+        rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
+        route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
+                            burst.burst_id, burst.policy_version)
+        try:
+            rev = await self._fenced(self.store.launch(rec, route))
+        except Conflict:
+            await self._resolve(rec)  # launched by an earlier attempt whose answer was lost
+            return None
+        except Unavailable:
+            await self._resolve(rec)
+            raise
+        rec = dataclasses.replace(rec, revision=rev)
+        self.ledger.apply(rec, self.clock() + self.cfg.heartbeat_deadline_s)
+        route = dataclasses.replace(route, epoch=1, mod_revision=rev)
+        self.routes.put(route)
+        self._gauges()
+        return Launched(rec, token, burst.member(seq)[2].task_json, route)
+
+    async def _resolve(self, rec: ExecutionRecord) -> None:
+        """After an unknown or refused write: adopt what etcd holds for this execution."""
+        try:
+            stored = await self.store.read_execution(rec.burst_id, rec.execution_id)
+        except Unavailable:
+            return
+        if stored is not None:
+            self.ledger.load(stored, self.clock() + self.cfg.heartbeat_deadline_s)
+            if stored.state.final:
+                self.routes.drop(stored.execution_id)
+
+    async def heartbeat(self, execution_id: str, token: str) -> tuple[float, ExecState]:
+        self.require_leader()
+        rec = self.ledger.authorize(execution_id, token)
+        left = self.ledger.heartbeat(execution_id, self.clock(), self.cfg.heartbeat_deadline_s)
+        return left, self.ledger.records[rec.execution_id].state
+
+    async def finish(self, execution_id: str, token: str, status: ExecState, reward: float, key: str) -> FinishOutcome:
+        """Closes an execution once; a repeat returns the first outcome (duplicate=True)."""
+        self.require_leader()
+        self.ledger.authorize(execution_id, token)
+        finish = validate_finish(status, reward, key, self.cfg.reward_min, self.cfg.reward_max)
+        async with self._close_lock:
+            out = self.ledger.plan_finish(execution_id, finish, self.wall())
+            if out.duplicate:
+                return out
+            await self._close(out.record, "finished")
+            return out
+
+    async def _close(self, closed: ExecutionRecord, how: str) -> None:
+        old = self.ledger.records[closed.execution_id]
+        try:
+            rev = await self._fenced(self.store.close(closed, old.revision))
+        except (Conflict, Unavailable):
+            await self._resolve(closed)
+            if self.ledger.records[closed.execution_id].state.final:
+                return
+            raise
+        self.ledger.apply(dataclasses.replace(closed, revision=rev))
+        self.routes.drop(closed.execution_id)
+        self._reports.put_nowait(self._report(closed))
+        if closed.state is ExecState.TIMED_OUT:
+            self.emit("timed_out", f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",
+                      execution_id=closed.execution_id)
+        self._gauges()
+        await self._notify()
+
+    def _report(self, rec: ExecutionRecord) -> FinishReport:
+        burst = self.ledger.bursts[rec.burst_id]
+        return FinishReport(rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward, rec.policy_version)
+
+    # Loops --------------------------------------------------------------------------------
+
+    async def report_loop(self) -> None:
+        """Forwards finish reports to the packer, retrying each until acknowledged."""
+        while True:
+            report = await self._reports.get()
+            backoff = 0.1
+            while True:
+                try:
+                    await self.peers.report_finish(report)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the packer may be down: retry (the call is idempotent)
+                    log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id, "error": repr(exc)})
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+
+    async def supply_loop(self) -> None:
+        """Follows the packer's supply signal (reconnecting)."""
+        if not self.cfg.packer_target:
+            await asyncio.Event().wait()
+        backoff = 0.2
+        while True:
+            try:
+                async for upd in self.peers.watch_supply():
+                    self.supply_raw = upd
+                    backoff = 0.2
+                    self._wake()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.info("supply stream interrupted; reconnecting", extra={"error": repr(exc)})
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def control_loop(self) -> None:
+        """Level-triggered: reconcile every ``reconcile_s`` (sooner when woken); survives
+        any error but a lost leadership."""
+        while True:
+            if self.deposed.is_set():
+                raise FatalError("deposed: a newer scheduler leader exists")
+            try:
+                await self.reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except StaleEpoch as exc:
+                self.mark_deposed(exc)
+                raise FatalError(f"deposed: {exc}") from exc
+            except Exception:
+                log.exception("reconcile failed; retrying next tick")
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), self.cfg.reconcile_s)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def reconcile_once(self) -> None:
+        if not self.leading:
+            return
+        async with self._close_lock:
+            for rec in self.ledger.plan_timeouts(self.clock()):
+                await self._close(rec, "timed out")
+        snap = self.snapshot()
+        for action in self.policy.decide(snap):
+            await self.apply(action, snap)
+        self._gauges()
+
+    def snapshot(self) -> Snapshot:
+        raw = self.supply_raw
+        self.supply = self.tracker.observe(self.clock(), raw.ready_groups, self.cfg.batch_size, raw.batch_needs, raw.batch_id)
+        b = self.ledger.current_burst
+        burst = None if b is None else BurstView(b.burst_id, b.quota, b.policy_version, b.target_version)
+        return Snapshot(self.clock(), self.ledger.counts(), self.cells.views(), self.supply, burst,
+                        self.policy_version, self.next_quota())
+
+    def next_quota(self) -> int:
+        if self.cfg.max_bursts and len(self.ledger.bursts) >= self.cfg.max_bursts:
+            return 0
+        tasks = self.tasks.take(self._tasks_taken(), self.cfg.groups_per_burst())
+        return len(tasks) * self.cfg.group_size
+
+    def _tasks_taken(self) -> int:
+        return sum(len(b.tasks) for b in self.ledger.bursts.values())
+
+    async def apply(self, action: Any, snap: Snapshot) -> None:
+        gauges = dict(waterlevel=snap.ledger.waterlevel, capacity=capacity(snap.cells), ready_groups=snap.supply.ready_groups)
+        if isinstance(action, Hold):
+            self.emit("hold", action.reason, cell_id=action.cell_id, **gauges)
+        elif isinstance(action, DispatchBurst):
+            await self._dispatch(action, gauges)
+        elif isinstance(action, MoveToTraining):
+            if not self.transitions.running(action.cell_id):
+                self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
+                self.to_training += 1
+                self.transitions.start(action.cell_id, CellState.TRAINING, action.reason)
+        elif isinstance(action, ReturnToRollout):
+            if not self.transitions.running(action.cell_id):
+                self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
+                self.to_rollout += 1
+                self.transitions.start(action.cell_id, CellState.ROLLOUT, action.reason)
+        elif isinstance(action, KeepInTraining):
+            self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
+            self.transitions.rejoin(action.cell_id)
+        elif isinstance(action, PublishPolicy):
+            if action.version > self.published:
+                self.published = action.version
+                self.emit(action.kind, action.reason, cell_id=action.source_cell_id, **gauges)
+                self.transitions.publish(action.version)
+
+    async def _dispatch(self, action: DispatchBurst, gauges: dict[str, int]) -> None:
+        tasks = self.tasks.take(self._tasks_taken(), self.cfg.groups_per_burst())
+        if not tasks:
+            return
+        burst = self.ledger.plan_burst(tasks, self.cfg.group_size, self.policy_version, self.cfg.batches_per_burst, self.wall())
+        try:
+            await self._fenced(self.store.dispatch(burst))
+        except Conflict:
+            return  # dispatched by an earlier attempt; the next rebuild or tick picks it up
+        self.ledger.apply_burst(burst)
+        self.emit(action.kind, f"dispatched burst {burst.burst_id}: {burst.quota} executions ({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)
+        await self._notify()
+
+    # Helpers ------------------------------------------------------------------------------
+
+    def emit(self, kind: str, message: str, **kw: Any) -> None:
+        if "waterlevel" not in kw:
+            kw["waterlevel"] = self.ledger.counts().waterlevel
+            kw["capacity"] = capacity(self.cells.views())
+            kw["ready_groups"] = self.supply.ready_groups
+        self.events.emit(kind, message, **kw)
+        if self.metrics is not None and kind != "hold":
+            self.metrics.events.labels(kind).inc()
+
+    def _wake(self) -> None:
+        try:
+            asyncio.get_running_loop().create_task(self._notify())
+        except RuntimeError:
+            pass
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        c = self.ledger.counts()
+        views = self.cells.views()
+        m.waterlevel.set(c.waterlevel)
+        m.queued.set(c.queued)
+        m.running.set(c.running)
+        m.dispatched.set(c.dispatched)
+        m.finished.set(c.finished)
+        m.capacity.set(capacity(views))
+        m.supply.set(self.supply.ready_groups)
+        m.supply_fraction.set(self.supply.fraction)
+        m.leader.set(1 if self.leading else 0)
+        m.policy_version.set(self.policy_version)
+        for st in CellState:
+            m.roles.labels(st.value).set(sum(1 for v in views if v.state is st))
+
+    def status(self) -> dict[str, Any]:
+        """GetStatus as plain data (the servicer converts it)."""
+        b = self.ledger.current_burst
+        c = self.ledger.counts(b.burst_id) if b else self.ledger.counts()
+        counts = self.routes.counts()
+        views = self.cells.views()
+        bursts_done = sum(1 for bid in self.ledger.bursts if self.ledger.bursts[bid].target_version <= self.policy_version)
+        return {
+            "epoch": self.epoch, "burst_id": b.burst_id if b else 0, "ledger": c,
+            "finished_by_status": self.ledger.finished_by_status(),
+            "total": self.ledger.counts(), "capacity": capacity(views), "ready_groups": self.supply.ready_groups,
+            "batch_size": self.cfg.batch_size, "policy_version": self.policy_version,
+            "cells": [(v, self.cells.get(v.cell_id), counts.get(v.cell_id, 0)) for v in views],
+            "reroutes": self.reroutes, "bursts_completed": bursts_done,
+            "to_training": self.to_training, "to_rollout": self.to_rollout,
+            "burst_by_status": self.ledger.finished_by_status(b.burst_id if b else None),
+            "policy": self.policy.name, "leader": self.leading,
+        }

@@ -1,0 +1,140 @@
+"""gRPC edge of the scheduler: HarnessService and SchedulerControl (proto <-> domain).
+
+Thin: validates and converts requests, calls :class:`~services.scheduler.scheduler.Scheduler`,
+converts the answer. Domain errors become statuses in :func:`gyre.grpcx.errors.rpc`:
+unknown execution -> NOT_FOUND; no token or a token that names no execution ->
+UNAUTHENTICATED; another execution's token -> PERMISSION_DENIED; a bad status, NaN/inf or
+out-of-range reward, bad key or id -> INVALID_ARGUMENT; not the leader -> UNAVAILABLE;
+deposed (stale epoch) -> FAILED_PRECONDITION. None of them changes anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gyre.errors import InvalidArgument
+from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
+from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.events import Event
+from services.scheduler.ledger import ExecState
+from services.scheduler.policy import CellKind, CellState
+from services.scheduler.scheduler import Launched, Scheduler
+
+_STATUS_FROM = {
+    common_pb2.EXECUTION_STATUS_COMPLETED: ExecState.COMPLETED,
+    common_pb2.EXECUTION_STATUS_FAILED: ExecState.FAILED,
+    common_pb2.EXECUTION_STATUS_CANCELLED: ExecState.CANCELLED,
+    common_pb2.EXECUTION_STATUS_TIMED_OUT: ExecState.TIMED_OUT,
+    common_pb2.EXECUTION_STATUS_RUNNING: ExecState.RUNNING,
+    common_pb2.EXECUTION_STATUS_QUEUED: ExecState.QUEUED,
+}
+_STATUS_TO = {v: k for k, v in _STATUS_FROM.items()}
+_CELL_STATE_TO = {s: getattr(common_pb2, f"CELL_STATE_{s.value}") for s in CellState}
+_KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE, CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
+MAX_ID = 256
+
+
+def _execution_id(value: str) -> str:
+    if not value or len(value) > MAX_ID:
+        raise InvalidArgument(f"execution_id must have 1..{MAX_ID} characters")
+    return value
+
+
+def execution_to_proto(got: Launched, s: Scheduler) -> scheduler_pb2.Execution:
+    rec = got.record
+    cfg = s.cfg
+    return scheduler_pb2.Execution(
+        execution_id=rec.execution_id, token=got.token, task_id=rec.task_id, group_id=rec.group_id,
+        burst_id=rec.burst_id, policy_version=rec.policy_version, task_json=got.task_json,
+        openai_base_url=cfg.router_http_url, router_target=cfg.router_target,
+        heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_deadline_s=cfg.heartbeat_deadline_s, model=cfg.model,
+    )
+
+
+def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
+    return scheduler_pb2.SchedulerEvent(
+        seq=e.seq, time_s=e.time_s, kind=e.kind, message=e.message, cell_id=e.cell_id, execution_id=e.execution_id,
+        waterlevel=e.waterlevel, capacity=e.capacity, ready_groups=e.ready_groups,
+    )
+
+
+class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
+    """What harnesses call."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    @rpc
+    async def AcquireExecution(self, request: scheduler_pb2.AcquireExecutionRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AcquireExecutionResponse:
+        if not 1 <= len(request.harness_id) <= 128:
+            raise InvalidArgument("harness_id must have 1..128 characters")
+        if not (math.isfinite(request.wait_s) and 0.0 <= request.wait_s <= 60.0):
+            raise InvalidArgument("wait_s must be in [0, 60]")
+        got, exhausted, retry = await self.s.acquire(request.harness_id, request.wait_s)
+        if got is None:
+            return scheduler_pb2.AcquireExecutionResponse(burst_exhausted=exhausted, retry_after_s=retry)
+        return scheduler_pb2.AcquireExecutionResponse(execution=execution_to_proto(got, self.s))
+
+    @rpc
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
+        eid = _execution_id(request.execution_id)
+        token = bearer_token(context)
+        left, state = await self.s.heartbeat(eid, token)
+        return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
+
+    @rpc
+    async def FinishExecution(self, request: scheduler_pb2.FinishExecutionRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.FinishExecutionResponse:
+        eid = _execution_id(request.execution_id)
+        token = bearer_token(context)
+        status = _STATUS_FROM.get(request.status)
+        if status is None:
+            raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
+        out = await self.s.finish(eid, token, status, request.reward, request.idempotency_key)
+        return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state], duplicate=out.duplicate)
+
+
+class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
+    """What operators, dashboards and other services call."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    @rpc
+    async def GetStatus(self, request: scheduler_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStatus:
+        st = self.s.status()
+        c, t = st["ledger"], st["total"]
+        ledger = scheduler_pb2.Ledger(
+            burst_id=st["burst_id"], dispatched=c.dispatched, launched=c.launched, finished=c.finished,
+            queued=c.queued, running=c.running, waterlevel=c.waterlevel, finished_by_status=st["burst_by_status"],
+        )
+        total = scheduler_pb2.Ledger(
+            burst_id=st["burst_id"], dispatched=t.dispatched, launched=t.launched, finished=t.finished,
+            queued=t.queued, running=t.running, waterlevel=t.waterlevel, finished_by_status=st["finished_by_status"],
+        )
+        cells = [
+            scheduler_pb2.CellInfo(
+                cell_id=v.cell_id, kind=_KIND_TO[v.kind], index=v.index, state=_CELL_STATE_TO[v.state], slots=v.slots,
+                routed=routed, target=rec.target if rec else "",
+                policy_version=self.s.transitions._version(v.cell_id),
+            )
+            for v, rec, routed in st["cells"]
+        ]
+        return scheduler_pb2.SchedulerStatus(
+            epoch=st["epoch"], ledger=ledger, capacity=st["capacity"], ready_groups=st["ready_groups"],
+            batch_size=st["batch_size"], cells=cells, policy_version=st["policy_version"], reroutes=st["reroutes"],
+            bursts_completed=st["bursts_completed"], transitions_to_training=st["to_training"],
+            transitions_to_rollout=st["to_rollout"], total=total, policy=st["policy"], leader=st["leader"],
+        )
+
+    @rpc_stream
+    async def WatchEvents(self, request: scheduler_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SchedulerEvent]:
+        if request.after_seq < 0:
+            raise InvalidArgument("after_seq must be >= 0")
+        seq = request.after_seq
+        while True:
+            for e in await self.s.events.wait_after(seq, 5.0):
+                yield event_to_proto(e)
+                seq = e.seq

@@ -1,0 +1,123 @@
+"""The scheduler's etcd adapter: ledger records, routes and transitions, every write fenced.
+
+Layout (gyre/etcd/keys.py): ``keys.burst(b)`` = a burst record (quota, tasks, versions);
+``keys.execution(b, id)`` = one execution record, created at launch, rewritten once at close;
+``keys.route(id)`` = the route (its version is the route epoch); ``keys.transition(cell)`` =
+a transition under way (resumable). Per-execution records are independent (TOOLING.md: a
+shared counter key collapses under contention), and the counts are derived by reading them.
+
+Every write is one :meth:`LeaderElection.fenced_txn`: it also compares the leader key's
+create revision with our epoch, so a deposed (e.g. paused) leader changes nothing. A launch
+is guarded by "the record does not exist", a close by "the record is at the revision we
+read", a reroute by "the route is at the revision we wrote". A lost guard raises
+:class:`~gyre.errors.Conflict`; a lost leadership raises :class:`~gyre.errors.StaleEpoch`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from gyre.errors import Conflict
+from gyre.etcd import Etcd, Keys, LeaderElection, Op
+from gyre.etcd.client import create_revision_is, mod_revision_is
+from services.scheduler.ledger import Burst, ExecutionRecord
+from services.scheduler.placement import RouteRecord
+
+MAX_TXN_OPS = 120
+"""etcd refuses transactions with more than 128 operations (its default --max-txn-ops)."""
+
+
+class SchedulerStore:
+    """Reads and fenced writes of the scheduler's keys."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, election: LeaderElection) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.election = election
+
+    # Rebuild ------------------------------------------------------------------------------
+
+    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str, Any]]]:
+        """Everything a new leader needs: bursts, execution records, routes, transitions."""
+        _, burst_kvs = await self.etcd.get_prefix(self.keys.bursts())
+        _, exec_kvs = await self.etcd.get_prefix(self.keys.executions())
+        _, route_kvs = await self.etcd.get_prefix(self.keys.routes())
+        _, trans_kvs = await self.etcd.get_prefix(self.keys.transitions())
+        bursts = sorted((Burst.from_json(kv.value) for kv in burst_kvs), key=lambda b: b.burst_id)
+        execs = [ExecutionRecord.from_json(kv.value, kv.mod_revision) for kv in exec_kvs]
+        routes = [RouteRecord.from_json(kv.value, kv.version, kv.mod_revision) for kv in route_kvs]
+        transitions = {}
+        for kv in trans_kvs:
+            body = json.loads(kv.value)
+            transitions[str(body["cell_id"])] = body
+        return bursts, execs, routes, transitions
+
+    async def read_routes(self) -> list[RouteRecord]:
+        _, kvs = await self.etcd.get_prefix(self.keys.routes())
+        return [RouteRecord.from_json(kv.value, kv.version, kv.mod_revision) for kv in kvs]
+
+    async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None:
+        kv = await self.etcd.get(self.keys.execution(burst_id, execution_id))
+        return None if kv is None else ExecutionRecord.from_json(kv.value, kv.mod_revision)
+
+    async def read_policy(self) -> dict[str, Any] | None:
+        kv = await self.etcd.get(self.keys.policy())
+        return None if kv is None else json.loads(kv.value)
+
+    # Writes -------------------------------------------------------------------------------
+
+    async def dispatch(self, burst: Burst) -> int:
+        """Creates the burst record (only if absent: a burst is dispatched once)."""
+        key = self.keys.burst(burst.burst_id)
+        ok, rev = await self.election.fenced_txn([create_revision_is(key, 0)], [Op(key, burst.to_json())])
+        if not ok:
+            raise Conflict(f"burst {burst.burst_id} already dispatched")
+        return rev
+
+    async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int:
+        """Creates the execution record and its route in one transaction; returns the revision."""
+        key = self.keys.execution(rec.burst_id, rec.execution_id)
+        rkey = self.keys.route(rec.execution_id)
+        ok, rev = await self.election.fenced_txn(
+            [create_revision_is(key, 0)], [Op(key, rec.to_json()), Op(rkey, route.to_json())]
+        )
+        if not ok:
+            raise Conflict(f"{rec.execution_id} already launched")
+        return rev
+
+    async def close(self, rec: ExecutionRecord, expected_revision: int) -> int:
+        """Writes the final record (if unchanged since ``expected_revision``) and deletes the
+        route, in one transaction."""
+        key = self.keys.execution(rec.burst_id, rec.execution_id)
+        ok, rev = await self.election.fenced_txn(
+            [mod_revision_is(key, expected_revision)],
+            [Op(key, rec.to_json()), Op(self.keys.route(rec.execution_id), None)],
+        )
+        if not ok:
+            raise Conflict(f"{rec.execution_id} changed since revision {expected_revision}")
+        return rev
+
+    async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]:
+        """Rewrites routes (old -> new), each guarded by the old one's revision, in chunks of
+        at most MAX_TXN_OPS; returns each new route's revision. A chunk is all-or-nothing."""
+        revs: list[int] = []
+        for i in range(0, len(routes), MAX_TXN_OPS):
+            chunk = routes[i : i + MAX_TXN_OPS]
+            compares = [mod_revision_is(self.keys.route(old.execution_id), old.mod_revision) for old, _ in chunk]
+            ops = [Op(self.keys.route(new.execution_id), new.to_json()) for _, new in chunk]
+            ok, rev = await self.election.fenced_txn(compares, ops)
+            if not ok:
+                raise Conflict("a route changed under a reroute")
+            revs += [rev] * len(chunk)
+        return revs
+
+    async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int:
+        key = self.keys.transition(cell_id)
+        _, rev = await self.election.fenced_txn([], [Op(key, json.dumps({"cell_id": cell_id, **body}).encode())])
+        return rev
+
+    async def delete_transition(self, cell_id: str) -> int:
+        _, rev = await self.election.fenced_txn([], [Op(self.keys.transition(cell_id), None)])
+        return rev
