@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -47,14 +48,14 @@ def pick_device(setting: str, index: int) -> torch.device:
 class TrainingService:
     """One elastic cell's training half, built in the background."""
 
-    def __init__(self, settings: TrainingSettings, *, cell_id: str, index: int, target: str,
-                 etcd: Etcd | None = None, keys: Keys | None = None) -> None:
+    def __init__(self, settings: TrainingSettings, *, cell_id: str, index: int,
+                 target: str | Callable[[], str], etcd: Etcd | None = None, keys: Keys | None = None) -> None:
         if index < 0:
             raise ValueError("only elastic cells (index >= 0) train")
         self.settings = settings
         self.cell_id = cell_id
         self.index = index
-        self.target = target
+        self._target = target
         self.etcd = etcd
         self.keys = keys
         self.snapshots = SnapshotStore(keep=settings.snapshot_keep)
@@ -63,6 +64,15 @@ class TrainingService:
         self._ready = asyncio.Event()
         self._failed: BaseException | None = None
         self._source: PackerSource | None = None
+
+    @property
+    def target(self) -> str:
+        """This cell's gRPC target (host:port), once its server is up."""
+        return self._target() if callable(self._target) else self._target
+
+    @target.setter
+    def target(self, value: str) -> None:
+        self._target = value
 
     async def run(self) -> None:
         """Builds everything, then stays up until cancelled (a supervised task)."""
@@ -79,6 +89,8 @@ class TrainingService:
 
     async def build(self) -> TrainingController:
         s = self.settings
+        while self.target.endswith(":0") or not self.target:  # the server is not up yet
+            await asyncio.sleep(0.05)
         device = pick_device(s.device, self.index)
         trainer = await asyncio.to_thread(
             Trainer.from_dir, s.model_dir, s.initial_policy_version, s.dtype, str(device),
