@@ -1,0 +1,290 @@
+"""The scheduler's operations against in-memory fakes of etcd and its peers.
+
+Invariants: a finish for an unknown execution, with a bad or foreign token, a bad status, or
+a NaN / infinite / negative reward gets a precise error and changes nothing (no write, same
+counts); a repeat returns the first outcome; a missed heartbeat closes an execution once as
+TIMED_OUT; a deposed leader's writes are refused and change nothing; a move to training
+drains the cell, CASes each route to a new epoch on a preferred destination, asks the router
+to move, switches the cell and joins it to the batch, every command fenced; at burst end
+satellites return with the new policy and the next burst is dispatched; a new leader rebuilds
+the same ledger from the store and finishes a half-done transition; finish reports are
+retried until the packer acknowledges them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+
+import pytest
+
+from gyre import config as config_mod
+from gyre.errors import InvalidArgument, NotFound, PermissionDenied, StaleEpoch, Unauthenticated
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.fakes import FakePeers, FakeStore
+from services.scheduler.ledger import ExecState
+from services.scheduler.peers import SupplyUpdate
+from services.scheduler.policy import CellState
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.tasks import GeneratedTasks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclasses.dataclass
+class KV:
+    key: bytes
+    value: bytes
+
+
+CELLS = [
+    # id, kind, index, slots
+    ("core", "elastic", 0, 4),
+    ("sat1", "elastic", 1, 4),
+    ("sa", "standalone", -1, 8),
+]
+
+
+def make(policy: str = "waterlevel", cells=CELLS, store: FakeStore | None = None, peers: FakePeers | None = None,
+         clock: Clock | None = None, **overrides) -> tuple[Scheduler, FakeStore, FakePeers, Clock]:
+    opts = dict(policy=policy, batch_size=4, group_size=2, over_provision=0.0, interval_s=0.0, fraction=0.5,
+                heartbeat_deadline_s=10.0, drain_timeout_s=1.0, packer_target="fake:1", router_target="router:1")
+    opts.update(overrides)
+    cfg = config_mod.load(SchedulerConfig, None, **opts)
+    store = store or FakeStore(epoch=7)
+    peers = peers or FakePeers()
+    clock = clock or Clock()
+    s = Scheduler(cfg, store, peers, GeneratedTasks(seed=1), clock=clock, wall=clock)
+    s.on_cells({
+        f"/c/{cid}".encode(): KV(f"/c/{cid}".encode(), json.dumps(
+            {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}).encode())
+        for cid, kind, idx, slots in cells
+    })
+    states = {cid: CellState.ROLLOUT for cid, *_ in cells}
+
+    def publish_states() -> None:
+        s.on_cell_states({
+            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
+            for cid, st in states.items()
+        })
+
+    def on_state(target: str, state: CellState) -> None:  # the agent writes its state key
+        states[target.split(":")[0]] = state
+        publish_states()
+
+    peers.on_state = on_state
+    publish_states()
+    return s, store, peers, clock
+
+
+async def lead(s: Scheduler, store: FakeStore) -> None:
+    await s.take_over(store.epoch)
+    await s.reconcile_once()  # dispatches the first burst
+
+
+async def settle(s: Scheduler) -> None:
+    for _ in range(500):
+        if not any(s.transitions.running(c) for c in s.cells.records):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("transition did not finish")
+
+
+async def test_bad_finish_reports_change_nothing():
+    s, store, peers, _ = make(policy="rollout_only")
+    await lead(s, store)
+    a, _, _ = await s.acquire("h", 0)
+    b, _, _ = await s.acquire("h", 0)
+    assert a is not None and b is not None
+    before, writes = s.ledger.counts(), store.writes
+    eid = a.record.execution_id
+    cases = [
+        (NotFound, ("b9-t0-0", a.token, ExecState.COMPLETED, 1.0, "k")),
+        (Unauthenticated, (eid, "not-a-token", ExecState.COMPLETED, 1.0, "k")),
+        (PermissionDenied, (eid, b.token, ExecState.COMPLETED, 1.0, "k")),
+        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, math.nan, "k")),
+        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, math.inf, "k")),
+        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, -0.5, "k")),
+        (InvalidArgument, (eid, a.token, ExecState.TIMED_OUT, 0.0, "k")),
+        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, 1.0, "")),
+    ]
+    for exc, args in cases:
+        with pytest.raises(exc):
+            await s.finish(*args)
+        assert s.ledger.counts() == before and store.writes == writes, exc
+    out = await s.finish(eid, a.token, ExecState.COMPLETED, 0.75, "k1")
+    assert not out.duplicate and out.record.state is ExecState.COMPLETED
+    assert s.ledger.counts().finished == 1 and store.route_of(eid) is None
+    writes = store.writes
+    for key in ("k1", "another-key"):
+        again = await s.finish(eid, a.token, ExecState.FAILED, 0.0, key)
+        assert again.duplicate and again.record.state is ExecState.COMPLETED and again.record.reward == 0.75
+    assert store.writes == writes and s.ledger.counts().finished == 1
+
+
+async def test_missed_heartbeat_times_out_once():
+    s, store, peers, clock = make(policy="rollout_only")
+    await lead(s, store)
+    a, _, _ = await s.acquire("h", 0)
+    b, _, _ = await s.acquire("h", 0)
+    clock.now += 6
+    await s.heartbeat(b.record.execution_id, b.token)
+    clock.now += 6  # a: 12 s without heartbeat (> 10), b: 6 s
+    await s.reconcile_once()
+    assert s.ledger.records[a.record.execution_id].state is ExecState.TIMED_OUT
+    assert s.ledger.records[b.record.execution_id].state is ExecState.RUNNING
+    await s.reconcile_once()
+    assert s.ledger.counts().finished == 1
+    late = await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 1.0, "k")
+    assert late.duplicate and late.record.state is ExecState.TIMED_OUT
+    s.ledger.check_invariants()
+
+
+async def test_deposed_leader_changes_nothing():
+    s, store, peers, _ = make(policy="rollout_only")
+    await lead(s, store)
+    a, _, _ = await s.acquire("h", 0)
+    before = s.ledger.counts()
+    store.depose()
+    with pytest.raises(StaleEpoch):
+        await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 1.0, "k")
+    assert s.deposed.is_set() and s.ledger.counts() == before
+    assert s.ledger.records[a.record.execution_id].state is ExecState.RUNNING
+    with pytest.raises(StaleEpoch):
+        await s.acquire("h", 0)
+
+
+async def _fill(s: Scheduler, n: int) -> list:
+    out = []
+    for _ in range(n):
+        got, _, _ = await s.acquire("h", 0)
+        assert got is not None
+        out.append(got)
+    return out
+
+
+async def test_move_to_training_reroutes_with_fenced_commands():
+    s, store, peers, clock = make(over_provision=1.0)  # quota: 8 groups x 2 = 16
+    await lead(s, store)
+    launched = await _fill(s, 16)  # sa 8, then sat1 4, then core 4
+    where = {g.record.execution_id: g.route.cell_id for g in launched}
+    assert [where[g.record.execution_id] for g in launched] == ["sa"] * 8 + ["sat1"] * 4 + ["core"] * 4
+    # W = 16 > capacity after moving the core (12): no move, whatever the supply.
+    peers.supply.put_nowait(SupplyUpdate(4, 4, 1))
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    await s.reconcile_once()
+    assert not s.transitions.running("core")
+    assert "capacity 12 < W 16" in s.events.after(0)[-1].message
+    # Four standalone executions finish: W = 12 <= 12.
+    for g in launched[:4]:
+        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    await s.reconcile_once()
+    await settle(s)
+    moved = [g for g in launched if g.route.cell_id == "core"]
+    for g in moved:
+        route, epoch = store.route_of(g.record.execution_id)
+        assert route["cell_id"] == "sa" and epoch == 2  # standalone first; route epoch + 1
+    states = [a[2] for a in peers.commands("set_state") if a[0] == "core:1"]
+    assert states == [CellState.DRAINING, CellState.TRAINING]
+    (routers, epoch, moves), = peers.commands("move_executions")
+    assert epoch == 7 and {m.execution_id for m in moves} == {g.record.execution_id for g in moved}
+    assert all(m.from_cell == "core" and m.to_cell == "sa" and m.route_epoch == 2 for m in moves)
+    (join,) = peers.commands("join_batch")
+    assert join == ("core:1", 7, 1, 0, 1, "core:1")
+    assert all(args[1] == 7 for name, args in peers.calls if name != "move_executions")
+    assert not store.transitions
+    kinds = [e.kind for e in s.events.after(0)]
+    assert "cell_to_training" in kinds and "reroute" in kinds and "joined_batch" in kinds
+
+
+async def test_burst_end_returns_satellites_and_dispatches_next():
+    s, store, peers, clock = make(cells=[("core", "elastic", 0, 4), ("sat1", "elastic", 1, 4), ("sa", "standalone", -1, 16)])
+    await lead(s, store)
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    for _ in range(2):  # core, then sat1 (W 8 <= 16)
+        await s.reconcile_once()
+        await settle(s)
+    assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.TRAINING
+    # The core's optimizer step publishes v1.
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    await s.reconcile_once()
+    await settle(s)
+    await asyncio.sleep(0.05)
+    assert s.cells.state("sat1") is CellState.ROLLOUT
+    assert ("sat1:1", 7, 1, "core:1") in peers.commands("load_policy")
+    assert sorted(s.ledger.bursts) == [1, 2] and s.ledger.bursts[2].policy_version == 1
+    # Capacity 16 + 4 covers W 8 + 8 and supply held: the core stays.
+    assert s.cells.state("core") is CellState.TRAINING
+    assert any(e.kind == "core_kept" for e in s.events.after(0))
+
+
+async def test_new_leader_rebuilds_ledger_and_resumes_transition():
+    s, store, peers, clock = make(over_provision=1.0)
+    await lead(s, store)
+    launched = await _fill(s, 16)
+    for g in launched[:5]:
+        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    counts = s.ledger.counts()
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    peers.hold_set_state = asyncio.Event()  # the cell agent hangs: the transition stalls
+    await s.reconcile_once()
+    await asyncio.sleep(0.05)
+    assert store.transitions == {"core": {"cell_id": "core", "target": "TRAINING", "reason": store.transitions["core"]["reason"], "epoch": 7}}
+    await s.transitions.cancel_all()  # the old leader dies here
+    # A standby takes over with a newer epoch and the same etcd contents.
+    peers2 = FakePeers()
+    store2 = store.as_leader(epoch=9)
+    s2, _, _, _ = make(store=store2, peers=peers2, clock=clock, over_provision=1.0)
+    await s2.take_over(9)
+    assert s2.ledger.counts() == counts
+    s2.ledger.check_invariants()
+    assert s2.transitions.running("core")
+    await settle(s2)
+    assert s2.cells.state("core") is CellState.TRAINING and not store2.transitions
+    assert all(args[1] == 9 for _, args in peers2.calls)
+    # The old leader can no longer write.
+    g = launched[6]
+    with pytest.raises(StaleEpoch):
+        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    out = await s2.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    assert not out.duplicate and s2.ledger.counts().finished == counts.finished + 1
+
+
+async def test_finish_reports_retried_until_acknowledged():
+    s, store, peers, _ = make(policy="rollout_only")
+    await lead(s, store)
+    peers.report_failures = 3
+    task = asyncio.create_task(s.report_loop())
+    try:
+        a, _, _ = await s.acquire("h", 0)
+        await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 0.5, "k")
+        for _ in range(300):
+            if a.record.execution_id in peers.reports:
+                break
+            await asyncio.sleep(0.01)
+        rep = peers.reports[a.record.execution_id]
+        assert rep.status is ExecState.COMPLETED and rep.reward == 0.5 and rep.group_size == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_acquire_waits_for_a_free_slot():
+    s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1)])
+    await lead(s, store)
+    a, _, _ = await s.acquire("h", 0)
+    none, exhausted, retry = await s.acquire("h", 0)
+    assert none is None and not exhausted and retry > 0
+    waiter = asyncio.create_task(s.acquire("h", 5))
+    await asyncio.sleep(0.05)
+    await s.finish(a.record.execution_id, a.token, ExecState.FAILED, 0.0, "k")
+    got, _, _ = await asyncio.wait_for(waiter, 5)
+    assert got is not None and got.route.cell_id == "sa"
