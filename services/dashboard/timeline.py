@@ -9,9 +9,9 @@ dict (the proto's field names; enums as names with or without their prefix, or n
 - series of the gauges (waterlevel W, capacity, ready groups, policy version, reroutes, ...),
 - policy-version markers, and the latest counters,
 
-bounded to ``max_samples`` samples. A status from a lower fencing epoch than one already
-seen (a standby or deposed scheduler) is ignored, so a dashboard that polls every replica
-never mixes two leaders' views.
+bounded to ``max_samples`` samples. A status from a standby (``leader`` false, where the
+scheduler reports it) or from a lower fencing epoch than one already seen (a deposed leader)
+is ignored, so a dashboard that polls every replica never mixes two schedulers' views.
 """
 
 from __future__ import annotations
@@ -113,6 +113,15 @@ def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {k: _int(raw, k) for k in STATUS_FIELDS}
     out["ledger"] = ledger
     out["cells"] = cells
+    leader = raw.get("leader")
+    if leader is not None and not isinstance(leader, bool):
+        raise ValueError(f"leader must be a bool: {leader!r}")
+    out["leader"] = leader  # None: the scheduler does not say
+    out["policy"] = str(raw.get("policy") or "")[:64]
+    total_raw = raw.get("total") or {}
+    if not isinstance(total_raw, Mapping):
+        raise ValueError("total must be a mapping")
+    out["total"] = {k: _int(total_raw, k) for k in LEDGER_FIELDS if k != "burst_id"}
     return out
 
 
@@ -199,7 +208,7 @@ class Timeline:
             raise
         if self._t and t_s < self._t[-1]:
             raise ValueError(f"time went backwards: {t_s} < {self._t[-1]}")
-        if status["epoch"] < self._epoch:
+        if status["leader"] is False or status["epoch"] < self._epoch:
             self.stats.stale += 1
             return False
         self._epoch = status["epoch"]
@@ -268,6 +277,8 @@ class Timeline:
             counters = {k: latest[k] for k in STATUS_FIELDS}
             counters.update({k: latest["ledger"][k] for k in LEDGER_FIELDS})
             counters["finished_by_status"] = dict(latest["ledger"]["finished_by_status"])
+            counters["policy"] = latest["policy"]
+            counters.update({f"total_{k}": v for k, v in latest["total"].items()})
         return {
             "now_s": now_s,
             "cells": [{**c, "role": role_label(c)} for c in cells],

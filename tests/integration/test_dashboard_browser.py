@@ -81,6 +81,13 @@ def scripted_status(step: int) -> scheduler_pb2.SchedulerStatus:
     status.bursts_completed = burst
     status.transitions_to_training = burst * 3 + sum(1 for i in range(3) if k >= 12 + 4 * i)
     status.transitions_to_rollout = burst * 3 + (2 if k >= 30 else 0) + (1 if k >= 34 else 0)
+    fields = scheduler_pb2.SchedulerStatus.DESCRIPTOR.fields_by_name
+    if "leader" in fields:  # newer protos say whether the answering scheduler leads
+        status.leader = True
+    if "total" in fields:
+        status.total.CopyFrom(scheduler_pb2.Ledger(dispatched=32 * (burst + 1), finished=32 * burst + finished))
+    if "policy" in fields:
+        status.policy = "waterlevel"
     return status
 
 

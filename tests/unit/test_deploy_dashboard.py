@@ -59,6 +59,8 @@ def test_normalize_accepts_every_enum_spelling() -> None:
     {"cells": [{"cell_id": "a"}, {"cell_id": "a"}]},
     {"cells": [{"cell_id": "a", "state": "SLEEPING"}]},
     {"cells": [{"cell_id": "a", "kind": True}]},
+    {"leader": "yes"},
+    {"total": 3},
     {"ledger": [1, 2]},
     {"capacity": "lots"},
     {"capacity": [1]},
@@ -107,6 +109,13 @@ def test_stale_epoch_is_ignored_and_policy_marks_recorded() -> None:
     assert out["policy_marks"] == [[0.0, 1], [2.0, 2]]
     assert {b[2] for b in out["bands"]["c0"]} == {"ROLLOUT"}
     assert tl.stats.stale == 1 and out["counters"]["epoch"] == 7
+    standby = dict(status({"c0": "TRAINING"}, epoch=9), leader=False)
+    assert not tl.add(4.0, standby) and tl.stats.stale == 2
+    leader = dict(status({"c0": "TRAINING"}, epoch=9), leader=True, policy="waterlevel",
+                  total={"dispatched": "40", "finished": 31})
+    assert tl.add(5.0, leader)
+    counters = tl.to_json(6.0)["counters"]
+    assert (counters["policy"], counters["total_dispatched"], counters["total_finished"]) == ("waterlevel", 40, 31)
 
 
 async def test_poller_records_errors_and_hangs() -> None:
