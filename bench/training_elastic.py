@@ -1,0 +1,182 @@
+"""Streaming elastic training on the tiny model, with real processes: gloo prefix groups,
+gRPC snapshot pulls and a scripted in-process packer.
+
+For k = 1, 2, 3 cells (core + k-1 satellites, one process each):
+  * batch 1: the core trains alone (warm-up; the satellites still hold version 1);
+  * batch 2 (join): the core opens the batch at version 2 and the satellites join at once:
+    each pulls snapshot 2 from the core over gRPC while the core trains, then claims.
+    Join time = JoinBatch → weights loaded (pull) and → first micro-step accumulated;
+  * batch 3 (throughput): everyone holds version 3 (broadcast), all join at the start.
+    Throughput = loss tokens / (core JoinBatch → policy version announced in etcd).
+Ratios are against k = 1 measured in the same run. Writes bench/results/training_elastic.json.
+
+    PYTHONPATH=. .venv/bin/python bench/training_elastic.py [--micro-steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from gyre.etcd import Etcd, Keys  # noqa: E402
+from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.model.tiny import build_tiny_model  # noqa: E402
+from gyre.testing.procs import ServiceProcess  # noqa: E402
+from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
+from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
+from gyre.v1 import common_pb2 as cpb  # noqa: E402
+from gyre.v1 import packer_pb2_grpc as ppb_grpc  # noqa: E402
+from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _join(target: str, batch: int, version: int, prefix: int, core: str) -> bool:
+    async with grpc.aio.insecure_channel(target) as ch:
+        r = await pb_grpc.CellControlStub(ch).JoinBatch(
+            pb.JoinBatchRequest(fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=version,
+                                prefix_size=prefix, core_target=core), timeout=120)
+    return r.joined
+
+
+async def _wait_policy(etcd: Etcd, key: bytes, version: int) -> None:
+    while True:
+        kv = await etcd.get(key)
+        if kv is not None and json.loads(kv.value)["version"] >= version:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _outcomes(log: Path) -> dict[int, dict]:
+    out = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and ('"batch done"' in line or '"batch stepped"' in line):
+            rec = json.loads(line)
+            out[int(rec["batch_id"])] = rec
+    return out
+
+
+async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str) -> dict:
+    cluster = f"bench{k}"
+    packer = FakePacker()
+    server = grpc.aio.server()
+    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    cfg = {
+        "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint]},
+        "trainer_cell": {"training": {
+            "model_dir": str(model_dir), "dtype": dtype, "lr": 1e-4, "world_size": k,
+            "dist_master": f"127.0.0.1:{_free_port()}", "packer_target": f"127.0.0.1:{port}",
+            "claim_wait_s": 0.5, "snapshot_chunk_bytes": 1 << 20,
+        }},
+    }
+    path = work / f"k{k}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    procs = [ServiceProcess("cell_agent.training.worker", path, {"cell_id": f"c{i}", "index": i},
+                            env={"OMP_NUM_THREADS": "1"}, log_path=work / f"k{k}-c{i}.log") for i in range(k)]
+    client = Etcd([etcd.endpoint])
+    await client.connect()
+    key = Keys(cluster).policy()
+    kw = dict(seqs_per_step=4, min_len=64, max_len=128, seed=11)
+    try:
+        for p in procs:
+            await asyncio.to_thread(p.start, 120)
+        targets = [p.target for p in procs]
+        core = targets[0]
+        # Batch 1: the core alone.
+        packer.add_batch(1, 1, synthetic_batch(1, max(4, micro // 4), **kw))
+        assert await _join(core, 1, 1, 1, core)
+        await _wait_policy(client, key, 2)
+        # Batch 2: satellites join at once and pull version 2 while the core trains.
+        steps2 = synthetic_batch(2, micro, **kw)
+        packer.add_batch(2, 2, steps2)
+        t0 = time.perf_counter()
+        assert await _join(core, 2, 2, 1, core)
+        for i in range(1, k):
+            assert await _join(targets[i], 2, 2, i + 1, core)
+        await _wait_policy(client, key, 3)
+        # Batch 3: everyone holds version 3.
+        steps3 = synthetic_batch(3, micro, **kw)
+        packer.add_batch(3, 3, steps3)
+        t0 = time.perf_counter()
+        for i in range(k):
+            assert await _join(targets[i], 3, 3, i + 1, core)
+        await _wait_policy(client, key, 4)
+        seconds = time.perf_counter() - t0
+        tokens = sum(s.num_tokens for s in steps3)
+    finally:
+        for p in procs:
+            await asyncio.to_thread(p.stop, 10)
+        await server.stop(0)
+        await client.close()
+    outs = [_outcomes(work / f"k{k}-c{i}.log") for i in range(k)]
+    joins = [
+        {"cell": f"c{i}", "pull_s": o[2]["joined_s"], "first_micro_step_s": o[2]["first_micro_step_s"],
+         "micro_steps_trained": o[2]["local_micro_steps"]}
+        for i, o in enumerate(outs) if i > 0
+    ]
+    share = [o[3]["local_micro_steps"] for o in outs]
+    return {"cells": k, "batch_tokens": tokens, "batch_seconds": seconds, "tokens_per_s": tokens / seconds,
+            "micro_steps_per_cell": share, "satellite_joins": joins,
+            "core_step_tokens": outs[0][3]["total_tokens"]}
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--micro-steps", type=int, default=24)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cells", default="1,2,3")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gyre-bench-train-"))
+    model_dir = build_tiny_model(work / "tiny", seed=0)
+    n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+        str(model_dir / "model.safetensors")).values())
+    etcd = EtcdServer()
+    etcd.start()
+    try:
+        runs = []
+        for k in (int(x) for x in args.cells.split(",")):
+            r = await run_k(k, etcd, model_dir, work, args.micro_steps, args.dtype)
+            runs.append(r)
+            print(json.dumps(r), flush=True)
+    finally:
+        etcd.cleanup()
+    base = runs[0]["tokens_per_s"]
+    for r in runs:
+        r["throughput_ratio_vs_1"] = r["tokens_per_s"] / base
+    result = {
+        "bench": "training_elastic",
+        "model": {"dir": "gyre.model.tiny seed 0", "params": n_params, "dtype": args.dtype},
+        "micro_steps_per_batch": args.micro_steps,
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "cuda": torch.cuda.is_available()},
+        "runs": runs,
+        "logs": str(work),
+    }
+    out = ROOT / "bench" / "results" / "training_elastic.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
