@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import packer_pb2_grpc
 from services.packer.config import PackerConfig
+from services.packer.metrics import PackerMetrics
 from services.packer.packer import Packer
 from services.packer.servicer import SERVICE_NAME, PackerServicer
-from services.packer.store import PolicyMirror
+from services.packer.store import PolicyMirror, open_incarnation
 from services.packer.wal import Wal
+
+log = logging.getLogger(__name__)
 
 
 async def build(rt: Runtime) -> Services:
@@ -18,13 +22,19 @@ async def build(rt: Runtime) -> Services:
     assert isinstance(cfg, PackerConfig)
     wal = Wal(cfg.wal_dir, fsync=cfg.wal_fsync)
     events = await asyncio.to_thread(wal.open)
+    events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, events)
     packer = Packer(cfg, wal)
-    packer.recover(events)
+    replayed = packer.recover(events)
     await wal.sync()
+    log.info("packer recovered", extra={"events": replayed, "counters": packer.counters()})
     rt.supervisor.spawn("wal", wal.watch())
     rt.supervisor.spawn("reaper", packer.run_reaper())
     if cfg.policy_from_etcd:
         rt.supervisor.spawn("policy", PolicyMirror(rt.etcd, rt.keys, packer).run())
+    if cfg.metrics_port:
+        metrics = PackerMetrics()
+        metrics.serve(cfg.host, cfg.metrics_port)
+        rt.supervisor.spawn("metrics", metrics.run(packer))
 
     async def _close_wal() -> None:
         await wal.close()

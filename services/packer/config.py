@@ -81,6 +81,12 @@ class PackerConfig(ServiceConfig):
         description="A group whose executions have all closed becomes ready this long after its "
         "last finish report, so that turn records still in the router's send queue get in.",
     )
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
+    wal_check_incarnation: bool = Field(
+        True,
+        description="Start a fresh WAL (archiving the old one) when etcd does not hold this WAL's "
+        "id: the WAL belongs to an earlier cluster (e.g. a demo run with a new private etcd).",
+    )
     policy_from_etcd: bool = Field(
         True, description="Mirror the policy version from etcd (keys.policy()) for staleness."
     )

@@ -3,6 +3,7 @@ validation, and their conversion to and from the wire (the only module that know
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import math
@@ -89,8 +90,16 @@ class Turn:
         return min(self.versions) if self.versions else fallback
 
     def digest(self) -> int:
-        """A content checksum, to tell an idempotent retry from a conflicting duplicate."""
-        return zlib.crc32(repr(dataclasses.astuple(self)).encode())
+        """A content checksum, to tell an idempotent retry from a conflicting duplicate
+        (stable across processes, unlike ``hash``)."""
+        head = (
+            f"{self.execution_id}\0{self.group_id}\0{self.turn_index}\0{len(self.prompt)}\0"
+            f"{len(self.output)}\0{len(self.versions)}"
+        )
+        h = zlib.crc32(head.encode())
+        for ints in (self.prompt, self.output, self.versions, self.mask):
+            h = zlib.crc32(array.array("q", ints).tobytes(), h)
+        return zlib.crc32(array.array("d", self.logprobs).tobytes(), h)
 
     @classmethod
     def validated(

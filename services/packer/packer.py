@@ -187,7 +187,7 @@ class Packer:
         self._touch(cell)
         demand = {batch.id}
         self._pump(demand)
-        ms = next((m for m in batch.micro_steps if m.free), None)
+        ms = st.micro_steps[next(iter(batch.free))] if batch.free else None
         if ms is None:
             self._after()
             return self._result(ClaimOutcome.CLOSED if batch.closed else ClaimOutcome.WAIT, batch)
@@ -389,26 +389,19 @@ class Packer:
                                         "total_tokens": batch.total_loss_tokens})
 
     def _reap(self) -> int:
-        now, n = self.clock(), 0
-        for batch in self.state.batches.values():
-            if batch.done:
-                continue
-            for ms in batch.micro_steps:
-                if ms.holder is not None and ms.deadline <= now:
-                    log.info("claim expired", extra={"cell_id": ms.holder, "micro_step": ms.id})
-                    self._commit({"t": "release", "ms": ms.id, "cell": ms.holder})
-                    n += 1
-        return n
+        now = self.clock()
+        expired = [ms for ms in self.state.held.values() if ms.deadline <= now]
+        for ms in expired:
+            log.info("claim expired", extra={"cell_id": ms.holder, "micro_step": ms.id})
+            self._commit({"t": "release", "ms": ms.id, "cell": ms.holder})
+        return len(expired)
 
     def _touch(self, cell: CellId) -> int:
         deadline, n = self.clock() + self.cfg.claim_ttl_s, 0
-        for batch in self.state.batches.values():
-            if batch.done:
-                continue
-            for ms in batch.micro_steps:
-                if ms.holder == cell:
-                    ms.deadline = deadline
-                    n += 1
+        for ms in self.state.held.values():
+            if ms.holder == cell:
+                ms.deadline = deadline
+                n += 1
         return n
 
     # Plumbing ----------------------------------------------------------------------------

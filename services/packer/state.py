@@ -113,12 +113,14 @@ class Batch:
     groups: list[str] = dataclasses.field(default_factory=list)
     pending: list[SeqRef] = dataclasses.field(default_factory=list)  # assigned, not emitted
     micro_steps: list[MicroStep] = dataclasses.field(default_factory=list)
+    free: dict[str, None] = dataclasses.field(default_factory=dict)  # claimable ids, in order
     participants: set[str] = dataclasses.field(default_factory=set)
     sealed: bool = False
     closed: bool = False
     done: bool = False
     total_loss_tokens: int = 0
     acked: int = 0
+    packed_seqs: int = 0  # turns in emitted, unacknowledged micro-steps
 
     @property
     def active(self) -> bool:
@@ -134,7 +136,7 @@ class Batch:
 
     @property
     def unclaimed(self) -> int:
-        return sum(1 for m in self.micro_steps if m.free)
+        return len(self.free)
 
 
 class PackerState:
@@ -147,6 +149,7 @@ class PackerState:
         self.batches: dict[int, Batch] = {}
         self.filling: int = 0  # the batch receiving groups
         self.micro_steps: dict[str, MicroStep] = {}
+        self.held: dict[str, MicroStep] = {}  # claimed, not acknowledged
         self.seen_turns: dict[SeqRef, int] = {}  # -> content digest (idempotency)
         self.finished: dict[str, Finish] = {}
         self.resolved: set[str] = set()  # groups dropped or trained (their data is freed)
@@ -157,6 +160,7 @@ class PackerState:
         self.claims_expired = 0
         self.policy_version = 0
         self.events_applied = 0
+        self.wal_id = ""
 
     # Queries -----------------------------------------------------------------------------
 
@@ -176,7 +180,7 @@ class PackerState:
             elif g.state is GroupState.READY:
                 ready += g.turns
         assigned = sum(len(b.pending) for b in self.batches.values())
-        packed = sum(m.n_seqs for m in self.micro_steps.values() if m.acked_by is None)
+        packed = sum(b.packed_seqs for b in self.batches.values())
         return {"pending": pending, "ready": ready, "assigned": assigned, "packed": packed}
 
     def counters(self) -> dict[str, Any]:
@@ -191,8 +195,9 @@ class PackerState:
             "policy_version": self.policy_version,
         }
 
-    def check(self) -> None:
-        """Conservation and structural invariants; a violation is a bug (FatalError)."""
+    def check(self, deep: bool = False) -> None:
+        """Conservation and structural invariants; a violation is a bug (FatalError).
+        ``deep`` also proves no turn sits in two live micro-steps (O(live turns))."""
         held = sum(self.buffered().values())
         dropped = sum(self.dropped.values())
         if self.produced != self.consumed + held + dropped:
@@ -205,10 +210,14 @@ class PackerState:
                 raise FatalError(f"batch {b.id} holds {len(b.groups)} groups > {b.size}")
             if b.closed and not b.sealed:
                 raise FatalError(f"batch {b.id} closed before sealed")
+        if not deep:
+            return
         seen: set[SeqRef] = set()
         for m in self.micro_steps.values():
             if m.acked_by is not None:
                 continue
+            if (m.holder is None) != (m.id in self.batches[m.batch_id].free):
+                raise FatalError(f"micro-step {m.id}: free list out of step")
             for ref in m.seqs:
                 if ref in seen:
                     raise FatalError(f"turn {ref} packed twice")
@@ -310,6 +319,8 @@ class PackerState:
             packed_tokens=sum(t.tokens for t in turns),
         )
         batch.micro_steps.append(ms)
+        batch.free[ms.id] = None
+        batch.packed_seqs += ms.n_seqs
         batch.total_loss_tokens += ms.loss_tokens
         self.micro_steps[ms.id] = ms
 
@@ -325,13 +336,17 @@ class PackerState:
         if not ms.free:
             raise FatalError(f"micro-step {ms.id} claimed while held or acked")
         ms.holder = CellId(ev["cell"])
+        self.held[ms.id] = ms
         batch = self.batches[ms.batch_id]
+        del batch.free[ms.id]
         batch.participants.add(ms.holder)
         self._maybe_close(batch)
 
     def _on_release(self, ev: Event) -> None:
         ms = self.micro_steps[ev["ms"]]
         ms.holder = None
+        del self.held[ms.id]
+        self.batches[ms.batch_id].free[ms.id] = None
         if ev.get("expired", True):
             self.claims_expired += 1
 
@@ -341,19 +356,25 @@ class PackerState:
             raise FatalError(f"micro-step {ms.id} acknowledged twice")
         ms.acked_by = CellId(ev["cell"])
         ms.holder = None
+        self.held.pop(ms.id, None)
         self.consumed += ms.n_seqs
         batch = self.batches[ms.batch_id]
+        batch.free.pop(ms.id, None)  # a late ack of a returned, untaken micro-step
+        batch.packed_seqs -= ms.n_seqs
         batch.participants.add(ms.acked_by)
         batch.acked += 1
         self._maybe_close(batch)
         if batch.sealed and batch.acked == len(batch.micro_steps):
             self._finish_batch(batch)
 
+    def _on_wal(self, ev: Event) -> None:
+        self.wal_id = str(ev["id"])  # the log's header: its incarnation id
+
     def _on_policy(self, ev: Event) -> None:
         self.policy_version = max(self.policy_version, int(ev["v"]))
 
     def _maybe_close(self, batch: Batch) -> None:
-        if batch.sealed and not batch.closed and all(not m.free for m in batch.micro_steps):
+        if batch.sealed and not batch.closed and not batch.free:
             batch.closed = True
 
     def _finish_batch(self, batch: Batch) -> None:

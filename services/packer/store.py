@@ -1,15 +1,18 @@
 """The packer's etcd adapter: mirrors the published policy version (keys.policy()) into the
-packer, so that its staleness rule follows the cluster's newest policy."""
+packer, so that its staleness rule follows the cluster's newest policy; and ties the WAL to
+the cluster's incarnation (a WAL left by an earlier cluster is archived, not replayed)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import uuid
 
 from gyre.etcd import Etcd, Keys, PrefixMirror
 from gyre.etcd.client import KV
 from services.packer.packer import Packer
+from services.packer.wal import Event, Wal
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +50,33 @@ class PolicyMirror:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def incarnation_key(keys: Keys) -> bytes:
+    """Where the id of the cluster's current packer WAL is kept (not lease-bound)."""
+    return (keys.root + "packer/wal_id").encode()
+
+
+async def open_incarnation(etcd: Etcd | None, keys: Keys, wal: Wal, events: list[Event]) -> list[Event]:
+    """The events to recover from: ``events`` when their header id is the one etcd holds;
+    otherwise (a fresh etcd: an earlier cluster's WAL) the old log is archived and a new one
+    starts with a new header. ``etcd`` None skips the check (keeps any existing log)."""
+    wal_id = str(events[0].get("id")) if events and events[0].get("t") == "wal" else None
+    if etcd is None:
+        if events:
+            return events
+    else:
+        kv = await etcd.get(incarnation_key(keys))
+        current = kv.value.decode() if kv is not None else None
+        if wal_id is not None and current == wal_id:
+            return events
+        if events:
+            moved = await asyncio.to_thread(wal.archive)
+            log.warning("packer WAL belongs to another cluster incarnation; archived",
+                        extra={"archived": str(moved), "wal_id": wal_id, "etcd_wal_id": current})
+    header: Event = {"t": "wal", "id": uuid.uuid4().hex}
+    wal.append(header)
+    await wal.sync()  # durable before etcd names it
+    if etcd is not None:
+        await etcd.put(incarnation_key(keys), header["id"].encode())
+    return [header]

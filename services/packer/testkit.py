@@ -85,14 +85,16 @@ async def feed_group(packer: Packer, g: str, size: int = 2, turns: int = 1, prom
 
 
 def snapshot(state: PackerState) -> dict[str, Any]:
-    """A comparable summary of a state (what a replay must reproduce)."""
+    """A comparable summary of a state (what a replay must reproduce); also runs the deep
+    invariant check."""
+    state.check(deep=True)
     return {
         "counters": state.counters(),
         "groups": {g: (grp.state.value, grp.batch_id, sorted(grp.execs)) for g, grp in state.groups.items()},
         "ready": list(state.ready),
         "batches": {
             b: (bt.size, bt.version, list(bt.groups), list(bt.pending), bt.sealed, bt.closed, bt.done,
-                bt.total_loss_tokens, sorted(bt.participants))
+                bt.total_loss_tokens, sorted(bt.participants), sorted(bt.free), bt.packed_seqs, bt.acked)
             for b, bt in state.batches.items()
         },
         "micro_steps": {
@@ -100,6 +102,7 @@ def snapshot(state: PackerState) -> dict[str, Any]:
             for m, ms in state.micro_steps.items()
         },
         "filling": state.filling,
+        "held": sorted(state.held),
         "resolved": sorted(state.resolved),
     }
 

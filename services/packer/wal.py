@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,6 +108,20 @@ class Wal:
         if self._fsync:
             _fsync_dir(self.path.parent)
         return events
+
+    def archive(self) -> Path | None:
+        """Moves the log aside (``packer.wal.<unix time>.old``) and starts an empty one."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        moved = None
+        if self.path.exists():
+            moved = self.path.with_name(f"{WAL_NAME}.{int(time.time())}.old")
+            os.replace(self.path, moved)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self._fsync:
+            _fsync_dir(self.path.parent)
+        return moved
 
     def append(self, event: Event) -> None:
         if self._failed is not None:

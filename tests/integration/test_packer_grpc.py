@@ -160,3 +160,43 @@ async def test_policy_version_follows_etcd_and_supply_streams(packer_proc, etcd_
             stream.cancel()
     finally:
         await etcd.close()
+
+
+async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
+    tmp_path, etcd_server, fresh_etcd, cluster_name
+):
+    import urllib.request
+
+    from gyre.etcd.server import free_port
+
+    port = free_port()
+    path = tk.write_config(tmp_path, etcd_server, cluster_name, metrics_port=port)
+    proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
+    try:
+        async with grpc.aio.insecure_channel(proc.target) as ch:
+            stub = packer_pb2_grpc.PackerStub(ch)
+            await feed(stub, 1, size=2, turns=2)
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+        assert b'gyre_packer_turns{where="produced"} 4.0' in body
+    finally:
+        proc.stop()
+    # Same cluster (same etcd): the WAL is replayed.
+    proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
+    try:
+        async with grpc.aio.insecure_channel(proc.target) as ch:
+            stub = packer_pb2_grpc.PackerStub(ch)
+            got = await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
+            assert got.counters.produced == 4 and got.counters.ready == 4
+    finally:
+        proc.stop()
+    # A new cluster (a fresh etcd, e.g. the next demo run): the old WAL is archived.
+    path = tk.write_config(tmp_path, fresh_etcd, cluster_name)
+    proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
+    try:
+        async with grpc.aio.insecure_channel(proc.target) as ch:
+            stub = packer_pb2_grpc.PackerStub(ch)
+            got = await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
+            assert got.counters.produced == 0 and got.batch_id == 1
+    finally:
+        proc.stop()
+    assert len(list((tmp_path / "wal").glob("packer.wal.*.old"))) == 1
