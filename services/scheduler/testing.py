@@ -1,0 +1,202 @@
+"""Scriptable gRPC stand-ins for the scheduler's peers, for integration and fault tests.
+
+:class:`FakeCellAgent` serves CellControl + Engine.GetLoad on one port, registers
+``keys.cell`` under its own lease and writes ``keys.cell_state`` with the same fenced
+transaction as the real agent (leader create revision == command epoch), so a deposed
+leader's command is refused. It records every command and can hold a target state (the
+command hangs until released) to freeze a transition at a chosen step. :class:`FakeRouter`
+records MoveExecutions; :class:`FakePacker` records finish reports and streams a supply
+signal the test sets. All bind 127.0.0.1 on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import grpc
+
+from gyre.errors import StaleEpoch
+from gyre.etcd import Etcd, Keys, Op
+from gyre.etcd.client import create_revision_is
+from gyre.fencing import FenceGuard
+from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, packer_pb2, packer_pb2_grpc, router_pb2, router_pb2_grpc
+
+_NAMES = {v: k for k, v in common_pb2.CellState.items()}
+
+
+async def _serve(register: list[tuple[Any, Any]]) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    for servicer, add in register:
+        add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc.EngineServicer):
+    """One fake cell: registration, fenced state writes, command log."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, cell_id: str, kind: str, index: int, slots: int) -> None:
+        self.etcd, self.keys = etcd, keys
+        self.cell_id, self.kind, self.index, self.slots = cell_id, kind, index, slots
+        self.state = "ROLLOUT"
+        self.fence = FenceGuard()
+        self.commands: list[tuple[str, int, Any]] = []
+        self.policy_version = 0
+        self.running = 0
+        self.hold: dict[str, asyncio.Event] = {}
+        self.target = ""
+        self.lease = 0
+        self._server: grpc.aio.Server | None = None
+        self._keep: asyncio.Task[None] | None = None
+
+    async def start(self) -> FakeCellAgent:
+        self._server, self.target = await _serve([
+            (self, cell_agent_pb2_grpc.add_CellControlServicer_to_server),
+            (self, cell_agent_pb2_grpc.add_EngineServicer_to_server),
+        ])
+        self.lease = await self.etcd.grant(5)
+        self._keep = asyncio.create_task(self._keepalive())
+        await self._register()
+        await self.etcd.put(self.keys.cell_state(self.cell_id), self._state_json(0), lease=self.lease)
+        return self
+
+    async def _register(self) -> None:
+        body = {"cell_id": self.cell_id, "kind": self.kind, "index": self.index, "slots": self.slots,
+                "target": self.target, "engine": "mock", "policy_version": self.policy_version}
+        await self.etcd.put(self.keys.cell(self.cell_id), json.dumps(body).encode(), lease=self.lease)
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self.etcd.refresh(self.lease)
+
+    def _state_json(self, epoch: int) -> bytes:
+        return json.dumps({"state": self.state, "epoch": epoch, "updated_s": time.time()}).encode()
+
+    async def stop(self) -> None:
+        if self._keep is not None:
+            self._keep.cancel()
+            await asyncio.gather(self._keep, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(0)
+        if self.lease:
+            try:
+                await self.etcd.revoke(self.lease)
+            except Exception:  # etcd may be gone at teardown
+                pass
+
+    def epochs(self) -> set[int]:
+        return {e for _, e, _ in self.commands}
+
+    @rpc
+    async def SetState(self, request: Any, context: Any) -> Any:
+        epoch = self.fence.check(request.fence.epoch)
+        want = _NAMES[request.target].removeprefix("CELL_STATE_")
+        if want in self.hold:
+            await self.hold[want].wait()
+        if want != self.state:
+            prev = self.state
+            self.state = want
+            ok, _ = await self.etcd.txn([create_revision_is(self.keys.leader(), epoch)],
+                                        [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch), self.lease)])
+            if not ok:
+                self.state = prev
+                raise StaleEpoch(f"epoch {epoch} is not the leader's")
+        self.commands.append(("set_state", epoch, want))
+        return cell_agent_pb2.SetStateResponse(state=request.target)
+
+    @rpc
+    async def LoadPolicy(self, request: Any, context: Any) -> Any:
+        epoch = self.fence.check(request.fence.epoch)
+        self.policy_version = max(self.policy_version, request.version)
+        self.commands.append(("load_policy", epoch, request.version))
+        return cell_agent_pb2.LoadPolicyResponse(policy_version=self.policy_version, seconds=0.0)
+
+    @rpc
+    async def JoinBatch(self, request: Any, context: Any) -> Any:
+        epoch = self.fence.check(request.fence.epoch)
+        self.commands.append(("join_batch", epoch, (request.batch_id, request.prefix_size, request.core_target)))
+        return cell_agent_pb2.JoinBatchResponse(joined=True)
+
+    @rpc
+    async def GetCellStatus(self, request: Any, context: Any) -> Any:
+        return cell_agent_pb2.CellStatus(cell_id=self.cell_id, epoch=self.fence.highest)
+
+    @rpc
+    async def GetLoad(self, request: Any, context: Any) -> Any:
+        return cell_agent_pb2.EngineLoad(cell_id=self.cell_id, slots=self.slots, running_requests=self.running,
+                                         policy_version=self.policy_version, accepting=self.state == "ROLLOUT")
+
+
+class FakeRouter(router_pb2_grpc.RouterServicer):
+    """Records MoveExecutions (fenced); registers under services/router/."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, name: str = "router-fake") -> None:
+        self.etcd, self.keys, self.name = etcd, keys, name
+        self.fence = FenceGuard()
+        self.moves: list[tuple[int, str, str, str, int]] = []
+        self.target = ""
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> FakeRouter:
+        self._server, self.target = await _serve([(self, router_pb2_grpc.add_RouterServicer_to_server)])
+        await self.etcd.put(self.keys.service("router", self.name), json.dumps({"target": self.target}).encode())
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+
+    @rpc
+    async def MoveExecutions(self, request: Any, context: Any) -> Any:
+        epoch = self.fence.check(request.fence.epoch)
+        for m in request.moves:
+            self.moves.append((epoch, m.execution_id, m.from_cell, m.to_cell, m.route_epoch))
+        return router_pb2.MoveExecutionsResponse(moved_requests=0, remaining_at_source=0)
+
+
+class FakePacker(packer_pb2_grpc.PackerServicer):
+    """Records finish reports (idempotent) and streams the supply the test sets."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, Any] = {}
+        self.report_calls = 0
+        self.supply = packer_pb2.SupplySignal(ready_groups=0, batch_needs=0, batch_id=1)
+        self._changed = asyncio.Event()
+        self.target = ""
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> FakePacker:
+        self._server, self.target = await _serve([(self, packer_pb2_grpc.add_PackerServicer_to_server)])
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+
+    def set_supply(self, ready: int, needs: int, batch_id: int = 1) -> None:
+        self.supply = packer_pb2.SupplySignal(ready_groups=ready, batch_needs=needs, batch_id=batch_id)
+        self._changed.set()
+
+    @rpc
+    async def ReportFinish(self, request: Any, context: Any) -> Any:
+        self.report_calls += 1
+        dup = request.execution_id in self.reports
+        self.reports.setdefault(request.execution_id, request)
+        return packer_pb2.ReportFinishResponse(duplicate=dup)
+
+    @rpc
+    async def GetBatch(self, request: Any, context: Any) -> Any:
+        return packer_pb2.BatchStatus(batch_id=self.supply.batch_id)
+
+    @rpc_stream
+    async def WatchSupply(self, request: Any, context: Any) -> Any:
+        while True:
+            yield self.supply
+            self._changed.clear()
+            await self._changed.wait()
