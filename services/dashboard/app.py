@@ -7,7 +7,7 @@ Routes:
 
 - ``GET /``: one self-contained HTML page (inline JS drawing on a canvas, no external
   resources) that fetches ``/api/timeline`` every second;
-- ``GET /api/timeline``: the timeline as JSON;
+- ``GET /api/timeline[?window_s=S]``: the timeline as JSON (the last S seconds of it);
 - ``GET /healthz``: liveness, with the poller's counters;
 - ``GET /metrics``: the scheduler's status as Prometheus gauges (``gyre_status_*``).
 
@@ -132,8 +132,17 @@ class DashboardApp:
     async def _index(self, _request: web.Request) -> web.Response:
         return web.Response(text=self._page, content_type="text/html", headers={"Cache-Control": "no-store"})
 
-    async def _timeline(self, _request: web.Request) -> web.Response:
-        body: dict[str, Any] = self.timeline.to_json(self.now_s())
+    async def _timeline(self, request: web.Request | None) -> web.Response:
+        window_s = None
+        raw = request.query.get("window_s") if request is not None else None
+        if raw is not None:
+            try:
+                window_s = float(raw)
+            except ValueError:
+                raise web.HTTPBadRequest(text="window_s must be a number of seconds") from None
+            if not 0 < window_s < 1e9:
+                raise web.HTTPBadRequest(text="window_s must be > 0")
+        body: dict[str, Any] = self.timeline.to_json(self.now_s(), window_s)
         body["poll_interval_s"] = self.poll_interval_s
         body["title"] = self.title
         return web.json_response(body, headers={"Cache-Control": "no-store"})

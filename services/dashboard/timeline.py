@@ -16,6 +16,7 @@ is ignored, so a dashboard that polls every replica never mixes two schedulers' 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
 from collections.abc import Mapping
@@ -268,8 +269,9 @@ class Timeline:
         marks = [m for m in self._policy_marks if m[0] >= start]
         self._policy_marks = marks
 
-    def to_json(self, now_s: float) -> dict[str, Any]:
-        """What ``GET /api/timeline`` returns (plain JSON types only)."""
+    def to_json(self, now_s: float, window_s: float | None = None) -> dict[str, Any]:
+        """What ``GET /api/timeline`` returns (plain JSON types only); with ``window_s``, only
+        the samples, bands and marks of the last ``window_s`` seconds of the timeline."""
         latest = self._latest
         cells = sorted(self._cells.values(), key=cell_order)
         counters: dict[str, Any] = {}
@@ -279,12 +281,18 @@ class Timeline:
             counters["finished_by_status"] = dict(latest["ledger"]["finished_by_status"])
             counters["policy"] = latest["policy"]
             counters.update({f"total_{k}": v for k, v in latest["total"].items()})
+        start = float("-inf") if window_s is None or not self._t else self._t[-1] - window_s
+        first = bisect.bisect_left(self._t, start)
+        bands = {
+            c["cell_id"]: [[max(b[0], start), b[1], b[2]] for b in self._bands.get(c["cell_id"], []) if b[1] >= start]
+            for c in cells
+        }
         return {
             "now_s": now_s,
             "cells": [{**c, "role": role_label(c)} for c in cells],
-            "bands": {c["cell_id"]: [list(b) for b in self._bands.get(c["cell_id"], [])] for c in cells},
-            "series": {"t": list(self._t), **{k: list(v) for k, v in self._series.items()}},
-            "policy_marks": [list(m) for m in self._policy_marks],
+            "bands": bands,
+            "series": {"t": list(self._t)[first:], **{k: list(v)[first:] for k, v in self._series.items()}},
+            "policy_marks": [list(m) for m in self._policy_marks if m[0] >= start],
             "counters": counters,
             "source": dataclasses.asdict(self.stats),
         }

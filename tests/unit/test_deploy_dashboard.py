@@ -181,3 +181,28 @@ def test_page_is_self_contained() -> None:
     assert not re.search(r"https?://", page), "the page must not load anything from outside"
     assert not re.search(r"<(script|link|img)[^>]+(src|href)=", page)
     assert "/api/timeline" in page and "<canvas" in page
+
+
+async def test_timeline_window() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    clock = FakeClock()
+    states = iter(["ROLLOUT"] * 5 + ["TRAINING"] * 5)
+
+    async def source() -> dict[str, Any]:
+        return status({"c0": next(states)}, version=0)
+
+    dash = DashboardApp(source, clock=clock)
+    for _ in range(10):
+        clock.t += 1.0
+        await dash.poll_once()
+    full = json.loads((await dash._timeline(make_mocked_request("GET", "/api/timeline"))).body)
+    assert full["series"]["t"] == [float(t) for t in range(1, 11)]
+    part = json.loads((await dash._timeline(make_mocked_request("GET", "/api/timeline?window_s=3"))).body)
+    assert part["series"]["t"] == [7.0, 8.0, 9.0, 10.0] and len(part["series"]["waterlevel"]) == 4
+    assert part["bands"]["c0"] == [[7.0, 10.0, "TRAINING"]]
+    assert part["policy_marks"] == [] and part["counters"] == full["counters"]
+    for bad in ("abc", "-1", "0"):
+        with pytest.raises(web.HTTPBadRequest):
+            await dash._timeline(make_mocked_request("GET", f"/api/timeline?window_s={bad}"))
