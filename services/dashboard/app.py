@@ -82,10 +82,14 @@ class DashboardApp:
             self._log_error(message)
             return False
         try:
-            return self.timeline.add(max(t_s, self.timeline.last_t_s), status)
+            added = self.timeline.add(max(t_s, self.timeline.last_t_s), status)
         except ValueError as exc:  # malformed status: already counted by the timeline
             self._log_error(str(exc))
             return False
+        if self._last_logged_error:
+            log.info("status polls recovered")
+            self._last_logged_error = ""
+        return added
 
     def _log_error(self, message: str) -> None:
         if message != self._last_logged_error:  # log each distinct failure once in a row
