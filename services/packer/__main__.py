@@ -11,7 +11,7 @@ from services.packer.config import PackerConfig
 from services.packer.metrics import PackerMetrics
 from services.packer.packer import Packer
 from services.packer.servicer import SERVICE_NAME, PackerServicer
-from services.packer.store import PolicyMirror, open_incarnation
+from services.packer.store import CellMirror, PolicyMirror, open_incarnation
 from services.packer.wal import Wal
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ async def build(rt: Runtime) -> Services:
     rt.supervisor.spawn("reaper", packer.run_reaper())
     if cfg.policy_from_etcd:
         rt.supervisor.spawn("policy", PolicyMirror(rt.etcd, rt.keys, packer).run())
+    if cfg.release_on_cell_loss:
+        rt.supervisor.spawn("cells", CellMirror(rt.etcd, rt.keys, packer).run())
     if cfg.metrics_port:
         metrics = PackerMetrics()
         metrics.serve(cfg.host, cfg.metrics_port)

@@ -65,6 +65,11 @@ class PackerConfig(ServiceConfig):
     claim_ttl_s: float = Field(
         10.0, gt=0, le=600, description="A claim not kept (KeepClaims/claim/ack) this long returns."
     )
+    release_on_cell_loss: bool = Field(
+        True,
+        description="Return a cell's claims as soon as its etcd registration (keys.cell) vanishes, "
+        "not only after claim_ttl_s.",
+    )
     reap_interval_s: float = Field(
         0.5, gt=0, le=60, description="How often expired claims are returned to the pool."
     )

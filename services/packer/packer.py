@@ -243,6 +243,18 @@ class Packer:
         await self.log.sync()
         return batch
 
+    async def release_cell(self, cell_id: str) -> int:
+        """A cell is gone (its etcd registration vanished): its claims return to the pool
+        now rather than after their TTL. Returns how many."""
+        mine = [ms for ms in self.state.held.values() if ms.holder == cell_id]
+        for ms in mine:
+            log.info("claim returned: cell gone", extra={"cell_id": cell_id, "micro_step": ms.id})
+            self._commit({"t": "release", "ms": ms.id, "cell": cell_id})
+        if mine:
+            self._after()
+            await self.log.sync()
+        return len(mine)
+
     async def observe_policy(self, version: int) -> None:
         """A newer policy version (from etcd): stale ready groups are dropped."""
         if version > self.state.policy_version:

@@ -52,6 +52,37 @@ class PolicyMirror:
             await asyncio.gather(task, return_exceptions=True)
 
 
+class CellMirror:
+    """Follows the cell registry (keys.cells(), lease-bound): when a cell that was registered
+    disappears (its process died and its lease lapsed), its claims return to the pool at
+    once instead of after the claim TTL. Cells never seen registered are left to the TTL."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, packer: Packer, resync_s: float = 10.0) -> None:
+        self._prefix = keys.cells()
+        self._packer = packer
+        self._mirror = PrefixMirror(etcd, self._prefix, resync_s=resync_s)
+        self.seen: set[str] = set()
+
+    def _cells(self) -> set[str]:
+        n = len(self._prefix)
+        return {key[n:].decode(errors="replace") for key in self._mirror.items}
+
+    async def run(self) -> None:
+        task = asyncio.create_task(self._mirror.run(), name="packer.cell_mirror")
+        try:
+            while True:
+                if self._mirror.synced.is_set():
+                    live = self._cells()
+                    for cell in sorted(self.seen - live):
+                        await self._packer.release_cell(cell)
+                    self.seen = live
+                await self._mirror.changed(timeout_s=5.0)
+                if task.done():
+                    await task
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
 def incarnation_key(keys: Keys) -> bytes:
     """Where the id of the cluster's current packer WAL is kept (not lease-bound)."""
     return (keys.root + "packer/wal_id").encode()

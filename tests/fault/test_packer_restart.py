@@ -175,3 +175,43 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
         if claimer is not None and claimer.poll() is None:
             claimer.kill()
         proc.kill()
+
+
+async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(tmp_path, etcd_server, cluster_name):
+    from gyre.etcd import Etcd, Keys
+
+    # A claim TTL far longer than the test: only the registration can bring the claim back.
+    path = tk.write_config(tmp_path, etcd_server, cluster_name, batch_size=1, claim_ttl_s=300.0,
+                           micro_step_token_budget=8)
+    proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
+    etcd = Etcd([etcd_server.endpoint])
+    await etcd.connect()
+    try:
+        lease = await etcd.grant(60)
+        await etcd.put(Keys(cluster_name).cell("cell-9"), b'{"cell_id": "cell-9"}', lease=lease)
+        async with grpc.aio.insecure_channel(proc.target) as ch:
+            stub = packer_pb2_grpc.PackerStub(ch)
+            for k in range(2):
+                await stub.RecordTurn(tk.turn_proto(f"x{k}", "g", 0), timeout=5)
+                await stub.ReportFinish(tk.finish_proto(f"x{k}", "g", 2, reward=k), timeout=5)
+            core = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1), timeout=5)
+            lost = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(cell_id="cell-9", batch_id=1), timeout=5)
+            assert core.outcome == lost.outcome == CLAIMED
+            await asyncio.sleep(0.5)  # the packer's mirror has seen cell-9 registered
+            await etcd.revoke(lease)  # cell-9's process died: etcd drops its registration
+            deadline = time.monotonic() + 15
+            while True:
+                r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
+                    cell_id="core", batch_id=1, wait_s=0.5), timeout=5)
+                if r.outcome == CLAIMED:
+                    break
+                assert time.monotonic() < deadline, "claim of the vanished cell never returned"
+            assert r.micro_step.micro_step_id == lost.micro_step.micro_step_id
+            for ms in (core, r):
+                await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
+                    cell_id="core", batch_id=1, micro_step_id=ms.micro_step.micro_step_id), timeout=5)
+            status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+            assert status.done and status.counters.consumed == 2
+    finally:
+        await etcd.close()
+        proc.kill()
