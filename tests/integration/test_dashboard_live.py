@@ -1,0 +1,78 @@
+"""The dashboard against the real scheduler: ``python -m services.scheduler`` on a real etcd,
+polled by ``python -m services.dashboard``.
+
+Invariants: the scheduler's GetStatus, as the scheduler really answers it, is accepted by
+the dashboard (the leader's status with its fencing epoch lands in /api/timeline and
+/metrics); when the scheduler dies the dashboard keeps serving and reports the failure,
+keeping the last good state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gyre.etcd.server import EtcdServer
+from gyre.testing.procs import ServiceProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not (ROOT / "services" / "scheduler" / "__main__.py").exists(), reason="scheduler not landed"),
+]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.status, resp.read()
+
+
+async def _wait_for(url: str, pred: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        _, raw = await asyncio.to_thread(_get, url)
+        body = json.loads(raw)
+        if pred(body):
+            return body
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"condition not met in {timeout_s}s; last: {json.dumps(body)[:2000]}")
+
+
+async def test_dashboard_follows_real_scheduler(etcd_server: EtcdServer, cluster_name: str, tmp_path: Path) -> None:
+    sched = ServiceProcess(
+        "scheduler", None,
+        overrides={"cluster_name": cluster_name, "etcd_endpoints": [etcd_server.endpoint], "port": 0,
+                   "log_json": False, "grace_s": 0.5},
+        log_path=tmp_path / "scheduler.log",
+    )
+    dash = ServiceProcess(
+        "dashboard", None, overrides={"http_port": 0, "poll_interval_s": 0.1, "poll_timeout_s": 1.0, "log_json": False},
+        log_path=tmp_path / "dashboard.log",
+    )
+    try:
+        await asyncio.to_thread(sched.start, 90.0)
+        dash.overrides["scheduler_target"] = sched.target
+        await asyncio.to_thread(dash.start, 60.0)
+        base = f"http://{dash.target}"
+        body = await _wait_for(base + "/api/timeline", lambda b: b["counters"].get("epoch", 0) > 0)
+        epoch = body["counters"]["epoch"]
+        assert body["source"]["ok"] >= 1 and body["cells"] == []  # no cell agent registered
+        _, metrics = await asyncio.to_thread(_get, base + "/metrics")
+        assert f"gyre_status_epoch {float(epoch)}" in metrics.decode()
+
+        sched.kill()  # SIGKILL: the dashboard must notice and keep its last good state
+        body = await _wait_for(base + "/api/timeline", lambda b: b["source"]["errors"] >= 3)
+        assert body["counters"]["epoch"] == epoch and body["source"]["last_error"]
+        status, _ = await asyncio.to_thread(_get, base + "/healthz")
+        assert status == 200 and dash.alive()
+    finally:
+        await asyncio.to_thread(dash.stop)
+        await asyncio.to_thread(sched.stop)
