@@ -6,7 +6,8 @@ transaction as the real agent (leader create revision == command epoch), so a de
 leader's command is refused. It records every command and can hold a target state (the
 command hangs until released) to freeze a transition at a chosen step. :class:`FakeRouter`
 records MoveExecutions; :class:`FakePacker` records finish reports and streams a supply
-signal the test sets. All bind 127.0.0.1 on a free port.
+signal the test sets. All bind 127.0.0.1 on a free port. :class:`Harness` is a minimal
+harness over gRPC; :func:`write_config` writes a cluster YAML for scheduler processes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +25,17 @@ from gyre.etcd import Etcd, Keys, Op
 from gyre.etcd.client import create_revision_is
 from gyre.fencing import FenceGuard
 from gyre.grpcx.errors import rpc, rpc_stream
-from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, packer_pb2, packer_pb2_grpc, router_pb2, router_pb2_grpc
+from gyre.v1 import (
+    cell_agent_pb2,
+    cell_agent_pb2_grpc,
+    common_pb2,
+    packer_pb2,
+    packer_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
 _NAMES = {v: k for k, v in common_pb2.CellState.items()}
 
@@ -53,6 +65,7 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         self.lease = 0
         self._server: grpc.aio.Server | None = None
         self._keep: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
 
     async def start(self) -> FakeCellAgent:
         self._server, self.target = await _serve([
@@ -99,15 +112,16 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         want = _NAMES[request.target].removeprefix("CELL_STATE_")
         if want in self.hold:
             await self.hold[want].wait()
-        if want != self.state:
-            prev = self.state
-            self.state = want
-            ok, _ = await self.etcd.txn([create_revision_is(self.keys.leader(), epoch)],
-                                        [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch), self.lease)])
-            if not ok:
-                self.state = prev
-                raise StaleEpoch(f"epoch {epoch} is not the leader's")
-        self.commands.append(("set_state", epoch, want))
+        async with self._lock:
+            if want != self.state:
+                prev = self.state
+                self.state = want
+                ok, _ = await self.etcd.txn([create_revision_is(self.keys.leader(), epoch)],
+                                            [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch), self.lease)])
+                if not ok:
+                    self.state = prev
+                    raise StaleEpoch(f"epoch {epoch} is not the leader's")
+            self.commands.append(("set_state", epoch, want))
         return cell_agent_pb2.SetStateResponse(state=request.target)
 
     @rpc
@@ -200,3 +214,77 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
             yield self.supply
             self._changed.clear()
             await self._changed.wait()
+
+
+class Harness:
+    """A minimal harness over gRPC."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.h = scheduler_pb2_grpc.HarnessServiceStub(self.channel)
+        self.c = scheduler_pb2_grpc.SchedulerControlStub(self.channel)
+
+    async def status(self) -> scheduler_pb2.SchedulerStatus:
+        return await self.c.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
+
+    async def wait_leader(self, timeout_s: float = 20.0) -> scheduler_pb2.SchedulerStatus:
+        for _ in range(int(timeout_s * 10)):
+            try:
+                st = await self.status()
+                if st.leader and st.total.dispatched:
+                    return st
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+        raise AssertionError("no leader")
+
+    async def acquire(self, wait_s: float = 2.0) -> scheduler_pb2.Execution | None:
+        r = await self.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t", wait_s=wait_s), timeout=wait_s + 5)
+        return r.execution if r.HasField("execution") else None
+
+    async def finish(self, e: scheduler_pb2.Execution, reward: float = 1.0, status=common_pb2.EXECUTION_STATUS_COMPLETED,
+                     token: str | None = None, key: str = "k", execution_id: str | None = None) -> scheduler_pb2.FinishExecutionResponse:
+        req = scheduler_pb2.FinishExecutionRequest(execution_id=execution_id or e.execution_id, status=status, reward=reward, idempotency_key=key)
+        return await self.h.FinishExecution(req, metadata=(("authorization", f"Bearer {token or e.token}"),), timeout=5)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def write_config(tmp_path: Path, endpoint: str, cluster: str, **scheduler) -> Path:
+    base = dict(batch_size=3, group_size=2, over_provision=0.0, interval_s=0.3, fraction=0.5, reconcile_s=0.1,
+                lease_ttl_s=2, log_json=False, drain_timeout_s=2.0, heartbeat_deadline_s=60.0)
+    base.update(scheduler)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(json.dumps({"cluster": {"name": cluster, "etcd_endpoints": [endpoint]}, "scheduler": base}))
+    return path
+
+
+async def connect(endpoint: str) -> Etcd:
+    etcd = Etcd([endpoint], timeout_s=3.0)
+    await etcd.connect()
+    return etcd
+
+
+async def read_events(h: Harness, idle_s: float = 0.5) -> list[scheduler_pb2.SchedulerEvent]:
+    """Every event so far (the stream stays open: stop after ``idle_s`` without one)."""
+    call = h.c.WatchEvents(scheduler_pb2.WatchEventsRequest(after_seq=0))
+    it = call.__aiter__()
+    events = []
+    try:
+        while True:
+            events.append(await asyncio.wait_for(it.__anext__(), idle_s))
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        call.cancel()
+    return events
+
+
+async def wait_until(pred, timeout_s: float = 15.0, what: str = "condition"):
+    for _ in range(int(timeout_s * 20)):
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -14,95 +14,29 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from pathlib import Path
 
 import grpc
 import pytest
 
-from gyre.etcd import Etcd, Keys
+from gyre.etcd import Keys
 from gyre.testing.procs import ServiceProcess
-from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.testing import FakeCellAgent, FakePacker, FakeRouter
+from gyre.v1 import common_pb2, scheduler_pb2
+from services.scheduler.testing import (
+    FakeCellAgent,
+    FakePacker,
+    FakeRouter,
+    Harness,
+    connect,
+    read_events,
+    wait_until,
+    write_config,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class Harness:
-    """A minimal harness over gRPC."""
-
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
-        self.h = scheduler_pb2_grpc.HarnessServiceStub(self.channel)
-        self.c = scheduler_pb2_grpc.SchedulerControlStub(self.channel)
-
-    async def status(self) -> scheduler_pb2.SchedulerStatus:
-        return await self.c.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
-
-    async def wait_leader(self, timeout_s: float = 20.0) -> scheduler_pb2.SchedulerStatus:
-        for _ in range(int(timeout_s * 10)):
-            try:
-                st = await self.status()
-                if st.leader and st.total.dispatched:
-                    return st
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-        raise AssertionError("no leader")
-
-    async def acquire(self, wait_s: float = 2.0) -> scheduler_pb2.Execution | None:
-        r = await self.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t", wait_s=wait_s), timeout=wait_s + 5)
-        return r.execution if r.HasField("execution") else None
-
-    async def finish(self, e: scheduler_pb2.Execution, reward: float = 1.0, status=common_pb2.EXECUTION_STATUS_COMPLETED,
-                     token: str | None = None, key: str = "k", execution_id: str | None = None) -> scheduler_pb2.FinishExecutionResponse:
-        req = scheduler_pb2.FinishExecutionRequest(execution_id=execution_id or e.execution_id, status=status, reward=reward, idempotency_key=key)
-        return await self.h.FinishExecution(req, metadata=(("authorization", f"Bearer {token or e.token}"),), timeout=5)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-def write_config(tmp_path: Path, endpoint: str, cluster: str, **scheduler) -> Path:
-    base = dict(batch_size=3, group_size=2, over_provision=0.0, interval_s=0.3, fraction=0.5, reconcile_s=0.1,
-                lease_ttl_s=2, log_json=False, drain_timeout_s=2.0, heartbeat_deadline_s=60.0)
-    base.update(scheduler)
-    path = tmp_path / "cluster.yaml"
-    path.write_text(json.dumps({"cluster": {"name": cluster, "etcd_endpoints": [endpoint]}, "scheduler": base}))
-    return path
-
-
-async def _etcd(server) -> Etcd:
-    etcd = Etcd([server.endpoint], timeout_s=3.0)
-    await etcd.connect()
-    return etcd
-
-
-async def read_events(h: Harness, idle_s: float = 0.5) -> list[scheduler_pb2.SchedulerEvent]:
-    """Every event so far (the stream stays open: stop after ``idle_s`` without one)."""
-    call = h.c.WatchEvents(scheduler_pb2.WatchEventsRequest(after_seq=0))
-    it = call.__aiter__()
-    events = []
-    try:
-        while True:
-            events.append(await asyncio.wait_for(it.__anext__(), idle_s))
-    except asyncio.TimeoutError:
-        pass
-    finally:
-        call.cancel()
-    return events
-
-
-async def wait_until(pred, timeout_s: float = 15.0, what: str = "condition"):
-    for _ in range(int(timeout_s * 20)):
-        got = await pred()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, tmp_path):
-    etcd = await _etcd(etcd_server)
+    etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
     packer = await FakePacker().start()
@@ -171,7 +105,7 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
 
 
 async def test_burst_runs_through_transitions_both_ways(etcd_server, cluster_name, tmp_path):
-    etcd = await _etcd(etcd_server)
+    etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 4).start()
     sat = await FakeCellAgent(etcd, keys, "sat1", "elastic", 1, 4).start()

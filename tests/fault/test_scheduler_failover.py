@@ -1,0 +1,181 @@
+"""Scheduler failover with real processes and a real etcd: SIGKILL and SIGSTOP of the leader.
+
+Invariants: when the leader is killed mid-burst, the standby takes over with the same ledger
+(no execution lost, none counted twice) and finishes the burst; when it is killed in the
+middle of a transition, the standby resumes it (routes moved exactly once, the cell ends in
+training, the transition record is gone); a leader paused past its lease and resumed cannot
+change anything (its writes are refused, etcd is unchanged, it exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from gyre.etcd import Keys
+from gyre.testing.procs import ServiceProcess
+from services.scheduler.testing import FakeCellAgent, FakePacker, FakeRouter, Harness, connect, wait_until, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _start(cfg, tmp_path, name: str) -> ServiceProcess:
+    return ServiceProcess("scheduler", cfg, log_path=tmp_path / f"{name}.log", name=name).start()
+
+
+async def _ledger_keys(etcd, keys: Keys) -> dict[bytes, tuple[bytes, int]]:
+    out = {}
+    for prefix in (keys.bursts(), keys.executions(), keys.routes(), keys.transitions()):
+        _, kvs = await etcd.get_prefix(prefix)
+        out.update({kv.key: (kv.value, kv.mod_revision) for kv in kvs})
+    return out
+
+
+async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_name, tmp_path):
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
+    packer = await FakePacker().start()
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=4,
+                       max_bursts=1, packer_target=packer.target)
+    a = _start(cfg, tmp_path, "sched-a")
+    ha = Harness(a.target)
+    await ha.wait_leader()
+    b = _start(cfg, tmp_path, "sched-b")
+    hb = Harness(b.target)
+    try:
+        assert not (await hb.status()).leader
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await hb.acquire(wait_s=0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and a.target in err.value.details()
+        execs = [await ha.acquire() for _ in range(5)]
+        for e in execs[:2]:
+            await ha.finish(e)
+        before = (await ha.status()).total
+        assert (before.dispatched, before.launched, before.finished) == (8, 5, 2)
+        a.kill()
+        st = await hb.wait_leader()
+        assert st.epoch > 0
+        t = st.total
+        assert (t.dispatched, t.launched, t.finished, t.waterlevel) == (8, 5, 2, 6)
+        assert (await hb.finish(execs[0])).duplicate  # closed by the old leader: not twice
+        for e in execs[2:]:
+            assert not (await hb.finish(e)).duplicate
+        for _ in range(3):
+            e = await hb.acquire()
+            assert e is not None
+            await hb.finish(e)
+        t = (await hb.status()).total
+        assert (t.dispatched, t.launched, t.finished, t.waterlevel) == (8, 8, 8, 0)
+        _, recs = await etcd.get_prefix(keys.executions())
+        states = [json.loads(kv.value)["state"] for kv in recs]
+        assert len(states) == 8 and all(s == "COMPLETED" for s in states)
+        _, routes = await etcd.get_prefix(keys.routes())
+        assert routes == []
+        await wait_until(lambda: asyncio.sleep(0, len(packer.reports) == 8), what="all finish reports")
+    finally:
+        await ha.close()
+        await hb.close()
+        a.stop()
+        b.stop()
+        await cell.stop()
+        await packer.stop()
+        await etcd.close()
+
+
+async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster_name, tmp_path):
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
+    sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
+    router = await FakeRouter(etcd, keys).start()
+    packer = await FakePacker().start()
+    core.hold["TRAINING"] = asyncio.Event()  # the switch to training hangs: the leader dies there
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target)
+    a = _start(cfg, tmp_path, "sched-a")
+    ha = Harness(a.target)
+    await ha.wait_leader()
+    b = _start(cfg, tmp_path, "sched-b")
+    hb = Harness(b.target)
+    try:
+        execs = [await ha.acquire() for _ in range(4)]  # sa-0 takes 2, the core 2
+        on_core = [e for e in execs if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"]
+        on_sa = [e for e in execs if e not in on_core]
+        assert len(on_core) == 2
+        for e in on_sa:
+            await ha.finish(e)  # W = 2 = capacity without the core
+        packer.set_supply(2, 2)
+
+        async def stuck():
+            return len(router.moves) == 2 and core.state == "DRAINING" and await etcd.get(keys.transition("core")) is not None
+        await wait_until(stuck, what="transition frozen before TRAINING")
+        epoch_a = (await ha.status()).epoch
+        before = (await ha.status()).total
+        a.kill()
+        st = await hb.wait_leader()
+        assert st.epoch > epoch_a
+        assert (st.total.dispatched, st.total.launched, st.total.finished) == (before.dispatched, before.launched, before.finished)
+        core.hold["TRAINING"].set()
+
+        async def done():
+            return core.state == "TRAINING" and await etcd.get(keys.transition("core")) is None
+        await wait_until(done, what="resumed transition")
+        for e in on_core:
+            kv = await etcd.get(keys.route(e.execution_id))
+            assert json.loads(kv.value)["cell_id"] == "sa-0" and kv.version == 2  # moved exactly once
+        switches = [(ep, s) for n, ep, s in core.commands if n == "set_state"]
+        assert ("TRAINING", st.epoch) in [(s, ep) for ep, s in switches]
+        assert ("TRAINING", epoch_a) not in [(s, ep) for ep, s in switches]
+        assert any(n == "join_batch" and ep == st.epoch for n, ep, _ in core.commands)
+        for e in on_core:
+            assert not (await hb.finish(e)).duplicate
+        t = (await hb.status()).total
+        assert (t.launched, t.finished) == (4, 4)
+    finally:
+        core.hold["TRAINING"].set()
+        await ha.close()
+        await hb.close()
+        a.stop()
+        b.stop()
+        for x in (core, sa, router, packer):
+            await x.stop()
+        await etcd.close()
+
+
+async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, tmp_path):
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=2, max_bursts=1)
+    a = _start(cfg, tmp_path, "sched-a")
+    ha = Harness(a.target)
+    await ha.wait_leader()
+    b = _start(cfg, tmp_path, "sched-b")
+    hb = Harness(b.target)
+    try:
+        e1, e2 = await ha.acquire(), await ha.acquire()
+        epoch_a = (await ha.status()).epoch
+        a.pause()
+        st = await hb.wait_leader()
+        assert st.epoch > epoch_a
+        before = await _ledger_keys(etcd, keys)
+        a.resume()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ha.finish(e1)
+        assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), err.value.details()
+        assert await asyncio.to_thread(a.wait, 15) != 0  # a lost lease is fatal
+        assert await _ledger_keys(etcd, keys) == before
+        out = await hb.finish(e1)
+        assert not out.duplicate
+        t = (await hb.status()).total
+        assert (t.launched, t.finished) == (2, 1)
+    finally:
+        await ha.close()
+        await hb.close()
+        a.stop()
+        b.stop()
+        await cell.stop()
+        await etcd.close()
