@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from sim.config import CostConfig
 from sim.cost import CostModel, DecodeRate
 from sim.events import EventLoop
+from sim.placement import make_placement
 from sim.workload import Episode
 
 CATEGORIES = ("decode", "prefill", "train", "weight_sync", "role_switch", "idle_rollout", "idle_train")
@@ -289,9 +290,8 @@ class Cluster:
     """The world the policy acts on. Public methods are the mechanism behind each action."""
 
     def __init__(self, loop: EventLoop, cost_cfg: CostConfig, cells: int, standalone: int, slots: int,
-                 batch_groups: int, max_staleness: int, reroute_order: str = "descending_index") -> None:
+                 batch_groups: int, max_staleness: int, placement: str = "scheduler") -> None:
         self.loop = loop
-        self.reroute_order = reroute_order
         self.cost = CostModel(cost_cfg)
         self.cc = cost_cfg
         self.cells: list[Cell] = [Cell(f"cell-{i}", i, False, slots, self.cost) for i in range(cells)]
@@ -313,6 +313,8 @@ class Cluster:
         self.kv_handoffs = 0
         self.publishes = 0
         self.elastic = [c for c in self.cells if not c.standalone]
+        self.placement = make_placement(placement, self.cells)
+        self.role_epoch = 0  # bumped on every role change (lets views be cached)
 
     # -- executions --------------------------------------------------------------------------
 
@@ -328,29 +330,16 @@ class Cluster:
                 self.ledger.dispatched += 1
         self.fill()
 
-    def _pick(self) -> Cell | None:
-        """Launch target: most free slots; standalone first on ties, then higher index."""
-        best = None
-        best_key = None
-        for c in self.cells:
-            f = c.free
-            if f <= 0:
-                continue
-            key = (f, c.standalone, c.index)
-            if best_key is None or key > best_key:
-                best, best_key = c, key
-        return best
-
     def fill(self) -> None:
         """Places homeless executions, then launches queued ones, into free rollout slots."""
         while self.homeless:
-            c = self._reroute_target()
+            c = self.placement.pick()
             if c is None:
                 break
             ex = self.homeless.popleft()
             self._place(ex, c)
         while self.queue:
-            c = self._pick()
+            c = self.placement.pick()
             if c is None:
                 return
             ex = self.queue.popleft()
@@ -448,19 +437,6 @@ class Cluster:
 
     # -- rerouting ---------------------------------------------------------------------------
 
-    def _reroute_target(self) -> Cell | None:
-        """Standalone engines first, then rollout cells in descending index (or, with
-        reroute_order=least_loaded, the engine with the most free slots)."""
-        if self.reroute_order == "least_loaded":
-            return self._pick()
-        best = None
-        for c in self.cells:
-            if c.free <= 0:
-                continue
-            if best is None or (c.standalone, c.index) > (best.standalone, best.index):
-                best = c
-        return best
-
     def _drain(self, src: Cell) -> None:
         """Moves every execution routed to ``src`` elsewhere (continuations)."""
         t = self.loop.now
@@ -478,7 +454,7 @@ class Cluster:
             ex.cell = None
             self.reroutes += 1
             ex.reroutes += 1
-            dst = self._reroute_target()
+            dst = self.placement.pick()
             if dst is None:
                 self.homeless.append(ex)
             else:
@@ -511,11 +487,16 @@ class Cluster:
 
     # -- roles -------------------------------------------------------------------------------
 
+    def _set_role(self, c: Cell, role: Role) -> None:
+        c.role = role
+        self.role_epoch += 1
+        self.placement.role_changed(c)
+
     def move_to_training(self, c: Cell) -> bool:
         if c.role is not Role.ROLLOUT:
             return False
         t = self.loop.now
-        c.role = Role.DRAINING  # first: no destination may be the source
+        self._set_role(c, Role.DRAINING)  # first: no destination may be the source
         self._drain(c)
         self.role_switches += 1
         self.switch_s += self.cc.switch_to_train_s
@@ -529,7 +510,7 @@ class Cluster:
         if gen != c.gen:
             return
         t = self.loop.now
-        c.role = Role.TRAINING
+        self._set_role(c, Role.TRAINING)
         if c.return_after_switch:
             c.return_after_switch = False
             self.return_to_rollout(c)
@@ -563,7 +544,7 @@ class Cluster:
         if c.joined:
             self.trainer.members.remove(c)
             c.joined = False
-        c.role = Role.RETURNING
+        self._set_role(c, Role.RETURNING)
         self.role_switches += 1
         self.switch_s += self.cc.switch_to_rollout_s
         c.set_mode(t, "role_switch")
@@ -575,7 +556,7 @@ class Cluster:
     def _switched_to_rollout(self, c: Cell, gen: int) -> None:
         if gen != c.gen:
             return
-        c.role = Role.ROLLOUT
+        self._set_role(c, Role.ROLLOUT)
         c.engine.version = self.published
         c.set_mode(self.loop.now, "rollout")
         self.fill()

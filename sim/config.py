@@ -122,10 +122,10 @@ class ClusterConfig(_Frozen):
     cells: int = Field(64, ge=1, le=4096, description="Elastic cells (index 0 is the core).")
     standalone_cells: int = Field(0, ge=0, description="Rollout-only cells (not counted in `cells`).")
     slots_per_cell: int = Field(48, ge=1, description="Concurrent executions an engine serves.")
-    reroute_order: Literal["descending_index", "least_loaded"] = Field(
-        "descending_index",
-        description="Destination of a rerouted execution: ARCHITECTURE.md's order (standalone, then "
-        "rollout cells by descending index, filling each) or the least loaded rollout engine.",
+    placement: Literal["scheduler", "least_loaded"] = Field(
+        "scheduler",
+        description="Where launches and reroutes go: the scheduler's own placement_order (standalone, "
+        "then rollout cells by descending index, filling each) or the least loaded rollout engine.",
     )
 
 
@@ -144,13 +144,9 @@ class PolicyParams(_Frozen):
 
     supply_fraction: float = Field(0.5, gt=0, le=1, description="Ready groups needed / batch_size.")
     supply_interval_s: float = Field(5.0, ge=0, description="How long the supply must hold.")
-    static_rollout_cells: list[int] = Field(
-        default_factory=list, description="Static split sweep: rollout cell counts (empty: auto)."
-    )
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
-    tick_s: float = Field(1.0, gt=0, description="Period of policy evaluation between events.")
 
 
 class ScenarioConfig(_Frozen):
@@ -174,6 +170,15 @@ class SimConfig(_Frozen):
     policy: PolicyParams = Field(default_factory=PolicyParams, description="Policy parameters.")
     policies: list[Literal["waterlevel", "colocated", "static"]] = Field(
         default_factory=lambda: ["waterlevel", "colocated", "static"], description="Compared."
+    )
+    static_training_cells: list[int] = Field(
+        default_factory=lambda: [8, 16, 24, 32, 48],
+        description="Static split sweep: training-cell counts T (refined around the best).",
+    )
+    variants: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="What-if runs of the waterlevel policy: name -> overrides (`cost.kv_handoff=true`; "
+        "keys starting with `scenario.` apply to each scenario, e.g. `scenario.cluster.placement=least_loaded`).",
     )
     scenarios: list[ScenarioConfig] = Field(
         default_factory=lambda: [ScenarioConfig(name="A64")], description="Scenarios to run."
@@ -213,6 +218,24 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             node[part] = value
         else:
             node = node.setdefault(part, {})
+
+
+def apply_variant(cfg: SimConfig, sc: ScenarioConfig, overrides: list[str]) -> tuple[SimConfig, ScenarioConfig]:
+    """``cfg`` and ``sc`` with a variant's overrides applied (see ``SimConfig.variants``)."""
+    top = cfg.model_dump()
+    scen = sc.model_dump()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r}: expected key=value")
+        key = key.strip()
+        if key.startswith("scenario."):
+            _set_dotted(scen, key[len("scenario."):], yaml.safe_load(raw))
+        else:
+            _set_dotted(top, key, yaml.safe_load(raw))
+    top["scenarios"] = [scen]
+    new = SimConfig.model_validate(top)
+    return new, new.scenarios[0]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SimConfig:

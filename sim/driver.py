@@ -81,7 +81,7 @@ class Driver:
         self.cluster = Cluster(
             self.loop, self.cfg.cost, sc.cluster.cells, sc.cluster.standalone_cells,
             sc.cluster.slots_per_cell, sc.training.batch_groups, sc.training.max_staleness,
-            sc.cluster.reroute_order,
+            sc.cluster.placement,
         )
         self.policy = P.make_policy(
             self.spec.name, fraction=pp.supply_fraction, interval_s=pp.supply_interval_s,
@@ -100,6 +100,8 @@ class Driver:
         self.holds = 0
         self.decisions = 0
         self._wake_at = -1.0
+        self._views: tuple[P.CellView, ...] = ()
+        self._views_epoch = -1
         self._in_boundary = False
         self._again = False
         self.cluster.on_boundary = self.boundary
@@ -110,13 +112,16 @@ class Driver:
     def snapshot(self) -> P.Snapshot:
         cl = self.cluster
         now = self.loop.now
-        cells = tuple(
-            P.CellView(
-                c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
-                -1 if c.standalone else c.index, _STATE[c.role], c.slots,
+        if self._views_epoch != cl.role_epoch:
+            self._views = tuple(
+                P.CellView(
+                    c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
+                    -1 if c.standalone else c.index, _STATE[c.role], c.slots,
+                )
+                for c in cl.cells
             )
-            for c in cl.cells
-        )
+            self._views_epoch = cl.role_epoch
+        cells = self._views
         tr = cl.trainer
         supply = self.tracker.observe(now, len(tr.pool), tr.batch_groups, tr.needs, tr.batch_id)
         led = cl.ledger

@@ -1,0 +1,82 @@
+"""Where a launched or rerouted execution goes: the scheduler's own placement code
+(``services.scheduler.placement.placement_order``) over the simulated cell table, or the
+"least loaded" alternative the benchmark compares it with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from services.scheduler import placement as SP
+from services.scheduler.policy import CellKind, CellState
+
+if TYPE_CHECKING:
+    from sim.cluster import Cell
+
+
+class Placement(Protocol):
+    def pick(self, exclude: "Cell | None" = None) -> "Cell | None":
+        """The rollout cell that takes the next execution (None: no free slot)."""
+
+    def role_changed(self, cell: "Cell") -> None:
+        """Tells the placement that ``cell`` changed role."""
+
+
+class SchedulerPlacement:
+    """Calls the live scheduler's ``placement_order`` (standalone engines first, most free
+    slots first; then elastic rollout cells by descending index, filling each)."""
+
+    name = "scheduler"
+
+    def __init__(self, cells: Sequence["Cell"]) -> None:
+        self._cells = {c.cid: c for c in cells}
+        self._table = SP.CellTable()
+        self._table.records = {
+            c.cid: SP.CellRecord(
+                c.cid, CellKind.STANDALONE if c.standalone else CellKind.ELASTIC,
+                -1 if c.standalone else c.index, c.slots, target=f"sim:{c.cid}",
+            )
+            for c in cells
+        }
+        self._table.states = {c.cid: CellState(c.role.value) for c in cells}
+
+    def role_changed(self, cell: "Cell") -> None:
+        self._table.states[cell.cid] = CellState(cell.role.value)
+
+    def pick(self, exclude: "Cell | None" = None) -> "Cell | None":
+        counts = {cid: len(c.execs) for cid, c in self._cells.items()}
+        order = SP.placement_order(self._table, counts, exclude=[exclude.cid] if exclude else [])
+        return self._cells[order[0][0].cell_id] if order else None
+
+
+class LeastLoadedPlacement:
+    """The alternative: the rollout engine with the most free slots (standalone first on a
+    tie, then the higher index), which spreads decode load and reroute prefills."""
+
+    name = "least_loaded"
+
+    def __init__(self, cells: Sequence["Cell"]) -> None:
+        self._cells = list(cells)
+
+    def role_changed(self, cell: "Cell") -> None:
+        return None
+
+    def pick(self, exclude: "Cell | None" = None) -> "Cell | None":
+        best = None
+        best_key: tuple[int, bool, int] | None = None
+        for c in self._cells:
+            f = c.free
+            if f <= 0 or c is exclude:
+                continue
+            key = (f, c.standalone, c.index)
+            if best_key is None or key > best_key:
+                best, best_key = c, key
+        return best
+
+
+def make_placement(name: str, cells: Sequence["Cell"]) -> Placement:
+    if name == "scheduler":
+        return SchedulerPlacement(cells)
+    if name == "least_loaded":
+        return LeastLoadedPlacement(cells)
+    raise ValueError(f"unknown placement {name!r}")
