@@ -132,6 +132,8 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
                 if rid not in self.running:  # aborted by Abort()
                     self._event("aborted", rid)
                     return
+                if sent == 0:
+                    self._event("first_token", rid)
                 yield common_pb2.TokenChunk(token_ids=ids, logprobs=lps, policy_version=o.policy_version, finish_reason=finish)
                 sent += len(ids)
                 self.progress[rid] = sent

@@ -112,6 +112,7 @@ class ModelCall:
         self._stats = stats
         self._deadline = deadline
         self._background = background
+        self._stops = frozenset(sampling.stop_token_ids)
         self._moved = asyncio.Event()
         self._route_changed = asyncio.Event()
         self._move_waiters: list[asyncio.Future[None]] = []
@@ -161,11 +162,12 @@ class ModelCall:
                     item = self._buf.popleft()
                     if isinstance(item, Chunk):
                         if merged is None:
-                            merged = Chunk(list(item.token_ids), list(item.logprobs), item.policy_version, item.finish)
+                            merged = item
                         elif item.policy_version != merged.policy_version:
                             self._buf.appendleft(item)  # never merge across policy versions
                             break
                         else:
+                            # Emitted chunks are owned by this buffer alone: merge in place.
                             merged.token_ids.extend(item.token_ids)
                             merged.logprobs.extend(item.logprobs)
                             merged.finish = item.finish
@@ -277,26 +279,43 @@ class ModelCall:
 
     async def _pump(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> Finish | None:
         """Streams one attempt into the call; returns the engine's finish reason (None when
-        the stream ended without one)."""
+        the stream ended without one). An engine silent for ``engine_idle_timeout_s`` is a
+        failure: a watchdog timer (re-armed lazily, not per chunk) cancels the attempt."""
         loop = asyncio.get_running_loop()
         idle = self._policy.engine_idle_timeout_s
+        task = asyncio.current_task()
+        assert task is not None
+        last = loop.time()
+        expired = False
+
+        def watchdog() -> None:
+            nonlocal handle, expired
+            if loop.time() - last >= idle:
+                expired = True
+                task.cancel()
+            else:
+                handle = loop.call_at(last + idle, watchdog)
+
+        handle = loop.call_at(last + idle, watchdog)
         first = True
         timeout_s = max(0.001, self._deadline - loop.time())
         stream = self._engines.generate(route.target, request, timeout_s)
         try:
-            async with asyncio.timeout(idle) as guard:
-                async for chunk in stream:
-                    guard.reschedule(loop.time() + idle)
-                    if first and kv is not None:
-                        first = False
-                        self._stats.kv_handoffs += 1
-                        self._background(self._release(kv))
-                    finish = self._take(chunk)
-                    if finish is not None:
-                        return finish
-        except TimeoutError as exc:
-            raise Unavailable(f"engine at {route.target} sent nothing for {idle}s") from exc
+            async for chunk in stream:
+                last = loop.time()
+                if first and kv is not None:
+                    first = False
+                    self._stats.kv_handoffs += 1
+                    self._background(self._release(kv))
+                finish = self._take(chunk)
+                if finish is not None:
+                    return finish
+        except asyncio.CancelledError as exc:
+            if expired and task.uncancel() == 0:
+                raise Unavailable(f"engine at {route.target} sent nothing for {idle}s") from exc
+            raise
         finally:
+            handle.cancel()
             await _aclose(stream)
             if first and kv is not None:
                 self._background(self._release(kv))  # the destination never took over
@@ -305,15 +324,17 @@ class ModelCall:
     def _take(self, chunk: Chunk) -> Finish | None:
         """Appends an engine chunk to the output and hands it to the consumer."""
         room = self.sampling.max_tokens - len(self.output_ids)
-        ids, logprobs = chunk.token_ids[:room], chunk.logprobs[:room]
+        ids, logprobs = chunk.token_ids, chunk.logprobs
+        if len(ids) > room:
+            ids, logprobs = ids[:room], logprobs[:room]
         finish = chunk.finish
-        for i, tok in enumerate(ids):
-            if tok in self.sampling.stop_token_ids:  # nothing after a stop token
-                ids, logprobs, finish = ids[: i + 1], logprobs[: i + 1], Finish.STOP
-                break
-        else:
-            if len(self.output_ids) + len(ids) >= self.sampling.max_tokens:
-                finish = Finish.LENGTH
+        if self._stops and not self._stops.isdisjoint(ids):
+            for i, tok in enumerate(ids):
+                if tok in self._stops:  # nothing after a stop token
+                    ids, logprobs, finish = ids[: i + 1], logprobs[: i + 1], Finish.STOP
+                    break
+        elif len(self.output_ids) + len(ids) >= self.sampling.max_tokens:
+            finish = Finish.LENGTH
         if finish is Finish.ABORT:
             # The engine gave the request up (draining): keep its tokens, continue elsewhere.
             self._commit(ids, logprobs, chunk.policy_version, None)

@@ -1,0 +1,253 @@
+"""Router latency benchmark: what the router adds over calling the engine directly, and how
+long a reroute takes.
+
+Three kinds of processes on loopback, as in production: fake engines (tests/router_fake_engine.py:
+a deterministic token-level engine with a fixed per-token delay, standing in for the mock
+engine), the router (``python -m services.router`` against a private etcd), and this client.
+In the same run, at each concurrency (64 and 256 streams of 32 tokens), rounds alternate
+between calling Engine.Generate directly, Router.Generate (gRPC) and the router's OpenAI
+SSE endpoint; per stream we take the time to first token and to the last token. Reroute
+latency: a stream runs on engine A; the "scheduler" (this script) rewrites the route to
+engine B in etcd and calls Router.MoveExecutions; we measure from the start of that move
+to B's first token (B runs in this process so its clock is ours) and to the next token the
+harness receives.
+
+    PYTHONPATH=. .venv/bin/python bench/router_latency.py [--rounds 3] [--quick]
+
+Writes bench/results/router_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gyre.etcd import Etcd, Keys  # noqa: E402
+from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+from tests.router_fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
+from tests.router_support import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
+
+TOKENS = 32
+TOKEN_DELAY_S = 0.005
+PROMPT = list(range(10, 74))  # 64 prompt tokens
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / __import__("os").sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"p50_ms": pct(xs, 50) * 1e3, "p99_ms": pct(xs, 99) * 1e3, "mean_ms": statistics.fmean(xs) * 1e3, "n": len(xs)}
+
+
+async def one_direct(stub: Any, i: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = 0.0
+    req = cell_agent_pb2.EngineGenerateRequest(request_id=f"d{i}-{secrets.token_hex(3)}", execution_id="bench", prompt_token_ids=PROMPT,
+                                               sampling=common_pb2.SamplingParams(max_tokens=TOKENS))
+    n = 0
+    async for chunk in stub.Generate(req, timeout=60):
+        if not first:
+            first = time.perf_counter() - t0
+        n += len(chunk.token_ids)
+    assert n == TOKENS
+    return first, time.perf_counter() - t0
+
+
+async def one_router(stub: Any, ex: str, token: str) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = 0.0
+    req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=TOKENS))
+    n = 0
+    async for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {token}"),), timeout=60):
+        if not first:
+            first = time.perf_counter() - t0
+        n += len(msg.chunk.token_ids)
+    assert n == TOKENS
+    return first, time.perf_counter() - t0
+
+
+async def one_sse(session: aiohttp.ClientSession, url: str, token: str) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = 0.0
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "stream": True, "return_token_ids": True}
+    n = 0
+    async with session.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+        async for raw in r.content:
+            if raw.startswith(b"data: {"):
+                got = len(json.loads(raw[6:])["choices"][0].get("token_ids", []))
+                if got and not first:
+                    first = time.perf_counter() - t0
+                n += got
+    assert n == TOKENS, n
+    return first, time.perf_counter() - t0
+
+
+async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[float, float]]:
+    if kind == "direct":
+        coros = [one_direct(ctx["engine_stub"], i) for i in range(conc)]
+    elif kind == "router_grpc":
+        coros = [one_router(ctx["router_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    else:
+        coros = [one_sse(ctx["session"], ctx["url"], tok) for _, tok in ctx["execs"][:conc]]
+    return list(await asyncio.gather(*coros))
+
+
+async def reroute_trials(ctx: dict[str, Any], trials: int) -> dict[str, Any]:
+    dest: FakeEngineServer = ctx["dest"]
+    etcd, keys = ctx["etcd"], ctx["keys"]
+    to_engine: list[float] = []
+    to_harness: list[float] = []
+    for t in range(trials):
+        ex, tok = f"rr-{t}-{secrets.token_hex(3)}", secrets.token_hex(8)
+        await put_route(etcd, keys, ex, "a", ctx["engine_target"], tok)
+        await asyncio.sleep(0.15)
+        req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=60))
+        call = ctx["router_stub"].Generate(req, metadata=(("authorization", f"Bearer {tok}"),), timeout=60)
+        got = 0
+        t_move = 0.0
+        after_move = 0.0
+        async for msg in call:
+            got += len(msg.chunk.token_ids)
+            if got >= 10 and not t_move:
+                t_move = time.monotonic()
+                epoch = await put_route(etcd, keys, ex, "b", dest.target, tok)
+                await ctx["router_stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
+                    fence=common_pb2.Fence(epoch=1), moves=[router_pb2.Move(execution_id=ex, from_cell="a", to_cell="b", route_epoch=epoch)]), timeout=10)
+            elif t_move and not after_move and [r for r in dest.engine.requests if r.execution_id == ex]:
+                after_move = time.monotonic()
+        rids = [r.request_id for r in dest.engine.requests if r.execution_id == ex]
+        assert rids and got == 60, (rids, got)
+        first = [ts for k, r, ts in dest.engine.events if r == rids[0] and k == "first_token"][0]
+        to_engine.append(first - t_move)
+        to_harness.append(after_move - t_move)
+    return {"move_to_first_token_at_destination": summary(to_engine), "move_to_next_token_at_harness": summary(to_harness), "trials": trials}
+
+
+async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-router-"))
+    etcd_server = EtcdServer()
+    etcd_server.start()
+    engine = subprocess.Popen([sys.executable, str(ROOT / "tests" / "router_fake_engine.py"), "--cell-id", "a",
+                               "--token-delay-s", str(TOKEN_DELAY_S)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    router = None
+    try:
+        assert engine.stdout is not None
+        engine_target = json.loads(engine.stdout.readline())["target"]
+        tok_dir = build_tokenizer_dir(tmp / "model")
+        cluster = "bench" + secrets.token_hex(3)
+        cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir), http_port=0, log_level="WARNING")
+        router, url = start_router(cfg, tmp / "router.log")
+        etcd = Etcd([etcd_server.endpoint], 5.0)
+        await etcd.connect()
+        keys = Keys(cluster)
+        execs = [(f"ex-{i}", secrets.token_hex(8)) for i in range(max(concurrencies))]
+        for ex, tok in execs:
+            await put_route(etcd, keys, ex, "a", engine_target, tok)
+        await asyncio.sleep(0.5)
+        opts = [("grpc.max_concurrent_streams", 1000)]
+        ech = grpc.aio.insecure_channel(engine_target, options=opts)
+        rch = grpc.aio.insecure_channel(router.target, options=opts)
+        dest = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=TOKEN_DELAY_S)).start()
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        ctx = {"engine_stub": cell_agent_pb2_grpc.EngineStub(ech), "router_stub": router_pb2_grpc.RouterStub(rch), "execs": execs,
+               "session": session, "url": url, "etcd": etcd, "keys": keys, "engine_target": engine_target, "dest": dest}
+        kinds = ["direct", "router_grpc", "router_sse"]
+        await run_round("direct", 8, ctx)  # warm-up: channels, connections
+        await run_round("router_grpc", 8, ctx)
+        await run_round("router_sse", 8, ctx)
+        results: dict[str, Any] = {}
+        for conc in concurrencies:
+            samples: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+            cpu = {k: {"router": 0.0, "engine": 0.0} for k in kinds}
+            for _ in range(rounds):
+                for kind in kinds:  # alternate so drift hits every kind alike
+                    r0, e0 = cpu_s(router.pid), cpu_s(engine.pid)
+                    samples[kind] += await run_round(kind, conc, ctx)
+                    cpu[kind]["router"] += cpu_s(router.pid) - r0
+                    cpu[kind]["engine"] += cpu_s(engine.pid) - e0
+            per: dict[str, Any] = {}
+            for kind in kinds:
+                tokens = rounds * conc * TOKENS
+                per[kind] = {
+                    "ttft": summary([a for a, _ in samples[kind]]),
+                    "stream": summary([b for _, b in samples[kind]]),
+                    "router_cpu_us_per_token": cpu[kind]["router"] / tokens * 1e6,
+                    "engine_cpu_us_per_token": cpu[kind]["engine"] / tokens * 1e6,
+                }
+            for kind in kinds[1:]:
+                per[kind]["added_ms"] = {
+                    f"{m}_{q}": per[kind][m][f"{q}_ms"] - per["direct"][m][f"{q}_ms"] for m in ("ttft", "stream") for q in ("p50", "p99")
+                }
+                per[kind]["ratio_vs_direct"] = {
+                    f"{m}_{q}": per[kind][m][f"{q}_ms"] / per["direct"][m][f"{q}_ms"] for m in ("ttft", "stream") for q in ("p50", "p99")
+                }
+            results[str(conc)] = per
+            print(f"[{conc} streams]")
+            for kind in kinds:
+                p = per[kind]
+                print(f"  {kind:12s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | stream p50 {p['stream']['p50_ms']:7.1f} "
+                      f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} engine {p['engine_cpu_us_per_token']:5.0f} us")
+        reroute = await reroute_trials(ctx, trials)
+        r = reroute["move_to_first_token_at_destination"]
+        print(f"reroute: move -> first token at destination p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms; "
+              f"-> next token at harness p50 {reroute['move_to_next_token_at_harness']['p50_ms']:.1f} ms")
+        await session.close()
+        await ech.close()
+        await rch.close()
+        await dest.stop(0)
+        await etcd.close()
+        return {
+            "benchmark": "router_latency",
+            "setup": {"tokens_per_stream": TOKENS, "token_delay_s": TOKEN_DELAY_S, "prompt_tokens": len(PROMPT), "rounds": rounds,
+                      "engine": "tests/router_fake_engine.py (one message per token)", "processes": "engine, router, client on loopback",
+                      "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+            "concurrency": results,
+            "reroute": reroute,
+            "load_average_1m": __import__("os").getloadavg()[0],
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    finally:
+        if router is not None:
+            router.stop()
+        engine.kill()
+        engine.wait()
+        etcd_server.cleanup()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="one round at 64 streams, 5 reroutes (a smoke run)")
+    a = ap.parse_args()
+    concs = [64] if a.quick else [64, 256]
+    out = asyncio.run(main(1 if a.quick else a.rounds, concs, 5 if a.quick else a.trials))
+    dest = ROOT / "bench" / "results" / "router_latency.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=2))
+    print(f"wrote {dest}")
