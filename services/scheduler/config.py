@@ -50,6 +50,9 @@ class SchedulerConfig(ServiceConfig):
     router_http_url: str = Field("http://127.0.0.1:8000/v1", description="Router's OpenAI base URL given to harnesses.")
     router_target: str = Field("", description="Router gRPC target (also used when no router is registered).")
     packer_target: str = Field("", description="Packer gRPC target; empty: no finish reports, no supply.")
+    orphan_grace_s: float = Field(
+        3.0, ge=0.0, description="Reroute the executions of a cell whose registration has been gone this long."
+    )
     drain_timeout_s: float = Field(30.0, gt=0.0, description="Longest wait for a draining cell to empty.")
     command_timeout_s: float = Field(30.0, gt=0.0, description="Deadline of CellControl commands (LoadPolicy pulls weights).")
 

@@ -106,6 +106,7 @@ class Scheduler:
         self._states: dict[str, bytes] = {}
         self.transitions = TransitionRunner(self)
         self.leader_target = ""
+        self._missing_since: dict[str, float] = {}
 
     # Leadership ---------------------------------------------------------------------------
 
@@ -394,10 +395,26 @@ class Scheduler:
         async with self._close_lock:
             for rec in self.ledger.plan_timeouts(self.clock()):
                 await self._close(rec, "timed out")
+        self._rescue_orphans()
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.apply(action, snap)
         self._gauges()
+
+    def _rescue_orphans(self) -> None:
+        """Routes to a cell whose registration is gone (its lease lapsed) for longer than
+        ``orphan_grace_s`` are moved to live engines."""
+        now = self.clock()
+        routed = self.routes.counts()
+        for cid in list(self._missing_since):
+            if cid not in routed or cid in self.cells.records:
+                del self._missing_since[cid]
+        for cid in routed:
+            if cid in self.cells.records:
+                continue
+            since = self._missing_since.setdefault(cid, now)
+            if now - since >= self.cfg.orphan_grace_s and not self.transitions.running(cid):
+                self.transitions.rescue(cid)
 
     def snapshot(self) -> Snapshot:
         raw = self.supply_raw

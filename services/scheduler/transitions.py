@@ -161,14 +161,50 @@ class TransitionRunner:
             s.reroutes += len(moves)
             s.emit("reroute", f"rerouted {len(moves)} executions off {cell_id}: " + ", ".join(
                 sorted({f"{m.to_cell}" for m in moves})), cell_id=cell_id)
-            routers = s.all_router_targets()
-            if routers:
-                try:
-                    await self._retry(cell_id, lambda: s.peers.move_executions(routers, s.epoch, moves), attempts=5)
-                except GyreError as exc:
-                    log.warning("MoveExecutions failed; the router follows the routes anyway", extra={"error": repr(exc)})
+            await self._tell_routers(moves)
             return len(moves)
         return None
+
+    async def _tell_routers(self, moves: list[MoveOrder]) -> None:
+        """Router.MoveExecutions on every router (a few tries: routers also follow the
+        route keys, so a router that misses the call still converges)."""
+        s = self.s
+        routers = s.all_router_targets()
+        backoff = 0.1
+        for attempt in range(5):
+            if not routers or s.deposed.is_set():
+                return
+            try:
+                await s.peers.move_executions(routers, s.epoch, moves)
+                return
+            except GyreError as exc:
+                log.warning("MoveExecutions failed (attempt %d)", attempt + 1, extra={"error": repr(exc)})
+                await asyncio.sleep(backoff)
+                backoff *= 2
+
+    def rescue(self, cell_id: str) -> None:
+        """Moves the executions of a cell that left the cluster (lease lapsed) elsewhere."""
+        if not self.running(cell_id):
+            self._tasks[cell_id] = asyncio.create_task(self._rescue(cell_id), name=f"rescue.{cell_id}")
+
+    async def _rescue(self, cell_id: str) -> None:
+        s = self.s
+        try:
+            n = len(s.routes.on_cell(cell_id))
+            moved = await self._reroute(cell_id)
+            if moved is None:
+                s.emit("rescue_failed", f"{cell_id} is gone; no free slot for its {n} executions yet", cell_id=cell_id)
+            else:
+                s.emit("rescued", f"{cell_id} is gone: rerouted its {moved} executions", cell_id=cell_id)
+        except StaleEpoch as exc:
+            s.mark_deposed(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("rescue failed", extra={"cell_id": cell_id})
+        finally:
+            self._tasks.pop(cell_id, None)
+            s._wake()
 
     async def _wait_empty(self, cell_id: str) -> None:
         s = self.s

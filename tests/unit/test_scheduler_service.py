@@ -92,7 +92,7 @@ async def lead(s: Scheduler, store: FakeStore) -> None:
 
 async def settle(s: Scheduler) -> None:
     for _ in range(500):
-        if not any(s.transitions.running(c) for c in s.cells.records):
+        if not any(s.transitions.running(c) for c in [*s.cells.records, *s.routes.counts()]):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("transition did not finish")
@@ -288,3 +288,29 @@ async def test_acquire_waits_for_a_free_slot():
     await s.finish(a.record.execution_id, a.token, ExecState.FAILED, 0.0, "k")
     got, _, _ = await asyncio.wait_for(waiter, 5)
     assert got is not None and got.route.cell_id == "sa"
+
+
+async def test_executions_of_a_lost_cell_are_rerouted_after_grace():
+    s, store, peers, clock = make(policy="rollout_only", over_provision=1.0, orphan_grace_s=3.0)
+    await lead(s, store)
+    launched = await _fill(s, 10)  # sa 8, sat1 2
+    on_sat = [g for g in launched if g.route.cell_id == "sat1"]
+    assert len(on_sat) == 2
+    alive = [c for c in CELLS if c[0] != "sat1"]
+    s.on_cells({
+        f"/c/{cid}".encode(): KV(f"/c/{cid}".encode(), json.dumps(
+            {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}).encode())
+        for cid, kind, idx, slots in alive
+    })
+    await s.reconcile_once()
+    await settle(s)
+    assert all(store.route_of(g.record.execution_id)[0]["cell_id"] == "sat1" for g in on_sat)  # within the grace
+    clock.now += 3.5
+    await s.reconcile_once()
+    await settle(s)
+    for g in on_sat:
+        route, epoch = store.route_of(g.record.execution_id)
+        assert route["cell_id"] == "core" and epoch == 2
+    (_, epoch, moves), = peers.commands("move_executions")
+    assert {m.execution_id for m in moves} == {g.record.execution_id for g in on_sat}
+    assert any(e.kind == "rescued" for e in s.events.after(0))
