@@ -13,6 +13,8 @@ import asyncio
 import json
 import logging
 
+from grpc_health.v1 import health_pb2
+
 from gyre.etcd import LeaderElection, PrefixMirror
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import scheduler_pb2_grpc
@@ -27,6 +29,7 @@ from services.scheduler.tasks import make_task_source
 log = logging.getLogger("services.scheduler")
 
 _state: dict[str, Scheduler] = {}
+HARNESS = "gyre.v1.HarnessService"
 
 
 async def build(rt: Runtime) -> Services:
@@ -58,7 +61,7 @@ async def build(rt: Runtime) -> Services:
 
     rt.supervisor.on_flush(_close_peers)
     return [
-        (HarnessServicer(sched), scheduler_pb2_grpc.add_HarnessServiceServicer_to_server, "gyre.v1.HarnessService"),
+        (HarnessServicer(sched), scheduler_pb2_grpc.add_HarnessServiceServicer_to_server, HARNESS),
         (ControlServicer(sched), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, "gyre.v1.SchedulerControl"),
     ]
 
@@ -69,9 +72,15 @@ async def after_start(rt: Runtime) -> None:
     election = LeaderElection(rt.etcd, rt.keys.leader(), candidate, rt.lease)
     sched.store = SchedulerStore(rt.etcd, rt.keys, election)
 
+    # Readiness: HarnessService is NOT_SERVING on a standby (a load balancer or Kubernetes
+    # Service sends harnesses to the leader); SchedulerControl serves on every replica.
+    assert rt.server is not None
+    await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def lead() -> None:
         epoch = await election.campaign(poll_s=0.25)
         await sched.take_over(int(epoch))
+        await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
         log.info("leading", extra={"epoch": int(epoch)})
         await asyncio.gather(sched.control_loop(), sched.report_loop(), sched.supply_loop())
 

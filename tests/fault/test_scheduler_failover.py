@@ -14,6 +14,7 @@ import json
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gyre.etcd import Keys
 from gyre.testing.procs import ServiceProcess
@@ -24,6 +25,12 @@ pytestmark = pytest.mark.timeout(120)
 
 def _start(cfg, tmp_path, name: str) -> ServiceProcess:
     return ServiceProcess("scheduler", cfg, log_path=tmp_path / f"{name}.log", name=name).start()
+
+
+async def _harness_health(h: Harness) -> int:
+    stub = health_pb2_grpc.HealthStub(h.channel)
+    got = await stub.Check(health_pb2.HealthCheckRequest(service="gyre.v1.HarnessService"), timeout=5)
+    return got.status
 
 
 async def _ledger_keys(etcd, keys: Keys) -> dict[bytes, tuple[bytes, int]]:
@@ -48,6 +55,8 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
     hb = Harness(b.target)
     try:
         assert not (await hb.status()).leader
+        assert await _harness_health(hb) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await _harness_health(ha) == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await hb.acquire(wait_s=0)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and a.target in err.value.details()
@@ -59,6 +68,7 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
         a.kill()
         st = await hb.wait_leader()
         assert st.epoch > 0
+        assert await _harness_health(hb) == health_pb2.HealthCheckResponse.SERVING
         t = st.total
         assert (t.dispatched, t.launched, t.finished, t.waterlevel) == (8, 5, 2, 6)
         assert (await hb.finish(execs[0])).duplicate  # closed by the old leader: not twice
