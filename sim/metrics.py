@@ -43,6 +43,7 @@ class RunResult:
     stale_token_fraction: float
     dropped_groups: int
     consumed_groups: int
+    partial_batch_groups: int  # groups already assigned to the batch in progress at the end
     consumed_tokens: int
     train_tokens_per_cell_s: float
     episode_latency_s: dict[str, float]
@@ -111,6 +112,7 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
         stale_token_fraction=stale,
         dropped_groups=tr.dropped_groups,
         consumed_groups=tr.consumed_groups,
+        partial_batch_groups=tr.batch_groups - tr.needs,
         consumed_tokens=tr.consumed_tokens,
         train_tokens_per_cell_s=tr.consumed_tokens / (end_s * len(cl.cells)) if end_s > 0 else 0.0,
         episode_latency_s=pct,

@@ -1,0 +1,118 @@
+"""Conservation in the simulator, for every policy: each dispatched execution is in exactly
+one state and D = Q + R + F with W >= 0 at every decision; no open execution is routed to a
+cell that is not in rollout and no engine holds more than its slots; every cell-second is
+charged to exactly one GPU-second category (the categories sum to cells x time); every
+update consumes exactly one batch; and a run is a pure function of its seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler import policy as P
+from sim.cluster import ExecState, Role
+from sim.config import ClusterConfig, LogNormal, ScenarioConfig, SimConfig, TrainingConfig, load_config
+from sim.driver import Driver, PolicySpec, run_policy
+
+BASE = load_config("bench/cluster.yaml")
+
+
+def small_config(**cost) -> tuple[SimConfig, ScenarioConfig]:
+    """Profile A with short episodes on 8 cells: seconds of wall time, every mechanism used."""
+    a = BASE.profiles["A"].model_copy(update={
+        "turns": LogNormal(median=6, sigma=0.5, lo=1, hi=20),
+        "initial_prompt_tokens": 800,
+    })
+    cfg = BASE.model_copy(update={
+        "profiles": {"A": a},
+        "cost": BASE.cost.model_copy(update=cost),
+        "variants": {},
+    })
+    sc = ScenarioConfig(
+        name="small", profile="A", seed=3,
+        cluster=ClusterConfig(cells=8, standalone_cells=1, slots_per_cell=6),
+        training=TrainingConfig(batch_groups=8, overprovision=0.5, max_staleness=1, updates=3),
+    )
+    return cfg, sc
+
+
+class CheckingDriver(Driver):
+    """Checks the invariants at every decision boundary."""
+
+    checks = 0
+
+    def boundary(self) -> None:
+        super().boundary()
+        cl = self.cluster
+        led = cl.ledger
+        states = {s: 0 for s in ExecState}
+        for ex in cl.executions:
+            states[ex.state] += 1
+        assert len(cl.executions) == led.dispatched
+        assert states[ExecState.CLOSED] == led.finished
+        assert states[ExecState.QUEUED] == led.dispatched - led.launched
+        assert led.dispatched - led.finished >= 0
+        routed = 0
+        for c in cl.cells:
+            assert len(c.execs) <= c.slots
+            if c.execs:
+                assert c.role in (Role.ROLLOUT,), f"{c.cid} is {c.role} with executions routed to it"
+            routed += len(c.execs)
+            for ex in c.execs.values():
+                assert ex.cell is c and ex.state not in (ExecState.CLOSED, ExecState.QUEUED)
+        homeless = len(cl.homeless)
+        assert routed + homeless == led.launched - led.finished
+        if self.spec.name == "waterlevel":
+            views = self.snapshot().cells
+            assert P.is_prefix(views)
+        CheckingDriver.checks += 1
+
+
+@pytest.mark.parametrize("spec", [PolicySpec("waterlevel"), PolicySpec("colocated"), PolicySpec("static", training_cells=3)],
+                         ids=lambda s: s.label)
+def test_executions_and_gpu_seconds_are_conserved(spec: PolicySpec) -> None:
+    cfg, sc = small_config()
+    CheckingDriver.checks = 0
+    r = CheckingDriver(cfg, sc, spec).run()
+    assert r.reached and r.updates == 3
+    assert CheckingDriver.checks > 50
+    # GPU-seconds: every cell-second in exactly one category.
+    assert r.gpu_s_total == pytest.approx(r.cell_seconds, rel=1e-9)
+    assert all(v >= -1e-9 for v in r.gpu_s.values())
+    assert r.gpu_s["decode"] > 0 and r.gpu_s["train"] > 0 and r.gpu_s["prefill"] > 0
+    # Executions: the ledger adds up, and each update consumed exactly one batch.
+    led = r.ledger
+    assert led["dispatched"] == led["queued"] + led["running"] + led["finished"]
+    assert sum(r.exec_states.values()) == led["dispatched"]
+    assert r.consumed_groups - r.partial_batch_groups == 3 * sc.training.batch_groups
+    # Role switches are charged at their configured cost.
+    assert r.role_switch_gpu_s <= r.role_switches * max(cfg.cost.switch_to_train_s, cfg.cost.switch_to_rollout_s) + 1e-6
+
+
+def test_reroutes_happen_and_conserve_with_kv_handoff() -> None:
+    cfg, sc = small_config(kv_handoff=True)
+    r = CheckingDriver(cfg, sc, PolicySpec("waterlevel")).run()
+    assert r.reached
+    assert r.gpu_s_total == pytest.approx(r.cell_seconds, rel=1e-9)
+    assert r.kv_handoffs <= r.reroutes
+    assert r.reroute_recompute_tokens == 0  # handoff instead of recompute
+
+
+def test_waterlevel_reroutes_live_executions() -> None:
+    cfg, sc = small_config()
+    # Fewer slots: the cluster is loaded, so moving a cell must reroute its executions.
+    sc = sc.model_copy(update={"cluster": ClusterConfig(cells=8, standalone_cells=1, slots_per_cell=4)})
+    r = CheckingDriver(cfg, sc, PolicySpec("waterlevel")).run()
+    assert r.reached
+    assert r.reroutes > 0
+    assert r.reroute_recompute_tokens > 0
+
+
+def test_same_seed_same_run_and_seeds_differ() -> None:
+    cfg, sc = small_config()
+    a = run_policy(cfg, sc, PolicySpec("waterlevel"))
+    b = run_policy(cfg, sc, PolicySpec("waterlevel"))
+    assert a.update_times_s == b.update_times_s
+    assert a.gpu_s == b.gpu_s
+    assert a.actions == b.actions
+    c = run_policy(cfg, sc.model_copy(update={"seed": 4}), PolicySpec("waterlevel"))
+    assert c.update_times_s != a.update_times_s
