@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_REFUSALS = 15
+"""FAILED_PRECONDITION answers (not a stale epoch) a command survives before it gives up."""
 
 
 class CellGone(Exception):
@@ -291,10 +293,11 @@ class TransitionRunner:
 
     async def _retry(self, cell_id: str, fn: Callable[[], Awaitable[T]], attempts: int = 0) -> T:
         """Calls ``fn`` until it succeeds; gives up when the cell is gone (CellGone), after
-        ``attempts`` tries if set, or when our epoch is refused by a newer leader's."""
+        ``attempts`` tries if set, after MAX_REFUSALS refusals, or when our epoch is refused
+        by a newer leader's (StaleEpoch)."""
         s = self.s
         backoff = 0.1
-        n = 0
+        n = refused = 0
         while True:
             if s.deposed.is_set():
                 raise StaleEpoch("deposed")
@@ -307,10 +310,14 @@ class TransitionRunner:
                     s.mark_deposed(exc)
                     raise StaleEpoch(str(exc)) from exc
                 err: GyreError = exc
+                refused += 1
             except GyreError as exc:
                 err = exc
             n += 1
-            if attempts and n >= attempts:
+            # Unreachable cells are retried until they come back or their lease lapses; a
+            # refusal (an illegal state for the command) is retried a bounded number of times:
+            # the transition then fails, and the policy decides again on fresh state.
+            if (attempts and n >= attempts) or refused >= MAX_REFUSALS:
                 raise err
             log.warning("command to %s failed; retrying", cell_id, extra={"error": repr(err)})
             await asyncio.sleep(backoff)
