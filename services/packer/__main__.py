@@ -11,6 +11,7 @@ from services.packer.config import PackerConfig
 from services.packer.metrics import PackerMetrics
 from services.packer.packer import Packer
 from services.packer.servicer import SERVICE_NAME, PackerServicer
+from services.packer.snapshot import compacted
 from services.packer.store import CellMirror, PolicyMirror, open_incarnation
 from services.packer.wal import Wal
 
@@ -28,6 +29,7 @@ async def build(rt: Runtime) -> Services:
     await wal.sync()
     log.info("packer recovered", extra={"events": replayed, "counters": packer.counters()})
     rt.supervisor.spawn("wal", wal.watch())
+    rt.supervisor.spawn("compactor", compactor(cfg, wal, packer))
     rt.supervisor.spawn("reaper", packer.run_reaper())
     if cfg.policy_from_etcd:
         rt.supervisor.spawn("policy", PolicyMirror(rt.etcd, rt.keys, packer).run())
@@ -43,6 +45,15 @@ async def build(rt: Runtime) -> Services:
 
     rt.supervisor.on_flush(_close_wal)
     return [(PackerServicer(packer, cfg), packer_pb2_grpc.add_PackerServicer_to_server, SERVICE_NAME)]
+
+
+async def compactor(cfg: PackerConfig, wal: Wal, packer: Packer) -> None:
+    """A supervised task: compacts the WAL to a snapshot once it has grown enough."""
+    while True:
+        await asyncio.sleep(cfg.wal_compact_check_s)
+        if wal.bytes_since_compact >= cfg.wal_compact_bytes:
+            size = await wal.compact(lambda: compacted(packer.state))
+            log.info("packer WAL compacted", extra={"bytes": size})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ class PackerConfig(ServiceConfig):
     wal_fsync: bool = Field(
         True, description="fsync each group commit of the WAL (off only for throwaway runs)."
     )
+    wal_compact_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024,
+        description="Compact the WAL to a snapshot once this many bytes were appended since the "
+        "last compaction (checked every wal_compact_check_s).",
+    )
+    wal_compact_check_s: float = Field(5.0, gt=0, le=3600, description="How often the WAL size is checked.")
     batch_size: int = Field(4, ge=1, le=100_000, description="Groups per training batch.")
     micro_step_token_budget: int = Field(
         8192,

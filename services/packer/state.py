@@ -367,6 +367,11 @@ class PackerState:
         if batch.sealed and batch.acked == len(batch.micro_steps):
             self._finish_batch(batch)
 
+    def _on_snapshot(self, ev: Event) -> None:
+        from services.packer.snapshot import restore  # the checkpoint codec lives beside
+
+        restore(self, ev)
+
     def _on_wal(self, ev: Event) -> None:
         self.wal_id = str(ev["id"])  # the log's header: its incarnation id
 

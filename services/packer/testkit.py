@@ -90,7 +90,13 @@ def snapshot(state: PackerState) -> dict[str, Any]:
     state.check(deep=True)
     return {
         "counters": state.counters(),
-        "groups": {g: (grp.state.value, grp.batch_id, sorted(grp.execs)) for g, grp in state.groups.items()},
+        "groups": {
+            g: (grp.state.value, grp.batch_id, sorted(grp.execs), grp.size, sorted(grp.advantages.items()),
+                grp.oldest_version, sorted((x, sorted(e.turns), e.finish) for x, e in grp.execs.items()))
+            for g, grp in state.groups.items()
+        },
+        "seen_turns": sorted(state.seen_turns.items()),
+        "finished": sorted(state.finished.items()),
         "ready": list(state.ready),
         "batches": {
             b: (bt.size, bt.version, list(bt.groups), list(bt.pending), bt.sealed, bt.closed, bt.done,

@@ -10,6 +10,9 @@ group of events, needs nothing outside the stdlib, and replays through the same
 restart neither loses a trajectory nor packs or hands out a micro-step twice. On a cluster
 the directory is a persistent volume (a StatefulSet's PVC).
 
+The log is compacted (:meth:`Wal.compact`) to a header and a snapshot of the state once it
+has grown by ``wal_compact_bytes``, so neither the disk nor the replay grows without bound.
+
 Each line is ``<crc32 hex> <json>``. A torn or checksum-failing *last* line (a crash in the
 middle of a write) is cut off on open; a bad line followed by good ones is corruption, and
 the packer refuses to start (FatalError) rather than guess.
@@ -24,6 +27,7 @@ import os
 import time
 import zlib
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from gyre.errors import FatalError
@@ -77,7 +81,9 @@ class Wal:
         self._failed: BaseException | None = None
         self._failed_event = asyncio.Event()
         self.bytes_written = 0
+        self.bytes_since_compact = 0
         self.flushes = 0
+        self.compactions = 0
 
     def open(self) -> list[Event]:
         """Reads every intact event, cuts a torn tail, and opens the log for appending."""
@@ -107,6 +113,7 @@ class Wal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self._fsync:
             _fsync_dir(self.path.parent)
+        self.bytes_since_compact = good_bytes  # a long log left behind is compacted soon
         return events
 
     def archive(self) -> Path | None:
@@ -139,6 +146,58 @@ class Wal:
             # One waiter's cancellation must not cancel the flush the others wait on.
             await asyncio.shield(self._flush_task)
 
+    async def compact(self, make_events: Callable[[], list[Event]]) -> int:
+        """Rewrites the log as ``make_events()`` (a header and a snapshot of the state).
+
+        ``make_events`` is called with no flush in flight, and its events must reflect every
+        event appended so far: those still queued are dropped, as the snapshot holds their
+        effect. The new log is written beside, fsync'd and renamed over the old one, so a
+        crash leaves one or the other. Callers of :meth:`sync` wait for it like a flush.
+        Returns the size of the new log in bytes."""
+        while self._flush_task is not None:
+            await asyncio.shield(self._flush_task)
+        if self._failed is not None:
+            raise FatalError(f"packer WAL failed: {self._failed!r}")
+        size = 0
+
+        async def _compact() -> None:
+            nonlocal size
+            try:
+                upto = self._appended
+                data = "".join(encode(ev) for ev in make_events()).encode()
+                self._buf = []
+                size = len(data)
+                await asyncio.to_thread(self._rewrite, data)
+                self._durable = max(self._durable, upto)
+                self.bytes_since_compact = 0
+                self.compactions += 1
+            except BaseException as exc:
+                self._failed = exc
+                self._failed_event.set()
+                raise
+            finally:
+                self._flush_task = None
+
+        self._flush_task = asyncio.create_task(_compact(), name="packer.wal.compact")
+        await asyncio.shield(self._flush_task)
+        return size
+
+    def _rewrite(self, data: bytes) -> None:
+        tmp = self.path.with_name(WAL_NAME + ".compact")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND, 0o644)
+        if old is not None:
+            os.close(old)
+
     async def _flush(self) -> None:
         try:
             lines, upto = self._buf, self._appended
@@ -163,6 +222,7 @@ class Wal:
         if self._fsync:
             os.fsync(self._fd)
         self.bytes_written += len(data)
+        self.bytes_since_compact += len(data)
         self.flushes += 1
 
     async def watch(self) -> None:

@@ -52,7 +52,10 @@ class Reconnecting:
 
 
 async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, cluster_name):
-    path = tk.write_config(tmp_path, etcd_server, cluster_name, batch_size=6, claim_ttl_s=20.0)
+    # A tiny compaction threshold: the log is rewritten to snapshots while records arrive,
+    # so the SIGKILL may land during a compaction too.
+    path = tk.write_config(tmp_path, etcd_server, cluster_name, batch_size=6, claim_ttl_s=20.0,
+                           wal_compact_bytes=4096, wal_compact_check_s=0.02)
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     client = Reconnecting(proc)
     sent = 0
@@ -107,6 +110,8 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
         c = status.counters
         assert c.produced == c.consumed == 36 and c.buffered == 0
         proc2.kill()
+        lines = (tmp_path / "wal" / "packer.wal").read_text().splitlines()
+        assert '"t":"snapshot"' in lines[1]  # it was compacted at least once
     finally:
         await client.close()
         proc.kill()

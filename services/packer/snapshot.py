@@ -1,0 +1,117 @@
+"""Checkpoints of the packer's state: the whole :class:`PackerState` as one JSON-ready
+``snapshot`` event, so that the WAL can be compacted to ``[header, snapshot]`` and replay
+stays proportional to what is buffered, not to everything ever recorded."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from gyre.ids import BatchId, CellId, ExecutionId, GroupId
+from services.packer.model import Finish, Turn
+from services.packer.state import Batch, Event, Execution, Group, GroupState, MicroStep, PackerState
+
+
+def to_event(st: PackerState) -> Event:
+    """The state as a ``snapshot`` event (claim deadlines are runtime and not included)."""
+    groups = {}
+    for gid, g in st.groups.items():
+        groups[gid] = {
+            "size": g.size, "state": g.state.value, "batch_id": g.batch_id,
+            "adv": g.advantages, "oldest": g.oldest_version,
+            "execs": {
+                x: {"turns": [t.to_json() for _, t in sorted(e.turns.items())],
+                    "finish": e.finish.to_json() if e.finish is not None else None}
+                for x, e in g.execs.items()
+            },
+        }
+    batches = {}
+    for b, bt in st.batches.items():
+        batches[str(b)] = {
+            "size": bt.size, "version": bt.version, "groups": bt.groups,
+            "pending": [list(r) for r in bt.pending], "free": list(bt.free),
+            "participants": sorted(bt.participants), "sealed": bt.sealed, "closed": bt.closed,
+            "done": bt.done, "total": bt.total_loss_tokens, "acked": bt.acked,
+            "packed_seqs": bt.packed_seqs,
+            "micro_steps": [
+                {"id": m.id, "index": m.index, "seqs": [list(r) for r in m.seqs], "n": m.n_seqs,
+                 "loss": m.loss_tokens, "packed": m.packed_tokens, "holder": m.holder,
+                 "acked_by": m.acked_by}
+                for m in bt.micro_steps
+            ],
+        }
+    return {
+        "t": "snapshot",
+        "groups": groups,
+        "ready": list(st.ready),
+        "batches": batches,
+        "filling": st.filling,
+        "seen_turns": [[x, i, d] for (x, i), d in st.seen_turns.items()],
+        "finished": {x: f.to_json() for x, f in st.finished.items()},
+        "resolved": sorted(st.resolved),
+        "produced": st.produced,
+        "consumed": st.consumed,
+        "dropped": dict(st.dropped),
+        "groups_dropped": dict(st.groups_dropped),
+        "claims_expired": st.claims_expired,
+        "policy_version": st.policy_version,
+    }
+
+
+def restore(st: PackerState, ev: Event) -> None:
+    """Replaces ``st``'s content with a snapshot event's (applied as the WAL's first event
+    after its header)."""
+    st.execs, st.groups, st.micro_steps, st.held = {}, {}, {}, {}
+    for gid, gd in ev["groups"].items():
+        g = Group(GroupId(gid), size=int(gd["size"]), state=GroupState(gd["state"]),
+                  batch_id=int(gd["batch_id"]), advantages={k: float(v) for k, v in gd["adv"].items()},
+                  oldest_version=int(gd["oldest"]))
+        for x, ed in gd["execs"].items():
+            e = Execution(ExecutionId(x), GroupId(gid))
+            for tj in ed["turns"]:
+                t = Turn.from_json(tj)
+                e.turns[t.turn_index] = t
+            e.finish = Finish.from_json(ed["finish"]) if ed["finish"] is not None else None
+            g.execs[x] = e
+            st.execs[x] = e
+        st.groups[gid] = g
+    st.ready = {gid: None for gid in ev["ready"]}
+    st.batches = {}
+    for b, bd in ev["batches"].items():
+        bt = Batch(BatchId(int(b)), int(bd["size"]), version=bd["version"], groups=list(bd["groups"]),
+                   pending=[(str(x), int(i)) for x, i in bd["pending"]],
+                   participants=set(bd["participants"]), sealed=bd["sealed"], closed=bd["closed"],
+                   done=bd["done"], total_loss_tokens=int(bd["total"]), acked=int(bd["acked"]),
+                   packed_seqs=int(bd["packed_seqs"]))
+        for md in bd["micro_steps"]:
+            m = MicroStep(id=md["id"], batch_id=bt.id, index=int(md["index"]),
+                          seqs=[(str(x), int(i)) for x, i in md["seqs"]], n_seqs=int(md["n"]),
+                          loss_tokens=int(md["loss"]), packed_tokens=int(md["packed"]),
+                          holder=CellId(md["holder"]) if md["holder"] else None,
+                          acked_by=CellId(md["acked_by"]) if md["acked_by"] else None)
+            bt.micro_steps.append(m)
+            st.micro_steps[m.id] = m
+            if m.holder is not None:
+                st.held[m.id] = m
+        bt.free = {mid: None for mid in bd["free"]}
+        st.batches[bt.id] = bt
+    st.filling = int(ev["filling"])
+    st.seen_turns = {(str(x), int(i)): int(d) for x, i, d in ev["seen_turns"]}
+    st.finished = {x: Finish.from_json(f) for x, f in ev["finished"].items()}
+    st.resolved = set(ev["resolved"])
+    st.produced, st.consumed = int(ev["produced"]), int(ev["consumed"])
+    st.dropped = collections.Counter({k: int(v) for k, v in ev["dropped"].items()})
+    st.groups_dropped = collections.Counter({k: int(v) for k, v in ev["groups_dropped"].items()})
+    st.claims_expired = int(ev["claims_expired"])
+    st.policy_version = int(ev["policy_version"])
+
+
+def compacted(st: PackerState) -> list[Event]:
+    """The events a compacted WAL holds: its header (if the state has one) and a snapshot."""
+    header: list[Event] = [{"t": "wal", "id": st.wal_id}] if st.wal_id else []
+    return header + [to_event(st)]
+
+
+def summary(ev: Event) -> dict[str, Any]:
+    """A short description of a snapshot event, for logs."""
+    return {"groups": len(ev["groups"]), "batches": len(ev["batches"]), "produced": ev["produced"]}
