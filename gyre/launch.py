@@ -56,7 +56,8 @@ class Cluster:
     def __init__(self, config_path: str | Path, run_dir: str | Path, free_ports: bool = False, env: dict[str, str] | None = None) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        text = Path(config_path).read_text()
+        # "{run_dir}" in the file stands for this run's folder (WAL, checkpoints, ...).
+        text = Path(config_path).read_text().replace("{run_dir}", str(self.run_dir.resolve()))
         if free_ports:
             text = remap_ports(text)
         self.config_path = self.run_dir / "cluster.yaml"
@@ -100,10 +101,26 @@ class Cluster:
         if progress:
             progress("etcd", self.etcd.endpoint if self.etcd else "external")
         try:
-            for spec in self.process_specs():
-                proc = self.start_process(spec)
-                if progress:
-                    progress(proc.name, proc.target)
+            # Consecutive processes of the same service (the cells) start together: each
+            # engine start is mostly waiting on its own model load.
+            for batch in _batches(self.process_specs()):
+                errors: list[BaseException] = []
+
+                def start_one(spec: dict[str, Any]) -> None:
+                    try:
+                        proc = self.start_process(spec)
+                        if progress:
+                            progress(proc.name, proc.target)
+                    except BaseException as exc:  # re-raised below, after the batch
+                        errors.append(exc)
+
+                threads = [threading.Thread(target=start_one, args=(spec,)) for spec in batch]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if errors:
+                    raise errors[0]
         except BaseException:
             self.stop()
             raise
@@ -126,6 +143,16 @@ class Cluster:
 
     def section(self, name: str) -> dict[str, Any]:
         return dict(self.config.get(name) or {})
+
+
+def _batches(specs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    out: list[list[dict[str, Any]]] = []
+    for spec in specs:
+        if out and out[-1][0]["service"] == spec["service"]:
+            out[-1].append(spec)
+        else:
+            out.append([spec])
+    return out
 
 
 def _status_table(cluster: Cluster) -> Any:

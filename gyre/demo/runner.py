@@ -71,6 +71,8 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
     data["cell_agent"]["model_dir"] = str(model_dir)
     data["cell_agent"]["engine"] = opts.engine
     data["scheduler"]["max_bursts"] = opts.bursts
+    # The demo serves the dashboard itself (it also feeds the summary and timeline.png).
+    data["launch"]["processes"] = [p for p in data["launch"]["processes"] if p["service"] != "dashboard"]
     for section, values in opts.config_overrides.items():
         data.setdefault(section, {}).update(values)
     opts.run_dir.mkdir(parents=True, exist_ok=True)

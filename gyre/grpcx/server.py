@@ -23,14 +23,28 @@ Registrar = Callable[[Any, grpc.aio.Server], None]
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options shared by servers and channels: explicit size limits, sane keepalive."""
+    """Client-side options: explicit size limits, keepalive pings on idle connections."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Server-side options: the same limits, and a ping policy that accepts the clients'
+    keepalive (a server's default of one ping per 5 minutes answers a 20 s keepalive with
+    GOAWAY "too_many_pings", which breaks long-lived streams)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
     ]
 
@@ -64,7 +78,7 @@ class GrpcServer:
         cfg = self._config
         server = grpc.aio.server(
             interceptors=self._interceptors + _tracing_interceptors(cfg),
-            options=channel_options(cfg.max_message_bytes),
+            options=server_options(cfg.max_message_bytes),
         )
         names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
         for servicer, register, name in self._services:
