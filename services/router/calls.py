@@ -106,6 +106,8 @@ class ModelCall:
         self.finish: Finish | None = None
         self.route: Route | None = None
         """The route of the attempt running now (None between attempts)."""
+        self.cells_visited: list[str] = []
+        """The cell of every attempt so far, in order."""
         self._routes = routes
         self._engines = engines
         self._policy = policy
@@ -223,6 +225,7 @@ class ModelCall:
                 self._stats.kv_recomputes += 1
             self._resolve_move_waiters()  # the previous attempt, if any, is stopped
             self.route = route
+            self.cells_visited.append(route.cell_id)
             self._moved.clear()
             pump = asyncio.create_task(self._pump(route, request, kv), name=f"pump.{request.request_id}")
             kv = None

@@ -121,24 +121,20 @@ class CallManager:
     async def move(self, execution_ids: list[str], from_cells: set[str]) -> tuple[int, int]:
         """Moves the outstanding calls of these executions to their current routes.
 
-        Returns (calls moved, calls still attempting at any of ``from_cells``) once every
-        moved call's source attempt is stopped.
+        Returns (calls of these executions that left one of ``from_cells`` — whether this
+        command or the route watch moved them first —, calls still attempting at any of
+        ``from_cells``) once every moved call's source attempt is stopped.
         """
-        waits = []
-        for execution_id in execution_ids:
-            for call in list(self._calls.get(execution_id, ())):
-                fut = call.request_move()
-                if fut is not None:
-                    waits.append(fut)
+        calls = [call for execution_id in execution_ids for call in self._calls.get(execution_id, ())]
+        waits = [fut for fut in (call.request_move() for call in calls) if fut is not None]
         if waits:
             await asyncio.gather(*waits)
-        remaining = sum(
-            1
-            for calls in self._calls.values()
-            for call in calls
-            if call.at_cell in from_cells
-        )
-        return len(waits), remaining
+        if from_cells:
+            moved = sum(1 for c in calls if from_cells.intersection(c.cells_visited) and c.at_cell not in from_cells)
+        else:
+            moved = len(waits)
+        remaining = sum(1 for cs in self._calls.values() for c in cs if c.at_cell in from_cells)
+        return moved, remaining
 
     def calls_of(self, execution_id: str) -> list[ModelCall]:
         return list(self._calls.get(execution_id, ()))

@@ -101,7 +101,7 @@ async def scheduler_moves(env: Env, execution_id: str, token: str, path: list[st
             ),
             timeout=5,
         )
-        assert reply.remaining_at_source == 0
+        assert (reply.moved_requests, reply.remaining_at_source) == (1, 0)
         current = dest
     return len(path) - 1
 
