@@ -5,9 +5,11 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/packer_claims.py [--groups 64] [--cla
 Writes ``bench/results/packer_claims.json``. Every figure comes with a baseline measured in
 the same run on the same machine, and the ratio between them:
 
-- packing (in process): turns + finish reports in, packed micro-steps out, with the real
-  fsync'd WAL, against the same work logged to memory (the ratio is the cost of durability);
-- claims (in process): claim + ack pairs/s by 16 asyncio claimers on the real WAL;
+- packing (in process): turns + finish reports in, one at a time, packed micro-steps out,
+  with the real fsync'd WAL, and without fsync, against the same work with no log at all
+  (the ratios are the cost of durability: encoding, then fsync);
+- claims (in process): claim + ack pairs/s by 16 asyncio claimers on the real WAL, over
+  ``--rounds`` batches;
 - claims (gRPC): claim + ack pairs/s by 16 claimers over 4 channels to a packer process,
   against plain GetBatch calls/s from the same 16 callers (the ratio is what a claim costs
   beyond a round trip);
@@ -39,15 +41,17 @@ from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
 from services.packer.config import PackerConfig  # noqa: E402
 from services.packer.model import ClaimOutcome, ExecStatus, Finish, Turn  # noqa: E402
 from services.packer.packer import Packer  # noqa: E402
-from services.packer.wal import EventLog, MemoryLog, Wal  # noqa: E402
+from services.packer.wal import EventLog, Wal  # noqa: E402
 
 
-def workload(groups: int, group_size: int, turns: int, seed: int = 0) -> list[tuple[list[Turn], list[Finish]]]:
+def workload(
+    groups: int, group_size: int, turns: int, seed: int = 0, prefix: str = "g"
+) -> list[tuple[list[Turn], list[Finish]]]:
     """Groups of executions with turns of 100..700 tokens (prompt 60..400, output 40..300)."""
     rng = random.Random(seed)
     out = []
     for g in range(groups):
-        gid = f"g{g}"
+        gid = f"{prefix}{g}"
         ts, fs = [], []
         for k in range(group_size):
             x = f"{gid}-x{k}"
@@ -61,6 +65,16 @@ def workload(groups: int, group_size: int, turns: int, seed: int = 0) -> list[tu
             fs.append(Finish.validated(x, gid, group_size, ExecStatus.COMPLETED, float(k), 0, 1 << 16))
         out.append((ts, fs))
     return out
+
+
+class NullLog:
+    """Logs nothing: the domain's own cost."""
+
+    def append(self, event: dict[str, Any]) -> None:
+        return None
+
+    async def sync(self) -> None:
+        return None
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> PackerConfig:
@@ -91,40 +105,40 @@ async def bench_packing(args: argparse.Namespace, data: list, log: EventLog) -> 
     }
 
 
-async def bench_claims_in_process(args: argparse.Namespace, data: list, wal_dir: str) -> dict[str, Any]:
+async def bench_claims_in_process(args: argparse.Namespace, wal_dir: str) -> dict[str, Any]:
+    """``rounds`` batches: each is fed whole (untimed), then drained by the claimers (timed)."""
     wal = Wal(wal_dir, fsync=True)
     wal.open()
     packer = Packer(_config(args), wal)
     packer.recover([])
-    await packer.claim("activate", 1, 0, 0)
-    for ts, fs in data:
-        for t in ts:
-            await packer.record_turn(t)
-        for f in fs:
-            await packer.report_finish(f)
-    # "activate" holds one claim; release it by acking so the rest are for the claimers.
-    for ms in list(packer.state.micro_steps.values()):
-        if ms.holder == "activate":
-            await packer.ack("activate", 1, ms.id)
     claimed: list[str] = []
+    elapsed = 0.0
+    for rnd in range(args.rounds):
+        batch = rnd + 1
+        for ts, fs in workload(args.groups, args.group_size, args.turns, seed=rnd, prefix=f"r{rnd}g"):
+            for t in ts:
+                await packer.record_turn(t)
+            for f in fs:
+                await packer.report_finish(f)
 
-    async def claimer(i: int) -> None:
-        cell = f"cell{i}"
-        while True:
-            r = await packer.claim(cell, 1, 0, 0.05)
-            if r.outcome is ClaimOutcome.CLOSED:
-                return
-            if r.outcome is ClaimOutcome.CLAIMED:
-                claimed.append(r.micro_step.micro_step_id)
-                await packer.ack(cell, 1, r.micro_step.micro_step_id)
+        async def claimer(i: int, batch: int = batch) -> None:
+            cell = f"cell{i}"
+            while True:
+                r = await packer.claim(cell, batch, 0, 0.05)
+                if r.outcome is ClaimOutcome.CLOSED:
+                    return
+                if r.outcome is ClaimOutcome.CLAIMED:
+                    claimed.append(r.micro_step.micro_step_id)
+                    await packer.ack(cell, batch, r.micro_step.micro_step_id)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(claimer(i) for i in range(args.claimers)))
-    elapsed = time.perf_counter() - start
-    assert len(claimed) == len(set(claimed)) and packer.batch_status(1)["done"]
+        start = time.perf_counter()
+        await asyncio.gather(*(claimer(i) for i in range(args.claimers)))
+        elapsed += time.perf_counter() - start
+        assert packer.batch_status(batch)["done"]
+    assert len(claimed) == len(set(claimed))
     await wal.close()
     return {"claims": len(claimed), "seconds": elapsed, "claims_per_s": len(claimed) / elapsed,
-            "wal_flushes": wal.flushes}
+            "wal_flushes": wal.flushes, "rounds": args.rounds}
 
 
 async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict[str, Any]:
@@ -156,11 +170,9 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         await asyncio.gather(*(pinger(i) for i in range(args.claimers)))
         base_elapsed = time.perf_counter() - start
 
-        r = await stubs[0].ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(cell_id="activate", batch_id=1), timeout=10)
-        assert r.outcome == packer_pb2.CLAIM_OUTCOME_WAIT
         # Ingest: 8 concurrent senders.
-        queue = list(data)
-        tokens = sum(t.tokens for ts, _ in data for t in ts)
+        queue: list = []
+        tokens = sum(t.tokens for ts, _ in data for t in ts)  # the same per round (same sizes)
 
         async def sender(i: int) -> None:
             while queue:
@@ -175,34 +187,42 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                         execution_id=f.execution_id, group_id=f.group_id, group_size=f.group_size,
                         status=common_pb2.EXECUTION_STATUS_COMPLETED, reward=f.reward), timeout=10)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(sender(i) for i in range(8)))
-        ingest_elapsed = time.perf_counter() - start
         claimed: list[str] = []
+        ingest_elapsed = claim_elapsed = 0.0
+        micro_steps = total_tokens = 0
+        for rnd in range(args.rounds):
+            batch = rnd + 1
+            queue = workload(args.groups, args.group_size, args.turns, seed=rnd, prefix=f"r{rnd}g")
+            start = time.perf_counter()
+            await asyncio.gather(*(sender(i) for i in range(8)))
+            ingest_elapsed += time.perf_counter() - start
 
-        async def claimer(i: int) -> None:
-            stub, cell = stubs[i % 4], f"cell{i}"
-            while True:
-                r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-                    cell_id=cell, batch_id=1, wait_s=0.05), timeout=10)
-                if r.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
-                    return
-                if r.outcome == packer_pb2.CLAIM_OUTCOME_CLAIMED:
-                    claimed.append(r.micro_step.micro_step_id)
-                    await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
-                        cell_id=cell, batch_id=1, micro_step_id=r.micro_step.micro_step_id), timeout=10)
+            async def claimer(i: int, batch: int = batch) -> None:
+                stub, cell = stubs[i % 4], f"cell{i}"
+                while True:
+                    r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
+                        cell_id=cell, batch_id=batch, wait_s=0.05), timeout=10)
+                    if r.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
+                        return
+                    if r.outcome == packer_pb2.CLAIM_OUTCOME_CLAIMED:
+                        claimed.append(r.micro_step.micro_step_id)
+                        await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
+                            cell_id=cell, batch_id=batch, micro_step_id=r.micro_step.micro_step_id), timeout=10)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(claimer(i) for i in range(args.claimers)))
-        claim_elapsed = time.perf_counter() - start
-        status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=10)
-        assert len(claimed) == len(set(claimed)) == status.micro_steps and status.done, status
+            start = time.perf_counter()
+            await asyncio.gather(*(claimer(i) for i in range(args.claimers)))
+            claim_elapsed += time.perf_counter() - start
+            status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=batch), timeout=10)
+            assert status.done, status
+            micro_steps += status.micro_steps
+            total_tokens += status.total_tokens
+        assert len(claimed) == len(set(claimed)) == micro_steps
         return {
             "baseline_getbatch_per_s": n_base / base_elapsed,
             "claims": len(claimed), "claims_per_s": len(claimed) / claim_elapsed,
             "claim_vs_roundtrip": (len(claimed) / claim_elapsed) / (n_base / base_elapsed),
-            "ingest_tokens_per_s": tokens / ingest_elapsed, "ingest_seconds": ingest_elapsed,
-            "micro_steps": status.micro_steps, "total_loss_tokens": status.total_tokens,
+            "ingest_tokens_per_s": tokens * args.rounds / ingest_elapsed, "ingest_seconds": ingest_elapsed,
+            "micro_steps": micro_steps, "total_loss_tokens": total_tokens, "rounds": args.rounds,
         }
     finally:
         for c in channels:
@@ -219,25 +239,31 @@ async def main() -> None:
     ap.add_argument("--budget", type=int, default=1024, help="micro-step token budget")
     ap.add_argument("--claimers", type=int, default=16)
     ap.add_argument("--baseline-s", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=4, help="batches drained in the claim phases")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "packer_claims.json"))
     args = ap.parse_args()
     data = workload(args.groups, args.group_size, args.turns)
     with tempfile.TemporaryDirectory(prefix="gyre-bench-packer-") as tmp:
-        wal_dir = os.path.join(tmp, "wal-pack")
-        mem = await bench_packing(args, data, MemoryLog())
-        wal = Wal(wal_dir, fsync=True)
-        wal.open()
-        durable = await bench_packing(args, data, wal)
-        await wal.close()
-        claims = await bench_claims_in_process(args, data, os.path.join(tmp, "wal-claims"))
+        null = await bench_packing(args, data, NullLog())
+        packing = {}
+        for fsync in (False, True):
+            wal = Wal(os.path.join(tmp, f"wal-pack-{fsync}"), fsync=fsync)
+            wal.open()
+            packing[fsync] = await bench_packing(args, data, wal)
+            await wal.close()
+        durable = packing[True]
+        claims = await bench_claims_in_process(args, os.path.join(tmp, "wal-claims"))
         over_grpc = await bench_grpc(args, data, tmp)
     result = {
         "benchmark": "packer_claims",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "params": vars(args) | {"out": None},
-        "packing_in_process": {"wal_fsync": durable, "memory_log_baseline": mem,
-                               "ratio_vs_baseline": durable["tokens_per_s"] / mem["tokens_per_s"]},
+        "packing_in_process": {
+            "wal_fsync": durable, "wal_no_fsync": packing[False], "null_log_baseline": null,
+            "ratio_fsync_vs_baseline": durable["tokens_per_s"] / null["tokens_per_s"],
+            "ratio_no_fsync_vs_baseline": packing[False]["tokens_per_s"] / null["tokens_per_s"],
+        },
         "claims_in_process": claims,
         "grpc": over_grpc,
     }
@@ -245,7 +271,8 @@ async def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({
         "packing_tokens_per_s (fsync WAL)": round(durable["tokens_per_s"]),
-        "packing_tokens_per_s (memory baseline)": round(mem["tokens_per_s"]),
+        "packing_tokens_per_s (WAL, no fsync)": round(packing[False]["tokens_per_s"]),
+        "packing_tokens_per_s (no log: baseline)": round(null["tokens_per_s"]),
         "claims_per_s in process (16 claimers)": round(claims["claims_per_s"]),
         "claims_per_s gRPC (16 claimers)": round(over_grpc["claims_per_s"]),
         "GetBatch/s gRPC baseline (16 callers)": round(over_grpc["baseline_getbatch_per_s"]),
