@@ -81,14 +81,20 @@ class PackerServicer:
 
     def RecordTurn(self, request, context):
         """Router -> packer: one model turn of an execution. Idempotent on
-        (execution_id, turn_index).
+        (execution_id, turn_index). INVALID_ARGUMENT: mismatched lengths, non-finite or positive
+        log-probs, bad ids or mask; RESOURCE_EXHAUSTED: longer than the micro-step token budget
+        (or the buffer is full); FAILED_PRECONDITION: the same key with other content, or a late
+        turn whose group is already ready (counted in PackerCounters.late_turns).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportFinish(self, request, context):
-        """Scheduler -> packer: an execution closed. Idempotent on execution_id.
+        """Scheduler -> packer: an execution closed. Idempotent on execution_id. An execution the
+        packer has no turn of is accepted (it made no model call). INVALID_ARGUMENT: non-finite
+        reward, a status that is not closed, group_size out of range or different from the
+        group's; FAILED_PRECONDITION: other content than the first report, or the group is full.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

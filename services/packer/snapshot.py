@@ -13,12 +13,13 @@ from services.packer.state import Batch, Event, Execution, Group, GroupState, Mi
 
 
 def to_event(st: PackerState) -> Event:
-    """The state as a ``snapshot`` event (claim deadlines are runtime and not included)."""
+    """The state as a ``snapshot`` event (claim deadlines are runtime and not included).
+    The event shares nothing mutable with the state, so it can be encoded off the loop."""
     groups = {}
     for gid, g in st.groups.items():
         groups[gid] = {
             "size": g.size, "state": g.state.value, "batch_id": g.batch_id,
-            "adv": g.advantages, "oldest": g.oldest_version,
+            "adv": dict(g.advantages), "oldest": g.oldest_version,
             "execs": {
                 x: {"turns": [t.to_json() for _, t in sorted(e.turns.items())],
                     "finish": e.finish.to_json() if e.finish is not None else None}
@@ -28,7 +29,7 @@ def to_event(st: PackerState) -> Event:
     batches = {}
     for b, bt in st.batches.items():
         batches[str(b)] = {
-            "size": bt.size, "version": bt.version, "groups": bt.groups,
+            "size": bt.size, "version": bt.version, "groups": list(bt.groups),
             "pending": [list(r) for r in bt.pending], "free": list(bt.free),
             "participants": sorted(bt.participants), "sealed": bt.sealed, "closed": bt.closed,
             "done": bt.done, "total": bt.total_loss_tokens, "acked": bt.acked,

@@ -164,8 +164,9 @@ class Wal:
             nonlocal size
             try:
                 upto = self._appended
-                data = "".join(encode(ev) for ev in make_events()).encode()
+                events = make_events()  # a detached copy, taken atomically on the loop
                 self._buf = []
+                data = await asyncio.to_thread(lambda: "".join(encode(ev) for ev in events).encode())
                 size = len(data)
                 await asyncio.to_thread(self._rewrite, data)
                 self._durable = max(self._durable, upto)
