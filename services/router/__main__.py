@@ -16,6 +16,7 @@ from services.router.config import RouterConfig
 from services.router.engine_client import GrpcEngineClient, PackerTurnSink
 from services.router.http_api import OpenAIApi
 from services.router.manager import CallManager
+from services.router.metrics import RouterCollector, serve as serve_metrics
 from services.router.routes import RouteTable
 from services.router.servicer import RouterServicer
 from services.router.store import RouteStore
@@ -55,11 +56,18 @@ async def build(rt: Runtime) -> Services:
         max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, **limits,
     )
 
+    if cfg.metrics_port:
+        serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table)))
     rt.supervisor.spawn("routes", store.run())
     rt.supervisor.spawn("turns", turns.run())
     await asyncio.wait_for(store.mirror.synced.wait(), cfg.etcd_timeout_s * 2)
 
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    if cfg.tracing != "off":  # OpenTelemetry spans for every HTTP request (gRPC is wired in gyre.grpcx)
+        from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+
+        AioHttpServerInstrumentor().instrument()  # patches web.Application: create the app after
+    app = api.app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.http_port)
     await site.start()

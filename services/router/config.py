@@ -33,4 +33,5 @@ class RouterConfig(ServiceConfig):
     move_route_wait_s: float = Field(2.0, gt=0, description="How long MoveExecutions waits for a route at the announced epoch.")
     turn_buffer: int = Field(10000, ge=1, description="Turn records buffered for the packer before the oldest are dropped.")
     turn_senders: int = Field(4, ge=1, le=64, description="Concurrent RecordTurn calls.")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     turn_retry_max_s: float = Field(5.0, gt=0, description="Largest back-off between RecordTurn retries.")
