@@ -51,7 +51,11 @@ class ServiceConfig(BaseSettings):
         default_factory=lambda: ["127.0.0.1:23790"], description="etcd client endpoints, host:port."
     )
     etcd_timeout_s: float = Field(5.0, gt=0, description="Deadline of each etcd call.")
-    lease_ttl_s: int = Field(5, ge=2, le=60, description="TTL of this process's etcd lease.")
+    lease_ttl_s: int = Field(
+        10, ge=2, le=60,
+        description="TTL of this process's etcd lease: how long a stalled or dead process keeps its "
+        "registrations, claims and leadership. 10 s survives CPU starvation on a 2-core machine.",
+    )
     host: str = Field("127.0.0.1", description="Address to bind; loopback unless configured.")
     port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     advertise_host: str = Field(

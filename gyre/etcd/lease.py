@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import aetcd.exceptions
+
 from gyre.errors import FatalError, Unavailable
 from gyre.etcd.client import Etcd
 
@@ -79,5 +81,7 @@ class LeaseKeeper:
         if self._lease_id is not None:
             try:
                 await self._etcd.revoke(self._lease_id)
-            except Unavailable:
-                log.warning("lease revoke failed; it will expire by itself")
+            except (Unavailable, aetcd.exceptions.ClientError) as exc:
+                # Already expired (a fatal lease loss), or etcd unreachable: either way etcd
+                # drops the lease's keys by itself.
+                log.info("lease revoke skipped: %r", exc)
