@@ -231,12 +231,18 @@ class Packer:
         return n
 
     async def seal(self, batch_id: int, epoch: int) -> Batch:
-        """Seals a batch with the groups it has (burst end). Fenced; idempotent."""
+        """Seals a batch with the groups it has and the ready ones (burst end: no more groups
+        will come for it). Fenced; idempotent. Groups assigned to a batch stay in it: the
+        staleness rule applies to groups still waiting, not to a sealed batch's."""
         self.fence.check(epoch)
-        batch = self._batch(batch_id or self.state.filling)
+        st = self.state
+        batch = self._batch(batch_id or st.filling)
         if not batch.sealed:
-            if not batch.groups:
+            if not batch.groups and not st.ready:
                 raise FailedPrecondition(f"batch {batch.id} has no groups to seal")
+            # Whatever is ready goes in, even before a claim activated the batch.
+            while batch.id == st.filling and batch.needs > 0 and st.ready:
+                self._commit({"t": "assign", "b": batch.id, "g": next(iter(st.ready))})
             self._pack(batch, flush=True)
             self._seal(batch)
             self._after()

@@ -200,6 +200,19 @@ async def test_seal_batch_with_fewer_groups_is_fenced_and_idempotent():
     assert p.batch_status(1)["total_tokens"] == total == 16
 
 
+async def test_seal_takes_ready_groups_even_before_a_claim():
+    p, _, _ = tk.make_packer(batch_size=5, micro_step_token_budget=64)
+    await tk.feed_group(p, "g1", size=2)
+    await tk.feed_group(p, "g2", size=2)
+    assert p.supply()["ready_unassigned"] == 2 and not p.batch_status(1)["active"]
+    batch = await p.seal(0, epoch=3)
+    assert batch.id == 1 and batch.sealed and batch.groups == ["g1", "g2"]
+    assert p.batch_status(1)["total_tokens"] == 16
+    r = await p.claim("core", 1, 0, 0)
+    assert r.outcome is ClaimOutcome.CLAIMED and r.policy_version == 0
+    assert (await p.claim("late", 1, 0, 0)).outcome is ClaimOutcome.CLOSED
+
+
 async def test_keep_claims_counts_and_unknown_cells():
     p, _, _ = tk.make_packer(batch_size=1, micro_step_token_budget=8)
     await tk.feed_group(p, "g", size=2)
