@@ -35,6 +35,10 @@ class SchedulerConfig(ServiceConfig):
     )
     fraction: float = Field(0.5, gt=0.0, le=1.0, description="Ready groups needed, as a fraction of batch_size.")
     interval_s: float = Field(5.0, ge=0.0, le=3600.0, description="How long supply must hold before a move.")
+    drain_grace_s: float = Field(
+        2.0, ge=0.0, le=600.0,
+        description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst with nothing trainable).",
+    )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")
 

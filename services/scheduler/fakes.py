@@ -171,6 +171,9 @@ class FakePeers:
     async def current_batch(self) -> int:
         return self.batch_id
 
+    async def seal_batch(self, epoch: int, batch_id: int) -> None:
+        self.calls.append(("seal_batch", (epoch, batch_id)))
+
     async def set_state(self, target: str, epoch: int, state: CellState, reason: str) -> CellState:
         if self.hold_set_state is not None:
             await self.hold_set_state.wait()

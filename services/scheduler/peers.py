@@ -69,6 +69,8 @@ class Peers(Protocol):
 
     async def current_batch(self) -> int: ...
 
+    async def seal_batch(self, epoch: int, batch_id: int) -> None: ...
+
     async def set_state(self, target: str, epoch: int, state: CellState, reason: str) -> CellState: ...
 
     async def load_policy(self, target: str, epoch: int, version: int, source_target: str) -> int: ...
@@ -132,6 +134,12 @@ class GrpcPeers:
             return 0
         got = await unary(self._packer().GetBatch, packer_pb2.GetBatchRequest(batch_id=0), self._timeout_s)
         return int(got.batch_id)
+
+    async def seal_batch(self, epoch: int, batch_id: int) -> None:
+        if not self._packer_target:
+            return
+        req = packer_pb2.SealBatchRequest(fence=common_pb2.Fence(epoch=epoch), batch_id=batch_id)
+        await unary(self._packer().SealBatch, req, self._timeout_s)
 
     async def set_state(self, target: str, epoch: int, state: CellState, reason: str) -> CellState:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))

@@ -23,12 +23,15 @@ Stable API (other code imports it; extend, do not break):
   - :class:`BurstView` ``(burst_id, quota, policy_version, target_version)``: the current
     burst, the version it was dispatched with, and the published version that ends it
     (``policy_version + batches per burst``).
-  - :class:`Snapshot` ``(now_s, ledger, cells, supply, burst, policy_version, next_quota)``:
-    ``policy_version`` is the newest published policy; ``next_quota`` is how many
-    executions the next burst would dispatch (0: the task source is exhausted).
+  - :class:`Snapshot` ``(now_s, ledger, cells, supply, burst, policy_version, next_quota,
+    drained_since_s=None)``: ``policy_version`` is the newest published policy;
+    ``next_quota`` is how many executions the next burst would dispatch (0: the task source
+    is exhausted); ``drained_since_s`` is since when W has been 0 (None: W > 0 or unknown).
 * Actions (frozen dataclasses, each with ``kind`` and ``reason``): :class:`MoveToTraining`,
   :class:`ReturnToRollout`, :class:`KeepInTraining`, :class:`PublishPolicy`,
-  :class:`DispatchBurst`, and :class:`Hold` (informational only: why nothing moved).
+  :class:`DispatchBurst`, :class:`SealBatch` (only when ``drained_since_s`` is given: a
+  drained burst's partial batch is sealed; a burst with nothing trainable is followed by the
+  next), and :class:`Hold` (informational only: why nothing moved).
   A caller applies them in the order given. ``PublishPolicy`` repeats while the last burst
   stays trained and no next burst comes (task source exhausted): apply it once per version.
 * ``Policy`` protocol: ``name`` and ``decide(snapshot) -> list[Action]``. Implementations:
@@ -178,6 +181,16 @@ class Snapshot:
     burst: BurstView | None
     policy_version: int
     next_quota: int = 0
+    drained_since_s: float | None = None
+    """Since when no execution has been open (W = 0); None while W > 0 or when unknown.
+    Lets a policy tell "the burst is over and its batch will not fill" from a lull."""
+
+    def drained_for(self, grace_s: float) -> bool:
+        """True once W has been 0 for ``grace_s`` (finish reports had time to land)."""
+        return (
+            self.ledger.waterlevel == 0 and self.drained_since_s is not None
+            and self.now_s - self.drained_since_s >= grace_s
+        )
 
     def elastic(self) -> list[CellView]:
         """Elastic cells by index (the core first)."""
@@ -263,6 +276,16 @@ class DispatchBurst:
 
 
 @dataclasses.dataclass(frozen=True)
+class SealBatch:
+    """Tell the packer to seal batch ``batch_id`` with the groups it has: the burst is
+    drained and no more groups will come for it."""
+
+    batch_id: int
+    reason: str
+    kind: str = "batch_sealed"
+
+
+@dataclasses.dataclass(frozen=True)
 class Hold:
     """Nothing moves; the reason says which check failed (informational)."""
 
@@ -271,7 +294,7 @@ class Hold:
     kind: str = "hold"
 
 
-Action = Union[MoveToTraining, ReturnToRollout, KeepInTraining, PublishPolicy, DispatchBurst, Hold]
+Action = Union[MoveToTraining, ReturnToRollout, KeepInTraining, PublishPolicy, DispatchBurst, SealBatch, Hold]
 
 
 class Policy(Protocol):
@@ -318,6 +341,22 @@ def _next_burst(s: Snapshot, reason: str) -> list[Action]:
     return [DispatchBurst(burst_id, s.next_quota, s.policy_version, reason)]
 
 
+def _drained(s: Snapshot, grace_s: float, training: Sequence[CellView]) -> list[Action] | None:
+    """A burst whose executions have all closed (for ``grace_s``) while its batch is not
+    trained: seal a partial batch that cells are training on, or, when nothing trainable
+    came out of it, go on with the next burst. None: nothing special to do."""
+    if s.burst is None or not s.drained_for(grace_s):
+        return None
+    sup = s.supply
+    b = s.burst.burst_id
+    if training and 0 < sup.batch_needs < sup.batch_size:
+        have = sup.batch_size - sup.batch_needs
+        return [SealBatch(sup.batch_id, f"sealed batch {sup.batch_id} with {have} of {sup.batch_size} groups: burst {b} drained (W 0)")]
+    if sup.ready_groups == 0 and sup.batch_needs >= sup.batch_size:
+        return _next_burst(s, f"burst {b} yielded no trainable groups: burst {b + 1} with {s.next_quota} executions at policy v{s.policy_version}")
+    return None
+
+
 # Gyre: the waterlevel policy ---------------------------------------------------------------
 
 
@@ -329,12 +368,16 @@ class WaterlevelConfig:
     """Ready groups needed, as a fraction of the batch size, in (0, 1]."""
     interval_s: float = 5.0
     """How long the supply condition must hold before a move, seconds (>= 0)."""
+    drain_grace_s: float = 2.0
+    """How long W must stay 0 before a burst counts as drained (see Snapshot.drained_since_s)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError("fraction must be in (0, 1]")
         if not (self.interval_s >= 0.0 and math.isfinite(self.interval_s)):
             raise ValueError("interval_s must be finite and >= 0")
+        if not (self.drain_grace_s >= 0.0 and math.isfinite(self.drain_grace_s)):
+            raise ValueError("drain_grace_s must be finite and >= 0")
 
 
 class WaterlevelPolicy:
@@ -388,6 +431,9 @@ class WaterlevelPolicy:
         busy = [c for c in elastic if c.state in _IN_FLIGHT]
         if busy:
             return [Hold(f"waiting: {busy[0].cell_id} is {busy[0].state.value}", busy[0].cell_id)]
+        drained = _drained(s, self.config.drain_grace_s, prefix)
+        if drained is not None:
+            return drained
         rest = [c for c in elastic if c.state not in _TRAINING_SIDE and c.state is not CellState.FAILED]
         if not rest:
             return []
@@ -401,6 +447,9 @@ class WaterlevelPolicy:
         if after < w:
             return [Hold(f"kept {cand.cell_id} in rollout: capacity {after} < W {w}", cand.cell_id)]
         ok, why = self.supply_ok(s)
+        if not ok and not prefix and s.supply.ready_groups > 0 and s.drained_for(self.config.drain_grace_s):
+            # Nothing more will come for this batch: train on what is ready.
+            ok, why = True, f"burst {s.burst.burst_id if s.burst else 0} drained with {s.supply.ready_groups} ready groups"
         if not ok:
             return [Hold(f"kept {cand.cell_id} in rollout: {why}", cand.cell_id)]
         return [MoveToTraining(cand.cell_id, f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}")]
@@ -460,6 +509,9 @@ class ColocatedSyncPolicy:
 
     name = "colocated"
 
+    def __init__(self, drain_grace_s: float = 2.0) -> None:
+        self.drain_grace_s = drain_grace_s
+
     def decide(self, s: Snapshot) -> list[Action]:
         if s.burst is None:
             return _next_burst(s, f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
@@ -476,6 +528,9 @@ class ColocatedSyncPolicy:
         w = s.ledger.waterlevel
         if w > 0:
             return [Hold(f"barrier: W {w} > 0")]
+        drained = _drained(s, self.drain_grace_s, training_set(elastic))
+        if drained is not None:
+            return drained
         return [
             MoveToTraining(c.cell_id, f"moved {c.cell_id} to training: barrier reached (W 0)")
             for c in elastic if c.state is CellState.ROLLOUT
@@ -488,6 +543,8 @@ class StaticSplitConfig:
 
     training_cells: int = 1
     """T: the lowest-index elastic cells that always train (the rest always roll out)."""
+    drain_grace_s: float = 2.0
+    """How long W must stay 0 before a burst counts as drained."""
 
     def __post_init__(self) -> None:
         if self.training_cells < 0:
@@ -519,6 +576,8 @@ class StaticSplitPolicy:
             core = next((c for c in elastic if c.is_core), None)
             actions.append(PublishPolicy(v, core.cell_id if core else "", f"published policy v{v} to rollout engines"))
             actions += _next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
+        elif not actions:
+            actions += _drained(s, self.config.drain_grace_s, training_set(elastic)) or []
         return actions
 
 
@@ -536,14 +595,15 @@ class RolloutOnlyPolicy:
         return _next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions (burst {s.burst.burst_id} closed)")
 
 
-def make_policy(name: str, *, fraction: float = 0.5, interval_s: float = 5.0, training_cells: int = 1) -> Policy:
+def make_policy(name: str, *, fraction: float = 0.5, interval_s: float = 5.0, training_cells: int = 1,
+                drain_grace_s: float = 2.0) -> Policy:
     """Builds a policy by name: "waterlevel" (Gyre), "colocated", "static" or "rollout_only"."""
     if name == "waterlevel":
-        return WaterlevelPolicy(WaterlevelConfig(fraction, interval_s))
+        return WaterlevelPolicy(WaterlevelConfig(fraction, interval_s, drain_grace_s))
     if name == "colocated":
-        return ColocatedSyncPolicy()
+        return ColocatedSyncPolicy(drain_grace_s)
     if name == "static":
-        return StaticSplitPolicy(StaticSplitConfig(training_cells))
+        return StaticSplitPolicy(StaticSplitConfig(training_cells, drain_grace_s))
     if name == "rollout_only":
         return RolloutOnlyPolicy()
     raise ValueError(f"unknown policy {name!r} (waterlevel, colocated, static, rollout_only)")

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gyre.errors import Conflict, FatalError, StaleEpoch, Unavailable
+from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unavailable
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.events import EventLog, Metrics
 from services.scheduler.ledger import ExecState, ExecutionRecord, FinishOutcome, Ledger, sha256_hex, validate_finish
@@ -35,6 +35,7 @@ from services.scheduler.policy import (
     Policy,
     PublishPolicy,
     ReturnToRollout,
+    SealBatch,
     Snapshot,
     SupplyTracker,
     capacity,
@@ -79,7 +80,7 @@ class Scheduler:
         self.metrics = metrics
         self.policy = policy or make_policy(
             config.policy, fraction=config.fraction, interval_s=config.interval_s,
-            training_cells=config.static_training_cells,
+            training_cells=config.static_training_cells, drain_grace_s=config.drain_grace_s,
         )
         self.clock = clock
         self.wall = wall
@@ -99,7 +100,7 @@ class Scheduler:
         self.to_training = 0
         self.to_rollout = 0
         self._launch_lock = asyncio.Lock()
-        self._close_lock = asyncio.Lock()
+        self._exec_locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Condition()
         self._reports: asyncio.Queue[FinishReport] = asyncio.Queue()
         self._registrations: list[bytes] = []
@@ -107,6 +108,8 @@ class Scheduler:
         self.transitions = TransitionRunner(self)
         self.leader_target = ""
         self._missing_since: dict[str, float] = {}
+        self._drained_since: float | None = None
+        self._sealed: set[int] = set()
 
     # Leadership ---------------------------------------------------------------------------
 
@@ -303,21 +306,32 @@ class Scheduler:
         self.require_leader()
         self.ledger.authorize(execution_id, token)
         finish = validate_finish(status, reward, key, self.cfg.reward_min, self.cfg.reward_max)
-        async with self._close_lock:
+        async with self._lock_of(execution_id):
             out = self.ledger.plan_finish(execution_id, finish, self.wall())
             if out.duplicate:
                 return out
-            await self._close(out.record, "finished")
+            if not await self._close(out.record):
+                return FinishOutcome(self.ledger.records[execution_id], True)
             return out
 
-    async def _close(self, closed: ExecutionRecord, how: str) -> None:
+    def _lock_of(self, execution_id: str) -> asyncio.Lock:
+        """Closes of one execution are serialized; different executions close in parallel
+        (their records are independent keys)."""
+        lock = self._exec_locks.get(execution_id)
+        if lock is None:
+            lock = self._exec_locks[execution_id] = asyncio.Lock()
+        return lock
+
+    async def _close(self, closed: ExecutionRecord) -> bool:
+        """Persists a close, then applies it; False when another close got there first."""
         old = self.ledger.records[closed.execution_id]
         try:
             rev = await self._fenced(self.store.close(closed, old.revision))
         except (Conflict, Unavailable):
             await self._resolve(closed)
             if self.ledger.records[closed.execution_id].state.final:
-                return
+                self._exec_locks.pop(closed.execution_id, None)
+                return False
             raise
         self.ledger.apply(dataclasses.replace(closed, revision=rev))
         self.routes.drop(closed.execution_id)
@@ -325,8 +339,10 @@ class Scheduler:
         if closed.state is ExecState.TIMED_OUT:
             self.emit("timed_out", f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",
                       execution_id=closed.execution_id)
+        self._exec_locks.pop(closed.execution_id, None)
         self._gauges()
         await self._notify()
+        return True
 
     def _report(self, rec: ExecutionRecord) -> FinishReport:
         burst = self.ledger.bursts[rec.burst_id]
@@ -392,9 +408,10 @@ class Scheduler:
     async def reconcile_once(self) -> None:
         if not self.leading:
             return
-        async with self._close_lock:
-            for rec in self.ledger.plan_timeouts(self.clock()):
-                await self._close(rec, "timed out")
+        for rec in self.ledger.plan_timeouts(self.clock()):
+            async with self._lock_of(rec.execution_id):
+                if self.ledger.records[rec.execution_id].state is ExecState.RUNNING:
+                    await self._close(rec)
         self._rescue_orphans()
         snap = self.snapshot()
         for action in self.policy.decide(snap):
@@ -421,8 +438,13 @@ class Scheduler:
         self.supply = self.tracker.observe(self.clock(), raw.ready_groups, self.cfg.batch_size, raw.batch_needs, raw.batch_id)
         b = self.ledger.current_burst
         burst = None if b is None else BurstView(b.burst_id, b.quota, b.policy_version, b.target_version)
-        return Snapshot(self.clock(), self.ledger.counts(), self.cells.views(), self.supply, burst,
-                        self.policy_version, self.next_quota())
+        counts = self.ledger.counts()
+        if counts.waterlevel > 0:
+            self._drained_since = None
+        elif self._drained_since is None:
+            self._drained_since = self.clock()
+        return Snapshot(self.clock(), counts, self.cells.views(), self.supply, burst,
+                        self.policy_version, self.next_quota(), self._drained_since)
 
     def next_quota(self) -> int:
         if self.cfg.max_bursts and len(self.ledger.bursts) >= self.cfg.max_bursts:
@@ -452,6 +474,15 @@ class Scheduler:
         elif isinstance(action, KeepInTraining):
             self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
             self.transitions.rejoin(action.cell_id)
+        elif isinstance(action, SealBatch):
+            if action.batch_id not in self._sealed:
+                try:
+                    await self.peers.seal_batch(self.epoch, action.batch_id)
+                except GyreError as exc:  # e.g. no group assigned yet: the next tick retries
+                    log.info("seal refused: %s", exc)
+                    return
+                self._sealed.add(action.batch_id)
+                self.emit(action.kind, action.reason, **gauges)
         elif isinstance(action, PublishPolicy):
             if action.version > self.published:
                 self.published = action.version

@@ -180,6 +180,7 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
     def __init__(self) -> None:
         self.reports: dict[str, Any] = {}
         self.report_calls = 0
+        self.sealed: list[tuple[int, int]] = []
         self.supply = packer_pb2.SupplySignal(ready_groups=0, batch_needs=0, batch_id=1)
         self._changed = asyncio.Event()
         self.target = ""
@@ -207,6 +208,11 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
     @rpc
     async def GetBatch(self, request: Any, context: Any) -> Any:
         return packer_pb2.BatchStatus(batch_id=self.supply.batch_id)
+
+    @rpc
+    async def SealBatch(self, request: Any, context: Any) -> Any:
+        self.sealed.append((request.fence.epoch, request.batch_id))
+        return packer_pb2.BatchStatus(batch_id=request.batch_id, sealed=True)
 
     @rpc_stream
     async def WatchSupply(self, request: Any, context: Any) -> Any:

@@ -142,7 +142,7 @@ class TransitionRunner:
         """Moves every route off ``cell_id``; None when destinations ran out."""
         s = self.s
         for _ in range(5):
-            async with s._launch_lock, s._close_lock:
+            async with s._launch_lock:
                 leaving = s.routes.on_cell(cell_id)
                 if not leaving:
                     return 0

@@ -4,8 +4,9 @@ Random sequences of dispatch / launch / finish / duplicate finish / timeout / ce
 registration and loss / time passing / supply changes / transitions completing, with the
 policy deciding after every step. Checked at every step: D = Q + R + F and W >= 0; a cell
 never moves to training when capacity after the move < W; the training set is always a
-prefix of the elastic cells; no move before the supply condition held for interval_s; at
-most one move at a time. Plus example-based checks of burst end and the two baselines.
+prefix of the elastic cells; no move before the supply condition held for interval_s (but
+for the core of a drained burst, which trains on whatever is ready); at most one move at a
+time. Plus example-based checks of burst end and the two baselines.
 """
 
 from __future__ import annotations
@@ -70,12 +71,18 @@ class World:
         self.group_size = group_size
         self.supply = self.tracker.observe(0.0, 0, self.batch_size, self.batch_size)
         self.moves = 0
+        self.drained_since: float | None = None
         MOVES.append(0)
 
     def snapshot(self) -> Snapshot:
         b = self.ledger.current_burst
         burst = None if b is None else BurstView(b.burst_id, b.quota, b.policy_version, b.target_version)
-        return Snapshot(self.now, self.ledger.counts(), tuple(self.cells.values()), self.supply, burst, self.version, 6)
+        counts = self.ledger.counts()
+        if counts.waterlevel > 0:
+            self.drained_since = None
+        elif self.drained_since is None:
+            self.drained_since = self.now
+        return Snapshot(self.now, counts, tuple(self.cells.values()), self.supply, burst, self.version, 6, self.drained_since)
 
     def step(self, op: str, arg) -> None:
         led = self.ledger
@@ -146,9 +153,15 @@ class World:
                 # The three checks, recomputed independently of the policy.
                 assert cell.state is CellState.ROLLOUT and cell.elastic
                 assert capacity(snap.cells) - cell.slots >= snap.ledger.waterlevel, a.reason
-                assert snap.supply.ready_groups >= self.policy.config.fraction * snap.supply.batch_size
-                assert snap.supply.held_since_s is not None
-                assert snap.now_s - snap.supply.held_since_s >= self.policy.config.interval_s, a.reason
+                sup, cfg = snap.supply, self.policy.config
+                held = (
+                    sup.ready_groups >= cfg.fraction * sup.batch_size and sup.held_since_s is not None
+                    and snap.now_s - sup.held_since_s >= cfg.interval_s
+                )
+                if not held:
+                    # Only the core of a drained burst trains on whatever is ready (no more will come).
+                    assert snap.drained_for(cfg.drain_grace_s) and cell.is_core, a.reason
+                    assert sup.ready_groups > 0 and "drained" in a.reason
                 assert not any(c.state in (CellState.DRAINING, CellState.RETURNING) for c in snap.cells if c.elastic)
                 self.cells[a.cell_id] = dataclasses.replace(cell, state=CellState.DRAINING)
                 self.moves += 1

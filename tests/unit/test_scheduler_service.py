@@ -314,3 +314,36 @@ async def test_executions_of_a_lost_cell_are_rerouted_after_grace():
     (_, epoch, moves), = peers.commands("move_executions")
     assert {m.execution_id for m in moves} == {g.record.execution_id for g in on_sat}
     assert any(e.kind == "rescued" for e in s.events.after(0))
+
+
+async def test_drained_burst_trains_on_what_is_ready_and_seals():
+    s, store, peers, clock = make(drain_grace_s=1.0)
+    await lead(s, store)
+    launched = await _fill(s, 8)
+    for g in launched:
+        await s.finish(g.record.execution_id, g.token, ExecState.FAILED if g is not launched[0] else ExecState.COMPLETED, 1.0, "k")
+    s.supply_raw = SupplyUpdate(1, 4, 1)  # one ready group: below 0.5 x 4, and no more will come
+    await s.reconcile_once()
+    assert not s.transitions.running("core")
+    clock.now += 1.5
+    await s.reconcile_once()
+    await settle(s)
+    assert s.cells.state("core") is CellState.TRAINING
+    assert "drained" in [e for e in s.events.after(0) if e.kind == "cell_to_training"][0].message
+    s.supply_raw = SupplyUpdate(0, 3, 1)  # the core's claim assigned the group: 1 of 4 in the batch
+    await s.reconcile_once()
+    assert peers.commands("seal_batch") == [(7, 1)]
+    await s.reconcile_once()
+    assert peers.commands("seal_batch") == [(7, 1)]  # once per batch
+
+
+async def test_drained_burst_with_nothing_trainable_goes_on():
+    s, store, peers, clock = make(drain_grace_s=1.0)
+    await lead(s, store)
+    for g in await _fill(s, 8):
+        await s.finish(g.record.execution_id, g.token, ExecState.FAILED, 0.0, "k")
+    s.supply_raw = SupplyUpdate(0, 4, 1)
+    clock.now += 1.5
+    await s.reconcile_once()
+    assert sorted(s.ledger.bursts) == [1, 2] and s.ledger.bursts[2].policy_version == 0
+    assert not s.transitions.running("core")
