@@ -27,6 +27,7 @@ from services.router.calls import ModelCall
 from services.router.engine import Chunk, Sampling
 from services.router.manager import CallManager
 from services.router.routes import Route
+from services.router.store import RouteStore
 from services.router.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,10 @@ class OpenAIApi:
         max_tokens_limit: int,
         default_max_tokens: int,
         request_timeout_s: float,
+        store: RouteStore | None = None,
     ) -> None:
         self._manager = manager
+        self._store = store
         self._tok = tokenizer
         self.model_name = model_name
         self._max_body_bytes = max_body_bytes
@@ -86,7 +89,7 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            route = self._authorize(request)  # 1. who (headers only: nothing read yet)
+            route = await self._authorize(request)  # 1. who (headers only: nothing read yet)
             body = await self._read_json(request)  # 2. what (413 / 400)
             prompt, sampling, opts = await self._parse(body, chat)  # 3. validate, tokenize
             timeout_s = self._timeout(request)
@@ -98,12 +101,14 @@ class OpenAIApi:
                 return await self._stream(request, gen, prompt, opts, chat)
             return await self._unary(gen, prompt, opts, chat)
 
-    def _authorize(self, request: web.Request) -> Route:
+    async def _authorize(self, request: web.Request) -> Route:
         header = request.headers.get("Authorization", "")
         token = header[len("Bearer ") :].strip() if header.startswith("Bearer ") else ""
         execution_id = request.headers.get("x-gyre-execution-id") or None
         if not token:
             raise Unauthenticated("missing execution token (Authorization: Bearer <token>)")
+        if self._store is not None:
+            return await self._store.authorize(token, execution_id)
         return self._manager.routes.authorize(token, execution_id)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:

@@ -53,7 +53,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         token = bearer_token(context)
         if not request.execution_id:
             raise InvalidArgument("execution_id is required")
-        route = self._manager.routes.authorize(token, request.execution_id)
+        if self._store is not None:
+            route = await self._store.authorize(token, request.execution_id)
+        else:
+            route = self._manager.routes.authorize(token, request.execution_id)
         prompt = list(request.prompt_token_ids)
         if not 1 <= len(prompt) <= self._max_prompt_tokens:
             raise InvalidArgument(f"prompt_token_ids must hold 1..{self._max_prompt_tokens} tokens")

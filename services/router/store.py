@@ -1,11 +1,13 @@
 """The router's etcd adapter: mirrors the route prefix into the RouteTable (list + watch +
-periodic relist via PrefixMirror) and reads one route directly when a move is announced."""
+periodic relist via PrefixMirror), reads one route directly when a move is announced, and
+catches up with etcd before refusing a token (read-your-writes for harnesses)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from gyre.errors import InvalidArgument
+from gyre.errors import GyreError, InvalidArgument, Unauthenticated
 from gyre.etcd import KV, Etcd, Keys, PrefixMirror
 from services.router.routes import Route, RouteTable
 
@@ -21,6 +23,9 @@ class RouteStore:
         self._table = table
         self._parsed: dict[bytes, tuple[int, Route | None]] = {}
         self.mirror = PrefixMirror(etcd, keys.routes(), resync_s=resync_s, on_change=self._on_change)
+        self._catch_up: asyncio.Future[None] | None = None
+        self._catch_up_at = 0.0
+        self.catch_ups = 0
 
     async def run(self) -> None:
         await self.mirror.run()
@@ -53,3 +58,39 @@ class RouteStore:
         if route is not None:
             self._table.apply(route)
         return self._table.get(execution_id)
+
+    async def authorize(self, token: str, execution_id: str | None = None) -> Route:
+        """RouteTable.authorize, but a miss first catches up with etcd.
+
+        The scheduler writes a route and then hands the execution to a harness, which may
+        call the router before the watch delivers the route. So before answering 401 the
+        router reads etcd itself: the one route when the execution id is known, otherwise a
+        full list (coalesced: concurrent misses share one read, at most one per 50 ms)."""
+        try:
+            return self._table.authorize(token, execution_id)
+        except Unauthenticated:
+            await self.catch_up(execution_id)
+            return self._table.authorize(token, execution_id)
+
+    async def catch_up(self, execution_id: str | None = None) -> None:
+        try:
+            if execution_id is not None:
+                await self.refresh(execution_id)
+                return
+            loop = asyncio.get_running_loop()
+            if self._catch_up is None or (self._catch_up.done() and loop.time() - self._catch_up_at > 0.05):
+                self._catch_up_at = loop.time()
+                self._catch_up = asyncio.ensure_future(self._apply_all())
+            await asyncio.shield(self._catch_up)
+        except GyreError as exc:  # etcd unreachable: answer from the table as it is
+            log.warning("route catch-up failed", extra={"error": str(exc)})
+
+    async def _apply_all(self) -> None:
+        """Applies every route in etcd that is newer than the table's (never removes: the
+        mirror owns removals)."""
+        self.catch_ups += 1
+        _, kvs = await self._etcd.get_prefix(self._keys.routes())
+        for kv in kvs:
+            route = self._parse(kv)
+            if route is not None:
+                self._table.apply(route)

@@ -282,3 +282,19 @@ async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case,
             pass
     assert err.value.code() == code
     assert await _snapshot(env) == before
+
+
+async def test_route_written_just_before_the_call_is_honoured(env):
+    """Read-your-writes: the scheduler writes a route and returns the execution; the harness
+    may call before the router's watch delivers it. The router reads etcd before a 401."""
+    for _ in range(5):
+        ex, tok = new_execution()
+        await put_route(env.etcd, env.keys, ex, "a", env.engine.target, tok)
+        async with aiohttp.ClientSession() as s, s.post(f"{env.url}/chat/completions", json=chat_body(max_tokens=2),
+                                                        headers={"Authorization": f"Bearer {tok}"}) as r:
+            assert r.status == 200, await r.text()
+        ex, tok = new_execution()
+        await put_route(env.etcd, env.keys, ex, "a", env.engine.target, tok)
+        req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=[5], sampling=common_pb2.SamplingParams(max_tokens=2))
+        got = [m async for m in env.stub.Generate(req, metadata=(("authorization", f"Bearer {tok}"),), timeout=10)]
+        assert sum(len(m.chunk.token_ids) for m in got) == 2
