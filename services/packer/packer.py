@@ -302,15 +302,25 @@ class Packer:
         return {**self.state.counters(), "late_turns": self.late_turns}
 
     def supply(self) -> dict[str, Any]:
+        """The training supply of the batch open to joiners (the current one): groups ready
+        and not yet fully claimed, i.e. its groups with unclaimed turns plus, while it is
+        being filled, the ready groups waiting for it; capped by what it still needs (its
+        size less the groups already fully claimed; once sealed, its groups with unclaimed
+        turns). This is what another training cell could still take a share of."""
         st = self.state
-        filling = st.batches[st.filling]
-        ready = len(st.ready)
+        batch = st.current_batch()
+        open_groups = len(st.groups_with_unclaimed_work(batch))
+        if batch.sealed:
+            needs = open_groups
+        else:
+            needs = batch.size - (len(batch.groups) - open_groups)
+        waiting = len(st.ready) if batch.id == st.filling and not batch.sealed else 0
         return {
-            "ready_groups": min(ready, filling.needs), "batch_needs": filling.needs,
-            "batch_id": filling.id, "dropped": dict(st.dropped),
-            "batch_active": filling.active,
+            "ready_groups": min(open_groups + waiting, needs), "batch_needs": needs,
+            "batch_id": batch.id, "dropped": dict(st.dropped),
+            "batch_active": batch.active,
             "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
-            "ready_unassigned": ready, "counters": self.counters(),
+            "ready_unassigned": len(st.ready), "counters": self.counters(),
         }
 
     async def wait_changed(self, timeout_s: float | None) -> None:

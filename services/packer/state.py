@@ -168,8 +168,16 @@ class PackerState:
         return self.execs[ref[0]].turns[ref[1]]
 
     def current_batch(self) -> Batch:
-        """The oldest batch not yet trained (the one cells train on now)."""
-        return self.batches[min(b for b, batch in self.batches.items() if not batch.done)]
+        """The oldest batch still open to joiners (not closed): what ``batch_id`` 0 means.
+        The batch being filled is never closed, so there always is one."""
+        return self.batches[min(b for b, batch in self.batches.items() if not batch.closed)]
+
+    def groups_with_unclaimed_work(self, batch: Batch) -> set[str]:
+        """Groups of ``batch`` with a turn not yet claimed (unpacked, or in a free micro-step)."""
+        out = {self.execs[x].group_id for x, _ in batch.pending}
+        for mid in batch.free:
+            out.update(self.execs[x].group_id for x, _ in self.micro_steps[mid].seqs)
+        return out
 
     def buffered(self) -> dict[str, int]:
         """Turns held, by where they are, recounted from the structures."""

@@ -82,7 +82,7 @@ async def test_expired_claim_returns_and_is_trained_once():
     r = await p.claim("dead", 0, 0, 0)
     assert r.outcome is ClaimOutcome.CLAIMED
     ms_id = r.micro_step.micro_step_id
-    assert (await p.claim("other", 0, 0, 0)).outcome is ClaimOutcome.CLOSED  # window closed
+    assert (await p.claim("other", 1, 0, 0)).outcome is ClaimOutcome.CLOSED  # window closed
     clock.advance(4.0)
     assert await p.reap() == 0
     clock.advance(1.5)
@@ -90,9 +90,9 @@ async def test_expired_claim_returns_and_is_trained_once():
     assert p.state.counters()["claims_expired"] == 1
     # Closed to newcomers, but open to a participant? "dead" is the only participant: a
     # newcomer is still told CLOSED, the participant can retake it.
-    assert (await p.claim("other", 0, 0, 0)).outcome is ClaimOutcome.CLOSED
+    assert (await p.claim("other", 1, 0, 0)).outcome is ClaimOutcome.CLOSED
     assert p.batch_status(1)["unclaimed"] == 1
-    r2 = await p.claim("dead", 0, 0, 0)
+    r2 = await p.claim("dead", 1, 0, 0)
     assert r2.outcome is ClaimOutcome.CLAIMED and r2.micro_step.micro_step_id == ms_id
     assert await p.ack("dead", 1, ms_id) is False
     assert p.batch_status(1)["done"]
@@ -109,7 +109,7 @@ async def test_expired_claim_taken_by_participant_refuses_late_ack():
     assert await p.keep("b") == 1  # b keeps its claim alive; a does not
     clock.advance(3.0)
     assert await p.reap() == 1
-    r = await p.claim("b", 0, 0, 0)  # b is a participant: takes a's returned micro-step
+    r = await p.claim("b", 1, 0, 0)  # b is a participant: takes a's returned micro-step
     assert r.micro_step.micro_step_id == a.micro_step.micro_step_id
     with pytest.raises(FailedPrecondition):
         await p.ack("a", 1, a.micro_step.micro_step_id)
@@ -195,7 +195,10 @@ async def test_seal_batch_with_fewer_groups_is_fenced_and_idempotent():
     batch = await p.seal(1, epoch=11)
     assert batch.sealed and len(batch.groups) == 2 and not batch.pending
     assert (await p.seal(1, epoch=11)).sealed
-    assert p.supply()["batch_id"] == 2
+    # Batch 1 is sealed but g2's micro-step is still free: it is what a joiner could take.
+    assert p.state.filling == 2
+    s = p.supply()
+    assert s["batch_id"] == 1 and s["ready_groups"] == 1 and s["batch_needs"] == 1
     total = sum(m.loss_tokens for m in batch.micro_steps)
     assert p.batch_status(1)["total_tokens"] == total == 16
 
@@ -211,6 +214,28 @@ async def test_seal_takes_ready_groups_even_before_a_claim():
     r = await p.claim("core", 1, 0, 0)
     assert r.outcome is ClaimOutcome.CLAIMED and r.policy_version == 0
     assert (await p.claim("late", 1, 0, 0)).outcome is ClaimOutcome.CLOSED
+
+
+async def test_supply_counts_ready_groups_not_yet_claimed():
+    # One micro-step per group (2 turns x 8 tokens = the 16-token budget).
+    p, _, _ = tk.make_packer(batch_size=4, micro_step_token_budget=16)
+    for g in range(3):
+        await tk.feed_group(p, f"g{g}", size=2)
+    s = p.supply()
+    assert (s["batch_id"], s["ready_groups"], s["batch_needs"], s["batch_active"]) == (1, 3, 4, False)
+    await p.claim("core", 1, 0, 0)  # activates: 3 groups assigned and packed, 1 claimed
+    s = p.supply()
+    assert (s["ready_groups"], s["batch_needs"], s["batch_active"]) == (2, 3, True)
+    await tk.feed_group(p, "g3", size=2)  # the 4th group: the batch is sealed
+    s = p.supply()
+    assert p.batch_status(1)["sealed"] and (s["batch_id"], s["ready_groups"], s["batch_needs"]) == (1, 3, 3)
+    for _ in range(3):
+        assert (await p.claim("satellite", 1, 0, 0)).outcome is ClaimOutcome.CLAIMED
+    # Every micro-step claimed: the window is closed, the supply is the next batch's.
+    await tk.feed_group(p, "g4", size=2)
+    s = p.supply()
+    assert (s["batch_id"], s["ready_groups"], s["batch_needs"], s["batch_active"]) == (2, 1, 4, False)
+    assert p.batch_status(0)["batch_id"] == 2
 
 
 async def test_keep_claims_counts_and_unknown_cells():
