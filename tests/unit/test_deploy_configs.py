@@ -34,19 +34,23 @@ SECTION_MODULES = {
     "packer": "services.packer.config",
     "cell_agent": "services.cell_agent.config",
     "dashboard": "services.dashboard.config",
+    "training": "services.cell_agent.training.config",  # read by elastic cell agents
 }
 # Overrides for fields the services are expected to grow; accepted (and ignored by
 # pydantic-settings) until they exist. metrics_port: the Prometheus port (deploy/prometheus).
 PENDING_FIELDS = {"metrics_port"}
 
+# Sections read by the same containers (a cell agent reads cell_agent and training).
+SHARED_CONTAINERS = {"cell_agent": ("training",), "training": ("cell_agent",)}
 # Which containers run which section: compose service names / Kubernetes workload names.
 COMPOSE_USERS = {
     "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
     "cell_agent": ["cell-0", "cell-1", "cell-2", "rollout-0"], "dashboard": ["dashboard"],
+    "training": ["cell-0", "cell-1", "cell-2"],
 }
 K8S_USERS = {
     "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
-    "cell_agent": ["cell", "rollout"], "dashboard": ["dashboard"],
+    "cell_agent": ["cell", "rollout"], "dashboard": ["dashboard"], "training": ["cell"],
 }
 # What the Kubernetes downward API would give a pod (for $(VAR) and fieldRef values).
 FIELD_REFS = {
@@ -57,11 +61,13 @@ FIELD_REFS = {
 }
 
 
-def config_class(section: str) -> type[ServiceConfig]:
+def config_class(section: str) -> type[Any]:
     try:
         module = importlib.import_module(SECTION_MODULES[section])
     except ModuleNotFoundError as exc:
         pytest.skip(f"{SECTION_MODULES[section]} has not landed yet ({exc})")
+    if section == "training":
+        return module.TrainingSettings  # type: ignore[no-any-return]
     classes = [
         obj for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, ServiceConfig) and obj.SECTION == section
@@ -106,7 +112,7 @@ def k8s_cluster_yaml() -> str:
     return doc["data"]["cluster.yaml"]
 
 
-def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ServiceConfig:
+def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     cls = config_class(section)
     prefix = f"GYRE_{section.upper()}__"
     for key in list(os.environ):
@@ -116,11 +122,17 @@ def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypa
         if key.startswith(prefix):
             field = key[len(prefix):].lower()
             assert field in cls.model_fields or field in PENDING_FIELDS, f"{key}: {cls.__name__} has no field {field}"
-        elif key.startswith("GYRE_") and key != "GYRE_CONFIG":
+        elif key.startswith("GYRE_") and key != "GYRE_CONFIG" and not any(
+            key.startswith(f"GYRE_{other.upper()}__") for other in SHARED_CONTAINERS.get(section, ())
+        ):
             raise AssertionError(f"{key} overrides another section than {section}")
         monkeypatch.setenv(key, value)
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
+    if section == "training":  # not a service: the cell agent's hook reads it (training/hook.py)
+        merged = dict(yaml.safe_load(text).get("training") or {})
+        merged.update({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
+        return cls(**merged)
     return config_mod.load(cls, path)
 
 
@@ -134,6 +146,8 @@ def test_every_section_is_known() -> None:
 def test_compose_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for service in COMPOSE_USERS[section]:
         cfg = build(section, COMPOSE_CLUSTER.read_text(), compose_env(service), tmp_path, monkeypatch)
+        if section == "training":
+            continue
         assert cfg.cluster_name == "compose" and cfg.etcd_endpoints == ["etcd:2379"]
         assert cfg.host == "0.0.0.0"
         if section == "cell_agent":
@@ -149,6 +163,8 @@ def test_compose_sections_load(section: str, tmp_path: Path, monkeypatch: pytest
 def test_k8s_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for workload in K8S_USERS[section]:
         cfg = build(section, k8s_cluster_yaml(), k8s_env(workload), tmp_path, monkeypatch)
+        if section == "training":
+            continue
         assert cfg.cluster_name == "gyre" and len(cfg.etcd_endpoints) == 3
         assert cfg.host == "0.0.0.0"
         if section == "cell_agent":
@@ -166,3 +182,30 @@ def test_a_typo_in_an_override_is_caught(tmp_path: Path, monkeypatch: pytest.Mon
     bad = COMPOSE_CLUSTER.read_text().replace("poll_interval_s: 0.5", "poll_interval_s: 0.5\n  poll_every_s: 1")
     with pytest.raises(ValueError, match="poll_every_s"):
         build("dashboard", bad, {}, tmp_path, monkeypatch)
+
+
+def _compose_elastic() -> list[str]:
+    return [name for name in COMPOSE_USERS["cell_agent"] if compose_env(name)["GYRE_CELL_AGENT__KIND"] == "elastic"]
+
+
+def test_sections_agree_with_each_other() -> None:
+    """Values that two sections (or a section and the topology) must share."""
+    compose = yaml.safe_load(COMPOSE_CLUSTER.read_text())
+    k8s = yaml.safe_load(k8s_cluster_yaml())
+    cell_sts = k8s_workload("cell")
+    for cfg, packer_host, elastic, core_host in (
+        (compose, "packer", len(_compose_elastic()), "cell-0"),
+        (k8s, "packer.gyre.svc.cluster.local", cell_sts["spec"]["replicas"], "cell-0.cell.gyre.svc.cluster.local"),
+    ):
+        assert cfg["scheduler"]["batch_size"] == cfg["packer"]["batch_size"]
+        packer = f"{packer_host}:{cfg['packer']['port']}"
+        assert cfg["scheduler"]["packer_target"] == cfg["router"]["packer_target"] == packer
+        assert cfg["training"]["packer_target"] == packer
+        assert cfg["training"]["world_size"] == elastic  # every elastic cell is one rank
+        host, _, port = cfg["training"]["dist_master"].rpartition(":")
+        assert host == core_host and port == "29500"
+        assert cfg["dashboard"]["scheduler_target"].endswith(f":{cfg['scheduler']['port']}")
+    assert compose_env("cell-0")["GYRE_CELL_AGENT__INDEX"] == "0"  # the rendezvous host is the core
+    (agent,) = cell_sts["spec"]["template"]["spec"]["containers"]
+    assert 29500 in {p["containerPort"] for p in agent["ports"]}
+    assert cell_sts["spec"]["serviceName"] == "cell"
