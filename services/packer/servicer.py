@@ -91,9 +91,12 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         while True:
             changes = self._packer.changes
             signal = supply_to_proto(self._packer.supply())
-            if signal != last:
+            key = packer_pb2.SupplySignal()
+            key.CopyFrom(signal)
+            key.ClearField("counters")  # counters move with every record: not a supply change
+            if key != last:
                 yield signal
-                last = signal
+                last = key
             if self._packer.changes == changes:
                 await self._packer.wait_changed(None)
             else:
