@@ -166,6 +166,10 @@ class Scheduler:
                 self._reports.put_nowait(self._report(rec))
         for cell_id, body in transitions.items():
             self.transitions.resume(cell_id, body)
+        if self.policy_version > 0:
+            # The old leader may have died mid-publication: engines still behind catch up
+            # (cells already serving the version are skipped).
+            self.transitions.publish(self.policy_version)
         await self._notify()
 
     async def reload_routes(self) -> None:

@@ -347,3 +347,20 @@ async def test_drained_burst_with_nothing_trainable_goes_on():
     await s.reconcile_once()
     assert sorted(s.ledger.bursts) == [1, 2] and s.ledger.bursts[2].policy_version == 0
     assert not s.transitions.running("core")
+
+
+async def test_metrics_expose_waterlevel_capacity_and_roles():
+    from prometheus_client import generate_latest
+
+    from services.scheduler.events import Metrics
+
+    metrics = Metrics()
+    s, store, peers, _ = make(policy="rollout_only")
+    s.metrics = metrics
+    await lead(s, store)
+    await _fill(s, 3)
+    await s.reconcile_once()
+    text = generate_latest(metrics.registry).decode()
+    assert "gyre_scheduler_waterlevel 8.0" in text and "gyre_scheduler_running 3.0" in text
+    assert "gyre_scheduler_capacity 16.0" in text and 'gyre_scheduler_cells{state="ROLLOUT"} 3.0' in text
+    assert 'gyre_scheduler_events_total{kind="burst_started"} 1.0' in text
