@@ -14,24 +14,78 @@ class RouterConfig(ServiceConfig):
 
     SECTION: ClassVar[str] = "router"
 
-    http_port: int = Field(8000, ge=0, le=65535, description="Port of the OpenAI-compatible HTTP API (0 picks a free one).")
-    model_dir: str = Field("", description="Local model directory holding the tokenizer and its chat template.")
-    served_model_name: str = Field("", description="Model name served on /v1/models; defaults to the model directory's name.")
-    packer_target: str = Field("", description="gRPC target of the packer (turn records); empty disables turn records.")
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024, description="Largest HTTP request body; larger gets 413.")
+    http_port: int = Field(
+        8000, ge=0, le=65535,
+        description="Port of the OpenAI-compatible HTTP API (0 picks a free one).",
+    )
+    model_dir: str = Field(
+        "",
+        description="Local model directory holding the tokenizer and its chat template.",
+    )
+    served_model_name: str = Field(
+        "",
+        description="Model name served on /v1/models; defaults to the model directory's name.",
+    )
+    packer_target: str = Field(
+        "",
+        description="gRPC target of the packer (turn records); empty disables turn records.",
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024,
+        description="Largest HTTP request body; larger gets 413.",
+    )
     max_prompt_tokens: int = Field(131072, ge=1, description="Largest prompt (in tokens) of one model call.")
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens a call may ask for.")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when an HTTP request gives none.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one HTTP model call (gRPC calls use the caller's deadline, capped by this).")
-    retry_budget: int = Field(2, ge=0, le=100, description="Engine failures one call survives (continuations at the same or a new route); moves by the scheduler do not count.")
-    failover_wait_s: float = Field(2.0, ge=0, description="After an engine failure, how long to wait for the scheduler to move the route before retrying at the current one.")
-    engine_idle_timeout_s: float = Field(30.0, gt=0, description="An engine stream with no chunk for this long counts as a failed engine (a hang is never forwarded).")
+    request_timeout_s: float = Field(
+        600.0, gt=0,
+        description=(
+            "Deadline of one HTTP model call (gRPC calls use the caller's deadline, capped by "
+            "this)."
+        ),
+    )
+    retry_budget: int = Field(
+        2, ge=0, le=100,
+        description=(
+            "Engine failures one call survives (continuations at the same or a new route); moves by "
+            "the scheduler do not count."
+        ),
+    )
+    failover_wait_s: float = Field(
+        2.0, ge=0,
+        description=(
+            "After an engine failure, how long to wait for the scheduler to move the route before "
+            "retrying at the current one."
+        ),
+    )
+    engine_idle_timeout_s: float = Field(
+        30.0, gt=0,
+        description=(
+            "An engine stream with no chunk for this long counts as a failed engine (a hang is "
+            "never forwarded)."
+        ),
+    )
     abort_timeout_s: float = Field(0.5, gt=0, description="Deadline of Engine.Abort calls.")
-    kv_handoff: bool = Field(False, description="On a scheduler move, export the source's KV blocks and import them at the destination.")
-    kv_timeout_s: float = Field(1.0, gt=0, description="Deadline of ExportKv; past it the destination recomputes the prefix.")
-    route_resync_s: float = Field(10.0, gt=0, description="Period of the route table's full relist (watches are hints).")
-    move_route_wait_s: float = Field(2.0, gt=0, description="How long MoveExecutions waits for a route at the announced epoch.")
-    turn_buffer: int = Field(10000, ge=1, description="Turn records buffered for the packer before the oldest are dropped.")
+    kv_handoff: bool = Field(
+        False,
+        description="On a scheduler move, export the source's KV blocks and import them at the destination.",
+    )
+    kv_timeout_s: float = Field(
+        1.0, gt=0,
+        description="Deadline of ExportKv; past it the destination recomputes the prefix.",
+    )
+    route_resync_s: float = Field(
+        10.0, gt=0,
+        description="Period of the route table's full relist (watches are hints).",
+    )
+    move_route_wait_s: float = Field(
+        2.0, gt=0,
+        description="How long MoveExecutions waits for a route at the announced epoch.",
+    )
+    turn_buffer: int = Field(
+        10000, ge=1,
+        description="Turn records buffered for the packer before the oldest are dropped.",
+    )
     turn_senders: int = Field(4, ge=1, le=64, description="Concurrent RecordTurn calls.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     turn_retry_max_s: float = Field(5.0, gt=0, description="Largest back-off between RecordTurn retries.")

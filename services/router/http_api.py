@@ -32,7 +32,15 @@ from services.router.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 class OpenAIApi:
