@@ -4,6 +4,7 @@ move concerns, numbers each execution's turns and hands finished turns to the re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -40,6 +41,8 @@ class CallManager:
         self._ids = itertools.count(1)
         self._prefix = f"r{os.getpid():x}"
         self._background: set[asyncio.Task[Any]] = set()
+        if turns.renumber is None:
+            turns.renumber = self._renumber
         routes.add_listener(self._on_route)
         routes.add_remove_listener(self.forget)
 
@@ -109,6 +112,12 @@ class CallManager:
                 output_policy_versions=tuple(call.policy_versions),
             )
         )
+
+    def _renumber(self, turn: Turn) -> Turn:
+        """The next index past ``turn``'s for its execution (its index was taken)."""
+        index = max(self._turn_index.get(turn.execution_id, 0), turn.turn_index + 1)
+        self._turn_index[turn.execution_id] = index + 1
+        return dataclasses.replace(turn, turn_index=index)
 
     def _on_route(self, route: Route) -> None:
         for call in list(self._calls.get(route.execution_id, ())):

@@ -60,7 +60,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prompt = list(request.prompt_token_ids)
         if not 1 <= len(prompt) <= self._max_prompt_tokens:
             raise InvalidArgument(f"prompt_token_ids must hold 1..{self._max_prompt_tokens} tokens")
-        if any(t < 0 or t >= self._vocab_size for t in prompt):
+        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
             raise InvalidArgument(f"prompt token ids must be in [0, {self._vocab_size})")
         if request.prompt_loss_mask and len(request.prompt_loss_mask) != len(prompt):
             raise InvalidArgument("prompt_loss_mask must be empty or as long as the prompt")

@@ -4,6 +4,11 @@ background so that a slow or absent packer never blocks a harness.
 RecordTurn is idempotent on (execution_id, turn_index), so a retry after an ambiguous
 failure (UNAVAILABLE / DEADLINE_EXCEEDED do not prove the call did nothing) is safe. The
 buffer is bounded; when it is full the oldest record is dropped and counted.
+
+Turn indexes are counted in the router's memory. After a router restart (or with two
+routers on one execution) an index can already hold another turn at the packer, which
+refuses it ("recorded with other content"); the recorder then renumbers the turn past it
+(``renumber``) instead of losing it.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ class TurnRecorder:
         senders: int = 4,
         retry_max_s: float = 5.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        renumber: Callable[[Turn], Turn] | None = None,
     ) -> None:
         self._sink = sink
+        self.renumber = renumber
         self._capacity = capacity
         self._senders = senders
         self._retry_max_s = retry_max_s
@@ -80,6 +87,7 @@ class TurnRecorder:
         self.sent = 0
         self.dropped = 0
         self.rejected = 0
+        self.renumbered = 0
 
     @property
     def pending(self) -> int:
@@ -134,6 +142,17 @@ class TurnRecorder:
             try:
                 await self._sink.record(turn)
                 self.sent += 1
+                return
+            except FailedPrecondition as exc:
+                if "other content" in str(exc) and self.renumber is not None and self.renumbered < 1_000_000:
+                    old = turn.turn_index
+                    turn = self.renumber(turn)
+                    self.renumbered += 1
+                    log.warning("turn index taken at the packer; renumbered",
+                                extra={"execution_id": turn.execution_id, "from": old, "to": turn.turn_index})
+                    continue
+                self.rejected += 1
+                log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
                 return
             except _PERMANENT as exc:
                 self.rejected += 1

@@ -77,3 +77,33 @@ async def test_no_packer_configured_is_a_no_op():
     rec = TurnRecorder(None)
     rec.submit(turn(0))
     assert rec.pending == 0
+
+
+class TakenSink:
+    """A packer that already holds turns 0 and 1 of e1 with other content (a router restart)."""
+
+    def __init__(self) -> None:
+        self.held = {0: "old", 1: "old"}
+
+    async def record(self, t: Turn) -> None:
+        from gyre.errors import FailedPrecondition
+
+        if self.held.get(t.turn_index, "new") != "new":
+            raise FailedPrecondition(f"turn {t.turn_index} of {t.execution_id} was recorded with other content")
+        self.held[t.turn_index] = "new"
+
+
+async def test_taken_index_is_renumbered_not_lost():
+    from services.router.calls import CallPolicy
+    from services.router.manager import CallManager
+    from services.router.routes import RouteTable
+
+    sink = TakenSink()
+    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    mgr = CallManager(RouteTable(), None, CallPolicy(), rec)  # type: ignore[arg-type]
+    task = asyncio.create_task(rec.run())
+    rec.submit(turn(0))
+    assert await rec.flush(2.0)
+    assert sink.held == {0: "old", 1: "old", 2: "new"} and rec.renumbered == 2 and rec.sent == 1
+    assert mgr._turn_index["e1"] == 3  # the next turn of e1 goes after it
+    task.cancel()
