@@ -313,3 +313,42 @@ async def test_kv_export_timeout_falls_back_to_recompute():
     assert out == reference(1, PROMPT, 12)
     assert engines.requests[1][1].kv_handle is None
     assert mgr.stats.kv_handoffs == 0 and mgr.stats.kv_recomputes == 1
+
+
+@pytest.mark.parametrize("kv", [False, True])
+async def test_rapid_successive_moves_end_at_the_latest_route(kv):
+    cells = ["a", "b", "c", "d"]
+    mgr, table, engines, _, _ = setup({c: Script(delay_s=0.002) for c in cells}, kv_handoff=kv)
+    fired = False
+
+    async def on_tokens(n: int) -> None:
+        nonlocal fired
+        if n >= 5 and not fired:
+            fired = True
+            for i, cell in enumerate(cells[1:], start=2):  # three moves within one loop turn
+                table.apply(route(cell, i))
+
+    out, _ = await run_call(mgr, 25, on_tokens)
+    assert out == reference(1, PROMPT, 25)
+    targets = [t for t, _ in engines.requests]
+    assert targets[0] == "a" and targets[-1] == "d"
+    assert len(targets) <= 4
+
+
+async def test_move_while_waiting_after_a_failure_goes_to_the_new_route():
+    mgr, table, engines, _, _ = setup({"a": Script(fail_after=4), "b": Script()}, retry_budget=1, failover_wait_s=5.0)
+
+    async def mover() -> None:
+        while not engines.aborts:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)  # the call is now waiting for a new route
+        table.apply(route("b", 2))
+
+    m = asyncio.create_task(mover())
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out, _ = await run_call(mgr, 12)
+    await m
+    assert out == reference(1, PROMPT, 12)
+    assert loop.time() - t0 < 2.0  # woken by the route change, not by failover_wait_s
+    assert [t for t, _ in engines.requests] == ["a", "b"]
