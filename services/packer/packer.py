@@ -211,10 +211,12 @@ class Packer:
             return True
         if ms.holder is not None and ms.holder != cell:
             raise FailedPrecondition(
-                f"micro-step {ms.id} is held by {ms.holder}: {cell}'s claim expired and was taken"
+                f"micro-step {ms.id} is held by {ms.holder}, not {cell} (a lapsed claim was retaken)"
             )
-        # Held by this cell, or returned to the pool and not yet retaken: either way it is
-        # trained exactly once by accepting this ack.
+        if ms.holder is None and ms.released_from != cell:
+            raise FailedPrecondition(f"micro-step {ms.id} is not claimed by {cell}")
+        # Held by this cell, or this cell's claim lapsed and nobody retook it: either way it
+        # is trained exactly once by accepting this ack.
         self._commit({"t": "ack", "ms": ms.id, "cell": cell})
         self._touch(cell)
         self._after()

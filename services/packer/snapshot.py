@@ -37,7 +37,7 @@ def to_event(st: PackerState) -> Event:
             "micro_steps": [
                 {"id": m.id, "index": m.index, "seqs": [list(r) for r in m.seqs], "n": m.n_seqs,
                  "loss": m.loss_tokens, "packed": m.packed_tokens, "holder": m.holder,
-                 "acked_by": m.acked_by}
+                 "acked_by": m.acked_by, "released_from": m.released_from}
                 for m in bt.micro_steps
             ],
         }
@@ -89,7 +89,8 @@ def restore(st: PackerState, ev: Event) -> None:
                           seqs=[(str(x), int(i)) for x, i in md["seqs"]], n_seqs=int(md["n"]),
                           loss_tokens=int(md["loss"]), packed_tokens=int(md["packed"]),
                           holder=CellId(md["holder"]) if md["holder"] else None,
-                          acked_by=CellId(md["acked_by"]) if md["acked_by"] else None)
+                          acked_by=CellId(md["acked_by"]) if md["acked_by"] else None,
+                          released_from=CellId(md["released_from"]) if md.get("released_from") else None)
             bt.micro_steps.append(m)
             st.micro_steps[m.id] = m
             if m.holder is not None:

@@ -97,6 +97,7 @@ class MicroStep:
     holder: CellId | None = None
     deadline: float = 0.0  # runtime only: when the holder's claim lapses
     acked_by: CellId | None = None
+    released_from: CellId | None = None  # whose claim lapsed last (may still ack late)
 
     @property
     def free(self) -> bool:
@@ -344,6 +345,7 @@ class PackerState:
         if not ms.free:
             raise FatalError(f"micro-step {ms.id} claimed while held or acked")
         ms.holder = CellId(ev["cell"])
+        ms.released_from = None
         self.held[ms.id] = ms
         batch = self.batches[ms.batch_id]
         del batch.free[ms.id]
@@ -352,7 +354,7 @@ class PackerState:
 
     def _on_release(self, ev: Event) -> None:
         ms = self.micro_steps[ev["ms"]]
-        ms.holder = None
+        ms.released_from, ms.holder = ms.holder, None
         del self.held[ms.id]
         self.batches[ms.batch_id].free[ms.id] = None
         if ev.get("expired", True):

@@ -104,7 +104,7 @@ def snapshot(state: PackerState) -> dict[str, Any]:
             for b, bt in state.batches.items()
         },
         "micro_steps": {
-            m: (ms.batch_id, list(ms.seqs), ms.holder, ms.acked_by, ms.loss_tokens)
+            m: (ms.batch_id, list(ms.seqs), ms.holder, ms.acked_by, ms.loss_tokens, ms.released_from)
             for m, ms in state.micro_steps.items()
         },
         "filling": state.filling,
