@@ -6,7 +6,7 @@ a deterministic token-level engine with a fixed per-token delay, standing in for
 engine), the router (``python -m services.router`` against a private etcd), and this client.
 In the same run, at each concurrency (64 and 256 streams of 32 tokens), rounds alternate
 between calling Engine.Generate directly, Router.Generate (gRPC) and the router's OpenAI
-SSE endpoint; per stream we take the time to first token and to the last token. Reroute
+SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the time to first token and to the last token. Reroute
 latency: a stream runs on engine A; the "scheduler" (this script) rewrites the route to
 engine B in etcd and calls Router.MoveExecutions; we measure from the start of that move
 to B's first token (B runs in this process so its clock is ours) and to the next token the
@@ -47,6 +47,7 @@ from tests.router_support import build_tokenizer_dir, put_route, start_router, w
 TOKENS = 32
 TOKEN_DELAY_S = 0.005
 PROMPT = list(range(10, 74))  # 64 prompt tokens
+COALESCE_MS = 10.0  # the second router's coalescing window
 
 
 def cpu_s(pid: int) -> float:
@@ -112,6 +113,8 @@ async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[flo
         coros = [one_direct(ctx["engine_stub"], i) for i in range(conc)]
     elif kind == "router_grpc":
         coros = [one_router(ctx["router_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_coalesce":
+        coros = [one_router(ctx["router2_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     else:
         coros = [one_sse(ctx["session"], ctx["url"], tok) for _, tok in ctx["execs"][:conc]]
     return list(await asyncio.gather(*coros))
@@ -154,7 +157,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
     etcd_server.start()
     engine = subprocess.Popen([sys.executable, str(ROOT / "tests" / "router_fake_engine.py"), "--cell-id", "a",
                                "--token-delay-s", str(TOKEN_DELAY_S)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    router = None
+    router = router2 = None
     try:
         assert engine.stdout is not None
         engine_target = json.loads(engine.stdout.readline())["target"]
@@ -162,6 +165,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         cluster = "bench" + secrets.token_hex(3)
         cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir), http_port=0, log_level="WARNING")
         router, url = start_router(cfg, tmp / "router.log")
+        router2, _ = start_router(cfg, tmp / "router2.log", coalesce_ms=COALESCE_MS)
         etcd = Etcd([etcd_server.endpoint], 5.0)
         await etcd.connect()
         keys = Keys(cluster)
@@ -172,23 +176,27 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         opts = [("grpc.max_concurrent_streams", 1000)]
         ech = grpc.aio.insecure_channel(engine_target, options=opts)
         rch = grpc.aio.insecure_channel(router.target, options=opts)
+        rch2 = grpc.aio.insecure_channel(router2.target, options=opts)
         dest = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=TOKEN_DELAY_S)).start()
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         ctx = {"engine_stub": cell_agent_pb2_grpc.EngineStub(ech), "router_stub": router_pb2_grpc.RouterStub(rch), "execs": execs,
+               "router2_stub": router_pb2_grpc.RouterStub(rch2),
                "session": session, "url": url, "etcd": etcd, "keys": keys, "engine_target": engine_target, "dest": dest}
-        kinds = ["direct", "router_grpc", "router_sse"]
+        kinds = ["direct", "router_grpc", "router_sse", "router_grpc_coalesce"]
         await run_round("direct", 8, ctx)  # warm-up: channels, connections
         await run_round("router_grpc", 8, ctx)
         await run_round("router_sse", 8, ctx)
+        await run_round("router_grpc_coalesce", 8, ctx)
         results: dict[str, Any] = {}
         for conc in concurrencies:
             samples: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
             cpu = {k: {"router": 0.0, "engine": 0.0} for k in kinds}
             for _ in range(rounds):
                 for kind in kinds:  # alternate so drift hits every kind alike
-                    r0, e0 = cpu_s(router.pid), cpu_s(engine.pid)
+                    rpid = router2.pid if kind == "router_grpc_coalesce" else router.pid
+                    r0, e0 = cpu_s(rpid), cpu_s(engine.pid)
                     samples[kind] += await run_round(kind, conc, ctx)
-                    cpu[kind]["router"] += cpu_s(router.pid) - r0
+                    cpu[kind]["router"] += cpu_s(rpid) - r0
                     cpu[kind]["engine"] += cpu_s(engine.pid) - e0
             per: dict[str, Any] = {}
             for kind in kinds:
@@ -210,7 +218,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             print(f"[{conc} streams]")
             for kind in kinds:
                 p = per[kind]
-                print(f"  {kind:12s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | stream p50 {p['stream']['p50_ms']:7.1f} "
+                print(f"  {kind:20s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | stream p50 {p['stream']['p50_ms']:7.1f} "
                       f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} engine {p['engine_cpu_us_per_token']:5.0f} us")
         reroute = await reroute_trials(ctx, trials)
         r = reroute["move_to_first_token_at_destination"]
@@ -219,12 +227,13 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         await session.close()
         await ech.close()
         await rch.close()
+        await rch2.close()
         await dest.stop(0)
         await etcd.close()
         return {
             "benchmark": "router_latency",
             "setup": {"tokens_per_stream": TOKENS, "token_delay_s": TOKEN_DELAY_S, "prompt_tokens": len(PROMPT), "rounds": rounds,
-                      "engine": "tests/router_fake_engine.py (one message per token)", "processes": "engine, router, client on loopback",
+                      "engine": "tests/router_fake_engine.py (one message per token)", "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS, "processes": "engine, router, client on loopback",
                       "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
             "concurrency": results,
             "reroute": reroute,
@@ -232,8 +241,9 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     finally:
-        if router is not None:
-            router.stop()
+        for r in (router, router2):
+            if r is not None:
+                r.stop()
         engine.kill()
         engine.wait()
         etcd_server.cleanup()

@@ -44,6 +44,7 @@ async def build(rt: Runtime) -> Services:
         abort_timeout_s=cfg.abort_timeout_s,
         kv_handoff=cfg.kv_handoff,
         kv_timeout_s=cfg.kv_timeout_s,
+        coalesce_s=cfg.coalesce_ms / 1000.0,
     )
     manager = CallManager(table, engines, policy, turns)
     limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit, request_timeout_s=cfg.request_timeout_s)

@@ -51,6 +51,7 @@ class CallPolicy:
     abort_timeout_s: float = 0.5
     kv_handoff: bool = False
     kv_timeout_s: float = 1.0
+    coalesce_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -158,6 +159,8 @@ class ModelCall:
                 while not self._buf:
                     self._ready.clear()
                     await self._ready.wait()
+                if self._policy.coalesce_s > 0 and _open_ended(self._buf[-1]):
+                    await asyncio.sleep(self._policy.coalesce_s)  # let more tokens join this message
                 merged: Chunk | None = None
                 end: Any = None
                 while self._buf:
@@ -425,6 +428,11 @@ class ModelCall:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+
+def _open_ended(item: Any) -> bool:
+    """True for a chunk that more tokens may follow."""
+    return isinstance(item, Chunk) and item.finish is None
 
 
 async def _aclose(stream: AsyncIterator[Chunk]) -> None:

@@ -87,5 +87,12 @@ class RouterConfig(ServiceConfig):
         description="Turn records buffered for the packer before the oldest are dropped.",
     )
     turn_senders: int = Field(4, ge=1, le=64, description="Concurrent RecordTurn calls.")
+    coalesce_ms: float = Field(
+        0.0, ge=0, le=1000,
+        description=(
+            "Hold each harness-side message up to this long to merge more tokens into it "
+            "(0: forward every engine chunk as soon as it arrives; queued chunks are merged anyway)."
+        ),
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     turn_retry_max_s: float = Field(5.0, gt=0, description="Largest back-off between RecordTurn retries.")

@@ -352,3 +352,11 @@ async def test_move_while_waiting_after_a_failure_goes_to_the_new_route():
     assert out == reference(1, PROMPT, 12)
     assert loop.time() - t0 < 2.0  # woken by the route change, not by failover_wait_s
     assert [t for t, _ in engines.requests] == ["a", "b"]
+
+
+async def test_coalescing_window_merges_tokens_without_changing_them():
+    mgr, _, _, _, _ = setup({"a": Script(delay_s=0.002)}, coalesce_s=0.02)
+    out, chunks = await run_call(mgr, 30)
+    assert out == reference(1, PROMPT, 30)
+    assert len(chunks) < 15  # ~10 tokens per message instead of 1
+    assert chunks[-1].finish is Finish.LENGTH
