@@ -364,3 +364,32 @@ async def test_metrics_expose_waterlevel_capacity_and_roles():
     assert "gyre_scheduler_waterlevel 8.0" in text and "gyre_scheduler_running 3.0" in text
     assert "gyre_scheduler_capacity 16.0" in text and 'gyre_scheduler_cells{state="ROLLOUT"} 3.0' in text
     assert 'gyre_scheduler_events_total{kind="burst_started"} 1.0' in text
+
+
+async def test_colocated_baseline_trains_everyone_at_the_barrier():
+    s, store, peers, clock = make(policy="colocated", drain_grace_s=0.0)
+    await lead(s, store)
+    launched = await _fill(s, 8)
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    for g in launched[:-1]:
+        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    await s.reconcile_once()
+    assert not any(s.transitions.running(c) for c in ("core", "sat1"))  # W 1 > 0: barrier
+    await s.finish(launched[-1].record.execution_id, launched[-1].token, ExecState.COMPLETED, 1.0, "k")
+    await s.reconcile_once()
+    await settle(s)
+    assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.TRAINING
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    await s.reconcile_once()
+    await settle(s)
+    assert s.cells.state("core") is CellState.ROLLOUT and s.cells.state("sat1") is CellState.ROLLOUT
+    assert sorted(s.ledger.bursts) == [1, 2]
+
+
+async def test_static_split_baseline_keeps_the_core_training():
+    s, store, peers, clock = make(policy="static", static_training_cells=1)
+    await lead(s, store)
+    await settle(s)
+    assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.ROLLOUT
+    launched = await _fill(s, 8)
+    assert {g.route.cell_id for g in launched} <= {"sa", "sat1"}
