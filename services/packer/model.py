@@ -127,6 +127,10 @@ class Turn:
             )
         if not output_t:
             raise InvalidArgument("output_token_ids is empty: nothing to train on")
+        if not prompt_t:
+            # Every model call has a prompt; and position 0 of a sequence is never trained
+            # (nothing precedes it), so an output token there would be lost silently.
+            raise InvalidArgument("prompt_token_ids is empty")
         if any(t < 0 for t in prompt_t) or any(t < 0 for t in output_t):
             raise InvalidArgument("token ids must be >= 0")
         if len(logprobs_t) != len(output_t):

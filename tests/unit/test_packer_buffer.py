@@ -180,6 +180,7 @@ def _turn_proto(**changes):
         (_turn_proto(output_loss_mask=[1, 1]), InvalidArgument),
         (_turn_proto(output_token_ids=[], output_logprobs=[], output_policy_versions=[]), InvalidArgument),
         (_turn_proto(prompt_token_ids=[-1, 2]), InvalidArgument),
+        (_turn_proto(prompt_token_ids=[]), InvalidArgument),
         (packer_pb2.TurnRecord(group_id="g", output_token_ids=[1], output_logprobs=[-1.0]), InvalidArgument),
         (packer_pb2.TurnRecord(execution_id="x", output_token_ids=[1], output_logprobs=[-1.0]), InvalidArgument),
         (packer_pb2.TurnRecord(execution_id="x" * 300, group_id="g", output_token_ids=[1], output_logprobs=[-1.0]),
