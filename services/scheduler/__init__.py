@@ -1,1 +1,29 @@
-"""The Gyre scheduler: bursts, the execution ledger, the waterlevel, cell roles, transitions."""
+"""The Gyre scheduler: bursts, the execution ledger, the waterlevel, cell roles, transitions.
+
+Modules: ``policy`` (pure role decisions: waterlevel, colocated, static, rollout_only),
+``ledger`` (pure D / L / F, exactly-once close), ``placement`` (pure cell/route tables and
+placement order), ``tasks`` (task sources), ``scheduler`` (the leader's operations and
+control loop), ``transitions`` (rollout <-> training orchestration, resumable), ``store``
+(etcd, every write fenced), ``peers`` (outgoing gRPC), ``events`` (event log, metrics),
+``servicer`` (gRPC edge), ``config``; ``fakes`` and ``testing`` for tests.
+
+What it writes in etcd (all with ``LeaderElection.fenced_txn``):
+
+* ``keys.burst(b)``: ``{"burst_id", "policy_version", "target_version", "group_size",
+  "tasks": [[task_id, task_json], ...], "dispatched_s"}``; D of the burst = tasks x group_size.
+* ``keys.execution(b, id)``: ``{"execution_id", "burst_id", "seq", "group_id", "task_id",
+  "policy_version", "state" (RUNNING | COMPLETED | FAILED | TIMED_OUT | CANCELLED),
+  "token_sha256", "harness_id", "launched_s", "finished_s", "reward", "idempotency_key"}``,
+  created at launch (L), rewritten once at close (F). Execution ids: ``b<burst>-t<i>-<m>``,
+  groups ``b<burst>-t<i>``.
+* ``keys.route(id)`` as in the conventions (deleted at close; version = route epoch).
+* ``keys.transition(cell)``: ``{"cell_id", "target", "reason", "epoch"}`` while a move runs.
+* the leader key's value: ``{"instance", "target"}`` (a standby names the leader in its
+  UNAVAILABLE answer; HarnessService health is NOT_SERVING on a standby).
+
+It reads ``keys.cell``/``keys.cell_state`` (capacity, roles), ``keys.policy()`` (a new
+version ends the burst), ``services/router/*`` (MoveExecutions targets), and the packer's
+WatchSupply stream. Event kinds on WatchEvents: burst_started, cell_to_training,
+cell_to_rollout, core_kept, policy_published, batch_sealed, hold, reroute, rescued,
+cell_in_training, cell_in_rollout, joined_batch, timed_out, leader, transition_resumed, ...
+"""
