@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from services.scheduler.policy import CellKind, CellState, CellView
 
@@ -160,11 +160,19 @@ def pick_launch_cell(cells: CellTable, routes: RouteTable) -> CellRecord | None:
     return order[0][0] if order else None
 
 
-def pick_destinations(cells: CellTable, routes: RouteTable, source: str, n: int) -> list[CellRecord]:
-    """Destinations for ``n`` executions leaving ``source`` (fewer if slots run out)."""
+def pick_destinations(
+    cells: CellTable, routes: RouteTable, source: str, n: int, version_of: Callable[[str], int] | None = None
+) -> list[CellRecord]:
+    """Destinations for ``n`` executions leaving ``source`` (fewer if slots run out). With
+    ``version_of``, engines serving the source's policy version come first (a continuation
+    should run on the same weights); the placement order holds within each group."""
     counts = routes.counts()
     out: list[CellRecord] = []
-    for rec, free in placement_order(cells, counts, exclude=[source]):
+    order = placement_order(cells, counts, exclude=[source])
+    if version_of is not None:
+        want = version_of(source)
+        order = sorted(order, key=lambda x: version_of(x[0].cell_id) != want)  # stable
+    for rec, free in order:
         while free > 0 and len(out) < n:
             out.append(rec)
             free -= 1

@@ -218,6 +218,10 @@ class Scheduler:
                 self.leader_target = str(json.loads(kv.value).get("target", ""))
             except (ValueError, TypeError, AttributeError):
                 self.leader_target = ""
+            if self.epoch > 0 and getattr(kv, "create_revision", 0) > self.epoch:
+                # A newer leader's key (ours lapsed): stop before the next write finds out.
+                # (An older revision is only a lagging watch: ignored.)
+                self.mark_deposed(StaleEpoch(f"the leader key now has epoch {kv.create_revision}"))
         if not items:
             self.leader_target = ""
 

@@ -146,7 +146,7 @@ class TransitionRunner:
                 leaving = s.routes.on_cell(cell_id)
                 if not leaving:
                     return 0
-                dests = pick_destinations(s.cells, s.routes, cell_id, len(leaving))
+                dests = pick_destinations(s.cells, s.routes, cell_id, len(leaving), self._version)
                 if len(dests) < len(leaving):
                     return None
                 pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old, d in zip(leaving, dests)]
