@@ -86,6 +86,14 @@ class PackerConfig(ServiceConfig):
     max_buffered_turns: int = Field(
         1_000_000, ge=1, description="Turns held at most; RecordTurn beyond is RESOURCE_EXHAUSTED."
     )
+    dedupe_batches: int = Field(
+        8,
+        ge=1,
+        le=1_000_000,
+        description="Retried turns and finish reports are answered as duplicates for groups resolved "
+        "within the last this-many batches; older records are forgotten (bounded memory) and a retry "
+        "that late is refused (FAILED_PRECONDITION).",
+    )
     ready_grace_s: float = Field(
         1.0,
         ge=0,

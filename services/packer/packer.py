@@ -392,6 +392,18 @@ class Packer:
             self._pack(batch, flush=full or wanted)
             if full and not batch.pending:
                 self._seal(batch)
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Drops the idempotency records of groups resolved ``dedupe_batches`` batches ago."""
+        st = self.state
+        old = []
+        for gid, (resolved_in, _) in st.forgettable.items():
+            if resolved_in > st.filling - self.cfg.dedupe_batches:
+                break  # in resolution order: the rest are newer
+            old.append(gid)
+        if old:
+            self._commit({"t": "forget", "groups": old})
 
     def _pack(self, batch: Batch, flush: bool) -> None:
         """First-fit decreasing over the batch's unpacked sequences; emits bins that are full

@@ -20,6 +20,7 @@ def to_event(st: PackerState) -> Event:
         groups[gid] = {
             "size": g.size, "state": g.state.value, "batch_id": g.batch_id,
             "adv": dict(g.advantages), "oldest": g.oldest_version,
+            "gone": {x: list(t) for x, t in g.gone.items()},
             "execs": {
                 x: {"turns": [t.to_json() for _, t in sorted(e.turns.items())],
                     "finish": e.finish.to_json() if e.finish is not None else None}
@@ -50,6 +51,7 @@ def to_event(st: PackerState) -> Event:
         "seen_turns": [[x, i, d] for (x, i), d in st.seen_turns.items()],
         "finished": {x: f.to_json() for x, f in st.finished.items()},
         "resolved": sorted(st.resolved),
+        "forgettable": [[gid, b, {x: list(t) for x, t in m.items()}] for gid, (b, m) in st.forgettable.items()],
         "produced": st.produced,
         "consumed": st.consumed,
         "dropped": dict(st.dropped),
@@ -66,7 +68,8 @@ def restore(st: PackerState, ev: Event) -> None:
     for gid, gd in ev["groups"].items():
         g = Group(GroupId(gid), size=int(gd["size"]), state=GroupState(gd["state"]),
                   batch_id=int(gd["batch_id"]), advantages={k: float(v) for k, v in gd["adv"].items()},
-                  oldest_version=int(gd["oldest"]))
+                  oldest_version=int(gd["oldest"]),
+                  gone={x: [int(i) for i in t] for x, t in gd.get("gone", {}).items()})
         for x, ed in gd["execs"].items():
             e = Execution(ExecutionId(x), GroupId(gid))
             for tj in ed["turns"]:
@@ -101,6 +104,9 @@ def restore(st: PackerState, ev: Event) -> None:
     st.seen_turns = {(str(x), int(i)): int(d) for x, i, d in ev["seen_turns"]}
     st.finished = {x: Finish.from_json(f) for x, f in ev["finished"].items()}
     st.resolved = set(ev["resolved"])
+    st.forgettable = {
+        gid: (int(b), {x: [int(i) for i in t] for x, t in m.items()}) for gid, b, m in ev.get("forgettable", [])
+    }
     st.produced, st.consumed = int(ev["produced"]), int(ev["consumed"])
     st.dropped = collections.Counter({k: int(v) for k, v in ev["dropped"].items()})
     st.groups_dropped = collections.Counter({k: int(v) for k, v in ev["groups_dropped"].items()})

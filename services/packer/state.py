@@ -68,6 +68,7 @@ class Group:
     batch_id: int = 0
     advantages: dict[str, float] = dataclasses.field(default_factory=dict)
     oldest_version: int = 0
+    gone: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # dropped members' turns
 
     @property
     def closed(self) -> int:
@@ -154,6 +155,9 @@ class PackerState:
         self.seen_turns: dict[SeqRef, int] = {}  # -> content digest (idempotency)
         self.finished: dict[str, Finish] = {}
         self.resolved: set[str] = set()  # groups dropped or trained (their data is freed)
+        # Resolved groups whose idempotency records are still kept, in resolution order:
+        # group -> (the batch being filled then, {execution: its turn indexes}).
+        self.forgettable: dict[str, tuple[int, dict[str, list[int]]]] = {}
         self.produced = 0
         self.consumed = 0
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -271,6 +275,7 @@ class PackerState:
             ex = group.execs.pop(x)
             self.dropped[reason] += len(ex.turns)
             self.execs.pop(x, None)
+            group.gone[x] = sorted(ex.turns)
         group.advantages = {k: float(v) for k, v in ev["adv"].items()}
         group.oldest_version = int(ev["oldest"])
         group.transition(GroupState.READY)
@@ -285,10 +290,21 @@ class PackerState:
         self._free_group(group)
 
     def _free_group(self, group: Group) -> None:
+        members = {x: sorted(e.turns) for x, e in group.execs.items()} | group.gone
         for x in group.execs:
             self.execs.pop(x, None)
         self.groups.pop(group.id, None)
         self.resolved.add(group.id)
+        self.forgettable[group.id] = (self.filling, members)
+
+    def _on_forget(self, ev: Event) -> None:
+        # Idempotency records of long-resolved groups: a retry this late is refused instead.
+        for gid in ev["groups"]:
+            _, members = self.forgettable.pop(gid)
+            for x, turns in members.items():
+                self.finished.pop(x, None)
+                for i in turns:
+                    self.seen_turns.pop((x, i), None)
 
     def _on_batch(self, ev: Event) -> None:
         b = int(ev["b"])

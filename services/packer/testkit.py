@@ -110,6 +110,7 @@ def snapshot(state: PackerState) -> dict[str, Any]:
         "filling": state.filling,
         "held": sorted(state.held),
         "resolved": sorted(state.resolved),
+        "forgettable": list(state.forgettable.items()),
     }
 
 

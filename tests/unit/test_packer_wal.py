@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from gyre.errors import FatalError
+from gyre.errors import FailedPrecondition, FatalError
 from services.packer import testkit as tk
 from services.packer.model import ClaimOutcome
 from services.packer.packer import Packer
@@ -161,3 +161,21 @@ async def test_snapshot_round_trips_and_compaction_keeps_everything(tmp_path):
     assert await p2.record_turn(tk.turn("g1-x0", "g1", 0)) is True
     assert await p2.report_finish(tk.finish("g1-x0", "g1", 2, reward=0.0)) is True
     assert size_before > 0
+
+
+async def test_idempotency_records_are_forgotten_after_dedupe_batches():
+    p, log, _ = tk.make_packer(batch_size=1, micro_step_token_budget=64, dedupe_batches=2)
+    for b in range(1, 5):
+        await tk.feed_group(p, f"g{b}", size=2)
+        r = await p.claim("c", b, 0, 0)
+        await p.ack("c", b, r.micro_step.micro_step_id)
+    # Batches 1..4 trained; the batch being filled is 5: groups of batches <= 3 forgotten.
+    assert p.state.filling == 5
+    assert set(p.state.forgettable) == {"g3", "g4"}
+    assert ("g1-x0", 0) not in p.state.seen_turns and "g1-x0" not in p.state.finished
+    assert await p.report_finish(tk.finish("g4-x0", "g4", 2, reward=0.0)) is True  # recent: dup
+    with pytest.raises(FailedPrecondition):
+        await p.report_finish(tk.finish("g1-x0", "g1", 2, reward=0.0))  # forgotten: refused
+    with pytest.raises(FailedPrecondition):
+        await p.record_turn(tk.turn("g1-x0", "g1", 0))
+    assert tk.snapshot(tk.replayed(log.events)) == tk.snapshot(p.state)
