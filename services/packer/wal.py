@@ -172,6 +172,8 @@ class Wal:
                 self._durable = max(self._durable, upto)
                 self.bytes_since_compact = 0
                 self.compactions += 1
+            except asyncio.CancelledError:
+                raise  # the loop is going away; not a write failure
             except BaseException as exc:
                 self._failed = exc
                 self._failed_event.set()
@@ -207,6 +209,8 @@ class Wal:
             if data:
                 await asyncio.to_thread(self._write, data)
             self._durable = upto
+        except asyncio.CancelledError:
+            raise  # the loop is going away; not a write failure
         except BaseException as exc:
             self._failed = exc
             self._failed_event.set()

@@ -179,3 +179,23 @@ async def test_idempotency_records_are_forgotten_after_dedupe_batches():
     with pytest.raises(FailedPrecondition):
         await p.record_turn(tk.turn("g1-x0", "g1", 0))
     assert tk.snapshot(tk.replayed(log.events)) == tk.snapshot(p.state)
+
+
+async def test_a_failed_write_is_fatal(tmp_path):
+    import asyncio
+
+    wal = Wal(tmp_path)
+    wal.open()
+
+    def broken(data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    wal._write = broken  # type: ignore[method-assign]
+    watch = asyncio.create_task(wal.watch())
+    wal.append({"t": "policy", "v": 1})
+    with pytest.raises(OSError):
+        await wal.sync()
+    with pytest.raises(FatalError):
+        wal.append({"t": "policy", "v": 2})
+    with pytest.raises(FatalError):
+        await asyncio.wait_for(watch, 1)  # the supervised task ends the process
