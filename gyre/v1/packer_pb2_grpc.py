@@ -112,7 +112,8 @@ class PackerServicer:
 
     def AckMicroStep(self, request, context):
         """A cell reports a claimed micro-step trained. Idempotent. NOT_FOUND for an unknown
-        micro-step; FAILED_PRECONDITION when another cell holds or acknowledged it.
+        micro-step; FAILED_PRECONDITION when another cell holds or acknowledged it, or this cell
+        never held it. A cell whose claim lapsed may still ack while nobody retook the micro-step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,8 +141,9 @@ class PackerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SealBatch(self, request, context):
-        """Scheduler -> packer: seal a batch with the groups it has (burst end, fewer groups than
-        batch_size will come). Fenced; idempotent.
+        """Scheduler -> packer: seal a batch with the groups it has plus the ready ones (burst end,
+        fewer groups than batch_size will come), even before a claim activated it. Fenced;
+        idempotent. FAILED_PRECONDITION when it would be empty (nothing ready yet).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
