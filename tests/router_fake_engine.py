@@ -134,6 +134,8 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
                     return
                 if sent == 0:
                     self._event("first_token", rid)
+                if finish:
+                    self._event("finish", rid)  # before the yield: the caller may close right after it
                 yield common_pb2.TokenChunk(token_ids=ids, logprobs=lps, policy_version=o.policy_version, finish_reason=finish)
                 sent += len(ids)
                 self.progress[rid] = sent
@@ -144,7 +146,6 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
                     self._event("hang", rid)
                     await asyncio.Event().wait()
                 if finish:
-                    self._event("finish", rid)
                     return
         except asyncio.CancelledError:
             self._event("cancelled", rid)
