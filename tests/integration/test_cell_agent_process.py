@@ -57,7 +57,7 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
             chunks = await _generate(engine, "r1", [5, 6, 7], 10)
             assert sum(len(c.token_ids) for c in chunks) == 10
             assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-            load = await engine.GetLoad(pb.GetLoadRequest(), timeout=5)
+            load = await engine.GetLoad(pb.GetLoadRequest(), timeout=20)
             assert (load.cell_id, load.slots, load.accepting, load.engine) == ("cell-p", 4, True, "mock")
 
             # Bad input: precise statuses.
@@ -80,13 +80,13 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
                  grpc.StatusCode.FAILED_PRECONDITION),
             ]:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await engine.Generate(req, timeout=5).read()
+                    await engine.Generate(req, timeout=20).read()
                 assert err.value.code() == code, req
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await control.SetState(pb.SetStateRequest(target=common_pb2.CELL_STATE_DRAINING), timeout=5)
+                await control.SetState(pb.SetStateRequest(target=common_pb2.CELL_STATE_DRAINING), timeout=20)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=5)), timeout=5)
+                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=5)), timeout=20)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
             # Fenced role commands.
@@ -96,18 +96,18 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
             epoch = await leader.campaign()
             with pytest.raises(grpc.aio.AioRpcError) as err:  # not the leader key's revision
                 await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch + 1000),
-                                                          target=common_pb2.CELL_STATE_DRAINING), timeout=5)
+                                                          target=common_pb2.CELL_STATE_DRAINING), timeout=20)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value)["state"] == "ROLLOUT"
             with pytest.raises(grpc.aio.AioRpcError) as err:  # illegal in ROLLOUT
                 await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch),
-                                                          target=common_pb2.CELL_STATE_TRAINING), timeout=5)
+                                                          target=common_pb2.CELL_STATE_TRAINING), timeout=20)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             for target in (common_pb2.CELL_STATE_DRAINING, common_pb2.CELL_STATE_TRAINING):
                 got = await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=target),
-                                             timeout=10)
+                                             timeout=20)
                 assert got.state == target
-            status = await control.GetCellStatus(pb.GetCellStatusRequest(), timeout=5)
+            status = await control.GetCellStatus(pb.GetCellStatusRequest(), timeout=20)
             assert (status.state, status.epoch, status.load.accepting) == (common_pb2.CELL_STATE_TRAINING, epoch, False)
             assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value) | {"updated_s": 0} == {
                 "state": "TRAINING", "epoch": epoch, "updated_s": 0}
@@ -115,12 +115,12 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
                 await _generate(engine, "r2", [5], 3)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             joined = await control.JoinBatch(pb.JoinBatchRequest(fence=common_pb2.Fence(epoch=epoch), batch_id=1,
-                                                                 policy_version=1, prefix_size=1), timeout=5)
+                                                                 policy_version=1, prefix_size=1), timeout=20)
             assert joined.joined in (True, False)
             for target in (common_pb2.CELL_STATE_RETURNING, common_pb2.CELL_STATE_ROLLOUT):
-                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=target), timeout=10)
+                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=target), timeout=20)
             got = await control.LoadPolicy(pb.LoadPolicyRequest(fence=common_pb2.Fence(epoch=epoch), version=3),
-                                           timeout=10)
+                                           timeout=20)
             assert got.policy_version == 3
             assert json.loads((await etcd.get(keys.cell("cell-p"))).value)["policy_version"] == 3
             chunks = await _generate(engine, "r3", [5, 6, 7], 4)
