@@ -50,6 +50,7 @@ class FakeStore:
         self.transitions: dict[str, dict[str, Any]] = {}
         self.policy: dict[str, Any] | None = None
         self.fail_next = 0
+        self.launch_delay_s = 0.0
         self.election = _FakeElection(self)
         self.writes = 0
 
@@ -101,6 +102,8 @@ class FakeStore:
         return rev
 
     async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int:
+        if self.launch_delay_s:
+            await asyncio.sleep(self.launch_delay_s)  # a slow etcd: launches overlap
         rev = self._write()
         if rec.execution_id in self.execs:
             raise Conflict("already launched")

@@ -190,6 +190,7 @@ class Ledger:
         self._finished: dict[int, int] = {}  # burst -> final records
         self._by_status: dict[str, int] = {}
         self._cursor: dict[int, int] = {}  # burst -> lowest seq that may still be queued
+        self._reserved: set[str] = set()  # launches whose write is in flight
 
     # Counts -------------------------------------------------------------------------------
 
@@ -238,16 +239,29 @@ class Ledger:
         for b in sorted(self.bursts):
             burst = self.bursts[b]
             seq = self._cursor.get(b, 0)
-            while seq < burst.quota and burst.member(seq)[0] in self.records:
+            while seq < burst.quota and (
+                (eid := burst.member(seq)[0]) in self.records or eid in self._reserved
+            ):
                 seq += 1
             self._cursor[b] = seq
             if seq < burst.quota:
                 return burst, seq
         return None
 
+    def reserve(self, execution_id: str) -> None:
+        """Marks a queued execution as being launched (its write is in flight): the queue
+        skips it. Counts do not change until the launch is applied."""
+        self._reserved.add(execution_id)
+
+    def unreserve(self, burst: Burst, seq: int) -> None:
+        """A launch write failed or was refused: the execution is queued again (if it was
+        not launched after all)."""
+        self._reserved.discard(burst.member(seq)[0])
+        self._cursor[burst.burst_id] = min(self._cursor.get(burst.burst_id, 0), seq)
+
     def plan_launch(self, burst: Burst, seq: int, token_sha256: str, harness_id: str, now_s: float) -> ExecutionRecord:
         execution_id, group_id, task = burst.member(seq)
-        if execution_id in self.records:
+        if execution_id in self.records or execution_id in self._reserved:
             raise FailedPrecondition(f"{execution_id} already launched")
         return ExecutionRecord(
             execution_id, burst.burst_id, seq, group_id, task.task_id, burst.policy_version,
@@ -322,6 +336,7 @@ class Ledger:
         if rec.state not in _ALLOWED.get(old_state, frozenset()):
             raise FailedPrecondition(f"{rec.execution_id}: {old_state.value} -> {rec.state.value} not allowed")
         self.records[rec.execution_id] = rec
+        self._reserved.discard(rec.execution_id)
         if old is None:
             self._launched[rec.burst_id] = self._launched.get(rec.burst_id, 0) + 1
             self._by_token[rec.token_sha256] = rec.execution_id

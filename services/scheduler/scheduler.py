@@ -179,6 +179,9 @@ class Scheduler:
             rec = self.ledger.records.get(r.execution_id)
             if rec is not None and not rec.state.final:
                 table.put(r)
+        for r in self.routes.routes.values():  # launches in flight (not in etcd yet) still hold slots
+            if r.mod_revision == 0 and r.execution_id not in table.routes:
+                table.put(r)
         self.routes = table
 
     # Inputs from watches ------------------------------------------------------------------
@@ -251,8 +254,7 @@ class Scheduler:
         deadline = self.clock() + min(wait_s, self.cfg.max_wait_s)
         while True:
             self.require_leader()
-            async with self._launch_lock:
-                got = await self._try_launch(harness_id)
+            got = await self._try_launch(harness_id)
             if got is not None:
                 return got, False, 0.0
             left = deadline - self.clock()
@@ -266,31 +268,48 @@ class Scheduler:
                     pass
 
     async def _try_launch(self, harness_id: str) -> Launched | None:
-        nxt = self.ledger.next_queued()
-        if nxt is None:
+        """Picks (under the launch lock) the next queued execution and a free slot, reserves
+        both, then writes outside the lock, so launches overlap their etcd round trips. A
+        reserved route counts against its cell's slots (mod_revision 0 = pending)."""
+        async with self._launch_lock:
+            nxt = self.ledger.next_queued()
+            if nxt is None:
+                return None
+            cell = pick_launch_cell(self.cells, self.routes)
+            if cell is None:
+                return None
+            burst, seq = nxt
+            token = secrets.token_urlsafe(32)
+            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
+            route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
+                                burst.burst_id, burst.policy_version)
+            self.ledger.reserve(rec.execution_id)
+            self.routes.put(route)
+        # Shielded: a harness that hangs up mid-launch must not leave memory behind etcd (the
+        # execution then runs unheld and times out).
+        ok = await asyncio.shield(self._land_launch(rec, route, burst, seq))
+        if not ok:
             return None
-        cell = pick_launch_cell(self.cells, self.routes)
-        if cell is None:
-            return None
-        burst, seq = nxt
-        token = secrets.token_urlsafe(32)
-        rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
-        route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
-                            burst.burst_id, burst.policy_version)
+        return Launched(self.ledger.records[rec.execution_id], token, burst.member(seq)[2].task_json,
+                        self.routes.routes[rec.execution_id])
+
+    async def _land_launch(self, rec: ExecutionRecord, route: RouteRecord, burst: Any, seq: int) -> bool:
         try:
             rev = await self._fenced(self.store.launch(rec, route))
-        except Conflict:
-            await self._resolve(rec)  # launched by an earlier attempt whose answer was lost
-            return None
-        except Unavailable:
-            await self._resolve(rec)
+        except BaseException as exc:
+            self.routes.drop(rec.execution_id)
+            self.ledger.unreserve(burst, seq)
+            if isinstance(exc, (Conflict, Unavailable)):
+                # Conflict: launched by an earlier attempt whose answer was lost. Unavailable:
+                # the outcome is unknown. Either way, adopt what etcd holds.
+                await self._resolve(rec)
+                if isinstance(exc, Conflict):
+                    return False
             raise
-        rec = dataclasses.replace(rec, revision=rev)
-        self.ledger.apply(rec, self.clock() + self.cfg.heartbeat_deadline_s)
-        route = dataclasses.replace(route, epoch=1, mod_revision=rev)
-        self.routes.put(route)
+        self.ledger.apply(dataclasses.replace(rec, revision=rev), self.clock() + self.cfg.heartbeat_deadline_s)
+        self.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
         self._gauges()
-        return Launched(rec, token, burst.member(seq)[2].task_json, route)
+        return True
 
     async def _resolve(self, rec: ExecutionRecord) -> None:
         """After an unknown or refused write: adopt what etcd holds for this execution."""
@@ -302,6 +321,8 @@ class Scheduler:
             self.ledger.load(stored, self.clock() + self.cfg.heartbeat_deadline_s)
             if stored.state.final:
                 self.routes.drop(stored.execution_id)
+            elif stored.execution_id not in self.routes.routes:
+                await self.reload_routes()  # a launch we did not see land: adopt its route
 
     async def heartbeat(self, execution_id: str, token: str) -> tuple[float, ExecState]:
         self.require_leader()
@@ -318,7 +339,7 @@ class Scheduler:
             out = self.ledger.plan_finish(execution_id, finish, self.wall())
             if out.duplicate:
                 return out
-            if not await self._close(out.record):
+            if not await asyncio.shield(self._close(out.record)):  # a hang-up does not half-close
                 return FinishOutcome(self.ledger.records[execution_id], True)
             return out
 

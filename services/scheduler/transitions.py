@@ -142,8 +142,16 @@ class TransitionRunner:
         """Moves every route off ``cell_id``; None when destinations ran out."""
         s = self.s
         for _ in range(5):
+            # Launches to this cell still in flight land first (a pending route has
+            # mod_revision 0; its write would overwrite a rerouted one).
+            for _ in range(500):
+                if not any(r.mod_revision == 0 for r in s.routes.on_cell(cell_id)):
+                    break
+                await asyncio.sleep(0.01)
             async with s._launch_lock:
                 leaving = s.routes.on_cell(cell_id)
+                if any(r.mod_revision == 0 for r in leaving):
+                    continue
                 if not leaving:
                     return 0
                 dests = pick_destinations(s.cells, s.routes, cell_id, len(leaving), self._version)

@@ -393,3 +393,25 @@ async def test_static_split_baseline_keeps_the_core_training():
     assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.ROLLOUT
     launched = await _fill(s, 8)
     assert {g.route.cell_id for g in launched} <= {"sa", "sat1"}
+
+
+async def test_overlapping_launches_never_overfill_a_cell():
+    s, store, peers, _ = make(policy="rollout_only", over_provision=1.0,
+                              cells=[("sa", "standalone", -1, 3), ("sb", "standalone", -1, 2)])
+    await lead(s, store)
+    store.launch_delay_s = 0.02
+    store.fail_next = 0
+    got = await asyncio.gather(*(s.acquire("h", 0) for _ in range(12)))
+    launched = [g for g, _, _ in got if g is not None]
+    assert len(launched) == 5 and len({g.record.execution_id for g in launched}) == 5
+    assert s.routes.counts() == {"sa": 3, "sb": 2}
+    assert s.ledger.counts().launched == 5 and len(store.execs) == 5
+    # A failed write gives the execution and the slot back.
+    g = launched[0]
+    await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    store.fail_next = 1
+    with pytest.raises(Exception):
+        await s.acquire("h", 0)
+    assert s.routes.counts() == {"sa": 2, "sb": 2} and s.ledger.counts().launched == 5
+    again, _, _ = await s.acquire("h", 0)
+    assert again is not None and again.route.cell_id == "sa" and s.ledger.counts().launched == 6
