@@ -198,7 +198,10 @@ class ExecutionHandle:
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POSTs to the router's OpenAI-compatible API with this execution's token."""
         url = self.openai_base_url + path
-        headers = {"Authorization": f"Bearer {self.token}"}
+        # The execution id lets the router, on a route it has not seen yet (its watch lags
+        # the scheduler's write), read exactly that route from etcd instead of a coalesced
+        # list that may predate the write (which answered 401 under load).
+        headers = {"Authorization": f"Bearer {self.token}", "x-gyre-execution-id": self.execution_id}
         async with self._http.post(url, json=body, headers=headers) as resp:
             text = await resp.text()
             if resp.status >= 400:
