@@ -2,12 +2,13 @@
 gRPC snapshot pulls and a scripted in-process packer.
 
 For k = 1, 2, 3 cells (core + k-1 satellites, one process each):
-  * batch 1: the core trains alone (warm-up; the satellites still hold version 1);
-  * batch 2 (join): the core opens the batch at version 2 and the satellites join at once:
-    each pulls snapshot 2 from the core over gRPC while the core trains, then claims.
+  * batch 1: the core trains alone on version 0 (warm-up; the satellites keep version 0);
+  * batch 2 (join): the core opens the batch at version 1 and the satellites join at once:
+    each pulls snapshot 1 from the core over gRPC while the core trains, then claims.
     Join time = JoinBatch → weights loaded (pull) and → first micro-step accumulated;
-  * batch 3 (throughput): everyone holds version 3 (broadcast), all join at the start.
-    Throughput = loss tokens / (core JoinBatch → policy version announced in etcd).
+  * batch 3 (throughput): everyone holds version 2 (broadcast), all join at the start.
+    Throughput = loss tokens / (core JoinBatch → policy version announced in etcd), the
+    median of --repeats batches (the machine is shared: single runs are noisy).
 Ratios are against k = 1 measured in the same run. Writes bench/results/training_elastic.json.
 
     PYTHONPATH=. .venv/bin/python bench/training_elastic.py [--micro-steps 24]
@@ -57,12 +58,14 @@ async def _join(target: str, batch: int, version: int, prefix: int, core: str) -
     return r.joined
 
 
-async def _wait_policy(etcd: Etcd, key: bytes, version: int) -> None:
-    while True:
+async def _wait_policy(etcd: Etcd, key: bytes, version: int, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         kv = await etcd.get(key)
         if kv is not None and json.loads(kv.value)["version"] >= version:
             return
         await asyncio.sleep(0.01)
+    raise TimeoutError(f"policy version {version} not published in {timeout_s}s")
 
 
 def _outcomes(log: Path) -> dict[int, dict]:
@@ -74,7 +77,8 @@ def _outcomes(log: Path) -> dict[int, dict]:
     return out
 
 
-async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str) -> dict:
+async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str,
+                repeats: int) -> dict:
     cluster = f"bench{k}"
     packer = FakePacker()
     server = grpc.aio.server()
@@ -103,26 +107,29 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
         targets = [p.target for p in procs]
         core = targets[0]
         # Batch 1: the core alone.
-        packer.add_batch(1, 1, synthetic_batch(1, max(4, micro // 4), **kw))
-        assert await _join(core, 1, 1, 1, core)
-        await _wait_policy(client, key, 2)
+        packer.add_batch(1, 0, synthetic_batch(1, max(4, micro // 4), **kw))
+        assert await _join(core, 1, 0, 1, core)
+        await _wait_policy(client, key, 1)
         # Batch 2: satellites join at once and pull version 2 while the core trains.
         steps2 = synthetic_batch(2, micro, **kw)
-        packer.add_batch(2, 2, steps2)
-        t0 = time.perf_counter()
-        assert await _join(core, 2, 2, 1, core)
+        packer.add_batch(2, 1, steps2)
+        assert await _join(core, 2, 1, 1, core)
         for i in range(1, k):
-            assert await _join(targets[i], 2, 2, i + 1, core)
-        await _wait_policy(client, key, 3)
-        # Batch 3: everyone holds version 3.
-        steps3 = synthetic_batch(3, micro, **kw)
-        packer.add_batch(3, 3, steps3)
-        t0 = time.perf_counter()
-        for i in range(k):
-            assert await _join(targets[i], 3, 3, i + 1, core)
-        await _wait_policy(client, key, 4)
-        seconds = time.perf_counter() - t0
-        tokens = sum(s.num_tokens for s in steps3)
+            assert await _join(targets[i], 2, 1, i + 1, core)
+        await _wait_policy(client, key, 2)
+        # Batches 3..: everyone holds the version (broadcast); the median of `repeats`.
+        times, rates = [], []
+        for b in range(3, 3 + repeats):
+            steps = synthetic_batch(b, micro, **kw)
+            packer.add_batch(b, b - 1, steps)
+            t0 = time.perf_counter()
+            for i in range(k):
+                assert await _join(targets[i], b, b - 1, i + 1, core)
+            await _wait_policy(client, key, b)
+            times.append(time.perf_counter() - t0)
+            rates.append(sum(s.num_tokens for s in steps) / times[-1])
+        mid = sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]
+        seconds, tokens = times[mid], rates[mid] * times[mid]
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
@@ -134,10 +141,12 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
          "micro_steps_trained": o[2]["local_micro_steps"]}
         for i, o in enumerate(outs) if i > 0
     ]
-    share = [o[3]["local_micro_steps"] for o in outs]
-    return {"cells": k, "batch_tokens": tokens, "batch_seconds": seconds, "tokens_per_s": tokens / seconds,
+    last = 2 + repeats
+    share = [o[last]["local_micro_steps"] for o in outs]
+    return {"cells": k, "batch_tokens": round(tokens), "batch_seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tokens_per_s_all": rates,
             "micro_steps_per_cell": share, "satellite_joins": joins,
-            "core_step_tokens": outs[0][3]["total_tokens"]}
+            "core_step_tokens": outs[0][last]["total_tokens"]}
 
 
 async def main() -> None:
@@ -145,6 +154,7 @@ async def main() -> None:
     ap.add_argument("--micro-steps", type=int, default=24)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--cells", default="1,2,3")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-train-"))
     model_dir = build_tiny_model(work / "tiny", seed=0)
@@ -155,7 +165,7 @@ async def main() -> None:
     try:
         runs = []
         for k in (int(x) for x in args.cells.split(",")):
-            r = await run_k(k, etcd, model_dir, work, args.micro_steps, args.dtype)
+            r = await run_k(k, etcd, model_dir, work, args.micro_steps, args.dtype, args.repeats)
             runs.append(r)
             print(json.dumps(r), flush=True)
     finally:
@@ -167,6 +177,7 @@ async def main() -> None:
         "bench": "training_elastic",
         "model": {"dir": "gyre.model.tiny seed 0", "params": n_params, "dtype": args.dtype},
         "micro_steps_per_batch": args.micro_steps,
+        "repeats": args.repeats,
         "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "cuda": torch.cuda.is_available()},
         "runs": runs,

@@ -89,8 +89,8 @@ class SnapshotStore:
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> Snapshot:
         """Freezes a copy of ``state`` as ``version``. Re-publishing a kept version is a no-op
         (versions are immutable); an older-than-newest version is refused."""
-        if version < 1:
-            raise InvalidArgument("snapshot versions start at 1")
+        if version < 0:
+            raise InvalidArgument("snapshot versions are >= 0")
         with self._lock:
             if version in self._versions:
                 return self._versions[version]
@@ -108,7 +108,8 @@ class SnapshotStore:
         return snap
 
     def get(self, version: int) -> Snapshot:
-        """Version ``version`` (0: the newest); NotFound when it is not kept."""
+        """Version ``version`` (0: the newest, as on the wire; the initial policy is version 0
+        and is the newest until the first step); NotFound when it is not kept."""
         with self._lock:
             if not self._versions:
                 raise NotFound("no snapshot published yet")

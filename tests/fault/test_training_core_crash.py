@@ -50,14 +50,14 @@ async def _join(target: str, batch: int, version: int) -> bool:
 @pytest.mark.parametrize("point", ["training.after_step", "training.after_checkpoint"])
 async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_name, model_dir, tmp_path, point):
     steps = synthetic_batch(1, 3, seed=9)
-    ref = Trainer.from_dir(model_dir, 1, "float64")
+    ref = Trainer.from_dir(model_dir, 0, "float64")  # the initial policy is version 0
     for s in steps:
-        ref.accumulate(s, 1)
+        ref.accumulate(s, 0)
     CoreOptimizer(ref, OptimConfig(lr=LR)).step(1, ref.flat_grads(), ref.tokens)
     want = ref.state_dict()
 
     packer = FakePacker()
-    packer.add_batch(1, 1, steps)
+    packer.add_batch(1, 0, steps)
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -85,7 +85,7 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
     restarted = None
     try:
         await asyncio.to_thread(crashing.start, 90)
-        assert await _join(crashing.target, 1, 1)
+        assert await _join(crashing.target, 1, 0)
         assert await asyncio.to_thread(crashing.wait, 60) == 17  # died at the failpoint
         assert await etcd.get(key) is None  # nothing announced
         restarted = proc("")
@@ -97,14 +97,14 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
             await asyncio.sleep(0.1)
         assert kv is not None, "the restarted core never announced the step"
         policy = json.loads(kv.value)
-        assert (policy["version"], policy["batch_id"]) == (2, 1)
-        assert not await _join(restarted.target, 1, 1)  # redelivered: already committed
-        version, got = await pull_snapshot(restarted.target, 0)
-        assert version == 2
+        assert (policy["version"], policy["batch_id"]) == (1, 1)
+        assert not await _join(restarted.target, 1, 0)  # redelivered: already committed
+        version, got = await pull_snapshot(restarted.target, 1)
+        assert version == 1
         for name, w in want.items():
             assert torch.allclose(got[name], w, rtol=0, atol=1e-12), name
         rec = Checkpointer(ckpt_dir).latest()
-        assert (rec.version, rec.batch_id, rec.steps) == (2, 1, 1)
+        assert (rec.version, rec.batch_id, rec.steps) == (1, 1, 1)
         assert {float(s["step"]) for s in rec.optimizer["state"].values()} == {1.0}
         assert not Checkpointer(ckpt_dir).pending()
     finally:

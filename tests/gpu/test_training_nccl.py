@@ -134,9 +134,9 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     from services.cell_agent.training.fakes import FakePacker, FakePackerServicer
 
     steps = synthetic_batch(2, 16, seed=6, seqs_per_step=8, min_len=128, max_len=256)
-    ref = Trainer.from_dir(model_dir, 1, "float64", "cpu")
+    ref = Trainer.from_dir(model_dir, 0, "float64", "cpu")
     for s in steps:
-        ref.accumulate(s, 1)
+        ref.accumulate(s, 0)
     CoreOptimizer(ref, OptimConfig(lr=1e-3)).step(1, ref.flat_grads(), ref.tokens)
     want = ref.state_dict()
 
@@ -159,14 +159,14 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     async def join(target, prefix, core):
         async with grpc.aio.insecure_channel(target) as ch:
             return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=1), batch_id=1, policy_version=1, prefix_size=prefix,
+                fence=cpb.Fence(epoch=1), batch_id=1, policy_version=0, prefix_size=prefix,
                 core_target=core), timeout=120)).joined
 
     try:
         for p in procs:
             await asyncio.to_thread(p.start, 180)
         core, sat = procs[0].target, procs[1].target
-        packer.add_batch(1, 1, steps, released=3)
+        packer.add_batch(1, 0, steps, released=3)
         start = time.perf_counter()
         assert await join(core, 1, core)
         await asyncio.to_thread(packer.wait_claimed, 1, 2, 120)
@@ -177,8 +177,8 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
         while (kv := await etcd.get(key)) is None:
             await asyncio.sleep(0.01)
         batch_s = time.perf_counter() - start
-        assert json.loads(kv.value)["version"] == 2
-        _, got = await snapshots.pull_snapshot(sat, 2)
+        assert json.loads(kv.value)["version"] == 1
+        _, got = await snapshots.pull_snapshot(sat, 1)
         diff = max((got[n].double() - w).abs().max().item() for n, w in want.items())
         assert diff < 1e-4, diff
         assert len(set(packer.claimed_by(1).values())) == 2

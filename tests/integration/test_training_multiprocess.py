@@ -49,11 +49,11 @@ def model_dir(tmp_path_factory):
 
 
 def _reference(model_dir, batches):
-    t = Trainer.from_dir(model_dir, 1, "float64")
+    t = Trainer.from_dir(model_dir, 0, "float64")  # the cluster's initial policy is version 0
     core = CoreOptimizer(t, OptimConfig(lr=LR, max_grad_norm=1.0))
     for b, steps in batches.items():
         for s in steps:
-            t.accumulate(s, b)
+            t.accumulate(s, b - 1)
         core.step(b, t.flat_grads(), t.tokens)
         t.close_window()
     return {k: v.clone() for k, v in t.state_dict().items()}
@@ -106,38 +106,38 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
             await asyncio.to_thread(p.start, 90)
         core, s1, s2 = (p.target for p in procs)
 
-        # Batch 1 at version 1: s1 joins after 1 micro-step, s2 after 3 (the data pauses in
-        # between; the fake packer hands each newcomer its first micro-step).
-        packer.add_batch(1, 1, batches[1], released=1)
-        assert await _join(core, 1, 1, 1, core)
+        # Batch 1 at version 0 (the initial policy): s1 joins after 1 micro-step, s2 after 3
+        # (the data pauses in between; the fake packer hands each newcomer its first one).
+        packer.add_batch(1, 0, batches[1], released=1)
+        assert await _join(core, 1, 0, 1, core)
         await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
-        assert await _join(s1, 1, 1, 2, core)
+        assert await _join(s1, 1, 0, 2, core)
         packer.release(1, 1, for_cell="c1")
         packer.release(1, 1)
         await asyncio.to_thread(packer.wait_claimed, 1, 3, 60)
-        assert await _join(s2, 1, 1, 3, core)
+        assert await _join(s2, 1, 0, 3, core)
         packer.release(1, 1, for_cell="c2")
         packer.release(1)
-        await _wait_policy(etcd, cluster_name, 2)
+        await _wait_policy(etcd, cluster_name, 1)
 
-        # Batch 2 at version 2: satellites already hold it (broadcast), no pull.
-        packer.add_batch(2, 2, batches[2], released=2)
-        assert await _join(core, 2, 2, 1, core)
-        assert await _join(s1, 2, 2, 2, core)
-        assert not await _join(s2, 2, 1, 3, core)  # stale version: refused
-        assert await _join(s2, 2, 2, 3, core)
+        # Batch 2 at version 1: s1 holds it (broadcast); s2 is restarted-like: its command
+        # names an old version, and it still trains the batch's version (v1), never v0.
+        packer.add_batch(2, 1, batches[2], released=2)
+        assert await _join(core, 2, 1, 1, core)
+        assert await _join(s1, 2, 1, 2, core)
+        assert await _join(s2, 2, 0, 3, core)
         packer.release(2)
-        policy = await _wait_policy(etcd, cluster_name, 3)
+        policy = await _wait_policy(etcd, cluster_name, 2)
         assert policy["source_target"] == core and policy["batch_id"] == 2
 
         assert len(set(packer.claimed_by(1).values())) == 3  # all three trained batch 1
         for target in (core, s1, s2):
-            version, got = await pull_snapshot(target, 3, chunk_bytes=65536)
-            assert version == 3
+            version, got = await pull_snapshot(target, 2, chunk_bytes=65536)
+            assert version == 2
             for name, w in want.items():
                 assert torch.allclose(got[name], w, rtol=0, atol=1e-9), (target, name, (got[name] - w).abs().max())
         # The step was recorded durably (weights + optimizer) on the core.
-        assert any(n.startswith("step-00000003-b2") for n in os.listdir(tmp_path / "ckpt"))
+        assert any(n.startswith("step-00000002-b2") for n in os.listdir(tmp_path / "ckpt"))
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)

@@ -46,16 +46,15 @@ def test_gradient_on_another_version_is_refused(model):
         t.load_flat_params(t.flat_params(), 4)
 
 
-def test_membership_refuses_stale_and_late_and_out_of_order():
+def test_membership_refuses_late_and_out_of_order():
     m = InProcessMembership()
-    assert m.register(7, 1, 5) is JoinResult.NOT_YET  # core has not opened
+    assert m.register(7, 1)[0] is JoinResult.NOT_YET  # core has not opened
     m.open(7, 5)
-    assert m.register(7, 1, 4) is JoinResult.STALE
-    assert m.register(7, 2, 5) is JoinResult.NOT_YET  # predecessor 1 first
-    assert m.register(7, 1, 5) is JoinResult.JOINED
-    assert m.register(7, 1, 5) is JoinResult.JOINED  # idempotent
+    assert m.register(7, 2) == (JoinResult.NOT_YET, 5)  # predecessor 1 first
+    assert m.register(7, 1) == (JoinResult.JOINED, 5)
+    assert m.register(7, 1) == (JoinResult.JOINED, 5)  # idempotent
     assert m.freeze(7) == 2
-    assert m.register(7, 2, 5) is JoinResult.CLOSED
+    assert m.register(7, 2)[0] is JoinResult.CLOSED
     assert m.wait_frozen(7, 1.0) == 2
 
 

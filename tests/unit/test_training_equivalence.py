@@ -1,7 +1,9 @@
 """Equivalence, the core promise of streaming elastic training: on the same batches, the
 update taken with 1 cell equals the update taken with 2 and 3 cells whose satellites join
 at different micro-steps (float64, tight tolerance), on the core and on every satellite;
-and the check is sensitive (a batch missing one micro-step gives different parameters)."""
+a satellite that cannot hold the batch's version (its snapshot pull fails) trains nothing
+and its gradient never enters, so the update is still exact; and the check is sensitive
+(a batch missing one micro-step gives different parameters)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import copy
 import pytest
 import torch
 
+from gyre.errors import NotFound
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.controller import ControllerParams, TrainingController
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
@@ -37,7 +40,8 @@ def _batches():
 class Cluster:
     """k controllers in one process sharing a fake packer, membership and collectives."""
 
-    def __init__(self, k: int, base_model, batches) -> None:
+    def __init__(self, k: int, base_model, batches, fail_pull: frozenset[int] = frozenset()) -> None:
+        self.fail_pull = fail_pull
         self.packer = FakePacker()
         self.membership = InProcessMembership()
         self.collective = InProcessCollective()
@@ -54,7 +58,8 @@ class Cluster:
                     cell_id=f"c{i}", index=i, trainer=trainer, snapshots=self.snapshots[i],
                     source=FakeSource(self.packer, f"c{i}"), membership=self.membership,
                     collective=self.collective.for_rank(i),
-                    publisher=self.publisher if i == 0 else None, puller=self._pull,
+                    publisher=self.publisher if i == 0 else None,
+                    puller=self._failing_pull if i in fail_pull else self._pull,
                     core=CoreOptimizer(trainer, OPT) if i == 0 else None,
                     params=ControllerParams(claim_wait_s=0.05, join_wait_s=5.0, collective_timeout_s=60),
                 )
@@ -64,6 +69,9 @@ class Cluster:
         assert target == "core"
         snap = self.snapshots[0].get(version)
         return snap.version, snap.state_dict()
+
+    async def _failing_pull(self, target: str, version: int):
+        raise NotFound(f"snapshot version {version} is not kept")
 
     async def run_batch(self, batch_id: int, version: int, join_after: list[int]) -> None:
         """Satellite i joins once the packer handed out join_after[i-1] micro-steps."""
@@ -83,6 +91,7 @@ class Cluster:
         assert sum(o.local_micro_steps for o in outs) == len(steps)
         assert outs[0].total_tokens == sum(s.num_tokens for s in steps)
         assert all(o.new_version == version + 1 for o in outs)
+        return outs
 
 
 def _params(c: TrainingController) -> torch.Tensor:
@@ -126,6 +135,18 @@ async def test_k_cells_equal_one_cell(base_model, reference, joins):
     for b in (1, 2):
         owners = set(cl.packer.claimed_by(b).values())
         assert len(owners) >= 2, owners
+
+
+async def test_satellite_without_the_version_contributes_nothing(base_model, reference):
+    cl = Cluster(3, base_model, _batches(), fail_pull=frozenset({2}))
+    outs = await cl.run_batch(1, 1, [1, 2])
+    assert outs[2].stale and outs[2].local_micro_steps == 0 and outs[0].stale_participants == 1
+    assert "c2" not in set(cl.packer.claimed_by(1).values())
+    # After the broadcast it holds the new version and takes part normally.
+    outs = await cl.run_batch(2, 2, [1, 2])
+    assert not outs[2].stale
+    for cell in cl.cells:
+        assert torch.allclose(_params(cell), reference, rtol=0, atol=TOL)
 
 
 async def test_the_check_is_sensitive(base_model, reference):

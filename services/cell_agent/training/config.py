@@ -19,7 +19,8 @@ class TrainingSettings(BaseModel):
         description="Dtype of the trained (master) weights and gradients.",
     )
     device: str = Field("auto", description='"auto" (cuda:<local> when CUDA is up, else cpu), "cpu" or "cuda:N".')
-    initial_policy_version: int = Field(1, ge=1, description="Version of the weights loaded from model_dir.")
+    initial_policy_version: int = Field(
+        0, ge=0, description="Version of the weights loaded from model_dir (the cluster starts at 0).")
     # Loss (token-level PPO-clip / GRPO).
     clip_eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the importance ratio: 1 - eps.")
     clip_eps_high: float = Field(0.2, ge=0, le=10, description="Upper clip of the importance ratio: 1 + eps.")

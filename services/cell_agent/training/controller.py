@@ -171,11 +171,16 @@ class TrainingController:
     # Joining -------------------------------------------------------------------------
 
     async def join_batch(self, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
-        """Joins batch ``batch_id`` trained on ``policy_version``. True when this cell
-        trains on it (idempotent); False when the joining window had closed, the version is
-        not the batch's, or a predecessor never joined."""
-        if batch_id <= 0 or policy_version <= 0 or prefix_size <= 0:
-            raise InvalidArgument("batch_id, policy_version and prefix_size must be > 0")
+        """Joins batch ``batch_id``. True when this cell trains on it (idempotent); False
+        when the joining window had closed, a predecessor never joined, or (core) the
+        command names a version newer than the core holds.
+
+        The batch trains on the core's weight version: ``policy_version`` is the caller's
+        view of it; an older view (the caller has not seen the last publication yet) does
+        not change what is trained, and a satellite always trains on the batch's version
+        (pulling it), never on what it held before."""
+        if batch_id <= 0 or policy_version < 0 or prefix_size <= 0:
+            raise InvalidArgument("batch_id and prefix_size must be > 0, policy_version >= 0")
         if self._closed:
             raise Unavailable("the trainer is shutting down")
         if not self.is_core and not core_target:
@@ -192,42 +197,49 @@ class TrainingController:
                     return False
             started = self.clock()
             if self.is_core:
-                joined = await self._open_as_core(batch_id, policy_version)
-                if not joined:
+                version = await self._open_as_core(batch_id, policy_version)
+                if version is None:
                     return False
-                coro = self._run_core(batch_id, policy_version, started)
+                coro = self._run_core(batch_id, version, started)
             else:
-                if not await self._register(batch_id, policy_version):
+                version = await self._register(batch_id)
+                if version is None:
                     return False
-                coro = self._run_satellite(batch_id, policy_version, core_target, started)
+                if version != policy_version:
+                    log.info("the batch trains on another version than the command named",
+                             extra={"batch_id": batch_id, "batch_version": version, "named": policy_version})
+                coro = self._run_satellite(batch_id, version, core_target, started)
             task = asyncio.create_task(coro, name=f"train.b{batch_id}")
+            task.add_done_callback(_log_failure)
             self._tasks[batch_id] = task
             self._current = task
-            log.info("joined batch", extra={"batch_id": batch_id, "version": policy_version, "index": self.index})
+            log.info("joined batch", extra={"batch_id": batch_id, "version": version, "index": self.index})
             return True
 
-    async def _open_as_core(self, batch_id: int, version: int) -> bool:
+    async def _open_as_core(self, batch_id: int, named: int) -> int | None:
         assert self.core is not None
         if batch_id <= self.core.last_batch_id:
             log.info("batch already committed", extra={"batch_id": batch_id})
-            return False
-        if version != self.version:
-            log.warning("core holds another version", extra={"wanted": version, "have": self.version})
-            return False
+            return None
+        version = self.version
+        if named > version:
+            log.warning("JoinBatch names a version the core does not hold", extra={"named": named, "have": version})
+            return None
         # Expose v before training on it (a no-op when it is exposed already).
         await asyncio.to_thread(self.snapshots.publish, version, self.trainer.state_dict())
         await asyncio.to_thread(self.membership.open, batch_id, version)
-        return True
+        return version
 
-    async def _register(self, batch_id: int, version: int) -> bool:
+    async def _register(self, batch_id: int) -> int | None:
+        """Registers in index order; the batch's version, or None when not joining."""
         deadline = self.clock() + self.params.join_wait_s
         while True:
-            got = await asyncio.to_thread(self.membership.register, batch_id, self.index, version)
+            got, version = await asyncio.to_thread(self.membership.register, batch_id, self.index)
             if got is JoinResult.JOINED:
-                return True
+                return version
             if got is not JoinResult.NOT_YET or self.clock() >= deadline:
                 log.info("not joining", extra={"batch_id": batch_id, "why": got.value})
-                return False
+                return None
             await asyncio.sleep(0.02)
 
     # One batch -----------------------------------------------------------------------
@@ -362,3 +374,8 @@ class TrainingController:
                 log.warning("packer unavailable; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def _log_failure(task: asyncio.Task[BatchOutcome]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("batch failed", extra={"task": task.get_name(), "error": repr(task.exception())})

@@ -102,22 +102,19 @@ class StoreMembership:
         self.store.set(self._k(batch_id, "v"), str(version))
         self.store.compare_set(self._k(batch_id, "m"), "", "open:1")
 
-    def register(self, batch_id: int, index: int, version: int) -> JoinResult:
+    def register(self, batch_id: int, index: int) -> tuple[JoinResult, int]:
         m = self._k(batch_id, "m")
         if not self.store.check([m]):
-            return JoinResult.NOT_YET
-        if int(self.store.get(self._k(batch_id, "v"))) != version:
-            return JoinResult.STALE
+            return JoinResult.NOT_YET, -1
+        version = int(self.store.get(self._k(batch_id, "v")))
         cur = self.store.compare_set(m, f"open:{index}", f"open:{index + 1}").decode()
         state, _, n = cur.partition(":")
         joined = int(n)
-        if state == "open" and joined == index + 1:
-            return JoinResult.JOINED  # this call (or an earlier one of this cell) joined
         if index < joined:
-            return JoinResult.JOINED
+            return JoinResult.JOINED, version  # this call (or an earlier one of this cell)
         if state == "closed":
-            return JoinResult.CLOSED
-        return JoinResult.NOT_YET  # a predecessor has not joined yet
+            return JoinResult.CLOSED, version
+        return JoinResult.NOT_YET, version  # a predecessor has not joined yet
 
     def freeze(self, batch_id: int) -> int:
         m = self._k(batch_id, "m")

@@ -186,21 +186,19 @@ class InProcessMembership:
             self._state.setdefault(batch_id, (version, 1, False))
             self._cond.notify_all()
 
-    def register(self, batch_id: int, index: int, version: int) -> JoinResult:
+    def register(self, batch_id: int, index: int) -> tuple[JoinResult, int]:
         with self._cond:
             if batch_id not in self._state:
-                return JoinResult.NOT_YET
+                return JoinResult.NOT_YET, -1
             v, joined, frozen = self._state[batch_id]
-            if v != version:
-                return JoinResult.STALE
             if frozen:
-                return JoinResult.JOINED if index < joined else JoinResult.CLOSED
+                return (JoinResult.JOINED if index < joined else JoinResult.CLOSED), v
             if index < joined:
-                return JoinResult.JOINED
+                return JoinResult.JOINED, v
             if index > joined:
-                return JoinResult.NOT_YET
+                return JoinResult.NOT_YET, v
             self._state[batch_id] = (v, joined + 1, False)
-            return JoinResult.JOINED
+            return JoinResult.JOINED, v
 
     def freeze(self, batch_id: int) -> int:
         with self._cond:

@@ -28,20 +28,21 @@ class JoinResult(enum.Enum):
 
     JOINED = "joined"
     CLOSED = "closed"  # the joining window had closed
-    STALE = "stale"  # the batch trains on another version than the caller claimed
     NOT_YET = "not_yet"  # the core has not opened the batch, or a predecessor has not joined
 
 
 class Membership(Protocol):
     """Who takes part in a batch. Blocking calls (run them in a thread).
 
-    The core opens a batch at a version; satellites register in index order while the
-    window is open; the core freezes it (closing the window) and everyone learns the
-    final prefix size."""
+    The core opens a batch at its weight version; satellites register in index order while
+    the window is open and learn that version (they train on exactly it); the core freezes
+    the window and everyone learns the final prefix size."""
 
     def open(self, batch_id: int, version: int) -> None: ...
 
-    def register(self, batch_id: int, index: int, version: int) -> JoinResult: ...
+    def register(self, batch_id: int, index: int) -> tuple[JoinResult, int]:
+        """(result, the batch's version)."""
+        ...
 
     def freeze(self, batch_id: int) -> int: ...
 
