@@ -239,3 +239,43 @@ async def test_role_switch_with_a_request_in_flight(engine, etcd_ctx):
     after = [t async for c in cell.generate("after", PROMPTS[3], Sampling(max_tokens=12)) for t in c.token_ids]
     assert after == base
     await successor.resign()
+
+
+async def test_load_policy_pulls_a_snapshot_over_grpc(engine, etcd_ctx, models):
+    """LoadPolicy end to end: the cell pulls a version from a real WeightSnapshots server
+    (the trainer's servicer) and serves it in place; pulling the old weights back restores
+    the old greedy output."""
+    import grpc
+    from safetensors.torch import load_file
+
+    from services.cell_agent import snapshots
+
+    etcd, keys, lease = etcd_ctx
+    leader = LeaderElection(etcd, keys.leader(), "sched", lease)
+    epoch = await leader.campaign()
+    cell = Cell(CellIdentity("cell-s", CellKind.STANDALONE, -1, 4, engine.kind), engine,
+                EtcdCellStore(etcd, keys, "cell-s", lease.lease_id))
+    await cell.open("127.0.0.1:2")
+    store = snapshots.SnapshotStore(keep=4)
+    base_version = engine.policy_version
+    store.publish(base_version + 10, load_file(str(models[1] / "model.safetensors")))
+    store.publish(base_version + 11, load_file(str(models[0] / "model.safetensors")))
+    server = grpc.aio.server()
+    servicer, add, _ = snapshots.registration(store)
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        base, _, _ = await _run(engine, "p0", PROMPTS[5], 16)
+        version, seconds = await cell.load_policy(epoch, base_version + 10, f"127.0.0.1:{port}")
+        assert version == base_version + 10 and seconds >= 0
+        changed, _, chunks = await _run(engine, "p1", PROMPTS[5], 16)
+        assert changed != base and chunks[-1].policy_version == version
+        reg = json.loads((await etcd.get(keys.cell("cell-s"))).value)
+        assert reg["policy_version"] == version and reg["index"] == -1 and reg["kind"] == "standalone"
+        version, _ = await cell.load_policy(epoch, 0, f"127.0.0.1:{port}")  # 0: the newest
+        assert version == base_version + 11
+        assert (await _run(engine, "p2", PROMPTS[5], 16))[0] == base
+    finally:
+        await server.stop(0)
+        await leader.resign()
