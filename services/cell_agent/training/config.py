@@ -13,7 +13,10 @@ class TrainingSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_dir: str = Field("", description="Local directory of the causal LM (transformers layout).")
+    enabled: bool = Field(
+        False, description="Train on this cell (elastic cells only). Off: JoinBatch answers joined=false.")
+    model_dir: str = Field(
+        "", description="Local directory of the causal LM (transformers layout); empty: the cell's model_dir.")
     dtype: str = Field(
         "float32", pattern="^(float32|float64|bfloat16)$",
         description="Dtype of the trained (master) weights and gradients.",

@@ -4,9 +4,11 @@ factory the cell agent's ``__main__`` looks for.
 
 Settings come from ``cfg.training`` when the cell agent's config has that field (a
 :class:`TrainingSettings`), else from the ``training:`` section of the cluster YAML named by
-``--config`` / $GYRE_CONFIG with ``GYRE_TRAINING__<FIELD>`` environment overrides. An empty
-``model_dir`` falls back to the cell's own ``model_dir``; with no model at all (a mock
-cluster) the cell gets the no-op hook.
+``--config`` / $GYRE_CONFIG with ``GYRE_TRAINING__<FIELD>`` environment overrides. Training is opt-in
+(``enabled: true``); an empty ``model_dir`` falls back to the cell's own ``model_dir``;
+disabled, or with no model at all (a mock cluster), the cell gets the no-op hook. A trainer
+that fails to start (bad settings, a rendezvous that never completes) does not take the
+cell down: JoinBatch answers UNAVAILABLE with the reason and rollout goes on.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def build_hook(rt: Any, cfg: Any, cell: Any = None) -> Any:
     if getattr(cfg, "kind", "elastic") != "elastic" or getattr(cfg, "index", -1) < 0:
         return NoopTrainingHook()
     settings = load_settings(cfg)
+    if not settings.enabled:
+        return NoopTrainingHook()
     if not settings.model_dir:
         log.info("no model_dir: this cell does not train (no-op training hook)")
         return NoopTrainingHook()

@@ -75,14 +75,19 @@ class TrainingService:
         self._target = value
 
     async def run(self) -> None:
-        """Builds everything, then stays up until cancelled (a supervised task)."""
+        """Builds everything, then stays up until cancelled (a supervised task). A failed
+        build is logged and kept as the answer to every JoinBatch; it does not end the
+        process (the cell still serves rollouts)."""
         try:
-            await self.build()
-        except BaseException as exc:
-            self._failed = exc
-            self._ready.set()
-            raise
-        try:
+            try:
+                await self.build()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed = exc
+                log.error("training failed to start; this cell will not train", extra={"error": repr(exc)})
+            finally:
+                self._ready.set()
             await asyncio.Event().wait()
         finally:
             await self.close()

@@ -1,0 +1,121 @@
+"""The trainer inside the real cell agent: two elastic cell-agent processes (mock engine,
+tiny model) with training enabled rendezvous over gloo at start-up; after the fenced
+ROLLOUT -> DRAINING -> TRAINING moves, JoinBatch on the core and then on the satellite
+(which pulls the core's snapshot over gRPC mid-batch) produce the batch's one step, equal
+to one cell's; the core announces version 1 in etcd; after RETURNING both cells LoadPolicy
+version 1 from the core's WeightSnapshots (the same port) and serve it in ROLLOUT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import cell_agent_pb2 as pb
+from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
+from gyre.v1 import common_pb2 as cpb
+from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from services.cell_agent.snapshots import pull_snapshot
+from services.cell_agent.training.core import CoreOptimizer, OptimConfig
+from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch
+from services.cell_agent.training.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(240)
+LR = 5e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
+    from gyre.model.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
+    steps = synthetic_batch(1, 6, seed=8)
+    ref = Trainer.from_dir(model_dir, 0, "float64")
+    for s in steps:
+        ref.accumulate(s, 0)
+    CoreOptimizer(ref, OptimConfig(lr=LR)).step(1, ref.flat_grads(), ref.tokens)
+
+    packer = FakePacker()
+    server = grpc.aio.server()
+    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
+    pport = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    cfg = {
+        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        "cell_agent": {"kind": "elastic", "slots": 2, "engine": "mock", "model_dir": str(model_dir),
+                       "mock_fixed_decode_step_s": 0.002, "probe_interval_s": 1.0, "drain_wait_s": 1.0},
+        "training": {"enabled": True, "dtype": "float64", "lr": LR, "world_size": 2,
+                     "dist_master": f"127.0.0.1:{_free_port()}", "packer_target": f"127.0.0.1:{pport}",
+                     "claim_wait_s": 0.2},
+    }
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    procs = [ServiceProcess("cell_agent", path, {"cell_id": f"e{i}", "index": i}, env={"OMP_NUM_THREADS": "1"},
+                            log_path=tmp_path / f"e{i}.log", name=f"e{i}") for i in range(2)]
+    etcd = Etcd([etcd_server.endpoint])
+    await etcd.connect()
+    keys = Keys(cluster_name)
+    lease = LeaseKeeper(etcd, ttl_s=30)
+    await lease.grant()
+    epoch = await LeaderElection(etcd, keys.leader(), "sched", lease).campaign()
+    fence = cpb.Fence(epoch=epoch)
+    try:
+        for p in procs:
+            await asyncio.to_thread(p.start, 90)
+        core, sat = (p.target for p in procs)
+        chans = [grpc.aio.insecure_channel(t) for t in (core, sat)]
+        ctl = [pb_grpc.CellControlStub(c) for c in chans]
+        for c in ctl:
+            for state in (cpb.CELL_STATE_DRAINING, cpb.CELL_STATE_TRAINING):
+                await c.SetState(pb.SetStateRequest(fence=fence, target=state), timeout=30)
+
+        packer.add_batch(1, 0, steps, released=1)
+        r = await ctl[0].JoinBatch(pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=1,
+                                                       core_target=core), timeout=60)
+        assert r.joined
+        await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
+        r = await ctl[1].JoinBatch(pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=2,
+                                                       core_target=core), timeout=60)
+        assert r.joined
+        packer.release(1, 1, for_cell="e1")
+        packer.release(1)
+        for _ in range(600):
+            kv = await etcd.get(keys.policy())
+            if kv is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None, "no policy announced"
+        assert json.loads(kv.value) == {"version": 1, "source_target": core, "batch_id": 1}
+        assert set(packer.claimed_by(1).values()) == {"e0", "e1"}
+        _, got = await pull_snapshot(core, 1)
+        for name, w in ref.state_dict().items():
+            assert torch.allclose(got[name], w, rtol=0, atol=1e-9), name
+
+        for c in ctl:
+            await c.SetState(pb.SetStateRequest(fence=fence, target=cpb.CELL_STATE_RETURNING), timeout=60)
+            loaded = await c.LoadPolicy(pb.LoadPolicyRequest(fence=fence, version=1, source_target=core), timeout=60)
+            assert loaded.policy_version == 1
+            await c.SetState(pb.SetStateRequest(fence=fence, target=cpb.CELL_STATE_ROLLOUT), timeout=60)
+        for i in range(2):
+            reg = json.loads((await etcd.get(keys.cell(f"e{i}"))).value)
+            assert reg["policy_version"] == 1
+        for c in chans:
+            await c.close()
+    finally:
+        for p in procs:
+            await asyncio.to_thread(p.stop, 10)
+        await server.stop(0)
+        await lease.revoke()
+        await etcd.close()
