@@ -54,6 +54,7 @@ class Runtime:
 
 Build = Callable[[Runtime], Awaitable[Services]]
 AfterStart = Callable[[Runtime], Awaitable[None]]
+Prepare = Callable[[ServiceConfig], None]
 
 
 async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None) -> None:
@@ -104,8 +105,14 @@ def main(
     argv: Sequence[str] | None = None,
     after_start: AfterStart | None = None,
     instance_field: str | None = None,
+    prepare: Prepare | None = None,
 ) -> None:
-    """The ``__main__`` of a service: ``python -m services.<name> --config FILE``."""
+    """The ``__main__`` of a service: ``python -m services.<name> --config FILE``.
+
+    ``prepare(config)`` runs first, before the process connects to etcd and takes its
+    lease: put slow synchronous start-up there (importing vLLM or torch, loading a model).
+    Anything that blocks the event loop after the lease is granted delays the lease keeper,
+    and a lease that lapses during start-up ends the process."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
     parser.add_argument("--config", default=os.environ.get(config_mod.CONFIG_ENV), help="cluster config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
@@ -120,6 +127,8 @@ def main(
     cfg = config_mod.load(config_cls, args.config, **overrides)
     setup_logging(name, cfg.log_level, cfg.log_json)
     instance = str(getattr(cfg, instance_field)) if instance_field else f"{name}-{os.getpid()}"
+    if prepare is not None:
+        prepare(cfg)
     try:
         asyncio.run(serve(name, instance, cfg, build, after_start))
     except FatalError as exc:

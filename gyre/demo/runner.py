@@ -192,6 +192,12 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         tally.see(final["ledger"])
     dispatched = sum(tally.dispatched.values())
     finished = sum(tally.finished.values())
+    total = final.get("total") or {}
+    if total.get("dispatched"):
+        # SchedulerStatus.total sums every burst; the per-burst tally misses stragglers of
+        # an earlier burst that close after the next one is dispatched (status.ledger is the
+        # current burst only), and reported them as lost.
+        dispatched, finished = int(total["dispatched"]), int(total["finished"])
     rewards = reward_by_version(stats)
     versions = sorted(rewards)
     summary = {
