@@ -55,7 +55,7 @@ class ControllerParams:
     join_wait_s: float = 10.0
     collective_timeout_s: float = 600.0
     prefetch: bool = True
-    keep_claims_every_s: float = 2.0
+    keep_claims_every_s: float = 2.0  # at most; a third of the packer's claim TTL when shorter
 
 
 @dataclasses.dataclass
@@ -115,6 +115,7 @@ class TrainingController:
         self._current: asyncio.Task[BatchOutcome] | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        self._keep_every_s = self.params.keep_claims_every_s
 
     @property
     def is_core(self) -> bool:
@@ -338,6 +339,8 @@ class TrainingController:
                     continue
                 step = claim.micro_step
                 assert step is not None
+                if claim.ttl_s > 0:
+                    self._keep_every_s = min(self.params.keep_claims_every_s, max(0.05, claim.ttl_s / 3))
                 if step.batch_id not in (0, batch_id):
                     raise FailedPrecondition(f"claimed micro-step of batch {step.batch_id} for {batch_id}")
                 if self.params.prefetch:  # overlap the next claim with this compute
@@ -361,7 +364,7 @@ class TrainingController:
 
     async def _keep_claims(self) -> None:
         while True:
-            await asyncio.sleep(self.params.keep_claims_every_s)
+            await asyncio.sleep(self._keep_every_s)
             with contextlib.suppress(Unavailable, DeadlineExceeded):
                 await self.source.keep()
 
