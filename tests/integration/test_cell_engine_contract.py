@@ -142,6 +142,16 @@ async def test_required_policy_version_is_checked(engine):
     assert len(tokens) == 2
 
 
+async def test_out_of_vocabulary_prompt_is_refused_and_the_engine_lives_on(engine):
+    if engine.kind != "vllm":
+        pytest.skip("the mock has no vocabulary of its own")
+    from gyre.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        await _run(engine, "oov", [3, 4, 100_000], 2)
+    assert len((await _run(engine, "ok", PROMPTS[0], 2))[0]) == 2
+
+
 async def _run_required(engine, version):
     out = []
     async for c in engine.generate("req", PROMPTS[0], Sampling(max_tokens=2), required_policy_version=version):

