@@ -14,7 +14,7 @@ class TrainingSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool = Field(
-        False, description="Train on this cell (elastic cells only). Off: JoinBatch answers joined=false.")
+        True, description="Train on this cell (elastic cells only). Off: JoinBatch answers joined=false.")
     model_dir: str = Field(
         "", description="Local directory of the causal LM (transformers layout); empty: the cell's model_dir.")
     dtype: str = Field(

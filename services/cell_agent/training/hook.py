@@ -4,8 +4,9 @@ factory the cell agent's ``__main__`` looks for.
 
 Settings come from ``cfg.training`` when the cell agent's config has that field (a
 :class:`TrainingSettings`), else from the ``training:`` section of the cluster YAML named by
-``--config`` / $GYRE_CONFIG with ``GYRE_TRAINING__<FIELD>`` environment overrides. Training is opt-in
-(``enabled: true``); an empty ``model_dir`` falls back to the cell's own ``model_dir``;
+``--config`` / $GYRE_CONFIG with ``GYRE_TRAINING__<FIELD>`` environment overrides. A cell trains when that section (or
+``cfg.training``) exists and does not say ``enabled: false``; an empty ``model_dir`` falls
+back to the cell's own ``model_dir``;
 disabled, or with no model at all (a mock cluster), the cell gets the no-op hook. A trainer
 that fails to start (bad settings, a rendezvous that never completes) does not take the
 cell down: JoinBatch answers UNAVAILABLE with the reason and rollout goes on.
@@ -55,11 +56,14 @@ def load_settings(cfg: Any) -> TrainingSettings:
         settings = found
     else:
         path = _config_path()
-        section = dict((config_mod.read_file(path) if path else {}).get("training") or {})
+        raw = (config_mod.read_file(path) if path else {}).get("training")
+        section = dict(raw or {})
         prefix = "GYRE_TRAINING__"
         for key, value in os.environ.items():
             if key.startswith(prefix):
                 section[key[len(prefix):].lower()] = value
+        if raw is None and not section:
+            return TrainingSettings(enabled=False)  # no training section: this cluster does not train
         settings = TrainingSettings(**section)
     if not settings.model_dir and getattr(cfg, "model_dir", ""):
         settings = settings.model_copy(update={"model_dir": cfg.model_dir})
