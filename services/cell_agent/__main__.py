@@ -78,7 +78,14 @@ class _App:
 
 def run(argv: list[str] | None = None) -> None:
     app = _App()
-    main("cell_agent", CellAgentConfig, app.build, argv=argv, after_start=app.after_start, instance_field="cell_id")
+    main(
+        "cell_agent",
+        CellAgentConfig,
+        app.build,
+        argv=argv,
+        after_start=app.after_start,
+        instance_field="cell_id",
+    )
 
 
 if __name__ == "__main__":

@@ -151,7 +151,9 @@ class Cell:
         self.engine.check_alive()
         if not self.accepting:
             raise Unavailable(f"cell {self.identity.cell_id} is {self.state.name}; not taking new requests")
-        stream = self.engine.generate(request_id, prompt_token_ids, sampling, required_policy_version, kv_handle)
+        stream = self.engine.generate(
+            request_id, prompt_token_ids, sampling, required_policy_version, kv_handle
+        )
         async for chunk in stream:
             yield chunk
 
@@ -192,7 +194,10 @@ class Cell:
                 await self._wait_drained()
             await self.store.write_state(t.target, epoch, self._wall())
             self.lifecycle.commit(t)
-            log.info("cell state", extra={"from": t.source.name, "to": t.target.name, "epoch": epoch, "reason": reason})
+            log.info(
+                "cell state",
+                extra={"from": t.source.name, "to": t.target.name, "epoch": epoch, "reason": reason},
+            )
             try:
                 await self._apply(t)
             except asyncio.CancelledError:
@@ -215,7 +220,8 @@ class Cell:
         while self.engine.running_requests > 0:
             if loop.time() >= deadline:
                 raise FailedPrecondition(
-                    f"engine still holds {self.engine.running_requests} requests after {self._drain_wait_s}s; "
+                    f"engine still holds {self.engine.running_requests} requests "
+                    f"after {self._drain_wait_s}s; "
                     "move its executions first"
                 )
             await asyncio.sleep(0.02)

@@ -24,7 +24,8 @@ class CellAgentConfig(ServiceConfig):
 
     # Engine ---------------------------------------------------------------------------------
     engine: Literal["mock", "vllm"] = Field("mock", description="Engine implementation.")
-    model_dir: str = Field("", description="Local model directory (required for vllm; mock hashes its weights).")
+    model_dir: str = Field(
+        "", description="Local model directory (required for vllm; mock hashes its weights).")
     policy_version: int = Field(0, ge=0, description="Policy version the initial weights are served as.")
     max_model_len: int = Field(4096, ge=16, description="vLLM: longest context (prompt + output) in tokens.")
     max_num_seqs: int = Field(64, ge=1, description="vLLM: most sequences in one batch.")
@@ -35,7 +36,8 @@ class CellAgentConfig(ServiceConfig):
     max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
 
     # Mock timing model (defaults: 7B on an H200, WORKLOADS.md) ----------------------------------
-    mock_time_scale: float = Field(1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
+    mock_time_scale: float = Field(
+        1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
     mock_fixed_decode_step_s: float = Field(
         0.0, ge=0, description="If > 0, each decode step costs this instead of the roofline term.")
     mock_step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of every engine step.")
@@ -51,9 +53,11 @@ class CellAgentConfig(ServiceConfig):
     mock_wake_s: float = Field(0.5, ge=0, description="Cost of restoring rollout memory (wake).")
     mock_vocab_size: int = Field(512, ge=8, description="Mock token ids are drawn from [3, vocab).")
     mock_max_batch: int = Field(256, ge=1, description="Most requests the mock runs in one step.")
-    mock_kv_dir: str = Field("", description="Directory for exported KV handles (file medium); memory if empty.")
+    mock_kv_dir: str = Field(
+        "", description="Directory for exported KV handles (file medium); memory if empty.")
     mock_die_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock dies after this many tokens.")
-    mock_hang_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock hangs after this many tokens.")
+    mock_hang_after_tokens: int = Field(
+        -1, ge=-1, description="Fault: the mock hangs after this many tokens.")
 
     # Lifecycle and health -----------------------------------------------------------------------
     drain_wait_s: float = Field(

@@ -64,7 +64,9 @@ def status_to_proto(s: CellStatus) -> pb.CellStatus:
 class EngineServicer(pb_grpc.EngineServicer):
     """The token-level engine API; only the router calls it."""
 
-    def __init__(self, cell: Cell, max_prompt_tokens: int, max_tokens_limit: int, vocab_limit: int = 1 << 24) -> None:
+    def __init__(
+        self, cell: Cell, max_prompt_tokens: int, max_tokens_limit: int, vocab_limit: int = 1 << 24
+    ) -> None:
         self._cell = cell
         self._max_prompt = max_prompt_tokens
         self._max_tokens = max_tokens_limit
@@ -103,7 +105,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         return load_to_proto(self._cell.status())
 
     @rpc
-    async def ExportKv(self, request: pb.ExportKvRequest, context: grpc.aio.ServicerContext) -> pb.ExportKvResponse:
+    async def ExportKv(
+        self, request: pb.ExportKvRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExportKvResponse:
         handle = await self._cell.export_kv(_check_id(request.request_id, "request_id"))
         return pb.ExportKvResponse(handle=handle.to_proto()) if handle else pb.ExportKvResponse()
 
@@ -122,7 +126,9 @@ class CellControlServicer(pb_grpc.CellControlServicer):
         self._cell = cell
 
     @rpc
-    async def SetState(self, request: pb.SetStateRequest, context: grpc.aio.ServicerContext) -> pb.SetStateResponse:
+    async def SetState(
+        self, request: pb.SetStateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetStateResponse:
         epoch = _fence(request.fence, request.HasField("fence"))
         if request.target == common_pb2.CELL_STATE_UNSPECIFIED:
             raise InvalidArgument("target state is required")
@@ -133,7 +139,9 @@ class CellControlServicer(pb_grpc.CellControlServicer):
         return pb.SetStateResponse(state=state.to_proto())
 
     @rpc
-    async def GetCellStatus(self, request: pb.GetCellStatusRequest, context: grpc.aio.ServicerContext) -> pb.CellStatus:
+    async def GetCellStatus(
+        self, request: pb.GetCellStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CellStatus:
         return status_to_proto(self._cell.status())
 
     @rpc
@@ -147,7 +155,9 @@ class CellControlServicer(pb_grpc.CellControlServicer):
         return pb.LoadPolicyResponse(policy_version=version, seconds=seconds)
 
     @rpc
-    async def JoinBatch(self, request: pb.JoinBatchRequest, context: grpc.aio.ServicerContext) -> pb.JoinBatchResponse:
+    async def JoinBatch(
+        self, request: pb.JoinBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinBatchResponse:
         epoch = _fence(request.fence, request.HasField("fence"))
         if request.prefix_size < 1:
             raise InvalidArgument("prefix_size must be >= 1")

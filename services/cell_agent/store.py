@@ -28,7 +28,8 @@ class EtcdCellStore:
         self._lease_id = lease_id
 
     async def register(self, record: dict[str, object]) -> None:
-        await self._etcd.put(self._keys.cell(self._cell_id), json.dumps(record).encode(), lease=self._lease_id)
+        key = self._keys.cell(self._cell_id)
+        await self._etcd.put(key, json.dumps(record).encode(), lease=self._lease_id)
 
     async def write_state(self, state: CellState, epoch: int, updated_s: float) -> None:
         key = self._keys.cell_state(self._cell_id)

@@ -45,7 +45,9 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
         wake_s=cfg.mock_wake_s,
         time_scale=cfg.mock_time_scale,
     )
-    faults = MockFaults(die_after_tokens=cfg.mock_die_after_tokens, hang_after_tokens=cfg.mock_hang_after_tokens)
+    faults = MockFaults(
+        die_after_tokens=cfg.mock_die_after_tokens, hang_after_tokens=cfg.mock_hang_after_tokens
+    )
     return MockEngine(
         timing=timing,
         faults=faults,

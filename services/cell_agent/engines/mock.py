@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gyre.errors import FailedPrecondition
-from services.cell_agent.engines.base import Chunk, Engine, EngineDead, FinishReason, KvHandle, Sampling, Weights
+from services.cell_agent.engines.base import (
+    Chunk,
+    Engine,
+    EngineDead,
+    FinishReason,
+    KvHandle,
+    Sampling,
+    Weights,
+)
 
 log = logging.getLogger(__name__)
 

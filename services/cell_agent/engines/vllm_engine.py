@@ -21,7 +21,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument
-from services.cell_agent.engines.base import Chunk, Engine, EngineDead, FinishReason, KvHandle, Sampling, Weights
+from services.cell_agent.engines.base import (
+    Chunk,
+    Engine,
+    EngineDead,
+    FinishReason,
+    KvHandle,
+    Sampling,
+    Weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +169,8 @@ class VllmEngine(Engine):
         self._active.add(request_id)
         finished = False
         try:
-            stream = llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id=request_id)
+            prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+            stream = llm.generate(prompt, params, request_id=request_id)
             async for out in stream:
                 self.check_alive()  # a death fans out through abort; surface it as EngineDead
                 comp = out.outputs[0]
@@ -212,7 +221,10 @@ class VllmEngine(Engine):
         if weights is None:
             self._policy_version = version  # same weights, new label (e.g. the initial policy)
             return
-        blob = weights if isinstance(weights, (bytes, bytearray)) else await asyncio.to_thread(_to_safetensors, weights)
+        if isinstance(weights, (bytes, bytearray)):
+            blob = bytes(weights)
+        else:
+            blob = await asyncio.to_thread(_to_safetensors, weights)
         llm = self.llm
         # Freeze requests in flight (they resume on the new weights) while the worker swaps
         # the tensors in place.
