@@ -79,6 +79,7 @@ class Cluster:
         first = max([1, *join_after])
         self.packer.add_batch(batch_id, version, steps, released=first)
         assert await self.cells[0].join_batch(batch_id, version, 1, "core")
+        assert await self.cells[0].join_batch(batch_id, version, 1, "core")  # redelivered: idempotent
         for i, after in enumerate(join_after, start=1):
             await asyncio.to_thread(self.packer.wait_claimed, batch_id, after)
             assert await self.cells[i].join_batch(batch_id, version, i + 1, "core")
