@@ -116,6 +116,7 @@ class TrainingController:
         self._lock = asyncio.Lock()
         self._closed = False
         self._keep_every_s = self.params.keep_claims_every_s
+        self._broken: str | None = None
 
     @property
     def is_core(self) -> bool:
@@ -160,6 +161,7 @@ class TrainingController:
             "version": self.version,
             "batch_running": cur is not None and not cur.done(),
             "last_batch_id": self.core.last_batch_id if self.core else max(self.outcomes, default=0),
+            "broken": self._broken,
         }
 
     async def wait_batch(self, batch_id: int) -> BatchOutcome:
@@ -184,6 +186,8 @@ class TrainingController:
             raise InvalidArgument("batch_id and prefix_size must be > 0, policy_version >= 0")
         if self._closed:
             raise Unavailable("the trainer is shutting down")
+        if self._broken is not None:
+            raise Unavailable(f"prefix groups broken ({self._broken}); restart the elastic cells to train again")
         if not self.is_core and not core_target:
             raise InvalidArgument("a satellite needs core_target")
         async with self._lock:
@@ -196,6 +200,8 @@ class TrainingController:
                     await asyncio.wait_for(asyncio.shield(prev), self.params.join_wait_s)
                 if not prev.done():
                     return False
+                if self._broken is not None:
+                    raise Unavailable(f"prefix groups broken ({self._broken}); restart the elastic cells")
             started = self.clock()
             if self.is_core:
                 version = await self._open_as_core(batch_id, policy_version)
@@ -246,6 +252,30 @@ class TrainingController:
     # One batch -----------------------------------------------------------------------
 
     async def _run_core(self, batch_id: int, version: int, started: float) -> BatchOutcome:
+        try:
+            return await self._core_batch(batch_id, version, started)
+        except BaseException:
+            self.trainer.close_window()  # a failed batch leaves no gradient behind
+            raise
+
+    async def _run_satellite(self, batch_id: int, version: int, core_target: str, started: float) -> BatchOutcome:
+        try:
+            return await self._satellite_batch(batch_id, version, core_target, started)
+        except BaseException:
+            self.trainer.close_window()
+            raise
+
+    async def _collective(self, op: Callable[[int, torch.Tensor], None], k: int, tensor: torch.Tensor) -> None:
+        """One collective; a failure (a peer died, a timeout) breaks the prefix groups."""
+        try:
+            await asyncio.to_thread(op, k, tensor)
+        except Exception as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            log.error("collective failed: the prefix groups are broken until the elastic cells restart",
+                      extra={"prefix": k, "error": self._broken})
+            raise Unavailable(f"collective over the prefix of {k} failed: {exc}") from exc
+
+    async def _core_batch(self, batch_id: int, version: int, started: float) -> BatchOutcome:
         assert self.core is not None
         out = BatchOutcome(batch_id, version)
         self.trainer.open_window(version)
@@ -257,19 +287,21 @@ class TrainingController:
         grad = self.trainer.flat_grads()
         header = torch.tensor([float(self.trainer.tokens), 0.0], dtype=torch.float64, device=grad.device)
         if k > 1:
-            await asyncio.to_thread(self.collective.reduce_to_core, k, grad)
-            await asyncio.to_thread(self.collective.reduce_to_core, k, header)
+            await self._collective(self.collective.reduce_to_core, k, grad)
+            await self._collective(self.collective.reduce_to_core, k, header)
         out.total_tokens, out.stale_participants = int(header[0].item()), int(header[1].item())
         result = await asyncio.to_thread(self.core.step, batch_id, grad, out.total_tokens)
         self.trainer.close_window()
         out.new_version, out.applied = result.version, result.applied
         # 5. Share: broadcast to the prefix, expose, publish.
         if k > 1:
-            await asyncio.to_thread(
-                self.collective.broadcast_from_core, k,
-                torch.tensor([float(result.version)], dtype=torch.float64, device=grad.device),
-            )
-            await asyncio.to_thread(self.collective.broadcast_from_core, k, self.trainer.flat_params().contiguous())
+            # The step is committed: a satellite lost now does not stop its publication.
+            with contextlib.suppress(Unavailable):
+                await self._collective(
+                    self.collective.broadcast_from_core, k,
+                    torch.tensor([float(result.version)], dtype=torch.float64, device=grad.device),
+                )
+                await self._collective(self.collective.broadcast_from_core, k, self.trainer.flat_params().contiguous())
         await asyncio.to_thread(self.snapshots.publish, result.version, self.trainer.state_dict())
         if self.publisher is not None and result.applied:
             await self.publisher.publish(result.version, batch_id)
@@ -278,7 +310,7 @@ class TrainingController:
         log.info("batch stepped", extra=dataclasses.asdict(out))
         return out
 
-    async def _run_satellite(self, batch_id: int, version: int, core_target: str, started: float) -> BatchOutcome:
+    async def _satellite_batch(self, batch_id: int, version: int, core_target: str, started: float) -> BatchOutcome:
         out = BatchOutcome(batch_id, version)
         # 1. Hold version v: pull it from the core unless this cell has it already.
         if self.trainer.version != version:
@@ -307,14 +339,14 @@ class TrainingController:
             [0.0 if out.stale else float(self.trainer.tokens), 1.0 if out.stale else 0.0],
             dtype=torch.float64, device=grad.device,
         )
-        await asyncio.to_thread(self.collective.reduce_to_core, k, grad)
-        await asyncio.to_thread(self.collective.reduce_to_core, k, header)
+        await self._collective(self.collective.reduce_to_core, k, grad)
+        await self._collective(self.collective.reduce_to_core, k, header)
         self.trainer.close_window()
         # 5. Receive the new weights.
         ver = torch.zeros(1, dtype=torch.float64, device=grad.device)
-        await asyncio.to_thread(self.collective.broadcast_from_core, k, ver)
+        await self._collective(self.collective.broadcast_from_core, k, ver)
         flat = torch.empty_like(self.trainer.flat_params())
-        await asyncio.to_thread(self.collective.broadcast_from_core, k, flat)
+        await self._collective(self.collective.broadcast_from_core, k, flat)
         out.new_version = int(ver.item())
         await asyncio.to_thread(self.trainer.load_flat_params, flat, out.new_version)
         await asyncio.to_thread(self.snapshots.publish, out.new_version, self.trainer.state_dict())

@@ -1,0 +1,100 @@
+"""A satellite killed mid-batch (SIGKILL) neither hangs the core nor leaves a partial
+update: the core's reduce fails promptly, no optimizer step is taken and nothing is
+published, the core keeps serving its weights (unchanged, version 0), and later JoinBatch
+commands get a clear UNAVAILABLE (the prefix groups are broken) instead of a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from gyre.errors import NotFound
+from gyre.etcd import Etcd, Keys
+from gyre.testing.procs import ServiceProcess
+from gyre.v1 import cell_agent_pb2 as pb
+from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
+from gyre.v1 import common_pb2 as cpb
+from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from services.cell_agent.snapshots import pull_snapshot
+from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _join(target: str, batch: int, prefix: int, core: str):
+    async with grpc.aio.insecure_channel(target) as ch:
+        return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
+            fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
+            timeout=30)).joined
+
+
+async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
+    from gyre.model.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
+    packer = FakePacker()
+    server = grpc.aio.server()
+    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
+    pport = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    cfg = {"cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+           "trainer_cell": {"training": {
+               "model_dir": str(model_dir), "dtype": "float32", "world_size": 2,
+               "dist_master": f"127.0.0.1:{_free_port()}", "dist_timeout_s": 60,
+               "packer_target": f"127.0.0.1:{pport}", "claim_wait_s": 0.2}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    procs = [ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": f"c{i}", "index": i},
+                            env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path / f"c{i}.log") for i in range(2)]
+    etcd = Etcd([etcd_server.endpoint])
+    await etcd.connect()
+    try:
+        for p in procs:
+            await asyncio.to_thread(p.start, 90)
+        core, sat = procs[0].target, procs[1].target
+        for _ in range(300):  # the core exposes version 0 once its trainer is up
+            try:
+                _, before = await pull_snapshot(core, 0)
+                break
+            except NotFound:
+                await asyncio.sleep(0.1)
+        packer.add_batch(1, 0, synthetic_batch(1, 6), released=1)
+        assert await _join(core, 1, 1, core)
+        await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
+        assert await _join(sat, 1, 2, core)
+        packer.release(1, 1, for_cell="c1")
+        await asyncio.to_thread(packer.wait_claimed, 1, 2, 60)
+        procs[1].kill()  # SIGKILL while it holds its share of the batch
+        packer.release(1)
+        start = time.monotonic()
+        broken = None
+        while time.monotonic() - start < 60:
+            try:
+                await _join(core, 2, 1, core)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE and "broken" in (err.details() or ""):
+                    broken = time.monotonic() - start
+                    break
+            await asyncio.sleep(0.2)
+        assert broken is not None, "the core never noticed the dead satellite"
+        assert procs[0].alive()
+        assert await etcd.get(Keys(cluster_name).policy()) is None  # no step announced
+        version, after = await pull_snapshot(core, 0)
+        assert version == 0
+        assert all(torch.equal(after[n], t) for n, t in before.items())  # no partial update
+    finally:
+        for p in procs:
+            await asyncio.to_thread(p.stop, 10)
+        await server.stop(0)
+        await etcd.close()
