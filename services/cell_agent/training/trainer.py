@@ -37,7 +37,9 @@ def token_losses(
 ) -> tuple[torch.Tensor, int]:
     """Sum of the clipped policy-gradient losses of every loss token of ``seqs`` (padded
     right into ``logits`` [B, T, V]) and the number of loss tokens."""
-    device, dtype = logits.device, logits.dtype
+    device = logits.device
+    # The loss in at least float32 (bf16 log-softmax over a vocabulary is too coarse).
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     b, t = logits.shape[0], logits.shape[1]
     ids = torch.zeros(b, t, dtype=torch.long, device=device)
     mask = torch.zeros(b, t, dtype=dtype, device=device)
