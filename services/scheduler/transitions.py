@@ -136,7 +136,8 @@ class TransitionRunner:
         await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.TRAINING, "training"))
         s.cells.overlay[cell_id] = CellState.TRAINING
         s.emit("cell_in_training", f"{cell_id} is training ({moved} executions rerouted)", cell_id=cell_id)
-        await self._join(cell_id)
+        # Outside the transition (a later return must not wait on it), after it.
+        self._spawn(self._join(cell_id, self._tasks.get(cell_id)))
 
     async def _reroute(self, cell_id: str) -> int | None:
         """Moves every route off ``cell_id``; None when destinations ran out."""
@@ -249,23 +250,39 @@ class TransitionRunner:
         got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch, v, s.policy_source))
         self.loaded[cell_id] = max(int(got), v)
 
-    async def _join(self, cell_id: str) -> None:
+    async def _join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
+        """JoinBatch(current batch) until the cell joins one, or leaves training, or a
+        transition starts for it. A refusal (window closed, previous batch still stepping,
+        no trainer) is retried with backoff: the next batch may take it."""
         s = self.s
-        try:
-            batch_id = await s.peers.current_batch()
-        except GyreError:
-            batch_id = s.supply_raw.batch_id
-        views = s.cells.views()
-        prefix = len(training_set(views))
-        core = next((s.cells.get(v.cell_id) for v in views if v.is_core), None)
-        core_target = core.target if core is not None else ""
-        try:
-            joined = await self._retry(cell_id, lambda: s.peers.join_batch(
-                self._target(cell_id), s.epoch, batch_id, s.policy_version, max(prefix, 1), core_target), attempts=5)
-        except GyreError as exc:
-            s.emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
-            return
-        s.emit("joined_batch", f"{cell_id} {'joined' if joined else 'missed'} batch {batch_id} (prefix {prefix}, v{s.policy_version})", cell_id=cell_id)
+        if after is not None:  # the move to training that spawned us finishes first
+            await asyncio.wait([after])
+        backoff, missed = 0.5, set()
+        while not s.deposed.is_set():
+            if s.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
+                return
+            try:
+                batch_id = await s.peers.current_batch()
+            except GyreError:
+                batch_id = s.supply_raw.batch_id
+            views = s.cells.views()
+            prefix = len(training_set(views))
+            core = next((s.cells.get(v.cell_id) for v in views if v.is_core), None)
+            core_target = core.target if core is not None else ""
+            try:
+                joined = await self._retry(cell_id, lambda: s.peers.join_batch(
+                    self._target(cell_id), s.epoch, batch_id, s.policy_version, max(prefix, 1), core_target), attempts=5)
+            except (GyreError, CellGone) as exc:
+                s.emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
+                return
+            if joined:
+                s.emit("joined_batch", f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{s.policy_version})", cell_id=cell_id)
+                return
+            if batch_id not in missed:
+                missed.add(batch_id)
+                s.emit("join_missed", f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{s.policy_version}); retrying", cell_id=cell_id)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
     async def _publish(self, version: int) -> None:
         s = self.s

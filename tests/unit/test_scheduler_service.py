@@ -415,3 +415,32 @@ async def test_overlapping_launches_never_overfill_a_cell():
     assert s.routes.counts() == {"sa": 2, "sb": 2} and s.ledger.counts().launched == 5
     again, _, _ = await s.acquire("h", 0)
     assert again is not None and again.route.cell_id == "sa" and s.ledger.counts().launched == 6
+
+
+async def test_a_missed_join_is_retried_and_does_not_block_a_return():
+    s, store, peers, clock = make(cells=[("core", "elastic", 0, 4), ("sa", "standalone", -1, 16)])
+    await lead(s, store)
+    answers = [False, False, True]
+
+    async def join_batch(*args):
+        peers.calls.append(("join_batch", args))
+        return answers.pop(0) if answers else True
+
+    peers.join_batch = join_batch
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    await s.reconcile_once()
+    await settle(s)
+    for _ in range(100):
+        if len(peers.commands("join_batch")) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    kinds = [e.kind for e in s.events.after(0)]
+    assert kinds.count("join_missed") == 1 and "joined_batch" in kinds  # one event per missed batch
+    # With the trainer never joining, a burst-end return still goes through.
+    answers[:] = [False] * 1000
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    s.transitions.rejoin("core")
+    await asyncio.sleep(0.05)
+    s.transitions.start("core", CellState.ROLLOUT, "test")
+    await settle(s)
+    assert s.cells.state("core") is CellState.ROLLOUT
