@@ -195,7 +195,8 @@ class TrainingController:
                 return True
             prev = self._current
             if prev is not None and not prev.done():
-                # The previous batch is finishing (step, broadcast): joins follow it.
+                # The previous batch is finishing (step, broadcast): joins follow it. Its
+                # own failure is not this call's (it is logged by _log_failure).
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(prev), self.params.join_wait_s)
                 if not prev.done():
