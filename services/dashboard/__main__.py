@@ -24,7 +24,7 @@ from gyre import config as config_mod
 from gyre.telemetry import setup_logging
 from services.dashboard.app import DashboardApp
 from services.dashboard.config import DashboardConfig
-from services.dashboard.source import GrpcStatusSource
+from services.dashboard.source import GrpcEventSource, GrpcStatusSource
 
 log = logging.getLogger("services.dashboard")
 
@@ -61,6 +61,7 @@ async def serve(cfg: DashboardConfig) -> None:
         poll_timeout_s=cfg.poll_timeout_s,
         max_samples=cfg.max_samples,
         title=f"Gyre · {cfg.cluster_name}",
+        events_source=GrpcEventSource(cfg.scheduler_target, cfg) if cfg.watch_events else None,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

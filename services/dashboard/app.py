@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from services.dashboard import metrics
-from services.dashboard.source import StatusSource
+from services.dashboard.source import EventSource, StatusSource
 from services.dashboard.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ TIMELINE_KEY = web.AppKey("timeline", Timeline)
 class DashboardApp:
     """Polls ``status_source`` and serves the timeline.
 
-    ``status_source`` is an async callable returning a SchedulerStatus-like dict; ``clock``
-    (monotonic seconds) is injectable so tests can drive time.
+    ``status_source`` is an async callable returning a SchedulerStatus-like dict;
+    ``events_source`` (optional) streams SchedulerEvent-like dicts after a sequence number;
+    ``clock`` (monotonic seconds) is injectable so tests can drive time.
     """
 
     def __init__(
@@ -51,10 +52,14 @@ class DashboardApp:
         max_samples: int = 7200,
         clock: Callable[[], float] = time.monotonic,
         title: str = "Gyre",
+        events_source: EventSource | None = None,
+        events_retry_s: float = 1.0,
     ) -> None:
         if poll_interval_s <= 0 or poll_timeout_s <= 0:
             raise ValueError("poll_interval_s and poll_timeout_s must be > 0")
         self._source = status_source
+        self._events_source = events_source
+        self.events_retry_s = events_retry_s
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self._clock = clock
@@ -93,7 +98,7 @@ class DashboardApp:
 
     def _log_error(self, message: str) -> None:
         if message != self._last_logged_error:  # log each distinct failure once in a row
-            log.warning("status poll failed", extra={"error": message})
+            log.warning("dashboard source failed", extra={"error": message})
             self._last_logged_error = message
 
     async def run_poller(self) -> None:
@@ -103,6 +108,33 @@ class DashboardApp:
             await self.poll_once()
             elapsed = self._clock() - started
             await asyncio.sleep(max(0.0, self.poll_interval_s - elapsed))
+
+    async def run_events(self) -> None:
+        """Follows the event source until cancelled; failures are counted and retried."""
+        assert self._events_source is not None
+        after = 0
+        while True:
+            got = False
+            try:
+                async for raw in self._events_source(after):
+                    try:
+                        self.timeline.add_event(raw)
+                    except ValueError as exc:
+                        self.timeline.stats.event_errors += 1
+                        self._log_error(f"malformed event: {exc}")
+                        continue
+                    after = max(after, int(raw.get("seq", 0)))
+                    got = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the scheduler went away: retry; duplicates are dropped
+                self.timeline.stats.event_errors += 1
+                self._log_error(f"event stream: {type(exc).__name__}: {exc}")
+                after = 0  # a new leader numbers its events afresh
+                await asyncio.sleep(self.events_retry_s)
+                continue
+            if not got:  # an empty bounded stream: do not spin
+                await asyncio.sleep(self.events_retry_s)
 
     def make_app(self) -> web.Application:
         """The aiohttp application; its start-up starts the poller, its clean-up stops it."""
@@ -116,12 +148,15 @@ class DashboardApp:
         return app
 
     async def _poller_ctx(self, _app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(self.run_poller(), name="dashboard.poller")
+        tasks = [asyncio.create_task(self.run_poller(), name="dashboard.poller")]
+        if self._events_source is not None:
+            tasks.append(asyncio.create_task(self.run_events(), name="dashboard.events"))
         yield
-        task.cancel()
-        # The poller's own CancelledError comes back as a result; a cancellation of this
+        for task in tasks:
+            task.cancel()
+        # The tasks' own CancelledErrors come back as results; a cancellation of this
         # clean-up itself still propagates out of gather.
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
         """Serves the dashboard on ``host:port`` in the running loop; returns the runner (call

@@ -9,7 +9,8 @@ dict (the proto's field names; enums as names with or without their prefix, or n
 - series of the gauges (waterlevel W, capacity, ready groups, policy version, reroutes, ...),
 - policy-version markers, and the latest counters,
 
-bounded to ``max_samples`` samples. A status from a standby (``leader`` false, where the
+bounded to ``max_samples`` samples, plus the latest scheduler events (decisions with their
+reasons), deduplicated.  A status from a standby (``leader`` false, where the
 scheduler reports it) or from a lower fencing epoch than one already seen (a deposed leader)
 is ignored, so a dashboard that polls every replica never mixes two schedulers' views.
 """
@@ -126,6 +127,27 @@ def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def normalize_event(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A validated copy of a SchedulerEvent-like dict; ValueError if malformed."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("event must be a mapping")
+    seq = _int(raw, "seq")
+    if seq < 0:
+        raise ValueError(f"bad seq {seq}")
+    time_s = raw.get("time_s", 0.0)
+    if isinstance(time_s, bool) or not isinstance(time_s, int | float):
+        raise ValueError(f"bad time_s {time_s!r}")
+    out: dict[str, Any] = {"seq": seq, "time_s": float(time_s)}
+    for key, limit in (("kind", 64), ("message", 1000), ("cell_id", 128), ("execution_id", 128)):
+        value = raw.get(key) or ""
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string")
+        out[key] = value[:limit]
+    for key in ("waterlevel", "capacity", "ready_groups"):
+        out[key] = _int(raw, key)
+    return out
+
+
 def cell_order(cell: Mapping[str, Any]) -> tuple[int, int, str]:
     """Display order: elastic cells by index (core first, then satellites), then the rest."""
     if cell.get("kind") == "ELASTIC":
@@ -151,6 +173,8 @@ class SourceStats:
     ok: int = 0
     errors: int = 0
     stale: int = 0
+    events: int = 0
+    event_errors: int = 0
     last_ok_s: float | None = None
     last_error: str = ""
     last_error_s: float | None = None
@@ -162,10 +186,11 @@ class Timeline:
     Times are seconds on the caller's clock (the dashboard passes seconds since it started).
     """
 
-    def __init__(self, max_samples: int = 7200) -> None:
-        if max_samples < 2:
-            raise ValueError("max_samples must be >= 2")
+    def __init__(self, max_samples: int = 7200, max_events: int = 200) -> None:
+        if max_samples < 2 or max_events < 1:
+            raise ValueError("max_samples must be >= 2 and max_events >= 1")
         self.max_samples = max_samples
+        self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._t: deque[float] = deque()
         self._series: dict[str, deque[int]] = {k: deque() for k in SERIES_FIELDS}
         self._bands: dict[str, list[list[Any]]] = {}
@@ -193,6 +218,17 @@ class Timeline:
         self.stats.errors += 1
         self.stats.last_error = message[:500]
         self.stats.last_error_s = t_s
+
+    def add_event(self, raw_event: Mapping[str, Any]) -> bool:
+        """Keeps one scheduler event; False for a duplicate (a stream replayed after a
+        reconnect). Raises ValueError for a malformed event (nothing changes)."""
+        event = normalize_event(raw_event)
+        key = (event["seq"], event["kind"], event["time_s"])
+        if any((e["seq"], e["kind"], e["time_s"]) == key for e in self._events):
+            return False
+        self._events.append(event)
+        self.stats.events += 1
+        return True
 
     def add(self, t_s: float, raw_status: Mapping[str, Any]) -> bool:
         """Adds one snapshot taken at ``t_s``; False when it was ignored (stale epoch).
@@ -293,6 +329,7 @@ class Timeline:
             "bands": bands,
             "series": {"t": list(self._t)[first:], **{k: list(v)[first:] for k, v in self._series.items()}},
             "policy_marks": [list(m) for m in self._policy_marks if m[0] >= start],
+            "events": sorted(self._events, key=lambda e: (e["time_s"], e["seq"]), reverse=True),
             "counters": counters,
             "source": dataclasses.asdict(self.stats),
         }

@@ -33,6 +33,12 @@ STEPS = 120  # three bursts of 40 scripted steps, then the last status is held
 
 pytestmark = pytest.mark.timeout(180)
 
+EVENTS = [
+    ("burst_started", "burst 1: 32 executions at policy v0"),
+    ("cell_to_training", "moved cell-0 to training: capacity 24 >= W 20, supply 0.5 >= 0.5 for 2.0 s"),
+    ("reroute", "moved b1-t3-0 from cell-0 to cell-9 (route epoch 2)"),
+]
+
 CELLS = [  # (cell_id, kind, index, slots)
     ("cell-0", common_pb2.CELL_KIND_ELASTIC, 0, 8),
     ("cell-1", common_pb2.CELL_KIND_ELASTIC, 1, 8),
@@ -102,6 +108,12 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerControlServicer):
         status = scripted_status(self.calls)
         self.calls += 1
         return status
+
+    async def WatchEvents(self, request: Any, context: Any) -> Any:
+        for seq, (kind, message) in enumerate(EVENTS, start=1):
+            if seq > request.after_seq:
+                yield scheduler_pb2.SchedulerEvent(seq=seq, time_s=1_700_000_000.0 + seq, kind=kind, message=message)
+        await asyncio.sleep(3600)  # the stream stays open, as the scheduler's does
 
 
 async def _start_fake() -> tuple[grpc.aio.Server, ScriptedScheduler, int]:
@@ -196,6 +208,8 @@ async def test_dashboard_renders_scripted_scheduler_in_chromium(tmp_out: Path) -
         for cell_id in ("cell-0", "cell-1", "cell-2", "cell-9"):
             assert f'data-cell-id="{cell_id}"' in dom, f"{cell_id} missing from the DOM"
         assert "policy v3" in dom
+        assert 'data-kind="cell_to_training"' in dom and "capacity 24 &gt;= W 20" in dom
+        assert timeline["source"]["events"] == 3 and timeline["events"][0]["kind"] == "reroute"
         conn = re.search(r'<span id="conn"[^>]*>([^<]*)</span>', dom)
         assert conn is not None and conn.group(1).startswith("live"), conn
         assert "<canvas" in dom

@@ -206,3 +206,55 @@ async def test_timeline_window() -> None:
     for bad in ("abc", "-1", "0"):
         with pytest.raises(web.HTTPBadRequest):
             await dash._timeline(make_mocked_request("GET", f"/api/timeline?window_s={bad}"))
+
+
+def test_events_are_validated_and_deduplicated() -> None:
+    tl = Timeline(max_events=3)
+    assert tl.add_event({"seq": "1", "time_s": 10.0, "kind": "burst_started", "message": "burst 1"})
+    assert not tl.add_event({"seq": 1, "time_s": 10.0, "kind": "burst_started", "message": "burst 1"})
+    for bad in ({"seq": -1}, {"seq": 2, "time_s": "x"}, {"seq": 2, "kind": 5}, [1]):
+        with pytest.raises(ValueError):
+            tl.add_event(bad)  # type: ignore[arg-type]
+    for seq in range(2, 6):
+        tl.add_event({"seq": seq, "time_s": 10.0 + seq, "kind": "reroute"})
+    events = tl.to_json(0.0)["events"]
+    assert [e["seq"] for e in events] == [5, 4, 3]  # newest first, bounded
+    assert tl.stats.events == 5
+
+
+async def test_event_stream_resumes_and_survives_failures() -> None:
+    calls: list[int] = []
+
+    async def events(after_seq: int) -> Any:
+        calls.append(after_seq)
+        if len(calls) == 1:
+            yield {"seq": 1, "time_s": 1.0, "kind": "burst_started"}
+            yield {"seq": 2, "time_s": 2.0, "kind": "cell_to_training"}
+            return  # a bounded stream ended: resume after 2
+        if len(calls) == 2:
+            yield {"seq": 3, "time_s": 3.0, "kind": "reroute"}
+            raise ConnectionError("scheduler gone")  # resume from 0: duplicates dropped
+        if len(calls) == 3:
+            for seq in (1, 2, 3):
+                yield {"seq": seq, "time_s": float(seq), "kind": ["burst_started", "cell_to_training", "reroute"][seq - 1]}
+            yield {"seq": 4, "time_s": 4.0, "kind": "cell_to_rollout"}
+            yield {"seq": "bad"}
+        await asyncio.sleep(3600)
+        yield {}
+
+    async def status_source() -> dict[str, Any]:
+        return status({"c0": "ROLLOUT"})
+
+    dash = DashboardApp(status_source, events_source=events, events_retry_s=0.01)
+    task = asyncio.create_task(dash.run_events())
+    for _ in range(200):
+        if dash.timeline.stats.events >= 4 and dash.timeline.stats.event_errors >= 2:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert calls == [0, 2, 0]  # resumed after 2, then from 0 after the failure; the last stays open
+    kinds = [e["kind"] for e in dash.timeline.to_json(0.0)["events"]]
+    assert kinds == ["cell_to_rollout", "reroute", "cell_to_training", "burst_started"]
+    assert dash.timeline.stats.event_errors == 2  # the failure and the malformed event
