@@ -352,7 +352,9 @@ def _drained(s: Snapshot, grace_s: float, training: Sequence[CellView]) -> list[
     if training and 0 < sup.batch_needs < sup.batch_size:
         have = sup.batch_size - sup.batch_needs
         return [SealBatch(sup.batch_id, f"sealed batch {sup.batch_id} with {have} of {sup.batch_size} groups: burst {b} drained (W 0)")]
-    if sup.ready_groups == 0 and sup.batch_needs >= sup.batch_size:
+    if not training and sup.ready_groups == 0 and sup.batch_needs >= sup.batch_size:
+        # (With cells training, a sealed batch is being trained while the packer already
+        # fills the next one: wait for its publication, which ends the burst.)
         return _next_burst(s, f"burst {b} yielded no trainable groups: burst {b + 1} with {s.next_quota} executions at policy v{s.policy_version}")
     return None
 

@@ -30,6 +30,7 @@ from services.scheduler.policy import (
     MoveToTraining,
     PublishPolicy,
     ReturnToRollout,
+    SealBatch,
     Snapshot,
     StaticSplitPolicy,
     StaticSplitConfig,
@@ -320,3 +321,18 @@ def test_first_burst_and_exhausted_source():
     s = Snapshot(0.0, LedgerCounts(), _cells(CellState.ROLLOUT), Supply(), None, 0, 16)
     assert p.decide(s) == [DispatchBurst(1, 16, 0, "first burst: 16 executions at policy v0")]
     assert p.decide(dataclasses.replace(s, next_quota=0)) == []
+
+
+def test_drained_burst_seals_once_then_waits_for_the_update():
+    p = WaterlevelPolicy(WaterlevelConfig(0.5, 0.0, drain_grace_s=1.0))
+    training = _cells(CellState.TRAINING, CellState.TRAINING, standalone=16)
+    drained = dict(d=20, lc=20, f=20)
+    snap = dataclasses.replace(_snap(training, **drained, ready=0), drained_since_s=4.0,
+                               supply=Supply(0, 8, 6, 1, None))  # batch 1 holds 2 of 8 groups
+    assert [type(a) for a in p.decide(snap)] == [SealBatch]
+    # Sealed: the packer fills batch 2 (nothing assigned); the cells still train batch 1.
+    after = dataclasses.replace(snap, supply=Supply(0, 8, 8, 2, None))
+    assert not any(isinstance(a, DispatchBurst) for a in p.decide(after))
+    # Nobody training and nothing trainable: go on with the next burst.
+    idle = dataclasses.replace(after, cells=_cells(CellState.ROLLOUT, CellState.ROLLOUT, standalone=16))
+    assert [type(a) for a in p.decide(idle)] == [DispatchBurst]
