@@ -207,3 +207,48 @@ def test_configmap_is_what_pods_mount() -> None:
                 assert c["command"][-2:] == ["--config", "/etc/gyre/cluster.yaml"], doc["metadata"]["name"]
                 mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
                 assert mounts.get("config") == "/etc/gyre"
+
+
+def _selected_components(selector: dict[str, Any]) -> set[str]:
+    components = {"etcd", "scheduler", "router", "packer", "cell-agent", "dashboard", "harness"}
+    if not selector:
+        return components
+    out = set(components)
+    for key, value in selector.get("matchLabels", {}).items():
+        if key == "app.kubernetes.io/component":
+            out &= {value}
+    for expr in selector.get("matchExpressions", []):
+        assert expr["key"] == "app.kubernetes.io/component" and expr["operator"] == "In"
+        out &= set(expr["values"])
+    return out
+
+
+def test_network_policies_keep_the_inside_inside() -> None:
+    """Only the scheduler, router and dashboard take connections from outside the namespace
+    (and every component's metrics port); etcd, packer and cells answer the namespace only."""
+    policies = by_kind("NetworkPolicy")
+    assert policies, "no NetworkPolicy"
+    for name, policy in policies.items():
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        selected = _selected_components(spec["podSelector"])
+        for rule in spec["ingress"]:
+            sources = rule.get("from")
+            same_namespace = sources is not None and all(set(s) == {"podSelector"} and s["podSelector"] == {}
+                                                          for s in sources)
+            if same_namespace:
+                continue
+            ports = {p["port"] for p in rule.get("ports", [])}
+            assert ports, f"{name}: a rule open to outside the namespace must name its ports"
+            if ports - {9100}:
+                assert selected <= {"scheduler", "router", "dashboard"}, (name, selected)
+                assert ports <= {50051, 50052, 8000, 8080}, (name, ports)
+
+
+def test_disruption_budgets_select_workloads() -> None:
+    pdbs = by_kind("PodDisruptionBudget")
+    assert pdbs["etcd"]["spec"]["minAvailable"] == 2  # quorum of 3
+    pods = [w["spec"]["template"]["metadata"]["labels"] for w in workloads()]
+    for name, pdb in pdbs.items():
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        assert any(all(labels.get(k) == v for k, v in selector.items()) for labels in pods), name
