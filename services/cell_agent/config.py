@@ -32,6 +32,9 @@ class CellAgentConfig(ServiceConfig):
     dtype: str = Field("bfloat16", description="vLLM: weight dtype.")
     seed: int = Field(0, ge=0, description="Engine seed (vLLM sampling seed; mock token hash seed).")
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description="vLLM on GPU: memory fraction.")
+    kv_dir: str = Field(
+        "", description="Shared directory for KV handoff (file medium); empty: no KV export "
+        "on vLLM (the destination recomputes), in-memory handles on the mock.")
     max_prompt_tokens: int = Field(131072, ge=1, description="Longest prompt Generate accepts.")
     max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
 

@@ -36,19 +36,29 @@ def models(tmp_path_factory):
     return build_tiny_model(root / "seed0", seed=0), build_tiny_model(root / "seed1", seed=1)
 
 
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("kv"))
+
+
+def _make_engine(kind: str, model_dir, kv_dir: str, cell_id: str) -> Engine:
+    if kind == "vllm":
+        from services.cell_agent.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(str(model_dir), max_model_len=2048, max_num_seqs=16, kv_dir=kv_dir, cell_id=cell_id)
+    from services.cell_agent.engines.mock import MockEngine, MockTiming, RealClock
+
+    return MockEngine(MockTiming(fixed_decode_step_s=0.001), RealClock(), model_dir=str(model_dir),
+                      kv_dir=kv_dir, cell_id=cell_id)
+
+
 @pytest_asyncio.fixture(
     scope="module", loop_scope="module", params=["mock", pytest.param("vllm", marks=pytest.mark.vllm)]
 )
-async def engine(request, models):
+async def engine(request, models, kv_dir):
     if request.param == "vllm":
         pytest.importorskip("vllm")
-        from services.cell_agent.engines.vllm_engine import VllmEngine
-
-        eng: Engine = VllmEngine(str(models[0]), max_model_len=2048, max_num_seqs=16)
-    else:
-        from services.cell_agent.engines.mock import MockEngine, MockTiming, RealClock
-
-        eng = MockEngine(MockTiming(fixed_decode_step_s=0.001), RealClock(), model_dir=str(models[0]))
+    eng = _make_engine(request.param, models[0], kv_dir, "src")
     await eng.start()
     try:
         yield eng
@@ -168,6 +178,46 @@ async def test_continuation_contract(engine):
         )
         for i in range(len(PROMPTS)):
             assert fulls[i][0][:k] + conts[i][0] == fulls[i][0], (k, i)
+
+
+async def test_kv_handoff_to_another_engine(engine, models, kv_dir):
+    """ExportKv at the source, a continuation at a second engine that imports the handle:
+    token-identical to the uninterrupted run, the prefix not recomputed, and the pinned
+    blocks gone after release."""
+    import os
+
+    dest = _make_engine(engine.kind, models[0], kv_dir, "dst")
+    await dest.start()
+    try:
+        prompt = [3 + (j * 7) % 500 for j in range(300)]
+        n = 60
+        full, _, _ = await _run(engine, "kv-ref", prompt, n)
+        live = engine.generate("kv-live", prompt, Sampling(max_tokens=n))
+        got: list[int] = []
+        async for c in live:
+            got += c.token_ids
+            if len(got) >= 10:
+                break
+        handle = await engine.export_kv("kv-live")
+        assert handle is not None and handle.num_tokens >= 256 and handle.source_cell == "src"
+        assert await engine.abort("kv-live")
+        await live.aclose()
+        cont = prompt + got
+        rest = [t async for c in dest.generate("kv-cont", cont, Sampling(max_tokens=n - len(got)), kv_handle=handle)
+                for t in c.token_ids]
+        assert got + rest == full
+        if engine.kind == "vllm":
+            assert dest.cached_tokens["kv-cont"] >= handle.num_tokens
+            assert os.path.isdir(handle.locator)
+        else:
+            assert dest.stats.kv_imports == 1
+        await engine.release_kv(handle.handle_id)
+        await engine.release_kv(handle.handle_id)  # idempotent
+        if engine.kind == "vllm":
+            assert not os.path.exists(handle.locator)
+            assert not any(os.scandir(kv_dir)), os.listdir(kv_dir)  # nothing left behind
+    finally:
+        await dest.shutdown()
 
 
 @pytest_asyncio.fixture(loop_scope="module")

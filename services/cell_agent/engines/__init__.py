@@ -27,6 +27,8 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
             dtype=cfg.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             policy_version=cfg.policy_version,
+            kv_dir=cfg.kv_dir,
+            cell_id=cfg.cell_id,
         )
     from services.cell_agent.engines.mock import MockEngine, MockFaults, MockTiming
 
@@ -56,6 +58,6 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
         seed=cfg.seed,
         model_dir=cfg.model_dir,
         cell_id=cfg.cell_id,
-        kv_dir=cfg.mock_kv_dir,
+        kv_dir=cfg.kv_dir or cfg.mock_kv_dir,
         policy_version=cfg.policy_version,
     )

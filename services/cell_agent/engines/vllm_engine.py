@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,9 +83,13 @@ class VllmEngine(Engine):
         gpu_memory_utilization: float = 0.8,
         enable_prefix_caching: bool = True,
         policy_version: int = 0,
+        kv_dir: str = "",
+        cell_id: str = "vllm",
     ) -> None:
         super().__init__(policy_version)
         self.model_dir = model_dir
+        self.kv_dir = kv_dir
+        self.cell_id = cell_id
         self._args: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=model_dir,
@@ -100,6 +106,11 @@ class VllmEngine(Engine):
         if self._gpu:
             self._args.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         self._llm: Any = None
+        self._prompts: dict[str, list[int]] = {}
+        self._pins: dict[str, str] = {}  # KV handle id -> pin file
+        self.cached_tokens: dict[str, int] = {}
+        """Prompt tokens served from a cache (local prefix cache or imported KV), by
+        request id (the most recent requests only)."""
         self._active: set[str] = set()
         self._aborted: set[str] = set()
         self.can_sleep = False
@@ -112,7 +123,18 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**self._args)
+        extra: dict[str, Any] = {}
+        if self.kv_dir:
+            from vllm.config import KVTransferConfig
+
+            os.makedirs(self.kv_dir, exist_ok=True)
+            extra["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="GyreKvConnector",
+                kv_connector_module_path="services.cell_agent.engines.vllm_kv",
+                kv_role="kv_both",
+                kv_connector_extra_config={"shared_storage_path": self.kv_dir},
+            )
+        args = AsyncEngineArgs(**self._args, **extra)
         # Start-up blocks for seconds (model load, KV allocation): keep it off the loop so
         # the lease keeper and the gRPC server stay responsive.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
@@ -167,12 +189,17 @@ class VllmEngine(Engine):
         llm = self.llm
         params = self._params(sampling)
         self._active.add(request_id)
+        self._prompts[request_id] = prompt_token_ids
+        first = True
         finished = False
         try:
             prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
             stream = llm.generate(prompt, params, request_id=request_id)
             async for out in stream:
                 self.check_alive()  # a death fans out through abort; surface it as EngineDead
+                if first:
+                    first = False
+                    self._note_cached(request_id, int(out.num_cached_tokens or 0))
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 lps = [_logprob(d, t) for d, t in zip(comp.logprobs or [], ids)]
@@ -196,12 +223,18 @@ class VllmEngine(Engine):
             raise err from exc
         finally:
             self._active.discard(request_id)
+            self._prompts.pop(request_id, None)
             was_aborted = request_id in self._aborted
             self._aborted.discard(request_id)
             if not finished and not was_aborted and self._llm is not None and self._dead is None:
                 # The consumer went away (cancelled or closed): abort downstream. Shielded so
                 # a cancellation does not leave the engine generating for nobody.
                 await asyncio.shield(self._llm.abort(request_id))
+
+    def _note_cached(self, request_id: str, n: int) -> None:
+        self.cached_tokens[request_id] = n
+        while len(self.cached_tokens) > 256:
+            self.cached_tokens.pop(next(iter(self.cached_tokens)))
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._active:
@@ -269,6 +302,45 @@ class VllmEngine(Engine):
         if self.can_sleep:
             await self.llm.wake_up()
         self._sleeping = False
+
+    # KV handoff ----------------------------------------------------------------------------
+
+    async def export_kv(self, request_id: str) -> KvHandle | None:
+        """Pins the stored KV of a running request's prompt (block-aligned prefix) in the
+        shared KV directory; None without a KV directory or before it was stored."""
+        prompt = self._prompts.get(request_id)
+        if not self.kv_dir or prompt is None or self._llm is None:
+            return None
+        from services.cell_agent.engines.vllm_kv import PIN_PREFIX, folder_for, stored_prefix_len
+
+        block = int(self._llm.vllm_config.cache_config.block_size)
+        n = stored_prefix_len(len(prompt), block)
+        if n < block:
+            return None
+        folder = folder_for(self.kv_dir, prompt[:n])
+        handle_id = f"kv-{self.cell_id}-{uuid.uuid4().hex[:12]}"
+        pin = os.path.join(folder, PIN_PREFIX + handle_id)
+        try:
+            with open(pin, "x"):
+                pass
+        except (FileNotFoundError, FileExistsError):
+            return None  # not stored (yet): the destination recomputes
+        self._pins[handle_id] = pin
+        return KvHandle(handle_id, self.cell_id, n, folder, "file")
+
+    async def release_kv(self, handle_id: str) -> None:
+        pin = self._pins.pop(handle_id, None)
+        if pin is None:
+            return
+        from services.cell_agent.engines.vllm_kv import pinned
+
+        folder = os.path.dirname(pin)
+        try:
+            os.unlink(pin)
+        except FileNotFoundError:
+            pass
+        if not pinned(folder):
+            await asyncio.to_thread(shutil.rmtree, folder, True)
 
     # Failure -------------------------------------------------------------------------------
 
