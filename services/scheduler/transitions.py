@@ -266,7 +266,9 @@ class TransitionRunner:
             except GyreError:
                 batch_id = s.supply_raw.batch_id
             views = s.cells.views()
-            prefix = len(training_set(views))
+            # Cells join in prefix order, so when cell i joins the prefix is [core .. i].
+            rec = s.cells.get(cell_id)
+            prefix = rec.index + 1 if rec is not None and rec.index >= 0 else len(training_set(views))
             core = next((s.cells.get(v.cell_id) for v in views if v.is_core), None)
             core_target = core.target if core is not None else ""
             try:
