@@ -38,8 +38,9 @@ async def main(model_dir: str) -> None:
 
     from services.cell_agent.engines.vllm_engine import VllmEngine
 
+    kv_dir = tempfile.mkdtemp(prefix="gyre-kv-")
     t0 = time.perf_counter()
-    engine = VllmEngine(model_dir, max_model_len=4096, max_num_seqs=32)
+    engine = VllmEngine(model_dir, max_model_len=4096, max_num_seqs=32, kv_dir=kv_dir, cell_id="a")
     await engine.start()
     start_s = time.perf_counter() - t0
     try:
@@ -59,6 +60,7 @@ async def main(model_dir: str) -> None:
         t0 = time.perf_counter()
         await engine.load_weights(1, weights)
         update_s = time.perf_counter() - t0
+        handoff = await kv_handoff(engine, model_dir, kv_dir)
     finally:
         await engine.shutdown()
     result = {
@@ -70,7 +72,9 @@ async def main(model_dir: str) -> None:
         "continuation_ttft_prefix_cached_s": warm,
         "weight_update_s": update_s,
         "weight_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        "kv_handoff": handoff,
         "ratios": {
+            "kv_import_vs_recompute_ttft_at_other_engine": handoff["ttft_import_s"] / handoff["ttft_recompute_s"],
             "concurrent16_vs_single_tok_s": batch_tok_s / single_tok_s,
             "prefix_cached_vs_cold_ttft": warm / cold,
         },
@@ -78,6 +82,54 @@ async def main(model_dir: str) -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+
+
+async def _move(src, dst, rid, prompt, export):
+    """Starts ``prompt`` at ``src``, moves it after 8 tokens (with or without a KV handle)
+    and returns the destination's time to first token and cached prompt tokens."""
+    live = src.generate(rid, prompt, _s(64))
+    got: list[int] = []
+    async for c in live:
+        got += c.token_ids
+        if len(got) >= 8:
+            break
+    handle = await src.export_kv(rid) if export else None
+    await src.abort(rid)
+    await live.aclose()
+    from services.cell_agent.engines.base import Sampling
+
+    t0 = time.perf_counter()
+    ttft = None
+    async for c in dst.generate(rid + "-cont", prompt + got, Sampling(max_tokens=8), kv_handle=handle):
+        if ttft is None and c.token_ids:
+            ttft = time.perf_counter() - t0
+    if handle is not None:
+        await src.release_kv(handle.handle_id)
+    return ttft, dst.cached_tokens.get(rid + "-cont", 0)
+
+
+async def kv_handoff(src, model_dir: str, kv_dir: str) -> dict[str, float]:
+    """A second engine on the same KV directory: a moved request's first token at the
+    destination with the source's KV imported vs recomputed (different prompts, both new
+    to the destination)."""
+    from services.cell_agent.engines.vllm_engine import VllmEngine
+
+    dst = VllmEngine(model_dir, max_model_len=4096, max_num_seqs=32, kv_dir=kv_dir, cell_id="b")
+    await dst.start()
+    try:
+        p1 = [3 + (j * 13) % 500 for j in range(1536)]
+        p2 = [3 + (j * 17) % 500 for j in range(1536)]
+        ttft_import, cached_import = await _move(src, dst, "move-kv", p1, export=True)
+        ttft_recompute, cached_recompute = await _move(src, dst, "move-nokv", p2, export=False)
+    finally:
+        await dst.shutdown()
+    return {
+        "prompt_tokens": 1536 + 8,
+        "ttft_import_s": ttft_import,
+        "cached_tokens_import": cached_import,
+        "ttft_recompute_s": ttft_recompute,
+        "cached_tokens_recompute": cached_recompute,
+    }
 
 
 def _s(n):
