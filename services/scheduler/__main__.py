@@ -62,7 +62,8 @@ async def build(rt: Runtime) -> Services:
     rt.supervisor.on_flush(_close_peers)
     return [
         (HarnessServicer(sched), scheduler_pb2_grpc.add_HarnessServiceServicer_to_server, HARNESS),
-        (ControlServicer(sched), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, "gyre.v1.SchedulerControl"),
+        (ControlServicer(sched), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server,
+                "gyre.v1.SchedulerControl"),
     ]
 
 

@@ -21,11 +21,14 @@ class SchedulerConfig(ServiceConfig):
         0.25, ge=0.0, le=10.0,
         description="Extra groups per burst, as a fraction of batch_size, so stragglers need not be waited for.",
     )
-    batches_per_burst: int = Field(1, ge=1, le=1000, description="Optimizer updates per burst; the last publishes.")
-    max_bursts: int = Field(0, ge=0, description="Stop dispatching after this many bursts (0: until tasks run out).")
+    batches_per_burst: int = Field(1, ge=1, le=1000,
+            description="Optimizer updates per burst; the last publishes.")
+    max_bursts: int = Field(0, ge=0,
+            description="Stop dispatching after this many bursts (0: until tasks run out).")
 
     # Task source.
-    tasks_file: str = Field("", description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator.")
+    tasks_file: str = Field("",
+            description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator.")
     task_seed: int = Field(0, description="Seed of the built-in task generator.")
     loop_tasks: bool = Field(True, description="Start the tasks file over when it runs out.")
 
@@ -33,7 +36,8 @@ class SchedulerConfig(ServiceConfig):
     policy: Literal["waterlevel", "colocated", "static", "rollout_only"] = Field(
         "waterlevel", description="Role policy; rollout_only never trains (bursts back to back)."
     )
-    fraction: float = Field(0.5, gt=0.0, le=1.0, description="Ready groups needed, as a fraction of batch_size.")
+    fraction: float = Field(0.5, gt=0.0, le=1.0,
+            description="Ready groups needed, as a fraction of batch_size.")
     interval_s: float = Field(5.0, ge=0.0, le=3600.0, description="How long supply must hold before a move.")
     drain_grace_s: float = Field(
         2.0, ge=0.0, le=600.0,
@@ -45,20 +49,24 @@ class SchedulerConfig(ServiceConfig):
     # Executions.
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="How often harnesses should heartbeat.")
     heartbeat_deadline_s: float = Field(30.0, gt=0.0, description="No heartbeat for this long: TIMED_OUT.")
-    reward_min: float = Field(0.0, description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT).")
-    reward_max: float = Field(1e6, description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT).")
+    reward_min: float = Field(0.0,
+            description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT).")
+    reward_max: float = Field(1e6,
+            description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT).")
     max_wait_s: float = Field(60.0, ge=0.0, description="Cap on AcquireExecution's wait_s.")
     model: str = Field("gyre-policy", description="Model name harnesses send in OpenAI requests.")
 
     # Peers.
-    router_http_url: str = Field("http://127.0.0.1:8000/v1", description="Router's OpenAI base URL given to harnesses.")
+    router_http_url: str = Field("http://127.0.0.1:8000/v1",
+            description="Router's OpenAI base URL given to harnesses.")
     router_target: str = Field("", description="Router gRPC target (also used when no router is registered).")
     packer_target: str = Field("", description="Packer gRPC target; empty: no finish reports, no supply.")
     orphan_grace_s: float = Field(
         3.0, ge=0.0, description="Reroute the executions of a cell whose registration has been gone this long."
     )
     drain_timeout_s: float = Field(30.0, gt=0.0, description="Longest wait for a draining cell to empty.")
-    command_timeout_s: float = Field(30.0, gt=0.0, description="Deadline of CellControl commands (LoadPolicy pulls weights).")
+    command_timeout_s: float = Field(30.0, gt=0.0,
+            description="Deadline of CellControl commands (LoadPolicy pulls weights).")
 
     # Observability.
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")

@@ -54,7 +54,8 @@ class EventLog:
                 return self._events[-1] if self._events else Event(0, 0.0, kind, message)
             self._last_hold = message
         self._seq += 1
-        ev = Event(self._seq, self._clock(), kind, message, cell_id, execution_id, waterlevel, capacity, ready_groups)
+        ev = Event(self._seq, self._clock(), kind, message, cell_id, execution_id, waterlevel, capacity,
+                ready_groups)
         self._events.append(ev)
         log.info(message, extra={"event": kind, "cell_id": cell_id, "execution_id": execution_id})
         self._wake()
@@ -93,7 +94,8 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
-        g = lambda name, doc, labels=(): Gauge(f"gyre_scheduler_{name}", doc, labels, registry=self.registry)  # noqa: E731
+        g = lambda name, doc, labels=(): Gauge(f"gyre_scheduler_{name}", doc, labels,
+                registry=self.registry)  # noqa: E731
         self.waterlevel = g("waterlevel", "W = D - F: dispatched executions not yet finished.")
         self.queued = g("queued", "Q = D - L.")
         self.running = g("running", "R = L - F.")

@@ -77,7 +77,8 @@ class FakeStore:
         self.writes += 1
         return self.revision
 
-    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str, Any]]]:
+    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str,
+            Any]]]:
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
         routes = [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
@@ -193,14 +194,16 @@ class FakePeers:
         self.calls.append(("load_policy", (target, epoch, version, source_target)))
         return version
 
-    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
+    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
+            core_target: str) -> bool:
         self.calls.append(("join_batch", (target, epoch, batch_id, policy_version, prefix_size, core_target)))
         return True
 
     async def running_requests(self, target: str) -> int:
         return self.running.get(target, 0)
 
-    async def move_executions(self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]) -> int:
+    async def move_executions(self, router_targets: Sequence[str], epoch: int,
+            moves: Sequence[MoveOrder]) -> int:
         self.calls.append(("move_executions", (tuple(router_targets), epoch, tuple(moves))))
         return 0
 

@@ -158,7 +158,8 @@ class FinishOutcome:
     duplicate: bool
 
 
-def validate_finish(status: ExecState, reward: float, key: str, reward_min: float, reward_max: float) -> Finish:
+def validate_finish(status: ExecState, reward: float, key: str, reward_min: float,
+        reward_max: float) -> Finish:
     """Checks a harness's finish report; raises InvalidArgument with the reason.
 
     Rewards must be finite and within [reward_min, reward_max] for COMPLETED (a NaN, an
@@ -218,7 +219,8 @@ class Ledger:
 
     # Bursts -------------------------------------------------------------------------------
 
-    def plan_burst(self, tasks: Iterable[Task], group_size: int, policy_version: int, batches: int, now_s: float) -> Burst:
+    def plan_burst(self, tasks: Iterable[Task], group_size: int, policy_version: int, batches: int,
+            now_s: float) -> Burst:
         """The next burst (not applied): id = newest + 1."""
         tasks = tuple(tasks)
         if not tasks or group_size < 1:
@@ -259,7 +261,8 @@ class Ledger:
         self._reserved.discard(burst.member(seq)[0])
         self._cursor[burst.burst_id] = min(self._cursor.get(burst.burst_id, 0), seq)
 
-    def plan_launch(self, burst: Burst, seq: int, token_sha256: str, harness_id: str, now_s: float) -> ExecutionRecord:
+    def plan_launch(self, burst: Burst, seq: int, token_sha256: str, harness_id: str,
+            now_s: float) -> ExecutionRecord:
         execution_id, group_id, task = burst.member(seq)
         if execution_id in self.records or execution_id in self._reserved:
             raise FailedPrecondition(f"{execution_id} already launched")
@@ -318,7 +321,8 @@ class Ledger:
         for eid, deadline in self._deadline.items():
             rec = self.records[eid]
             if now_s >= deadline and rec.state is ExecState.RUNNING:
-                out.append(dataclasses.replace(rec, state=ExecState.TIMED_OUT, finished_s=now_s, idempotency_key="timeout"))
+                out.append(dataclasses.replace(rec, state=ExecState.TIMED_OUT, finished_s=now_s,
+                        idempotency_key="timeout"))
         return out
 
     # Apply --------------------------------------------------------------------------------

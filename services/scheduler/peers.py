@@ -75,11 +75,13 @@ class Peers(Protocol):
 
     async def load_policy(self, target: str, epoch: int, version: int, source_target: str) -> int: ...
 
-    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool: ...
+    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
+            core_target: str) -> bool: ...
 
     async def running_requests(self, target: str) -> int: ...
 
-    async def move_executions(self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]) -> int: ...
+    async def move_executions(self, router_targets: Sequence[str], epoch: int,
+            moves: Sequence[MoveOrder]) -> int: ...
 
     async def close(self) -> None: ...
 
@@ -92,7 +94,8 @@ _CELL_STATE_BACK = {v: k for k, v in _CELL_STATE.items()}
 class GrpcPeers:
     """The real peers over gRPC."""
 
-    def __init__(self, config: ServiceConfig, packer_target: str, timeout_s: float, command_timeout_s: float) -> None:
+    def __init__(self, config: ServiceConfig, packer_target: str, timeout_s: float,
+            command_timeout_s: float) -> None:
         self._config = config
         self._packer_target = packer_target
         self._timeout_s = timeout_s
@@ -143,17 +146,20 @@ class GrpcPeers:
 
     async def set_state(self, target: str, epoch: int, state: CellState, reason: str) -> CellState:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))
-        req = cell_agent_pb2.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=_CELL_STATE[state], reason=reason)
+        req = cell_agent_pb2.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=_CELL_STATE[state],
+                reason=reason)
         got = await unary(stub.SetState, req, self._command_timeout_s)
         return _CELL_STATE_BACK.get(got.state, CellState.STARTING)
 
     async def load_policy(self, target: str, epoch: int, version: int, source_target: str) -> int:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))
-        req = cell_agent_pb2.LoadPolicyRequest(fence=common_pb2.Fence(epoch=epoch), version=version, source_target=source_target)
+        req = cell_agent_pb2.LoadPolicyRequest(fence=common_pb2.Fence(epoch=epoch), version=version,
+                source_target=source_target)
         got = await unary(stub.LoadPolicy, req, self._command_timeout_s)
         return int(got.policy_version)
 
-    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
+    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
+            core_target: str) -> bool:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))
         req = cell_agent_pb2.JoinBatchRequest(
             fence=common_pb2.Fence(epoch=epoch), batch_id=batch_id, policy_version=policy_version,
@@ -167,11 +173,13 @@ class GrpcPeers:
         got = await unary(stub.GetLoad, cell_agent_pb2.GetLoadRequest(), self._timeout_s)
         return int(got.running_requests)
 
-    async def move_executions(self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]) -> int:
+    async def move_executions(self, router_targets: Sequence[str], epoch: int,
+            moves: Sequence[MoveOrder]) -> int:
         """Asks every router to move these executions; returns requests still at the sources."""
         req = router_pb2.MoveExecutionsRequest(
             fence=common_pb2.Fence(epoch=epoch),
-            moves=[router_pb2.Move(execution_id=m.execution_id, from_cell=m.from_cell, to_cell=m.to_cell, route_epoch=m.route_epoch) for m in moves],
+            moves=[router_pb2.Move(execution_id=m.execution_id, from_cell=m.from_cell, to_cell=m.to_cell,
+                    route_epoch=m.route_epoch) for m in moves],
         )
         remaining = 0
         for target in router_targets:

@@ -71,8 +71,10 @@ class RouteRecord:
     def from_json(cls, raw: bytes, epoch: int, mod_revision: int) -> RouteRecord:
         d = json.loads(raw)
         return cls(
-            str(d["execution_id"]), str(d["cell_id"]), str(d.get("target", "")), str(d.get("token_sha256", "")),
-            str(d.get("group_id", "")), int(d.get("burst_id", 0)), int(d.get("policy_version", 0)), epoch, mod_revision,
+            str(d["execution_id"]), str(d["cell_id"]), str(d.get("target", "")), str(d.get("token_sha256",
+                    "")),
+            str(d.get("group_id", "")), int(d.get("burst_id", 0)), int(d.get("policy_version",
+                    0)), epoch, mod_revision,
         )
 
 
@@ -111,7 +113,8 @@ class CellTable:
     def views(self) -> tuple[CellView, ...]:
         return tuple(
             CellView(r.cell_id, r.kind, r.index, self.state(r.cell_id), r.slots)
-            for r in sorted(self.records.values(), key=lambda r: (r.kind is CellKind.ELASTIC, r.index, r.cell_id))
+            for r in sorted(self.records.values(), key=lambda r: (r.kind is CellKind.ELASTIC, r.index,
+                    r.cell_id))
         )
 
     def get(self, cell_id: str) -> CellRecord | None:
@@ -140,7 +143,8 @@ class RouteTable:
         return out
 
 
-def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterable[str] = ()) -> list[tuple[CellRecord, int]]:
+def placement_order(cells: CellTable, counts: Mapping[str, int],
+        exclude: Iterable[str] = ()) -> list[tuple[CellRecord, int]]:
     """Rollout cells with free slots, in preference order, with their free slot counts."""
     skip = set(exclude)
     free = [
@@ -149,7 +153,8 @@ def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterab
         if r.cell_id not in skip and cells.state(r.cell_id) is CellState.ROLLOUT and r.target
     ]
     free = [(r, f) for r, f in free if f > 0]
-    standalone = sorted((x for x in free if x[0].kind is CellKind.STANDALONE), key=lambda x: (-x[1], x[0].cell_id))
+    standalone = sorted((x for x in free if x[0].kind is CellKind.STANDALONE), key=lambda x: (-x[1],
+            x[0].cell_id))
     elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: -x[0].index)
     return standalone + elastic
 

@@ -211,7 +211,8 @@ class SupplyTracker:
         self._held_since: float | None = None
         self._batch_id: int | None = None
 
-    def observe(self, now_s: float, ready_groups: int, batch_size: int, batch_needs: int, batch_id: int = 0) -> Supply:
+    def observe(self, now_s: float, ready_groups: int, batch_size: int, batch_needs: int,
+            batch_id: int = 0) -> Supply:
         ready = max(0, min(ready_groups, batch_needs))
         if batch_id != self._batch_id:
             self._held_since = None
@@ -325,7 +326,8 @@ def training_set(cells: Iterable[CellView]) -> list[CellView]:
 def is_prefix(cells: Sequence[CellView]) -> bool:
     """True when the training set is the lowest-index elastic cells present (FAILED cells,
     about to vanish with their lease, are not counted)."""
-    elastic = sorted((c for c in cells if c.elastic and c.state is not CellState.FAILED), key=lambda c: c.index)
+    elastic = sorted((c for c in cells if c.elastic and c.state is not CellState.FAILED),
+            key=lambda c: c.index)
     k = len(training_set(elastic))
     return all(c.state in _TRAINING_SIDE for c in elastic[:k])
 
@@ -351,11 +353,14 @@ def _drained(s: Snapshot, grace_s: float, training: Sequence[CellView]) -> list[
     b = s.burst.burst_id
     if training and 0 < sup.batch_needs < sup.batch_size:
         have = sup.batch_size - sup.batch_needs
-        return [SealBatch(sup.batch_id, f"sealed batch {sup.batch_id} with {have} of {sup.batch_size} groups: burst {b} drained (W 0)")]
+        return [SealBatch(sup.batch_id,
+                f"sealed batch {sup.batch_id} with {have} of {sup.batch_size} groups: burst {b} drained (W 0)")]
     if not training and sup.ready_groups == 0 and sup.batch_needs >= sup.batch_size:
         # (With cells training, a sealed batch is being trained while the packer already
         # fills the next one: wait for its publication, which ends the burst.)
-        return _next_burst(s, f"burst {b} yielded no trainable groups: burst {b + 1} with {s.next_quota} executions at policy v{s.policy_version}")
+        return _next_burst(s,
+                f"burst {b} yielded no trainable groups: burst {b + 1} with {s.next_quota} executions "
+                f"at policy v{s.policy_version}")
     return None
 
 
@@ -454,7 +459,8 @@ class WaterlevelPolicy:
             ok, why = True, f"burst {s.burst.burst_id if s.burst else 0} drained with {s.supply.ready_groups} ready groups"
         if not ok:
             return [Hold(f"kept {cand.cell_id} in rollout: {why}", cand.cell_id)]
-        return [MoveToTraining(cand.cell_id, f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}")]
+        return [MoveToTraining(cand.cell_id,
+                f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}")]
 
     @staticmethod
     def _repair(elastic: list[CellView], prefix: list[CellView]) -> list[Action]:
@@ -463,11 +469,13 @@ class WaterlevelPolicy:
         if not prefix:
             return []
         if not prefix[0].is_core:
-            return [ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: the core is not training") for c in prefix]
+            return [ReturnToRollout(c.cell_id,
+                    f"returned {c.cell_id} to rollout: the core is not training") for c in prefix]
         alive = [c for c in elastic if c.state is not CellState.FAILED]
         k = next((i for i, c in enumerate(alive) if c.state not in _TRAINING_SIDE), len(alive))
         return [
-            ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix")
+            ReturnToRollout(c.cell_id,
+                    f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix")
             for c in alive[k:] if c.state in _TRAINING_SIDE
         ]
 
@@ -479,9 +487,11 @@ class WaterlevelPolicy:
         v = s.policy_version
         for c in elastic:
             if not c.is_core and c.state in _TRAINING_SIDE:
-                actions.append(ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}"))
+                actions.append(ReturnToRollout(c.cell_id,
+                        f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}"))
         source = core.cell_id if core is not None else ""
-        actions.append(PublishPolicy(v, source, f"published policy v{v} from {source or 'core'} to rollout engines"))
+        actions.append(PublishPolicy(v, source,
+                f"published policy v{v} from {source or 'core'} to rollout engines"))
         if core is not None and core.state in _TRAINING_SIDE:
             # Capacity once the satellites are back, without the core.
             back = sum(
@@ -492,7 +502,8 @@ class WaterlevelPolicy:
             pending = s.ledger.waterlevel + max(0, s.next_quota)
             ok, why = self.supply_ok(s)
             if s.next_quota > 0 and back >= pending and ok:
-                actions.append(KeepInTraining(core.cell_id, f"kept {core.cell_id} in training: capacity {back} >= W {pending} (with next burst), {why}"))
+                actions.append(KeepInTraining(core.cell_id,
+                        f"kept {core.cell_id} in training: capacity {back} >= W {pending} (with next burst), {why}"))
             else:
                 cause = "no next burst" if s.next_quota <= 0 else (
                     f"capacity {back} < W {pending} (with next burst)" if back < pending else why)
@@ -521,12 +532,15 @@ class ColocatedSyncPolicy:
         v = s.policy_version
         if s.burst.trained(v):
             actions: list[Action] = [
-                ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}")
+                ReturnToRollout(c.cell_id,
+                        f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}")
                 for c in elastic if c.state in _TRAINING_SIDE
             ]
             core = next((c for c in elastic if c.is_core), None)
-            actions.append(PublishPolicy(v, core.cell_id if core else "", f"published policy v{v} to rollout engines"))
-            return actions + _next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
+            actions.append(PublishPolicy(v, core.cell_id if core else "",
+                    f"published policy v{v} to rollout engines"))
+            return actions + _next_burst(s,
+                    f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
         w = s.ledger.waterlevel
         if w > 0:
             return [Hold(f"barrier: W {w} > 0")]
@@ -568,16 +582,21 @@ class StaticSplitPolicy:
         actions: list[Action] = []
         for i, c in enumerate(elastic):
             if i < t and c.state is CellState.ROLLOUT:
-                actions.append(MoveToTraining(c.cell_id, f"moved {c.cell_id} to training: static split {len(elastic) - t}:{t}"))
+                actions.append(MoveToTraining(c.cell_id,
+                        f"moved {c.cell_id} to training: static split {len(elastic) - t}:{t}"))
             elif i >= t and c.state in _TRAINING_SIDE:
-                actions.append(ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: static split {len(elastic) - t}:{t}"))
+                actions.append(ReturnToRollout(c.cell_id,
+                        f"returned {c.cell_id} to rollout: static split {len(elastic) - t}:{t}"))
         if s.burst is None:
-            return actions + _next_burst(s, f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
+            return actions + _next_burst(s,
+                    f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
         v = s.policy_version
         if s.burst.trained(v):
             core = next((c for c in elastic if c.is_core), None)
-            actions.append(PublishPolicy(v, core.cell_id if core else "", f"published policy v{v} to rollout engines"))
-            actions += _next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
+            actions.append(PublishPolicy(v, core.cell_id if core else "",
+                    f"published policy v{v} to rollout engines"))
+            actions += _next_burst(s,
+                    f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
         elif not actions:
             actions += _drained(s, self.config.drain_grace_s, training_set(elastic)) or []
         return actions
@@ -594,7 +613,8 @@ class RolloutOnlyPolicy:
             return _next_burst(s, f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
         if s.ledger.waterlevel > 0:
             return []
-        return _next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions (burst {s.burst.burst_id} closed)")
+        return _next_burst(s,
+                f"burst {s.burst.burst_id + 1}: {s.next_quota} executions (burst {s.burst.burst_id} closed)")
 
 
 def make_policy(name: str, *, fraction: float = 0.5, interval_s: float = 5.0, training_cells: int = 1,

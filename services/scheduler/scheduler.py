@@ -160,7 +160,10 @@ class Scheduler:
         self.published = self.policy_version
         self.epoch = epoch
         c = ledger.counts()
-        self.emit("leader", f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts, D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, {len(transitions)} transitions to resume")
+        self.emit("leader",
+                f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts, "
+                f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
+                f"{len(transitions)} transitions to resume")
         for rec in ledger.records.values():
             if rec.state.final:
                 self._reports.put_nowait(self._report(rec))
@@ -306,7 +309,8 @@ class Scheduler:
                 if isinstance(exc, Conflict):
                     return False
             raise
-        self.ledger.apply(dataclasses.replace(rec, revision=rev), self.clock() + self.cfg.heartbeat_deadline_s)
+        self.ledger.apply(dataclasses.replace(rec, revision=rev),
+                self.clock() + self.cfg.heartbeat_deadline_s)
         self.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
         self._gauges()
         return True
@@ -330,7 +334,8 @@ class Scheduler:
         left = self.ledger.heartbeat(execution_id, self.clock(), self.cfg.heartbeat_deadline_s)
         return left, self.ledger.records[rec.execution_id].state
 
-    async def finish(self, execution_id: str, token: str, status: ExecState, reward: float, key: str) -> FinishOutcome:
+    async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
+            key: str) -> FinishOutcome:
         """Closes an execution once; a repeat returns the first outcome (duplicate=True)."""
         self.require_leader()
         self.ledger.authorize(execution_id, token)
@@ -375,7 +380,8 @@ class Scheduler:
 
     def _report(self, rec: ExecutionRecord) -> FinishReport:
         burst = self.ledger.bursts[rec.burst_id]
-        return FinishReport(rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward, rec.policy_version)
+        return FinishReport(rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward,
+                rec.policy_version)
 
     # Loops --------------------------------------------------------------------------------
 
@@ -391,7 +397,8 @@ class Scheduler:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # the packer may be down: retry (the call is idempotent)
-                    log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id, "error": repr(exc)})
+                    log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id,
+                            "error": repr(exc)})
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
 
@@ -464,7 +471,8 @@ class Scheduler:
 
     def snapshot(self) -> Snapshot:
         raw = self.supply_raw
-        self.supply = self.tracker.observe(self.clock(), raw.ready_groups, self.cfg.batch_size, raw.batch_needs, raw.batch_id)
+        self.supply = self.tracker.observe(self.clock(), raw.ready_groups, self.cfg.batch_size,
+                raw.batch_needs, raw.batch_id)
         b = self.ledger.current_burst
         burst = None if b is None else BurstView(b.burst_id, b.quota, b.policy_version, b.target_version)
         counts = self.ledger.counts()
@@ -485,7 +493,8 @@ class Scheduler:
         return sum(len(b.tasks) for b in self.ledger.bursts.values())
 
     async def apply(self, action: Any, snap: Snapshot) -> None:
-        gauges = dict(waterlevel=snap.ledger.waterlevel, capacity=capacity(snap.cells), ready_groups=snap.supply.ready_groups)
+        gauges = dict(waterlevel=snap.ledger.waterlevel, capacity=capacity(snap.cells),
+                ready_groups=snap.supply.ready_groups)
         if isinstance(action, Hold):
             self.emit("hold", action.reason, cell_id=action.cell_id, **gauges)
         elif isinstance(action, DispatchBurst):
@@ -522,13 +531,16 @@ class Scheduler:
         tasks = self.tasks.take(self._tasks_taken(), self.cfg.groups_per_burst())
         if not tasks:
             return
-        burst = self.ledger.plan_burst(tasks, self.cfg.group_size, self.policy_version, self.cfg.batches_per_burst, self.wall())
+        burst = self.ledger.plan_burst(tasks, self.cfg.group_size, self.policy_version,
+                self.cfg.batches_per_burst, self.wall())
         try:
             await self._fenced(self.store.dispatch(burst))
         except Conflict:
             return  # dispatched by an earlier attempt; the next rebuild or tick picks it up
         self.ledger.apply_burst(burst)
-        self.emit(action.kind, f"dispatched burst {burst.burst_id}: {burst.quota} executions ({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)
+        self.emit(action.kind,
+                f"dispatched burst {burst.burst_id}: {burst.quota} executions "
+                f"({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)
         await self._notify()
 
     # Helpers ------------------------------------------------------------------------------

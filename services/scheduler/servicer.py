@@ -33,7 +33,8 @@ _STATUS_FROM = {
 }
 _STATUS_TO = {v: k for k, v in _STATUS_FROM.items()}
 _CELL_STATE_TO = {s: getattr(common_pb2, f"CELL_STATE_{s.value}") for s in CellState}
-_KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE, CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
+_KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE,
+        CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
 MAX_ID = 256
 
 
@@ -68,7 +69,8 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         self.s = scheduler
 
     @rpc
-    async def AcquireExecution(self, request: scheduler_pb2.AcquireExecutionRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AcquireExecutionResponse:
+    async def AcquireExecution(self, request: scheduler_pb2.AcquireExecutionRequest,
+            context: grpc.aio.ServicerContext) -> scheduler_pb2.AcquireExecutionResponse:
         if not 1 <= len(request.harness_id) <= 128:
             raise InvalidArgument("harness_id must have 1..128 characters")
         if not (math.isfinite(request.wait_s) and 0.0 <= request.wait_s <= 60.0):
@@ -79,21 +81,24 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         return scheduler_pb2.AcquireExecutionResponse(execution=execution_to_proto(got, self.s))
 
     @rpc
-    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
+            context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
         left, state = await self.s.heartbeat(eid, token)
         return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
 
     @rpc
-    async def FinishExecution(self, request: scheduler_pb2.FinishExecutionRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.FinishExecutionResponse:
+    async def FinishExecution(self, request: scheduler_pb2.FinishExecutionRequest,
+            context: grpc.aio.ServicerContext) -> scheduler_pb2.FinishExecutionResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
         status = _STATUS_FROM.get(request.status)
         if status is None:
             raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
         out = await self.s.finish(eid, token, status, request.reward, request.idempotency_key)
-        return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state], duplicate=out.duplicate)
+        return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state],
+                duplicate=out.duplicate)
 
 
 class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
@@ -103,7 +108,8 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
         self.s = scheduler
 
     @rpc
-    async def GetStatus(self, request: scheduler_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStatus:
+    async def GetStatus(self, request: scheduler_pb2.GetStatusRequest,
+            context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStatus:
         st = self.s.status()
         c, t = st["ledger"], st["total"]
         ledger = scheduler_pb2.Ledger(
@@ -130,7 +136,8 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
         )
 
     @rpc_stream
-    async def WatchEvents(self, request: scheduler_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SchedulerEvent]:
+    async def WatchEvents(self, request: scheduler_pb2.WatchEventsRequest,
+            context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SchedulerEvent]:
         if request.after_seq < 0:
             raise InvalidArgument("after_seq must be >= 0")
         seq = request.after_seq

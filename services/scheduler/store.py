@@ -39,7 +39,8 @@ class SchedulerStore:
 
     # Rebuild ------------------------------------------------------------------------------
 
-    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str, Any]]]:
+    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str,
+            Any]]]:
         """Everything a new leader needs: bursts, execution records, routes, transitions."""
         _, burst_kvs = await self.etcd.get_prefix(self.keys.bursts())
         _, exec_kvs = await self.etcd.get_prefix(self.keys.executions())
@@ -105,7 +106,8 @@ class SchedulerStore:
         revs: list[int] = []
         for i in range(0, len(routes), MAX_TXN_OPS):
             chunk = routes[i : i + MAX_TXN_OPS]
-            compares = [mod_revision_is(self.keys.route(old.execution_id), old.mod_revision) for old, _ in chunk]
+            compares = [mod_revision_is(self.keys.route(old.execution_id), old.mod_revision) for old,
+                    _ in chunk]
             ops = [Op(self.keys.route(new.execution_id), new.to_json()) for _, new in chunk]
             ok, rev = await self.election.fenced_txn(compares, ops)
             if not ok:
@@ -115,7 +117,8 @@ class SchedulerStore:
 
     async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int:
         key = self.keys.transition(cell_id)
-        _, rev = await self.election.fenced_txn([], [Op(key, json.dumps({"cell_id": cell_id, **body}).encode())])
+        _, rev = await self.election.fenced_txn([], [Op(key, json.dumps({"cell_id": cell_id,
+                **body}).encode())])
         return rev
 
     async def delete_transition(self, cell_id: str) -> int:

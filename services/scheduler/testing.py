@@ -136,7 +136,8 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
     @rpc
     async def JoinBatch(self, request: Any, context: Any) -> Any:
         epoch = self.fence.check(request.fence.epoch)
-        self.commands.append(("join_batch", epoch, (request.batch_id, request.prefix_size, request.core_target)))
+        self.commands.append(("join_batch", epoch, (request.batch_id, request.prefix_size,
+                request.core_target)))
         return cell_agent_pb2.JoinBatchResponse(joined=True)
 
     @rpc
@@ -161,7 +162,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
 
     async def start(self) -> FakeRouter:
         self._server, self.target = await _serve([(self, router_pb2_grpc.add_RouterServicer_to_server)])
-        await self.etcd.put(self.keys.service("router", self.name), json.dumps({"target": self.target}).encode())
+        await self.etcd.put(self.keys.service("router", self.name),
+                json.dumps({"target": self.target}).encode())
         return self
 
     async def stop(self) -> None:
@@ -247,13 +249,16 @@ class Harness:
         raise AssertionError("no leader")
 
     async def acquire(self, wait_s: float = 2.0) -> scheduler_pb2.Execution | None:
-        r = await self.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t", wait_s=wait_s), timeout=wait_s + 5)
+        r = await self.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t",
+                wait_s=wait_s), timeout=wait_s + 5)
         return r.execution if r.HasField("execution") else None
 
     async def finish(self, e: scheduler_pb2.Execution, reward: float = 1.0, status=common_pb2.EXECUTION_STATUS_COMPLETED,
                      token: str | None = None, key: str = "k", execution_id: str | None = None) -> scheduler_pb2.FinishExecutionResponse:
-        req = scheduler_pb2.FinishExecutionRequest(execution_id=execution_id or e.execution_id, status=status, reward=reward, idempotency_key=key)
-        return await self.h.FinishExecution(req, metadata=(("authorization", f"Bearer {token or e.token}"),), timeout=5)
+        req = scheduler_pb2.FinishExecutionRequest(execution_id=execution_id or e.execution_id,
+                status=status, reward=reward, idempotency_key=key)
+        return await self.h.FinishExecution(req, metadata=(("authorization", f"Bearer {token or e.token}"),),
+                timeout=5)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -264,7 +269,8 @@ def write_config(tmp_path: Path, endpoint: str, cluster: str, **scheduler) -> Pa
                 lease_ttl_s=2, log_json=False, drain_timeout_s=2.0, heartbeat_deadline_s=60.0)
     base.update(scheduler)
     path = tmp_path / "cluster.yaml"
-    path.write_text(json.dumps({"cluster": {"name": cluster, "etcd_endpoints": [endpoint]}, "scheduler": base}))
+    path.write_text(json.dumps({"cluster": {"name": cluster, "etcd_endpoints": [endpoint]},
+            "scheduler": base}))
     return path
 
 

@@ -64,7 +64,8 @@ class TransitionRunner:
             self.s.cells.overlay[cell_id] = CellState.DRAINING
         elif cur in (CellState.TRAINING, CellState.RETURNING):
             self.s.cells.overlay[cell_id] = CellState.RETURNING
-        self._tasks[cell_id] = asyncio.create_task(self._run(cell_id, target, reason), name=f"transition.{cell_id}")
+        self._tasks[cell_id] = asyncio.create_task(self._run(cell_id, target, reason),
+                name=f"transition.{cell_id}")
 
     def resume(self, cell_id: str, body: dict[str, Any]) -> None:
         """A transition recorded by an earlier leader: run it again from the top."""
@@ -72,7 +73,8 @@ class TransitionRunner:
             target = CellState(str(body.get("target", "")))
         except ValueError:
             target = CellState.ROLLOUT
-        self.s.emit("transition_resumed", f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})", cell_id=cell_id)
+        self.s.emit("transition_resumed", f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})",
+                cell_id=cell_id)
         self.start(cell_id, target, str(body.get("reason", "resumed")))
 
     def rejoin(self, cell_id: str) -> None:
@@ -97,7 +99,8 @@ class TransitionRunner:
     async def _run(self, cell_id: str, target: CellState, reason: str) -> None:
         s = self.s
         try:
-            await s._fenced(s.store.put_transition(cell_id, {"target": target.value, "reason": reason, "epoch": s.epoch}))
+            await s._fenced(s.store.put_transition(cell_id, {"target": target.value, "reason": reason,
+                    "epoch": s.epoch}))
             if target is CellState.TRAINING:
                 await self._to_training(cell_id)
             else:
@@ -107,7 +110,8 @@ class TransitionRunner:
             s.mark_deposed(exc)
         except CellGone:
             s.cells.overlay.pop(cell_id, None)
-            s.emit("transition_abandoned", f"{cell_id} left the cluster during its move to {target.value}", cell_id=cell_id)
+            s.emit("transition_abandoned", f"{cell_id} left the cluster during its move to {target.value}",
+                    cell_id=cell_id)
             try:
                 await s._fenced(s.store.delete_transition(cell_id))
             except StaleEpoch as exc:
@@ -125,12 +129,15 @@ class TransitionRunner:
     async def _to_training(self, cell_id: str) -> None:
         s = self.s
         target = self._target(cell_id)
-        await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.DRAINING, "moving to training"))
+        await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.DRAINING,
+                "moving to training"))
         moved = await self._reroute(cell_id)
         if moved is None:
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT, "move called off"))
+            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT,
+                    "move called off"))
             s.cells.overlay[cell_id] = CellState.ROLLOUT
-            s.emit("transition_called_off", f"called off {cell_id} -> TRAINING: no destination for its executions", cell_id=cell_id)
+            s.emit("transition_called_off",
+                    f"called off {cell_id} -> TRAINING: no destination for its executions", cell_id=cell_id)
             return
         await self._wait_empty(cell_id)
         await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.TRAINING, "training"))
@@ -158,7 +165,8 @@ class TransitionRunner:
                 dests = pick_destinations(s.cells, s.routes, cell_id, len(leaving), self._version)
                 if len(dests) < len(leaving):
                     return None
-                pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old, d in zip(leaving, dests)]
+                pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old,
+                        d in zip(leaving, dests)]
                 try:
                     revs = await s._fenced(s.store.move_routes(pairs))
                 except Conflict:
@@ -204,7 +212,8 @@ class TransitionRunner:
             n = len(s.routes.on_cell(cell_id))
             moved = await self._reroute(cell_id)
             if moved is None:
-                s.emit("rescue_failed", f"{cell_id} is gone; no free slot for its {n} executions yet", cell_id=cell_id)
+                s.emit("rescue_failed", f"{cell_id} is gone; no free slot for its {n} executions yet",
+                        cell_id=cell_id)
             else:
                 s.emit("rescued", f"{cell_id} is gone: rerouted its {moved} executions", cell_id=cell_id)
         except StaleEpoch as exc:
@@ -227,27 +236,33 @@ class TransitionRunner:
             except GyreError:
                 pass
             await asyncio.sleep(0.1)
-        s.emit("drain_timeout", f"{cell_id} still had requests after {s.cfg.drain_timeout_s:.0f} s; switching anyway", cell_id=cell_id)
+        s.emit("drain_timeout",
+                f"{cell_id} still had requests after {s.cfg.drain_timeout_s:.0f} s; switching anyway", cell_id=cell_id)
 
     async def _to_rollout(self, cell_id: str) -> None:
         s = self.s
         target = self._target(cell_id)
         state = s.cells.states.get(cell_id, CellState.STARTING)
         if state is CellState.DRAINING:
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT, "drain called off"))
+            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT,
+                    "drain called off"))
         elif state in (CellState.TRAINING, CellState.RETURNING):
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.RETURNING, "returning to rollout"))
+            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.RETURNING,
+                    "returning to rollout"))
             await self._load(cell_id)
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT, "rollout"))
+            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT,
+                    "rollout"))
         s.cells.overlay[cell_id] = CellState.ROLLOUT
-        s.emit("cell_in_rollout", f"{cell_id} is back in rollout at policy v{self._version(cell_id)}", cell_id=cell_id)
+        s.emit("cell_in_rollout", f"{cell_id} is back in rollout at policy v{self._version(cell_id)}",
+                cell_id=cell_id)
 
     async def _load(self, cell_id: str) -> None:
         s = self.s
         v = s.policy_version
         if v <= self._version(cell_id) or not s.policy_source:
             return
-        got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch, v, s.policy_source))
+        got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch, v,
+                s.policy_source))
         self.loaded[cell_id] = max(int(got), v)
 
     async def _join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
@@ -278,11 +293,13 @@ class TransitionRunner:
                 s.emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
                 return
             if joined:
-                s.emit("joined_batch", f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{s.policy_version})", cell_id=cell_id)
+                s.emit("joined_batch",
+                        f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{s.policy_version})", cell_id=cell_id)
                 return
             if batch_id not in missed:
                 missed.add(batch_id)
-                s.emit("join_missed", f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{s.policy_version}); retrying", cell_id=cell_id)
+                s.emit("join_missed",
+                        f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{s.policy_version}); retrying", cell_id=cell_id)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -298,7 +315,8 @@ class TransitionRunner:
 
         async def one(cell_id: str) -> None:
             try:
-                got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch, version, s.policy_source), attempts=5)
+                got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch,
+                        version, s.policy_source), attempts=5)
                 self.loaded[cell_id] = max(int(got), version)
             except (GyreError, CellGone) as exc:
                 s.emit("load_failed", f"{cell_id} could not load policy v{version}: {exc}", cell_id=cell_id)
