@@ -57,7 +57,9 @@ class EventLog:
         ev = Event(self._seq, self._clock(), kind, message, cell_id, execution_id, waterlevel, capacity,
                 ready_groups)
         self._events.append(ev)
-        log.info(message, extra={"event": kind, "cell_id": cell_id, "execution_id": execution_id})
+        # Holds change with every close (their numbers move): kept in the stream, not the log.
+        log.log(logging.DEBUG if kind == "hold" else logging.INFO, message,
+                extra={"event": kind, "cell_id": cell_id, "execution_id": execution_id})
         self._wake()
         return ev
 
