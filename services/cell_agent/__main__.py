@@ -64,6 +64,12 @@ class _App:
         await cell.start()
         rt.supervisor.on_flush(cell.close)
         rt.supervisor.spawn("engine-monitor", cell.run())
+        if cfg.metrics_port:
+            from services.cell_agent.metrics import CellMetrics
+
+            metrics = CellMetrics(cfg.cell_id)
+            metrics.serve(cfg.host, cfg.metrics_port)
+            rt.supervisor.spawn("metrics", metrics.run(cell))
         return [
             (EngineServicer(cell, cfg.max_prompt_tokens, cfg.max_tokens_limit),
              pb_grpc.add_EngineServicer_to_server, "gyre.v1.Engine"),

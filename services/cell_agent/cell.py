@@ -94,6 +94,8 @@ class Cell:
         self._snapshot_timeout_s = snapshot_timeout_s
         self._fatal: asyncio.Future[None] | None = None
         self.target = ""
+        self.tokens_generated = 0
+        self.last_probe_s = 0.0
 
     # Start-up ------------------------------------------------------------------------------
 
@@ -155,6 +157,7 @@ class Cell:
             request_id, prompt_token_ids, sampling, required_policy_version, kv_handle
         )
         async for chunk in stream:
+            self.tokens_generated += len(chunk.token_ids)
             yield chunk
 
     async def abort(self, request_id: str) -> bool:
@@ -292,8 +295,11 @@ class Cell:
                 self._retrieve_fatal()
                 raise FatalError(f"engine dead: {self.engine.dead}")
             if self.state in ENGINE_UP and not self.engine.sleeping and not self._lock.locked():
+                loop = asyncio.get_running_loop()
+                started = loop.time()
                 try:
                     await self.engine.probe(self._probe_timeout_s)
+                    self.last_probe_s = loop.time() - started
                 except EngineDead as exc:
                     await self._go_failed(str(exc))
                     self._retrieve_fatal()

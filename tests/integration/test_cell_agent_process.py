@@ -40,7 +40,10 @@ async def _generate(stub, rid, prompt, n, **kw):
 
 
 async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
-    path = write_config(tmp_path, etcd_server, cluster_name)
+    from gyre.etcd.server import free_port
+
+    metrics_port = free_port()
+    path = write_config(tmp_path, etcd_server, cluster_name, metrics_port=metrics_port)
     proc = ServiceProcess("cell_agent", path, log_path=tmp_path / "cell.log").start(timeout_s=60)
     etcd = Etcd([etcd_server.endpoint], timeout_s=2.0)
     await etcd.connect()
@@ -127,6 +130,16 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
             assert {c.policy_version for c in chunks} == {3}
             await leader.resign()
             await lease.revoke()
+
+        # Prometheus metrics mirror the cell.
+        import aiohttp
+
+        await asyncio.sleep(1.2)
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+            text = await resp.text()
+        assert 'gyre_cell_state{cell_id="cell-p",state="ROLLOUT"} 1.0' in text
+        assert 'gyre_cell_policy_version{cell_id="cell-p"} 3.0' in text
+        assert 'gyre_cell_role_transitions{cell_id="cell-p"} 5.0' in text
         assert proc.stop() == 0
         assert await etcd.get(keys.cell("cell-p")) is None
         assert await etcd.get(keys.cell_state("cell-p")) is None
