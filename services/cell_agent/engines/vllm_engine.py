@@ -218,7 +218,7 @@ class VllmEngine(Engine):
             finished = True
             yield Chunk([], [], self._policy_version, FinishReason.ABORT)
         except EngineDeadError as exc:
-            err = EngineDead(f"vllm engine died: {exc}")
+            err = EngineDead(f"vllm engine dead: {exc}")
             await self.fail(err)
             raise err from exc
         finally:
