@@ -58,6 +58,7 @@ async def build(rt: Runtime) -> Services:
     async def _close_peers() -> None:
         await sched.transitions.cancel_all()
         await peers.close()
+        sched.history.close()
 
     rt.supervisor.on_flush(_close_peers)
     return [

@@ -22,6 +22,7 @@ from typing import Any
 from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unavailable
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.events import EventLog, Metrics
+from services.scheduler.history import History
 from services.scheduler.ledger import ExecState, ExecutionRecord, FinishOutcome, Ledger, sha256_hex, validate_finish
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteRecord, RouteTable, pick_launch_cell
@@ -110,6 +111,7 @@ class Scheduler:
         self._missing_since: dict[str, float] = {}
         self._drained_since: float | None = None
         self._sealed: set[int] = set()
+        self.history = History(config.history_file)
 
     # Leadership ---------------------------------------------------------------------------
 
@@ -160,6 +162,8 @@ class Scheduler:
         self.published = self.policy_version
         self.epoch = epoch
         c = ledger.counts()
+        self.history.append("leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched,
+                            finished=c.finished)
         self.emit("leader",
                 f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts, "
                 f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
@@ -312,6 +316,8 @@ class Scheduler:
         self.ledger.apply(dataclasses.replace(rec, revision=rev),
                 self.clock() + self.cfg.heartbeat_deadline_s)
         self.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
+        self.history.append("launch", self.epoch, rev=rev, execution_id=rec.execution_id, burst_id=rec.burst_id,
+                            cell_id=route.cell_id)
         self._gauges()
         return True
 
@@ -369,6 +375,8 @@ class Scheduler:
             raise
         self.ledger.apply(dataclasses.replace(closed, revision=rev))
         self.routes.drop(closed.execution_id)
+        self.history.append("close", self.epoch, rev=rev, execution_id=closed.execution_id,
+                            status=closed.state.value, reward=closed.reward)
         self._reports.put_nowait(self._report(closed))
         if closed.state is ExecState.TIMED_OUT:
             self.emit("timed_out", f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",
@@ -534,10 +542,12 @@ class Scheduler:
         burst = self.ledger.plan_burst(tasks, self.cfg.group_size, self.policy_version,
                 self.cfg.batches_per_burst, self.wall())
         try:
-            await self._fenced(self.store.dispatch(burst))
+            rev = await self._fenced(self.store.dispatch(burst))
         except Conflict:
             return  # dispatched by an earlier attempt; the next rebuild or tick picks it up
         self.ledger.apply_burst(burst)
+        self.history.append("dispatch", self.epoch, rev=rev, burst_id=burst.burst_id, quota=burst.quota,
+                            policy_version=burst.policy_version)
         self.emit(action.kind,
                 f"dispatched burst {burst.burst_id}: {burst.quota} executions "
                 f"({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)

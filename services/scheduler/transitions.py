@@ -177,6 +177,8 @@ class TransitionRunner:
                 for (old, new), rev in zip(pairs, revs):
                     s.routes.put(dataclasses.replace(new, epoch=old.epoch + 1, mod_revision=rev))
                     moves.append(MoveOrder(old.execution_id, old.cell_id, new.cell_id, old.epoch + 1))
+                    s.history.append("reroute", s.epoch, rev=rev, execution_id=old.execution_id,
+                                     from_cell=old.cell_id, to_cell=new.cell_id, route_epoch=old.epoch + 1)
             s.reroutes += len(moves)
             s.emit("reroute", f"rerouted {len(moves)} executions off {cell_id}: " + ", ".join(
                 sorted({f"{m.to_cell}" for m in moves})), cell_id=cell_id)

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gyre.etcd import Keys
 from gyre.testing.procs import ServiceProcess
+from services.scheduler import history
 from services.scheduler.testing import FakeCellAgent, FakePacker, FakeRouter, Harness, connect, wait_until, write_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,8 +47,9 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
     packer = await FakePacker().start()
+    hist = tmp_path / "history.jsonl"
     cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=4,
-                       max_bursts=1, packer_target=packer.target)
+                       max_bursts=1, packer_target=packer.target, history_file=str(hist))
     a = _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
     await ha.wait_leader()
@@ -86,6 +88,9 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
         _, routes = await etcd.get_prefix(keys.routes())
         assert routes == []
         await wait_until(lambda: asyncio.sleep(0, len(packer.reports) == 8), what="all finish reports")
+        ops = history.read(hist)
+        assert [o["op"] for o in ops].count("leader") == 2 and [o["op"] for o in ops].count("close") == 8
+        assert history.check(ops, complete=True) == []
     finally:
         await ha.close()
         await hb.close()
@@ -159,7 +164,9 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=2, max_bursts=1)
+    hist = tmp_path / "history.jsonl"
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=2, max_bursts=1,
+                       history_file=str(hist))
     a = _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
     await ha.wait_leader()
@@ -182,6 +189,7 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         assert not out.duplicate
         t = (await hb.status()).total
         assert (t.launched, t.finished) == (2, 1)
+        assert history.check(history.read(hist)) == []  # no write after the new leader's election
     finally:
         await ha.close()
         await hb.close()

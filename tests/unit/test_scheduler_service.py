@@ -444,3 +444,23 @@ async def test_a_missed_join_is_retried_and_does_not_block_a_return():
     s.transitions.start("core", CellState.ROLLOUT, "test")
     await settle(s)
     assert s.cells.state("core") is CellState.ROLLOUT
+
+
+def test_history_checker_finds_double_counts_and_unfenced_writes():
+    from services.scheduler.history import check
+
+    good = [
+        {"op": "leader", "epoch": 5, "rev": 5},
+        {"op": "dispatch", "epoch": 5, "rev": 6, "burst_id": 1, "quota": 2},
+        {"op": "launch", "epoch": 5, "rev": 7, "execution_id": "b1-t0-0", "burst_id": 1},
+        {"op": "leader", "epoch": 9, "rev": 9},
+        {"op": "launch", "epoch": 9, "rev": 10, "execution_id": "b1-t0-1", "burst_id": 1},
+        {"op": "close", "epoch": 9, "rev": 11, "execution_id": "b1-t0-0", "status": "COMPLETED"},
+        {"op": "close", "epoch": 9, "rev": 12, "execution_id": "b1-t0-1", "status": "FAILED"},
+    ]
+    assert check(good, complete=True) == []
+    twice = good + [{"op": "close", "epoch": 9, "rev": 13, "execution_id": "b1-t0-1", "status": "COMPLETED"}]
+    assert any("closed twice" in v for v in check(twice))
+    stale = good + [{"op": "close", "epoch": 5, "rev": 14, "execution_id": "b1-t0-0", "status": "FAILED"}]
+    assert any("after epoch 9 was elected" in v for v in check(stale))
+    assert any("dispatched 2 != finished 1" in v for v in check(good[:-1], complete=True))

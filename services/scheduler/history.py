@@ -1,0 +1,85 @@
+"""The scheduler's operation history (JSONL) and the offline checker of its invariants.
+
+With ``history_file`` set, every persisted change is appended as one JSON line after its
+etcd write succeeded: ``{"op": "dispatch"|"launch"|"close"|"reroute"|"leader", "t": unix
+seconds, "epoch": fencing epoch, "rev": etcd revision of the write, ...}``. Several scheduler processes (a leader and its
+successors) may append to the same file. :func:`check` replays a history and returns the
+violations of RELIABILITY.md promise 1: an execution launched twice, closed twice, closed
+without a launch or beyond its burst's quota, or (``complete=True``) dispatched and never
+closed; and of promise 4: a write at a revision after a newer leader was elected.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class History:
+    """Appends operations to a JSONL file (line-buffered; a no-op without a path)."""
+
+    def __init__(self, path: str = "") -> None:
+        self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+
+    def append(self, op: str, epoch: int, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"op": op, "t": round(time.time(), 6), "epoch": epoch, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> list[str]:
+    """Violations found in a history (empty: the history keeps the promises)."""
+    bad: list[str] = []
+    quota: dict[int, int] = {}
+    launched: set[str] = set()
+    closed: dict[str, str] = {}
+    ops = list(ops)
+    epochs = sorted({int(op["epoch"]) for op in ops if op.get("op") == "leader"})
+    for n, op in enumerate(ops):
+        kind, epoch, rev = op.get("op"), int(op.get("epoch", 0)), int(op.get("rev", 0))
+        # Fencing: a write by epoch e happened before any newer leader's key was created.
+        newer = [e for e in epochs if e > epoch]
+        if rev and newer and rev > newer[0]:
+            bad.append(f"#{n} {kind} by epoch {epoch} at revision {rev}, after epoch {newer[0]} was elected")
+        if kind == "dispatch":
+            b = int(op["burst_id"])
+            if b in quota:
+                bad.append(f"#{n} burst {b} dispatched twice")
+            quota[b] = int(op["quota"])
+        elif kind == "launch":
+            eid = op["execution_id"]
+            if eid in launched:
+                bad.append(f"#{n} {eid} launched twice")
+            if int(op.get("burst_id", 0)) not in quota:
+                bad.append(f"#{n} {eid} launched in an undispatched burst")
+            launched.add(eid)
+        elif kind == "close":
+            eid = op["execution_id"]
+            if eid not in launched:
+                bad.append(f"#{n} {eid} closed without a launch")
+            if eid in closed:
+                bad.append(f"#{n} {eid} closed twice ({closed[eid]}, then {op.get('status')})")
+            closed[eid] = str(op.get("status"))
+    per_burst: dict[int, int] = {}
+    for eid in launched:
+        b = int(eid.split("-", 1)[0][1:]) if eid.startswith("b") else 0
+        per_burst[b] = per_burst.get(b, 0) + 1
+    for b, n_launched in per_burst.items():
+        if b in quota and n_launched > quota[b]:
+            bad.append(f"burst {b}: {n_launched} launches > quota {quota[b]}")
+    if complete:
+        d, f = sum(quota.values()), len(closed)
+        if d != f:
+            bad.append(f"dispatched {d} != finished {f}")
+    return bad
