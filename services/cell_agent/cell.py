@@ -191,10 +191,15 @@ class Cell:
             if t.noop:
                 return self.state
             if t.target is CellState.FAILED:
+                await self.store.verify_leader(epoch)
                 await self._go_failed(f"ordered by the scheduler: {reason}", epoch)
                 return self.state
+            # Preconditions that may refuse the command (nothing changed yet).
             if t.target is CellState.TRAINING:
                 await self._wait_drained()
+            if (t.source, t.target) == (CellState.TRAINING, CellState.RETURNING):
+                await self.store.verify_leader(epoch)
+                await self.hook.on_leave_training()  # finishes the batch in progress
             await self.store.write_state(t.target, epoch, self._wall())
             self.lifecycle.commit(t)
             log.info(
@@ -237,7 +242,6 @@ class Cell:
             log.info("rollout resources released", extra={"freed_memory": released})
             await self.hook.on_enter_training()
         elif (t.source, t.target) == (s.TRAINING, s.RETURNING):
-            await self.hook.on_leave_training()
             await self.engine.wake()
         elif t.target is s.ROLLOUT:
             await self.engine.probe(self._probe_timeout_s)  # serve only a proven engine

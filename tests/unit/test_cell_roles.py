@@ -154,3 +154,24 @@ async def test_monitor_ends_the_process_when_the_engine_dies_or_hangs(faults):
 async def _drain(cell, rid):
     async for _ in cell.generate(rid, [3, 5], Sampling(max_tokens=10_000)):
         pass
+
+
+async def test_leaving_training_waits_for_the_trainer_and_a_refusal_changes_nothing():
+    from gyre.errors import DeadlineExceeded
+
+    cell, store, hook = await _cell()
+    await cell.set_state(S.DRAINING, 5)
+    await cell.set_state(S.TRAINING, 5)
+
+    async def busy():
+        raise DeadlineExceeded("batch 3 still running")
+
+    hook.on_leave_training = busy
+    writes = len(store.states)
+    with pytest.raises(DeadlineExceeded):
+        await cell.set_state(S.RETURNING, 5)
+    assert cell.state is S.TRAINING and len(store.states) == writes and cell.engine.sleeping
+    with pytest.raises(StaleEpoch):  # a deposed leader cannot fail the cell either
+        await cell.set_state(S.FAILED, 4)
+    assert cell.state is S.TRAINING
+    await cell.close()
