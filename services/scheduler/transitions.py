@@ -118,13 +118,29 @@ class TransitionRunner:
                 s.mark_deposed(exc)
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
             log.exception("transition failed", extra={"cell_id": cell_id})
             s.cells.overlay.pop(cell_id, None)
+            s.emit("transition_failed", f"{cell_id} -> {target.value} failed: {exc!r}", cell_id=cell_id)
+            await self._call_off(cell_id, target)
         finally:
             self._tasks.pop(cell_id, None)
             s._settle_overlays()
             s._wake()
+
+    async def _call_off(self, cell_id: str, target: CellState) -> None:
+        """After a failed move to training, a cell left DRAINING would hold every later move:
+        call the drain off (DRAINING -> ROLLOUT) and drop the record; the policy decides again."""
+        s = self.s
+        try:
+            if target is CellState.TRAINING and s.cells.states.get(cell_id) is CellState.DRAINING:
+                await self._retry(cell_id, lambda: s.peers.set_state(self._target(cell_id), s.epoch, CellState.ROLLOUT,
+                                                                    "move failed; drain called off"), attempts=5)
+            await s._fenced(s.store.delete_transition(cell_id))
+        except StaleEpoch as exc:
+            s.mark_deposed(exc)
+        except (GyreError, CellGone) as exc:
+            log.warning("could not call off %s: %r (the record stays for the next attempt)", cell_id, exc)
 
     async def _to_training(self, cell_id: str) -> None:
         s = self.s

@@ -21,7 +21,7 @@ import math
 import pytest
 
 from gyre import config as config_mod
-from gyre.errors import InvalidArgument, NotFound, PermissionDenied, StaleEpoch, Unauthenticated
+from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, StaleEpoch, Unauthenticated
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fakes import FakePeers, FakeStore
 from services.scheduler.ledger import ExecState
@@ -464,3 +464,27 @@ def test_history_checker_finds_double_counts_and_unfenced_writes():
     stale = good + [{"op": "close", "epoch": 5, "rev": 14, "execution_id": "b1-t0-0", "status": "FAILED"}]
     assert any("after epoch 9 was elected" in v for v in check(stale))
     assert any("dispatched 2 != finished 1" in v for v in check(good[:-1], complete=True))
+
+
+async def test_a_failed_move_calls_the_drain_off():
+    s, store, peers, clock = make(cells=[("core", "elastic", 0, 4), ("sa", "standalone", -1, 16)])
+    await lead(s, store)
+    real = peers.set_state
+
+    async def refuse_training(target, epoch, state, reason):
+        if state is CellState.TRAINING:
+            raise FailedPrecondition("engine still holds requests")
+        return await real(target, epoch, state, reason)
+
+    peers.set_state = refuse_training
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    import services.scheduler.transitions as T
+    old, T.MAX_REFUSALS = T.MAX_REFUSALS, 2
+    try:
+        await s.reconcile_once()
+        await settle(s)
+    finally:
+        T.MAX_REFUSALS = old
+    assert s.cells.state("core") is CellState.ROLLOUT and not store.transitions
+    assert [a[2] for a in peers.commands("set_state")] == [CellState.DRAINING, CellState.ROLLOUT]
+    assert any(e.kind == "transition_failed" for e in s.events.after(0))
