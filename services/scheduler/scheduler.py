@@ -457,10 +457,23 @@ class Scheduler:
                 if self.ledger.records[rec.execution_id].state is ExecState.RUNNING:
                     await self._close(rec)
         self._rescue_orphans()
+        self._finish_stranded_moves()
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.apply(action, snap)
         self._gauges()
+
+    def _finish_stranded_moves(self) -> None:
+        """A cell an agent reports DRAINING or RETURNING with no transition of ours running
+        (a move that failed, or a leader that died before recording it) would hold every
+        later move: bring it back to rollout."""
+        for cid in self.cells.records:
+            # Overlay first: our last command's outcome beats a watch that has not caught up.
+            state = self.cells.state(cid)
+            if state in (CellState.DRAINING, CellState.RETURNING) and not self.transitions.running(cid):
+                self.emit("stranded", f"{cid} was left {state.value} with no move in progress: back to rollout",
+                          cell_id=cid)
+                self.transitions.start(cid, CellState.ROLLOUT, f"stranded in {state.value}")
 
     def _rescue_orphans(self) -> None:
         """Routes to a cell whose registration is gone (its lease lapsed) for longer than

@@ -488,3 +488,13 @@ async def test_a_failed_move_calls_the_drain_off():
     assert s.cells.state("core") is CellState.ROLLOUT and not store.transitions
     assert [a[2] for a in peers.commands("set_state")] == [CellState.DRAINING, CellState.ROLLOUT]
     assert any(e.kind == "transition_failed" for e in s.events.after(0))
+
+
+async def test_a_cell_stranded_in_returning_is_brought_back():
+    s, store, peers, clock = make(policy="rollout_only")
+    await lead(s, store)
+    peers.on_state("sat1:1", CellState.RETURNING)  # e.g. a return whose leader died before recording it
+    await s.reconcile_once()
+    await settle(s)
+    assert s.cells.state("sat1") is CellState.ROLLOUT
+    assert [a[2] for a in peers.commands("set_state")] == [CellState.RETURNING, CellState.ROLLOUT]
