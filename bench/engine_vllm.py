@@ -60,6 +60,7 @@ async def main(model_dir: str) -> None:
         t0 = time.perf_counter()
         await engine.load_weights(1, weights)
         update_s = time.perf_counter() - t0
+        switch = await role_switch(engine)
         handoff = await kv_handoff(engine, model_dir, kv_dir)
     finally:
         await engine.shutdown()
@@ -73,6 +74,7 @@ async def main(model_dir: str) -> None:
         "weight_update_s": update_s,
         "weight_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
         "kv_handoff": handoff,
+        "role_switch": switch,
         "ratios": {
             "kv_import_vs_recompute_ttft_at_other_engine": handoff["ttft_import_s"] / handoff["ttft_recompute_s"],
             "concurrent16_vs_single_tok_s": batch_tok_s / single_tok_s,
@@ -82,6 +84,37 @@ async def main(model_dir: str) -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+
+
+class _NullStore:
+    async def write_state(self, state, epoch, updated_s):
+        return None
+
+    async def register(self, record):
+        return None
+
+    async def verify_leader(self, epoch):
+        return None
+
+
+async def role_switch(engine) -> dict[str, float]:
+    """Cell-level role change on this engine (store writes excluded): rollout -> training
+    (drain an idle engine, release rollout resources) and back (wake, probe one token)."""
+    from services.cell_agent.cell import Cell, CellIdentity
+    from services.cell_agent.lifecycle import CellKind, CellState
+
+    cell = Cell(CellIdentity("bench", CellKind.ELASTIC, 0, 8, "vllm"), engine, _NullStore())
+    await cell.open("bench:0")
+    t0 = time.perf_counter()
+    await cell.set_state(CellState.DRAINING, 1)
+    await cell.set_state(CellState.TRAINING, 1)
+    to_training = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await cell.set_state(CellState.RETURNING, 1)
+    await cell.set_state(CellState.ROLLOUT, 1)
+    to_rollout = time.perf_counter() - t0
+    return {"rollout_to_training_s": to_training, "training_to_rollout_s": to_rollout,
+            "released_memory": bool(engine.can_sleep)}
 
 
 async def _move(src, dst, rid, prompt, export):
