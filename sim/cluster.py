@@ -96,13 +96,15 @@ class Engine:
         self.a = 0.0  # sum(ctx0 - start_v) of active sequences
         self.t_last = 0.0
         self.stalls: deque[list] = deque()  # [category, remaining_s]
+        self.stall_total = 0.0
         self.rate: DecodeRate | None = None
+        self.rate_base = 0.0
         self.gen = 0
         self.version = 0
         self.tokens = 0
 
     def stall_s(self) -> float:
-        return sum(s[1] for s in self.stalls)
+        return self.stall_total if self.stalls else 0.0
 
     def advance(self, t: float, acc: dict[str, float]) -> None:
         """Moves the engine's clock to t, charging the elapsed time to its categories."""
@@ -117,23 +119,37 @@ class Engine:
             acc[s[0]] += take
             dt -= take
             s[1] -= take
+            self.stall_total -= take
             if s[1] <= _EPS:
                 stalls.popleft()
+        if not stalls:
+            self.stall_total = 0.0
         if dt > 0:
             if self.active:
-                self.v = self._rate().advance(self.v, dt)
+                rate = self.rate or self._rate()
+                base = self.rate_base
+                self.v = base + rate.advance(self.v - base, dt)
                 acc["decode"] += dt
             else:
                 acc["idle_rollout"] += dt
 
     def _rate(self) -> DecodeRate:
+        """The decode rate of the current batch, with its origin at the current V (the
+        total context is then a small positive number, never a difference of large ones)."""
         if self.rate is None:
-            self.rate = self.cost.decode_rate(len(self.active), self.a)
+            n = len(self.active)
+            self.rate_base = self.v
+            self.rate = self.cost.decode_rate(n, self.a + n * self.v)
         return self.rate
+
+    def time_to(self, v1: float) -> float:
+        """Decode seconds (stalls excluded) until the engine's clock reaches v1."""
+        return self._rate().time(self.v - self.rate_base, v1 - self.rate_base)
 
     def add_stall(self, category: str, seconds: float) -> None:
         if seconds > 0:
             self.stalls.append([category, seconds])
+            self.stall_total += seconds
 
     def join(self, ex: Execution) -> None:
         ex.start_v = self.v
@@ -151,7 +167,10 @@ class Engine:
         self.a -= ex.ctx0 - ex.start_v
         self.rate = None
         if not self.active:
+            # Empty: restart the virtual clock at 0 so it never grows large.
             self.a = 0.0
+            self.v = 0.0
+            self.heap.clear()
         return int(min(ex.remaining, max(0.0, self.v - ex.start_v) + 1e-6))
 
     def next_finish_v(self) -> float | None:
@@ -378,7 +397,7 @@ class Cluster:
         fv = eng.next_finish_v()
         if fv is None:
             return
-        t = self.loop.now + eng.stall_s() + eng._rate().time(eng.v, fv)
+        t = self.loop.now + eng.stall_s() + eng.time_to(fv)
         self.loop.schedule(t, self._engine_event, c, eng.gen)
 
     def _engine_event(self, c: Cell, gen: int) -> None:
@@ -461,6 +480,7 @@ class Cluster:
                 self._place(ex, dst)
         eng.heap.clear()
         eng.stalls.clear()
+        eng.stall_total = 0.0
         eng.rate = None
         eng.gen += 1
 
@@ -633,8 +653,9 @@ class Cluster:
                 self.on_boundary()
             return
         tr.progress(t)
-        if tr.work <= 1e-6:
-            tr.work = 0.0
+        # The event was scheduled for the work to run out: whatever float residue is left
+        # (the clock's resolution at large t can be coarser than the remaining work) is done.
+        tr.work = 0.0
         self._trainer_kick()
         self.on_boundary()  # the unassigned supply changed
 

@@ -10,21 +10,24 @@ sequence), which ``DecodeRate`` integrates exactly instead of assuming a constan
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 from sim.config import CostConfig
 
 
-@dataclass(frozen=True, slots=True)
 class DecodeRate:
     """Step time as a function of V for a fixed batch: s(V) = max(comp, m0 + m1*V) + oh,
     where m0 + m1*V is the memory time. ``time(v0, v1)`` integrates s; ``advance(v0, dt)``
-    inverts it."""
+    inverts it. (A plain slotted class: it is built on every batch change.)"""
 
-    comp: float
-    m0: float
-    m1: float
-    oh: float
+    __slots__ = ("comp", "m0", "m1", "oh")
+
+    def __init__(self, comp: float, m0: float, m1: float, oh: float) -> None:
+        self.comp = comp
+        self.m0 = m0
+        self.m1 = m1
+        self.oh = oh
+
+    def __repr__(self) -> str:
+        return f"DecodeRate(comp={self.comp!r}, m0={self.m0!r}, m1={self.m1!r}, oh={self.oh!r})"
 
     def step(self, v: float) -> float:
         return max(self.comp, self.m0 + self.m1 * v) + self.oh
@@ -69,7 +72,9 @@ class DecodeRate:
         a = 0.5 * self.m1
         c = a * v0 * v0 + k * v0 + dt
         disc = k * k + 4 * a * c
-        return (2 * c) / (k + math.sqrt(disc))
+        root = math.sqrt(disc)
+        # The form that avoids cancellation for the sign of k.
+        return (2 * c) / (k + root) if k >= 0 else (root - k) / (2 * a)
 
 
 class CostModel:

@@ -52,6 +52,11 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int = 16, t
         return EmulationResult(False, "services missing: " + ", ".join(missing))
     return EmulationResult(
         False,
-        "not built: the harness replay driver and the mock engine's sim.cost timing hook are not "
-        f"written yet (planned: {cells} cells, time scale 1/{time_scale:g})",
+        "not built in this round. The services exist, and the mock engine's MockTiming is the same "
+        "roofline as sim.cost (mock_* fields of the cell agent config, mock_time_scale), but two parts "
+        "are missing: (1) a harness replay driver that plays the scenario's trace (turn prompt/output "
+        "token counts, tool waits scaled) through HarnessClient and the router; (2) a trainer whose step "
+        "time follows sim.cost (the elastic cells run real torch steps of the tiny model, whose duration "
+        f"has nothing to do with a 7B/H200 model). Planned: {cells} cells, time scale 1/{time_scale:g}, "
+        "agreement on time to N updates within 15%.",
     )
