@@ -77,6 +77,9 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await h.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="", wait_s=1), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # over the 16 MiB limit
+            await h.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="x" * (17 << 20), wait_s=0), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (await h.status()).total == before
         assert await etcd.get(keys.route(a.execution_id)) is not None
 
