@@ -236,7 +236,7 @@ class Driver:
     def run(self) -> RunResult:
         wall = time.perf_counter()
         self.loop.schedule(0.0, self.boundary)
-        self.loop.run(until=self.scenario.training.horizon_s)
+        self.loop.run(until=self.loop.now + self.scenario.training.horizon_s)
         end = self.done_s if self.done_s is not None else self.loop.now
         self.cluster.finish(end)
         return collect(self, end, time.perf_counter() - wall)

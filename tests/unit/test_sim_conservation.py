@@ -116,3 +116,17 @@ def test_same_seed_same_run_and_seeds_differ() -> None:
     assert a.actions == b.actions
     c = run_policy(cfg, sc.model_copy(update={"seed": 4}), PolicySpec("waterlevel"))
     assert c.update_times_s != a.update_times_s
+
+
+@pytest.mark.timeout(60)
+def test_long_runs_do_not_stall_on_float_residue() -> None:
+    """Late in a long run the clock's resolution is coarser than a token of training work or
+    a decode step's sliver of V; the run must still finish (regression: a hot loop at one
+    timestamp once simulated time reached ~3e4 s)."""
+    cfg, sc = small_config()
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"updates": 12})})
+    d = Driver(cfg, sc, PolicySpec("colocated"))
+    d.loop.now = 5e7  # start late: float spacing ~7e-9 s
+    r = d.run()
+    assert r.reached and r.updates == 12
+    assert d.loop.processed < 400_000
