@@ -3,8 +3,8 @@ router and packer.
 
 Invariants: AcquireExecution launches onto a free slot and writes the route (token hash,
 cell target); FinishExecution closes once, deletes the route and reaches the packer; bad
-finish reports (unknown id, foreign or unknown token, NaN / negative reward, bad status) get
-a precise status and change nothing; a burst runs through transitions both ways (core and
+finish reports (unknown id, foreign or unknown token, NaN / negative reward, bad status)
+and an oversized request get a precise status and change nothing; a burst runs through transitions both ways (core and
 satellite to training with their executions rerouted, satellite back with the new policy,
 next burst dispatched), every command carrying the leader's epoch.
 """
