@@ -3,8 +3,9 @@
 Invariants: when the leader is killed mid-burst, the standby takes over with the same ledger
 (no execution lost, none counted twice) and finishes the burst; when it is killed in the
 middle of a transition, the standby resumes it (routes moved exactly once, the cell ends in
-training, the transition record is gone); a leader paused past its lease and resumed cannot
-change anything (its writes are refused, etcd is unchanged, it exits non-zero).
+training, the transition record is gone), also as the second failover of one burst; a leader
+paused past its lease and resumed cannot change anything (its writes are refused, etcd is
+unchanged, it exits non-zero). The JSONL history of all leaders passes the offline checker.
 """
 
 from __future__ import annotations
@@ -196,4 +197,73 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         a.stop()
         b.stop()
         await cell.stop()
+        await etcd.close()
+
+
+async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd_server, cluster_name, tmp_path):
+    """Two failovers in one burst: A dies mid-burst, B dies mid-transition, C finishes."""
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
+    sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
+    router = await FakeRouter(etcd, keys).start()
+    packer = await FakePacker().start()
+    core.hold["TRAINING"] = asyncio.Event()
+    hist = tmp_path / "history.jsonl"
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target,
+                       history_file=str(hist))
+    procs = [_start(cfg, tmp_path, "sched-a")]
+    hs = [Harness(procs[0].target)]
+    try:
+        await hs[0].wait_leader()
+        for name in ("sched-b", "sched-c"):
+            procs.append(_start(cfg, tmp_path, name))
+            hs.append(Harness(procs[-1].target))
+        execs = [await hs[0].acquire() for _ in range(4)]
+        on_core = [e for e in execs if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"]
+        on_sa = [e for e in execs if e not in on_core]
+        await hs[0].finish(on_sa[0])
+        procs[0].kill()  # mid-burst
+
+        async def leader_of(candidates):
+            for h in candidates:
+                try:
+                    st = await h.status()
+                except grpc.aio.AioRpcError:
+                    continue
+                if st.leader:
+                    return h, st
+            return None
+        second, st = await wait_until(lambda: leader_of(hs[1:]), timeout_s=20, what="second leader")
+        assert (st.total.launched, st.total.finished) == (4, 1)
+        await second.finish(on_sa[1])  # W = 2 = capacity without the core
+        packer.set_supply(2, 2)
+
+        async def stuck():
+            return len(router.moves) == 2 and core.state == "DRAINING"
+        await wait_until(stuck, what="second leader's transition frozen before TRAINING")
+        procs[hs.index(second)].kill()  # mid-transition
+        rest = [h for h in hs[1:] if h is not second]
+        third, st3 = await wait_until(lambda: leader_of(rest), timeout_s=20, what="third leader")
+        assert st3.epoch > st.epoch and (st3.total.launched, st3.total.finished) == (4, 2)
+        core.hold["TRAINING"].set()
+
+        async def done():
+            return core.state == "TRAINING" and await etcd.get(keys.transition("core")) is None
+        await wait_until(done, what="transition resumed by the third leader")
+        for e in on_core:
+            kv = await etcd.get(keys.route(e.execution_id))
+            assert json.loads(kv.value)["cell_id"] == "sa-0" and kv.version == 2
+            assert not (await third.finish(e)).duplicate
+        t = (await third.status()).total
+        assert (t.dispatched, t.launched, t.finished) == (4, 4, 4)
+        assert history.check(history.read(hist), complete=True) == []
+    finally:
+        core.hold["TRAINING"].set()
+        for h in hs:
+            await h.close()
+        for p in procs:
+            p.stop()
+        for x in (core, sa, router, packer):
+            await x.stop()
         await etcd.close()
