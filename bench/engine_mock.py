@@ -24,7 +24,8 @@ OUT = Path(__file__).resolve().parent / "results" / "engine_mock.json"
 async def _run_batch(engine: MockEngine, n_seqs: int, prompt_len: int, max_tokens: int) -> int:
     async def one(i: int) -> int:
         prompt = [3 + (i * 7 + j) % 500 for j in range(prompt_len)]
-        return sum([len(c.token_ids) async for c in engine.generate(f"r{i}", prompt, Sampling(max_tokens=max_tokens))])
+        stream = engine.generate(f"r{i}", prompt, Sampling(max_tokens=max_tokens))
+        return sum([len(c.token_ids) async for c in stream])
 
     await engine.pause()  # admit every sequence in the same first step
     tasks = [asyncio.create_task(one(i)) for i in range(n_seqs)]

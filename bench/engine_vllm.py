@@ -76,7 +76,9 @@ async def main(model_dir: str) -> None:
         "kv_handoff": handoff,
         "role_switch": switch,
         "ratios": {
-            "kv_import_vs_recompute_ttft_at_other_engine": handoff["ttft_import_s"] / handoff["ttft_recompute_s"],
+            "kv_import_vs_recompute_ttft_at_other_engine": (
+                handoff["ttft_import_s"] / handoff["ttft_recompute_s"]
+            ),
             "concurrent16_vs_single_tok_s": batch_tok_s / single_tok_s,
             "prefix_cached_vs_cold_ttft": warm / cold,
         },

@@ -29,7 +29,8 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
     model = build_tiny_model(tmp_path / "tiny")
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"cell_id": "cell-v", "kind": "standalone", "index": -1, "engine": "vllm", "model_dir": str(model), "max_model_len": 2048,
+        "cell_agent": {"cell_id": "cell-v", "kind": "standalone", "index": -1, "engine": "vllm",
+                       "model_dir": str(model), "max_model_len": 2048,
                        "max_num_seqs": 8, "probe_interval_s": 1.0, "log_json": False},
     }
     path = tmp_path / "cluster.yaml"

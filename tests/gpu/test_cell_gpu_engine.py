@@ -68,7 +68,9 @@ async def test_gpu_engine_start_sleep_wake_and_weight_update(tmp_path):
             original.update(load_file(str(f)))
         figures["weight_bytes"] = sum(t.numel() * t.element_size() for t in original.values())
         gen = torch.Generator().manual_seed(1)
-        perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in original.items()}
+        perturbed = {
+            k: v + 0.05 * torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in original.items()
+        }
         t0 = time.perf_counter()
         await engine.load_weights(1, perturbed)
         figures["weight_update_s"] = time.perf_counter() - t0

@@ -71,7 +71,8 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
                 (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[],
                                           sampling=common_pb2.SamplingParams(max_tokens=1)),
                  grpc.StatusCode.INVALID_ARGUMENT),
-                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT),
+                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1]),
+                 grpc.StatusCode.INVALID_ARGUMENT),
                 (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1],
                                           sampling=common_pb2.SamplingParams(max_tokens=1, top_p=2.0)),
                  grpc.StatusCode.INVALID_ARGUMENT),
@@ -97,6 +98,7 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
             await lease.grant()
             leader = LeaderElection(etcd, keys.leader(), "sched", lease)
             epoch = await leader.campaign()
+            fence = common_pb2.Fence(epoch=epoch)
             with pytest.raises(grpc.aio.AioRpcError) as err:  # not the leader key's revision
                 await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch + 1000),
                                                           target=common_pb2.CELL_STATE_DRAINING), timeout=20)
@@ -107,22 +109,23 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
                                                           target=common_pb2.CELL_STATE_TRAINING), timeout=20)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             for target in (common_pb2.CELL_STATE_DRAINING, common_pb2.CELL_STATE_TRAINING):
-                got = await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=target),
+                got = await control.SetState(pb.SetStateRequest(fence=fence, target=target),
                                              timeout=20)
                 assert got.state == target
             status = await control.GetCellStatus(pb.GetCellStatusRequest(), timeout=20)
-            assert (status.state, status.epoch, status.load.accepting) == (common_pb2.CELL_STATE_TRAINING, epoch, False)
+            assert (status.state, status.epoch, status.load.accepting) == (
+                common_pb2.CELL_STATE_TRAINING, epoch, False)
             assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value) | {"updated_s": 0} == {
                 "state": "TRAINING", "epoch": epoch, "updated_s": 0}
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _generate(engine, "r2", [5], 3)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            joined = await control.JoinBatch(pb.JoinBatchRequest(fence=common_pb2.Fence(epoch=epoch), batch_id=1,
+            joined = await control.JoinBatch(pb.JoinBatchRequest(fence=fence, batch_id=1,
                                                                  policy_version=1, prefix_size=1), timeout=20)
             assert joined.joined in (True, False)
             for target in (common_pb2.CELL_STATE_RETURNING, common_pb2.CELL_STATE_ROLLOUT):
-                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=target), timeout=20)
-            got = await control.LoadPolicy(pb.LoadPolicyRequest(fence=common_pb2.Fence(epoch=epoch), version=3),
+                await control.SetState(pb.SetStateRequest(fence=fence, target=target), timeout=20)
+            got = await control.LoadPolicy(pb.LoadPolicyRequest(fence=fence, version=3),
                                            timeout=20)
             assert got.policy_version == 3
             assert json.loads((await etcd.get(keys.cell("cell-p"))).value)["policy_version"] == 3
@@ -135,7 +138,8 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
         import aiohttp
 
         await asyncio.sleep(1.2)
-        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
             text = await resp.text()
         assert 'gyre_cell_state{cell_id="cell-p",state="ROLLOUT"} 1.0' in text
         assert 'gyre_cell_policy_version{cell_id="cell-p"} 3.0' in text

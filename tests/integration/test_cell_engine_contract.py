@@ -164,7 +164,8 @@ async def test_out_of_vocabulary_prompt_is_refused_and_the_engine_lives_on(engin
 
 async def _run_required(engine, version):
     out = []
-    async for c in engine.generate("req", PROMPTS[0], Sampling(max_tokens=2), required_policy_version=version):
+    stream = engine.generate("req", PROMPTS[0], Sampling(max_tokens=2), required_policy_version=version)
+    async for c in stream:
         out += c.token_ids
     return out
 
@@ -203,8 +204,8 @@ async def test_kv_handoff_to_another_engine(engine, models, kv_dir):
         assert await engine.abort("kv-live")
         await live.aclose()
         cont = prompt + got
-        rest = [t async for c in dest.generate("kv-cont", cont, Sampling(max_tokens=n - len(got)), kv_handle=handle)
-                for t in c.token_ids]
+        stream = dest.generate("kv-cont", cont, Sampling(max_tokens=n - len(got)), kv_handle=handle)
+        rest = [t async for c in stream for t in c.token_ids]
         assert got + rest == full
         if engine.kind == "vllm":
             assert dest.cached_tokens["kv-cont"] >= handle.num_tokens
@@ -296,7 +297,8 @@ async def test_role_switch_with_a_request_in_flight(engine, etcd_ctx):
     assert await cell.set_state(CellState.ROLLOUT, new_epoch) is CellState.ROLLOUT
     assert await cell.set_state(CellState.ROLLOUT, new_epoch) is CellState.ROLLOUT  # idempotent
     assert (await state_in_etcd())["state"] == "ROLLOUT"
-    after = [t async for c in cell.generate("after", PROMPTS[3], Sampling(max_tokens=12)) for t in c.token_ids]
+    stream = cell.generate("after", PROMPTS[3], Sampling(max_tokens=12))
+    after = [t async for c in stream for t in c.token_ids]
     assert after == base
     await successor.resign()
 

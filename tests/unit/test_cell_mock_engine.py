@@ -34,7 +34,9 @@ def _prefill(p: MockTiming, n: int, start: int) -> float:
     return n * (2 * p.n_params + 4 * p.n_layers * p.d_model * (start + n / 2)) / (p.flop_efficiency * p.flops)
 
 
-@pytest.mark.parametrize("timing", [MockTiming(), MockTiming(hbm_bytes_per_s=2.4e12, step_overhead_s=0.01, time_scale=0.5)])
+@pytest.mark.parametrize(
+    "timing", [MockTiming(), MockTiming(hbm_bytes_per_s=2.4e12, step_overhead_s=0.01, time_scale=0.5)]
+)
 async def test_single_request_time_follows_the_roofline(timing):
     engine, clock = _engine(timing=timing)
     await engine.start()
@@ -142,8 +144,8 @@ async def test_kv_export_import_skips_prefill(tmp_path):
         assert handle is not None and handle.num_tokens >= len(prompt) + 10 - 1
         await gen.aclose()
         cont = prompt + got
-        rest = [t async for c in dst.generate("cont", cont, Sampling(max_tokens=30 - len(got)), kv_handle=handle)
-                for t in c.token_ids]
+        stream = dst.generate("cont", cont, Sampling(max_tokens=30 - len(got)), kv_handle=handle)
+        rest = [t async for c in stream for t in c.token_ids]
         assert got + rest == full
         assert dst.stats.kv_imports == 1
         assert dst.stats.prefill_tokens <= len(cont) - handle.num_tokens + 1

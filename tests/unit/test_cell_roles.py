@@ -62,7 +62,8 @@ async def _cell(faults=None, kind=CellKind.ELASTIC, pull=None, **kw) -> tuple[Ce
     engine = MockEngine(MockTiming(fixed_decode_step_s=0.001), RealClock(), faults=faults)
     store = FakeStore()
     hook = RecordingHook()
-    cell = Cell(CellIdentity("c1", kind, 0, 4, "mock"), engine, store, hook=hook, pull=pull, drain_wait_s=0.1, **kw)
+    identity = CellIdentity("c1", kind, 0, 4, "mock")
+    cell = Cell(identity, engine, store, hook=hook, pull=pull, drain_wait_s=0.1, **kw)
     await cell.start()
     await cell.open("127.0.0.1:9")
     return cell, store, hook
@@ -72,7 +73,9 @@ async def test_full_cycle_calls_the_hook_and_persists_every_step():
     cell, store, hook = await _cell()
     for target in (S.DRAINING, S.TRAINING, S.RETURNING, S.ROLLOUT):
         assert await cell.set_state(target, 5) is target
-    assert store.states == [("ROLLOUT", 0), ("DRAINING", 5), ("TRAINING", 5), ("RETURNING", 5), ("ROLLOUT", 5)]
+    assert store.states == [
+        ("ROLLOUT", 0), ("DRAINING", 5), ("TRAINING", 5), ("RETURNING", 5), ("ROLLOUT", 5)
+    ]
     assert hook.calls == ["enter", "leave"]
     assert store.records[0]["target"] == "127.0.0.1:9" and store.records[0]["kind"] == "elastic"
     await cell.close()
