@@ -4,7 +4,6 @@ catches up with etcd before refusing a token (read-your-writes for harnesses).""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from gyre.errors import GyreError, InvalidArgument, Unauthenticated
@@ -23,8 +22,6 @@ class RouteStore:
         self._table = table
         self._parsed: dict[bytes, tuple[int, Route | None]] = {}
         self.mirror = PrefixMirror(etcd, keys.routes(), resync_s=resync_s, on_change=self._on_change)
-        self._catch_up: asyncio.Future[None] | None = None
-        self._catch_up_at = 0.0
         self.catch_ups = 0
 
     async def run(self) -> None:
@@ -77,11 +74,9 @@ class RouteStore:
             if execution_id is not None:
                 await self.refresh(execution_id)
                 return
-            loop = asyncio.get_running_loop()
-            if self._catch_up is None or (self._catch_up.done() and loop.time() - self._catch_up_at > 0.05):
-                self._catch_up_at = loop.time()
-                self._catch_up = asyncio.ensure_future(self._apply_all())
-            await asyncio.shield(self._catch_up)
+            # A fresh read every time: a shared read that started (or finished) before this
+            # request arrived may predate its route. Only unknown tokens get here.
+            await self._apply_all()
         except GyreError as exc:  # etcd unreachable: answer from the table as it is
             log.warning("route catch-up failed", extra={"error": str(exc)})
 

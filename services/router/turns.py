@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied
+from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from gyre.v1 import packer_pb2
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class TurnSink(Protocol):
     async def record(self, turn: Turn) -> None: ...
 
 
-_PERMANENT = (InvalidArgument, FailedPrecondition, NotFound, PermissionDenied)
+# RESOURCE_EXHAUSTED: a turn over the packer's limits never fits, so retrying would loop forever.
+_PERMANENT = (InvalidArgument, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted)
 
 
 class TurnRecorder:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gyre.errors import InvalidArgument, Unavailable
+from gyre.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.router.turns import Turn, TurnRecorder
 
 
@@ -70,6 +70,21 @@ async def test_refused_turn_is_not_retried():
     rec.submit(turn(1))
     assert await rec.flush(2.0)
     assert sink.got == [1] and rec.rejected == 1 and sink.calls == 2
+    task.cancel()
+
+
+async def test_oversized_turn_is_not_retried():
+    class TooBig(FlakySink):
+        async def record(self, t: Turn) -> None:
+            self.calls += 1
+            raise ResourceExhausted("turn exceeds the micro-step token budget")
+
+    sink = TooBig(failures=0)
+    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    task = asyncio.create_task(rec.run())
+    rec.submit(turn(0))
+    assert await rec.flush(2.0)
+    assert rec.rejected == 1 and sink.calls == 1
     task.cancel()
 
 
