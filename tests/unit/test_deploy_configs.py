@@ -36,9 +36,9 @@ SECTION_MODULES = {
     "dashboard": "services.dashboard.config",
     "training": "services.cell_agent.training.config",  # read by elastic cell agents
 }
-# Overrides for fields the services are expected to grow; accepted (and ignored by
-# pydantic-settings) until they exist. metrics_port: the Prometheus port (deploy/prometheus).
-PENDING_FIELDS = {"metrics_port"}
+# Overrides for fields a service is expected to grow; accepted (and ignored by
+# pydantic-settings) until they exist. Empty: every override names a real field.
+PENDING_FIELDS: set[str] = set()
 
 # Sections read by the same containers (a cell agent reads cell_agent and training).
 SHARED_CONTAINERS = {"cell_agent": ("training",), "training": ("cell_agent",)}
