@@ -8,6 +8,8 @@ ends the process (non-zero) when the engine dies or hangs.
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import logging
 
 from gyre.runtime import Runtime, Services, main
@@ -22,6 +24,22 @@ from services.cell_agent.servicer import CellControlServicer, EngineServicer
 from services.cell_agent.store import EtcdCellStore
 
 log = logging.getLogger(__name__)
+
+
+def _preimport(cfg: CellAgentConfig) -> None:
+    """Imports the heavy modules (torch, vLLM, the trainer) in a worker thread: importing
+    them on the event loop takes seconds (tens on a loaded machine) during which the lease
+    keeper cannot refresh, and the lease lapses before the cell is even up."""
+    if cfg.engine == "vllm":
+        from services.cell_agent.engines.vllm_engine import apply_vllm_env
+
+        apply_vllm_env()  # before torch is first imported
+        importlib.import_module("vllm.v1.engine.async_llm")
+    for name in ("torch", "services.cell_agent.training.hook"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def _training_hook(rt: Runtime, cfg: CellAgentConfig, cell: Cell) -> TrainingHook:
@@ -41,6 +59,7 @@ class _App:
         cfg = rt.config
         assert isinstance(cfg, CellAgentConfig)
         cell_id_var.set(cfg.cell_id)
+        await asyncio.to_thread(_preimport, cfg)
         kind = CellKind.from_name(cfg.kind)
         identity = CellIdentity(
             cell_id=cfg.cell_id,

