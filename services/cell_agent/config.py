@@ -64,7 +64,8 @@ class CellAgentConfig(ServiceConfig):
 
     # Lifecycle and health -----------------------------------------------------------------------
     drain_wait_s: float = Field(
-        30.0, ge=0, description="How long SetState(TRAINING) waits for the engine to hold no request.")
+        10.0, ge=0, description="How long SetState(TRAINING) waits for the engine to hold no request "
+        "before refusing (keep it under the scheduler's command deadline).")
     probe_interval_s: float = Field(2.0, gt=0, description="Health probe period (a probe generates a token).")
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
