@@ -75,7 +75,7 @@ class Cell:
         pull: SnapshotPuller | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        drain_wait_s: float = 30.0,
+        drain_wait_s: float = 10.0,
         probe_interval_s: float = 2.0,
         probe_timeout_s: float = 10.0,
         snapshot_timeout_s: float = 120.0,
