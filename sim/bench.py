@@ -83,9 +83,9 @@ def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: dict[str, tupl
     log(f"[{sc.name}] T* = {res.bound.t_star_s:.0f} s (work {res.bound.work_bound_s:.0f} s, "
         f"critical path {res.bound.critical_path_s:.0f} s)")
 
-    def one(spec: PolicySpec, c: SimConfig = cfg, s: ScenarioConfig = sc) -> RunResult:
+    def one(spec: PolicySpec, c: SimConfig = cfg, s: ScenarioConfig = sc, label: str = "") -> RunResult:
         r = run_policy(c, s, spec, record_every_s=record_every_s)
-        log(f"[{s.name}] {spec.label:16s} time to {s.training.updates} updates "
+        log(f"[{s.name}] {label or spec.label:16s} time to {s.training.updates} updates "
             f"{r.time_to_n_s:9.0f} s  ({r.events_processed} events, {r.sim_wall_s:.1f} s wall)")
         return r
 
@@ -109,7 +109,7 @@ def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: dict[str, tupl
                 times[t] = r.time_to_n_s
         res.sweep = sorted(times.items())
     for name, (vcfg, vsc) in (variants or {}).items():
-        r = one(PolicySpec("waterlevel"), vcfg, vsc)
+        r = one(PolicySpec("waterlevel"), vcfg, vsc, label=f"waterlevel ({name})")
         r.label = f"waterlevel ({name})"
         res.variants[name] = r
     res.wall_s = time.perf_counter() - t0
