@@ -16,7 +16,7 @@ from gyre.harness.env import EnvConfig
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gyre.demo", description="Gyre end to end on this machine.")
     parser.add_argument("--engine", choices=["vllm", "mock"], default="vllm", help="rollout engines (vllm = vLLM-CPU)")
-    parser.add_argument("--bursts", type=int, default=3)
+    parser.add_argument("--bursts", type=int, default=15)
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--dashboard-port", type=int, default=8080)
     parser.add_argument("--concurrency", type=int, default=16, help="executions the harness runs at once")

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @dataclass
 class DemoOptions:
     engine: str = "vllm"
-    bursts: int = 3
+    bursts: int = 15
     run_dir: Path = field(default_factory=lambda: ROOT / "runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     template: Path = ROOT / "deploy" / "local" / "cluster.yaml"
     dashboard_port: int = 8080
