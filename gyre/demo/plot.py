@@ -5,15 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# The live dashboard's palette (services/dashboard/static/index.html), so both read alike.
 ROLE_COLORS = {
-    "STARTING": "#bdbdbd",
-    "ROLLOUT": "#4c9be8",
-    "DRAINING": "#f2b134",
-    "TRAINING": "#e8574c",
-    "RETURNING": "#9b6fd1",
-    "FAILED": "#222222",
-    "GONE": "#ffffff",
-    "UNKNOWN": "#eeeeee",
+    "STARTING": "#9aa5b1",
+    "ROLLOUT": "#2e9d57",
+    "DRAINING": "#f0a020",
+    "TRAINING": "#3b6fd8",
+    "RETURNING": "#9b59b6",
+    "FAILED": "#d64545",
+    "GONE": "#e3e6ea",
+    "UNKNOWN": "#c4c9cf",
 }
 
 
@@ -43,9 +44,9 @@ def plot_timeline(timeline: dict[str, Any], out: str | Path, title: str = "Gyre 
     ax_roles.legend(handles=[Patch(color=ROLE_COLORS[s], label=s.lower()) for s in used], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     t = series.get("t", [])
     if t:
-        ax_w.step(t, series.get("waterlevel", []), where="post", label="waterlevel W", color="#1f3b73", linewidth=1.8)
-        ax_w.step(t, series.get("capacity", []), where="post", label="rollout capacity", color="#4c9be8", linestyle="--")
-        ax_w.step(t, series.get("ready_groups", []), where="post", label="ready groups", color="#2e9e5b", linestyle=":")
+        ax_w.step(t, series.get("waterlevel", []), where="post", label="waterlevel W", color="#d64545", linewidth=1.8)
+        ax_w.step(t, series.get("capacity", []), where="post", label="rollout capacity", color="#1f2933", linestyle="--")
+        ax_w.step(t, series.get("ready_groups", []), where="post", label="ready groups", color="#2e9d57", linestyle=":")
     for mark_t, version in timeline.get("policy_marks", []):
         for ax in (ax_roles, ax_w):
             ax.axvline(mark_t, color="#888888", linewidth=0.6, linestyle="-.")
