@@ -75,7 +75,8 @@ def _refine(coarse: list[int], best: int, cells: int) -> list[int]:
     return sorted(set(out))
 
 
-def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: dict[str, tuple[SimConfig, ScenarioConfig]] | None = None,
+def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *,
+                 variants: dict[str, tuple[SimConfig, ScenarioConfig]] | None = None,
                  record_every_s: float = 5.0, log=print) -> ScenarioResult:
     """Runs every policy of ``cfg.policies`` on scenario ``sc``."""
     t0 = time.perf_counter()

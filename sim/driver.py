@@ -91,7 +91,8 @@ class Driver:
         op = self.spec.overprovision
         if op is None:
             op = pp.colocated_overprovision if self.spec.name == "colocated" else sc.training.overprovision
-        self.groups_per_burst = max(sc.training.batch_groups, math.ceil(sc.training.batch_groups * (1 + op) - 1e-9))
+        bg = sc.training.batch_groups
+        self.groups_per_burst = max(bg, math.ceil(bg * (1 + op) - 1e-9))
         self.quota = self.groups_per_burst * self.profile.group_size
         self.burst: P.BurstView | None = None
         self.next_task = 0
@@ -167,7 +168,8 @@ class Driver:
         tasks = list(range(self.next_task, self.next_task + n_groups))
         self.next_task += n_groups
         episodes = [self.trace.group(task, a.policy_version) for task in tasks]
-        self.burst = P.BurstView(a.burst_id, n_groups * self.profile.group_size, a.policy_version, a.policy_version + 1)
+        quota = n_groups * self.profile.group_size
+        self.burst = P.BurstView(a.burst_id, quota, a.policy_version, a.policy_version + 1)
         self.cluster.dispatch(a.burst_id, a.policy_version, tasks, episodes)
 
     # -- boundaries --------------------------------------------------------------------------
@@ -242,6 +244,7 @@ class Driver:
         return collect(self, end, time.perf_counter() - wall)
 
 
-def run_policy(cfg: SimConfig, scenario: ScenarioConfig, spec: PolicySpec, record_every_s: float = 0.0) -> RunResult:
+def run_policy(cfg: SimConfig, scenario: ScenarioConfig, spec: PolicySpec,
+               record_every_s: float = 0.0) -> RunResult:
     """Runs one policy on one scenario."""
     return Driver(cfg, scenario, spec, record_every_s=record_every_s).run()

@@ -44,7 +44,8 @@ def missing_services() -> list[str]:
     return [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
 
 
-def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int = 16, time_scale: float = 50.0) -> EmulationResult:
+def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int = 16,
+                 time_scale: float = 50.0) -> EmulationResult:
     """Runs ``scenario`` on the real services; skipped (``ran=False`` with the reason) until
     the emulation driver is written."""
     missing = missing_services()

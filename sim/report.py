@@ -29,7 +29,7 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = [r for r in (res.waterlevel, res.colocated, res.oracle_static) if r is not None]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.8 * len(runs)), sharex=False, squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.1 * len(runs)), sharex=False, squeeze=False)
     for ax, r in zip(axes[:, 0], runs):
         ts = r.timeseries
         if not ts:
@@ -49,10 +49,11 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
         for u in r.update_times_s:
             ax.axvline(u / 60, color="k", lw=0.4, alpha=0.4)
         ax.set_title(f"{res.scenario.name}: {r.label}  (time to {res.scenario.training.updates} updates "
-                     f"{r.time_to_n_s / 60:.0f} min; thin lines: updates)", fontsize=9)
+                     f"{r.time_to_n_s / 60:.0f} min; thin lines: updates)", fontsize=9, loc="right")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=7, ncol=5)
+        ax.legend(h1 + h2, l1 + l2, loc="lower left", bbox_to_anchor=(0.0, 1.12), fontsize=7, ncol=5,
+                  frameon=False)
     axes[-1, 0].set_xlabel("simulated time (min)")
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,7 @@ def _row(res: ScenarioResult, r: RunResult) -> str:
     return (
         f"| {r.label} | {_f(r.time_to_n_s)} | {_f(sp, 2)}× | {eff:.2f} | {_pct(r.trainer_idle_ratio)} | "
         f"{_pct(r.rollout_idle_ratio)} | {r.role_switches} ({_f(r.role_switch_gpu_s)}) | "
-        f"{r.reroutes} | {r.staleness_mean:.2f} / {_pct(r.stale_token_fraction)} | "
+        f"{r.reroutes} | {r.staleness_mean:.2f} / {_pct(r.stale_token_fraction)} / {r.dropped_groups} | "
         f"{_f(lat.get('p50', 0))} / {_f(lat.get('p90', 0))} / {_f(lat.get('p99', 0))} |"
     )
 
@@ -107,7 +108,8 @@ def scenario_markdown(res: ScenarioResult, img_rel: str) -> str:
         f"(T* = {_f(b.t_star_s)} s = max(work bound {_f(b.work_bound_s)} s, critical path {_f(b.critical_path_s)} s)).",
         "",
         "| policy | time to N (s) | its time / waterlevel's | T*/T | trainer idle | rollout idle | "
-        "role switches (GPU-s) | reroutes | version lag per token (mean / stale) | episode p50 / p90 / p99 (s) |",
+        "role switches (GPU-s) | reroutes | version lag per token (mean / stale share) / groups dropped as too stale | "
+        "episode p50 / p90 / p99 (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = [res.waterlevel, res.colocated, res.oracle_static]

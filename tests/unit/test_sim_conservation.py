@@ -67,7 +67,8 @@ class CheckingDriver(Driver):
         CheckingDriver.checks += 1
 
 
-@pytest.mark.parametrize("spec", [PolicySpec("waterlevel"), PolicySpec("colocated"), PolicySpec("static", training_cells=3)],
+@pytest.mark.parametrize("spec", [PolicySpec("waterlevel"), PolicySpec("colocated"),
+                                  PolicySpec("static", training_cells=3)],
                          ids=lambda s: s.label)
 def test_executions_and_gpu_seconds_are_conserved(spec: PolicySpec) -> None:
     cfg, sc = small_config()
@@ -85,7 +86,8 @@ def test_executions_and_gpu_seconds_are_conserved(spec: PolicySpec) -> None:
     assert sum(r.exec_states.values()) == led["dispatched"]
     assert r.consumed_groups - r.partial_batch_groups == 3 * sc.training.batch_groups
     # Role switches are charged at their configured cost.
-    assert r.role_switch_gpu_s <= r.role_switches * max(cfg.cost.switch_to_train_s, cfg.cost.switch_to_rollout_s) + 1e-6
+    worst = max(cfg.cost.switch_to_train_s, cfg.cost.switch_to_rollout_s)
+    assert r.role_switch_gpu_s <= r.role_switches * worst + 1e-6
 
 
 def test_reroutes_happen_and_conserve_with_kv_handoff() -> None:
