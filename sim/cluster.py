@@ -331,6 +331,7 @@ class Cluster:
         self.reroute_recompute_tokens = 0
         self.kv_handoffs = 0
         self.publishes = 0
+        self.sealed_batches = 0
         self.elastic = [c for c in self.cells if not c.standalone]
         self.placement = make_placement(placement, self.cells)
         self.role_epoch = 0  # bumped on every role change (lets views be cached)
@@ -658,6 +659,21 @@ class Cluster:
         tr.work = 0.0
         self._trainer_kick()
         self.on_boundary()  # the unassigned supply changed
+
+    def seal_batch(self, batch_id: int) -> bool:
+        """Closes the current batch with the groups it has: those already claimed plus the
+        ready ones waiting in the pool (a drained burst: no more will come). The optimizer
+        step follows once they are trained."""
+        tr = self.trainer
+        if tr.batch_id != batch_id or tr.needs <= 0:
+            return False
+        fresh = sum(1 for g in tr.pool if tr.version - g.version <= tr.max_staleness)
+        if fresh >= tr.needs:
+            return False  # the batch fills from what is ready: nothing to seal
+        self.sealed_batches += 1
+        tr.needs = fresh
+        self._trainer_kick()
+        return True
 
     # -- views -------------------------------------------------------------------------------
 

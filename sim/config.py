@@ -144,6 +144,7 @@ class PolicyParams(_Frozen):
 
     supply_fraction: float = Field(0.5, gt=0, le=1, description="Ready groups needed / batch_size.")
     supply_interval_s: float = Field(5.0, ge=0, description="How long the supply must hold.")
+    drain_grace_s: float = Field(2.0, ge=0, description="How long W must stay 0 before a burst counts as drained.")
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )

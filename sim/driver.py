@@ -85,7 +85,7 @@ class Driver:
         )
         self.policy = P.make_policy(
             self.spec.name, fraction=pp.supply_fraction, interval_s=pp.supply_interval_s,
-            training_cells=self.spec.training_cells,
+            training_cells=self.spec.training_cells, drain_grace_s=pp.drain_grace_s,
         )
         self.tracker = P.SupplyTracker(pp.supply_fraction)
         op = self.spec.overprovision
@@ -102,6 +102,8 @@ class Driver:
         self.decisions = 0
         self._wake_at = -1.0
         self._views: tuple[P.CellView, ...] = ()
+        self._drained_since: float | None = None
+        self._drain_wake_at = -1.0
         self._views_epoch = -1
         self._in_boundary = False
         self._again = False
@@ -128,6 +130,12 @@ class Driver:
         led = cl.ledger
         target = self.scenario.training.updates
         next_quota = self.quota if tr.version < target else 0
+        # Since when W has been 0 (the live scheduler passes the same): lets the policy seal
+        # a drained burst's partial batch instead of waiting for groups that will not come.
+        if led.dispatched - led.finished > 0 or self.burst is None:
+            self._drained_since = None
+        elif self._drained_since is None:
+            self._drained_since = now
         return P.Snapshot(
             now_s=now,
             ledger=P.LedgerCounts(led.dispatched, led.launched, led.finished),
@@ -136,6 +144,7 @@ class Driver:
             burst=self.burst,
             policy_version=tr.version,
             next_quota=next_quota,
+            drained_since_s=self._drained_since,
         )
 
     # -- actions -----------------------------------------------------------------------------
@@ -161,6 +170,8 @@ class Driver:
             return True
         if isinstance(a, P.KeepInTraining):
             return False
+        if isinstance(a, P.SealBatch):
+            return cl.seal_batch(a.batch_id)
         raise TypeError(f"unknown action {a!r}")
 
     def _dispatch(self, a: P.DispatchBurst) -> None:
@@ -198,6 +209,7 @@ class Driver:
                     break
             self._sample(snap)
             self._arm_supply_timer(snap)
+            self._arm_drain_timer()
         finally:
             self._in_boundary = False
 
@@ -208,6 +220,15 @@ class Driver:
         due = snap.supply.held_since_s + self.cfg.policy.supply_interval_s + 1e-6
         if due > self.loop.now and due != self._wake_at:
             self._wake_at = due
+            self.loop.schedule(due, self.boundary)
+
+    def _arm_drain_timer(self) -> None:
+        """A drained burst counts after drain_grace_s: wake the policy then."""
+        if self._drained_since is None:
+            return
+        due = self._drained_since + self.cfg.policy.drain_grace_s + 1e-6
+        if due > self.loop.now and due != self._drain_wake_at:
+            self._drain_wake_at = due
             self.loop.schedule(due, self.boundary)
 
     def _sample(self, snap: P.Snapshot) -> None:

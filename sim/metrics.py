@@ -42,6 +42,7 @@ class RunResult:
     staleness_max: int
     stale_token_fraction: float
     dropped_groups: int
+    sealed_batches: int
     consumed_groups: int
     partial_batch_groups: int  # groups already assigned to the batch in progress at the end
     consumed_tokens: int
@@ -111,6 +112,7 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
         staleness_max=max(lag_tokens) if lag_tokens else 0,
         stale_token_fraction=stale,
         dropped_groups=tr.dropped_groups,
+        sealed_batches=cl.sealed_batches,
         consumed_groups=tr.consumed_groups,
         partial_batch_groups=tr.batch_groups - tr.needs,
         consumed_tokens=tr.consumed_tokens,

@@ -74,17 +74,17 @@ def test_colocated_single_execution_by_hand() -> None:
 
 
 def test_waterlevel_single_execution_by_hand() -> None:
-    """The waterlevel policy with the same trace: the core moves once the supply (the one
-    ready group) has held for interval_s; it alone trains; the satellite never moves
-    because the supply is consumed as soon as the core claims it."""
+    """The waterlevel policy with the same trace: the burst drains when its one execution
+    closes, so after drain_grace_s (< interval_s) the core moves to train on what is ready;
+    it alone trains; the satellite never moves because the core claims the only group."""
     cfg, sc = _config()
     c = cfg.cost
     r_col = run_policy(cfg, sc, PolicySpec("colocated"))
     closed_at = r_col.episode_latency_s["p50"]
     tokens = P_TOKENS + N_OUT
     train1 = tokens * 6 * c.n_params / (1 * c.flops * c.train_flops_eff)
-    interval = cfg.policy.supply_interval_s
-    t_update = closed_at + interval + c.switch_to_train_s + train1 + c.train_step_fixed_s
+    wait = min(cfg.policy.supply_interval_s, cfg.policy.drain_grace_s)
+    t_update = closed_at + wait + c.switch_to_train_s + train1 + c.train_step_fixed_s
     r = run_policy(cfg, sc, PolicySpec("waterlevel"))
     assert r.reached
     assert r.time_to_n_s == pytest.approx(t_update, rel=1e-6)
