@@ -670,6 +670,8 @@ class Cluster:
         fresh = sum(1 for g in tr.pool if tr.version - g.version <= tr.max_staleness)
         if fresh >= tr.needs:
             return False  # the batch fills from what is ready: nothing to seal
+        if fresh == 0 and tr.needs >= tr.batch_groups:
+            return False  # an empty batch is not sealed: no update without data
         self.sealed_batches += 1
         tr.needs = fresh
         self._trainer_kick()
