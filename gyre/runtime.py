@@ -59,7 +59,7 @@ Prepare = Callable[[ServiceConfig], None]
 
 async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None) -> None:
     """Runs one service until a signal or a fatal error."""
-    setup_tracing(name, cfg.tracing, cfg.otlp_endpoint)
+    tracer_provider = setup_tracing(name, cfg.tracing, cfg.otlp_endpoint)
     etcd = Etcd(cfg.etcd_endpoints, cfg.etcd_timeout_s)
     await etcd.connect()
     lease = LeaseKeeper(etcd, cfg.lease_ttl_s)
@@ -91,6 +91,8 @@ async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, afte
     async def _flush() -> None:
         await lease.revoke()
         await etcd.close()
+        if tracer_provider is not None:  # export the spans still batched
+            await asyncio.to_thread(tracer_provider.shutdown)
 
     sup.on_stop_intake(_stop_intake)
     sup.on_drain(_drain)

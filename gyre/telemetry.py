@@ -53,6 +53,23 @@ def setup_logging(service: str, level: str = "INFO", json_lines: bool = True) ->
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def tag_execution(execution_id: str, **attributes: str | int) -> None:
+    """Marks the work in progress as serving ``execution_id``: every log line from here on
+    carries it, and so does the current trace span (``gyre.execution_id`` plus
+    ``gyre.<key>`` for each extra attribute), so one execution can be followed from the
+    harness through the router to the engine. Free when tracing is off."""
+    execution_id_var.set(execution_id)
+    try:
+        from opentelemetry import trace
+    except ImportError:  # pragma: no cover - opentelemetry-api is a pinned dependency
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("gyre.execution_id", execution_id)
+        for key, value in attributes.items():
+            span.set_attribute(f"gyre.{key}", value)
+
+
 def setup_tracing(service: str, exporter: str, otlp_endpoint: str = "") -> Any:
     """Installs a tracer provider; returns it (None when tracing is off)."""
     if exporter == "off":

@@ -202,11 +202,22 @@ class ExecutionHandle:
         # the scheduler's write), read exactly that route from etcd instead of a coalesced
         # list that may predate the write (which answered 401 under load).
         headers = {"Authorization": f"Bearer {self.token}", "x-gyre-execution-id": self.execution_id}
+        _inject_trace_context(headers)
         async with self._http.post(url, json=body, headers=headers) as resp:
             text = await resp.text()
             if resp.status >= 400:
                 raise _http_error(resp.status, text)
             return json.loads(text)
+
+
+def _inject_trace_context(headers: dict[str, str]) -> None:
+    """Adds W3C trace context (traceparent) when the harness traces with OpenTelemetry, so
+    the router's and the engine's spans join the harness's trace."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:  # tracing is optional for harnesses
+        return
+    propagate.inject(headers)
 
 
 def _http_error(status: int, text: str) -> GyreError:

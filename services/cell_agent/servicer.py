@@ -13,7 +13,7 @@ import grpc
 
 from gyre.errors import InvalidArgument, ResourceExhausted
 from gyre.grpcx.errors import rpc, rpc_stream
-from gyre.telemetry import execution_id_var
+from gyre.telemetry import tag_execution
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
@@ -90,7 +90,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         if request.required_policy_version < 0:
             raise InvalidArgument("required_policy_version must be >= 0")
         kv = KvHandle.from_proto(request.kv_handle) if request.HasField("kv_handle") else None
-        execution_id_var.set(request.execution_id)
+        tag_execution(request.execution_id, request_id=request_id)
         async for chunk in self._cell.generate(
             request_id, prompt, sampling, int(request.required_policy_version), kv
         ):

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, http_status_for
+from gyre.telemetry import tag_execution
 from services.router.calls import ModelCall
 from services.router.engine import Chunk, Sampling
 from services.router.manager import CallManager
@@ -98,6 +99,7 @@ class OpenAIApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             route = await self._authorize(request)  # 1. who (headers only: nothing read yet)
+            tag_execution(route.execution_id, cell_id=route.cell_id)
             body = await self._read_json(request)  # 2. what (413 / 400)
             prompt, sampling, opts = await self._parse(body, chat)  # 3. validate, tokenize
             timeout_s = self._timeout(request)

@@ -11,6 +11,7 @@ import grpc
 from gyre.errors import InvalidArgument
 from gyre.fencing import FenceGuard
 from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
+from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
 from services.router.calls import ModelCall
 from services.router.engine import Sampling
@@ -57,6 +58,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             route = await self._store.authorize(token, request.execution_id)
         else:
             route = self._manager.routes.authorize(token, request.execution_id)
+        tag_execution(route.execution_id, cell_id=route.cell_id)
         prompt = list(request.prompt_token_ids)
         if not 1 <= len(prompt) <= self._max_prompt_tokens:
             raise InvalidArgument(f"prompt_token_ids must hold 1..{self._max_prompt_tokens} tokens")
