@@ -49,19 +49,25 @@ class CellTrainingHook:
         return [snapshots.registration(self.service.snapshots)]
 
 
+def _raw_section() -> tuple[Any, dict[str, Any]]:
+    """The ``training:`` section of the cluster YAML (or None) and it with env overrides."""
+    path = _config_path()
+    raw = (config_mod.read_file(path) if path else {}).get("training")
+    section = dict(raw or {})
+    prefix = "GYRE_TRAINING__"
+    for key, value in os.environ.items():
+        if key.startswith(prefix):
+            section[key[len(prefix):].lower()] = value
+    return raw, section
+
+
 def load_settings(cfg: Any) -> TrainingSettings:
     """The trainer settings of a cell agent (see the module docstring)."""
     found = getattr(cfg, "training", None)
     if isinstance(found, TrainingSettings):
         settings = found
     else:
-        path = _config_path()
-        raw = (config_mod.read_file(path) if path else {}).get("training")
-        section = dict(raw or {})
-        prefix = "GYRE_TRAINING__"
-        for key, value in os.environ.items():
-            if key.startswith(prefix):
-                section[key[len(prefix):].lower()] = value
+        raw, section = _raw_section()
         if raw is None and not section:
             return TrainingSettings(enabled=False)  # no training section: this cluster does not train
         settings = TrainingSettings(**section)
@@ -87,6 +93,12 @@ def build_hook(rt: Any, cfg: Any, cell: Any = None) -> Any:
 
     if getattr(cfg, "kind", "elastic") != "elastic" or getattr(cfg, "index", -1) < 0:
         return NoopTrainingHook()
+    if not isinstance(getattr(cfg, "training", None), TrainingSettings):
+        _, section = _raw_section()
+        if section.get("mode") == "mock":  # the cost-model trainer of the emulated cluster
+            from services.cell_agent.training.mock_trainer import build_mock_hook
+
+            return build_mock_hook(rt, cfg, section)
     settings = load_settings(cfg)
     if not settings.enabled:
         return NoopTrainingHook()

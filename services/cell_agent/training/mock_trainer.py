@@ -1,0 +1,256 @@
+"""A cost-model trainer for elastic cells (no model, no torch compute): claims the batch's
+micro-steps from the packer like the real trainer and waits the simulator's training cost
+(``sim.cost``: ``tokens * 6N / (gpus * FLOPS * MFU)`` per micro-step, then the fixed
+optimizer cost on the core), time-scaled; the core then publishes ``keys.policy()`` exactly
+like the real trainer (``services/cell_agent/training/store.py``).
+
+Selected by the cluster YAML's ``training:`` section with ``mode: mock`` (see
+``services/cell_agent/training/hook.py``); used by the emulated cluster (``sim/emulate.py``).
+
+One batch on every participant:
+  1. join: a satellite that does not hold the batch's version pays one weight sync;
+  2. stream: claim micro-steps until the packer says CLOSED, each costing its tokens'
+     training time (the final context length of every packed sequence, as in ``sim``);
+  3. core only: wait until the packer says the batch is done (every micro-step acked),
+     pay the fixed optimizer cost, expose snapshot ``v+1`` (one zero tensor, so that the
+     mock engines' LoadPolicy pulls work unchanged) and publish version ``v+1`` in etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from gyre.errors import DeadlineExceeded, Unavailable
+from gyre.grpcx.channel import unary
+from gyre.v1 import packer_pb2 as ppb
+from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from services.cell_agent import snapshots
+from services.cell_agent.training.microstep import MicroStep, Outcome
+from services.cell_agent.training.packer_client import PackerSource
+
+log = logging.getLogger(__name__)
+
+
+class MockTrainerSettings(BaseModel):
+    """The ``training:`` section when ``mode: mock`` (cost model of ``sim.config.CostConfig``)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    mode: str = Field("mock", description='"mock": this trainer.')
+    enabled: bool = Field(True, description="Train on this cell (elastic cells only).")
+    packer_target: str = Field("", description="gRPC target of the packer.")
+    time_scale: float = Field(1.0, ge=0, description="Multiplier of every modelled duration (0: no waiting).")
+    n_params: float = Field(7.6e9, gt=0, description="Model parameters N (6N FLOPs per trained token).")
+    flops: float = Field(989e12, gt=0, description="Dense FLOP/s per GPU.")
+    train_flops_eff: float = Field(0.35, gt=0, le=1, description="Achieved FLOP fraction (MFU) in training.")
+    gpus_per_cell: int = Field(1, ge=1, description="GPUs in one cell.")
+    train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update (core).")
+    weight_sync_s: float = Field(0.1, ge=0, description="A satellite pulling the batch's weights.")
+    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep.")
+    join_wait_s: float = Field(10.0, ge=0, description="How long a join waits for the previous batch to end.")
+    done_poll_s: float = Field(0.05, gt=0, description="Core: GetBatch poll period while waiting for acks.")
+    initial_policy_version: int = Field(0, ge=0, description="Version the cluster starts at.")
+
+    def micro_step_s(self, tokens: int) -> float:
+        """Scaled seconds to train ``tokens`` tokens on one cell."""
+        rate = self.gpus_per_cell * self.flops * self.train_flops_eff / (6.0 * self.n_params)
+        return tokens / rate * self.time_scale
+
+
+def sequence_tokens(step: MicroStep) -> int:
+    """Tokens a micro-step trains: the full length of each packed sequence (the simulator's
+    training tokens are the final contexts of every member)."""
+    return sum(len(s.token_ids) for s in step.sequences)
+
+
+class MockTrainingHook:
+    """The cell's training hook on the cost model (``services.cell_agent.hooks.TrainingHook``)."""
+
+    def __init__(self, settings: MockTrainerSettings, *, cell_id: str, index: int,
+                 target: Callable[[], str] | str, etcd: Any = None, keys: Any = None,
+                 source: Any = None, batches: Any = None, publisher: Any = None,
+                 sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+        if index < 0:
+            raise ValueError("only elastic cells (index >= 0) train")
+        self.settings = settings
+        self.cell_id = cell_id
+        self.index = index
+        self._target = target
+        self.etcd = etcd
+        self.keys = keys
+        self.version = settings.initial_policy_version
+        self.last_batch_id = 0
+        self.store = snapshots.SnapshotStore(keep=2)
+        self._source = source
+        self._batches = batches  # async (batch_id) -> BatchStatus-like with .done
+        self._publisher = publisher
+        self._sleep = sleep
+        self._clock = clock
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._current: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._channel: grpc.aio.Channel | None = None
+        self.trained_tokens = 0
+        self.micro_steps = 0
+        self._published_initial = False
+
+    @property
+    def target(self) -> str:
+        return self._target() if callable(self._target) else self._target
+
+    # Wiring ---------------------------------------------------------------------------
+
+    def _ensure_clients(self) -> None:
+        s = self.settings
+        if self._source is None:
+            self._source = PackerSource(s.packer_target, self.cell_id)
+        if self._batches is None:
+            self._channel = grpc.aio.insecure_channel(s.packer_target)
+            stub = ppb_grpc.PackerStub(self._channel)
+
+            async def get_batch(batch_id: int) -> ppb.BatchStatus:
+                return await unary(stub.GetBatch, ppb.GetBatchRequest(batch_id=batch_id), timeout_s=10.0)
+
+            self._batches = get_batch
+        if self._publisher is None and self.index == 0 and self.etcd is not None and self.keys is not None:
+            from services.cell_agent.training.store import EtcdPolicyPublisher
+
+            self._publisher = EtcdPolicyPublisher(self.etcd, self.keys, self.target)
+
+    def _expose(self, version: int) -> None:
+        import torch
+
+        if not self.store.versions() or version > self.store.newest:
+            self.store.publish(version, {"w": torch.zeros(1)})
+
+    def services(self) -> Sequence[tuple[Any, Any, str]]:
+        if self.index == 0:
+            self._expose(self.version)
+        return [snapshots.registration(self.store)]
+
+    # Lifecycle ------------------------------------------------------------------------
+
+    async def on_enter_training(self) -> None:
+        return None
+
+    async def on_leave_training(self) -> None:
+        task = self._current
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+
+    async def join_batch(self, cmd: Any) -> bool:
+        batch_id, named = int(cmd.batch_id), int(cmd.policy_version)
+        async with self._lock:
+            if batch_id in self._tasks:
+                return True
+            prev = self._current
+            if prev is not None and not prev.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(prev), self.settings.join_wait_s)
+                if not prev.done():
+                    return False
+            if self.index == 0:
+                if batch_id <= self.last_batch_id or named > self.version:
+                    return False
+                version = self.version
+            else:
+                version = named
+            self._ensure_clients()
+            task = asyncio.create_task(self._run(batch_id, version), name=f"mocktrain.b{batch_id}")
+            task.add_done_callback(_log_failure)
+            self._tasks[batch_id] = task
+            self._current = task
+            log.info("joined batch (mock trainer)", extra={"batch_id": batch_id, "version": version})
+            return True
+
+    async def wait_batch(self, batch_id: int) -> None:
+        await asyncio.shield(self._tasks[batch_id])
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._source is not None and hasattr(self._source, "close"):
+            await self._source.close()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # One batch ------------------------------------------------------------------------
+
+    async def _run(self, batch_id: int, version: int) -> None:
+        s = self.settings
+        if self.index > 0 and self.version != version:
+            await self._sleep(s.weight_sync_s * s.time_scale)
+            self.version = version
+        await self._consume(batch_id, version)
+        if self.index != 0:
+            return
+        while not (await self._retrying(lambda: self._batches(batch_id))).done:
+            await self._sleep(s.done_poll_s)
+        await self._sleep(s.train_step_fixed_s * s.time_scale)
+        new = version + 1
+        self.version = new
+        self.last_batch_id = batch_id
+        self._expose(new)
+        if self._publisher is not None:
+            await self._publisher.publish(new, batch_id)
+        log.info("batch stepped (mock trainer)", extra={"batch_id": batch_id, "version": new})
+
+    async def _consume(self, batch_id: int, version: int) -> None:
+        keeper = asyncio.create_task(self._keep_claims())
+        try:
+            while True:
+                claim = await self._retrying(
+                    lambda: self._source.claim(batch_id, version, self.settings.claim_wait_s))
+                if claim.outcome is Outcome.CLOSED:
+                    return
+                if claim.outcome is Outcome.WAIT or claim.micro_step is None:
+                    continue
+                tokens = sequence_tokens(claim.micro_step)
+                await self._sleep(self.settings.micro_step_s(tokens))
+                self.trained_tokens += tokens
+                self.micro_steps += 1
+                step_id = claim.micro_step.micro_step_id
+                await self._retrying(lambda: self._source.ack(batch_id, step_id))
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+
+    async def _keep_claims(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(Unavailable, DeadlineExceeded):
+                await self._source.keep()
+
+    async def _retrying(self, call):  # type: ignore[no-untyped-def]
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except (Unavailable, DeadlineExceeded) as exc:
+                log.warning("packer unavailable; retrying", extra={"error": repr(exc)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("mock batch failed", extra={"task": task.get_name(), "error": repr(task.exception())})
+
+
+def build_mock_hook(rt: Any, cfg: Any, section: dict[str, Any]) -> MockTrainingHook:
+    """The mock trainer of an elastic cell, from the raw ``training:`` section."""
+    settings = MockTrainerSettings(**section)
+    if not settings.initial_policy_version and getattr(cfg, "policy_version", 0):
+        settings = settings.model_copy(update={"initial_policy_version": cfg.policy_version})
+    return MockTrainingHook(settings, cell_id=cfg.cell_id, index=cfg.index,
+                            target=lambda: rt.target, etcd=rt.etcd, keys=rt.keys)

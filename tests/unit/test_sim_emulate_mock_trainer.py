@@ -1,0 +1,108 @@
+"""The cost-model trainer (services/cell_agent/training/mock_trainer.py): every micro-step of a
+batch is trained exactly once across the participants, each costs tokens*6N/(FLOPS*MFU)
+scaled, the core publishes version v+1 only after the packer says the batch is done, and
+``build_hook`` picks it for ``training: {mode: mock}``."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from services.cell_agent.hooks import JoinBatch
+from services.cell_agent.training import hook as hook_mod
+from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
+from services.cell_agent.training.mock_trainer import MockTrainerSettings, MockTrainingHook
+
+
+class FakePacker:
+    def __init__(self, steps: list[MicroStep]) -> None:
+        self.free = list(steps)
+        self.claimed: dict[str, str] = {}
+        self.acked: list[str] = []
+
+    def source(self, cell: str):  # noqa: ANN201
+        packer = self
+
+        class Source:
+            async def claim(self, batch_id: int, version: int, wait_s: float) -> Claim:
+                await asyncio.sleep(0)
+                if not packer.free:
+                    return Claim(Outcome.CLOSED)
+                step = packer.free.pop(0)
+                packer.claimed[step.micro_step_id] = cell
+                return Claim(Outcome.CLAIMED, step, 30.0)
+
+            async def ack(self, batch_id: int, step_id: str) -> None:
+                packer.acked.append(step_id)
+
+            async def keep(self) -> None:
+                return None
+
+            async def close(self) -> None:
+                return None
+
+        return Source()
+
+    async def batch(self, batch_id: int):  # noqa: ANN201
+        return types.SimpleNamespace(done=not self.free and len(self.acked) == len(self.claimed))
+
+
+def _step(i: int, n: int) -> MicroStep:
+    seq = Sequence(token_ids=tuple(range(3, 3 + n)), loss_mask=(0,) * n, logprobs=(0.0,) * n, advantage=1.0)
+    return MicroStep(f"m{i}", 1, (seq,))
+
+
+class Publisher:
+    def __init__(self) -> None:
+        self.published: list[tuple[int, int]] = []
+
+    async def publish(self, version: int, batch_id: int) -> None:
+        self.published.append((version, batch_id))
+
+
+async def test_batch_trained_once_and_published_after_done() -> None:
+    packer = FakePacker([_step(i, 100) for i in range(6)])
+    settings = MockTrainerSettings(time_scale=0.001, n_params=1e9, flops=1e12, train_flops_eff=0.5,
+                                   train_step_fixed_s=2.0, weight_sync_s=0.1)
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        await asyncio.sleep(0)
+
+    pub = Publisher()
+    core = MockTrainingHook(settings, cell_id="c0", index=0, target="x:1", source=packer.source("c0"),
+                            batches=packer.batch, publisher=pub, sleep=sleep)
+    sat = MockTrainingHook(settings, cell_id="c1", index=1, target="x:2", source=packer.source("c1"),
+                           batches=packer.batch, sleep=sleep)
+    cmd = JoinBatch(epoch=1, batch_id=1, policy_version=0, prefix_size=2, core_target="x:1")
+    assert await core.join_batch(cmd)
+    assert await sat.join_batch(cmd)
+    assert await core.join_batch(cmd)  # idempotent
+    await asyncio.gather(core.wait_batch(1), sat.wait_batch(1))
+    assert sorted(packer.acked) == [f"m{i}" for i in range(6)]
+    assert core.micro_steps + sat.micro_steps == 6
+    assert core.trained_tokens + sat.trained_tokens == 600
+    assert pub.published == [(1, 1)]
+    assert core.version == 1 and core.last_batch_id == 1
+    per_step = 100 * 6 * 1e9 / (1e12 * 0.5) * 0.001
+    assert slept.count(pytest.approx(per_step)) == 6
+    assert pytest.approx(2.0 * 0.001) in slept  # the optimizer's fixed cost
+    # The core refuses a batch naming a version it does not hold.
+    assert not await core.join_batch(JoinBatch(1, 2, 5, 1, ""))
+    assert core.store.newest == 1
+
+
+def test_build_hook_picks_mock_for_mode_mock(tmp_path, monkeypatch) -> None:
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text("training: {mode: mock, packer_target: '127.0.0.1:1', time_scale: 0.5}\n")
+    monkeypatch.setattr("sys.argv", ["x", "--config", str(cfgfile)])
+    rt = types.SimpleNamespace(target="127.0.0.1:2", etcd=None, keys=None)
+    cfg = types.SimpleNamespace(kind="elastic", index=0, cell_id="cell-0", model_dir="", policy_version=0)
+    got = hook_mod.build_hook(rt, cfg)
+    assert isinstance(got, MockTrainingHook)
+    assert got.settings.time_scale == 0.5
+    standalone = types.SimpleNamespace(kind="standalone", index=-1, cell_id="s", model_dir="")
+    assert not isinstance(hook_mod.build_hook(rt, standalone), MockTrainingHook)
