@@ -8,7 +8,7 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from gyre.errors import InvalidArgument
+from gyre.sampling import Sampling  # noqa: F401  (re-exported)
 from gyre.v1 import cell_agent_pb2, common_pb2
 
 
@@ -27,46 +27,6 @@ class Finish(enum.Enum):
     def openai(self) -> str:
         """The OpenAI ``finish_reason`` string."""
         return {Finish.LENGTH: "length", Finish.STOP: "stop", Finish.ABORT: "abort"}[self]
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of one model call (validated)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-
-    def validate(self, max_tokens_limit: int) -> Sampling:
-        if not 1 <= self.max_tokens <= max_tokens_limit:
-            raise InvalidArgument(f"max_tokens must be in [1, {max_tokens_limit}], got {self.max_tokens}")
-        if not (self.temperature >= 0.0 and self.temperature <= 100.0):
-            raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
-        return self
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.SamplingParams, max_tokens_limit: int, default_stop: tuple[int, ...] = ()) -> Sampling:
-        stops = tuple(msg.stop_token_ids) or default_stop
-        return cls(
-            max_tokens=int(msg.max_tokens),
-            temperature=float(msg.temperature),
-            top_p=float(msg.top_p) if msg.top_p else 1.0,
-            seed=int(msg.seed),
-            stop_token_ids=stops,
-        ).validate(max_tokens_limit)
-
-    def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop_token_ids=list(self.stop_token_ids),
-        )
 
 
 @dataclasses.dataclass
