@@ -21,11 +21,14 @@ test: install  ## the whole suite (unit, integration, fault; gpu tests skip with
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-bench: install  ## benchmarks; results in bench/results/ and docs/benchmarks*.md
+bench: install  ## benchmarks (~12 min); JSON in bench/results/, summaries in docs/benchmarks*.md
 	$(PY) bench/cluster.py
+	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/router_latency.py
 	$(PY) bench/packer_claims.py
 	$(PY) bench/training_elastic.py
+	$(PY) bench/engine_mock.py
+	$(PY) bench/engine_vllm.py
 
 protos: install  ## regenerate gyre/v1 from protos/ (the output is committed)
 	./scripts/gen_protos.sh
