@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,6 +69,8 @@ class CallManager:
         """
         execution_id = route.execution_id
         execution_id_var.set(execution_id)
+        if sampling.temperature > 0 and sampling.seed == 0:
+            sampling = dataclasses.replace(sampling, seed=call_seed(execution_id, prompt_token_ids))
         loop = asyncio.get_running_loop()
         call = ModelCall(
             call_id=f"{self._prefix}-{next(self._ids)}",
@@ -152,3 +156,13 @@ class CallManager:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def call_seed(execution_id: str, prompt_token_ids: list[int]) -> int:
+    """The seed of a sampled call that came without one: a hash of its execution and its
+    prompt. Members of a group (same task, same prompt) then sample differently, which
+    group-relative advantages need; one execution's call is reproducible; and a rerouted
+    call keeps its seed, so its continuation samples from the same stream."""
+    h = hashlib.blake2b(execution_id.encode(), digest_size=8)
+    h.update(struct.pack(f"<{len(prompt_token_ids)}i", *prompt_token_ids))
+    return 1 + int.from_bytes(h.digest(), "little") % (2**31 - 1)

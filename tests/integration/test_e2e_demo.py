@@ -28,7 +28,6 @@ async def test_short_demo_moves_cells_and_reroutes(tmp_path: Path):
         env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
         config_overrides={
             "cell_agent": {"mock_time_scale": 0.05, "slots": 6},
-            "packer": {"drop_zero_variance": False},
             "scheduler": {"interval_s": 0.5},
         },
     )

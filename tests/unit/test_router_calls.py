@@ -360,3 +360,16 @@ async def test_coalescing_window_merges_tokens_without_changing_them():
     assert out == reference(1, PROMPT, 30)
     assert len(chunks) < 15  # ~10 tokens per message instead of 1
     assert chunks[-1].finish is Finish.LENGTH
+
+
+def test_sampled_calls_without_seed_get_distinct_reproducible_seeds():
+    """Group members send the same prompt; their sampled calls must not be identical (GRPO
+    needs variance), yet each execution's call is reproducible."""
+    from services.router.manager import call_seed
+
+    prompt = [5, 6, 7, 8]
+    a, b = call_seed("b1-t0-0", prompt), call_seed("b1-t0-1", prompt)
+    assert a != b
+    assert a == call_seed("b1-t0-0", prompt)
+    assert call_seed("b1-t0-0", prompt + [9]) != a
+    assert 0 < a < 2**31
