@@ -1,23 +1,35 @@
-"""The seam for item 2 of the cluster benchmark: the same scenario on the real services
-(etcd, scheduler, router, packer, cell agents with mock engines whose timing model is
-``sim.cost``, time-scaled), to check that the simulator tells the truth.
+"""The emulated cluster (item 2 of the cluster benchmark): the same scenario on the real
+services (a private etcd, the scheduler, router and packer, elastic cell agents with mock
+engines whose timing model is ``sim.cost``, and the cost-model trainer
+``services/cell_agent/training/mock_trainer.py``), time-scaled, to check that the simulator
+tells the truth.
 
-Plan (not built yet, see ``run_emulated``): start a private etcd and every service as a
-process (``gyre.testing.procs.ServiceProcess``) with 16+ cell agents on ``engine: mock``;
-give the mock engine the simulator's decode/prefill/switch costs divided by ``time_scale``;
-replay the scenario's trace through a harness driver (AcquireExecution, one router call per
-turn with the episode's token counts, tool waits as sleeps, FinishExecution); read the
-update times from the scheduler's event stream; run the simulator on the identical
-scenario at the same cell count; report both times to N updates and their relative
-difference against a stated tolerance.
+``run_emulated`` renders one cluster YAML from the scenario (cost parameters on the mock
+engines and the trainer, the scheduler's batch/group/fraction/interval with every duration
+divided by the time scale), starts it with ``gyre.launch.Cluster``, plays the scenario's
+trace through ``sim.emulate_driver.ReplayDriver``, records when each policy version
+appears at ``keys.policy()``, and runs the simulator (the waterlevel policy) on the
+identical scenario at the same cell count. The wall time to N updates times the time scale
+is the emulated time; the relative difference to the simulated time is reported against a
+stated tolerance (never asserted: that is the benchmark's job).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
-from dataclasses import dataclass
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-from sim.config import ScenarioConfig, SimConfig
+import yaml
+
+from sim.config import ScenarioConfig, SimConfig, apply_variant
 
 REQUIRED_MODULES = (
     "services.scheduler.__main__",
@@ -25,6 +37,8 @@ REQUIRED_MODULES = (
     "services.packer.__main__",
     "services.cell_agent.__main__",
 )
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / ".gyre" / "models" / "tiny-seed0"
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,24 @@ class EmulationResult:
     emulated_time_to_n_s: float = float("nan")
     simulated_time_to_n_s: float = float("nan")
     relative_difference: float = float("nan")
-    tolerance: float = 0.15
+    tolerance: float = 0.2
+    cells: int = 0
+    updates: int = 0
+    time_scale: float = 0.0
+    wall_s: float = 0.0
+    emulated_update_times_s: list[float] = field(default_factory=list)
+    simulated_update_times_s: list[float] = field(default_factory=list)
+    replay: dict[str, Any] = field(default_factory=dict)
+    scenario: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def within_tolerance(self) -> bool:
+        return math.isfinite(self.relative_difference) and abs(self.relative_difference) <= self.tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["within_tolerance"] = self.within_tolerance
+        return out
 
 
 def missing_services() -> list[str]:
@@ -44,20 +75,215 @@ def missing_services() -> list[str]:
     return [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
 
 
-def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int = 16,
-                 time_scale: float = 50.0) -> EmulationResult:
-    """Runs ``scenario`` on the real services; skipped (``ran=False`` with the reason) until
-    the emulation driver is written."""
+def small_scenario(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int, slots: int,
+                   batch_groups: int, updates: int, turns_median: float = 4, turns_hi: int = 10,
+                   initial_prompt_tokens: int = 1000, sandbox_median_s: float = 5.0,
+                   reward_median_s: float = 10.0) -> tuple[SimConfig, ScenarioConfig]:
+    """``scenario`` scaled down to run on this machine: fewer cells, slots, groups and
+    turns, shorter prompts (the same scaled scenario then runs in both the emulator and the
+    simulator). Everything else (token and tool distributions, cost model) is kept."""
+    p = scenario.profile
+    overrides = [
+        f"scenario.cluster.cells={cells}", "scenario.cluster.standalone_cells=0",
+        f"scenario.cluster.slots_per_cell={slots}", f"scenario.training.batch_groups={batch_groups}",
+        f"scenario.training.updates={updates}", "scenario.training.horizon_s=100000",
+        f"profiles.{p}.turns.median={turns_median}", f"profiles.{p}.turns.hi={turns_hi}",
+        f"profiles.{p}.initial_prompt_tokens={initial_prompt_tokens}",
+    ]
+    prof = cfg.profiles[p]
+    if prof.sandbox_start_s is not None:
+        overrides.append(f"profiles.{p}.sandbox_start_s.median={sandbox_median_s}")
+    if prof.reward_s is not None:
+        overrides.append(f"profiles.{p}.reward_s.median={reward_median_s}")
+    return apply_variant(cfg, scenario, overrides)
+
+
+def max_context(cfg: SimConfig, sc: ScenarioConfig) -> int:
+    """An upper bound of an episode's final context in this scenario (for size limits)."""
+    p = cfg.profiles[sc.profile]
+    turns = int(p.turns.hi or 250)
+    out_hi = min(p.output_tokens.hi or 16384, p.max_total_output_tokens)
+    obs_hi = p.observation_tokens.hi or 8000
+    return int(p.initial_prompt_tokens + min(turns * out_hi, p.max_total_output_tokens) + turns * obs_hi)
+
+
+def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, model_dir: str,
+                  tick_s: float = 0.05) -> dict[str, Any]:
+    """The cluster YAML (as a dict) of the emulated scenario; ports are placeholders that
+    ``Cluster(free_ports=True)`` remaps."""
+    c, pp, tr = cfg.cost, cfg.policy, sc.training
+    prof = cfg.profiles[sc.profile]
+    ts = time_scale
+    scale = 1.0 / ts
+    budget = min(max(8192, 2 * max_context(cfg, sc)), 16_777_216)
+    slots = sc.cluster.slots_per_cell
+    cells = sc.cluster.cells
+    return {
+        "cluster": {"name": "emulate", "etcd_endpoints": ["127.0.0.1:23890"], "lease_ttl_s": 10},
+        "scheduler": {
+            "port": 50151, "router_target": "127.0.0.1:50152", "router_http_url": "http://127.0.0.1:8100/v1",
+            "packer_target": "127.0.0.1:50153",
+            "batch_size": tr.batch_groups, "group_size": prof.group_size, "over_provision": tr.overprovision,
+            "batches_per_burst": 1, "max_bursts": 0, "policy": "waterlevel",
+            "fraction": pp.supply_fraction, "interval_s": pp.supply_interval_s * scale,
+            "drain_grace_s": pp.drain_grace_s * scale, "reconcile_s": tick_s,
+            "heartbeat_interval_s": 5.0, "heartbeat_deadline_s": 600.0, "max_wait_s": 10.0,
+            "model": "emulate", "orphan_grace_s": 3.0,
+        },
+        "router": {
+            "port": 50152, "http_port": 8100, "packer_target": "127.0.0.1:50153", "served_model_name": "emulate",
+            "model_dir": model_dir, "max_prompt_tokens": max(131072, budget), "max_tokens_limit": 32768,
+        },
+        "packer": {
+            "port": 50153, "wal_dir": "{run_dir}/packer-wal", "wal_fsync": False,
+            "batch_size": tr.batch_groups, "micro_step_token_budget": budget,
+            "max_staleness": tr.max_staleness, "ready_grace_s": min(0.25, 0.1 + tick_s),
+        },
+        "cell_agent": {
+            "engine": "mock", "slots": slots, "mock_time_scale": scale,
+            "mock_step_overhead_s": c.decode_step_overhead_s, "mock_n_params": c.n_params,
+            "mock_weight_bytes": c.weight_bytes, "mock_n_layers": c.n_layers, "mock_d_model": c.d_model,
+            "mock_kv_bytes_per_token": c.kv_bytes_per_token,
+            # The mock's efficiencies are fixed (0.8 of HBM, 0.5 of FLOPs): fold the scenario's in.
+            "mock_hbm_bytes_per_s": c.hbm_bw * c.gpus_per_cell * c.hbm_eff / 0.8,
+            "mock_flops": c.flops * c.gpus_per_cell * c.decode_flops_eff / 0.5,
+            "mock_weight_load_s": c.weight_sync_s, "mock_sleep_s": c.switch_to_train_s,
+            "mock_wake_s": c.switch_to_rollout_s, "mock_max_batch": max(slots, 1),
+            "max_prompt_tokens": max(131072, budget), "drain_wait_s": 10.0,
+        },
+        "training": {
+            "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,
+            "n_params": c.n_params, "flops": c.flops, "train_flops_eff": c.train_flops_eff,
+            "gpus_per_cell": c.gpus_per_cell, "train_step_fixed_s": c.train_step_fixed_s,
+            "weight_sync_s": c.weight_sync_s, "claim_wait_s": 0.5, "done_poll_s": 0.02,
+        },
+        "launch": {
+            "etcd": {},
+            "processes": [
+                {"service": "packer"}, {"service": "scheduler"}, {"service": "router"},
+                *[
+                    {"service": "cell_agent", "name": f"cell-{i}",
+                     "set": {"cell_id": f"cell-{i}", "kind": "elastic", "index": i, "port": 50200 + i}}
+                    for i in range(cells)
+                ],
+            ],
+        },
+    }
+
+
+def ensure_model(model_dir: Path = TINY_MODEL) -> Path:
+    """The tiny model (the router's tokenizer), built once and cached like the demo's."""
+    if (model_dir / "tokenizer.json").exists() or (model_dir / "config.json").exists():
+        return model_dir
+    from gyre.model.tiny import build_tiny_model
+
+    return Path(build_tiny_model(model_dir, seed=0))
+
+
+def simulate(cfg: SimConfig, sc: ScenarioConfig) -> Any:
+    """The simulator's waterlevel run of the same scenario (sim.driver.RunResult)."""
+    from sim.driver import PolicySpec, run_policy
+
+    return run_policy(cfg, sc, PolicySpec("waterlevel"))
+
+
+async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale: float,
+                   ready_timeout_s: float, run_timeout_s: float) -> tuple[list[float], dict[str, Any]]:
+    from gyre.etcd import Etcd, Keys
+    from sim.emulate_driver import ReplayDriver, watch_updates
+    from sim.workload import Trace
+
+    conf = cluster.config
+    keys = Keys(conf["cluster"]["name"])
+    etcd = Etcd(conf["cluster"]["etcd_endpoints"], timeout_s=5.0)
+    await etcd.connect()
+    try:
+        cells = sc.cluster.cells
+        deadline = time.monotonic() + ready_timeout_s
+        while True:  # every cell registered and serving
+            _, states = await etcd.get_prefix(keys.cell_states())
+            serving = sum(1 for kv in states if json.loads(kv.value).get("state") == "ROLLOUT")
+            if serving >= cells or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+
+        async def version() -> int:
+            kv = await etcd.get(keys.policy())
+            return 0 if kv is None else int(json.loads(kv.value).get("version", 0))
+
+        trace = Trace(cfg.profiles[sc.profile], sc.seed, sc.drift)
+        driver = ReplayDriver(
+            trace, conf["scheduler"]["_target"], conf["router"]["_target"], time_scale=time_scale,
+            workers=cells * sc.cluster.slots_per_cell + 8,
+        )
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        replay = asyncio.create_task(driver.run(stop))
+        watcher = asyncio.create_task(watch_updates(version, sc.training.updates, stop, t0))
+        try:
+            times = await asyncio.wait_for(asyncio.shield(watcher), run_timeout_s)
+        except TimeoutError:
+            stop.set()
+            times = []
+        watcher.cancel()
+        stats = await replay
+        return times, asdict(stats)
+    finally:
+        await etcd.close()
+
+
+def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None = None,
+                 time_scale: float = 10.0, tolerance: float = 0.2, run_dir: str | Path | None = None,
+                 ready_timeout_s: float = 180.0, run_timeout_s: float = 600.0,
+                 keep_run_dir: bool = False) -> EmulationResult:
+    """Runs ``scenario`` (at ``cells`` elastic cells, default the scenario's) on the real
+    services, time-scaled by 1/``time_scale``, and the simulator on the identical scenario;
+    ``ran=False`` with the reason when the services are missing or the run failed."""
     missing = missing_services()
     if missing:
-        return EmulationResult(False, "services missing: " + ", ".join(missing))
+        return EmulationResult(False, "services missing: " + ", ".join(missing), tolerance=tolerance)
+    if cells is not None and cells != scenario.cluster.cells:
+        cfg, scenario = apply_variant(cfg, scenario, [f"scenario.cluster.cells={cells}"])
+    sc = scenario
+    n = sc.training.updates
+    from gyre.launch import Cluster
+
+    model = ensure_model()
+    own_dir = run_dir is None
+    base = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="gyre-emulate-"))
+    base.mkdir(parents=True, exist_ok=True)
+    template = base / "emulate.template.yaml"
+    template.write_text(yaml.safe_dump(render_config(cfg, sc, time_scale=time_scale, model_dir=str(model)),
+                                       sort_keys=False))
+    wall0 = time.monotonic()
+    cluster = Cluster(template, base / "run", free_ports=True)
+    common = dict(tolerance=tolerance, cells=sc.cluster.cells, updates=n, time_scale=time_scale,
+                  scenario=sc.model_dump())
+    try:
+        cluster.start()
+        conf = cluster.config
+        conf["scheduler"]["_target"] = cluster.procs["scheduler"].target
+        conf["router"]["_target"] = cluster.procs["router"].target
+        times, stats = asyncio.run(_emulate(cluster, cfg, sc, time_scale, ready_timeout_s, run_timeout_s))
+    except Exception as exc:  # the reason is the result: a failed run is reported, not raised
+        return EmulationResult(False, f"emulation failed: {type(exc).__name__}: {exc}",
+                               wall_s=time.monotonic() - wall0, **common)
+    finally:
+        cluster.stop()
+        if own_dir and not keep_run_dir:
+            shutil.rmtree(base, ignore_errors=True)
+    wall = time.monotonic() - wall0
+    sim_res = simulate(cfg, sc)
+    emu_times = [t * time_scale for t in times]
+    if len(times) < n:
+        return EmulationResult(False, f"reached {len(times)} of {n} updates within {run_timeout_s:g} s",
+                               simulated_time_to_n_s=sim_res.time_to_n_s, wall_s=wall,
+                               emulated_update_times_s=emu_times,
+                               simulated_update_times_s=list(sim_res.update_times_s), replay=stats, **common)
+    emu, simt = emu_times[-1], float(sim_res.time_to_n_s)
+    rel = (emu - simt) / simt if simt > 0 else float("nan")
     return EmulationResult(
-        False,
-        "not built in this round. The services exist, and the mock engine's MockTiming is the same "
-        "roofline as sim.cost (mock_* fields of the cell agent config, mock_time_scale), but two parts "
-        "are missing: (1) a harness replay driver that plays the scenario's trace (turn prompt/output "
-        "token counts, tool waits scaled) through HarnessClient and the router; (2) a trainer whose step "
-        "time follows sim.cost (the elastic cells run real torch steps of the tiny model, whose duration "
-        f"has nothing to do with a 7B/H200 model). Planned: {cells} cells, time scale 1/{time_scale:g}, "
-        "agreement on time to N updates within 15%.",
+        True, "ran", emulated_time_to_n_s=emu, simulated_time_to_n_s=simt, relative_difference=rel,
+        wall_s=wall, emulated_update_times_s=emu_times, simulated_update_times_s=list(sim_res.update_times_s),
+        replay=stats, **common,
     )

@@ -13,7 +13,7 @@ import pytest
 from services.cell_agent.hooks import JoinBatch
 from services.cell_agent.training import hook as hook_mod
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
-from services.cell_agent.training.mock_trainer import MockTrainerSettings, MockTrainingHook
+from services.cell_agent.training.mock_trainer import MockTrainerSettings, MockTrainingHook, sequence_tokens
 
 
 class FakePacker:
@@ -64,7 +64,7 @@ class Publisher:
 
 async def test_batch_trained_once_and_published_after_done() -> None:
     packer = FakePacker([_step(i, 100) for i in range(6)])
-    settings = MockTrainerSettings(time_scale=0.001, n_params=1e9, flops=1e12, train_flops_eff=0.5,
+    settings = MockTrainerSettings(segment_marker_id=-1, time_scale=0.001, n_params=1e9, flops=1e12, train_flops_eff=0.5,
                                    train_step_fixed_s=2.0, weight_sync_s=0.1)
     slept: list[float] = []
 
@@ -93,6 +93,17 @@ async def test_batch_trained_once_and_published_after_done() -> None:
     # The core refuses a batch naming a version it does not hold.
     assert not await core.join_batch(JoinBatch(1, 2, 5, 1, ""))
     assert core.store.newest == 1
+
+
+def test_marker_counts_each_turn_from_its_new_segment() -> None:
+    def seq(ids: list[int]) -> Sequence:
+        return Sequence(token_ids=tuple(ids), loss_mask=(0,) * len(ids), logprobs=(0.0,) * len(ids), advantage=0.0)
+
+    turn0 = [2, 5, 5, 5, 9, 9]  # marker + 3 prompt tokens, 2 output tokens
+    turn1 = turn0 + [2, 6, 6, 9, 9, 9]  # the old context, a new segment of 3, 3 output tokens
+    step = MicroStep("m", 1, (seq(turn0), seq(turn1)))
+    assert sequence_tokens(step, 2) == len(turn1)  # the final context, once
+    assert sequence_tokens(step, -1) == len(turn0) + len(turn1)
 
 
 def test_build_hook_picks_mock_for_mode_mock(tmp_path, monkeypatch) -> None:

@@ -58,6 +58,11 @@ class MockTrainerSettings(BaseModel):
     join_wait_s: float = Field(10.0, ge=0, description="How long a join waits for the previous batch to end.")
     done_poll_s: float = Field(0.05, gt=0, description="Core: GetBatch poll period while waiting for acks.")
     initial_policy_version: int = Field(0, ge=0, description="Version the cluster starts at.")
+    segment_marker_id: int = Field(
+        2, ge=-1, description="Token id that opens each turn's new prompt segment (the emulation's "
+        "replay driver writes it; engines never emit it): a sequence then counts only the tokens "
+        "from its last marker on, so an episode's turns together count its final context, as in "
+        "sim. -1: count every token of every packed sequence (what a real trainer processes).")
 
     def micro_step_s(self, tokens: int) -> float:
         """Scaled seconds to train ``tokens`` tokens on one cell."""
@@ -65,10 +70,22 @@ class MockTrainerSettings(BaseModel):
         return tokens / rate * self.time_scale
 
 
-def sequence_tokens(step: MicroStep) -> int:
-    """Tokens a micro-step trains: the full length of each packed sequence (the simulator's
-    training tokens are the final contexts of every member)."""
-    return sum(len(s.token_ids) for s in step.sequences)
+def sequence_tokens(step: MicroStep, marker: int = -1) -> int:
+    """Tokens a micro-step costs. The packer packs one sequence per turn (its whole context
+    plus its output); the simulator charges an episode its final context once. With a
+    ``marker``, each sequence counts from its last marker on (the turn's new prompt segment
+    plus its output), so the turns of an episode add up to its final context."""
+    total = 0
+    for s in step.sequences:
+        ids = s.token_ids
+        start = 0
+        if marker >= 0:
+            for i in range(len(ids) - 1, -1, -1):
+                if ids[i] == marker:
+                    start = i
+                    break
+        total += len(ids) - start
+    return total
 
 
 class MockTrainingHook:
@@ -215,7 +232,7 @@ class MockTrainingHook:
                     return
                 if claim.outcome is Outcome.WAIT or claim.micro_step is None:
                     continue
-                tokens = sequence_tokens(claim.micro_step)
+                tokens = sequence_tokens(claim.micro_step, self.settings.segment_marker_id)
                 await self._sleep(self.settings.micro_step_s(tokens))
                 self.trained_tokens += tokens
                 self.micro_steps += 1
