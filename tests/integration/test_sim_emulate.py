@@ -1,0 +1,30 @@
+"""The emulated cluster runs end to end: real etcd, scheduler, router, packer and 4 elastic
+cell agents (mock engines, cost-model trainer) play a small scaled scenario's trace until 2
+policy updates are published, and both the emulated and the simulated time to N are finite.
+(Agreement within the tolerance is the benchmark's figure, not asserted here.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sim.config import load_config
+from sim.emulate import run_emulated, small_scenario
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_emulated_cluster_reaches_n_updates(tmp_path) -> None:
+    cfg = load_config("bench/cluster.yaml")
+    cfg, sc = small_scenario(cfg, cfg.scenario("A64"), cells=4, slots=8, batch_groups=4, updates=2,
+                             turns_median=3, turns_hi=6)
+    res = run_emulated(cfg, sc, time_scale=10.0, run_dir=tmp_path, run_timeout_s=150.0)
+    assert res.ran, res.reason
+    assert res.updates == 2 and len(res.emulated_update_times_s) == 2
+    assert math.isfinite(res.emulated_time_to_n_s) and res.emulated_time_to_n_s > 0
+    assert math.isfinite(res.simulated_time_to_n_s) and res.simulated_time_to_n_s > 0
+    assert math.isfinite(res.relative_difference)
+    assert res.emulated_update_times_s == sorted(res.emulated_update_times_s)
+    assert res.replay["finished"] > 0 and res.replay["turns"] > 0
+    assert res.replay["failed"] == 0 and not res.replay["errors"]
