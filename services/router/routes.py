@@ -120,12 +120,17 @@ class RouteTable:
         for listener in self._remove_listeners:
             listener(execution_id)
 
-    def replace_all(self, routes: Iterable[Route]) -> None:
-        """A full relist: applies newer routes and drops executions that are gone."""
+    def replace_all(self, routes: Iterable[Route], as_of_revision: int | None = None) -> None:
+        """A full view of etcd at ``as_of_revision``: applies newer routes and drops
+        executions that are gone. A route created after that revision (read directly from
+        etcd, ahead of the watch) is not in the view yet and is kept, not dropped."""
         fresh = {r.execution_id: r for r in routes}
-        for execution_id in list(self._routes):
-            if execution_id not in fresh:
-                self.remove(execution_id)
+        for execution_id, held in list(self._routes.items()):
+            if execution_id in fresh:
+                continue
+            if as_of_revision is not None and held.created_revision > as_of_revision:
+                continue
+            self.remove(execution_id)
         for route in fresh.values():
             self.apply(route)
 

@@ -44,7 +44,7 @@ class RouteStore:
             if key not in items:
                 del self._parsed[key]
         routes = [r for r in (self._parse(kv) for kv in items.values()) if r is not None]
-        self._table.replace_all(routes)
+        self._table.replace_all(routes, as_of_revision=self.mirror.revision)
 
     async def refresh(self, execution_id: str) -> Route | None:
         """Reads one route from etcd (linearizable) and applies it if newer."""

@@ -70,3 +70,15 @@ def test_route_json_round_trip_and_malformed():
         Route.from_json(b"{not json", 1)
     with pytest.raises(InvalidArgument):
         Route.from_json(b'{"execution_id": "e"}', 1)
+
+
+def test_a_view_older_than_a_route_does_not_drop_it():
+    """A route read straight from etcd (a harness's first call, ahead of the watch) survives
+    a mirror notification whose view predates it; one the view has seen deleted does not."""
+    t = RouteTable()
+    t.apply(r("old", "a", 1, "t-old", created=10))
+    t.apply(r("fresh", "a", 1, "t-fresh", created=25))
+    t.replace_all([], as_of_revision=20)  # the watch is at revision 20
+    assert t.get("fresh") is not None and t.get("old") is None
+    t.replace_all([], as_of_revision=30)  # now the view has seen the key (and its deletion)
+    assert t.get("fresh") is None
