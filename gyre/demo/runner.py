@@ -232,6 +232,7 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ("transitions rollout→training / training→rollout", f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}"),
         ("reroutes", summary["reroutes"]),
         ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
+        ("episodes completed / failed (harness)", f"{ex['harness_completed']} / {ex['harness_failed']}"),
         ("reward by policy version", ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items())),
         ("wall time", f"{summary['wall_s']} s"),
         ("run folder", str(run_dir)),
