@@ -316,6 +316,18 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
             f"{r.simulated_time_to_n_s:,.0f} s | {r.relative_difference:+.1%} | ±{r.tolerance:.0%} | "
             f"{'yes' if r.within_tolerance else 'no'} | {r.wall_s:.0f} s |"
         )
+    lines += [
+        "",
+        "Where the two can differ, and why: (1) the emulator's own overhead: every engine step is a "
+        "Python event-loop turn plus gRPC chunks through the router on a shared 2-core machine, which "
+        "dilates emulated time more the larger the time scale (so the smallest scale is the most "
+        "faithful); (2) fixed wall-clock latencies of the real services (the scheduler's 50 ms control "
+        "tick, the packer's 0.25 s ready grace for late turn records, RPC round trips), which count "
+        "x time scale in emulated time and do not exist in the simulator; (3) the scheduler rounds the "
+        "over-provision (`round(op x B)` extra groups) where the simulator takes the ceiling: they agree "
+        "only when `op x B` is whole (the scaled scenario keeps it whole); (4) group members get the "
+        "trace's episodes in acquisition order (same episodes per group, possibly on other engines).",
+    ]
     for r in results:
         if r.ran:
             emu = ", ".join(f"{t:.0f}" for t in r.emulated_update_times_s)
