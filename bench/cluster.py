@@ -135,7 +135,8 @@ def emulate(args: argparse.Namespace) -> int:
     for scale in [float(x) for x in args.emulate_scales.split(",") if x.strip()]:
         res = run_emulated(cfg_s, sc, time_scale=scale, tolerance=args.emulate_tolerance)
         runs.append(res)
-        print(f"[emulate 1/{scale:g}] ran={res.ran} ({res.reason}): emulated {res.emulated_time_to_n_s:.0f} s, "
+        print(f"[emulate 1/{scale:g}] ran={res.ran} ({res.reason}): "
+              f"emulated {res.emulated_time_to_n_s:.0f} s, "
               f"simulated {res.simulated_time_to_n_s:.0f} s, difference {res.relative_difference:+.1%} "
               f"(tolerance {res.tolerance:.0%}), wall {res.wall_s:.0f} s")
     label = (f"{base.name} scaled down to {sc.cluster.cells} cells x {sc.cluster.slots_per_cell} slots, "

@@ -131,7 +131,8 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "model": "emulate", "orphan_grace_s": 3.0,
         },
         "router": {
-            "port": 50152, "http_port": 8100, "packer_target": "127.0.0.1:50153", "served_model_name": "emulate",
+            "port": 50152, "http_port": 8100, "packer_target": "127.0.0.1:50153",
+            "served_model_name": "emulate",
             "model_dir": model_dir, "max_prompt_tokens": max(131072, budget), "max_tokens_limit": 32768,
         },
         "packer": {

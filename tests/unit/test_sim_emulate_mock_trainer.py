@@ -64,7 +64,8 @@ class Publisher:
 
 async def test_batch_trained_once_and_published_after_done() -> None:
     packer = FakePacker([_step(i, 100) for i in range(6)])
-    settings = MockTrainerSettings(segment_marker_id=-1, time_scale=0.001, n_params=1e9, flops=1e12, train_flops_eff=0.5,
+    settings = MockTrainerSettings(segment_marker_id=-1, time_scale=0.001, n_params=1e9, flops=1e12,
+                                   train_flops_eff=0.5,
                                    train_step_fixed_s=2.0, weight_sync_s=0.1)
     slept: list[float] = []
 
@@ -97,7 +98,8 @@ async def test_batch_trained_once_and_published_after_done() -> None:
 
 def test_marker_counts_each_turn_from_its_new_segment() -> None:
     def seq(ids: list[int]) -> Sequence:
-        return Sequence(token_ids=tuple(ids), loss_mask=(0,) * len(ids), logprobs=(0.0,) * len(ids), advantage=0.0)
+        n = len(ids)
+        return Sequence(token_ids=tuple(ids), loss_mask=(0,) * n, logprobs=(0.0,) * n, advantage=0.0)
 
     turn0 = [2, 5, 5, 5, 9, 9]  # marker + 3 prompt tokens, 2 output tokens
     turn1 = turn0 + [2, 6, 6, 9, 9, 9]  # the old context, a new segment of 3, 3 output tokens

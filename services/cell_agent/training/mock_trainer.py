@@ -94,7 +94,8 @@ class MockTrainingHook:
     def __init__(self, settings: MockTrainerSettings, *, cell_id: str, index: int,
                  target: Callable[[], str] | str, etcd: Any = None, keys: Any = None,
                  source: Any = None, batches: Any = None, publisher: Any = None,
-                 sleep: Callable[[float], Any] = asyncio.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+                 sleep: Callable[[float], Any] = asyncio.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if index < 0:
             raise ValueError("only elastic cells (index >= 0) train")
         self.settings = settings
