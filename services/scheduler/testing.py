@@ -248,7 +248,9 @@ class Harness:
             await asyncio.sleep(0.1)
         raise AssertionError("no leader")
 
-    async def acquire(self, wait_s: float = 2.0) -> scheduler_pb2.Execution | None:
+    async def acquire(self, wait_s: float = 10.0) -> scheduler_pb2.Execution | None:
+        # The call returns as soon as a slot is free: a long wait costs nothing when the
+        # cluster is ready, and keeps tests from failing on a slow (loaded) start.
         r = await self.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t",
                 wait_s=wait_s), timeout=wait_s + 5)
         return r.execution if r.HasField("execution") else None

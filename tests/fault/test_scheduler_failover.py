@@ -220,6 +220,7 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
             procs.append(_start(cfg, tmp_path, name))
             hs.append(Harness(procs[-1].target))
         execs = [await hs[0].acquire() for _ in range(4)]
+        assert all(execs), f"only {sum(map(bool, execs))} of 4 executions could be launched"
         on_core = [e for e in execs if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"]
         on_sa = [e for e in execs if e not in on_core]
         await hs[0].finish(on_sa[0])
