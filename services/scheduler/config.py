@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -73,6 +75,8 @@ class SchedulerConfig(ServiceConfig):
     events_kept: int = Field(10_000, ge=10, description="Events kept for WatchEvents.")
 
     def groups_per_burst(self) -> int:
-        """Groups a burst dispatches: batch_size * batches_per_burst, plus over-provision."""
+        """Groups a burst dispatches: batch_size * batches_per_burst, plus over-provision
+        rounded up (as the simulator does: 25% of 2 groups is one extra group, where
+        Python's round() would give none)."""
         base = self.batch_size * self.batches_per_burst
-        return base + int(round(self.over_provision * self.batch_size))
+        return base + math.ceil(self.over_provision * self.batch_size - 1e-9)
