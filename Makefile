@@ -22,7 +22,7 @@ test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 bench: install  ## benchmarks (~12 min); JSON in bench/results/, summaries in docs/benchmarks*.md
-	$(PY) bench/cluster.py
+	$(PY) bench/cluster.py --emulate
 	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/router_latency.py
 	$(PY) bench/packer_claims.py
