@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from gyre.errors import DeadlineExceeded, FailedPrecondition, GyreError, InvalidArgument, Unavailable
+from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, Unavailable
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.core import CoreOptimizer
 from services.cell_agent.training.microstep import Claim, Outcome
@@ -45,6 +45,7 @@ from services.cell_agent.training.ports import (
     Puller,
 )
 from services.cell_agent.training.trainer import Trainer
+from services.cell_agent.training.retry import keep_claims, retrying
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class TrainingController:
     async def _consume(self, batch_id: int, version: int, out: BatchOutcome, started: float) -> None:
         """Claims and trains micro-steps until the packer says CLOSED. A WAIT is a
         consistent pause point: no micro-step is half done."""
-        keeper = asyncio.create_task(self._keep_claims(), name=f"keep.b{batch_id}")
+        keeper = asyncio.create_task(keep_claims(self.source, lambda: self._keep_every_s), name=f"keep.b{batch_id}")
         pending: asyncio.Task[Claim] | None = asyncio.create_task(self._claim(batch_id, version))
         try:
             while pending is not None:
@@ -383,7 +384,7 @@ class TrainingController:
                     out.first_micro_step_s = self.clock() - started
                 out.local_tokens += n
                 out.local_micro_steps += 1
-                await self._retrying(lambda s=step: self.source.ack(batch_id, s.micro_step_id))
+                await retrying(lambda s=step: self.source.ack(batch_id, s.micro_step_id))
                 if pending is None:
                     pending = asyncio.create_task(self._claim(batch_id, version))
         finally:
@@ -393,23 +394,7 @@ class TrainingController:
             await asyncio.gather(keeper, *( [pending] if pending else []), return_exceptions=True)
 
     async def _claim(self, batch_id: int, version: int) -> Claim:
-        return await self._retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s))
-
-    async def _keep_claims(self) -> None:
-        while True:
-            await asyncio.sleep(self._keep_every_s)
-            with contextlib.suppress(Unavailable, DeadlineExceeded):
-                await self.source.keep()
-
-    async def _retrying(self, call):  # type: ignore[no-untyped-def]
-        delay = 0.05
-        while True:
-            try:
-                return await call()
-            except (Unavailable, DeadlineExceeded) as exc:
-                log.warning("packer unavailable; retrying", extra={"error": repr(exc)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return await retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s))
 
 
 def _log_failure(task: asyncio.Task[BatchOutcome]) -> None:

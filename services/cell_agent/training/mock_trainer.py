@@ -28,13 +28,13 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from gyre.errors import DeadlineExceeded, Unavailable
 from gyre.grpcx.channel import unary
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent import snapshots
 from services.cell_agent.training.microstep import MicroStep, Outcome
 from services.cell_agent.training.packer_client import PackerSource
+from services.cell_agent.training.retry import keep_claims, retrying
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class MockTrainingHook:
     async def on_leave_training(self) -> None:
         task = self._current
         if task is not None and not task.done():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # its failure is logged by _log_failure
                 await asyncio.shield(task)
 
     async def join_batch(self, cmd: Any) -> bool:
@@ -172,7 +172,7 @@ class MockTrainingHook:
                 return True
             prev = self._current
             if prev is not None and not prev.done():
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # a timeout, or a failure _log_failure logged
                     await asyncio.wait_for(asyncio.shield(prev), self.settings.join_wait_s)
                 if not prev.done():
                     return False
@@ -212,7 +212,7 @@ class MockTrainingHook:
         await self._consume(batch_id, version)
         if self.index != 0:
             return
-        while not (await self._retrying(lambda: self._batches(batch_id))).done:
+        while not (await retrying(lambda: self._batches(batch_id))).done:
             await self._sleep(s.done_poll_s)
         await self._sleep(s.train_step_fixed_s * s.time_scale)
         new = version + 1
@@ -224,10 +224,10 @@ class MockTrainingHook:
         log.info("batch stepped (mock trainer)", extra={"batch_id": batch_id, "version": new})
 
     async def _consume(self, batch_id: int, version: int) -> None:
-        keeper = asyncio.create_task(self._keep_claims())
+        keeper = asyncio.create_task(keep_claims(self._source, lambda: 1.0))
         try:
             while True:
-                claim = await self._retrying(
+                claim = await retrying(
                     lambda: self._source.claim(batch_id, version, self.settings.claim_wait_s))
                 if claim.outcome is Outcome.CLOSED:
                     return
@@ -238,26 +238,10 @@ class MockTrainingHook:
                 self.trained_tokens += tokens
                 self.micro_steps += 1
                 step_id = claim.micro_step.micro_step_id
-                await self._retrying(lambda: self._source.ack(batch_id, step_id))
+                await retrying(lambda: self._source.ack(batch_id, step_id))
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-
-    async def _keep_claims(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            with contextlib.suppress(Unavailable, DeadlineExceeded):
-                await self._source.keep()
-
-    async def _retrying(self, call):  # type: ignore[no-untyped-def]
-        delay = 0.05
-        while True:
-            try:
-                return await call()
-            except (Unavailable, DeadlineExceeded) as exc:
-                log.warning("packer unavailable; retrying", extra={"error": repr(exc)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

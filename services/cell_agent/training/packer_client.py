@@ -47,3 +47,4 @@ class PackerSource:
     async def close(self) -> None:
         if self._own:
             await self._channel.close()
+
