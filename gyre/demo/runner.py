@@ -146,7 +146,10 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     stop = asyncio.Event()
     source = GrpcStatusSource(cluster.procs["scheduler"].target, ServiceConfig())
     dashboard = DashboardApp(source)
-    runner, port = await dashboard.start("127.0.0.1", opts.dashboard_port)
+    try:
+        runner, port = await dashboard.start("127.0.0.1", opts.dashboard_port)
+    except OSError:  # the port is taken (another demo, another server): any free one will do
+        runner, port = await dashboard.start("127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}/"
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
