@@ -226,10 +226,15 @@ class Etcd:
         return int(reply.TTL) if reply is not None else 0
 
     async def revoke(self, lease_id: int) -> None:
+        """Revokes a lease; one that is already gone (expired) is not an error: its keys
+        are gone too, which is what the caller wants."""
         try:
             await self.client.revoke_lease(lease_id)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd lease revoke: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            if "lease not found" not in str(exc):
+                raise
 
     async def compact(self, revision: int) -> None:
         await self.client.compact(revision, physical=True)

@@ -51,6 +51,8 @@ async def test_lost_lease_is_fatal(etcd_server, cluster_name):
     with pytest.raises(FatalError):
         await asyncio.wait_for(keeper.run(), 5)
     assert keeper.lost.is_set()
+    await etcd.revoke(keeper.lease_id)  # revoking a lease that is gone is a no-op
+    await keeper.revoke()
     await etcd.close()
 
 
