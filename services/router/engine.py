@@ -8,6 +8,7 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from gyre.kv import KvHandle  # noqa: F401  (re-exported)
 from gyre.sampling import Sampling  # noqa: F401  (re-exported)
 from gyre.v1 import cell_agent_pb2, common_pb2
 
@@ -53,30 +54,6 @@ class Chunk:
             logprobs=self.logprobs,
             policy_version=self.policy_version,
             finish_reason=self.finish.value if self.finish else common_pb2.FINISH_REASON_UNSPECIFIED,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class KvHandle:
-    """Pinned KV blocks at a source engine (see Engine.ExportKv)."""
-
-    handle_id: str
-    source_cell: str
-    num_tokens: int
-    locator: str
-    medium: str
-
-    @classmethod
-    def from_proto(cls, msg: cell_agent_pb2.KvHandle) -> KvHandle:
-        return cls(msg.handle_id, msg.source_cell, msg.num_tokens, msg.locator, msg.medium)
-
-    def to_proto(self) -> cell_agent_pb2.KvHandle:
-        return cell_agent_pb2.KvHandle(
-            handle_id=self.handle_id,
-            source_cell=self.source_cell,
-            num_tokens=self.num_tokens,
-            locator=self.locator,
-            medium=self.medium,
         )
 
 
