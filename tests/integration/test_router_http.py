@@ -17,11 +17,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
-from tests.router_support import (
+from apps.procs import ServiceProcess
+from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.router_rig import (
     FakePacker,
     build_tokenizer_dir,
     new_execution,
@@ -32,6 +30,8 @@ from tests.router_support import (
     start_router,
     write_config,
 )
+from gyre.etcd import Etcd, Keys
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY = 64 * 1024

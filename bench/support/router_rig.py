@@ -12,15 +12,15 @@ import aiohttp
 import grpc
 import yaml
 
+from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.router.routes import token_sha256
 
 
 def build_tokenizer_dir(path: Path) -> Path:
     """The tiny model's tokenizer (with its ChatML template) only: no weights needed."""
-    from gyre.model.tiny import build_tokenizer
+    from apps.model.tiny import build_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer(path)

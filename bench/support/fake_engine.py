@@ -6,7 +6,7 @@ rolling hash, so a continuation (prompt + tokens already generated) at any fake 
 same policy version produces exactly the tokens the first engine would have. Scriptable:
 die (``os._exit``) or hang after k tokens of a request, per-token delay, tokens per chunk.
 
-Run as a process: ``python tests/router_fake_engine.py --cell-id c1 [--die-after-tokens 5]``
+Run as a process: ``python bench/support/fake_engine.py --cell-id c1 [--die-after-tokens 5]``
 prints ``{"ready": "fake_engine", "target": "127.0.0.1:PORT"}``.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
 
