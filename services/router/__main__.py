@@ -54,7 +54,8 @@ async def build(rt: Runtime) -> Services:
     )
     api = OpenAIApi(
         manager, tokenizer, model_name=cfg.served_model_name or Path(cfg.model_dir).name,
-        max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, store=store, **limits,
+        max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, store=store,
+        tool_call_parser=cfg.tool_call_parser, **limits,
     )
 
     if cfg.metrics_port:
