@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from apps.limits import check_sequence_limits
 from apps.procs import ServiceProcess
 from gyre.etcd.server import EtcdServer, free_port
 
@@ -63,6 +64,7 @@ class Cluster:
         self.config_path = self.run_dir / "cluster.yaml"
         self.config_path.write_text(text)
         self.config: dict[str, Any] = yaml.safe_load(text)
+        check_sequence_limits(self.config_path)  # before anything starts
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
         self.procs: dict[str, ServiceProcess] = {}
