@@ -59,7 +59,7 @@ async def build(rt: Runtime) -> Services:
     )
 
     if cfg.metrics_port:
-        serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table)))
+        serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table), manager.trajectories))
     rt.supervisor.spawn("routes", store.run())
     rt.supervisor.spawn("turns", turns.run())
     await asyncio.wait_for(store.mirror.synced.wait(), cfg.etcd_timeout_s * 2)

@@ -107,3 +107,19 @@ def test_token_level_calls_continue_on_prefix():
     assert store.continued == 1 and store.breaks == {"prompt_differs": 1} and store.get("x").segment == 1
     store.forget("x")
     assert store.get("x") is None
+
+
+def test_first_prompt_with_tools_is_what_vllms_server_renders(tok):
+    """vLLM's OpenAI server renders chat prompts with the tokenizer's apply_chat_template
+    (tools passed along, tool-call arguments as objects): the router's first prompt is the
+    same token list."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "text"}]
+    planned = chat_prompt(tok, None, normalize_messages(messages), TOOLS)
+    conversation = [dict(m) for m in messages]
+    conversation[2] = {**messages[2], "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a"}}}]}
+    reference = tok.hf.apply_chat_template(conversation, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert planned.token_ids == list(reference)
