@@ -67,10 +67,12 @@ The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100
 def main(): return 0  import os  print("hello world")  README.md  main.py  test_main.py
 Observation: the command finished with exit code 0. Thought: I should check the file.
 Action: read_file path=notes.txt Answer: the value is 7. reward step turn episode group
-<tool_call> {"name": "read_file", "arguments": {"path": "notes.txt"}} </tool_call>
-<tool_response> </tool_response> <tools> </tools> # Tools function parameters properties
-{"type": "function", "function": {"name": "list_files", "description": "", "parameters": {}}}
-{"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+<tool_call> {"name": "read_file", "arguments": {"path": "notes.txt"}} </tool_call> <tool_response>
+13 21 34 55 64 77 89 99 128 1000 2048 4096 365 24 60 7 3 9
+# Tools You may call one or more functions to assist with the user query. You are provided with
+function signatures within <tools></tools> XML tags: {"type": "function", "function": {"name":
+"description": "parameters": {"type": "object", "properties": {"path": {"type": "string"}}
+For each function call, return a json object with function name and arguments
 """ * 4
 
 DEFAULT_CONFIG = {
