@@ -8,7 +8,9 @@ from typing import Any
 
 import grpc
 
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.identity import Role
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.config import PackerConfig
 from services.packer.model import Finish, Turn
@@ -38,6 +40,17 @@ def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
 
 class PackerServicer(packer_pb2_grpc.PackerServicer):
     """Implements gyre.v1.Packer on a :class:`Packer`."""
+
+    ACCESS = AccessTable(SERVICE_NAME, {
+        "RecordTurn": allow(Role.ROUTER),
+        "ReportFinish": allow(Role.SCHEDULER),
+        "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+        "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+        "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
+        "GetBatch": allow(Role.SCHEDULER, Role.CELL_AGENT, Role.DASHBOARD, Role.OPERATOR),
+        "WatchSupply": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        "SealBatch": allow(Role.SCHEDULER),
+    })
 
     def __init__(self, packer: Packer, config: PackerConfig) -> None:
         self._packer = packer

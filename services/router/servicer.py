@@ -10,7 +10,9 @@ import grpc
 
 from gyre.errors import InvalidArgument
 from gyre.fencing import FenceGuard
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
+from gyre.identity import Role
 from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
 from services.router.calls import ModelCall
@@ -22,6 +24,12 @@ from services.router.turns import TurnRecorder
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate (token level), MoveExecutions (fenced, from the scheduler), GetRouterStatus."""
+
+    ACCESS = AccessTable("gyre.v1.Router", {
+        "Generate": allow(Role.HARNESS),  # and the execution's token
+        "MoveExecutions": allow(Role.SCHEDULER),
+        "GetRouterStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+    })
 
     def __init__(
         self,

@@ -15,6 +15,8 @@ from gyre import runtime
 from gyre.config import ServiceConfig
 from gyre.fencing import FenceGuard
 from gyre.grpcx.errors import rpc
+from gyre.identity import Role
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent import snapshots
@@ -33,6 +35,13 @@ class TrainerCellConfig(ServiceConfig):
 
 class TrainingControlServicer(pb_grpc.CellControlServicer):
     """JoinBatch only."""
+
+    ACCESS = AccessTable("gyre.v1.CellControl", {
+        "SetState": allow(Role.SCHEDULER),
+        "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        "LoadPolicy": allow(Role.SCHEDULER),
+        "JoinBatch": allow(Role.SCHEDULER),
+    })
 
     def __init__(self, training: TrainingService) -> None:
         self.training = training
