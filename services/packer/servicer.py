@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from gyre.fencing import FenceGuard
 from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc, rpc_stream
 from gyre.identity import Role
@@ -52,9 +53,11 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         "SealBatch": allow(Role.SCHEDULER),
     })
 
-    def __init__(self, packer: Packer, config: PackerConfig) -> None:
+    def __init__(self, packer: Packer, config: PackerConfig, fence: FenceGuard | None = None) -> None:
         self._packer = packer
         self._cfg = config
+        # Verified against etcd's leader key (see gyre.fencing); a bare guard without etcd.
+        self.fence = fence or FenceGuard()
 
     @rpc
     async def RecordTurn(self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext) -> Any:
@@ -93,6 +96,7 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
 
     @rpc
     async def SealBatch(self, request: packer_pb2.SealBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self.fence.admit(request.fence.epoch)
         batch = await self._packer.seal(request.batch_id, request.fence.epoch)
         return batch_to_proto(self._packer.batch_status(batch.id))
 
