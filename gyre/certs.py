@@ -30,8 +30,9 @@ import datetime as dt
 import ipaddress
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -269,6 +270,48 @@ def identities_of_launch(config: dict[str, object]) -> list[Identity]:
         cell_id = str((spec.get("set") or {}).get("cell_id") or (config.get(service) or {}).get("cell_id") or "")  # type: ignore[union-attr]
         out.append(service_identity(service, cell_id))
     return out
+
+
+def identity_root(tls_dir: str) -> Path | None:
+    """The certificates folder of a ``tls.dir`` template ``ROOT/{identity}`` (None when the
+    template names no ``{identity}``)."""
+    if not tls_dir.endswith("{identity}"):
+        return None
+    return Path(tls_dir[: -len("{identity}")] or ".")
+
+
+_MODULE_SECTIONS = {"cell_agent.training.worker": "trainer_cell"}
+"""Service modules whose config section is not their name."""
+
+
+def ensure_process_identity(service: str, config: Mapping[str, Any], overrides: Mapping[str, Any],
+                            env: Mapping[str, str]) -> IssuedCert | None:
+    """Issues the certificate a service process is about to need, when its ``tls.dir`` is
+    ``ROOT/{identity}`` and ROOT holds a local CA with its key (``make up``, the demo, the
+    emulator, tests). A cluster whose CA key is elsewhere (an external CA, Kubernetes
+    Secrets) is left alone. Reads the settings the way the service will: env over
+    ``--set`` overrides over its section over ``cluster``."""
+    from gyre.identity import SERVICE_ROLES, service_identity
+
+    service = _MODULE_SECTIONS.get(service, service)
+    if service not in SERVICE_ROLES:
+        return None
+    section = dict(config.get(service) or {})
+    cluster = dict(config.get("cluster") or {})
+    prefix = f"GYRE_{service.upper()}__"
+    tls = {**dict(cluster.get("tls") or {}), **dict(section.get("tls") or {}), **dict(overrides.get("tls") or {})}
+    for key in ("dir", "insecure"):
+        if prefix + "TLS__" + key.upper() in env:
+            tls[key] = env[prefix + "TLS__" + key.upper()]
+    if str(tls.get("insecure", "")).lower() in ("1", "true", "yes", "on"):
+        return None
+    root = identity_root(str(tls.get("dir") or ""))
+    if root is None or not CertificateAuthority(root).exists():
+        return None
+    cell_id = str(env.get(prefix + "CELL_ID") or overrides.get("cell_id") or section.get("cell_id") or "cell-0")
+    identity = service_identity(service, cell_id)
+    ca = CertificateAuthority(root)
+    return ca.issue(identity) if ca.needs_issue(identity) else None
 
 
 def _describe(path: Path) -> str:

@@ -28,7 +28,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gyre.identity import Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
+from tests.tls import add_port  # noqa: E402
 
 _MOD = (1 << 61) - 1
 FIRST_TOKEN = 3  # ids below are special tokens; the fake never emits them unless asked
@@ -193,7 +195,8 @@ class FakeEngineServer:
     async def start(self) -> FakeEngineServer:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         cell_agent_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
-        port = self.server.add_insecure_port(f"127.0.0.1:{self._port}")
+        # The router dials engines as cell agents: present a cell certificate.
+        port = add_port(self.server, f"127.0.0.1:{self._port}", self.engine.opts.cell_id or "cell-0", Role.CELL_AGENT)
         await self.server.start()
         self._port = port
         self.target = f"127.0.0.1:{port}"

@@ -16,6 +16,8 @@ from gyre.etcd import Etcd, Keys
 from gyre.testing.procs import ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.router.routes import token_sha256
+from tests.leader import leader_epoch, new_leader  # noqa: F401 - re-exported for the router tests
+from tests.tls import add_port
 
 
 def build_tokenizer_dir(path: Path) -> Path:
@@ -77,7 +79,7 @@ async def start_fake_packer() -> tuple[FakePacker, grpc.aio.Server, str]:
     packer = FakePacker()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     packer_pb2_grpc.add_PackerServicer_to_server(packer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "packer")  # the router dials it as the packer
     await server.start()
     return packer, server, f"127.0.0.1:{port}"
 

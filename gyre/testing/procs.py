@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gyre.certs import ensure_process_identity
+from gyre.config import read_file
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -57,6 +60,9 @@ class ServiceProcess:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env)
+        # First start with a local CA (make up, the demo, tests): issue this identity's certificate.
+        config = read_file(self.config_path) if self.config_path else {}
+        ensure_process_identity(self.service, config, self.overrides, env)
         stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,

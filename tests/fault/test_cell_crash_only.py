@@ -12,6 +12,7 @@ import grpc
 import pytest
 import yaml
 
+from tests.tls import channel
 from gyre.etcd import Etcd, Keys
 from gyre.testing.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
@@ -33,7 +34,7 @@ def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
 
 
 async def _waiters_fail(target: str, n: int = 3) -> list[grpc.StatusCode]:
-    async with grpc.aio.insecure_channel(target) as ch:
+    async with channel(target, "router") as ch:
         stub = pb_grpc.EngineStub(ch)
 
         async def one(i):

@@ -24,6 +24,8 @@ from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
 from tests.router_support import build_tokenizer_dir, new_execution, put_route, read_sse, sse_token_ids, start_router, write_config
+from services.router.servicer import RouterServicer
+from tests.tls import RoleStubs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,12 +66,12 @@ async def env(etcd_server, tmp_path_factory):
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     healthy = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=0.01)).start()
-    ch1 = grpc.aio.insecure_channel(with_budget.target)
-    ch0 = grpc.aio.insecure_channel(no_budget.target)
+    ch1 = RoleStubs(with_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
+    ch0 = RoleStubs(no_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
         yield {
             "url": url, "url0": url0, "etcd": etcd, "keys": Keys(cluster), "b": healthy,
-            "stub": router_pb2_grpc.RouterStub(ch1), "stub0": router_pb2_grpc.RouterStub(ch0),
+            "stub": ch1, "stub0": ch0,
         }
     finally:
         with_budget.stop()

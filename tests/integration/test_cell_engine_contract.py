@@ -16,6 +16,7 @@ import json
 import pytest
 import pytest_asyncio
 
+from tests.tls import add_port
 from gyre.errors import FailedPrecondition, StaleEpoch, Unavailable
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
 from services.cell_agent.cell import Cell, CellIdentity
@@ -325,7 +326,7 @@ async def test_load_policy_pulls_a_snapshot_over_grpc(engine, etcd_ctx, models):
     server = grpc.aio.server()
     servicer, add, _ = snapshots.registration(store)
     add(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "cell-0")  # the cell pulls as a cell, from a cell
     await server.start()
     try:
         base, _, _ = await _run(engine, "p0", PROMPTS[5], 16)

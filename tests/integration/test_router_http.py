@@ -21,7 +21,11 @@ from gyre.etcd import Etcd, Keys
 from gyre.testing.procs import ServiceProcess
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
+from services.router.servicer import RouterServicer
+from tests.tls import RoleStubs
 from tests.router_support import (
+    leader_epoch,
+    new_leader,
     FakePacker,
     build_tokenizer_dir,
     new_execution,
@@ -70,9 +74,9 @@ async def env(etcd_server, tmp_path_factory):
     await put_route(etcd, keys, ex1, "a", engine.target, tok1)
     await put_route(etcd, keys, ex2, "a", engine.target, tok2)
     await asyncio.sleep(0.3)
-    channel = grpc.aio.insecure_channel(proc.target)
+    channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
-        yield Env(proc, url, etcd, keys, router_pb2_grpc.RouterStub(channel), engine, packer, ex1, tok1, ex2, tok2)
+        yield Env(proc, url, etcd, keys, channel, engine, packer, ex1, tok1, ex2, tok2)
     finally:
         proc.stop()
         await channel.close()

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from services.cell_agent import snapshots
+from tests.tls import add_port
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.fakes import synthetic_batch
 from services.cell_agent.training.trainer import Trainer
@@ -49,7 +50,7 @@ async def test_engine_greedy_matches_trainer_after_publication(tmp_path):
     store.publish(2, trainer.state_dict())
     server = grpc.aio.server()
     snapshots.WeightSnapshotsServicer(store).register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "cell-0")  # a cell serves snapshots
     await server.start()
     engine = VllmEngine(str(model_dir), max_model_len=512, max_num_seqs=4, dtype="float32", policy_version=1)
     await engine.start()
