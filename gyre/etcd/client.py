@@ -190,6 +190,8 @@ class Etcd:
             got = await self.client.get(key)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd get: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise _refused("get", key, exc) from exc
         return None if got is None else KV.from_raw(got)
 
     async def get_prefix(self, prefix: bytes) -> tuple[int, list[KV]]:
@@ -198,6 +200,8 @@ class Etcd:
             got = await self.client.get_prefix(prefix)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd get_prefix: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise _refused("get", prefix, exc) from exc
         return got.header.revision, [KV.from_raw(kv) for kv in got.kvs]
 
     async def count_prefix(self, prefix: bytes) -> int:

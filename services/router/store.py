@@ -9,7 +9,7 @@ import logging
 
 import asyncio
 
-from gyre.errors import InvalidArgument, ResourceExhausted, Unauthenticated
+from gyre.errors import InvalidArgument, RateLimited, Unauthenticated
 from gyre.etcd import KV, Etcd, Keys, PrefixMirror
 from gyre.ratelimit import KeyedLimiter
 from services.router.routes import ExpiredToken, Route, RouteTable
@@ -85,7 +85,7 @@ class RouteStore:
         retry = self._misses.take(peer)
         if retry > 0:
             self.misses_limited += 1
-            raise ResourceExhausted(f"too many unknown execution tokens; retry in {retry:.2f} s")
+            raise RateLimited(f"too many unknown execution tokens; retry in {retry:.2f} s")
         self.misses += 1
         if self._waiting >= self._max_waiters:
             return self._table.authorize(token, execution_id)

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from gyre.apikeys import METADATA_KEY, KeyFile
-from gyre.errors import PermissionDenied, ResourceExhausted, Unauthenticated
+from gyre.errors import PermissionDenied, RateLimited, ResourceExhausted, Unauthenticated
 from gyre.identity import Identity, Role
 from gyre.ratelimit import KeyedLimiter
 
@@ -67,7 +67,7 @@ class HarnessGate:
         """One AcquireExecution call against the principal's rate; RESOURCE_EXHAUSTED over it."""
         retry = self._acquires.take(principal)
         if retry > 0:
-            raise ResourceExhausted(
+            raise RateLimited(
                 f"harness {principal} is over {self._acquires.rate:g} acquires/s; retry in {retry:.2f} s"
             )
 
