@@ -9,14 +9,14 @@ install:  ## etcd (apt) when missing, .venv with the pinned packages
 	@./scripts/install.sh
 
 demo: install  ## the real system end to end on this machine
-	$(PY) -m gyre.demo $(DEMO_ARGS)
+	$(PY) -m apps.demo $(DEMO_ARGS)
 
 MODEL_DIR ?= $(CURDIR)/.gyre/models/tiny-seed0
 
 up: install  ## start etcd + every service from one config (Ctrl-C stops all)
-	$(PY) -m gyre.model.tiny $(MODEL_DIR) >/dev/null
+	$(PY) -m apps.model.tiny $(MODEL_DIR) >/dev/null
 	GYRE_ROUTER__MODEL_DIR=$(MODEL_DIR) GYRE_CELL_AGENT__MODEL_DIR=$(MODEL_DIR) \
-		$(PY) -m gyre.launch --config $(or $(CONFIG),deploy/local/cluster.yaml)
+		$(PY) -m apps.launch --config $(or $(CONFIG),deploy/local/cluster.yaml)
 
 test: install  ## the whole suite (unit, integration, fault; gpu tests skip without CUDA)
 	@./scripts/install_browser.sh

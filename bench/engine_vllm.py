@@ -177,7 +177,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         asyncio.run(main(sys.argv[1]))
     else:
-        from gyre.model.tiny import build_tiny_model
+        from apps.model.tiny import build_tiny_model
 
         with tempfile.TemporaryDirectory() as tmp:
             asyncio.run(main(str(build_tiny_model(Path(tmp) / "tiny"))))

@@ -1,7 +1,7 @@
 """Router latency benchmark: what the router adds over calling the engine directly, and how
 long a reroute takes.
 
-Three kinds of processes on loopback, as in production: fake engines (tests/router_fake_engine.py:
+Three kinds of processes on loopback, as in production: fake engines (bench/support/fake_engine.py:
 a deterministic token-level engine with a fixed per-token delay, standing in for the mock
 engine), the router (``python -m services.router`` against a private etcd), and this client.
 In the same run, at each concurrency (64 and 256 streams of 32 tokens), rounds alternate
@@ -38,11 +38,11 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.support.fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
+from bench.support.router_rig import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
-from tests.router_fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
-from tests.router_support import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
 
 TOKENS = 32
 TOKEN_DELAY_S = 0.005
@@ -155,7 +155,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
     tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-router-"))
     etcd_server = EtcdServer()
     etcd_server.start()
-    engine = subprocess.Popen([sys.executable, str(ROOT / "tests" / "router_fake_engine.py"), "--cell-id", "a",
+    engine = subprocess.Popen([sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"), "--cell-id", "a",
                                "--token-delay-s", str(TOKEN_DELAY_S)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     router = router2 = None
     try:
@@ -233,7 +233,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         return {
             "benchmark": "router_latency",
             "setup": {"tokens_per_stream": TOKENS, "token_delay_s": TOKEN_DELAY_S, "prompt_tokens": len(PROMPT), "rounds": rounds,
-                      "engine": "tests/router_fake_engine.py (one message per token)", "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS, "processes": "engine, router, client on loopback",
+                      "engine": "bench/support/fake_engine.py (one message per token)", "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS, "processes": "engine, router, client on loopback",
                       "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
             "concurrency": results,
             "reroute": reroute,

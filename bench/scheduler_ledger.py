@@ -27,12 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.support.recording_peers import RecordingPeers  # noqa: E402
 from gyre import config as config_mod  # noqa: E402
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, Op  # noqa: E402
 from gyre.etcd.client import create_revision_is, mod_revision_is  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.fakes import FakePeers  # noqa: E402
 from services.scheduler.ledger import ExecState  # noqa: E402
 from services.scheduler.policy import (  # noqa: E402
     BurstView,
@@ -63,7 +63,7 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
     epoch = await election.campaign()
     cfg = config_mod.load(SchedulerConfig, None, cluster_name=cluster, policy="rollout_only", batch_size=n // 2,
                           group_size=2, over_provision=0.0, max_bursts=1)
-    s = Scheduler(cfg, SchedulerStore(etcd, keys, election), FakePeers(), GeneratedTasks())
+    s = Scheduler(cfg, SchedulerStore(etcd, keys, election), RecordingPeers(), GeneratedTasks())
     cell = {"cell_id": "sa", "kind": "standalone", "index": -1, "slots": n, "target": "sa:1"}
     s.on_cells({b"c": _KV(b"c", json.dumps(cell).encode())})
     s.on_cell_states({b"s/sa": _KV(b"s/sa", b'{"state": "ROLLOUT"}')})

@@ -33,15 +33,15 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from apps.model.tiny import build_tiny_model  # noqa: E402
+from apps.procs import ServiceProcess  # noqa: E402
+from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
-from gyre.model.tiny import build_tiny_model  # noqa: E402
-from gyre.testing.procs import ServiceProcess  # noqa: E402
 from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
 from gyre.v1 import common_pb2 as cpb  # noqa: E402
 from gyre.v1 import packer_pb2_grpc as ppb_grpc  # noqa: E402
-from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
 
 
 def _free_port() -> int:
@@ -175,7 +175,7 @@ async def main() -> None:
         r["throughput_ratio_vs_1"] = r["tokens_per_s"] / base
     result = {
         "bench": "training_elastic",
-        "model": {"dir": "gyre.model.tiny seed 0", "params": n_params, "dtype": args.dtype},
+        "model": {"dir": "apps.model.tiny seed 0", "params": n_params, "dtype": args.dtype},
         "micro_steps_per_batch": args.micro_steps,
         "repeats": args.repeats,
         "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),

@@ -6,7 +6,7 @@ tells the truth.
 
 ``run_emulated`` renders one cluster YAML from the scenario (cost parameters on the mock
 engines and the trainer, the scheduler's batch/group/fraction/interval with every duration
-divided by the time scale), starts it with ``gyre.launch.Cluster``, plays the scenario's
+divided by the time scale), starts it with ``apps.launch.Cluster``, plays the scenario's
 trace through ``sim.emulate_driver.ReplayDriver``, records when each policy version
 appears at ``keys.policy()``, and runs the simulator (the waterlevel policy) on the
 identical scenario at the same cell count. The wall time to N updates times the time scale
@@ -176,7 +176,7 @@ def ensure_model(model_dir: Path = TINY_MODEL) -> Path:
     """The tiny model (the router's tokenizer), built once and cached like the demo's."""
     if (model_dir / "tokenizer.json").exists() or (model_dir / "config.json").exists():
         return model_dir
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     return Path(build_tiny_model(model_dir, seed=0))
 
@@ -247,7 +247,7 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
         cfg, scenario = apply_variant(cfg, scenario, [f"scenario.cluster.cells={cells}"])
     sc = scenario
     n = sc.training.updates
-    from gyre.launch import Cluster
+    from apps.launch import Cluster
 
     model = ensure_model()
     own_dir = run_dir is None

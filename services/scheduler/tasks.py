@@ -2,7 +2,7 @@
 
 A source is indexed: task ``i`` is always the same task, so a new leader that knows how many
 tasks earlier bursts took (the sum over burst records) continues where the old one stopped.
-The built-in generator makes tasks for the example environment (``gyre.harness.env``):
+The built-in generator makes tasks for the example environment (``apps.harness.env``):
 ``{"task_id", "secret", "seed"}``.
 """
 

@@ -12,9 +12,9 @@ import grpc
 import pytest
 import yaml
 
+from apps.procs import ServiceProcess
 from tests.tls import channel
 from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import yaml
 
+from apps.procs import ServiceProcess
 from tests.tls import channel
 from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etcd_server, cluster_name):
     pytest.importorskip("vllm")
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
     cfg = {

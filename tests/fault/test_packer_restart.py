@@ -14,9 +14,9 @@ import time
 
 import grpc
 
-from gyre.testing.procs import ROOT, ServiceProcess
+from apps.procs import ROOT, ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
-from services.packer import testkit as tk
+from tests.support import packer_kit as tk
 from services.packer.servicer import PackerServicer
 from tests.tls import RoleStubs
 

@@ -20,12 +20,20 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.router_rig import (
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    read_sse,
+    sse_token_ids,
+    start_router,
+    write_config,
+)
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
-from tests.router_support import build_tokenizer_dir, new_execution, put_route, read_sse, sse_token_ids, start_router, write_config
 from services.router.servicer import RouterServicer
-from tests.tls import RoleStubs
+from tests.tls import PKI, RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,11 +42,12 @@ MAX_TOKENS = 40
 
 
 class EngineProcess:
-    """tests/router_fake_engine.py as its own process."""
+    """bench/support/fake_engine.py as its own process."""
 
     def __init__(self, cell: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "router_fake_engine.py"), "--cell-id", cell, "--token-delay-s", "0.01", *args],
+            [sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"), "--cell-id", cell, "--token-delay-s", "0.01",
+             "--tls-dir", str(PKI / tls(cell).identity().name), *args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
         )
         assert self.proc.stdout is not None

@@ -17,10 +17,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from apps.procs import ServiceProcess
 from gyre.etcd import Keys
-from gyre.testing.procs import ServiceProcess
 from services.scheduler import history
-from services.scheduler.testing import FakeCellAgent, FakePacker, FakeRouter, Harness, connect, wait_until, write_config
+from tests.support.scheduler_peers import (
+    FakeCellAgent,
+    FakePacker,
+    FakeRouter,
+    Harness,
+    connect,
+    wait_until,
+    write_config,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 import yaml
 
+from apps.procs import ServiceProcess
+from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
 from tests.leader import leader_epoch
 from tests.tls import add_port, channel
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
-from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,7 +43,7 @@ async def _join(epoch: int, target: str, batch: int, prefix: int, core: str):
 
 
 async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     packer = FakePacker()

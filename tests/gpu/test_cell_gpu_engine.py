@@ -35,7 +35,7 @@ async def test_gpu_engine_start_sleep_wake_and_weight_update(tmp_path):
     pytest.importorskip("vllm")
     from safetensors.torch import load_file
 
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
     from services.cell_agent.engines.vllm_engine import VllmEngine
 
     model_dir = os.environ.get("GYRE_GPU_MODEL_DIR") or str(build_tiny_model(tmp_path / "tiny", seed=0))

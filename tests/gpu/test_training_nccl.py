@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bench.support.synthetic_packer import synthetic_batch
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups
-from services.cell_agent.training.fakes import synthetic_batch
 from services.cell_agent.training.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
@@ -45,7 +45,7 @@ def _record(name: str, figures: dict) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
@@ -125,13 +125,13 @@ def test_nccl_prefix_groups_reduce_and_broadcast():
 async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir, tmp_path):
     import yaml
 
+    from apps.procs import ServiceProcess
+    from bench.support.synthetic_packer import FakePacker, FakePackerServicer
     from gyre.etcd import Etcd, Keys
-    from gyre.testing.procs import ServiceProcess
     from gyre.v1 import cell_agent_pb2 as pb
     from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
     from gyre.v1 import common_pb2 as cpb
     from gyre.v1 import packer_pb2_grpc as ppb_grpc
-    from services.cell_agent.training.fakes import FakePacker, FakePackerServicer
 
     steps = synthetic_batch(2, 16, seed=6, seqs_per_step=8, min_len=128, max_len=256)
     ref = Trainer.from_dir(model_dir, 0, "float64", "cpu")

@@ -31,7 +31,7 @@ PROMPTS = [[(7 * i + j * 13) % 500 + 3 for j in range(5 + 3 * i)] for i in range
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return build_tiny_model(root / "seed0", seed=0), build_tiny_model(root / "seed1", seed=1)

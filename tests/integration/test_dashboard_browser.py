@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gyre.testing.procs import ServiceProcess
+from apps.procs import ServiceProcess
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

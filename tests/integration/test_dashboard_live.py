@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from apps.procs import ServiceProcess
 from gyre.etcd.server import EtcdServer
-from gyre.testing.procs import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

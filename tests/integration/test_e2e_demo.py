@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.demo.runner import DemoOptions, run_demo
-from gyre.harness.env import EnvConfig
+from apps.demo.runner import DemoOptions, run_demo
+from apps.harness.env import EnvConfig
 
 pytestmark = pytest.mark.slow
 

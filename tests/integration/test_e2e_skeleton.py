@@ -11,10 +11,17 @@ import grpc
 import pytest
 import yaml
 
-from gyre.harness.env import EnvConfig
-from gyre.harness.example import run_harness
-from gyre.launch import Cluster
-from gyre.v1 import packer_pb2, packer_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from apps.harness.env import EnvConfig
+from apps.harness.example import run_harness
+from apps.launch import Cluster
+from gyre.v1 import (
+    packer_pb2,
+    packer_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -22,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model"))
 

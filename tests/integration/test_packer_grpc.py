@@ -13,10 +13,10 @@ import random
 import grpc
 import pytest
 
+from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
-from services.packer import testkit as tk
+from tests.support import packer_kit as tk
 from services.packer.servicer import PackerServicer
 from tests.tls import RoleStubs
 

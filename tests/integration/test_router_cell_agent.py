@@ -14,10 +14,11 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from apps.procs import ServiceProcess
+from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.router_support import build_tokenizer_dir, leader_epoch, new_execution, put_route, start_router, write_config
+from tests.leader import leader_epoch
 from services.router.servicer import RouterServicer
 from tests.tls import RoleStubs
 

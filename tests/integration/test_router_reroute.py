@@ -19,15 +19,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.router_fake_engine import FakeEngineServer, FakeOptions, reference
+from apps.procs import ServiceProcess
+from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
 from services.router.servicer import RouterServicer
-from tests.tls import RoleStubs
-from tests.router_support import (
-    leader_epoch,
-    new_leader,
+from tests.leader import leader_epoch, new_leader
+from tests.tls import RoleStubs, tls
+from bench.support.router_rig import (
     FakePacker,
     build_tokenizer_dir,
     new_execution,
@@ -38,6 +35,8 @@ from tests.router_support import (
     start_router,
     write_config,
 )
+from gyre.etcd import Etcd, Keys
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -61,7 +60,7 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rr" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer()
+    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engines = {}
     for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
         engines[cell] = await FakeEngineServer(FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.004, tokens_per_chunk=2)).start()

@@ -18,10 +18,10 @@ import math
 import grpc
 import pytest
 
+from apps.procs import ServiceProcess
 from gyre.etcd import Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import common_pb2, scheduler_pb2
-from services.scheduler.testing import (
+from tests.support.scheduler_peers import (
     FakeCellAgent,
     FakePacker,
     FakeRouter,

@@ -39,7 +39,7 @@ from gyre.grpcx.auth import EVERY_ROLE, AccessTable
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles
 from gyre.identity import Identity, Role
-from gyre.testing.procs import ServiceProcess
+from apps.procs import ServiceProcess
 from gyre.v1 import (
     cell_agent_pb2,
     cell_agent_pb2_grpc,
@@ -56,7 +56,7 @@ from services.cell_agent.snapshots import WeightSnapshotsServicer
 from services.packer.servicer import PackerServicer
 from services.router.servicer import RouterServicer
 from services.scheduler.servicer import ControlServicer, HarnessServicer
-from tests.router_support import build_tokenizer_dir
+from bench.support.router_rig import build_tokenizer_dir
 from tests.tls import PKI, channel, provision_etcd, tls
 
 pytestmark = pytest.mark.timeout(240)
@@ -94,7 +94,7 @@ class Cluster:
         SECRETS.append(self.api_key)
 
     def start(self) -> Cluster:
-        from gyre.model.tiny import build_tiny_model
+        from apps.model.tiny import build_tiny_model
 
         self.etcd.start()
         asyncio.run(provision_etcd(self.etcd.endpoint, CLUSTER, "scheduler", "router", "packer", "cell-0", "operator"))

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from apps.launch import Cluster
 from gyre.client import HarnessClient
-from gyre.launch import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def spans_in(log: Path) -> list[dict]:
 
 
 async def test_one_trace_from_harness_to_engine(tmp_path: Path):
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model")
     data = yaml.safe_load((ROOT / "deploy" / "local" / "cluster.yaml").read_text())

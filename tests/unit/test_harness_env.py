@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from gyre.harness.env import EnvConfig, Episode, Task, make_tasks, reward_of
+from apps.harness.env import EnvConfig, Episode, Task, make_tasks, reward_of
 
 
 def test_reward_counts_digits_and_secret():

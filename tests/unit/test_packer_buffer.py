@@ -11,9 +11,9 @@ import pytest
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from gyre.v1 import common_pb2, packer_pb2
-from services.packer import testkit as tk
 from services.packer.advantages import group_advantages, is_stale
 from services.packer.model import ExecStatus, Finish, Turn
+from tests.support import packer_kit as tk
 
 
 async def test_group_ready_only_when_all_members_closed():

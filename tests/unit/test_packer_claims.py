@@ -12,8 +12,8 @@ import random
 import pytest
 
 from gyre.errors import FailedPrecondition, StaleEpoch
-from services.packer import testkit as tk
 from services.packer.model import ClaimOutcome
+from tests.support import packer_kit as tk
 
 
 async def _drain(p, cell, batch_id, version=0, trained=None, wait_s=0.0):

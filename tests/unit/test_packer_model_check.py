@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre.errors import GyreError
-from services.packer import testkit as tk
 from services.packer.model import ClaimOutcome, ExecStatus
 from services.packer.packer import Packer
 from services.packer.wal import MemoryLog
+from tests.support import packer_kit as tk
 
 _group = st.tuples(st.just("group"), st.integers(4, 9), st.sampled_from([2, 3]), st.integers(1, 2),
                   st.lists(st.booleans(), min_size=3, max_size=3), st.integers(0, 1))

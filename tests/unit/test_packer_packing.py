@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.packer import testkit as tk
 from services.packer.model import ClaimOutcome
 from services.packer.packing import first_fit_decreasing
+from tests.support import packer_kit as tk
 
 
 @settings(max_examples=200, deadline=None)

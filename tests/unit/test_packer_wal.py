@@ -10,10 +10,10 @@ import random
 import pytest
 
 from gyre.errors import FailedPrecondition, FatalError
-from services.packer import testkit as tk
 from services.packer.model import ClaimOutcome
 from services.packer.packer import Packer
 from services.packer.wal import Wal
+from tests.support import packer_kit as tk
 
 
 async def _scenario(p):

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from bench.support.fake_engine import context_state, next_state, reference, token_for
 from gyre.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.router.calls import CallPolicy, RouterStats
 from services.router.engine import Chunk, EngineRequest, Finish, KvHandle, Sampling
 from services.router.manager import CallManager
 from services.router.routes import Route, RouteTable
 from services.router.turns import Turn, TurnRecorder
-from tests.router_fake_engine import context_state, next_state, reference, token_for
 
 PROMPT = [5, 6, 7, 8]
 

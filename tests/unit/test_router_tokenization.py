@@ -12,7 +12,7 @@ from services.router.tokenization import Tokenizer, normalize_messages
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    from gyre.model.tiny import build_tokenizer
+    from apps.model.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("tok")
     build_tokenizer(path)

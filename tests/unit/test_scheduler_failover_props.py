@@ -15,12 +15,12 @@ import math
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from gyre.errors import GyreError, StaleEpoch
-from services.scheduler.fakes import FakePeers, FakeStore
-from services.scheduler.ledger import ExecState, Ledger
-
 from test_scheduler_service import make  # noqa: E402  (same test folder)
+
+from bench.support.recording_peers import RecordingPeers
+from gyre.errors import GyreError, StaleEpoch
+from services.scheduler.ledger import ExecState, Ledger
+from tests.support.scheduler_fakes import FakeStore
 
 OPS = st.lists(
     st.tuples(
@@ -84,7 +84,7 @@ async def _history(ops: list[tuple[str, int]]) -> None:
             epoch += 1 + arg
             new_store = store.as_leader(epoch)
             s, store, _, _ = make(policy="rollout_only", over_provision=1.0, heartbeat_deadline_s=10.0,
-                                  store=new_store, peers=FakePeers(), clock=clock)
+                                  store=new_store, peers=RecordingPeers(), clock=clock)
             await s.take_over(epoch)
         elif op == "old_writes" and old is not None and held:
             g = held[arg % len(held)]

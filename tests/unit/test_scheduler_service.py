@@ -20,15 +20,23 @@ import math
 
 import pytest
 
+from bench.support.recording_peers import RecordingPeers
 from gyre import config as config_mod
-from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, StaleEpoch, Unauthenticated
+from gyre.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    StaleEpoch,
+    Unauthenticated,
+)
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.fakes import FakePeers, FakeStore
 from services.scheduler.ledger import ExecState
 from services.scheduler.peers import SupplyUpdate
 from services.scheduler.policy import CellState
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tasks import GeneratedTasks
+from tests.support.scheduler_fakes import FakeStore
 
 
 class Clock:
@@ -53,14 +61,14 @@ CELLS = [
 ]
 
 
-def make(policy: str = "waterlevel", cells=CELLS, store: FakeStore | None = None, peers: FakePeers | None = None,
-         clock: Clock | None = None, **overrides) -> tuple[Scheduler, FakeStore, FakePeers, Clock]:
+def make(policy: str = "waterlevel", cells=CELLS, store: FakeStore | None = None, peers: RecordingPeers | None = None,
+         clock: Clock | None = None, **overrides) -> tuple[Scheduler, FakeStore, RecordingPeers, Clock]:
     opts = dict(policy=policy, batch_size=4, group_size=2, over_provision=0.0, interval_s=0.0, fraction=0.5,
                 heartbeat_deadline_s=10.0, drain_timeout_s=1.0, packer_target="fake:1", router_target="router:1")
     opts.update(overrides)
     cfg = config_mod.load(SchedulerConfig, None, **opts)
     store = store or FakeStore(epoch=7)
-    peers = peers or FakePeers()
+    peers = peers or RecordingPeers()
     clock = clock or Clock()
     s = Scheduler(cfg, store, peers, GeneratedTasks(seed=1), clock=clock, wall=clock)
     s.on_cells({
@@ -240,7 +248,7 @@ async def test_new_leader_rebuilds_ledger_and_resumes_transition():
     assert store.transitions == {"core": {"cell_id": "core", "target": "TRAINING", "reason": store.transitions["core"]["reason"], "epoch": 7}}
     await s.transitions.cancel_all()  # the old leader dies here
     # A standby takes over with a newer epoch and the same etcd contents.
-    peers2 = FakePeers()
+    peers2 = RecordingPeers()
     store2 = store.as_leader(epoch=9)
     s2, _, _, _ = make(store=store2, peers=peers2, clock=clock, over_provision=1.0)
     await s2.take_over(9)

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from sim.config import (
-    ClusterConfig, CostConfig, LogNormal, ProfileConfig, ScenarioConfig, SimConfig, TrainingConfig,
+    ClusterConfig,
+    CostConfig,
+    LogNormal,
+    ProfileConfig,
+    ScenarioConfig,
+    SimConfig,
+    TrainingConfig,
 )
 from sim.driver import PolicySpec, run_policy
 

@@ -13,20 +13,19 @@ import copy
 import pytest
 import torch
 
+from bench.support.synthetic_packer import FakePacker, synthetic_batch
 from gyre.errors import NotFound
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.controller import ControllerParams, TrainingController
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
-from services.cell_agent.training.fakes import (
-    FakePacker,
+from services.cell_agent.training.trainer import Trainer
+from tests.support.training_fakes import (
     FakeSource,
     InProcessCollective,
     InProcessMembership,
     RecordingPublisher,
-    synthetic_batch,
     tiny_lm,
 )
-from services.cell_agent.training.trainer import Trainer
 
 TOL = 1e-10
 MICRO_STEPS = 8

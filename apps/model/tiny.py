@@ -7,7 +7,7 @@ initialised Qwen2 causal LM (hidden 128, 2 layers, 4 heads / 2 KV heads, bf16) f
 The directory loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and with vLLM, exactly
 like a downloaded checkpoint. The build is deterministic for a seed.
 
-    python -m gyre.model.tiny OUT_DIR [--seed 0]
+    python -m apps.model.tiny OUT_DIR [--seed 0]
 """
 
 from __future__ import annotations

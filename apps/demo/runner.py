@@ -27,9 +27,9 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from gyre.harness.env import EnvConfig
-from gyre.harness.example import HarnessStats, run_harness
-from gyre.launch import Cluster
+from apps.harness.env import EnvConfig
+from apps.harness.example import HarnessStats, run_harness
+from apps.launch import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
 
 
 def build_model(console: Console) -> Path:
-    from gyre.model.tiny import build_tiny_model
+    from apps.model.tiny import build_tiny_model
 
     with console.status("building the tiny model (Qwen2 architecture, byte-level BPE, ChatML) ..."):
         path = build_tiny_model(ROOT / ".gyre" / "models" / "tiny-seed0", seed=0)
@@ -127,11 +127,10 @@ def reward_by_version(stats: HarnessStats) -> dict[int, dict[str, float]]:
 
 
 async def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    from apps.demo.plot import plot_timeline
+    from gyre.config import ServiceConfig
     from services.dashboard.app import DashboardApp
     from services.dashboard.source import GrpcStatusSource
-    from gyre.config import ServiceConfig
-
-    from gyre.demo.plot import plot_timeline
 
     console = Console()
     started = time.monotonic()

@@ -20,7 +20,7 @@ from typing import Any
 from gyre.certs import ensure_process_identity
 from gyre.config import read_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServiceProcess:

@@ -1,6 +1,6 @@
 """The example harness: runs agent episodes for Gyre executions until the burst is done.
 
-    python -m gyre.harness.example --scheduler 127.0.0.1:50051 --concurrency 8
+    python -m apps.harness.example --scheduler 127.0.0.1:50051 --concurrency 8
 
 Each execution is acquired from the scheduler, its episode runs against the router's
 OpenAI-compatible endpoint with the execution's token, and its reward is reported. The
@@ -16,11 +16,11 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
+from apps.harness.env import EnvConfig, Episode, Task
 from gyre.client import ExecutionHandle, HarnessClient
 from gyre.errors import GyreError
-from gyre.harness.env import EnvConfig, Episode, Task
 
-log = logging.getLogger("gyre.harness")
+log = logging.getLogger("apps.harness")
 
 
 @dataclass
@@ -90,7 +90,7 @@ async def run_harness(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.harness.example")
+    parser = argparse.ArgumentParser(prog="python -m apps.harness.example")
     parser.add_argument("--scheduler", default="127.0.0.1:50051")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-executions", type=int, default=None)

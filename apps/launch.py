@@ -1,6 +1,6 @@
 """The local launcher: a private etcd and every service as processes, from one config file.
 
-    python -m gyre.launch --config deploy/local/cluster.yaml [--free-ports] [--run-dir DIR]
+    python -m apps.launch --config deploy/local/cluster.yaml [--free-ports] [--run-dir DIR]
 
 The config file is the cluster config every service reads, plus a ``launch:`` section::
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
+from apps.procs import ServiceProcess
 from gyre.etcd.server import EtcdServer, free_port
-from gyre.testing.procs import ServiceProcess
 
 _PORT_RE = re.compile(r"(?P<pre>(?:127\.0\.0\.1|localhost):|port: )(?P<port>\d{2,5})\b")
 
@@ -170,7 +170,7 @@ def _status_table(cluster: Cluster) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.launch", description="Start etcd and every Gyre service locally.")
+    parser = argparse.ArgumentParser(prog="python -m apps.launch", description="Start etcd and every Gyre service locally.")
     parser.add_argument("--config", default="deploy/local/cluster.yaml")
     parser.add_argument("--run-dir", default=f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--free-ports", action="store_true", help="remap every loopback port to a free one")

@@ -1,1 +1,0 @@
-"""Helpers for tests and the launcher: real service processes on loopback."""

@@ -1,0 +1,79 @@
+"""The tree's layers do not reach up: the library (``gyre``) imports no service and no
+application; a service imports no other service and no application; nothing outside
+``tests`` imports test code; benchmarks import no test modules. Checked on the source with
+``ast`` (every ``import`` and ``from ... import``, function-level imports included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists())
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _violations(top: str, forbidden) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / top).rglob("*.py")):
+        for mod in _imports(path):
+            why = forbidden(path, mod)
+            if why:
+                bad.append(f"{path.relative_to(ROOT)} imports {mod}: {why}")
+    return bad
+
+
+def _is(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def test_library_imports_no_service_application_or_test() -> None:
+    def forbidden(path: Path, mod: str) -> str:
+        for up in ("services", "apps", "tests", "bench", "sim"):
+            if _is(mod, up):
+                return f"the library stands below {up}"
+        return ""
+    assert _violations("gyre", forbidden) == []
+
+
+def test_services_import_no_other_service_application_or_test() -> None:
+    def forbidden(path: Path, mod: str) -> str:
+        own = path.relative_to(ROOT / "services").parts[0]
+        for svc in SERVICES:
+            if svc != own and _is(mod, f"services.{svc}"):
+                return "services talk over gRPC, never import each other"
+        for up in ("apps", "tests", "bench", "sim"):
+            if _is(mod, up):
+                return f"a service stands below {up}"
+        return ""
+    assert _violations("services", forbidden) == []
+
+
+def test_applications_and_benchmarks_import_no_test_code() -> None:
+    def forbidden(path: Path, mod: str) -> str:
+        return "test code is for tests only" if _is(mod, "tests") else ""
+    assert [v for top in ("apps", "bench", "sim") for v in _violations(top, forbidden)] == []
+
+
+def test_no_test_modules_inside_services() -> None:
+    names = ("testing.py", "fakes.py", "testkit.py", "conftest.py")
+    found = [str(p.relative_to(ROOT)) for p in (ROOT / "services").rglob("*.py")
+             if p.name in names or p.name.startswith("test_")]
+    assert found == []
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    mod = tmp_path / "m.py"
+    mod.write_text("def f():\n    from services.router import calls\n")
+    assert "services.router.calls" in _imports(mod)
