@@ -31,7 +31,7 @@ class ServiceProcess:
         service: str,
         config_path: str | os.PathLike[str] | None,
         overrides: dict[str, Any] | None = None,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         name: str | None = None,
     ) -> None:
@@ -59,7 +59,11 @@ class ServiceProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env)
+        for key, value in self.env.items():  # None: remove an inherited variable
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         # First start with a local CA (make up, the demo, tests): issue this identity's certificate.
         config = read_file(self.config_path) if self.config_path else {}
         ensure_process_identity(self.service, config, self.overrides, env)

@@ -249,11 +249,12 @@ def ensure(root: str | os.PathLike[str], identities: Iterable[Identity], sans: S
 
 
 # What a cluster needs besides its services: the etcd server, etcd's root user (it sets up
-# etcd's users and roles), an operator for the dashboard-like tools, and a harness.
+# etcd's users and roles), an operator for tools, a dashboard and a harness.
 BASE_IDENTITIES = (
     Identity(Role.ETCD, "etcd"),
     Identity(Role.OPERATOR, "root"),
     Identity(Role.OPERATOR, "operator"),
+    Identity(Role.DASHBOARD, "dashboard"),
     Identity(Role.HARNESS, "harness"),
 )
 
