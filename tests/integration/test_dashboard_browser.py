@@ -25,6 +25,7 @@ import grpc
 import pytest
 
 from apps.procs import ServiceProcess
+from tests.tls import add_port
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -120,7 +121,7 @@ async def _start_fake() -> tuple[grpc.aio.Server, ScriptedScheduler, int]:
     server = grpc.aio.server()
     fake = ScriptedScheduler()
     scheduler_pb2_grpc.add_SchedulerControlServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "scheduler")  # the dashboard checks it dials the scheduler
     await server.start()
     return server, fake, port
 
