@@ -128,7 +128,7 @@ def reward_by_version(stats: HarnessStats) -> dict[int, dict[str, float]]:
 
 async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from apps.demo.plot import plot_timeline
-    from gyre import config as config_mod
+    from gyre.config import TlsConfig
     from services.dashboard.app import DashboardApp
     from services.dashboard.config import DashboardConfig
     from services.dashboard.source import GrpcStatusSource
@@ -144,8 +144,9 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     stats = HarnessStats()
     tally = BurstTally()
     stop = asyncio.Event()
-    # The dashboard's own identity (mTLS): the cluster's rendered config names its files.
-    source = GrpcStatusSource(cluster.procs["scheduler"].target, config_mod.load(DashboardConfig, cluster.config_path))
+    # The dashboard's own identity (mTLS), from the cluster's certificates.
+    tls = TlsConfig(insecure=True) if cluster.pki.insecure else TlsConfig(dir=str(cluster.pki.identity_dir("dashboard")))
+    source = GrpcStatusSource(cluster.procs["scheduler"].target, DashboardConfig(tls=tls))
     dashboard = DashboardApp(source)
     try:
         runner, port = await dashboard.start("127.0.0.1", opts.dashboard_port)
