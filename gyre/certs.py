@@ -3,6 +3,7 @@
     python -m gyre.certs init DIR                     # the CA (DIR/ca/ca.crt, DIR/ca/ca.key)
     python -m gyre.certs issue DIR ROLE [NAME] [--san HOST ...] [--days N] [--force]
     python -m gyre.certs ensure DIR --config cluster.yaml   # every identity a launch needs
+    python -m gyre.certs ensure DIR --identity scheduler --identity cell-agent/cell-0 ...
     python -m gyre.certs show DIR/NAME                # who a certificate names, until when
 
 Each identity gets a directory in the layout cert-manager writes into a Kubernetes Secret
@@ -337,9 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_issue.add_argument("--san", action="append", default=[], help="extra DNS name or IP address")
     p_issue.add_argument("--days", type=int, default=365)
     p_issue.add_argument("--force", action="store_true", help="reissue even if a valid one exists")
-    p_ensure = sub.add_parser("ensure", help="CA + every identity a launch config needs")
+    p_ensure = sub.add_parser("ensure", help="CA + every identity a launch config (or --identity) needs")
     p_ensure.add_argument("dir")
-    p_ensure.add_argument("--config", required=True)
+    p_ensure.add_argument("--config", help="a launch config: its processes' identities and the base ones")
+    p_ensure.add_argument("--identity", action="append", default=[], help="ROLE or ROLE/NAME (repeatable)")
     p_ensure.add_argument("--san", action="append", default=[])
     p_show = sub.add_parser("show", help="describe a certificate (file or identity dir)")
     p_show.add_argument("path")
@@ -363,7 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "ensure":
             from gyre.config import read_file
 
-            for out in ensure(args.dir, identities_of_launch(read_file(args.config)), args.san):
+            wanted = identities_of_launch(read_file(args.config)) if args.config else list(BASE_IDENTITIES)
+            for text in args.identity:
+                role, _, name = text.partition("/")
+                r = Role.parse(role)
+                wanted.append(Identity(r, name or r.value))
+            for out in ensure(args.dir, wanted, args.san):
                 print(f"issued {out.identity}: {out.dir}")
         elif args.cmd == "show":
             print(_describe(Path(args.path)))
