@@ -117,3 +117,27 @@ def test_registration_refuses_a_servicer_without_a_table():
     server = None  # refused before the server is touched
     with pytest.raises(ValueError, match="no ACCESS table"):
         register_guarded(server, Bare(), packer_pb2_grpc.add_PackerServicer_to_server)
+
+
+def render_access_table() -> str:
+    rows, seen = [], set()
+    for cls in SERVICERS:
+        table = cls.ACCESS
+        if table.service in seen:
+            continue
+        seen.add(table.service)
+        for m in table.methods():
+            rule = table.rules[m]
+            who = ", ".join(sorted(r.value for r in rule.roles)) + (f" (own `{rule.own}` only)" if rule.own else "")
+            rows.append(f"| `{table.service.split('.')[-1]}.{m}` | {who} |")
+    return "| RPC | admitted roles |\n|---|---|\n" + "\n".join(rows)
+
+
+def test_the_documented_table_is_the_code():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    begin = text.index("-->", text.index("<!-- access-table:begin")) + 3
+    end = text.index("<!-- access-table:end -->")
+    assert text[begin:end].strip() == render_access_table()
+    assert TrainingControlServicer.ACCESS == CellControlServicer.ACCESS  # one CellControl table
