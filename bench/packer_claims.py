@@ -33,12 +33,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 
 from apps.procs import ServiceProcess  # noqa: E402
 from bench.support.pki import BenchPki  # noqa: E402
-from gyre.identity import Role  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.identity import Role  # noqa: E402
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
 from services.packer.config import PackerConfig  # noqa: E402
 from services.packer.model import ClaimOutcome, ExecStatus, Finish, Turn  # noqa: E402

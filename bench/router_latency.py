@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -35,11 +35,11 @@ import yaml  # noqa: E402
 
 from apps.model.tiny import build_tiny_model  # noqa: E402
 from apps.procs import ServiceProcess  # noqa: E402
+from bench.support.pki import BenchPki  # noqa: E402
 from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
-from bench.support.pki import BenchPki  # noqa: E402
-from gyre.identity import Role  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.identity import Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
 from gyre.v1 import common_pb2 as cpb  # noqa: E402

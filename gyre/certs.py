@@ -72,7 +72,7 @@ class IssuedCert:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
@@ -143,7 +143,7 @@ class CertificateAuthority:
         cert = x509.load_pem_x509_certificate(self.cert_path.read_bytes())
         key = serialization.load_pem_private_key(self.key_path.read_bytes(), password=None)
         if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise ValueError(f"{self.key_path}: not an EC key")
+            raise TypeError(f"{self.key_path}: not an EC key")
         return cert, key
 
     def issue(self, identity: Identity, sans: Iterable[str] = (), days: int = 365) -> IssuedCert:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Self
 
 import grpc
 
@@ -115,7 +116,7 @@ class RoleStubs:
         self._channels.clear()
         self._stubs.clear()
 
-    async def __aenter__(self) -> RoleStubs:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -14,9 +14,9 @@ import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
+from gyre.grpcx.tls import TlsFiles
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.router.routes import token_sha256
-from gyre.grpcx.tls import TlsFiles
 
 
 def build_tokenizer_dir(path: Path) -> Path:

@@ -17,8 +17,8 @@ import logging
 import math
 import os
 import uuid
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp

@@ -197,7 +197,7 @@ class _Capture:
         for h in handlers:
             name = h.service_name()
             prefix = f"/{name}/"
-            methods = {k[len(prefix):]: v for k, v in h._method_handlers.items()}  # noqa: SLF001
+            methods = {k[len(prefix):]: v for k, v in h._method_handlers.items()}
             self.handlers.setdefault(name, {}).update(methods)
 
     def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
@@ -212,7 +212,7 @@ def register_guarded(
     table or one whose table does not cover exactly its methods."""
     table = getattr(servicer, "ACCESS", None)
     if not isinstance(table, AccessTable):
-        raise ValueError(f"{type(servicer).__name__} has no ACCESS table: every RPC must say who may call it")
+        raise TypeError(f"{type(servicer).__name__} has no ACCESS table: every RPC must say who may call it")
     capture = _Capture()
     register(servicer, capture)
     if set(capture.handlers) != {table.service}:

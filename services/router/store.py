@@ -5,9 +5,8 @@ move, and lets an unknown token wait briefly for its route to arrive through the
 
 from __future__ import annotations
 
-import logging
-
 import asyncio
+import logging
 
 from gyre.errors import InvalidArgument, RateLimited, Unauthenticated
 from gyre.etcd import KV, Etcd, Keys, PrefixMirror

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gyre.errors import InvalidArgument
 from gyre import apikeys
+from gyre.errors import InvalidArgument
 from gyre.grpcx.auth import AccessTable, allow, caller
 from gyre.grpcx.errors import bearer_token, metadata_value, rpc, rpc_stream
 from gyre.identity import Role

@@ -16,8 +16,8 @@ import grpc
 
 from apps.procs import ROOT, ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
-from tests.support import packer_kit as tk
 from services.packer.servicer import PackerServicer
+from tests.support import packer_kit as tk
 from tests.tls import RoleStubs
 
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED

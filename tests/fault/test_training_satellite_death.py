@@ -18,13 +18,13 @@ from apps.procs import ServiceProcess
 from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
-from tests.leader import leader_epoch
-from tests.tls import add_port, channel
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
+from tests.leader import leader_epoch
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from apps.procs import ServiceProcess
-from services.cell_agent.servicer import CellControlServicer, EngineServicer
-from tests.tls import RoleStubs
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
+from services.cell_agent.servicer import CellControlServicer, EngineServicer
+from tests.tls import RoleStubs
 
 pytestmark = pytest.mark.timeout(120)
 

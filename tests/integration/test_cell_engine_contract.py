@@ -16,13 +16,13 @@ import json
 import pytest
 import pytest_asyncio
 
-from tests.tls import add_port
 from gyre.errors import FailedPrecondition, StaleEpoch, Unavailable
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
 from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.engines.base import Engine, FinishReason, Sampling
 from services.cell_agent.lifecycle import CellKind, CellState
 from services.cell_agent.store import EtcdCellStore
+from tests.tls import add_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 

@@ -25,8 +25,8 @@ import grpc
 import pytest
 
 from apps.procs import ServiceProcess
-from tests.tls import add_port
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.tls import add_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ import pytest
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
-from tests.support import packer_kit as tk
 from services.packer.servicer import PackerServicer
+from tests.support import packer_kit as tk
 from tests.tls import RoleStubs
 
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED

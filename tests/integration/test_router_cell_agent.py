@@ -10,7 +10,6 @@ import json
 import secrets
 
 import aiohttp
-import grpc
 import pytest
 import pytest_asyncio
 
@@ -18,8 +17,8 @@ from apps.procs import ServiceProcess
 from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.leader import leader_epoch
 from services.router.servicer import RouterServicer
+from tests.leader import leader_epoch
 from tests.tls import RoleStubs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

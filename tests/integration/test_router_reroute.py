@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from pathlib import Path
 from typing import Any
 
 import aiohttp

@@ -18,7 +18,6 @@ import yaml
 
 from apps.procs import ServiceProcess
 from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
-from tests.tls import add_port, channel
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
@@ -27,6 +26,7 @@ from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3

@@ -19,8 +19,6 @@ import yaml
 from apps.procs import ServiceProcess
 from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
 from gyre.etcd import Etcd, Keys
-from tests.leader import leader_epoch
-from tests.tls import add_port, channel
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
@@ -28,6 +26,8 @@ from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
+from tests.leader import leader_epoch
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(240)
 

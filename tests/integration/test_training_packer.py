@@ -11,22 +11,21 @@ import json
 import random
 import socket
 
-import grpc
 import pytest
 import torch
 import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from tests.leader import leader_epoch
-from services.packer.servicer import PackerServicer
-from tests.tls import RoleStubs, add_port, channel
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
+from services.packer.servicer import PackerServicer
+from tests.leader import leader_epoch
+from tests.tls import RoleStubs, channel
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_SIZE = 3

@@ -115,7 +115,7 @@ def test_registration_refuses_a_servicer_without_a_table():
         pass
 
     server = None  # refused before the server is touched
-    with pytest.raises(ValueError, match="no ACCESS table"):
+    with pytest.raises(TypeError, match="no ACCESS table"):
         register_guarded(server, Bare(), packer_pb2_grpc.add_PackerServicer_to_server)
 
 

@@ -15,9 +15,9 @@ from gyre import runtime
 from gyre.config import ServiceConfig
 from gyre.etcd.election import verified_fence
 from gyre.fencing import FenceGuard
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc
 from gyre.identity import Role
-from gyre.grpcx.auth import AccessTable, allow
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent import snapshots
