@@ -16,7 +16,7 @@ MODEL_DIR ?= $(CURDIR)/.gyre/models/tiny-seed0
 up: install  ## start etcd + every service from one config (Ctrl-C stops all)
 	$(PY) -m apps.model.tiny $(MODEL_DIR) >/dev/null
 	GYRE_ROUTER__MODEL_DIR=$(MODEL_DIR) GYRE_CELL_AGENT__MODEL_DIR=$(MODEL_DIR) \
-		$(PY) -m apps.launch --config $(or $(CONFIG),deploy/local/cluster.yaml)
+		$(PY) -m apps.launch --config $(or $(CONFIG),deploy/local/cluster.yaml) --certs-dir $(CURDIR)/.gyre/certs/local
 
 test: install  ## the whole suite (unit, integration, fault; gpu tests skip without CUDA)
 	@./scripts/install_browser.sh

@@ -11,7 +11,9 @@ The config file is the cluster config every service reads, plus a ``launch:`` se
         - {service: cell_agent, name: cell-0, set: {cell_id: cell-0, kind: elastic, index: 0, port: 50060}}
 
 ``--free-ports`` remaps every loopback port of the file to a free one (tests, parallel
-runs). Logs go to ``<run-dir>/logs/<name>.log``. The launcher shows each process's status,
+runs). TLS is on by default: certificates are made on first start under ``--certs-dir``
+(default ``<run-dir>/certs``; ``{certs_dir}`` in the file stands for it) and the private
+etcd runs with TLS and a user per identity (see :mod:`apps.pki`). Logs go to ``<run-dir>/logs/<name>.log``. The launcher shows each process's status,
 restarts nothing (crash-only services are restarted by a real supervisor in production),
 and stops everything in reverse order on Ctrl-C or when a process dies.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import yaml
 
 from apps.limits import check_sequence_limits
+from apps.pki import LaunchPki
 from apps.procs import ServiceProcess
 from gyre.etcd.server import EtcdServer, free_port
 
@@ -54,16 +57,20 @@ def remap_ports(text: str) -> str:
 class Cluster:
     """etcd + service processes described by one config file."""
 
-    def __init__(self, config_path: str | Path, run_dir: str | Path, free_ports: bool = False, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config_path: str | Path, run_dir: str | Path, free_ports: bool = False, env: dict[str, str] | None = None,
+                 certs_dir: str | Path | None = None) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # "{run_dir}" in the file stands for this run's folder (WAL, checkpoints, ...).
         text = Path(config_path).read_text().replace("{run_dir}", str(self.run_dir.resolve()))
+        certs_dir = Path(certs_dir or self.run_dir / "certs").resolve()
+        text = text.replace("{certs_dir}", str(certs_dir))
         if free_ports:
             text = remap_ports(text)
         self.config_path = self.run_dir / "cluster.yaml"
-        self.config_path.write_text(text)
         self.config: dict[str, Any] = yaml.safe_load(text)
+        self.pki = LaunchPki(self.config, certs_dir)
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False) if self.pki.changed else text)
         check_sequence_limits(self.config_path)  # before anything starts
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
@@ -78,8 +85,10 @@ class Cluster:
             return
         endpoint = (self.config.get("cluster") or {}).get("etcd_endpoints", ["127.0.0.1:23790"])[0]
         port = int(endpoint.rpartition(":")[2])
-        self.etcd = EtcdServer(data_dir=str(self.run_dir / "etcd"), client_port=port, log_path=str(self.run_dir / "logs" / "etcd.log"))
+        self.etcd = EtcdServer(data_dir=str(self.run_dir / "etcd"), client_port=port, log_path=str(self.run_dir / "logs" / "etcd.log"),
+                               tls_dir=self.pki.etcd_tls_dir)
         self.etcd.start()
+        self.pki.provision_etcd(self.etcd.endpoint)
 
     def process_specs(self) -> list[dict[str, Any]]:
         return list(self.launch.get("processes") or [])
@@ -90,7 +99,7 @@ class Cluster:
             spec["service"],
             self.config_path,
             overrides=spec.get("set") or {},
-            env={**self.env, **{k: str(v) for k, v in (spec.get("env") or {}).items()}},
+            env={**self.pki.child_env(), **self.env, **{k: str(v) for k, v in (spec.get("env") or {}).items()}},
             log_path=self.run_dir / "logs" / f"{name}.log",
             name=name,
         )
@@ -99,6 +108,9 @@ class Cluster:
         return proc
 
     def start(self, progress: Any = None) -> Cluster:
+        issued = self.pki.prepare()
+        if progress and issued:
+            progress("certificates", f"{len(issued)} issued in {self.pki.root}")
         self.start_etcd()
         if progress:
             progress("etcd", self.etcd.endpoint if self.etcd else "external")
@@ -176,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="deploy/local/cluster.yaml")
     parser.add_argument("--run-dir", default=f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--free-ports", action="store_true", help="remap every loopback port to a free one")
+    parser.add_argument("--certs-dir", default=None, help="identity directories (made on first start; default <run-dir>/certs)")
     args = parser.parse_args(argv)
 
     from rich.console import Console
     from rich.live import Live
 
     console = Console()
-    cluster = Cluster(args.config, args.run_dir, free_ports=args.free_ports)
+    cluster = Cluster(args.config, args.run_dir, free_ports=args.free_ports, certs_dir=args.certs_dir)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

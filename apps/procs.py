@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gyre.certs import ensure_process_identity
+from gyre.config import read_file
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,7 +31,7 @@ class ServiceProcess:
         service: str,
         config_path: str | os.PathLike[str] | None,
         overrides: dict[str, Any] | None = None,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         name: str | None = None,
     ) -> None:
@@ -56,7 +59,14 @@ class ServiceProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env)
+        for key, value in self.env.items():  # None: remove an inherited variable
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        # First start with a local CA (make up, the demo, tests): issue this identity's certificate.
+        config = read_file(self.config_path) if self.config_path else {}
+        ensure_process_identity(self.service, config, self.overrides, env)
         stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,

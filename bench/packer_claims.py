@@ -33,10 +33,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 
 from apps.procs import ServiceProcess  # noqa: E402
+from bench.support.pki import BenchPki  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.identity import Role  # noqa: E402
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
 from services.packer.config import PackerConfig  # noqa: E402
 from services.packer.model import ClaimOutcome, ExecStatus, Finish, Turn  # noqa: E402
@@ -147,14 +148,22 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
     cfg_path = Path(workdir) / "cluster.yaml"
     import yaml
 
+    pki = BenchPki(Path(workdir) / "certs")  # mTLS on every call, as Gyre runs by default
     cfg_path.write_text(yaml.safe_dump({
-        "cluster": {"name": "bench", "etcd_endpoints": [etcd.endpoint]},
+        "cluster": {"name": "bench", "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
         "packer": {"wal_dir": str(Path(workdir) / "wal-grpc"), "batch_size": args.groups,
                    "micro_step_token_budget": args.budget, "ready_grace_s": 0.0, "log_level": "WARNING"},
     }))
     proc = ServiceProcess("packer", cfg_path, log_path=Path(workdir) / "packer.log").start()
-    channels = [grpc.aio.insecure_channel(proc.target) for _ in range(4)]
-    stubs = [packer_pb2_grpc.PackerStub(c) for c in channels]
+    # Each caller presents its role: the router records turns, the scheduler reports
+    # finishes, and every claimer is a cell of its own (a cell claims only for itself).
+    routers = [pki.channel(proc.target, "router", Role.ROUTER, Role.PACKER) for _ in range(4)]
+    schedulers = [pki.channel(proc.target, "scheduler", Role.SCHEDULER, Role.PACKER) for _ in range(4)]
+    cells = [pki.channel(proc.target, f"cell{i}", Role.CELL_AGENT, Role.PACKER) for i in range(args.claimers)]
+    channels = routers + schedulers + cells
+    turn_stubs = [packer_pb2_grpc.PackerStub(c) for c in routers]
+    finish_stubs = [packer_pb2_grpc.PackerStub(c) for c in schedulers]
+    stubs = [packer_pb2_grpc.PackerStub(c) for c in cells]
     try:
         # Baseline: plain round trips from the same number of callers.
         n_base = 0
@@ -163,7 +172,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         async def pinger(i: int) -> None:
             nonlocal n_base
             while time.perf_counter() < stop:
-                await stubs[i % 4].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=10)
+                await stubs[i].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=10)
                 n_base += 1
 
         start = time.perf_counter()
@@ -178,12 +187,12 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             while queue:
                 ts, fs = queue.pop()
                 for t in ts:
-                    await stubs[i % 4].RecordTurn(packer_pb2.TurnRecord(
+                    await turn_stubs[i % 4].RecordTurn(packer_pb2.TurnRecord(
                         execution_id=t.execution_id, group_id=t.group_id, turn_index=t.turn_index,
                         prompt_token_ids=t.prompt, output_token_ids=t.output, output_logprobs=t.logprobs,
                         output_policy_versions=t.versions), timeout=10)
                 for f in fs:
-                    await stubs[i % 4].ReportFinish(packer_pb2.FinishReport(
+                    await finish_stubs[i % 4].ReportFinish(packer_pb2.FinishReport(
                         execution_id=f.execution_id, group_id=f.group_id, group_size=f.group_size,
                         status=common_pb2.EXECUTION_STATUS_COMPLETED, reward=f.reward), timeout=10)
 
@@ -198,7 +207,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             ingest_elapsed += time.perf_counter() - start
 
             async def claimer(i: int, batch: int = batch) -> None:
-                stub, cell = stubs[i % 4], f"cell{i}"
+                stub, cell = stubs[i], f"cell{i}"
                 while True:
                     r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
                         cell_id=cell, batch_id=batch, wait_s=0.05), timeout=10)

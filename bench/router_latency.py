@@ -6,7 +6,12 @@ a deterministic token-level engine with a fixed per-token delay, standing in for
 engine), the router (``python -m services.router`` against a private etcd), and this client.
 In the same run, at each concurrency (64 and 256 streams of 32 tokens), rounds alternate
 between calling Engine.Generate directly, Router.Generate (gRPC) and the router's OpenAI
-SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the time to first token and to the last token. Reroute
+SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the time to first token and to the last token.
+Every gRPC hop runs with mutual TLS, as Gyre does by default (a bench CA issues the
+identities); the same run also measures plaintext twins (``tls.insecure``: a second engine
+and a third router, on their own routes) so ``tls_cost`` is TLS against plaintext on the
+same machine at the same time: ``direct`` vs ``direct_plain`` and ``router_grpc`` vs
+``router_grpc_plain``. Reroute
 latency: a stream runs on engine A; the "scheduler" (this script) rewrites the route to
 engine B in etcd and calls Router.MoveExecutions; we measure from the start of that move
 to B's first token (B runs in this process so its clock is ours) and to the next token the
@@ -33,15 +38,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.support.fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
 from bench.support.router_rig import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
+from gyre import certs  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.grpcx.channel import dial  # noqa: E402
+from gyre.grpcx.tls import TlsFiles, set_process_tls  # noqa: E402
+from gyre.identity import Identity, Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
 TOKENS = 32
@@ -111,8 +119,12 @@ async def one_sse(session: aiohttp.ClientSession, url: str, token: str) -> tuple
 async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[float, float]]:
     if kind == "direct":
         coros = [one_direct(ctx["engine_stub"], i) for i in range(conc)]
+    elif kind == "direct_plain":
+        coros = [one_direct(ctx["engine_plain_stub"], i) for i in range(conc)]
     elif kind == "router_grpc":
         coros = [one_router(ctx["router_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_plain":
+        coros = [one_router(ctx["router_plain_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_coalesce":
         coros = [one_router(ctx["router2_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     else:
@@ -139,8 +151,8 @@ async def reroute_trials(ctx: dict[str, Any], trials: int) -> dict[str, Any]:
             if got >= 10 and not t_move:
                 t_move = time.monotonic()
                 epoch = await put_route(etcd, keys, ex, "b", dest.target, tok)
-                await ctx["router_stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
-                    fence=common_pb2.Fence(epoch=1), moves=[router_pb2.Move(execution_id=ex, from_cell="a", to_cell="b", route_epoch=epoch)]), timeout=10)
+                await ctx["mover_stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
+                    fence=common_pb2.Fence(epoch=ctx["epoch"]), moves=[router_pb2.Move(execution_id=ex, from_cell="a", to_cell="b", route_epoch=epoch)]), timeout=10)
             elif t_move and not after_move and [r for r in dest.engine.requests if r.execution_id == ex]:
                 after_move = time.monotonic()
         rids = [r.request_id for r in dest.engine.requests if r.execution_id == ex]
@@ -151,53 +163,77 @@ async def reroute_trials(ctx: dict[str, Any], trials: int) -> dict[str, Any]:
     return {"move_to_first_token_at_destination": summary(to_engine), "move_to_next_token_at_harness": summary(to_harness), "trials": trials}
 
 
+def _engine(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"),
+                             "--token-delay-s", str(TOKEN_DELAY_S), *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
 async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-router-"))
+    pki = tmp / "certs"  # the bench's own CA: every TLS hop authenticates both ends
+    certs.ensure(pki, [Identity(Role.CELL_AGENT, "a"), Identity(Role.CELL_AGENT, "b"), Identity(Role.ROUTER, "router"),
+                       Identity(Role.HARNESS, "harness"), Identity(Role.SCHEDULER, "scheduler")])
+    set_process_tls(TlsFiles.from_dir(pki / "b"))  # the in-process destination engine is cell b
     etcd_server = EtcdServer()
     etcd_server.start()
-    engine = subprocess.Popen([sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"), "--cell-id", "a",
-                               "--token-delay-s", str(TOKEN_DELAY_S)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    router = router2 = None
+    engine = _engine("--cell-id", "a", "--tls-dir", str(pki / "a"))
+    engine_plain = _engine("--cell-id", "a", "--insecure")
+    router = router2 = router_plain = None
     try:
-        assert engine.stdout is not None
+        assert engine.stdout is not None and engine_plain.stdout is not None
         engine_target = json.loads(engine.stdout.readline())["target"]
+        plain_target = json.loads(engine_plain.stdout.readline())["target"]
         tok_dir = build_tokenizer_dir(tmp / "model")
         cluster = "bench" + secrets.token_hex(3)
-        cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir), http_port=0, log_level="WARNING")
+        cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir), http_port=0,
+                           log_level="WARNING", tls={"dir": str(pki / "router")})
+        cfg_plain = write_config(tmp / "plain.yaml", cluster + "p", etcd_server.endpoint, model_dir=str(tok_dir), http_port=0,
+                                 log_level="WARNING", tls={"insecure": True})
         router, url = start_router(cfg, tmp / "router.log")
         router2, _ = start_router(cfg, tmp / "router2.log", coalesce_ms=COALESCE_MS)
+        router_plain, _ = start_router(cfg_plain, tmp / "router_plain.log")
         etcd = Etcd([etcd_server.endpoint], 5.0)
         await etcd.connect()
-        keys = Keys(cluster)
+        keys, keys_plain = Keys(cluster), Keys(cluster + "p")
+        await etcd.create(keys.leader(), b"bench")  # the "scheduler" (this script) leads: its epoch
+        epoch = (await etcd.get(keys.leader())).create_revision
         execs = [(f"ex-{i}", secrets.token_hex(8)) for i in range(max(concurrencies))]
         for ex, tok in execs:
             await put_route(etcd, keys, ex, "a", engine_target, tok)
+            await put_route(etcd, keys_plain, ex, "a", plain_target, tok)
         await asyncio.sleep(0.5)
         opts = [("grpc.max_concurrent_streams", 1000)]
-        ech = grpc.aio.insecure_channel(engine_target, options=opts)
-        rch = grpc.aio.insecure_channel(router.target, options=opts)
-        rch2 = grpc.aio.insecure_channel(router2.target, options=opts)
+        insecure = TlsFiles(insecure=True)
+        ech = dial(engine_target, TlsFiles.from_dir(pki / "router"), Role.CELL_AGENT, opts)  # as the router does
+        ech_plain = dial(plain_target, insecure, None, opts)
+        harness = TlsFiles.from_dir(pki / "harness")
+        rch = dial(router.target, harness, Role.ROUTER, opts)
+        rch2 = dial(router2.target, harness, Role.ROUTER, opts)
+        rch_plain = dial(router_plain.target, insecure, None, opts)
+        mover = dial(router.target, TlsFiles.from_dir(pki / "scheduler"), Role.ROUTER, opts)
         dest = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=TOKEN_DELAY_S)).start()
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         ctx = {"engine_stub": cell_agent_pb2_grpc.EngineStub(ech), "router_stub": router_pb2_grpc.RouterStub(rch), "execs": execs,
-               "router2_stub": router_pb2_grpc.RouterStub(rch2),
+               "engine_plain_stub": cell_agent_pb2_grpc.EngineStub(ech_plain),
+               "router_plain_stub": router_pb2_grpc.RouterStub(rch_plain),
+               "router2_stub": router_pb2_grpc.RouterStub(rch2), "mover_stub": router_pb2_grpc.RouterStub(mover),
+               "epoch": epoch,
                "session": session, "url": url, "etcd": etcd, "keys": keys, "engine_target": engine_target, "dest": dest}
-        kinds = ["direct", "router_grpc", "router_sse", "router_grpc_coalesce"]
-        await run_round("direct", 8, ctx)  # warm-up: channels, connections
-        await run_round("router_grpc", 8, ctx)
-        await run_round("router_sse", 8, ctx)
-        await run_round("router_grpc_coalesce", 8, ctx)
+        kinds = ["direct", "router_grpc", "router_sse", "router_grpc_coalesce", "direct_plain", "router_grpc_plain"]
+        for kind in kinds:  # warm-up: channels, connections, TLS sessions
+            await run_round(kind, 8, ctx)
         results: dict[str, Any] = {}
         for conc in concurrencies:
             samples: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
             cpu = {k: {"router": 0.0, "engine": 0.0} for k in kinds}
             for _ in range(rounds):
                 for kind in kinds:  # alternate so drift hits every kind alike
-                    rpid = router2.pid if kind == "router_grpc_coalesce" else router.pid
-                    r0, e0 = cpu_s(rpid), cpu_s(engine.pid)
+                    rpid = {"router_grpc_coalesce": router2.pid, "router_grpc_plain": router_plain.pid}.get(kind, router.pid)
+                    epid = engine_plain.pid if kind.endswith("_plain") else engine.pid
+                    r0, e0 = cpu_s(rpid), cpu_s(epid)
                     samples[kind] += await run_round(kind, conc, ctx)
                     cpu[kind]["router"] += cpu_s(rpid) - r0
-                    cpu[kind]["engine"] += cpu_s(engine.pid) - e0
+                    cpu[kind]["engine"] += cpu_s(epid) - e0
             per: dict[str, Any] = {}
             for kind in kinds:
                 tokens = rounds * conc * TOKENS
@@ -214,26 +250,38 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
                 per[kind]["ratio_vs_direct"] = {
                     f"{m}_{q}": per[kind][m][f"{q}_ms"] / per["direct"][m][f"{q}_ms"] for m in ("ttft", "stream") for q in ("p50", "p99")
                 }
+            per["tls_cost"] = {
+                kind: {
+                    "router_cpu_us_per_token_added": per[kind]["router_cpu_us_per_token"] - per[plain]["router_cpu_us_per_token"],
+                    "engine_cpu_us_per_token_added": per[kind]["engine_cpu_us_per_token"] - per[plain]["engine_cpu_us_per_token"],
+                    **{f"ratio_{m}_{q}": per[kind][m][f"{q}_ms"] / per[plain][m][f"{q}_ms"]
+                       for m in ("ttft", "stream") for q in ("p50", "p99")},
+                }
+                for kind, plain in (("direct", "direct_plain"), ("router_grpc", "router_grpc_plain"))
+            }
             results[str(conc)] = per
             print(f"[{conc} streams]")
             for kind in kinds:
                 p = per[kind]
                 print(f"  {kind:20s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | stream p50 {p['stream']['p50_ms']:7.1f} "
                       f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} engine {p['engine_cpu_us_per_token']:5.0f} us")
+            for kind, c in per["tls_cost"].items():
+                print(f"  TLS cost ({kind} vs plaintext): stream p50 x{c['ratio_stream_p50']:.2f} p99 x{c['ratio_stream_p99']:.2f}; "
+                      f"router CPU {c['router_cpu_us_per_token_added']:+.1f} us/token, engine {c['engine_cpu_us_per_token_added']:+.1f} us/token")
         reroute = await reroute_trials(ctx, trials)
         r = reroute["move_to_first_token_at_destination"]
         print(f"reroute: move -> first token at destination p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms; "
               f"-> next token at harness p50 {reroute['move_to_next_token_at_harness']['p50_ms']:.1f} ms")
         await session.close()
-        await ech.close()
-        await rch.close()
-        await rch2.close()
+        for ch in (ech, ech_plain, rch, rch2, rch_plain, mover):
+            await ch.close()
         await dest.stop(0)
         await etcd.close()
         return {
             "benchmark": "router_latency",
             "setup": {"tokens_per_stream": TOKENS, "token_delay_s": TOKEN_DELAY_S, "prompt_tokens": len(PROMPT), "rounds": rounds,
                       "engine": "bench/support/fake_engine.py (one message per token)", "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS, "processes": "engine, router, client on loopback",
+                      "tls": "mutual TLS (ECDSA P-256, TLS 1.3) on every gRPC hop; *_plain: tls.insecure",
                       "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
             "concurrency": results,
             "reroute": reroute,
@@ -241,11 +289,12 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     finally:
-        for r in (router, router2):
+        for r in (router, router2, router_plain):
             if r is not None:
                 r.stop()
-        engine.kill()
-        engine.wait()
+        for e in (engine, engine_plain):
+            e.kill()
+            e.wait()
         etcd_server.cleanup()
 
 

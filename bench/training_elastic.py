@@ -35,9 +35,11 @@ import yaml  # noqa: E402
 
 from apps.model.tiny import build_tiny_model  # noqa: E402
 from apps.procs import ServiceProcess  # noqa: E402
+from bench.support.pki import BenchPki  # noqa: E402
 from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.identity import Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
 from gyre.v1 import common_pb2 as cpb  # noqa: E402
@@ -50,10 +52,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _join(target: str, batch: int, version: int, prefix: int, core: str) -> bool:
-    async with grpc.aio.insecure_channel(target) as ch:
+async def _join(lead: tuple[BenchPki, int], target: str, batch: int, version: int, prefix: int, core: str) -> bool:
+    """JoinBatch as the scheduler would send it: its identity, its (etcd-verified) epoch."""
+    pki, epoch = lead
+    async with pki.channel(target, "scheduler", Role.SCHEDULER, Role.CELL_AGENT) as ch:
         r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=version,
+            pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
                                 prefix_size=prefix, core_target=core), timeout=120)
     return r.joined
 
@@ -83,10 +87,11 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
     packer = FakePacker()
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    pki = BenchPki(work / "certs")  # mTLS on every hop, as Gyre runs by default
+    port = server.add_secure_port("127.0.0.1:0", pki.tls("packer", Role.PACKER).server_credentials())
     await server.start()
     cfg = {
-        "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint]},
+        "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
         "trainer_cell": {"training": {
             "model_dir": str(model_dir), "dtype": dtype, "lr": 1e-4, "world_size": k,
             "dist_master": f"127.0.0.1:{_free_port()}", "packer_target": f"127.0.0.1:{port}",
@@ -100,6 +105,8 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
     client = Etcd([etcd.endpoint])
     await client.connect()
     key = Keys(cluster).policy()
+    await client.create(Keys(cluster).leader(), b"bench")  # this script is the scheduler
+    lead = (pki, (await client.get(Keys(cluster).leader())).create_revision)
     kw = dict(seqs_per_step=4, min_len=64, max_len=128, seed=11)
     try:
         for p in procs:
@@ -108,14 +115,14 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
         core = targets[0]
         # Batch 1: the core alone.
         packer.add_batch(1, 0, synthetic_batch(1, max(4, micro // 4), **kw))
-        assert await _join(core, 1, 0, 1, core)
+        assert await _join(lead, core, 1, 0, 1, core)
         await _wait_policy(client, key, 1)
         # Batch 2: satellites join at once and pull version 2 while the core trains.
         steps2 = synthetic_batch(2, micro, **kw)
         packer.add_batch(2, 1, steps2)
-        assert await _join(core, 2, 1, 1, core)
+        assert await _join(lead, core, 2, 1, 1, core)
         for i in range(1, k):
-            assert await _join(targets[i], 2, 1, i + 1, core)
+            assert await _join(lead, targets[i], 2, 1, i + 1, core)
         await _wait_policy(client, key, 2)
         # Batches 3..: everyone holds the version (broadcast); the median of `repeats`.
         times, rates = [], []
@@ -124,7 +131,7 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
             packer.add_batch(b, b - 1, steps)
             t0 = time.perf_counter()
             for i in range(k):
-                assert await _join(targets[i], b, b - 1, i + 1, core)
+                assert await _join(lead, targets[i], b, b - 1, i + 1, core)
             await _wait_policy(client, key, b)
             times.append(time.perf_counter() - t0)
             rates.append(sum(s.num_tokens for s in steps) / times[-1])

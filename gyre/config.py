@@ -29,12 +29,24 @@ CONFIG_ENV = "GYRE_CONFIG"
 
 
 class TlsConfig(BaseModel):
-    """TLS for gRPC servers and clients; off when ``cert_file`` is empty."""
+    """Mutual TLS of this process: its gRPC server, its gRPC clients and its etcd client.
+
+    On by default: a process without a certificate refuses to start. The files follow the
+    cert-manager layout of a ``kubernetes.io/tls`` Secret (``tls.crt``, ``tls.key``,
+    ``ca.crt``), which ``python -m gyre.certs`` also writes."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    cert_file: str = Field("", description="PEM certificate chain of this service.")
-    key_file: str = Field("", description="PEM private key of this service.")
-    ca_file: str = Field("", description="PEM CA bundle used to verify peers.")
+    insecure: bool = Field(
+        False, description="Plaintext, no identities, every RPC admitted: an explicit opt-out for "
+        "local debugging, logged as a warning.",
+    )
+    dir: str = Field(
+        "", description="Identity directory holding tls.crt, tls.key and ca.crt; '{identity}' stands for "
+        "this process's identity name (scheduler, router, packer, dashboard, or the cell id).",
+    )
+    cert_file: str = Field("", description="PEM certificate of this process (overrides dir/tls.crt).")
+    key_file: str = Field("", description="PEM private key of this process (overrides dir/tls.key).")
+    ca_file: str = Field("", description="PEM CA bundle peers are checked against (overrides dir/ca.crt).")
 
 
 class ServiceConfig(BaseSettings):
@@ -71,7 +83,12 @@ class ServiceConfig(BaseSettings):
     history_file: str = Field("", description="Append operations as JSONL here (checker input).")
     tracing: str = Field("off", description='OpenTelemetry exporter: "off", "console" or "otlp".')
     otlp_endpoint: str = Field("127.0.0.1:4317", description="OTLP gRPC collector, if tracing=otlp.")
-    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS; off by default.")
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS (on by default).")
+    health_port: int = Field(
+        0, ge=0, le=65535,
+        description="Plaintext port serving only grpc.health.v1 (Kubernetes' gRPC probes cannot "
+        "do TLS); 0: none. Health is also served on the main (mTLS) port.",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -84,6 +101,15 @@ class ServiceConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment beats the file (passed as init kwargs), which beats the defaults.
         return (env_settings, init_settings)
+
+    def identity_name(self) -> str:
+        """This process's identity name (what ``{identity}`` in ``tls.dir`` stands for):
+        the service's role, or a cell agent's cell id; "" for a config of no service."""
+        from gyre.identity import SERVICE_ROLES, service_identity
+
+        if self.SECTION not in SERVICE_ROLES:
+            return ""
+        return service_identity(self.SECTION, str(getattr(self, "cell_id", ""))).name
 
     @property
     def advertised_target(self) -> str:

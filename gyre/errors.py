@@ -71,6 +71,12 @@ class ResourceExhausted(GyreError):
     http_status = 413
 
 
+class RateLimited(ResourceExhausted):
+    """Over a rate limit; retry after a while (HTTP 429)."""
+
+    http_status = 429
+
+
 class Unavailable(GyreError):
     """A dependency is down or no destination can take the work; retry later."""
 
@@ -111,6 +117,7 @@ _FROM_HTTP: dict[int, type[GyreError]] = {
     404: NotFound,
     409: FailedPrecondition,
     413: ResourceExhausted,
+    429: RateLimited,
     503: Unavailable,
     504: DeadlineExceeded,
 }

@@ -25,6 +25,7 @@ from gyre.config import ServiceConfig
 from gyre.errors import FatalError
 from gyre.etcd import Etcd, Keys, LeaseKeeper
 from gyre.grpcx.server import GrpcServer, Registrar
+from gyre.grpcx.tls import TlsFiles, TlsNotConfigured, set_process_tls
 from gyre.supervisor import Supervisor
 from gyre.telemetry import setup_logging, setup_tracing
 
@@ -60,7 +61,9 @@ Prepare = Callable[[ServiceConfig], None]
 async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None) -> None:
     """Runs one service until a signal or a fatal error."""
     tracer_provider = setup_tracing(name, cfg.tracing, cfg.otlp_endpoint)
-    etcd = Etcd(cfg.etcd_endpoints, cfg.etcd_timeout_s)
+    tls = TlsFiles.resolve(cfg.tls, cfg.identity_name())
+    set_process_tls(tls)
+    etcd = Etcd(cfg.etcd_endpoints, cfg.etcd_timeout_s, tls=tls)
     await etcd.connect()
     lease = LeaseKeeper(etcd, cfg.lease_ttl_s)
     await lease.grant()
@@ -129,6 +132,11 @@ def main(
     cfg = config_mod.load(config_cls, args.config, **overrides)
     setup_logging(name, cfg.log_level, cfg.log_json)
     instance = str(getattr(cfg, instance_field)) if instance_field else f"{name}-{os.getpid()}"
+    try:  # before the slow start-up: a process without its certificate stops at once
+        TlsFiles.resolve(cfg.tls, cfg.identity_name())
+    except TlsNotConfigured as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
     if prepare is not None:
         prepare(cfg)
     try:

@@ -129,6 +129,8 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "drain_grace_s": pp.drain_grace_s * scale, "reconcile_s": tick_s,
             "heartbeat_interval_s": 5.0, "heartbeat_deadline_s": 600.0, "max_wait_s": 10.0,
             "model": "emulate", "orphan_grace_s": 3.0,
+            # One driver stands for every harness of the emulated cluster: no per-harness caps.
+            "harness_max_inflight": 0, "harness_acquire_rate_per_s": 0.0,
         },
         "router": {
             "port": 50152, "http_port": 8100, "packer_target": "127.0.0.1:50153",
@@ -196,7 +198,7 @@ async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale:
 
     conf = cluster.config
     keys = Keys(conf["cluster"]["name"])
-    etcd = Etcd(conf["cluster"]["etcd_endpoints"], timeout_s=5.0)
+    etcd = Etcd(conf["cluster"]["etcd_endpoints"], timeout_s=5.0, tls=cluster.pki.tls("operator"))
     await etcd.connect()
     try:
         cells = sc.cluster.cells
@@ -216,6 +218,8 @@ async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale:
         driver = ReplayDriver(
             trace, conf["scheduler"]["_target"], conf["router"]["_target"], time_scale=time_scale,
             workers=cells * sc.cluster.slots_per_cell + 8,
+            tls_dir=None if cluster.pki.insecure else str(cluster.pki.identity_dir("harness")),
+            insecure=cluster.pki.insecure,
         )
         stop = asyncio.Event()
         t0 = time.monotonic()

@@ -25,6 +25,9 @@ import grpc
 
 from gyre.client.harness import HarnessClient
 from gyre.errors import GyreError
+from gyre.grpcx.channel import dial
+from gyre.grpcx.tls import TlsFiles
+from gyre.identity import Role
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
 from sim.workload import Episode, Trace
 
@@ -69,7 +72,8 @@ class ReplayDriver:
 
     def __init__(self, trace: Trace, scheduler_target: str, router_target: str, *, time_scale: float,
                  workers: int, max_context: int = 1 << 17,
-                 sleep: Callable[[float], object] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], object] = asyncio.sleep,
+                 tls_dir: str | None = None, insecure: bool = False) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.trace = trace
@@ -78,6 +82,8 @@ class ReplayDriver:
         self.time_scale = time_scale
         self.workers = workers
         self.max_context = max_context
+        self.tls_dir = tls_dir  # the harness identity it presents (mTLS)
+        self.insecure = insecure
         self._sleep = sleep
         self.stats = ReplayStats()
         self._members: dict[str, int] = defaultdict(int)
@@ -91,10 +97,12 @@ class ReplayDriver:
         return self.trace.episode(task_index(task_id), member, policy_version)
 
     async def run(self, stop: asyncio.Event) -> ReplayStats:
-        self._channel = grpc.aio.insecure_channel(self.router_target)
+        tls = TlsFiles(insecure=True) if self.insecure else TlsFiles.from_dir(self.tls_dir or "")
+        self._channel = dial(self.router_target, tls, Role.ROUTER)
         self._router = router_pb2_grpc.RouterStub(self._channel)
         try:
-            async with HarnessClient(self.scheduler_target, harness_id="emulate") as client:
+            async with HarnessClient(self.scheduler_target, harness_id="emulate", tls_dir=self.tls_dir,
+                                     insecure=self.insecure) as client:
                 tasks = [asyncio.create_task(self._worker(client, stop)) for _ in range(self.workers)]
                 await stop.wait()
                 for t in tasks:

@@ -128,8 +128,9 @@ def reward_by_version(stats: HarnessStats) -> dict[int, dict[str, float]]:
 
 async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from apps.demo.plot import plot_timeline
-    from gyre.config import ServiceConfig
+    from gyre.config import TlsConfig
     from services.dashboard.app import DashboardApp
+    from services.dashboard.config import DashboardConfig
     from services.dashboard.source import GrpcStatusSource
 
     console = Console()
@@ -143,7 +144,9 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     stats = HarnessStats()
     tally = BurstTally()
     stop = asyncio.Event()
-    source = GrpcStatusSource(cluster.procs["scheduler"].target, ServiceConfig())
+    # The dashboard's own identity (mTLS), from the cluster's certificates.
+    tls = TlsConfig(insecure=True) if cluster.pki.insecure else TlsConfig(dir=str(cluster.pki.identity_dir("dashboard")))
+    source = GrpcStatusSource(cluster.procs["scheduler"].target, DashboardConfig(tls=tls))
     dashboard = DashboardApp(source)
     try:
         runner, port = await dashboard.start("127.0.0.1", opts.dashboard_port)
@@ -155,7 +158,9 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     outcome = "completed"
     try:
         harness = asyncio.create_task(
-            run_harness(cluster.procs["scheduler"].target, opts.env, opts.concurrency, stop_when_exhausted=False, harness_id="demo", stop=stop, stats=stats)
+            run_harness(cluster.procs["scheduler"].target, opts.env, opts.concurrency, stop_when_exhausted=False, harness_id="demo", stop=stop, stats=stats,
+                        tls_dir=None if cluster.pki.insecure else str(cluster.pki.identity_dir("harness")),
+                        insecure=cluster.pki.insecure)
         )
         with Live(_progress_view(None, stats, tally, 0, url), console=console, refresh_per_second=2, transient=not opts.live) as live:
             while True:

@@ -63,12 +63,14 @@ async def run_harness(
     harness_id: str = "",
     stop: asyncio.Event | None = None,
     stats: HarnessStats | None = None,
+    tls_dir: str | None = None,
+    insecure: bool = False,
 ) -> HarnessStats:
     """Runs up to ``concurrency`` executions at a time until the burst is exhausted (or
     ``max_executions``, or ``stop`` is set). ``stats`` is updated live if given."""
     stats = stats if stats is not None else HarnessStats()
     started = 0
-    async with HarnessClient(scheduler_target, harness_id=harness_id) as client:
+    async with HarnessClient(scheduler_target, harness_id=harness_id, tls_dir=tls_dir, insecure=insecure) as client:
         running: set[asyncio.Task[None]] = set()
         while stop is None or not stop.is_set():
             if max_executions is not None and started >= max_executions:
@@ -96,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-executions", type=int, default=None)
     parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
+    parser.add_argument("--tls-dir", default=None, help="harness identity directory (default $GYRE_HARNESS_TLS_DIR); "
+                        "an API key comes from $GYRE_HARNESS_API_KEY_FILE or $GYRE_HARNESS_API_KEY")
+    parser.add_argument("--insecure", action="store_true", help="plaintext (a scheduler run with tls.insecure)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     env = EnvConfig(**json.loads(args.env))
-    stats = asyncio.run(run_harness(args.scheduler, env, args.concurrency, args.max_executions))
+    stats = asyncio.run(run_harness(args.scheduler, env, args.concurrency, args.max_executions,
+                                    tls_dir=args.tls_dir, insecure=args.insecure))
     print(json.dumps({"completed": stats.completed, "failed": stats.failed, "turns": stats.turns}))
     return 0 if stats.failed == 0 else 1
 

@@ -28,6 +28,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from gyre.grpcx.tls import TlsFiles, process_tls, set_process_tls  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
 
 _MOD = (1 << 61) - 1
@@ -190,16 +191,22 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
 class FakeEngineServer:
     """A FakeEngine on a loopback port, in this process."""
 
-    def __init__(self, opts: FakeOptions | None = None, port: int = 0) -> None:
+    def __init__(self, opts: FakeOptions | None = None, port: int = 0, tls: TlsFiles | None = None) -> None:
         self.engine = FakeEngine(opts or FakeOptions())
         self._port = port
+        self._tls = tls
         self.server: grpc.aio.Server | None = None
         self.target = ""
 
     async def start(self) -> FakeEngineServer:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         cell_agent_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
-        port = self.server.add_insecure_port(f"127.0.0.1:{self._port}")
+        # The router dials engines as cell agents: present a cell certificate (this
+        # process's, or the one given), and require the caller's, as a cell agent does.
+        tls = self._tls or process_tls()
+        address = f"127.0.0.1:{self._port}"
+        port = (self.server.add_insecure_port(address) if tls.insecure
+                else self.server.add_secure_port(address, tls.server_credentials()))
         await self.server.start()
         self._port = port
         self.target = f"127.0.0.1:{port}"
@@ -220,7 +227,10 @@ async def _main() -> None:
     p.add_argument("--die-after-tokens", type=int, default=0)
     p.add_argument("--hang-after-tokens", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tls-dir", default="", help="identity directory of the cell certificate to serve with")
+    p.add_argument("--insecure", action="store_true", help="plaintext (a cluster run with tls.insecure)")
     a = p.parse_args()
+    set_process_tls(TlsFiles(insecure=True) if a.insecure else TlsFiles.from_dir(a.tls_dir))
     server = await FakeEngineServer(
         FakeOptions(
             cell_id=a.cell_id, policy_version=a.policy_version, token_delay_s=a.token_delay_s,

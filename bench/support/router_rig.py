@@ -14,6 +14,7 @@ import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
+from gyre.grpcx.tls import TlsFiles
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.router.routes import token_sha256
 
@@ -73,11 +74,13 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
         return packer_pb2.RecordTurnResponse(duplicate=dup)
 
 
-async def start_fake_packer() -> tuple[FakePacker, grpc.aio.Server, str]:
+async def start_fake_packer(tls: TlsFiles) -> tuple[FakePacker, grpc.aio.Server, str]:
+    """A packer stand-in; ``tls``: the packer's identity (the router checks it), or insecure."""
     packer = FakePacker()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     packer_pb2_grpc.add_PackerServicer_to_server(packer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    address = "127.0.0.1:0"
+    port = server.add_insecure_port(address) if tls.insecure else server.add_secure_port(address, tls.server_credentials())
     await server.start()
     return packer, server, f"127.0.0.1:{port}"
 

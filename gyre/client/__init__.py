@@ -2,7 +2,7 @@
 
 Light on purpose: it needs grpcio, protobuf and aiohttp, never torch or vLLM.
 
-    async with HarnessClient("127.0.0.1:50051", harness_id="h1") as client:
+    async with HarnessClient("127.0.0.1:50051", harness_id="h1", tls_dir="CERTS/harness") as client:
         while (execution := await client.acquire(wait_s=5)) is not None:
             async with execution:                      # heartbeats in the background
                 text = await execution.chat([{"role": "user", "content": "hi"}])

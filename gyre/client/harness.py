@@ -1,4 +1,12 @@
-"""Harness-side client of the scheduler (gRPC) and the router (OpenAI HTTP)."""
+"""Harness-side client of the scheduler (gRPC) and the router (OpenAI HTTP).
+
+The scheduler requires mutual TLS and a harness credential. The client presents the
+certificate in ``tls_dir`` (an identity directory: tls.crt, tls.key, ca.crt; default
+``$GYRE_HARNESS_TLS_DIR``), and, where harnesses share a certificate, an API key
+(``api_key``, or the file named by ``$GYRE_HARNESS_API_KEY_FILE``, or
+``$GYRE_HARNESS_API_KEY``) in the ``x-gyre-api-key`` metadata of every call.
+``insecure=True`` dials plaintext (a scheduler run with ``tls.insecure``).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +15,20 @@ import contextlib
 import json
 import logging
 import math
+import os
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
 
+from gyre.apikeys import METADATA_KEY
 from gyre.errors import GyreError, InvalidArgument, Unavailable, from_http_status, from_rpc_error
+from gyre.grpcx.channel import dial
+from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
+from gyre.identity import Role
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,16 +47,31 @@ class NoExecution(Exception):
 class HarnessClient:
     """Asks the scheduler for executions. One per harness process."""
 
-    def __init__(self, scheduler_target: str, harness_id: str = "", timeout_s: float = 10.0) -> None:
+    def __init__(self, scheduler_target: str, harness_id: str = "", timeout_s: float = 10.0, *,
+                 tls_dir: str | os.PathLike[str] | None = None, api_key: str | None = None,
+                 insecure: bool = False) -> None:
         self._target = scheduler_target
         self.harness_id = harness_id or f"harness-{uuid.uuid4().hex[:8]}"
         self._timeout_s = timeout_s
+        self._tls_dir = tls_dir or os.environ.get("GYRE_HARNESS_TLS_DIR", "")
+        self._insecure = insecure
+        key = api_key or _key_from_env()
+        self.metadata: tuple[tuple[str, str], ...] = ((METADATA_KEY, key),) if key else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.HarnessServiceStub | None = None
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> HarnessClient:
-        self._channel = grpc.aio.insecure_channel(self._target)
+        if self._insecure:
+            tls = TlsFiles(insecure=True)
+        elif self._tls_dir:
+            tls = TlsFiles.from_dir(self._tls_dir)
+        else:
+            raise TlsNotConfigured(
+                "the scheduler requires mTLS: pass tls_dir= (or set GYRE_HARNESS_TLS_DIR) to a harness "
+                "identity directory (python -m gyre.certs issue DIR harness NAME)"
+            )
+        self._channel = dial(self._target, tls, Role.SCHEDULER)
         self._stub = scheduler_pb2_grpc.HarnessServiceStub(self._channel)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self
@@ -70,7 +99,8 @@ class HarnessClient:
         Check :attr:`last_burst_exhausted` to tell "wait and retry" from "burst done"."""
         request = scheduler_pb2.AcquireExecutionRequest(harness_id=self.harness_id, wait_s=wait_s)
         try:
-            reply = await self.stub.AcquireExecution(request, timeout=wait_s + self._timeout_s)
+            reply = await self.stub.AcquireExecution(request, timeout=wait_s + self._timeout_s,
+                                                     metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
         self.last_burst_exhausted = reply.burst_exhausted
@@ -106,7 +136,7 @@ class ExecutionHandle:
         self.model = proto.model
         self._http = http
         self._timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {self.token}"),)
+        self._metadata = (("authorization", f"Bearer {self.token}"), *client.metadata)
         self._idempotency_key = uuid.uuid4().hex
         self._heartbeat: asyncio.Task[None] | None = None
         self.finished = False
@@ -214,9 +244,8 @@ class ExecutionHandle:
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POSTs to the router's OpenAI-compatible API with this execution's token."""
         url = self.openai_base_url + path
-        # The execution id lets the router, on a route it has not seen yet (its watch lags
-        # the scheduler's write), read exactly that route from etcd instead of a coalesced
-        # list that may predate the write (which answered 401 under load).
+        # The execution id lets the router tell "this execution's route has not arrived yet"
+        # (it waits for the watch) from a token of another execution (403).
         headers = {"Authorization": f"Bearer {self.token}", "x-gyre-execution-id": self.execution_id}
         _inject_trace_context(headers)
         async with self._http.post(url, json=body, headers=headers) as resp:
@@ -224,6 +253,13 @@ class ExecutionHandle:
             if resp.status >= 400:
                 raise _http_error(resp.status, text)
             return json.loads(text)
+
+
+def _key_from_env() -> str | None:
+    path = os.environ.get("GYRE_HARNESS_API_KEY_FILE", "")
+    if path:
+        return Path(path).read_text().strip() or None
+    return os.environ.get("GYRE_HARNESS_API_KEY") or None
 
 
 def _inject_trace_context(headers: dict[str, str]) -> None:

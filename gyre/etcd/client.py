@@ -4,6 +4,13 @@ compare-and-swap helpers.
 Load only one etcd client per process (two register the same protobuf symbols). Per-call
 deadlines come from ``timeout_s``; aetcd errors surface as :class:`gyre.errors.Unavailable`
 (transport) or propagate (programming errors).
+
+TLS: an endpoint ``https://host:port``, or a bare ``host:port`` when the process has TLS
+files, is dialed with mutual TLS; etcd (``--client-cert-auth``) then takes the client
+certificate's CN as the etcd user, so each process acts with its own user and role (see
+:mod:`gyre.etcd.access`). ``http://host:port`` is plaintext. aetcd 1.x only dials
+plaintext and authenticates with a password token that expires, so :class:`_TlsClient`
+opens the secure channel itself; everything else is aetcd's.
 """
 
 from __future__ import annotations
@@ -12,12 +19,17 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aetcd
 import aetcd.exceptions
+import aetcd.watcher
+import grpc
 
-from gyre.errors import Unavailable
+from gyre.errors import PermissionDenied, Unavailable
+
+if TYPE_CHECKING:
+    from gyre.grpcx.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +98,48 @@ _TRANSPORT_ERRORS = (
 )
 
 
-class Etcd:
-    """An etcd connection for one process."""
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a mutual-TLS channel (no password token: the certificate's CN is
+    the etcd user)."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float, credentials: grpc.ChannelCredentials) -> None:
+        super().__init__(host=host, port=port, timeout=timeout)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        target = f"{self._host}:{self._port}"
+        self.channel = aetcd.rpc.secure_channel(target, self._credentials, options=list(self._options.items()))
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=None)
+        self._connected.set()
+
+
+def parse_endpoint(endpoint: str, has_tls: bool) -> tuple[str, int, bool]:
+    """(host, port, tls) of ``[http://|https://]host:port``; a bare one uses TLS when the
+    process has TLS files."""
+    tls = has_tls
+    for scheme, secure in (("https://", True), ("http://", False)):
+        if endpoint.startswith(scheme):
+            endpoint, tls = endpoint[len(scheme):], secure
+    host, _, port = endpoint.rstrip("/").rpartition(":")
+    return host or "127.0.0.1", int(port), tls
+
+
+class Etcd:
+    """An etcd connection for one process (mutual TLS when ``tls`` has files)."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0, tls: TlsFiles | None = None) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self._endpoints = list(endpoints)
         self._timeout_s = timeout_s
+        self._tls = tls if tls is not None and not tls.insecure else None
         self._client: aetcd.Client | None = None
 
     @property
@@ -106,8 +152,14 @@ class Etcd:
         """Connects to the first endpoint that answers a status call."""
         last: Exception | None = None
         for endpoint in self._endpoints:
-            host, _, port = endpoint.rpartition(":")
-            client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=self._timeout_s)
+            host, port, secure = parse_endpoint(endpoint, self._tls is not None)
+            client: aetcd.Client
+            if secure:
+                if self._tls is None:
+                    raise ValueError(f"etcd endpoint {endpoint} needs TLS but this process has no certificate")
+                client = _TlsClient(host, port, self._timeout_s, self._tls.channel_credentials())
+            else:
+                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
             try:
                 await client.connect()
                 await asyncio.wait_for(client.status(), self._timeout_s)
@@ -138,6 +190,8 @@ class Etcd:
             got = await self.client.get(key)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd get: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise _refused("get", key, exc) from exc
         return None if got is None else KV.from_raw(got)
 
     async def get_prefix(self, prefix: bytes) -> tuple[int, list[KV]]:
@@ -146,6 +200,8 @@ class Etcd:
             got = await self.client.get_prefix(prefix)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd get_prefix: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise _refused("get", prefix, exc) from exc
         return got.header.revision, [KV.from_raw(kv) for kv in got.kvs]
 
     async def count_prefix(self, prefix: bytes) -> int:
@@ -163,6 +219,8 @@ class Etcd:
             got = await self.client.put(key, value, lease=lease)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd put: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise _refused("put", key, exc) from exc
         return got.header.revision
 
     async def delete(self, key: bytes) -> bool:
@@ -170,6 +228,8 @@ class Etcd:
             got = await self.client.delete(key)
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd delete: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise _refused("delete", key, exc) from exc
         return bool(got)
 
     async def txn(
@@ -197,6 +257,8 @@ class Etcd:
         except _TRANSPORT_ERRORS as exc:
             raise Unavailable(f"etcd txn: {exc!r}") from exc
         except aetcd.rpc.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionDenied(f"etcd refused a transaction: {exc.details()}") from exc
             raise Unavailable(f"etcd txn: {exc.code().name} {exc.details()}") from exc
         return resp.succeeded, resp.header.revision
 
@@ -238,6 +300,14 @@ class Etcd:
 
     async def compact(self, revision: int) -> None:
         await self.client.compact(revision, physical=True)
+
+
+def _refused(what: str, key: bytes, exc: Exception) -> Exception:
+    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied;
+    any other client error unchanged."""
+    if "permission denied" in str(exc):
+        return PermissionDenied(f"etcd refused {what} {key.decode(errors='replace')}: {exc}")
+    return exc
 
 
 def _apply_op(target: Any, op: str, value: Any) -> Any:

@@ -15,8 +15,10 @@ import logging
 from collections.abc import Sequence
 
 from gyre.errors import StaleEpoch
-from gyre.etcd.client import Compare, Etcd, Op, create_revision_is
+from gyre.etcd.client import KV, Compare, Etcd, Op, create_revision_is
 from gyre.etcd.lease import LeaseKeeper
+from gyre.etcd.watch import PrefixMirror
+from gyre.fencing import FenceGuard
 from gyre.ids import Epoch
 
 log = logging.getLogger(__name__)
@@ -98,3 +100,22 @@ class LeaderElection:
             return
         await self._etcd.txn([self.fence()], [Op(self._key, None)])
         self._epoch = None
+
+
+def verified_fence(etcd: Etcd, leader_key: bytes) -> tuple[FenceGuard, PrefixMirror]:
+    """A receiver's fence whose floor comes only from etcd: it reads the leader key when a
+    command brings a newer epoch, and the returned mirror (spawn its ``run()``) raises the
+    floor whenever a new leader key appears."""
+
+    async def leader_epoch() -> int:
+        kv = await etcd.get(leader_key)
+        return 0 if kv is None else kv.create_revision
+
+    fence = FenceGuard(leader_epoch=leader_epoch)
+
+    def on_change(items: dict[bytes, KV]) -> None:
+        kv = items.get(leader_key)
+        if kv is not None:
+            fence.observe(kv.create_revision)
+
+    return fence, PrefixMirror(etcd, leader_key, on_change=on_change)

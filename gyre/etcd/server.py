@@ -2,6 +2,11 @@
 
 Used by the local launcher and by integration tests (which restart and stop it to test
 resync and lease expiry). Needs the ``etcd`` binary (Debian's etcd-server) on PATH.
+
+With ``tls_dir`` (an identity directory of the ``etcd`` role: tls.crt, tls.key, ca.crt) it
+serves clients over mutual TLS only and takes each client certificate's CN as the etcd user
+(``--client-cert-auth``); :func:`gyre.etcd.access.provision` then creates the users and
+roles and turns auth on. Without it, plaintext (tests that are not about security).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ def free_port() -> int:
 class EtcdServer:
     """Starts, restarts, pauses and stops one etcd member on loopback."""
 
-    def __init__(self, data_dir: str | None = None, client_port: int = 0, peer_port: int = 0, log_path: str | None = None) -> None:
+    def __init__(self, data_dir: str | None = None, client_port: int = 0, peer_port: int = 0, log_path: str | None = None,
+                 tls_dir: str | os.PathLike[str] | None = None) -> None:
+        self.tls_dir = Path(tls_dir) if tls_dir else None
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="gyre-etcd-"))
         self.client_port = client_port or free_port()
@@ -35,14 +42,15 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        """The client URL: ``https://`` with TLS, ``http://`` without."""
+        return f"{'https' if self.tls_dir else 'http'}://127.0.0.1:{self.client_port}"
 
     def start(self, timeout_s: float = 15.0) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd not on PATH: run `make install` (apt-get install etcd-server)")
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = self.endpoint
+        peer = f"http://127.0.0.1:{self.peer_port}"  # one member on loopback: no peer traffic
         args = [
             binary,
             "--name", "gyre",
@@ -55,6 +63,13 @@ class EtcdServer:
             "--log-level", "error",
             "--logger", "zap",
         ]
+        if self.tls_dir is not None:
+            args += [
+                "--cert-file", str(self.tls_dir / "tls.crt"),
+                "--key-file", str(self.tls_dir / "tls.key"),
+                "--trusted-ca-file", str(self.tls_dir / "ca.crt"),
+                "--client-cert-auth",
+            ]
         log = open(self._log_path, "ab")
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
         self._proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, start_new_session=True)

@@ -74,6 +74,14 @@ def _is_abort(exc: BaseException) -> bool:
     return type(exc).__name__ == "AbortError" or isinstance(exc, grpc.RpcError)
 
 
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    """The first value of metadata ``key`` (lower case), or None."""
+    for k, value in context.invocation_metadata() or ():
+        if k == key:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
+
+
 def bearer_token(context: grpc.aio.ServicerContext) -> str:
     """The execution token from ``authorization: Bearer <token>``; UNAUTHENTICATED if absent."""
     for key, value in context.invocation_metadata() or ():

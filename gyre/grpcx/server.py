@@ -1,6 +1,9 @@
 """A grpc.aio server with what operators expect from every Gyre service.
 
-Health checking (``grpc.health.v1``, what Kubernetes probes use), server reflection,
+Mutual TLS (on by default: a client needs a certificate from the cluster's CA to get past
+the handshake), authorization by role (each servicer's ``ACCESS`` table, see
+:mod:`gyre.grpcx.auth`), health checking (``grpc.health.v1``; optionally also on a
+plaintext health-only port for Kubernetes probes, which cannot do TLS), server reflection,
 explicit message-size limits, OpenTelemetry instrumentation when tracing is on, and a
 graceful stop: stop intake, let calls drain for a grace period, then cancel.
 """
@@ -16,6 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gyre.config import ServiceConfig
+from gyre.grpcx.auth import register_guarded
+from gyre.grpcx.tls import INSECURE_WARNING, TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,10 @@ class GrpcServer:
     """Owns one grpc.aio server: the given servicers plus health and reflection.
 
     ``services`` pairs each servicer with its generated ``add_*_to_server`` function and
-    its full service name (for reflection and health).
+    its full service name (for reflection and health). Every servicer carries an
+    ``ACCESS`` table; its handlers are registered wrapped by the table's guard.
+    ``identity`` names this process for ``{identity}`` in ``tls.dir`` (default: the
+    config's own, see :meth:`ServiceConfig.identity_name`).
     """
 
     def __init__(
@@ -61,13 +69,17 @@ class GrpcServer:
         config: ServiceConfig,
         services: Sequence[tuple[Any, Registrar, str]],
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        identity: str | None = None,
     ) -> None:
         self._config = config
+        self._tls = TlsFiles.resolve(config.tls, config.identity_name() if identity is None else identity)
         self._services = list(services)
         self._interceptors = list(interceptors)
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else None
         self.port = 0
+        self.health_port = 0
 
     @property
     def health(self) -> Any:
@@ -81,30 +93,43 @@ class GrpcServer:
             options=server_options(cfg.max_message_bytes),
         )
         names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
+        secure = not self._tls.insecure
         for servicer, register, name in self._services:
-            register(servicer, server)
+            registered = register_guarded(server, servicer, register, enforce=secure)
+            if registered != name:
+                raise ValueError(f"{type(servicer).__name__} serves {registered}, registered as {name}")
             names.append(name)
         if self._health is None:  # pragma: no cover - older grpcio-health-checking
             raise RuntimeError("grpcio-health-checking without aio support")
+        # Health and reflection: any caller that passed the mTLS handshake (see gyre.grpcx.auth).
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(names, server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls.cert_file:
-            creds = grpc.ssl_server_credentials(
-                [(_read(cfg.tls.key_file), _read(cfg.tls.cert_file))],
-                root_certificates=_read(cfg.tls.ca_file) if cfg.tls.ca_file else None,
-                require_client_auth=bool(cfg.tls.ca_file),
-            )
-            self.port = server.add_secure_port(address, creds)
+        if secure:
+            self.port = server.add_secure_port(address, self._tls.server_credentials())
         else:
+            log.warning(INSECURE_WARNING)
             self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {address}")
         await server.start()
         self._server = server
+        if cfg.health_port:
+            await self._start_health_port(cfg)
         await self.set_serving(True)
-        log.info("grpc server listening", extra={"address": f"{cfg.host}:{self.port}"})
+        log.info("grpc server listening", extra={"address": f"{cfg.host}:{self.port}", "mtls": secure})
         return self.port
+
+    async def _start_health_port(self, cfg: ServiceConfig) -> None:
+        """grpc.health.v1 alone, in plaintext: what Kubernetes' gRPC probes can reach."""
+        server = grpc.aio.server(options=server_options(64 * 1024))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        address = f"{cfg.host}:{cfg.health_port}"
+        self.health_port = server.add_insecure_port(address)
+        if self.health_port == 0:
+            raise RuntimeError(f"cannot bind {address}")
+        await server.start()
+        self._health_server = server
 
     async def set_serving(self, serving: bool) -> None:
         """Flips every service's health status (NOT_SERVING while draining)."""
@@ -124,16 +149,14 @@ class GrpcServer:
         await self.set_serving(False)
         await self._server.stop(self._config.grace_s if grace_s is None else grace_s)
         self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
 
     async def wait(self) -> None:
         """Returns when the server has terminated."""
         if self._server is not None:
             await self._server.wait_for_termination()
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _tracing_interceptors(cfg: ServiceConfig) -> list[grpc.aio.ServerInterceptor]:

@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gyre.errors import InvalidArgument, ResourceExhausted
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.identity import Role
 from gyre.telemetry import tag_execution
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
@@ -62,7 +64,15 @@ def status_to_proto(s: CellStatus) -> pb.CellStatus:
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    """The token-level engine API; only the router calls it."""
+    """The token-level engine API; only the router calls it (the scheduler reads loads)."""
+
+    ACCESS = AccessTable("gyre.v1.Engine", {
+        "Generate": allow(Role.ROUTER),
+        "Abort": allow(Role.ROUTER),
+        "GetLoad": allow(Role.ROUTER, Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        "ExportKv": allow(Role.ROUTER),
+        "ReleaseKv": allow(Role.ROUTER),
+    })
 
     def __init__(
         self, cell: Cell, max_prompt_tokens: int, max_tokens_limit: int, vocab_limit: int = 1 << 24
@@ -121,6 +131,13 @@ class EngineServicer(pb_grpc.EngineServicer):
 
 class CellControlServicer(pb_grpc.CellControlServicer):
     """Role control; only the scheduler leader calls it, every call fenced."""
+
+    ACCESS = AccessTable("gyre.v1.CellControl", {
+        "SetState": allow(Role.SCHEDULER),
+        "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        "LoadPolicy": allow(Role.SCHEDULER),
+        "JoinBatch": allow(Role.SCHEDULER),
+    })
 
     def __init__(self, cell: Cell) -> None:
         self._cell = cell

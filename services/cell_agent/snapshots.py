@@ -21,8 +21,12 @@ import grpc
 import torch
 
 from gyre.errors import InvalidArgument, NotFound, from_rpc_error
+from gyre.grpcx.auth import AccessTable, allow
+from gyre.grpcx.channel import dial
 from gyre.grpcx.errors import rpc_stream
 from gyre.grpcx.server import channel_options
+from gyre.grpcx.tls import process_tls
+from gyre.identity import Role
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 
@@ -157,7 +161,9 @@ def iter_chunks(snap: Snapshot, chunk_bytes: int) -> Iterator[pb.WeightChunk]:
 
 
 class WeightSnapshotsServicer(pb_grpc.WeightSnapshotsServicer):
-    """Serves ``PullSnapshot`` from a :class:`SnapshotStore`."""
+    """Serves ``PullSnapshot`` from a :class:`SnapshotStore`; only cells pull weights."""
+
+    ACCESS = AccessTable(SERVICE_NAME, {"PullSnapshot": allow(Role.CELL_AGENT)})
 
     def __init__(self, store: SnapshotStore, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         self._store = store
@@ -250,7 +256,7 @@ async def pull_snapshot(
     ``target``; returns (version, state dict of CPU tensors). Failures raise domain errors
     (NotFound when the version is no longer kept)."""
     own = channel is None
-    ch = channel or grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+    ch = channel or dial(target, process_tls(), Role.CELL_AGENT, channel_options(max_message_bytes))
     try:
         stub = pb_grpc.WeightSnapshotsStub(ch)
         asm = _Assembly(version)

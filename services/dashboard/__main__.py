@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from gyre import config as config_mod
+from gyre.grpcx.tls import TlsFiles, TlsNotConfigured, set_process_tls
 from gyre.telemetry import setup_logging
 from services.dashboard.app import DashboardApp
 from services.dashboard.config import DashboardConfig
@@ -82,6 +84,11 @@ async def serve(cfg: DashboardConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
     setup_logging("dashboard", cfg.log_level, cfg.log_json)
+    try:  # it dials the scheduler with mTLS as the dashboard: no certificate, no start
+        set_process_tls(TlsFiles.resolve(cfg.tls, cfg.identity_name()))
+    except TlsNotConfigured as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(cfg))
 

@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from gyre.config import ServiceConfig
 from gyre.errors import from_rpc_error
 from gyre.grpcx.channel import open_channel, unary
+from gyre.identity import Role
 from gyre.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 StatusSource = Callable[[], Awaitable[dict[str, Any]]]
@@ -56,7 +57,7 @@ class GrpcStatusSource:
 
     async def __call__(self) -> dict[str, Any]:
         if self._stub is None:
-            self._channel = open_channel(self.target, self._config)
+            self._channel = open_channel(self.target, self._config, Role.SCHEDULER)
             self._stub = scheduler_pb2_grpc.SchedulerControlStub(self._channel)
         try:
             status = await unary(self._stub.GetStatus, scheduler_pb2.GetStatusRequest(), self._timeout_s)
@@ -85,7 +86,7 @@ class GrpcEventSource:
         self._stream_s = stream_s
 
     async def __call__(self, after_seq: int) -> AsyncIterator[dict[str, Any]]:
-        channel = open_channel(self.target, self._config)
+        channel = open_channel(self.target, self._config, Role.SCHEDULER)
         try:
             stub = scheduler_pb2_grpc.SchedulerControlStub(channel)
             call = stub.WatchEvents(scheduler_pb2.WatchEventsRequest(after_seq=after_seq), timeout=self._stream_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gyre.etcd.election import verified_fence
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import packer_pb2_grpc
 from services.packer.config import PackerConfig
@@ -44,7 +45,9 @@ async def build(rt: Runtime) -> Services:
         await wal.close()
 
     rt.supervisor.on_flush(_close_wal)
-    return [(PackerServicer(packer, cfg), packer_pb2_grpc.add_PackerServicer_to_server, SERVICE_NAME)]
+    fence, leader = verified_fence(rt.etcd, rt.keys.leader())
+    rt.supervisor.spawn("leader", leader.run())
+    return [(PackerServicer(packer, cfg, fence), packer_pb2_grpc.add_PackerServicer_to_server, SERVICE_NAME)]
 
 
 async def compactor(cfg: PackerConfig, wal: Wal, packer: Packer) -> None:

@@ -8,7 +8,10 @@ from typing import Any
 
 import grpc
 
+from gyre.fencing import FenceGuard
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.identity import Role
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.config import PackerConfig
 from services.packer.model import Finish, Turn
@@ -39,9 +42,22 @@ def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
 class PackerServicer(packer_pb2_grpc.PackerServicer):
     """Implements gyre.v1.Packer on a :class:`Packer`."""
 
-    def __init__(self, packer: Packer, config: PackerConfig) -> None:
+    ACCESS = AccessTable(SERVICE_NAME, {
+        "RecordTurn": allow(Role.ROUTER),
+        "ReportFinish": allow(Role.SCHEDULER),
+        "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+        "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+        "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
+        "GetBatch": allow(Role.SCHEDULER, Role.CELL_AGENT, Role.DASHBOARD, Role.OPERATOR),
+        "WatchSupply": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        "SealBatch": allow(Role.SCHEDULER),
+    })
+
+    def __init__(self, packer: Packer, config: PackerConfig, fence: FenceGuard | None = None) -> None:
         self._packer = packer
         self._cfg = config
+        # Verified against etcd's leader key (see gyre.fencing); a bare guard without etcd.
+        self.fence = fence or FenceGuard()
 
     @rpc
     async def RecordTurn(self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext) -> Any:
@@ -80,6 +96,7 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
 
     @rpc
     async def SealBatch(self, request: packer_pb2.SealBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+        await self.fence.admit(request.fence.epoch)
         batch = await self._packer.seal(request.batch_id, request.fence.epoch)
         return batch_to_proto(self._packer.batch_status(batch.id))
 

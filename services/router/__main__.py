@@ -33,7 +33,8 @@ async def build(rt: Runtime) -> Services:
         raise SystemExit("router: model_dir is required (a local directory with the tokenizer)")
     tokenizer = await asyncio.to_thread(Tokenizer.load, cfg.model_dir)
     table = RouteTable()
-    store = RouteStore(rt.etcd, rt.keys, table, cfg.route_resync_s)
+    store = RouteStore(rt.etcd, rt.keys, table, cfg.route_resync_s, miss_wait_s=cfg.unknown_token_wait_s,
+                       miss_rate_per_s=cfg.unknown_token_rate_per_s, miss_burst=cfg.unknown_token_burst)
     engines = GrpcEngineClient(cfg)
     sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
     turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s)
@@ -61,6 +62,8 @@ async def build(rt: Runtime) -> Services:
     if cfg.metrics_port:
         serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table), manager.trajectories))
     rt.supervisor.spawn("routes", store.run())
+    if servicer.leader_mirror is not None:
+        rt.supervisor.spawn("leader", servicer.leader_mirror.run())
     rt.supervisor.spawn("turns", turns.run())
     await asyncio.wait_for(store.mirror.synced.wait(), cfg.etcd_timeout_s * 2)
 

@@ -78,6 +78,15 @@ class RouterConfig(ServiceConfig):
         10.0, gt=0,
         description="Period of the route table's full relist (watches are hints).",
     )
+    unknown_token_wait_s: float = Field(
+        1.0, ge=0,
+        description="How long a call with a token the router does not know waits for its route to arrive "
+        "through the watch (a fresh execution's first call can beat the watch); never an etcd read.",
+    )
+    unknown_token_rate_per_s: float = Field(
+        20.0, ge=0, description="Unknown-token calls per second per peer address before RESOURCE_EXHAUSTED / 429.",
+    )
+    unknown_token_burst: int = Field(40, ge=1, description="Burst of the unknown-token rate.")
     move_route_wait_s: float = Field(
         2.0, gt=0,
         description="How long MoveExecutions waits for a route at the announced epoch.",

@@ -11,6 +11,7 @@ import grpc
 from gyre.config import ServiceConfig
 from gyre.errors import from_rpc_error
 from gyre.grpcx.channel import open_channel, unary
+from gyre.identity import Role
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, packer_pb2_grpc
 from services.router.engine import Chunk, EngineRequest, KvHandle
 from services.router.turns import Turn
@@ -27,7 +28,7 @@ class GrpcEngineClient:
     def _stub(self, target: str) -> cell_agent_pb2_grpc.EngineStub:
         stub = self._stubs.get(target)
         if stub is None:
-            channel = open_channel(target, self._config)
+            channel = open_channel(target, self._config, Role.CELL_AGENT)
             self._channels[target] = channel
             stub = self._stubs[target] = cell_agent_pb2_grpc.EngineStub(channel)
         return stub
@@ -65,7 +66,7 @@ class PackerTurnSink:
     """Packer.RecordTurn with a deadline."""
 
     def __init__(self, target: str, config: ServiceConfig) -> None:
-        self._channel = open_channel(target, config)
+        self._channel = open_channel(target, config, Role.PACKER)
         self._stub = packer_pb2_grpc.PackerStub(self._channel)
         self._timeout_s = config.rpc_timeout_s
 

@@ -132,7 +132,7 @@ class OpenAIApi:
         if not token:
             raise Unauthenticated("missing execution token (Authorization: Bearer <token>)")
         if self._store is not None:
-            return await self._store.authorize(token, execution_id)
+            return await self._store.authorize(token, execution_id, peer=request.remote or "")
         return self._manager.routes.authorize(token, execution_id)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:

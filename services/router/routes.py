@@ -4,7 +4,8 @@ A route is written by the scheduler leader under ``keys.route(execution_id)``; i
 the etcd key's ``version`` (each fenced rewrite adds one). The table keeps the newest epoch
 it has seen per execution and never goes back to an older one, so a late watch event or a
 stale relist cannot undo a move. A harness is authorized by sha256(token) == the route's
-``token_sha256``.
+``token_sha256``, until the route's ``expires_s`` (wall clock); closing the execution deletes
+the route, which revokes the token.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import time
 from collections.abc import Callable, Iterable
 
 from gyre.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -32,6 +34,8 @@ class Route:
     epoch: int
     created_revision: int = 0
     """The route key's create revision: tells a re-created route from a newer epoch."""
+    expires_s: float = 0.0
+    """Wall-clock time (unix seconds) the token expires; 0: never."""
 
     @classmethod
     def from_json(cls, value: bytes, epoch: int, created_revision: int = 0) -> Route:
@@ -48,6 +52,7 @@ class Route:
                 policy_version=int(raw.get("policy_version", 0) or 0),
                 epoch=int(epoch),
                 created_revision=int(created_revision),
+                expires_s=float(raw.get("expires_s", 0.0) or 0.0),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"malformed route: {exc!r}") from exc
@@ -58,6 +63,10 @@ class Route:
         body.pop("epoch")
         body.pop("created_revision")
         return json.dumps(body).encode()
+
+
+class ExpiredToken(Unauthenticated):
+    """The token held its execution, but past its expiry."""
 
 
 def _newer(new: Route, old: Route) -> bool:
@@ -77,7 +86,8 @@ RouteListener = Callable[[Route], None]
 class RouteTable:
     """Routes by execution id, plus an index token hash -> execution id."""
 
-    def __init__(self) -> None:
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall
         self._routes: dict[str, Route] = {}
         self._by_token: dict[str, str] = {}
         self._listeners: list[RouteListener] = []
@@ -148,12 +158,17 @@ class RouteTable:
             owner = self._by_token.get(digest)
             if owner is None or owner not in self._routes:
                 raise Unauthenticated("unknown execution token")
-            return self._routes[owner]
+            return self._unexpired(self._routes[owner])
         route = self._routes.get(execution_id)
         if route is None:
             raise Unauthenticated(f"no live execution {execution_id!r}")
         if hmac.compare_digest(route.token_sha256, digest):
-            return route
+            return self._unexpired(route)
         if digest in self._by_token:
             raise PermissionDenied(f"this token does not hold execution {execution_id!r}")
         raise Unauthenticated("unknown execution token")
+
+    def _unexpired(self, route: Route) -> Route:
+        if route.expires_s and self._wall() > route.expires_s:
+            raise ExpiredToken(f"the token of {route.execution_id} expired")
+        return route

@@ -9,8 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gyre.errors import InvalidArgument
+from gyre.etcd.election import verified_fence
 from gyre.fencing import FenceGuard
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
+from gyre.identity import Role
 from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
 from services.router.calls import ModelCall
@@ -20,8 +23,20 @@ from services.router.store import RouteStore
 from services.router.turns import TurnRecorder
 
 
+def _peer_host(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7")."""
+    peer = context.peer() or ""
+    return peer.rpartition(":")[0] or peer
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate (token level), MoveExecutions (fenced, from the scheduler), GetRouterStatus."""
+
+    ACCESS = AccessTable("gyre.v1.Router", {
+        "Generate": allow(Role.HARNESS),  # and the execution's token
+        "MoveExecutions": allow(Role.SCHEDULER),
+        "GetRouterStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+    })
 
     def __init__(
         self,
@@ -45,7 +60,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._max_tokens_limit = max_tokens_limit
         self._request_timeout_s = request_timeout_s
         self._move_route_wait_s = move_route_wait_s
-        self.fence = FenceGuard()
+        # The fence floor comes from etcd only (a read when a command brings a newer epoch,
+        # and this mirror of the leader key: __main__ runs it), never from a command.
+        self.leader_mirror = None
+        if store is not None:
+            self.fence, self.leader_mirror = verified_fence(store.etcd, store.keys.leader())
+        else:
+            self.fence = FenceGuard()
 
     @rpc_stream
     async def Generate(
@@ -55,7 +76,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not request.execution_id:
             raise InvalidArgument("execution_id is required")
         if self._store is not None:
-            route = await self._store.authorize(token, request.execution_id)
+            route = await self._store.authorize(token, request.execution_id, peer=_peer_host(context))
         else:
             route = self._manager.routes.authorize(token, request.execution_id)
         tag_execution(route.execution_id, cell_id=route.cell_id)
@@ -77,10 +98,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def MoveExecutions(
         self, request: router_pb2.MoveExecutionsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.MoveExecutionsResponse:
-        self.fence.check(request.fence.epoch)
         for move in request.moves:
             if not move.execution_id or move.route_epoch < 0:
                 raise InvalidArgument("each move needs an execution_id and a route_epoch >= 0")
+        await self.fence.admit(request.fence.epoch)
         # The announced epoch may not have reached the watch yet: read it from etcd.
         if self._store is not None:
             await asyncio.gather(*(self._await_epoch(m.execution_id, m.route_epoch) for m in request.moves))

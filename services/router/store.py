@@ -1,14 +1,17 @@
 """The router's etcd adapter: mirrors the route prefix into the RouteTable (list + watch +
-periodic relist via PrefixMirror), reads one route directly when a move is announced, and
-catches up with etcd before refusing a token (read-your-writes for harnesses)."""
+periodic relist via PrefixMirror), reads one route directly when the scheduler announces a
+move, and lets an unknown token wait briefly for its route to arrive through the watch
+(never through an etcd read: unknown tokens come from anyone)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from gyre.errors import GyreError, InvalidArgument, Unauthenticated
+from gyre.errors import InvalidArgument, RateLimited, Unauthenticated
 from gyre.etcd import KV, Etcd, Keys, PrefixMirror
-from services.router.routes import Route, RouteTable
+from gyre.ratelimit import KeyedLimiter
+from services.router.routes import ExpiredToken, Route, RouteTable
 
 log = logging.getLogger(__name__)
 
@@ -16,13 +19,20 @@ log = logging.getLogger(__name__)
 class RouteStore:
     """Keeps a RouteTable equal to etcd's routes; malformed route values are skipped."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, table: RouteTable, resync_s: float = 10.0) -> None:
-        self._etcd = etcd
-        self._keys = keys
+    def __init__(self, etcd: Etcd, keys: Keys, table: RouteTable, resync_s: float = 10.0,
+                 miss_wait_s: float = 1.0, miss_rate_per_s: float = 20.0, miss_burst: int = 40,
+                 max_waiters: int = 256) -> None:
+        self.etcd = self._etcd = etcd
+        self.keys = self._keys = keys
         self._table = table
         self._parsed: dict[bytes, tuple[int, Route | None]] = {}
         self.mirror = PrefixMirror(etcd, keys.routes(), resync_s=resync_s, on_change=self._on_change)
-        self.catch_ups = 0
+        self._miss_wait_s = miss_wait_s
+        self._misses = KeyedLimiter(miss_rate_per_s, miss_burst)
+        self._max_waiters = max_waiters
+        self._waiting = 0
+        self.misses = 0
+        self.misses_limited = 0
 
     async def run(self) -> None:
         await self.mirror.run()
@@ -56,36 +66,41 @@ class RouteStore:
             self._table.apply(route)
         return self._table.get(execution_id)
 
-    async def authorize(self, token: str, execution_id: str | None = None) -> Route:
-        """RouteTable.authorize, but a miss first catches up with etcd.
+    async def authorize(self, token: str, execution_id: str | None = None, peer: str = "") -> Route:
+        """RouteTable.authorize, but a miss waits (bounded) for the route to arrive.
 
         The scheduler writes a route and then hands the execution to a harness, which may
-        call the router before the watch delivers the route. So before answering 401 the
-        router reads etcd itself: the one route when the execution id is known, otherwise a
-        full list (coalesced: concurrent misses share one read, at most one per 50 ms)."""
+        call the router before the watch delivers the route. A miss therefore waits up to
+        ``miss_wait_s`` for the mirror to change, answering from memory: an unknown token
+        never causes an etcd read (anyone can send one). Misses are rate-limited per
+        ``peer`` (RESOURCE_EXHAUSTED past the limit) and only ``max_waiters`` wait at once
+        (the rest are refused at once)."""
         try:
             return self._table.authorize(token, execution_id)
+        except ExpiredToken:
+            raise
         except Unauthenticated:
-            await self.catch_up(execution_id)
+            pass
+        retry = self._misses.take(peer)
+        if retry > 0:
+            self.misses_limited += 1
+            raise RateLimited(f"too many unknown execution tokens; retry in {retry:.2f} s")
+        self.misses += 1
+        if self._waiting >= self._max_waiters:
             return self._table.authorize(token, execution_id)
-
-    async def catch_up(self, execution_id: str | None = None) -> None:
+        self._waiting += 1
         try:
-            if execution_id is not None:
-                await self.refresh(execution_id)
-                return
-            # A fresh read every time: a shared read that started (or finished) before this
-            # request arrived may predate its route. Only unknown tokens get here.
-            await self._apply_all()
-        except GyreError as exc:  # etcd unreachable: answer from the table as it is
-            log.warning("route catch-up failed", extra={"error": str(exc)})
-
-    async def _apply_all(self) -> None:
-        """Applies every route in etcd that is newer than the table's (never removes: the
-        mirror owns removals)."""
-        self.catch_ups += 1
-        _, kvs = await self._etcd.get_prefix(self._keys.routes())
-        for kv in kvs:
-            route = self._parse(kv)
-            if route is not None:
-                self._table.apply(route)
+            loop = asyncio.get_running_loop()
+            until = loop.time() + self._miss_wait_s
+            while True:
+                try:
+                    return self._table.authorize(token, execution_id)
+                except ExpiredToken:
+                    raise
+                except Unauthenticated:
+                    left = until - loop.time()
+                    if left <= 0:
+                        raise
+                await self.mirror.changed(min(left, 0.25))
+        finally:
+            self._waiting -= 1

@@ -56,6 +56,25 @@ class SchedulerConfig(ServiceConfig):
     reward_max: float = Field(1e6,
             description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT).")
     max_wait_s: float = Field(60.0, ge=0.0, description="Cap on AcquireExecution's wait_s.")
+    execution_token_ttl_s: float = Field(
+        86_400.0, gt=0.0,
+        description="An execution token expires this long after launch (the router and the scheduler "
+        "refuse it; the execution then times out). Closing an execution revokes its token at once.",
+    )
+
+    # Harness credentials and limits (gyre.apikeys, services/scheduler/harness_gate.py).
+    harness_keys_file: str = Field(
+        "", description="Hashed harness API keys ('NAME SHA256HEX' lines; python -m gyre.apikeys add). "
+        "Empty: harnesses authenticate with their certificate only.",
+    )
+    harness_require_key: bool = Field(False, description="Refuse harnesses that present no API key.")
+    harness_max_inflight: int = Field(
+        1024, ge=0, description="Executions one harness may hold at once (0: no limit)."
+    )
+    harness_acquire_rate_per_s: float = Field(
+        200.0, ge=0.0, description="AcquireExecution calls per second per harness (0: no limit)."
+    )
+    harness_acquire_burst: int = Field(400, ge=1, description="Burst of the per-harness acquire rate.")
     model: str = Field("gyre-policy", description="Model name harnesses send in OpenAI requests.")
 
     # Peers.

@@ -16,6 +16,7 @@ import grpc
 from gyre.config import ServiceConfig
 from gyre.errors import from_rpc_error
 from gyre.grpcx.channel import open_channel, unary
+from gyre.identity import Role
 from gyre.v1 import (
     cell_agent_pb2,
     cell_agent_pb2_grpc,
@@ -102,14 +103,15 @@ class GrpcPeers:
         self._command_timeout_s = command_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _channel(self, target: str) -> grpc.aio.Channel:
+    def _channel(self, target: str, expect: Role) -> grpc.aio.Channel:
+        """One channel per target; the server must hold a certificate of role ``expect``."""
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = open_channel(target, self._config)
+            ch = self._channels[target] = open_channel(target, self._config, expect)
         return ch
 
     def _packer(self) -> packer_pb2_grpc.PackerStub:
-        return packer_pb2_grpc.PackerStub(self._channel(self._packer_target))
+        return packer_pb2_grpc.PackerStub(self._channel(self._packer_target, Role.PACKER))
 
     async def report_finish(self, report: FinishReport) -> None:
         if not self._packer_target:
@@ -145,14 +147,14 @@ class GrpcPeers:
         await unary(self._packer().SealBatch, req, self._timeout_s)
 
     async def set_state(self, target: str, epoch: int, state: CellState, reason: str) -> CellState:
-        stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))
+        stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target, Role.CELL_AGENT))
         req = cell_agent_pb2.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=_CELL_STATE[state],
                 reason=reason)
         got = await unary(stub.SetState, req, self._command_timeout_s)
         return _CELL_STATE_BACK.get(got.state, CellState.STARTING)
 
     async def load_policy(self, target: str, epoch: int, version: int, source_target: str) -> int:
-        stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))
+        stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target, Role.CELL_AGENT))
         req = cell_agent_pb2.LoadPolicyRequest(fence=common_pb2.Fence(epoch=epoch), version=version,
                 source_target=source_target)
         got = await unary(stub.LoadPolicy, req, self._command_timeout_s)
@@ -160,7 +162,7 @@ class GrpcPeers:
 
     async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
             core_target: str) -> bool:
-        stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target))
+        stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target, Role.CELL_AGENT))
         req = cell_agent_pb2.JoinBatchRequest(
             fence=common_pb2.Fence(epoch=epoch), batch_id=batch_id, policy_version=policy_version,
             prefix_size=prefix_size, core_target=core_target,
@@ -169,7 +171,7 @@ class GrpcPeers:
         return bool(got.joined)
 
     async def running_requests(self, target: str) -> int:
-        stub = cell_agent_pb2_grpc.EngineStub(self._channel(target))
+        stub = cell_agent_pb2_grpc.EngineStub(self._channel(target, Role.CELL_AGENT))
         got = await unary(stub.GetLoad, cell_agent_pb2.GetLoadRequest(), self._timeout_s)
         return int(got.running_requests)
 
@@ -183,7 +185,7 @@ class GrpcPeers:
         )
         remaining = 0
         for target in router_targets:
-            stub = router_pb2_grpc.RouterStub(self._channel(target))
+            stub = router_pb2_grpc.RouterStub(self._channel(target, Role.ROUTER))
             got = await unary(stub.MoveExecutions, req, self._command_timeout_s)
             remaining += int(got.remaining_at_source)
         return remaining

@@ -59,12 +59,14 @@ class RouteRecord:
     policy_version: int
     epoch: int = 0
     mod_revision: int = 0
+    expires_s: float = 0.0
+    """Wall-clock time (unix seconds) the execution's token expires; 0: never."""
 
     def to_json(self) -> bytes:
         return json.dumps({
             "execution_id": self.execution_id, "cell_id": self.cell_id, "target": self.target,
             "token_sha256": self.token_sha256, "group_id": self.group_id, "burst_id": self.burst_id,
-            "policy_version": self.policy_version,
+            "policy_version": self.policy_version, "expires_s": self.expires_s,
         }).encode()
 
     @classmethod
@@ -74,7 +76,7 @@ class RouteRecord:
             str(d["execution_id"]), str(d["cell_id"]), str(d.get("target", "")), str(d.get("token_sha256",
                     "")),
             str(d.get("group_id", "")), int(d.get("burst_id", 0)), int(d.get("policy_version",
-                    0)), epoch, mod_revision,
+                    0)), epoch, mod_revision, float(d.get("expires_s", 0.0) or 0.0),
         )
 
 

@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unavailable
+from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unauthenticated, Unavailable
 from services.scheduler.config import SchedulerConfig
+from gyre.apikeys import KeyFile
 from services.scheduler.events import EventLog, Metrics
+from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
 from services.scheduler.ledger import ExecState, ExecutionRecord, FinishOutcome, Ledger, sha256_hex, validate_finish
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
@@ -112,6 +114,12 @@ class Scheduler:
         self._drained_since: float | None = None
         self._sealed: set[int] = set()
         self.history = History(config.history_file)
+        self.harnesses = HarnessGate(
+            KeyFile.load(config.harness_keys_file) if config.harness_keys_file else None,
+            require_key=config.harness_require_key, max_inflight=config.harness_max_inflight,
+            rate_per_s=config.harness_acquire_rate_per_s, burst=config.harness_acquire_burst,
+            trust_unauthenticated=config.tls.insecure and not config.harness_keys_file, clock=clock,
+        )
 
     # Leadership ---------------------------------------------------------------------------
 
@@ -149,6 +157,7 @@ class Scheduler:
         for rec in sorted(execs, key=lambda r: (r.burst_id, r.seq)):
             ledger.load(rec, deadline)
         self.ledger = ledger
+        self.harnesses.recount(r.harness_id for r in ledger.records.values() if not r.state.final)
         # Routes without an open execution (a crash between writes cannot leave one, but an
         # operator can) are left out of the table and left in etcd for inspection.
         self.routes = RouteTable()
@@ -256,8 +265,12 @@ class Scheduler:
     # Harness API --------------------------------------------------------------------------
 
     async def acquire(self, harness_id: str, wait_s: float) -> tuple[Launched | None, bool, float]:
-        """Launches the next queued execution on a free slot, waiting up to ``wait_s``.
-        Returns (launched or None, burst exhausted, retry-after hint)."""
+        """Launches the next queued execution on a free slot for the authenticated harness
+        ``harness_id``, waiting up to ``wait_s``. Returns (launched or None, burst
+        exhausted, retry-after hint). Over the harness's rate or in-flight limit:
+        ResourceExhausted, nothing launched."""
+        self.require_leader()
+        self.harnesses.admit_acquire(harness_id)
         deadline = self.clock() + min(wait_s, self.cfg.max_wait_s)
         while True:
             self.require_leader()
@@ -286,10 +299,13 @@ class Scheduler:
             if cell is None:
                 return None
             burst, seq = nxt
+            self.harnesses.check_inflight(harness_id)
             token = secrets.token_urlsafe(32)
             rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
             route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
-                                burst.burst_id, burst.policy_version)
+                                burst.burst_id, burst.policy_version,
+                                expires_s=rec.launched_s + self.cfg.execution_token_ttl_s)
+            self.harnesses.launched(rec.harness_id)  # counted from the reservation on
             self.ledger.reserve(rec.execution_id)
             self.routes.put(route)
         # Shielded: a harness that hangs up mid-launch must not leave memory behind etcd (the
@@ -306,10 +322,14 @@ class Scheduler:
         except BaseException as exc:
             self.routes.drop(rec.execution_id)
             self.ledger.unreserve(burst, seq)
+            self.harnesses.closed(rec.harness_id)
             if isinstance(exc, (Conflict, Unavailable)):
                 # Conflict: launched by an earlier attempt whose answer was lost. Unavailable:
                 # the outcome is unknown. Either way, adopt what etcd holds.
                 await self._resolve(rec)
+                adopted = self.ledger.records.get(rec.execution_id)
+                if adopted is not None and not adopted.state.final:
+                    self.harnesses.launched(adopted.harness_id)
                 if isinstance(exc, Conflict):
                     return False
             raise
@@ -334,17 +354,26 @@ class Scheduler:
             elif stored.execution_id not in self.routes.routes:
                 await self.reload_routes()  # a launch we did not see land: adopt its route
 
-    async def heartbeat(self, execution_id: str, token: str) -> tuple[float, ExecState]:
-        self.require_leader()
+    def _authorize(self, execution_id: str, token: str, harness: str | None) -> ExecutionRecord:
+        """The token must hold the execution, be unexpired, and (with authentication on)
+        belong to the harness that acquired it."""
         rec = self.ledger.authorize(execution_id, token)
+        self.harnesses.check_owner(rec.harness_id, harness)
+        if not rec.state.final and self.wall() > rec.launched_s + self.cfg.execution_token_ttl_s:
+            raise Unauthenticated(f"the token of {execution_id} expired")
+        return rec
+
+    async def heartbeat(self, execution_id: str, token: str, harness: str | None = None) -> tuple[float, ExecState]:
+        self.require_leader()
+        rec = self._authorize(execution_id, token, harness)
         left = self.ledger.heartbeat(execution_id, self.clock(), self.cfg.heartbeat_deadline_s)
         return left, self.ledger.records[rec.execution_id].state
 
     async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
-            key: str) -> FinishOutcome:
+            key: str, harness: str | None = None) -> FinishOutcome:
         """Closes an execution once; a repeat returns the first outcome (duplicate=True)."""
         self.require_leader()
-        self.ledger.authorize(execution_id, token)
+        self._authorize(execution_id, token, harness)
         finish = validate_finish(status, reward, key, self.cfg.reward_min, self.cfg.reward_max)
         async with self._lock_of(execution_id):
             out = self.ledger.plan_finish(execution_id, finish, self.wall())
@@ -371,10 +400,12 @@ class Scheduler:
             await self._resolve(closed)
             if self.ledger.records[closed.execution_id].state.final:
                 self._exec_locks.pop(closed.execution_id, None)
+                self.harnesses.closed(closed.harness_id)
                 return False
             raise
         self.ledger.apply(dataclasses.replace(closed, revision=rev))
-        self.routes.drop(closed.execution_id)
+        self.routes.drop(closed.execution_id)  # the route is gone from etcd too: the token is revoked
+        self.harnesses.closed(closed.harness_id)
         self.history.append("close", self.epoch, rev=rev, execution_id=closed.execution_id,
                             status=closed.state.value, reward=closed.reward)
         self._reports.put_nowait(self._report(closed))

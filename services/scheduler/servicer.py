@@ -5,7 +5,10 @@ converts the answer. Domain errors become statuses in :func:`gyre.grpcx.errors.r
 unknown execution -> NOT_FOUND; no token or a token that names no execution ->
 UNAUTHENTICATED; another execution's token -> PERMISSION_DENIED; a bad status, NaN/inf or
 out-of-range reward, bad key or id -> INVALID_ARGUMENT; not the leader -> UNAVAILABLE;
-deposed (stale epoch) -> FAILED_PRECONDITION. None of them changes anything.
+deposed (stale epoch) -> FAILED_PRECONDITION; no harness credential, an unknown API key or
+an expired token -> UNAUTHENTICATED; another harness's execution or a caller of another role
+-> PERMISSION_DENIED; over the harness's rate or in-flight limit -> RESOURCE_EXHAUSTED.
+None of them changes anything.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gyre import apikeys
 from gyre.errors import InvalidArgument
-from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
+from gyre.grpcx.auth import AccessTable, allow, caller
+from gyre.grpcx.errors import bearer_token, metadata_value, rpc, rpc_stream
+from gyre.identity import Role
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.events import Event
 from services.scheduler.ledger import ExecState
@@ -36,6 +42,7 @@ _CELL_STATE_TO = {s: getattr(common_pb2, f"CELL_STATE_{s.value}") for s in CellS
 _KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE,
         CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
 MAX_ID = 256
+HARNESS_SERVICE = "gyre.v1.HarnessService"
 
 
 def _execution_id(value: str) -> str:
@@ -65,8 +72,20 @@ def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
 class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
     """What harnesses call."""
 
+    ACCESS = AccessTable(HARNESS_SERVICE, {
+        # A harness certificate names the harness; where harnesses share one certificate, each
+        # also sends its API key (harness_gate). Heartbeats and finishes also need the
+        # execution's token, held by the harness that acquired it.
+        "AcquireExecution": allow(Role.HARNESS),
+        "Heartbeat": allow(Role.HARNESS),
+        "FinishExecution": allow(Role.HARNESS),
+    })
+
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
+
+    def _harness(self, context: grpc.aio.ServicerContext, claimed: str = "") -> str | None:
+        return self.s.harnesses.principal(caller(), metadata_value(context, apikeys.METADATA_KEY), claimed)
 
     @rpc
     async def AcquireExecution(self, request: scheduler_pb2.AcquireExecutionRequest,
@@ -75,7 +94,8 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
             raise InvalidArgument("harness_id must have 1..128 characters")
         if not (math.isfinite(request.wait_s) and 0.0 <= request.wait_s <= 60.0):
             raise InvalidArgument("wait_s must be in [0, 60]")
-        got, exhausted, retry = await self.s.acquire(request.harness_id, request.wait_s)
+        harness = self._harness(context, request.harness_id) or request.harness_id
+        got, exhausted, retry = await self.s.acquire(harness, request.wait_s)
         if got is None:
             return scheduler_pb2.AcquireExecutionResponse(burst_exhausted=exhausted, retry_after_s=retry)
         return scheduler_pb2.AcquireExecutionResponse(execution=execution_to_proto(got, self.s))
@@ -85,7 +105,7 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
             context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
-        left, state = await self.s.heartbeat(eid, token)
+        left, state = await self.s.heartbeat(eid, token, self._harness(context))
         return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
 
     @rpc
@@ -96,13 +116,18 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         status = _STATUS_FROM.get(request.status)
         if status is None:
             raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
-        out = await self.s.finish(eid, token, status, request.reward, request.idempotency_key)
+        out = await self.s.finish(eid, token, status, request.reward, request.idempotency_key, self._harness(context))
         return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state],
                 duplicate=out.duplicate)
 
 
 class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
-    """What operators, dashboards and other services call."""
+    """What operators and dashboards call."""
+
+    ACCESS = AccessTable("gyre.v1.SchedulerControl", {
+        "GetStatus": allow(Role.DASHBOARD, Role.OPERATOR),
+        "WatchEvents": allow(Role.DASHBOARD, Role.OPERATOR),
+    })
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler

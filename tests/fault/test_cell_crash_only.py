@@ -17,6 +17,7 @@ from gyre.etcd import Etcd, Keys
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
+from tests.tls import channel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +34,7 @@ def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
 
 
 async def _waiters_fail(target: str, n: int = 3) -> list[grpc.StatusCode]:
-    async with grpc.aio.insecure_channel(target) as ch:
+    async with channel(target, "router") as ch:
         stub = pb_grpc.EngineStub(ch)
 
         async def one(i):

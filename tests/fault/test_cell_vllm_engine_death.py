@@ -18,6 +18,7 @@ from gyre.etcd import Etcd, Keys
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
+from tests.tls import channel
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
@@ -43,7 +44,7 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
         children = psutil.Process(proc.pid).children(recursive=True)
         cores = [c for c in children if "python" in c.name().lower() or "EngineCore" in " ".join(c.cmdline())]
         assert cores, [c.cmdline() for c in children]
-        async with grpc.aio.insecure_channel(proc.target) as ch:
+        async with channel(proc.target, "router") as ch:
             stub = pb_grpc.EngineStub(ch)
 
             async def stream(i):

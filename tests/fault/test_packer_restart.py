@@ -16,7 +16,9 @@ import grpc
 
 from apps.procs import ROOT, ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
+from services.packer.servicer import PackerServicer
 from tests.support import packer_kit as tk
+from tests.tls import RoleStubs
 
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
 CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
@@ -37,8 +39,8 @@ class Reconnecting:
                 if self._channel is not None:
                     await self._channel.close()
                 self._target = self.proc.target
-                self._channel = grpc.aio.insecure_channel(self._target)
-                self._stub = packer_pb2_grpc.PackerStub(self._channel)
+                self._stub = RoleStubs(self._target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
+                self._channel = self._stub
             try:
                 return await getattr(self._stub, method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
@@ -120,8 +122,9 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
 CLAIMER = """
 import asyncio, sys, grpc
 from gyre.v1 import packer_pb2, packer_pb2_grpc
+from tests.tls import channel
 async def main():
-    async with grpc.aio.insecure_channel(sys.argv[1]) as ch:
+    async with channel(sys.argv[1], "doomed") as ch:
         stub = packer_pb2_grpc.PackerStub(ch)
         r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
             cell_id="doomed", batch_id=1, wait_s=5.0), timeout=10)
@@ -137,8 +140,7 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     claimer = None
     try:
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            stub = packer_pb2_grpc.PackerStub(ch)
+        async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             for g in range(2):
                 for k in range(2):
                     await stub.RecordTurn(tk.turn_proto(f"g{g}-x{k}", f"g{g}", 0), timeout=5)
@@ -194,8 +196,7 @@ async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(tmp_p
     try:
         lease = await etcd.grant(60)
         await etcd.put(Keys(cluster_name).cell("cell-9"), b'{"cell_id": "cell-9"}', lease=lease)
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            stub = packer_pb2_grpc.PackerStub(ch)
+        async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             for k in range(2):
                 await stub.RecordTurn(tk.turn_proto(f"x{k}", "g", 0), timeout=5)
                 await stub.ReportFinish(tk.finish_proto(f"x{k}", "g", 2, reward=k), timeout=5)

@@ -32,6 +32,8 @@ from bench.support.router_rig import (
 )
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.servicer import RouterServicer
+from tests.tls import PKI, RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +46,8 @@ class EngineProcess:
 
     def __init__(self, cell: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"), "--cell-id", cell, "--token-delay-s", "0.01", *args],
+            [sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"), "--cell-id", cell, "--token-delay-s", "0.01",
+             "--tls-dir", str(PKI / tls(cell).identity().name), *args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
         )
         assert self.proc.stdout is not None
@@ -72,12 +75,12 @@ async def env(etcd_server, tmp_path_factory):
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     healthy = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=0.01)).start()
-    ch1 = grpc.aio.insecure_channel(with_budget.target)
-    ch0 = grpc.aio.insecure_channel(no_budget.target)
+    ch1 = RoleStubs(with_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
+    ch0 = RoleStubs(no_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
         yield {
             "url": url, "url0": url0, "etcd": etcd, "keys": Keys(cluster), "b": healthy,
-            "stub": router_pb2_grpc.RouterStub(ch1), "stub0": router_pb2_grpc.RouterStub(ch0),
+            "stub": ch1, "stub0": ch0,
         }
     finally:
         with_budget.stop()

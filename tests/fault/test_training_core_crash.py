@@ -25,6 +25,8 @@ from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
+from tests.leader import leader_epoch
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3
@@ -37,10 +39,10 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-async def _join(target: str, batch: int, version: int) -> bool:
-    async with grpc.aio.insecure_channel(target) as ch:
+async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
+    async with channel(target, "scheduler") as ch:
         r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=version,
+            pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
                                 prefix_size=1, core_target=target),
             timeout=60,
         )
@@ -60,7 +62,7 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
     packer.add_batch(1, 0, steps)
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
     ckpt_dir = tmp_path / "ckpt"
     cfg = {
@@ -74,6 +76,7 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
+    epoch = await leader_epoch(etcd, Keys(cluster_name))
     key = Keys(cluster_name).policy()
 
     def proc(failpoint: str) -> ServiceProcess:
@@ -85,7 +88,7 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
     restarted = None
     try:
         await asyncio.to_thread(crashing.start, 90)
-        assert await _join(crashing.target, 1, 0)
+        assert await _join(epoch, crashing.target, 1, 0)
         assert await asyncio.to_thread(crashing.wait, 60) == 17  # died at the failpoint
         assert await etcd.get(key) is None  # nothing announced
         restarted = proc("")
@@ -98,7 +101,7 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
         assert kv is not None, "the restarted core never announced the step"
         policy = json.loads(kv.value)
         assert (policy["version"], policy["batch_id"]) == (1, 1)
-        assert not await _join(restarted.target, 1, 0)  # redelivered: already committed
+        assert not await _join(epoch, restarted.target, 1, 0)  # redelivered: already committed
         version, got = await pull_snapshot(restarted.target, 1)
         assert version == 1
         for name, w in want.items():

@@ -23,6 +23,8 @@ from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
+from tests.leader import leader_epoch
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,10 +35,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _join(target: str, batch: int, prefix: int, core: str):
-    async with grpc.aio.insecure_channel(target) as ch:
+async def _join(epoch: int, target: str, batch: int, prefix: int, core: str):
+    async with channel(target, "scheduler") as ch:
         return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-            fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
+            fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
             timeout=30)).joined
 
 
@@ -47,7 +49,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     packer = FakePacker()
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = server.add_insecure_port("127.0.0.1:0")
+    pport = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
     cfg = {"cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
            "trainer_cell": {"training": {
@@ -59,6 +61,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
                             env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path / f"c{i}.log") for i in range(2)]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
+    epoch = await leader_epoch(etcd, Keys(cluster_name))
     try:
         for p in procs:
             await asyncio.to_thread(p.start, 90)
@@ -70,9 +73,9 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
             except NotFound:
                 await asyncio.sleep(0.1)
         packer.add_batch(1, 0, synthetic_batch(1, 6), released=1)
-        assert await _join(core, 1, 1, core)
+        assert await _join(epoch, core, 1, 1, core)
         await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
-        assert await _join(sat, 1, 2, core)
+        assert await _join(epoch, sat, 1, 2, core)
         packer.release(1, 1, for_cell="c1")
         await asyncio.to_thread(packer.wait_claimed, 1, 2, 60)
         procs[1].kill()  # SIGKILL while it holds its share of the batch
@@ -81,7 +84,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
         broken = None
         while time.monotonic() - start < 60:
             try:
-                await _join(core, 2, 1, core)
+                await _join(epoch, core, 2, 1, core)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNAVAILABLE and "broken" in (err.details() or ""):
                     broken = time.monotonic() - start

@@ -22,6 +22,8 @@ from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups
 from services.cell_agent.training.trainer import Trainer
+from tests.leader import leader_epoch
+from tests.tls import add_port, channel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -69,7 +71,7 @@ async def test_gpu_core_step_matches_cpu_and_snapshot_travels(model_dir):
     store.publish(2, gpu.state_dict())
     server = grpc.aio.server()
     snapshots.WeightSnapshotsServicer(store).register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "cell-0")  # a cell serves snapshots (mTLS)
     await server.start()
     try:
         start = time.perf_counter()
@@ -143,7 +145,7 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     packer = FakePacker()
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = server.add_insecure_port("127.0.0.1:0")
+    pport = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
     cfg = {"cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
            "trainer_cell": {"training": {
@@ -155,11 +157,12 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
                             log_path=tmp_path / f"g{i}.log") for i in range(2)]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
+    epoch = await leader_epoch(etcd, Keys(cluster_name))  # fenced commands need a real leader
 
     async def join(target, prefix, core):
-        async with grpc.aio.insecure_channel(target) as ch:
+        async with channel(target, "scheduler") as ch:
             return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=1), batch_id=1, policy_version=0, prefix_size=prefix,
+                fence=cpb.Fence(epoch=epoch), batch_id=1, policy_version=0, prefix_size=prefix,
                 core_target=core), timeout=120)).joined
 
     try:

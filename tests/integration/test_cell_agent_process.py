@@ -17,6 +17,8 @@ from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
+from services.cell_agent.servicer import CellControlServicer, EngineServicer
+from tests.tls import RoleStubs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,9 +56,8 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
                        "engine": "mock", "policy_version": 0}
         assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value)["state"] == "ROLLOUT"
 
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            engine = pb_grpc.EngineStub(ch)
-            control = pb_grpc.CellControlStub(ch)
+        async with RoleStubs(proc.target, pb_grpc.EngineStub, EngineServicer.ACCESS) as engine, \
+                RoleStubs(proc.target, pb_grpc.CellControlStub, CellControlServicer.ACCESS) as control:
             chunks = await _generate(engine, "r1", [5, 6, 7], 10)
             assert sum(len(c.token_ids) for c in chunks) == 10
             assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -22,6 +22,7 @@ from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.engines.base import Engine, FinishReason, Sampling
 from services.cell_agent.lifecycle import CellKind, CellState
 from services.cell_agent.store import EtcdCellStore
+from tests.tls import add_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -325,7 +326,7 @@ async def test_load_policy_pulls_a_snapshot_over_grpc(engine, etcd_ctx, models):
     server = grpc.aio.server()
     servicer, add, _ = snapshots.registration(store)
     add(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "cell-0")  # the cell pulls as a cell, from a cell
     await server.start()
     try:
         base, _, _ = await _run(engine, "p0", PROMPTS[5], 16)

@@ -26,6 +26,7 @@ import pytest
 
 from apps.procs import ServiceProcess
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.tls import add_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +121,7 @@ async def _start_fake() -> tuple[grpc.aio.Server, ScriptedScheduler, int]:
     server = grpc.aio.server()
     fake = ScriptedScheduler()
     scheduler_pb2_grpc.add_SchedulerControlServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "scheduler")  # the dashboard checks it dials the scheduler
     await server.start()
     return server, fake, port
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
 from apps.harness.env import EnvConfig
 from apps.harness.example import run_harness
 from apps.launch import Cluster
+from gyre.grpcx.channel import dial
+from gyre.identity import Role
 from gyre.v1 import (
     packer_pb2,
     packer_pb2_grpc,
@@ -54,18 +55,20 @@ async def test_walking_skeleton(tmp_path: Path, model_dir: Path):
     cluster.start()
     try:
         sched = cluster.procs["scheduler"].target
-        stats = await run_harness(sched, EnvConfig(time_scale=0.0, turns_median=2, turns_max=3), concurrency=4)
+        stats = await run_harness(sched, EnvConfig(time_scale=0.0, turns_median=2, turns_max=3), concurrency=4,
+                                  tls_dir=str(cluster.pki.identity_dir("harness")))
         assert stats.failed == 0
         assert stats.completed == 4  # batch_size 2 groups x group_size 2
-        async with grpc.aio.insecure_channel(sched) as ch:
+        operator = cluster.pki.tls("operator")  # mTLS on by default: the launcher issued it
+        async with dial(sched, operator, Role.SCHEDULER) as ch:
             status = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
         ledger = status.ledger
         assert ledger.dispatched == ledger.finished == 4
         assert ledger.waterlevel == 0 and ledger.queued == 0 and ledger.running == 0
-        async with grpc.aio.insecure_channel(cluster.procs["router"].target) as ch:
+        async with dial(cluster.procs["router"].target, operator, Role.ROUTER) as ch:
             rstatus = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
         assert rstatus.turn_records >= stats.turns
-        async with grpc.aio.insecure_channel(cluster.procs["packer"].target) as ch:
+        async with dial(cluster.procs["packer"].target, operator, Role.PACKER) as ch:
             batch = await packer_pb2_grpc.PackerStub(ch).GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
         assert batch.groups_packed + batch.batch_size >= 2  # the packer saw the groups
         assert not cluster.dead()

@@ -16,7 +16,9 @@ import pytest
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
+from services.packer.servicer import PackerServicer
 from tests.support import packer_kit as tk
+from tests.tls import RoleStubs
 
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
 CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
@@ -67,8 +69,7 @@ async def drain(stub, cell, batch_id, trained, wait_s=0.5):
 
 async def test_sixteen_claimers_race_over_grpc(packer_proc):
     proc = packer_proc(batch_size=8)
-    channels = [grpc.aio.insecure_channel(proc.target) for _ in range(4)]
-    stubs = [packer_pb2_grpc.PackerStub(c) for c in channels]
+    stubs = [RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) for _ in range(4)]
     try:
         trained: list[tuple[str, int]] = []
         results = await asyncio.gather(
@@ -83,8 +84,8 @@ async def test_sixteen_claimers_race_over_grpc(packer_proc):
         c = status.counters
         assert c.produced == c.consumed == 48 and c.buffered == 0
     finally:
-        for c in channels:
-            await c.close()
+        for stub in stubs:
+            await stub.close()
 
 
 async def _code(call):
@@ -95,8 +96,7 @@ async def _code(call):
 
 async def test_malformed_records_get_precise_statuses_and_change_nothing(packer_proc):
     proc = packer_proc()
-    async with grpc.aio.insecure_channel(proc.target) as ch:
-        stub = packer_pb2_grpc.PackerStub(ch)
+    async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
         await feed(stub, 1, size=2, turns=1)
         before = (await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)).counters
 
@@ -119,8 +119,8 @@ async def test_malformed_records_get_precise_statuses_and_change_nothing(packer_
         assert await _code(stub.AckMicroStep(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
         late = tk.turn_proto("g0-x0", "g0", 7)
         assert await _code(stub.RecordTurn(late, timeout=5)) == grpc.StatusCode.FAILED_PRECONDITION
-        no_cell = packer_pb2.ClaimMicroStepRequest(batch_id=0)
-        assert await _code(stub.ClaimMicroStep(no_cell, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        no_cell = packer_pb2.ClaimMicroStepRequest(batch_id=0)  # a cell claims only for itself
+        assert await _code(stub.as_("cell-0").ClaimMicroStep(no_cell, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
         assert await _code(stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=99), timeout=5)) == \
             grpc.StatusCode.NOT_FOUND
         stale_seal = packer_pb2.SealBatchRequest(batch_id=0)
@@ -139,8 +139,7 @@ async def test_policy_version_follows_etcd_and_supply_streams(packer_proc, etcd_
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     try:
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            stub = packer_pb2_grpc.PackerStub(ch)
+        async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             stream = stub.WatchSupply(packer_pb2.WatchSupplyRequest())
             first = await asyncio.wait_for(stream.read(), 5)
             assert first.batch_id == 1 and first.batch_needs == 2 and first.ready_groups == 0
@@ -173,8 +172,7 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
     path = tk.write_config(tmp_path, etcd_server, cluster_name, metrics_port=port)
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     try:
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            stub = packer_pb2_grpc.PackerStub(ch)
+        async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             await feed(stub, 1, size=2, turns=2)
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
         assert b'gyre_packer_turns{where="produced"} 4.0' in body
@@ -183,8 +181,7 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
     # Same cluster (same etcd): the WAL is replayed.
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     try:
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            stub = packer_pb2_grpc.PackerStub(ch)
+        async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             got = await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
             assert got.counters.produced == 4 and got.counters.ready == 4
     finally:
@@ -193,8 +190,7 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
     path = tk.write_config(tmp_path, fresh_etcd, cluster_name)
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     try:
-        async with grpc.aio.insecure_channel(proc.target) as ch:
-            stub = packer_pb2_grpc.PackerStub(ch)
+        async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             got = await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
             assert got.counters.produced == 0 and got.batch_id == 1
     finally:

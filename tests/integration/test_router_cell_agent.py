@@ -10,7 +10,6 @@ import json
 import secrets
 
 import aiohttp
-import grpc
 import pytest
 import pytest_asyncio
 
@@ -18,6 +17,9 @@ from apps.procs import ServiceProcess
 from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.servicer import RouterServicer
+from tests.leader import leader_epoch
+from tests.tls import RoleStubs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 40
@@ -45,10 +47,10 @@ async def env(etcd_server, tmp_path_factory):
     router, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
-    channel = grpc.aio.insecure_channel(router.target)
+    channel = RoleStubs(router.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
         yield {"url": url, "etcd": etcd, "keys": Keys(cluster), "cells": cells, "kv_dir": kv_dir,
-               "stub": router_pb2_grpc.RouterStub(channel)}
+               "stub": channel}
     finally:
         router.stop()
         for p in cells.values():
@@ -90,7 +92,7 @@ async def test_move_with_kv_handoff_between_real_cells_is_token_identical(env):
             moved = True
             epoch = await put_route(env["etcd"], env["keys"], ex1, "cb", cb.target, tok1)
             reply = await env["stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
-                fence=common_pb2.Fence(epoch=3),
+                fence=common_pb2.Fence(epoch=await leader_epoch(env["etcd"], env["keys"])),
                 moves=[router_pb2.Move(execution_id=ex1, from_cell="ca", to_cell="cb", route_epoch=epoch)]), timeout=10)
             assert reply.moved_requests == 1 and reply.remaining_at_source == 0
 

@@ -32,6 +32,8 @@ from bench.support.router_rig import (
 )
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.servicer import RouterServicer
+from tests.tls import RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY = 64 * 1024
@@ -57,7 +59,7 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_http")
     tok = build_tokenizer_dir(tmp / "tiny")
     cluster = "rh" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer()
+    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.01)).start()
     cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), packer_target=packer_target,
                        http_port=0, max_body_bytes=MAX_BODY, max_tokens_limit=4096, log_json=False)
@@ -70,9 +72,9 @@ async def env(etcd_server, tmp_path_factory):
     await put_route(etcd, keys, ex1, "a", engine.target, tok1)
     await put_route(etcd, keys, ex2, "a", engine.target, tok2)
     await asyncio.sleep(0.3)
-    channel = grpc.aio.insecure_channel(proc.target)
+    channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
-        yield Env(proc, url, etcd, keys, router_pb2_grpc.RouterStub(channel), engine, packer, ex1, tok1, ex2, tok2)
+        yield Env(proc, url, etcd, keys, channel, engine, packer, ex1, tok1, ex2, tok2)
     finally:
         proc.stop()
         await channel.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,6 +20,9 @@ import pytest_asyncio
 
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from services.router.servicer import RouterServicer
+from tests.leader import leader_epoch, new_leader
+from tests.tls import RoleStubs, tls
 from bench.support.router_rig import (
     FakePacker,
     build_tokenizer_dir,
@@ -57,7 +59,7 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rr" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer()
+    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engines = {}
     for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
         engines[cell] = await FakeEngineServer(FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.004, tokens_per_chunk=2)).start()
@@ -66,9 +68,9 @@ async def env(etcd_server, tmp_path_factory):
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
-    channel = grpc.aio.insecure_channel(proc.target)
+    channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
-        yield Env(proc, url, etcd, Keys(cluster), router_pb2_grpc.RouterStub(channel), engines, packer)
+        yield Env(proc, url, etcd, Keys(cluster), channel, engines, packer)
     finally:
         proc.stop()
         await channel.close()
@@ -96,7 +98,7 @@ async def scheduler_moves(env: Env, execution_id: str, token: str, path: list[st
         epoch = await put_route(env.etcd, env.keys, execution_id, dest, env.engines[dest].target, token)
         reply = await env.stub.MoveExecutions(
             router_pb2.MoveExecutionsRequest(
-                fence=common_pb2.Fence(epoch=7),
+                fence=common_pb2.Fence(epoch=await leader_epoch(env.etcd, env.keys)),
                 moves=[router_pb2.Move(execution_id=execution_id, from_cell=current, to_cell=dest, route_epoch=epoch)],
             ),
             timeout=5,
@@ -213,7 +215,9 @@ async def test_destination_with_other_policy_version_is_refused(env):
 
 
 async def test_stale_fence_is_refused(env):
-    await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=9)), timeout=5)
+    old = await leader_epoch(env.etcd, env.keys)
+    new = await new_leader(env.etcd, env.keys)
+    await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=new)), timeout=5)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=3)), timeout=5)
+        await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=old)), timeout=5)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -58,7 +58,7 @@ async def test_one_trace_from_harness_to_engine(tmp_path: Path):
     cluster = Cluster(config, tmp_path / "run", free_ports=True)
     cluster.start()
     try:
-        async with HarnessClient(cluster.procs["scheduler"].target) as client:
+        async with HarnessClient(cluster.procs["scheduler"].target, tls_dir=cluster.pki.identity_dir("harness")) as client:
             execution = await client.acquire(wait_s=10)
             assert execution is not None
             with tracer.start_as_current_span("harness.turn") as span:

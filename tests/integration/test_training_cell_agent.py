@@ -26,6 +26,7 @@ from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3
@@ -50,7 +51,7 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
     packer = FakePacker()
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = server.add_insecure_port("127.0.0.1:0")
+    pport = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
@@ -75,7 +76,7 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
         for p in procs:
             await asyncio.to_thread(p.start, 90)
         core, sat = (p.target for p in procs)
-        chans = [grpc.aio.insecure_channel(t) for t in (core, sat)]
+        chans = [channel(t, "scheduler") for t in (core, sat)]
         ctl = [pb_grpc.CellControlStub(c) for c in chans]
         for c in ctl:
             for state in (cpb.CELL_STATE_DRAINING, cpb.CELL_STATE_TRAINING):

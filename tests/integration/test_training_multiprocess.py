@@ -26,6 +26,8 @@ from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
+from tests.leader import leader_epoch
+from tests.tls import add_port, channel
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,10 +61,10 @@ def _reference(model_dir, batches):
     return {k: v.clone() for k, v in t.state_dict().items()}
 
 
-async def _join(target: str, batch: int, version: int, prefix: int, core: str) -> bool:
-    async with grpc.aio.insecure_channel(target) as ch:
+async def _join(epoch: int, target: str, batch: int, version: int, prefix: int, core: str) -> bool:
+    async with channel(target, "scheduler") as ch:
         r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=version,
+            pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
                                 prefix_size=prefix, core_target=core),
             timeout=60,
         )
@@ -76,7 +78,7 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
     packer = FakePacker()
     server = grpc.aio.server()
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    packer_port = server.add_insecure_port("127.0.0.1:0")
+    packer_port = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
 
     cfg = {
@@ -101,6 +103,7 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
     ]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
+    epoch = await leader_epoch(etcd, Keys(cluster_name))
     try:
         for p in procs:
             await asyncio.to_thread(p.start, 90)
@@ -109,13 +112,13 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
         # Batch 1 at version 0 (the initial policy): s1 joins after 1 micro-step, s2 after 3
         # (the data pauses in between; the fake packer hands each newcomer its first one).
         packer.add_batch(1, 0, batches[1], released=1)
-        assert await _join(core, 1, 0, 1, core)
+        assert await _join(epoch, core, 1, 0, 1, core)
         await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
-        assert await _join(s1, 1, 0, 2, core)
+        assert await _join(epoch, s1, 1, 0, 2, core)
         packer.release(1, 1, for_cell="c1")
         packer.release(1, 1)
         await asyncio.to_thread(packer.wait_claimed, 1, 3, 60)
-        assert await _join(s2, 1, 0, 3, core)
+        assert await _join(epoch, s2, 1, 0, 3, core)
         packer.release(1, 1, for_cell="c2")
         packer.release(1)
         await _wait_policy(etcd, cluster_name, 1)
@@ -123,9 +126,9 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
         # Batch 2 at version 1: s1 holds it (broadcast); s2 is restarted-like: its command
         # names an old version, and it still trains the batch's version (v1), never v0.
         packer.add_batch(2, 1, batches[2], released=2)
-        assert await _join(core, 2, 1, 1, core)
-        assert await _join(s1, 2, 1, 2, core)
-        assert await _join(s2, 2, 0, 3, core)
+        assert await _join(epoch, core, 2, 1, 1, core)
+        assert await _join(epoch, s1, 2, 1, 2, core)
+        assert await _join(epoch, s2, 2, 0, 3, core)
         packer.release(2)
         policy = await _wait_policy(etcd, cluster_name, 2)
         assert policy["source_target"] == core and policy["batch_id"] == 2

@@ -11,7 +11,6 @@ import json
 import random
 import socket
 
-import grpc
 import pytest
 import torch
 import yaml
@@ -24,6 +23,9 @@ from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
+from services.packer.servicer import PackerServicer
+from tests.leader import leader_epoch
+from tests.tls import RoleStubs, channel
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_SIZE = 3
@@ -71,10 +73,10 @@ async def _feed(stub, group: int) -> None:
         await stub.ReportFinish(f, timeout=10)
 
 
-async def _join(target: str, batch: int, prefix: int, core: str) -> bool:
-    async with grpc.aio.insecure_channel(target) as ch:
+async def _join(epoch: int, target: str, batch: int, prefix: int, core: str) -> bool:
+    async with channel(target, "scheduler") as ch:
         return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-            fence=cpb.Fence(epoch=1), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
+            fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
             timeout=60)).joined
 
 
@@ -98,17 +100,17 @@ async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[st
                             env={"OMP_NUM_THREADS": "1"}, log_path=tmp / f"c{i}.log") for i in range(cells)]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
+    epoch = await leader_epoch(etcd, Keys(cluster))
     try:
         for p in procs:
             await asyncio.to_thread(p.start, 90)
         targets = [p.target for p in procs]
-        async with grpc.aio.insecure_channel(packer.target) as ch:
-            stub = ppb_grpc.PackerStub(ch)
+        async with RoleStubs(packer.target, ppb_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             await _feed(stub, 0)
             batch = (await stub.GetBatch(ppb.GetBatchRequest(batch_id=0), timeout=10)).batch_id
-            assert await _join(targets[0], batch, 1, targets[0])
+            assert await _join(epoch, targets[0], batch, 1, targets[0])
             for i in range(1, cells):
-                assert await _join(targets[i], batch, i + 1, targets[0])
+                assert await _join(epoch, targets[i], batch, i + 1, targets[0])
             # The data pauses: the second group arrives once the first one is trained.
             for _ in range(300):
                 st = await stub.GetBatch(ppb.GetBatchRequest(batch_id=batch), timeout=10)

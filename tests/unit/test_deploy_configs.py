@@ -112,6 +112,11 @@ def k8s_cluster_yaml() -> str:
     return doc["data"]["cluster.yaml"]
 
 
+TOOL_VARIABLES = {"GYRE_CONFIG", "GYRE_HEALTHCHECK_TLS_DIR", "GYRE_HARNESS_TLS_DIR"}
+"""Variables read by tools in the container (the config file, the healthcheck's and the
+harness's identity), not section overrides."""
+
+
 def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     cls = config_class(section)
     prefix = f"GYRE_{section.upper()}__"
@@ -122,7 +127,7 @@ def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypa
         if key.startswith(prefix):
             field = key[len(prefix):].lower()
             assert field in cls.model_fields or field in PENDING_FIELDS, f"{key}: {cls.__name__} has no field {field}"
-        elif key.startswith("GYRE_") and key != "GYRE_CONFIG" and not any(
+        elif key.startswith("GYRE_") and key not in TOOL_VARIABLES and not any(
             key.startswith(f"GYRE_{other.upper()}__") for other in SHARED_CONTAINERS.get(section, ())
         ):
             raise AssertionError(f"{key} overrides another section than {section}")

@@ -28,7 +28,9 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from gyre.grpcx.channel import unary
+from gyre.grpcx.channel import dial, unary
+from gyre.grpcx.tls import process_tls
+from gyre.identity import Role
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent import snapshots
@@ -131,7 +133,7 @@ class MockTrainingHook:
         if self._source is None:
             self._source = PackerSource(s.packer_target, self.cell_id)
         if self._batches is None:
-            self._channel = grpc.aio.insecure_channel(s.packer_target)
+            self._channel = dial(s.packer_target, process_tls(), Role.PACKER)
             stub = ppb_grpc.PackerStub(self._channel)
 
             async def get_batch(batch_id: int) -> ppb.BatchStatus:

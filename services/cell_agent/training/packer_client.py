@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from gyre.grpcx.channel import unary
+from gyre.grpcx.channel import dial, unary
 from gyre.grpcx.server import channel_options
+from gyre.grpcx.tls import process_tls
+from gyre.identity import Role
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome
@@ -19,7 +21,7 @@ class PackerSource:
         self.cell_id = cell_id
         self.rpc_timeout_s = rpc_timeout_s
         self._own = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._channel = channel or dial(target, process_tls(), Role.PACKER, channel_options(max_message_bytes))
         self._stub = ppb_grpc.PackerStub(self._channel)
 
     async def claim(self, batch_id: int, policy_version: int, wait_s: float) -> Claim:

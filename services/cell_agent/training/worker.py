@@ -13,8 +13,11 @@ from pydantic import Field
 
 from gyre import runtime
 from gyre.config import ServiceConfig
+from gyre.etcd.election import verified_fence
 from gyre.fencing import FenceGuard
+from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc
+from gyre.identity import Role
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent import snapshots
@@ -34,13 +37,20 @@ class TrainerCellConfig(ServiceConfig):
 class TrainingControlServicer(pb_grpc.CellControlServicer):
     """JoinBatch only."""
 
-    def __init__(self, training: TrainingService) -> None:
+    ACCESS = AccessTable("gyre.v1.CellControl", {
+        "SetState": allow(Role.SCHEDULER),
+        "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        "LoadPolicy": allow(Role.SCHEDULER),
+        "JoinBatch": allow(Role.SCHEDULER),
+    })
+
+    def __init__(self, training: TrainingService, fence: FenceGuard | None = None) -> None:
         self.training = training
-        self.fence = FenceGuard()
+        self.fence = fence or FenceGuard()
 
     @rpc
     async def JoinBatch(self, request: pb.JoinBatchRequest, context: grpc.aio.ServicerContext) -> pb.JoinBatchResponse:  # noqa: N802
-        self.fence.check(request.fence.epoch)
+        await self.fence.admit(request.fence.epoch)
         joined = await self.training.join_batch(
             request.batch_id, request.policy_version, request.prefix_size, request.core_target
         )
@@ -56,8 +66,10 @@ def _main() -> None:
         training = TrainingService(cfg.training, cell_id=cfg.cell_id, index=cfg.index, target="",
                                    etcd=rt.etcd, keys=rt.keys)
         holder["t"] = training
+        fence, leader = verified_fence(rt.etcd, rt.keys.leader())
+        rt.supervisor.spawn("leader", leader.run())
         return [
-            (TrainingControlServicer(training), pb_grpc.add_CellControlServicer_to_server, "gyre.v1.CellControl"),
+            (TrainingControlServicer(training, fence), pb_grpc.add_CellControlServicer_to_server, "gyre.v1.CellControl"),
             snapshots.registration(training.snapshots),
         ]
 
