@@ -23,6 +23,7 @@ from bench.support.fake_engine import FakeEngineServer, FakeOptions
 from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_fake_packer, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from services.router.tokenization import Tokenizer
+from tests.tls import tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -37,7 +38,7 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_tools")
     tok_dir = build_tokenizer_dir(tmp / "tiny")
     cluster = "rt" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer()
+    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", tokens_per_chunk=2)).start()
     cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir),
                        packer_target=packer_target, http_port=0, log_json=False)
