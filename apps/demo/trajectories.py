@@ -14,6 +14,7 @@ computed here independently.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -61,7 +62,7 @@ def analyze(events: list[dict[str, Any]]) -> dict[str, Any]:
     turn_tokens: list[int] = []
     for ex in turns.values():
         order = sorted(ex)
-        for a, b in zip(order, order[1:]):
+        for a, b in itertools.pairwise(order):
             pairs += 1
             consistent += continues(ex[a], ex[b])
         segs = split_segments(ex)

@@ -10,7 +10,6 @@ while streaming, so every call gets its own instance.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import Any
 
@@ -110,6 +109,3 @@ def _delta_call(tc: Any) -> dict[str, Any]:
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
-
-def arguments_json(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

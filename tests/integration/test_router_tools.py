@@ -20,7 +20,14 @@ import pytest
 import pytest_asyncio
 
 from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_fake_packer, start_router, write_config
+from bench.support.router_rig import (
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    start_fake_packer,
+    start_router,
+    write_config,
+)
 from gyre.etcd import Etcd, Keys
 from services.router.tokenization import Tokenizer
 from tests.tls import tls

@@ -76,7 +76,7 @@ async def test_one_sequence_per_segment():
 
 
 async def test_replay_and_snapshot_rebuild_segments():
-    p, log, _, claim = await _run()
+    p, log, _, _ = await _run()
     replayed = PackerState()
     for ev in log.events:
         replayed.apply(ev)
