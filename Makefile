@@ -33,6 +33,7 @@ bench: install  ## benchmarks (~12 min); JSON in bench/results/, summaries in do
 	$(PY) bench/training_elastic.py
 	$(PY) bench/engine_mock.py
 	$(PY) bench/engine_vllm.py
+	$(PY) bench/trajectory_vllm.py
 
 protos: install  ## regenerate gyre/v1 from protos/ (the output is committed)
 	./scripts/gen_protos.sh

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from apps.limits import check_sequence_limits
 from apps.pki import LaunchPki
 from apps.procs import ServiceProcess
 from gyre.etcd.server import EtcdServer, free_port
@@ -70,6 +71,7 @@ class Cluster:
         self.config: dict[str, Any] = yaml.safe_load(text)
         self.pki = LaunchPki(self.config, certs_dir)
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False) if self.pki.changed else text)
+        check_sequence_limits(self.config_path)  # before anything starts
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
         self.procs: dict[str, ServiceProcess] = {}

@@ -207,6 +207,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         dispatched, finished = int(total["dispatched"]), int(total["finished"])
     rewards = reward_by_version(stats)
     versions = sorted(rewards)
+    trajectories = _trajectories(opts.run_dir / "packer-wal")
     summary = {
         "outcome": outcome,
         "engine": opts.engine,
@@ -221,12 +222,36 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "reward_by_policy_version": {str(v): rewards[v] for v in versions},
         "reward_first_version": rewards[versions[0]]["mean"] if versions else None,
         "reward_last_version": rewards[versions[-1]]["mean"] if versions else None,
+        "trajectories": trajectories,
     }
     (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (opts.run_dir / "timeline.json").write_text(json.dumps(timeline))
     plot_timeline(timeline, opts.run_dir / "timeline.png", title=f"Gyre demo ({opts.engine} engines): roles, waterlevel and capacity")
     _print_summary(console, summary, opts.run_dir)
     return summary
+
+
+def _consistency(t: dict[str, Any]) -> str:
+    if not t.get("consecutive_turn_pairs"):
+        return "-"
+    return (f"{t['token_consistent_pairs']} / {t['consecutive_turn_pairs']} ({100 * t['token_consistent_share']:.1f}%), "
+            f"{t['segment_breaks']} segment breaks, {t['segments_per_episode']} segments per episode")
+
+
+def _tokens(t: dict[str, Any]) -> str:
+    if not t.get("executions"):
+        return "-"
+    return f"{t['training_tokens_per_episode']} / {t['per_turn_tokens_per_episode']}"
+
+
+def _trajectories(wal_dir: Path) -> dict[str, Any]:
+    """Token consistency and training tokens, from the packer's WAL (apps/demo/trajectories.py)."""
+    from apps.demo.trajectories import analyze, read_events
+
+    try:
+        return analyze(read_events(wal_dir))
+    except FileNotFoundError:
+        return {}
 
 
 def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> None:
@@ -241,6 +266,8 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
         ("episodes completed / failed (harness)", f"{ex['harness_completed']} / {ex['harness_failed']}"),
         ("reward by policy version", ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items())),
+        ("token-consistent consecutive turns", _consistency(summary.get("trajectories") or {})),
+        ("training tokens per episode (per segment / per turn)", _tokens(summary.get("trajectories") or {})),
         ("wall time", f"{summary['wall_s']} s"),
         ("run folder", str(run_dir)),
     ]

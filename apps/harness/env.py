@@ -7,23 +7,28 @@ mixture (fast / medium / rare slow calls times a per-task factor). Everything th
 does lands in its workspace, a temporary directory that lives with the harness, outside any
 GPU cell: that is what survives a role change.
 
-The task: the workspace holds ``notes.txt`` with a secret number; each turn the agent's
-reply is run through a tool (chosen from the reply) and appended to ``answer.txt``. The
-reward is computed from the workspace alone: the fraction of characters in ``answer.txt``
-that are digits, plus a bonus when the secret appears. A random tiny model writes few
-digits; group-relative policy gradient on this reward visibly raises it within a few
-policy versions, which is what the demo shows.
+The task: the workspace holds ``notes.txt`` with a secret number. The agent is offered its
+tools the standard way (OpenAI ``tools``); a tool call it makes comes back as
+``tool_calls`` and is answered with a ``role: tool`` message. A reply without a tool call
+(what a random tiny model writes) is run ReAct-style through a tool chosen from the reply
+and answered with a user message. Written replies land in ``answer.txt``. The reward is
+computed from the workspace alone: the fraction of characters in ``answer.txt`` that are
+digits, plus a bonus when the secret appears. A random tiny model writes few digits;
+group-relative policy gradient on this reward visibly raises it within a few policy
+versions, which is what the demo shows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -110,7 +115,20 @@ def reward_of(answer: str, secret: int, bonus: float) -> float:
     return frac + (bonus if str(secret) in answer else 0.0)
 
 
-Chat = Callable[[list[dict[str, str]], int, float], Awaitable[str]]
+Chat = Callable[[list[dict[str, Any]], int, float, list[dict[str, Any]]], Awaitable[dict[str, Any]]]
+"""(messages, max_tokens, temperature, tools) -> the assistant message (OpenAI's
+``choices[0].message``: ``content`` and, when the model called tools, ``tool_calls``)."""
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "list_files", "description": "List the workspace files.",
+                                      "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                     "required": ["path"]}}},
+    {"type": "function", "function": {"name": "write_file", "description": "Append text to answer.txt.",
+                                      "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                                     "required": ["text"]}}},
+]
 Sleep = Callable[[float], Awaitable[None]]
 
 
@@ -146,8 +164,25 @@ class Episode:
             latency *= self.task_factor
         return min(latency, c.tool_cap_s) * c.time_scale
 
+    def call_tool(self, workspace: Workspace, name: str, arguments: str) -> str:
+        """Runs a tool call the model made."""
+        try:
+            args = json.loads(arguments) if arguments else {}
+        except ValueError:
+            return f"error: arguments of {name} are not JSON"
+        if not isinstance(args, dict):
+            return f"error: arguments of {name} must be an object"
+        if name == "list_files":
+            return "files: " + workspace.list_files()
+        if name == "read_file":
+            return workspace.read_file(str(args.get("path", "")))
+        if name == "write_file":
+            return workspace.append_answer(str(args.get("text", "")))
+        return f"error: no tool {name}"
+
     def run_tool(self, workspace: Workspace, reply: str, turn: int) -> str:
-        """Picks a tool from the reply (the tiny model cannot emit real tool calls) and runs it."""
+        """Picks a tool from a reply without tool calls (what a random tiny model writes) and
+        runs it, the way a ReAct harness reads an action out of text."""
         choice = (sum(map(ord, reply)) + turn) % 3
         if choice == 0:
             return "files: " + workspace.list_files()
@@ -164,15 +199,27 @@ class Episode:
                 {"role": "user", "content": f"Task {self.task.task_id}: find the secret number and write it."},
             ]
             for turn in range(self.turns):
-                reply = await chat(messages, self.config.max_tokens, self.config.temperature)
-                messages.append({"role": "assistant", "content": reply})
+                message = await chat(messages, self.config.max_tokens, self.config.temperature, TOOLS)
+                reply = message.get("content") or ""
+                calls = message.get("tool_calls") or []
+                # The history carries the assistant message exactly as it came back, so the
+                # router continues the execution's tokens instead of re-rendering them.
+                messages.append({"role": "assistant", "content": message.get("content"),
+                                 **({"tool_calls": calls} if calls else {})})
                 latency = self.tool_latency_s()
                 await sleep(latency)
                 tool_time += latency
-                observation = self.run_tool(workspace, reply, turn)
+                if calls:
+                    for call in calls:
+                        fn = call.get("function", {})
+                        result = self.call_tool(workspace, str(fn.get("name", "")), str(fn.get("arguments", "")))
+                        messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result[:120]})
+                    observation = "tools called"
+                else:
+                    observation = self.run_tool(workspace, reply, turn)
+                    messages.append({"role": "user", "content": observation[:120]})
                 if turn == self.turns - 1 and "write_file" not in observation:
                     workspace.append_answer(reply)  # the final reply is always the answer
-                messages.append({"role": "user", "content": observation[:120]})
             answer = workspace.answer()
             return EpisodeResult(reward_of(answer, self.task.secret, self.config.digit_bonus), self.turns, tool_time, answer)
         finally:

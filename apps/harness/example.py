@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from apps.harness.env import EnvConfig, Episode, Task
 from gyre.client import ExecutionHandle, HarnessClient
@@ -36,8 +37,8 @@ async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: Harne
     member = int(execution.execution_id.rsplit("-", 1)[-1]) if execution.execution_id[-1:].isdigit() else 0
     episode = Episode(task, env, member)
 
-    async def chat(messages: list[dict[str, str]], max_tokens: int, temperature: float) -> str:
-        return await execution.chat(messages, max_tokens=max_tokens, temperature=temperature)
+    async def chat(messages: list[dict[str, Any]], max_tokens: int, temperature: float, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        return await execution.chat_message(messages, max_tokens=max_tokens, temperature=temperature, tools=tools)
 
     async with execution:
         try:

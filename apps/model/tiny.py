@@ -2,7 +2,8 @@
 
 No model hub is reachable from Gyre's test and demo machines, so tests and the demo build
 their model here: a byte-level BPE tokenizer trained with ``tokenizers`` on a short built-in
-text (wrapped in ``PreTrainedTokenizerFast`` with a ChatML chat template), and a randomly
+text (wrapped in ``PreTrainedTokenizerFast`` with a ChatML chat template that renders tools
+and tool calls the way Qwen2.5 does), and a randomly
 initialised Qwen2 causal LM (hidden 128, 2 layers, 4 heads / 2 KV heads, bf16) from a seed.
 The directory loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and with vLLM, exactly
 like a downloaded checkpoint. The build is deterministic for a seed.
@@ -16,11 +17,42 @@ import argparse
 import json
 from pathlib import Path
 
+# ChatML with tools, in the layout Qwen2.5 (and vLLM's Hermes tool parser) use: the tools
+# are listed in the system turn, an assistant's tool calls are
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, and tool results come back
+# in a user turn as <tool_response>...</tool_response>. Without tools it is plain ChatML.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' }}{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] or [] %}"
+    "{%- if not loop.first or message['content'] %}{{- '\n' }}{%- endif %}"
+    "{%- set f = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{{- '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -35,6 +67,12 @@ The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100
 def main(): return 0  import os  print("hello world")  README.md  main.py  test_main.py
 Observation: the command finished with exit code 0. Thought: I should check the file.
 Action: read_file path=notes.txt Answer: the value is 7. reward step turn episode group
+<tool_call> {"name": "read_file", "arguments": {"path": "notes.txt"}} </tool_call> <tool_response>
+13 21 34 55 64 77 89 99 128 1000 2048 4096 365 24 60 7 3 9
+# Tools You may call one or more functions to assist with the user query. You are provided with
+function signatures within <tools></tools> XML tags: {"type": "function", "function": {"name":
+"description": "parameters": {"type": "object", "properties": {"path": {"type": "string"}}
+For each function call, return a json object with function name and arguments
 """ * 4
 
 DEFAULT_CONFIG = {
@@ -88,7 +126,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides: object) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_values = {**DEFAULT_CONFIG, **overrides}
-    stamp = {"seed": seed, "config": cfg_values, "builder": 1}
+    stamp = {"seed": seed, "config": cfg_values, "builder": 2}  # 2: tools in the template
     stamp_path = out / "gyre_tiny.json"
     if stamp_path.exists() and (out / "model.safetensors").exists():
         if json.loads(stamp_path.read_text()) == stamp:

@@ -75,6 +75,9 @@ class FakeOptions:
     hang_after_tokens: int = 0  # stop sending (stream stays open) after this many tokens
     slots: int = 64
     export_kv: bool = True
+    script: tuple[tuple[int, ...], ...] = ()
+    """Scripted outputs: request n (in arrival order) first emits ``script[n % len(script)]``
+    (e.g. a tool call's tokens), then hash tokens as usual (stop ids and max_tokens apply)."""
 
 
 class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
@@ -111,6 +114,7 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
             self._event("kv_import", rid)
         state = context_state(o.policy_version, list(request.prompt_token_ids))
         stops = set(request.sampling.stop_token_ids)
+        scripted = list(o.script[(len(self.requests) - 1) % len(o.script)]) if o.script else []
         sent = 0
         try:
             while sent < request.sampling.max_tokens:
@@ -119,6 +123,8 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
                 finish = common_pb2.FINISH_REASON_UNSPECIFIED
                 for _ in range(o.tokens_per_chunk):
                     tok, lp = token_for(state, o.vocab)
+                    if scripted:
+                        tok, lp = scripted.pop(0), -0.25
                     state = next_state(state, tok)
                     ids.append(tok)
                     lps.append(lp)

@@ -221,9 +221,25 @@ class ExecutionHandle:
         **extra: Any,
     ) -> str:
         """One non-streaming chat completion through the router; returns the text."""
+        message = await self.chat_message(messages, max_tokens, temperature, **extra)
+        return str(message.get("content") or "")
+
+    async def chat_message(
+        self,
+        messages: Sequence[dict[str, Any]],
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """One non-streaming chat completion; returns the assistant message (``content``,
+        and ``tool_calls`` when the model called one of ``tools``). Append it to the history
+        as it is: the router then continues the execution's tokens exactly."""
         body = {"model": self.model, "messages": list(messages), "max_tokens": max_tokens, "temperature": temperature, **extra}
+        if tools:
+            body["tools"] = list(tools)
         data = await self.post("/chat/completions", body)
-        return str(data["choices"][0]["message"]["content"])
+        return dict(data["choices"][0]["message"])
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POSTs to the router's OpenAI-compatible API with this execution's token."""

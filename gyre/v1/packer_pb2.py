@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gyre.v1 import common_pb2 as gyre_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14gyre/v1/packer.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"\xcf\x01\n\nTurnRecord\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nturn_index\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x06 \x03(\x01\x12\x1e\n\x16output_policy_versions\x18\x07 \x03(\x03\x12\x18\n\x10output_loss_mask\x18\x08 \x03(\x05\"\'\n\x12RecordTurnResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x9c\x01\n\x0c\x46inishReport\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12(\n\x06status\x18\x04 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\")\n\x14ReportFinishResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"b\n\x15\x43laimMicroStepRequest\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xa3\x01\n\tMicroStep\x12\x15\n\rmicro_step_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.gyre.v1.PackedSequence\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x15\n\rpacked_tokens\x18\x06 \x01(\x03\"\xaf\x01\n\x0ePackedSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x11\n\tadvantage\x18\x04 \x01(\x01\x12\x14\n\x0c\x65xecution_id\x18\x05 \x01(\t\x12\x10\n\x08group_id\x18\x06 \x01(\t\x12\x12\n\nturn_index\x18\x07 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\"\xa7\x01\n\x16\x43laimMicroStepResponse\x12&\n\x07outcome\x18\x01 \x01(\x0e\x32\x15.gyre.v1.ClaimOutcome\x12&\n\nmicro_step\x18\x02 \x01(\x0b\x32\x12.gyre.v1.MicroStep\x12\x13\n\x0b\x63laim_ttl_s\x18\x03 \x01(\x01\x12\x10\n\x08\x62\x61tch_id\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\"O\n\x13\x41\x63kMicroStepRequest\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12\x15\n\rmicro_step_id\x18\x03 \x01(\t\")\n\x14\x41\x63kMicroStepResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"$\n\x11KeepClaimsRequest\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\"$\n\x12KeepClaimsResponse\x12\x0e\n\x06\x63laims\x18\x01 \x01(\x05\"#\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\"\xbf\x02\n\x0b\x42\x61tchStatus\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x15\n\rgroups_packed\x18\x04 \x01(\x05\x12\x13\n\x0bmicro_steps\x18\x05 \x01(\x05\x12\x0f\n\x07\x63laimed\x18\x06 \x01(\x05\x12\r\n\x05\x61\x63ked\x18\x07 \x01(\x05\x12\x0e\n\x06sealed\x18\x08 \x01(\x08\x12\x14\n\x0ctotal_tokens\x18\t \x01(\x03\x12\x0e\n\x06\x63losed\x18\n \x01(\x08\x12\x0c\n\x04\x64one\x18\x0b \x01(\x08\x12\x0e\n\x06\x61\x63tive\x18\x0c \x01(\x08\x12\x11\n\tunclaimed\x18\r \x01(\x05\x12\x14\n\x0cparticipants\x18\x0e \x03(\t\x12)\n\x08\x63ounters\x18\x0f \x01(\x0b\x32\x17.gyre.v1.PackerCounters\"\xb3\x02\n\x0ePackerCounters\x12\x10\n\x08produced\x18\x01 \x01(\x03\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x03\x12\x10\n\x08\x62uffered\x18\x03 \x01(\x03\x12\x35\n\x07\x64ropped\x18\x04 \x03(\x0b\x32$.gyre.v1.PackerCounters.DroppedEntry\x12\x0f\n\x07pending\x18\x05 \x01(\x03\x12\r\n\x05ready\x18\x06 \x01(\x03\x12\x10\n\x08\x61ssigned\x18\x07 \x01(\x03\x12\x0e\n\x06packed\x18\x08 \x01(\x03\x12\x16\n\x0e\x63laims_expired\x18\t \x01(\x03\x12\x16\n\x0epolicy_version\x18\n \x01(\x03\x12\x12\n\nlate_turns\x18\x0b \x01(\x03\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"C\n\x10SealBatchRequest\x12\x1d\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x0e.gyre.v1.Fence\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\"\x14\n\x12WatchSupplyRequest\"\xaa\x02\n\x0cSupplySignal\x12\x14\n\x0cready_groups\x18\x01 \x01(\x03\x12\x13\n\x0b\x62\x61tch_needs\x18\x02 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x03\x12\x33\n\x07\x64ropped\x18\x04 \x03(\x0b\x32\".gyre.v1.SupplySignal.DroppedEntry\x12\x14\n\x0c\x62\x61tch_active\x18\x05 \x01(\x08\x12\x1d\n\x15unclaimed_micro_steps\x18\x06 \x01(\x03\x12\x18\n\x10ready_unassigned\x18\x07 \x01(\x03\x12)\n\x08\x63ounters\x18\x08 \x01(\x0b\x32\x17.gyre.v1.PackerCounters\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*z\n\x0c\x43laimOutcome\x12\x1d\n\x19\x43LAIM_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43LAIM_OUTCOME_CLAIMED\x10\x01\x12\x16\n\x12\x43LAIM_OUTCOME_WAIT\x10\x02\x12\x18\n\x14\x43LAIM_OUTCOME_CLOSED\x10\x03\x32\xb4\x04\n\x06Packer\x12>\n\nRecordTurn\x12\x13.gyre.v1.TurnRecord\x1a\x1b.gyre.v1.RecordTurnResponse\x12\x44\n\x0cReportFinish\x12\x15.gyre.v1.FinishReport\x1a\x1d.gyre.v1.ReportFinishResponse\x12Q\n\x0e\x43laimMicroStep\x12\x1e.gyre.v1.ClaimMicroStepRequest\x1a\x1f.gyre.v1.ClaimMicroStepResponse\x12K\n\x0c\x41\x63kMicroStep\x12\x1c.gyre.v1.AckMicroStepRequest\x1a\x1d.gyre.v1.AckMicroStepResponse\x12\x45\n\nKeepClaims\x12\x1a.gyre.v1.KeepClaimsRequest\x1a\x1b.gyre.v1.KeepClaimsResponse\x12:\n\x08GetBatch\x12\x18.gyre.v1.GetBatchRequest\x1a\x14.gyre.v1.BatchStatus\x12\x43\n\x0bWatchSupply\x12\x1b.gyre.v1.WatchSupplyRequest\x1a\x15.gyre.v1.SupplySignal0\x01\x12<\n\tSealBatch\x12\x19.gyre.v1.SealBatchRequest\x1a\x14.gyre.v1.BatchStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14gyre/v1/packer.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"\xcf\x01\n\nTurnRecord\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nturn_index\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x06 \x03(\x01\x12\x1e\n\x16output_policy_versions\x18\x07 \x03(\x03\x12\x18\n\x10output_loss_mask\x18\x08 \x03(\x05\"\'\n\x12RecordTurnResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x9c\x01\n\x0c\x46inishReport\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12(\n\x06status\x18\x04 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\")\n\x14ReportFinishResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"b\n\x15\x43laimMicroStepRequest\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xa3\x01\n\tMicroStep\x12\x15\n\rmicro_step_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.gyre.v1.PackedSequence\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x15\n\rpacked_tokens\x18\x06 \x01(\x03\"\xdd\x01\n\x0ePackedSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x11\n\tadvantage\x18\x04 \x01(\x01\x12\x14\n\x0c\x65xecution_id\x18\x05 \x01(\t\x12\x10\n\x08group_id\x18\x06 \x01(\t\x12\x12\n\nturn_index\x18\x07 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x1d\n\x15token_policy_versions\x18\t \x03(\x03\x12\r\n\x05turns\x18\n \x01(\x05\"\xa7\x01\n\x16\x43laimMicroStepResponse\x12&\n\x07outcome\x18\x01 \x01(\x0e\x32\x15.gyre.v1.ClaimOutcome\x12&\n\nmicro_step\x18\x02 \x01(\x0b\x32\x12.gyre.v1.MicroStep\x12\x13\n\x0b\x63laim_ttl_s\x18\x03 \x01(\x01\x12\x10\n\x08\x62\x61tch_id\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\"O\n\x13\x41\x63kMicroStepRequest\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12\x15\n\rmicro_step_id\x18\x03 \x01(\t\")\n\x14\x41\x63kMicroStepResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"$\n\x11KeepClaimsRequest\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\"$\n\x12KeepClaimsResponse\x12\x0e\n\x06\x63laims\x18\x01 \x01(\x05\"#\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\"\xbf\x02\n\x0b\x42\x61tchStatus\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x15\n\rgroups_packed\x18\x04 \x01(\x05\x12\x13\n\x0bmicro_steps\x18\x05 \x01(\x05\x12\x0f\n\x07\x63laimed\x18\x06 \x01(\x05\x12\r\n\x05\x61\x63ked\x18\x07 \x01(\x05\x12\x0e\n\x06sealed\x18\x08 \x01(\x08\x12\x14\n\x0ctotal_tokens\x18\t \x01(\x03\x12\x0e\n\x06\x63losed\x18\n \x01(\x08\x12\x0c\n\x04\x64one\x18\x0b \x01(\x08\x12\x0e\n\x06\x61\x63tive\x18\x0c \x01(\x08\x12\x11\n\tunclaimed\x18\r \x01(\x05\x12\x14\n\x0cparticipants\x18\x0e \x03(\t\x12)\n\x08\x63ounters\x18\x0f \x01(\x0b\x32\x17.gyre.v1.PackerCounters\"\xb3\x02\n\x0ePackerCounters\x12\x10\n\x08produced\x18\x01 \x01(\x03\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x03\x12\x10\n\x08\x62uffered\x18\x03 \x01(\x03\x12\x35\n\x07\x64ropped\x18\x04 \x03(\x0b\x32$.gyre.v1.PackerCounters.DroppedEntry\x12\x0f\n\x07pending\x18\x05 \x01(\x03\x12\r\n\x05ready\x18\x06 \x01(\x03\x12\x10\n\x08\x61ssigned\x18\x07 \x01(\x03\x12\x0e\n\x06packed\x18\x08 \x01(\x03\x12\x16\n\x0e\x63laims_expired\x18\t \x01(\x03\x12\x16\n\x0epolicy_version\x18\n \x01(\x03\x12\x12\n\nlate_turns\x18\x0b \x01(\x03\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"C\n\x10SealBatchRequest\x12\x1d\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x0e.gyre.v1.Fence\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\"\x14\n\x12WatchSupplyRequest\"\xaa\x02\n\x0cSupplySignal\x12\x14\n\x0cready_groups\x18\x01 \x01(\x03\x12\x13\n\x0b\x62\x61tch_needs\x18\x02 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x03\x12\x33\n\x07\x64ropped\x18\x04 \x03(\x0b\x32\".gyre.v1.SupplySignal.DroppedEntry\x12\x14\n\x0c\x62\x61tch_active\x18\x05 \x01(\x08\x12\x1d\n\x15unclaimed_micro_steps\x18\x06 \x01(\x03\x12\x18\n\x10ready_unassigned\x18\x07 \x01(\x03\x12)\n\x08\x63ounters\x18\x08 \x01(\x0b\x32\x17.gyre.v1.PackerCounters\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*z\n\x0c\x43laimOutcome\x12\x1d\n\x19\x43LAIM_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43LAIM_OUTCOME_CLAIMED\x10\x01\x12\x16\n\x12\x43LAIM_OUTCOME_WAIT\x10\x02\x12\x18\n\x14\x43LAIM_OUTCOME_CLOSED\x10\x03\x32\xb4\x04\n\x06Packer\x12>\n\nRecordTurn\x12\x13.gyre.v1.TurnRecord\x1a\x1b.gyre.v1.RecordTurnResponse\x12\x44\n\x0cReportFinish\x12\x15.gyre.v1.FinishReport\x1a\x1d.gyre.v1.ReportFinishResponse\x12Q\n\x0e\x43laimMicroStep\x12\x1e.gyre.v1.ClaimMicroStepRequest\x1a\x1f.gyre.v1.ClaimMicroStepResponse\x12K\n\x0c\x41\x63kMicroStep\x12\x1c.gyre.v1.AckMicroStepRequest\x1a\x1d.gyre.v1.AckMicroStepResponse\x12\x45\n\nKeepClaims\x12\x1a.gyre.v1.KeepClaimsRequest\x1a\x1b.gyre.v1.KeepClaimsResponse\x12:\n\x08GetBatch\x12\x18.gyre.v1.GetBatchRequest\x1a\x14.gyre.v1.BatchStatus\x12\x43\n\x0bWatchSupply\x12\x1b.gyre.v1.WatchSupplyRequest\x1a\x15.gyre.v1.SupplySignal0\x01\x12<\n\tSealBatch\x12\x19.gyre.v1.SealBatchRequest\x1a\x14.gyre.v1.BatchStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PACKERCOUNTERS_DROPPEDENTRY']._serialized_options = b'8\001'
   _globals['_SUPPLYSIGNAL_DROPPEDENTRY']._loaded_options = None
   _globals['_SUPPLYSIGNAL_DROPPEDENTRY']._serialized_options = b'8\001'
-  _globals['_CLAIMOUTCOME']._serialized_start=2383
-  _globals['_CLAIMOUTCOME']._serialized_end=2505
+  _globals['_CLAIMOUTCOME']._serialized_start=2429
+  _globals['_CLAIMOUTCOME']._serialized_end=2551
   _globals['_TURNRECORD']._serialized_start=56
   _globals['_TURNRECORD']._serialized_end=263
   _globals['_RECORDTURNRESPONSE']._serialized_start=265
@@ -51,33 +51,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MICROSTEP']._serialized_start=609
   _globals['_MICROSTEP']._serialized_end=772
   _globals['_PACKEDSEQUENCE']._serialized_start=775
-  _globals['_PACKEDSEQUENCE']._serialized_end=950
-  _globals['_CLAIMMICROSTEPRESPONSE']._serialized_start=953
-  _globals['_CLAIMMICROSTEPRESPONSE']._serialized_end=1120
-  _globals['_ACKMICROSTEPREQUEST']._serialized_start=1122
-  _globals['_ACKMICROSTEPREQUEST']._serialized_end=1201
-  _globals['_ACKMICROSTEPRESPONSE']._serialized_start=1203
-  _globals['_ACKMICROSTEPRESPONSE']._serialized_end=1244
-  _globals['_KEEPCLAIMSREQUEST']._serialized_start=1246
-  _globals['_KEEPCLAIMSREQUEST']._serialized_end=1282
-  _globals['_KEEPCLAIMSRESPONSE']._serialized_start=1284
-  _globals['_KEEPCLAIMSRESPONSE']._serialized_end=1320
-  _globals['_GETBATCHREQUEST']._serialized_start=1322
-  _globals['_GETBATCHREQUEST']._serialized_end=1357
-  _globals['_BATCHSTATUS']._serialized_start=1360
-  _globals['_BATCHSTATUS']._serialized_end=1679
-  _globals['_PACKERCOUNTERS']._serialized_start=1682
-  _globals['_PACKERCOUNTERS']._serialized_end=1989
-  _globals['_PACKERCOUNTERS_DROPPEDENTRY']._serialized_start=1943
-  _globals['_PACKERCOUNTERS_DROPPEDENTRY']._serialized_end=1989
-  _globals['_SEALBATCHREQUEST']._serialized_start=1991
-  _globals['_SEALBATCHREQUEST']._serialized_end=2058
-  _globals['_WATCHSUPPLYREQUEST']._serialized_start=2060
-  _globals['_WATCHSUPPLYREQUEST']._serialized_end=2080
-  _globals['_SUPPLYSIGNAL']._serialized_start=2083
-  _globals['_SUPPLYSIGNAL']._serialized_end=2381
-  _globals['_SUPPLYSIGNAL_DROPPEDENTRY']._serialized_start=1943
-  _globals['_SUPPLYSIGNAL_DROPPEDENTRY']._serialized_end=1989
-  _globals['_PACKER']._serialized_start=2508
-  _globals['_PACKER']._serialized_end=3072
+  _globals['_PACKEDSEQUENCE']._serialized_end=996
+  _globals['_CLAIMMICROSTEPRESPONSE']._serialized_start=999
+  _globals['_CLAIMMICROSTEPRESPONSE']._serialized_end=1166
+  _globals['_ACKMICROSTEPREQUEST']._serialized_start=1168
+  _globals['_ACKMICROSTEPREQUEST']._serialized_end=1247
+  _globals['_ACKMICROSTEPRESPONSE']._serialized_start=1249
+  _globals['_ACKMICROSTEPRESPONSE']._serialized_end=1290
+  _globals['_KEEPCLAIMSREQUEST']._serialized_start=1292
+  _globals['_KEEPCLAIMSREQUEST']._serialized_end=1328
+  _globals['_KEEPCLAIMSRESPONSE']._serialized_start=1330
+  _globals['_KEEPCLAIMSRESPONSE']._serialized_end=1366
+  _globals['_GETBATCHREQUEST']._serialized_start=1368
+  _globals['_GETBATCHREQUEST']._serialized_end=1403
+  _globals['_BATCHSTATUS']._serialized_start=1406
+  _globals['_BATCHSTATUS']._serialized_end=1725
+  _globals['_PACKERCOUNTERS']._serialized_start=1728
+  _globals['_PACKERCOUNTERS']._serialized_end=2035
+  _globals['_PACKERCOUNTERS_DROPPEDENTRY']._serialized_start=1989
+  _globals['_PACKERCOUNTERS_DROPPEDENTRY']._serialized_end=2035
+  _globals['_SEALBATCHREQUEST']._serialized_start=2037
+  _globals['_SEALBATCHREQUEST']._serialized_end=2104
+  _globals['_WATCHSUPPLYREQUEST']._serialized_start=2106
+  _globals['_WATCHSUPPLYREQUEST']._serialized_end=2126
+  _globals['_SUPPLYSIGNAL']._serialized_start=2129
+  _globals['_SUPPLYSIGNAL']._serialized_end=2427
+  _globals['_SUPPLYSIGNAL_DROPPEDENTRY']._serialized_start=1989
+  _globals['_SUPPLYSIGNAL_DROPPEDENTRY']._serialized_end=2035
+  _globals['_PACKER']._serialized_start=2554
+  _globals['_PACKER']._serialized_end=3118
 # @@protoc_insertion_point(module_scope)

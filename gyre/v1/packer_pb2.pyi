@@ -96,7 +96,7 @@ class MicroStep(_message.Message):
     def __init__(self, micro_step_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PackedSequence, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., packed_tokens: _Optional[int] = ...) -> None: ...
 
 class PackedSequence(_message.Message):
-    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id", "group_id", "turn_index", "policy_version")
+    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id", "group_id", "turn_index", "policy_version", "token_policy_versions", "turns")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class PackedSequence(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -113,7 +115,9 @@ class PackedSequence(_message.Message):
     group_id: str
     turn_index: int
     policy_version: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    turns: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., turns: _Optional[int] = ...) -> None: ...
 
 class ClaimMicroStepResponse(_message.Message):
     __slots__ = ("outcome", "micro_step", "claim_ttl_s", "batch_id", "policy_version")

@@ -14,6 +14,7 @@ from typing import Any
 from gyre.errors import InvalidArgument, ResourceExhausted
 from gyre.ids import BatchId, CellId, ExecutionId, GroupId, PolicyVersion
 from gyre.v1 import common_pb2, packer_pb2
+from services.packer.segments import Segment
 
 MAX_ID_CHARS = 256
 """Longest accepted execution, group or cell id."""
@@ -250,24 +251,27 @@ class Finish:
 
 @dataclasses.dataclass(frozen=True)
 class PackedSequence:
-    """One turn ready to train: prompt + output, loss mask and log-probs aligned."""
+    """One trajectory segment ready to train (see :mod:`services.packer.segments`): all its
+    tokens once, loss mask, log-probs and policy versions aligned."""
 
-    turn: Turn
+    segment: Segment
     advantage: float
     policy_version: int  # oldest version among its output tokens
 
     def to_proto(self) -> packer_pb2.PackedSequence:
-        t = self.turn
-        n_prompt = len(t.prompt)
+        first = self.segment.turns[0]
+        ids, mask, logprobs, versions = self.segment.arrays()
         return packer_pb2.PackedSequence(
-            token_ids=list(t.prompt) + list(t.output),
-            loss_mask=[0] * n_prompt + list(t.mask),
-            logprobs=[0.0] * n_prompt + [lp if m else 0.0 for lp, m in zip(t.logprobs, t.mask)],
+            token_ids=ids,
+            loss_mask=mask,
+            logprobs=logprobs,
             advantage=self.advantage,
-            execution_id=t.execution_id,
-            group_id=t.group_id,
-            turn_index=t.turn_index,
+            execution_id=first.execution_id,
+            group_id=first.group_id,
+            turn_index=first.turn_index,
             policy_version=self.policy_version,
+            token_policy_versions=versions,
+            turns=len(self.segment.turns),
         )
 
 

@@ -34,6 +34,7 @@ from services.packer.model import (
     check_cell,
 )
 from services.packer.packing import first_fit_decreasing
+from services.packer.segments import split_segments
 from services.packer.state import Batch, Event, Group, GroupState, MicroStep, PackerState
 from services.packer.wal import EventLog
 
@@ -244,7 +245,7 @@ class Packer:
                 raise FailedPrecondition(f"batch {batch.id} has no groups to seal")
             # Whatever is ready goes in, even before a claim activated the batch.
             while batch.id == st.filling and batch.needs > 0 and st.ready:
-                self._commit({"t": "assign", "b": batch.id, "g": next(iter(st.ready))})
+                self._assign(batch, next(iter(st.ready)))
             self._pack(batch, flush=True)
             self._seal(batch)
             self._after()
@@ -386,7 +387,7 @@ class Packer:
         batch = st.batches[st.filling]
         if batch.active and not batch.sealed:
             while batch.needs > 0 and st.ready:
-                self._commit({"t": "assign", "b": batch.id, "g": next(iter(st.ready))})
+                self._assign(batch, next(iter(st.ready)))
             wanted = (demand is not None and batch.id in demand) or batch.id in self._waiting
             full = batch.needs == 0
             self._pack(batch, flush=full or wanted)
@@ -405,13 +406,21 @@ class Packer:
         if old:
             self._commit({"t": "forget", "groups": old})
 
+    def _assign(self, batch: Batch, gid: str) -> None:
+        """A ready group joins the batch; its executions' turns are cut into trajectory
+        segments here (services/packer/segments.py), once, and the event records them."""
+        group = self.state.groups[gid]
+        segs = {x: [list(s) for s in split_segments(e.turns)] for x, e in group.execs.items()}
+        self._commit({"t": "assign", "b": batch.id, "g": gid, "segs": segs})
+
     def _pack(self, batch: Batch, flush: bool) -> None:
-        """First-fit decreasing over the batch's unpacked sequences; emits bins that are full
-        enough (or every bin when ``flush``); the rest wait for more sequences."""
+        """First-fit decreasing over the batch's unpacked segments (each costs all its tokens
+        once); emits bins that are full enough (or every bin when ``flush``); the rest wait
+        for more sequences."""
         if not batch.pending:
             return
         st, budget = self.state, self.cfg.micro_step_token_budget
-        sizes = {ref: st.turn(ref).tokens for ref in batch.pending}
+        sizes = {ref: st.segment(ref).tokens for ref in batch.pending}
         bins = first_fit_decreasing([(ref, sizes[ref]) for ref in batch.pending], budget)
         threshold = self.cfg.emit_fill_fraction * budget
         emitted = len(batch.micro_steps)
@@ -494,11 +503,11 @@ class Packer:
         st = self.state
         seqs = []
         for ref in ms.seqs:
-            turn = st.turn(ref)
-            group = st.groups[turn.group_id]
-            finish = st.execs[turn.execution_id].finish
+            segment = st.segment(ref)
+            group = st.groups[segment.last.group_id]
+            finish = st.execs[ref[0]].finish
             fallback = finish.policy_version if finish is not None else 0
-            seqs.append(PackedSequence(turn, group.advantages[turn.execution_id], turn.oldest_version(fallback)))
+            seqs.append(PackedSequence(segment, group.advantages[ref[0]], segment.oldest_version(fallback)))
         return MicroStepView(
             ms.id, BatchId(batch.id), batch.version or 0, tuple(seqs), ms.loss_tokens, ms.packed_tokens
         )

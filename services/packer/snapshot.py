@@ -23,7 +23,8 @@ def to_event(st: PackerState) -> Event:
             "gone": {x: list(t) for x, t in g.gone.items()},
             "execs": {
                 x: {"turns": [t.to_json() for _, t in sorted(e.turns.items())],
-                    "finish": e.finish.to_json() if e.finish is not None else None}
+                    "finish": e.finish.to_json() if e.finish is not None else None,
+                    "segs": [list(s) for _, s in sorted(e.segments.items())]}
                 for x, e in g.execs.items()
             },
         }
@@ -76,6 +77,9 @@ def restore(st: PackerState, ev: Event) -> None:
                 t = Turn.from_json(tj)
                 e.turns[t.turn_index] = t
             e.finish = Finish.from_json(ed["finish"]) if ed["finish"] is not None else None
+            # Snapshots from before segments hold a turn per packed sequence.
+            segs = ed["segs"] if "segs" in ed else [[i] for i in sorted(e.turns)]
+            e.segments = {int(s[0]): tuple(int(i) for i in s) for s in segs}
             g.execs[x] = e
             st.execs[x] = e
         st.groups[gid] = g

@@ -7,8 +7,11 @@ them to the WAL; replaying the WAL through ``apply`` rebuilds exactly this state
 takes no decisions that depend on config, clock or policy version, so a replay cannot
 diverge from the run that wrote it. Claim deadlines are runtime only (not replayed).
 
-Conservation is counted in turns (one turn = one PackedSequence) and checked by recounting
-the structures: ``produced = consumed + pending + ready + assigned + packed + sum(dropped)``.
+Conservation is counted in turns and checked by recounting the structures:
+``produced = consumed + pending + ready + assigned + packed + sum(dropped)``. The unit packed
+and trained is a trajectory segment (:mod:`services.packer.segments`): one or more turns of
+an execution, fixed when its group is assigned to a batch (the ``assign`` event names them)
+and referred to by its first turn.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Any
 from gyre.errors import FatalError
 from gyre.ids import BatchId, CellId, ExecutionId, GroupId
 from services.packer.model import Finish, Turn
+from services.packer.segments import Segment, per_turn
 
 SeqRef = tuple[str, int]
-"""(execution_id, turn_index) of a turn."""
+"""(execution_id, turn_index) of a turn, or of a segment's first turn."""
 
 Event = dict[str, Any]
 
@@ -55,6 +59,7 @@ class Execution:
     group_id: GroupId
     turns: dict[int, Turn] = dataclasses.field(default_factory=dict)
     finish: Finish | None = None
+    segments: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # first turn -> its turns
 
 
 @dataclasses.dataclass
@@ -91,8 +96,8 @@ class MicroStep:
     id: str
     batch_id: int
     index: int
-    seqs: list[SeqRef]
-    n_seqs: int
+    seqs: list[SeqRef]  # its segments (by first turn)
+    n_seqs: int  # turns in those segments (conservation counts turns)
     loss_tokens: int
     packed_tokens: int
     holder: CellId | None = None
@@ -172,6 +177,14 @@ class PackerState:
     def turn(self, ref: SeqRef) -> Turn:
         return self.execs[ref[0]].turns[ref[1]]
 
+    def segment(self, ref: SeqRef) -> Segment:
+        """The segment that starts at turn ``ref`` (assigned groups only)."""
+        ex = self.execs[ref[0]]
+        return Segment(tuple(ex.turns[i] for i in ex.segments[ref[1]]))
+
+    def segment_turns(self, ref: SeqRef) -> int:
+        return len(self.execs[ref[0]].segments[ref[1]])
+
     def current_batch(self) -> Batch:
         """The oldest batch still open to joiners (not closed): what ``batch_id`` 0 means.
         The batch being filled is never closed, so there always is one."""
@@ -192,7 +205,7 @@ class PackerState:
                 pending += g.turns
             elif g.state is GroupState.READY:
                 ready += g.turns
-        assigned = sum(len(b.pending) for b in self.batches.values())
+        assigned = sum(self.segment_turns(r) for b in self.batches.values() for r in b.pending)
         packed = sum(b.packed_seqs for b in self.batches.values())
         return {"pending": pending, "ready": ready, "assigned": assigned, "packed": packed}
 
@@ -326,9 +339,15 @@ class PackerState:
         group.batch_id = batch.id
         self.ready.pop(group.id, None)
         batch.groups.append(group.id)
+        segs = ev.get("segs")  # absent in WALs written before segments: a turn each
         for x in sorted(group.execs):
-            for i in sorted(group.execs[x].turns):
-                batch.pending.append((x, i))
+            ex = group.execs[x]
+            split = [tuple(int(i) for i in s) for s in segs[x]] if segs is not None else per_turn(list(ex.turns))
+            if sorted(i for s in split for i in s) != sorted(ex.turns):
+                raise FatalError(f"assign {group.id}: segments of {x} do not cover its turns")
+            ex.segments = {s[0]: s for s in split}
+            for s in split:
+                batch.pending.append((x, s[0]))
 
     def _on_emit(self, ev: Event) -> None:
         batch = self.batches[int(ev["b"])]
@@ -337,11 +356,11 @@ class PackerState:
         if len(taken) != len(refs) or not taken.issubset(batch.pending):
             raise FatalError(f"emit {ev['ms']}: sequences not pending in batch {batch.id}")
         batch.pending = [r for r in batch.pending if r not in taken]
-        turns = [self.turn(r) for r in refs]
+        segments = [self.segment(r) for r in refs]
         ms = MicroStep(
             id=ev["ms"], batch_id=batch.id, index=len(batch.micro_steps), seqs=refs,
-            n_seqs=len(refs), loss_tokens=sum(t.loss_tokens for t in turns),
-            packed_tokens=sum(t.tokens for t in turns),
+            n_seqs=sum(len(s.turns) for s in segments), loss_tokens=sum(s.loss_tokens for s in segments),
+            packed_tokens=sum(s.tokens for s in segments),
         )
         batch.micro_steps.append(ms)
         batch.free[ms.id] = None

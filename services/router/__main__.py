@@ -55,11 +55,12 @@ async def build(rt: Runtime) -> Services:
     )
     api = OpenAIApi(
         manager, tokenizer, model_name=cfg.served_model_name or Path(cfg.model_dir).name,
-        max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, store=store, **limits,
+        max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, store=store,
+        tool_call_parser=cfg.tool_call_parser, **limits,
     )
 
     if cfg.metrics_port:
-        serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table)))
+        serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table), manager.trajectories))
     rt.supervisor.spawn("routes", store.run())
     if servicer.leader_mirror is not None:
         rt.supervisor.spawn("leader", servicer.leader_mirror.run())

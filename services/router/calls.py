@@ -15,7 +15,9 @@ come from a :class:`~services.router.routes.RouteTable`. The loop is:
 
 Tokens are appended to the call's output by the pump only, on the one event loop, so the
 continuation prompt is exactly prompt + what the harness has been (or will be) given: no
-token is duplicated or lost.
+token is duplicated or lost. An HTTP call also carries an :class:`OutputText` (its text and
+stop strings): a stop string ends the call here, at the token that completed it, so the
+text and the recorded tokens are cut at the same place and the engine request is stopped.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from gyre.errors import (
 )
 from services.router.engine import Chunk, EngineClient, EngineRequest, Finish, KvHandle, Sampling
 from services.router.routes import Route, RouteTable
+from services.router.stops import OutputText
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class ModelCall:
         stats: RouterStats,
         deadline: float,
         background: Callable[[Any], None],
+        output_text: OutputText | None = None,
     ) -> None:
         self.call_id = call_id
         self.execution_id = execution_id
@@ -116,6 +120,9 @@ class ModelCall:
         self._deadline = deadline
         self._background = background
         self._stops = frozenset(sampling.stop_token_ids)
+        self.output_text = output_text
+        self.trajectory: Any = None
+        """The execution's trajectory this call produced, once it completed (the manager's)."""
         self._moved = asyncio.Event()
         self._route_changed = asyncio.Event()
         self._move_waiters: list[asyncio.Future[None]] = []
@@ -175,6 +182,7 @@ class ModelCall:
                             # Emitted chunks are owned by this buffer alone: merge in place.
                             merged.token_ids.extend(item.token_ids)
                             merged.logprobs.extend(item.logprobs)
+                            merged.text += item.text
                             merged.finish = item.finish
                     else:
                         end = item
@@ -267,7 +275,8 @@ class ModelCall:
         else:
             return False
         version = self.policy_versions[-1] if self.policy_versions else 0
-        self._emit(Chunk([], [], version, self.finish))
+        text = self.output_text.take(finished=True) if self.output_text is not None else ""
+        self._emit(Chunk([], [], version, self.finish, text))
         return True
 
     def _next_request(self, kv_handle: KvHandle | None) -> EngineRequest:
@@ -341,6 +350,10 @@ class ModelCall:
                     break
         elif len(self.output_ids) + len(ids) >= self.sampling.max_tokens:
             finish = Finish.LENGTH
+        if self.output_text is not None and ids:
+            kept = self.output_text.push(ids)
+            if self.output_text.stop_reason is not None:  # a stop string completed
+                ids, logprobs, finish = ids[:kept], logprobs[:kept], Finish.STOP
         if finish is Finish.ABORT:
             # The engine gave the request up (draining): keep its tokens, continue elsewhere.
             self._commit(ids, logprobs, chunk.policy_version, None)
@@ -356,7 +369,13 @@ class ModelCall:
         self.policy_versions.extend([version] * len(ids))
         if finish is not None:
             self.finish = finish
-        self._emit(Chunk(ids, logprobs, version, finish))
+        text = self.output_text.take(finished=finish is not None) if self.output_text is not None else ""
+        self._emit(Chunk(ids, logprobs, version, finish, text))
+
+    @property
+    def text(self) -> str:
+        """The output text so far (HTTP calls), stop strings applied."""
+        return self.output_text.text if self.output_text is not None else ""
 
     async def _failed(self, route: Route, request: EngineRequest, exc: BaseException | None) -> None:
         """4. An attempt ended without finishing: spend budget, wait for a move, retry."""

@@ -103,5 +103,13 @@ class RouterConfig(ServiceConfig):
             "(0: forward every engine chunk as soon as it arrives; queued chunks are merged anyway)."
         ),
     )
+    tool_call_parser: str = Field(
+        "hermes",
+        description=(
+            "vLLM tool-call parser (used as a library) that turns generated text into OpenAI "
+            "tool_calls for requests with tools, e.g. hermes (Qwen2.5 / the tiny model); empty: "
+            "requests with tools are refused. vLLM is imported on the first such request."
+        ),
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     turn_retry_max_s: float = Field(5.0, gt=0, description="Largest back-off between RecordTurn retries.")

@@ -38,6 +38,8 @@ class Chunk:
     logprobs: list[float]
     policy_version: int
     finish: Finish | None = None
+    text: str = ""
+    """The text these tokens add (HTTP calls only; the router detokenizes, see stops.py)."""
 
     @classmethod
     def from_proto(cls, msg: common_pb2.TokenChunk) -> Chunk:

@@ -7,10 +7,17 @@ the model call and aborts the engine request. Bodies larger than ``max_body_byte
 them changes anything. Non-standard extensions: ``return_token_ids`` (token ids in every
 choice), ``stop_token_ids``, and the headers ``x-gyre-execution-id`` (the execution the
 token must hold) and ``x-gyre-timeout-s`` (the caller's deadline, propagated downstream).
+
+A chat call's prompt continues its execution's token sequence (see
+:mod:`services.router.trajectory`); ``tools`` are rendered by the chat template and
+generated tool calls come back as ``tool_calls`` (deltas when streaming), parsed by
+:mod:`services.router.toolcalls`; ``stop`` strings of any length end a call as in vLLM
+(:mod:`services.router.stops`), ``include_stop_str_in_output`` honoured.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,11 +32,14 @@ from aiohttp import web
 from gyre.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, http_status_for
 from gyre.telemetry import tag_execution
 from services.router.calls import ModelCall
-from services.router.engine import Chunk, Sampling
+from services.router.engine import Chunk, Finish, Sampling
 from services.router.manager import CallManager
 from services.router.routes import Route
+from services.router.stops import OutputText, parse_stop
 from services.router.store import RouteStore
-from services.router.tokenization import Tokenizer
+from services.router.tokenization import Tokenizer, normalize_messages, normalize_tools
+from services.router.toolcalls import ToolCallParser, ToolCallParsers
+from services.router.trajectory import ChatState, canonical_tools, chat_prompt, reply_key
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +69,10 @@ class OpenAIApi:
         default_max_tokens: int,
         request_timeout_s: float,
         store: RouteStore | None = None,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self._manager = manager
+        self._tools = ToolCallParsers(tool_call_parser, tokenizer)
         self._store = store
         self._tok = tokenizer
         self.model_name = model_name
@@ -101,11 +113,13 @@ class OpenAIApi:
             route = await self._authorize(request)  # 1. who (headers only: nothing read yet)
             tag_execution(route.execution_id, cell_id=route.cell_id)
             body = await self._read_json(request)  # 2. what (413 / 400)
-            prompt, sampling, opts = await self._parse(body, chat)  # 3. validate, tokenize
+            prompt, sampling, opts = await self._parse(body, chat, route)  # 3. validate, tokenize
             timeout_s = self._timeout(request)
         except GyreError as exc:
             return _error_response(exc)
-        gen = self._manager.generate(route, prompt, sampling, timeout_s, opts["box"])
+        gen = self._manager.generate(
+            route, prompt, sampling, timeout_s, opts["box"], opts["text"], opts["break_reason"]
+        )
         async with contextlib.aclosing(gen):
             if opts["stream"]:
                 return await self._stream(request, gen, prompt, opts, chat)
@@ -148,7 +162,7 @@ class OpenAIApi:
             raise InvalidArgument("x-gyre-timeout-s must be > 0")
         return min(value, self._request_timeout_s)
 
-    async def _parse(self, body: dict[str, Any], chat: bool) -> tuple[list[int], Sampling, dict[str, Any]]:
+    async def _parse(self, body: dict[str, Any], chat: bool, route: Route) -> tuple[list[int], Sampling, dict[str, Any]]:
         model = body.get("model")
         if model not in (None, "", self.model_name):
             raise NotFound(f"model {model!r} is not served here (serving {self.model_name!r})")
@@ -161,7 +175,10 @@ class OpenAIApi:
         if not isinstance(extra_stops, list):
             raise InvalidArgument("stop_token_ids must be a list of token ids")
         stops += [_int(t, "stop_token_ids[]") for t in extra_stops]
-        stops += self._stop_strings(body.get("stop"))
+        stop_strings = parse_stop(body.get("stop"))
+        include_stop = body.get("include_stop_str_in_output", False)
+        if not isinstance(include_stop, bool):
+            raise InvalidArgument("include_stop_str_in_output must be a boolean")
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=_float(body.get("temperature", 1.0), "temperature"),
@@ -169,9 +186,20 @@ class OpenAIApi:
             seed=_int(body.get("seed", 0) or 0, "seed"),
             stop_token_ids=tuple(dict.fromkeys(stops)),
         ).validate(self._max_tokens_limit)
+        parser: ToolCallParser | None = None
+        chat_input: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None
+        break_reason = None
         if chat:
-            prompt = await self._tok.aencode_chat(body.get("messages"))
+            messages = normalize_messages(body.get("messages"))
+            tools, parse_tools = normalize_tools(body.get("tools"), body.get("tool_choice"))
+            previous = self._manager.trajectories.get(route.execution_id)
+            planned = await asyncio.to_thread(chat_prompt, self._tok, previous, messages, tools)
+            prompt, break_reason, chat_input = planned.token_ids, planned.break_reason, (messages, tools)
+            if parse_tools:
+                parser = await self._tools.new(tools, self.model_name)
         else:
+            if body.get("tools"):
+                raise InvalidArgument("tools need /v1/chat/completions")
             prompt = await self._completion_prompt(body.get("prompt"))
         if not 1 <= len(prompt) <= self._max_prompt_tokens:
             raise InvalidArgument(f"the prompt must hold 1..{self._max_prompt_tokens} tokens, got {len(prompt)}")
@@ -184,22 +212,23 @@ class OpenAIApi:
             "logprobs": bool(body.get("logprobs", False)),
             "usage": bool((body.get("stream_options") or {}).get("include_usage", False)) if isinstance(body.get("stream_options"), dict) else False,
             "box": [],
+            "text": OutputText(self._tok, stop_strings, include_stop),
+            "break_reason": break_reason,
+            "parser": parser,
+            "chat": chat_input,
+            "execution_id": route.execution_id,
         }
         return prompt, sampling, opts
 
-    def _stop_strings(self, stop: Any) -> list[int]:
-        if stop in (None, "", []):
-            return []
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise InvalidArgument("stop must be a string or a list of strings")
-        out = []
-        for s in items:
-            ids = self._tok.encode(s)
-            if len(ids) != 1:
-                raise InvalidArgument(f"stop string {s!r} is not a single token; use stop_token_ids")
-            out.append(ids[0])
-        return out
+    def _remember_chat(self, opts: dict[str, Any], content: str | None, tool_calls: list[dict[str, Any]]) -> None:
+        """The completed call's messages, tools and answer join the execution's trajectory,
+        so that the next call can continue its tokens."""
+        box: list[ModelCall] = opts["box"]
+        if opts["chat"] is None or not box or box[0].trajectory is None:
+            return
+        messages, tools = opts["chat"]
+        state = ChatState(tuple(messages), canonical_tools(tools), reply_key(content, tool_calls))
+        self._manager.trajectories.attach_chat(opts["execution_id"], box[0].trajectory, state)
 
     async def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -217,18 +246,27 @@ class OpenAIApi:
     async def _unary(self, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool) -> web.Response:
         ids: list[int] = []
         logprobs: list[float] = []
+        text = ""
         finish = None
         try:
             async for chunk in gen:
                 ids.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs)
+                text += chunk.text
                 finish = chunk.finish or finish
         except GyreError as exc:
             return _error_response(exc)
-        text = self._tok.decode(ids)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish.openai if finish else None}
+        parser: ToolCallParser | None = opts["parser"]
+        content, tool_calls = parser.parse(text) if parser is not None else (text, [])
+        self._remember_chat(opts, content, tool_calls)
+        reason = finish.openai if finish else None
+        if tool_calls and finish is Finish.STOP:
+            reason = "tool_calls"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "stop_reason": opts["text"].stop_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": content}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         if opts["logprobs"]:
@@ -256,7 +294,7 @@ class OpenAIApi:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         envelope = self._envelope(chat, True)
-        detok = self._tok.detokenizer()
+        parser: ToolCallParser | None = opts["parser"]
         completion = 0
         head = {**envelope, "prompt_token_ids": prompt} if opts["token_ids"] else envelope
         if chat:
@@ -266,21 +304,43 @@ class OpenAIApi:
             chunk = first
             while chunk is not None:
                 completion += len(chunk.token_ids)
-                text = detok.push(chunk.token_ids)
+                text = chunk.text
                 if chunk.finish is not None:
-                    text += detok.flush()
-                choice: dict[str, Any] = {"index": 0, "finish_reason": chunk.finish.openai if chunk.finish else None}
-                if chat:
+                    # Complete the call first (its turn is recorded, the trajectory updated),
+                    # so a harness that acts on the finish reason finds it continued.
+                    await anext(gen, None)
+                    whole = opts["box"][0].text if opts["box"] else text
+                    self._remember_chat(opts, *(parser.parse(whole) if parser is not None else (whole, [])))
+                reason = chunk.finish.openai if chunk.finish else None
+                choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+                if chat and parser is not None:
+                    content, calls = parser.stream(text, chunk.token_ids)
+                    if chunk.finish is not None:
+                        calls += parser.finish()
+                        if parser.called and chunk.finish is Finish.STOP:
+                            choice["finish_reason"] = "tool_calls"
+                    delta: dict[str, Any] = {}
+                    if content:
+                        delta["content"] = content
+                    if calls:
+                        delta["tool_calls"] = calls
+                    if not delta and chunk.finish is None and not (opts["token_ids"] or opts["logprobs"]):
+                        chunk = await anext(gen, None)
+                        continue  # nothing to say yet (a tool call's JSON is forming)
+                    choice["delta"] = delta
+                elif chat:
                     choice["delta"] = {"content": text}
                 else:
                     choice["text"] = text
+                if chunk.finish is not None:
+                    choice["stop_reason"] = opts["text"].stop_reason
                 if opts["token_ids"]:
                     choice["token_ids"] = chunk.token_ids
                 if opts["logprobs"]:
                     choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]}
                 await _send(resp, head, choice)
                 head = envelope
-                chunk = await anext(gen, None)
+                chunk = await anext(gen, None) if chunk.finish is None else None
             if opts["usage"]:
                 usage = {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
                 await resp.write(_sse({**envelope, "choices": [], "usage": usage}))

@@ -1,5 +1,6 @@
 """The calls in flight: creates model calls, finds the ones a route change or a scheduler
-move concerns, numbers each execution's turns and hands finished turns to the recorder."""
+move concerns, numbers each execution's turns, keeps each execution's trajectory (its token
+sequence, :mod:`services.router.trajectory`) and hands finished turns to the recorder."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from gyre.telemetry import execution_id_var
 from services.router.calls import CallPolicy, ModelCall, RouterStats
 from services.router.engine import Chunk, EngineClient, Finish, Sampling
 from services.router.routes import Route, RouteTable
+from services.router.stops import OutputText
+from services.router.trajectory import TrajectoryStore
 from services.router.turns import Turn, TurnRecorder
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class CallManager:
         self._turns = turns
         self._calls: dict[str, set[ModelCall]] = {}
         self._turn_index: dict[str, int] = {}
+        self.trajectories = TrajectoryStore()
         self._ids = itertools.count(1)
         self._prefix = f"r{os.getpid():x}"
         self._background: set[asyncio.Task[Any]] = set()
@@ -61,11 +65,16 @@ class CallManager:
         sampling: Sampling,
         timeout_s: float,
         call_box: list[ModelCall] | None = None,
+        output_text: OutputText | None = None,
+        break_reason: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Runs one model call of ``route``'s execution (the caller already authorized it).
 
-        Yields coalesced chunks; raises a GyreError on failure. A completed call's turn is
-        queued for the packer. ``call_box`` receives the call (for reroute counts).
+        Yields coalesced chunks; raises a GyreError on failure. A completed call becomes the
+        execution's trajectory and its turn is queued for the packer. ``call_box`` receives
+        the call (for reroute counts); ``output_text`` detokenizes and applies stop strings
+        (HTTP calls); ``break_reason`` names why the prompt does not continue the
+        trajectory, if it does not.
         """
         execution_id = route.execution_id
         execution_id_var.set(execution_id)
@@ -83,6 +92,7 @@ class CallManager:
             stats=self.stats,
             deadline=loop.time() + timeout_s,
             background=self.spawn,
+            output_text=output_text,
         )
         if call_box is not None:
             call_box.append(call)
@@ -92,6 +102,9 @@ class CallManager:
             async for chunk in call.stream():
                 yield chunk
             if call.finish in (Finish.STOP, Finish.LENGTH):
+                call.trajectory = self.trajectories.record(
+                    execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
+                )
                 self._record(route, call)
         finally:
             self.stats.inflight -= 1
@@ -128,8 +141,9 @@ class CallManager:
             call.request_move()
 
     def forget(self, execution_id: str) -> None:
-        """The execution closed: drop its turn counter."""
+        """The execution closed: drop its turn counter and its trajectory."""
         self._turn_index.pop(execution_id, None)
+        self.trajectories.forget(execution_id)
 
     async def move(self, execution_ids: list[str], from_cells: set[str]) -> tuple[int, int]:
         """Moves the outstanding calls of these executions to their current routes.

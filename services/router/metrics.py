@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.router.calls import RouterStats
+from services.router.trajectory import TrajectoryStore
 from services.router.turns import TurnRecorder
 
 _COUNTERS = {
@@ -23,10 +24,11 @@ _COUNTERS = {
 class RouterCollector:
     """A prometheus_client collector over live objects (no double bookkeeping)."""
 
-    def __init__(self, stats: RouterStats, turns: TurnRecorder, routes_len: Any) -> None:
+    def __init__(self, stats: RouterStats, turns: TurnRecorder, routes_len: Any, trajectories: TrajectoryStore | None = None) -> None:
         self._stats = stats
         self._turns = turns
         self._routes_len = routes_len
+        self._trajectories = trajectories
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,6 +40,15 @@ class RouterCollector:
             yield CounterMetricFamily(f"gyre_router_{name}", doc, value=getattr(self._stats, name))
         yield CounterMetricFamily("gyre_router_turn_records", "Turn records acknowledged by the packer.", value=self._turns.sent)
         yield CounterMetricFamily("gyre_router_turn_records_dropped", "Turn records dropped (buffer full).", value=self._turns.dropped)
+        if self._trajectories is not None:
+            t = self._trajectories
+            yield CounterMetricFamily(
+                "gyre_router_turns_continued", "Completed calls whose prompt continued their execution's tokens.", value=t.continued)
+            breaks = CounterMetricFamily(
+                "gyre_router_segment_breaks", "Completed calls that started a new trajectory segment, by reason.", labels=["reason"])
+            for reason, n in sorted(t.breaks.items()):
+                breaks.add_metric([reason], n)
+            yield breaks
 
 
 def serve(host: str, port: int, collector: RouterCollector) -> None:

@@ -1,7 +1,10 @@
 """The demo, in a shorter configuration (mock engines, real torch trainers, real etcd and
 processes): at least one cell moves to training and back, at least one live execution is
 rerouted and its harness still completes normally, the policy version advances, and
-dispatched = finished with nothing lost."""
+dispatched = finished with nothing lost. Trajectories are token-in/token-out (the agent
+offers tools and carries the assistant messages back): at least 99% of consecutive turns
+are token-consistent, the rest are counted segment breaks, and the packed tokens of every
+micro-step equal the lengths of its segments (fewer than training every turn)."""
 
 from __future__ import annotations
 
@@ -41,3 +44,9 @@ async def test_short_demo_moves_cells_and_reroutes(tmp_path: Path):
     assert summary["reroutes"] >= 1
     assert summary["policy_versions_published"] >= 2
     assert (opts.run_dir / "timeline.png").stat().st_size > 10_000
+    t = summary["trajectories"]
+    assert t["consecutive_turn_pairs"] > 0, t
+    assert t["token_consistent_pairs"] + t["segment_breaks"] == t["consecutive_turn_pairs"]
+    assert t["token_consistent_share"] >= 0.99, t
+    assert t["emitted_packed_tokens"] > 0 and t["emitted_tokens_match_segments"], t
+    assert t["training_tokens_total"] < t["per_turn_tokens_total"], t

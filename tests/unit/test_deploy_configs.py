@@ -214,3 +214,21 @@ def test_sections_agree_with_each_other() -> None:
     (agent,) = cell_sts["spec"]["template"]["spec"]["containers"]
     assert 29500 in {p["containerPort"] for p in agent["ports"]}
     assert cell_sts["spec"]["serviceName"] == "cell"
+
+
+def test_the_longest_segment_fits_a_micro_step(tmp_path: Path) -> None:
+    """Every shipped config trains its longest trajectory segment (apps/limits.py); a budget
+    below it is refused when the config is loaded."""
+    from apps.limits import check_sequence_limits
+
+    local = ROOT / "deploy" / "local" / "cluster.yaml"
+    for name, text in (("compose", COMPOSE_CLUSTER.read_text()), ("k8s", k8s_cluster_yaml()), ("local", local.read_text())):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        assert check_sequence_limits(path) >= 2048
+    doc = yaml.safe_load(local.read_text())
+    doc["packer"]["micro_step_token_budget"] = 1024
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match="micro_step_token_budget"):
+        check_sequence_limits(path)

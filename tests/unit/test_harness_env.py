@@ -34,9 +34,9 @@ async def test_episode_uses_a_workspace_and_cleans_it(tmp_path: Path):
     task = Task("t", 42, 7)
     episode = Episode(task, EnvConfig(time_scale=0.0))
 
-    async def chat(messages, max_tokens, temperature):
+    async def chat(messages, max_tokens, temperature, tools):
         seen.extend(tmp_path.iterdir())
-        return "the answer is 42"
+        return {"role": "assistant", "content": "the answer is 42"}
 
     async def no_sleep(_):
         return None
@@ -45,3 +45,37 @@ async def test_episode_uses_a_workspace_and_cleans_it(tmp_path: Path):
     assert result.turns == episode.turns
     assert "42" in result.answer and result.reward > 0.5
     assert seen and not list(tmp_path.iterdir())
+
+
+async def test_tool_calls_are_answered_with_tool_messages(tmp_path: Path):
+    """A model that calls the offered tools gets role: tool answers; its history carries the
+    assistant message (with tool_calls) exactly as it came back."""
+    task = Task("t", 42, 7)
+    episode = Episode(task, EnvConfig(time_scale=0.0, turns_min=3, turns_max=3))
+    histories: list[list] = []
+    plan = [
+        [("read_file", '{"path": "notes.txt"}')],
+        [("write_file", '{"text": "42"}'), ("list_files", "{}")],
+        [],
+    ]
+
+    async def chat(messages, max_tokens, temperature, tools):
+        assert {t["function"]["name"] for t in tools} == {"list_files", "read_file", "write_file"}
+        histories.append([dict(m) for m in messages])
+        calls = plan[len(histories) - 1]
+        if not calls:
+            return {"role": "assistant", "content": "done: 42"}
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}
+
+    async def no_sleep(_):
+        return None
+
+    result = await episode.run(chat, no_sleep, workspace_root=str(tmp_path))
+    second = histories[1]
+    assert second[-2]["tool_calls"][0]["function"]["name"] == "read_file"
+    assert second[-1] == {"role": "tool", "tool_call_id": "call_0", "content": "The secret number is 42.\n"}
+    third = histories[2]
+    assert [m["role"] for m in third[-3:]] == ["assistant", "tool", "tool"]
+    assert third[-1]["content"].startswith("files: ")
+    assert result.answer.startswith("42\n") and result.reward > 0.5

@@ -256,9 +256,11 @@ async def test_buffer_limit_is_resource_exhausted():
 def test_packed_sequence_alignment():
     t = Turn.validated("x", "g", 0, [1, 2, 3], [7, 8], [-0.1, -0.2], [4, 5], [1, 0], 100)
     from services.packer.model import PackedSequence
+    from services.packer.segments import Segment
 
-    msg = PackedSequence(t, 0.5, 4).to_proto()
+    msg = PackedSequence(Segment((t,)), 0.5, 4).to_proto()
     assert list(msg.token_ids) == [1, 2, 3, 7, 8]
     assert list(msg.loss_mask) == [0, 0, 0, 1, 0]
     assert list(msg.logprobs) == pytest.approx([0, 0, 0, -0.1, 0])
-    assert msg.advantage == 0.5 and msg.policy_version == 4 and msg.turn_index == 0
+    assert list(msg.token_policy_versions) == [0, 0, 0, 4, 5]
+    assert msg.advantage == 0.5 and msg.policy_version == 4 and msg.turn_index == 0 and msg.turns == 1

@@ -29,7 +29,7 @@ async def _drain(p, cell, batch_id, version=0, trained=None, wait_s=0.0):
         ms = r.micro_step
         mine.append(ms.micro_step_id)
         if trained is not None:
-            trained.extend((s.turn.execution_id, s.turn.turn_index) for s in ms.sequences)
+            trained.extend((t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns)
         await asyncio.sleep(random.random() * 0.002)
         assert await p.ack(cell, batch_id, ms.micro_step_id) is False
 

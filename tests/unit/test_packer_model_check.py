@@ -60,7 +60,7 @@ async def run(program: list[tuple]) -> None:
     claimed_by: dict[str, set[str]] = {}  # micro-step -> cells it was ever handed to
 
     def got(cell: str, ms) -> None:  # type: ignore[no-untyped-def]
-        claims[ms.micro_step_id] = [(s.turn.execution_id, s.turn.turn_index) for s in ms.sequences]
+        claims[ms.micro_step_id] = [(t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns]
         claimed_by.setdefault(ms.micro_step_id, set()).add(cell)
 
     def acked(cell: str, mid: str) -> None:
@@ -200,7 +200,7 @@ async def simulate(seed: int, steps: int) -> dict[str, int]:
                 count("claim_" + res.outcome.value)
                 if res.outcome is ClaimOutcome.CLAIMED:
                     ms = res.micro_step
-                    claims[ms.micro_step_id] = [(s.turn.execution_id, s.turn.turn_index) for s in ms.sequences]
+                    claims[ms.micro_step_id] = [(t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns]
                     claimed_by.setdefault(ms.micro_step_id, set()).add(cell)
                     held[cell].append((res.batch_id, ms.micro_step_id))
             elif roll < 0.85:

@@ -75,7 +75,7 @@ async def test_restart_mid_batch_loses_nothing_and_trains_each_turn_once(tmp_pat
         await tk.feed_group(p, f"g{g}", size=2, turns=2, prompt=3, output=2 + g)
     held = await p.claim("a", 0, 0, 0)  # claimed, never acked before the crash
     r = await p.claim("b", 0, 0, 0)
-    trained += [(s.turn.execution_id, s.turn.turn_index) for s in r.micro_step.sequences]
+    trained += [(t.execution_id, t.turn_index) for s in r.micro_step.sequences for t in s.segment.turns]
     await p.ack("b", 1, r.micro_step.micro_step_id)
     before = tk.snapshot(p.state)
     # Crash: no close; whatever was acknowledged to callers is on disk.
@@ -90,10 +90,10 @@ async def test_restart_mid_batch_loses_nothing_and_trains_each_turn_once(tmp_pat
         if r.outcome is not ClaimOutcome.CLAIMED:
             break
         others.append(r.micro_step.micro_step_id)
-        trained += [(s.turn.execution_id, s.turn.turn_index) for s in r.micro_step.sequences]
+        trained += [(t.execution_id, t.turn_index) for s in r.micro_step.sequences for t in s.segment.turns]
         await p.ack("b", 1, r.micro_step.micro_step_id)
     assert held.micro_step.micro_step_id not in others
-    trained += [(s.turn.execution_id, s.turn.turn_index) for s in held.micro_step.sequences]
+    trained += [(t.execution_id, t.turn_index) for s in held.micro_step.sequences for t in s.segment.turns]
     assert await p.ack("a", 1, held.micro_step.micro_step_id) is False
     status = p.batch_status(1)
     assert status["done"]
