@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sim.bounds import physical_limit  # noqa: E402
-from sim.config import ClusterConfig, ScenarioConfig, SimConfig  # noqa: E402
-from sim.driver import PolicySpec, run_policy  # noqa: E402
-from tests.unit.test_sim_conservation import small_config  # noqa: E402
+from sim.bounds import physical_limit
+from sim.config import ClusterConfig, ScenarioConfig, SimConfig
+from sim.driver import PolicySpec, run_policy
+from tests.unit.test_sim_conservation import small_config
 
 LOADED = ClusterConfig(cells=8, standalone_cells=1, slots_per_cell=4)
 SPECS = {
