@@ -17,6 +17,7 @@ from typing import Any
 from gyre.errors import Conflict, StaleEpoch, Unavailable
 from services.scheduler.ledger import Burst, ExecutionRecord
 from services.scheduler.placement import RouteRecord
+from services.scheduler.store import Stored
 
 
 class _FakeElection:
@@ -74,12 +75,11 @@ class FakeStore:
         self.writes += 1
         return self.revision
 
-    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str,
-            Any]]]:
+    async def load(self) -> Stored:
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
         routes = [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
-        return bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()}
+        return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()})
 
     async def read_routes(self) -> list[RouteRecord]:
         return [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
@@ -112,9 +112,9 @@ class FakeStore:
     async def close(self, rec: ExecutionRecord, expected_revision: int) -> int:
         rev = self._write()
         cur = self.execs.get(rec.execution_id)
-        if cur is None or cur.mod_revision != expected_revision:
+        if (cur.mod_revision if cur is not None else 0) != expected_revision:
             raise Conflict("changed")
-        self.execs[rec.execution_id] = _Val(rec.to_json(), rev, cur.version + 1)
+        self.execs[rec.execution_id] = _Val(rec.to_json(), rev, (cur.version if cur is not None else 0) + 1)
         self.routes.pop(rec.execution_id, None)
         return rev
 
