@@ -306,8 +306,10 @@ class KvServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             req = _recv_msg(sock)
-            sock.settimeout(float(req["timeout_s"]))
-            with self.table.reading(str(req["handle"]), float(req["timeout_s"])) as pin:
+            timeout_s = float(req["timeout_s"])
+            sock.settimeout(timeout_s)
+            # Half the read's deadline for the seal, so a refusal reaches the reader in time.
+            with self.table.reading(str(req["handle"]), timeout_s / 2) as pin:
                 self._answer(sock, req, pin)
         except (KvReadError, OSError, ValueError, KeyError, RuntimeError) as exc:
             with contextlib.suppress(OSError):
