@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gyre.backoff import Backoff
 from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unauthenticated, Unavailable
 from services.scheduler.config import SchedulerConfig
 from gyre.apikeys import KeyFile
@@ -428,7 +429,7 @@ class Scheduler:
         """Forwards finish reports to the packer, retrying each until acknowledged."""
         while True:
             report = await self._reports.get()
-            backoff = 0.1
+            backoff = Backoff(0.1, 5.0)
             while True:
                 try:
                     await self.peers.report_finish(report)
@@ -438,26 +439,24 @@ class Scheduler:
                 except Exception as exc:  # the packer may be down: retry (the call is idempotent)
                     log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id,
                             "error": repr(exc)})
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    await backoff.sleep()
 
     async def supply_loop(self) -> None:
         """Follows the packer's supply signal (reconnecting)."""
         if not self.cfg.packer_target:
             await asyncio.Event().wait()
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
                 async for upd in self.peers.watch_supply():
                     self.supply_raw = upd
-                    backoff = 0.2
+                    backoff.reset()
                     self._wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.info("supply stream interrupted; reconnecting", extra={"error": repr(exc)})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await backoff.sleep()
 
     async def control_loop(self) -> None:
         """Level-triggered: reconcile every ``reconcile_s`` (sooner when woken); survives

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gyre.backoff import Backoff
 from gyre.errors import Conflict, FailedPrecondition, GyreError, StaleEpoch
 from services.scheduler.peers import MoveOrder
 from services.scheduler.placement import pick_destinations
@@ -207,7 +208,7 @@ class TransitionRunner:
         route keys, so a router that misses the call still converges)."""
         s = self.s
         routers = s.all_router_targets()
-        backoff = 0.1
+        backoff = Backoff(0.1, 1.6)
         for attempt in range(5):
             if not routers or s.deposed.is_set():
                 return
@@ -216,8 +217,7 @@ class TransitionRunner:
                 return
             except GyreError as exc:
                 log.warning("MoveExecutions failed (attempt %d)", attempt + 1, extra={"error": repr(exc)})
-                await asyncio.sleep(backoff)
-                backoff *= 2
+                await backoff.sleep()
 
     def rescue(self, cell_id: str) -> None:
         """Moves the executions of a cell that left the cluster (lease lapsed) elsewhere."""
@@ -290,7 +290,7 @@ class TransitionRunner:
         s = self.s
         if after is not None:  # the move to training that spawned us finishes first
             await asyncio.wait([after])
-        backoff, missed = 0.5, set()
+        backoff, missed = Backoff(0.5, 5.0), set()
         while not s.deposed.is_set():
             if s.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
                 return
@@ -318,8 +318,7 @@ class TransitionRunner:
                 missed.add(batch_id)
                 s.emit("join_missed",
                         f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{s.policy_version}); retrying", cell_id=cell_id)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await backoff.sleep()
 
     async def _publish(self, version: int) -> None:
         s = self.s
@@ -359,7 +358,7 @@ class TransitionRunner:
         ``attempts`` tries if set, after MAX_REFUSALS refusals, or when our epoch is refused
         by a newer leader's (StaleEpoch)."""
         s = self.s
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         n = refused = 0
         while True:
             if s.deposed.is_set():
@@ -383,5 +382,4 @@ class TransitionRunner:
             if (attempts and n >= attempts) or refused >= MAX_REFUSALS:
                 raise err
             log.warning("command to %s failed; retrying", cell_id, extra={"error": repr(err)})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.sleep()
