@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gyre.backoff import Backoff
 from services.scheduler.ledger import ExecutionRecord, Ledger
 from services.scheduler.peers import FinishReport, Peers
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from gyre.backoff import Backoff
 from services.scheduler.peers import Peers, SupplyUpdate
 from services.scheduler.policy import Supply, SupplyTracker
 from services.scheduler.telemetry import Changes

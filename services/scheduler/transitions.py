@@ -26,6 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gyre.backoff import Backoff
 from gyre.errors import Conflict, GyreError, StaleEpoch
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import CellGone, Fleet
