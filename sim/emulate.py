@@ -153,12 +153,12 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "mock_weight_load_s": c.weight_sync_s, "mock_sleep_s": c.switch_to_train_s,
             "mock_wake_s": c.switch_to_rollout_s, "mock_max_batch": max(slots, 1),
             "max_prompt_tokens": max(131072, budget), "drain_wait_s": 10.0,
-        },
-        "training": {
-            "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,
-            "n_params": c.n_params, "flops": c.flops, "train_flops_eff": c.train_flops_eff,
-            "gpus_per_cell": c.gpus_per_cell, "train_step_fixed_s": c.train_step_fixed_s,
-            "weight_sync_s": c.weight_sync_s, "claim_wait_s": 0.5, "done_poll_s": 0.02,
+            "training": {
+                "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,
+                "n_params": c.n_params, "flops": c.flops, "train_flops_eff": c.train_flops_eff,
+                "gpus_per_cell": c.gpus_per_cell, "train_step_fixed_s": c.train_step_fixed_s,
+                "weight_sync_s": c.weight_sync_s, "claim_wait_s": 0.5, "done_poll_s": 0.02,
+            },
         },
         "launch": {
             "etcd": {},

@@ -21,11 +21,11 @@ from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.engines import build_engine
 from services.cell_agent.engines.vllm_engine import cuda_available
-from services.cell_agent.hooks import NoopTrainingHook, TrainingHook
 from services.cell_agent.incarnation import Incarnation, default_pid_dir
 from services.cell_agent.lifecycle import CellKind
 from services.cell_agent.servicer import CellControlServicer, EngineServicer
 from services.cell_agent.store import EtcdCellStore
+from services.cell_agent.training import build_hook
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +39,8 @@ def _preimport(cfg: CellAgentConfig) -> None:
 
         apply_vllm_env()  # before torch is first imported
         importlib.import_module("vllm.v1.engine.async_llm")
-    for name in ("torch", "services.cell_agent.training.hook"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-
-
-def _training_hook(rt: Runtime, cfg: CellAgentConfig, cell: Cell) -> TrainingHook:
-    """The trainer's hook if this build has one (services/cell_agent/training), else a no-op."""
-    try:
-        from services.cell_agent.training import build_hook  # type: ignore[attr-defined]
-    except ImportError:
-        return NoopTrainingHook()
-    return build_hook(rt, cfg, cell)
+    if cfg.training is not None:
+        importlib.import_module("services.cell_agent.training.hook")  # torch and the trainer
 
 
 class _App:
@@ -82,7 +70,7 @@ class _App:
             probe_timeout_s=cfg.probe_timeout_s,
             snapshot_timeout_s=cfg.snapshot_timeout_s,
         )
-        cell.hook = _training_hook(rt, cfg, cell)
+        cell.hook = build_hook(rt, cfg)
         self.cell = cell
         # One incarnation at a time: end what a previous agent of this cell left running,
         # and make the engine processes started from here on die with this agent.
