@@ -19,13 +19,30 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unauthenticated, Unavailable
+from gyre.errors import (
+    Conflict,
+    FailedPrecondition,
+    FatalError,
+    GyreError,
+    StaleEpoch,
+    Unauthenticated,
+    Unavailable,
+)
 from services.scheduler.config import SchedulerConfig
 from gyre.apikeys import KeyFile
 from services.scheduler.events import EventLog, Metrics
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
-from services.scheduler.ledger import ExecState, ExecutionRecord, FinishOutcome, Ledger, sha256_hex, validate_finish
+from services.scheduler.ledger import (
+    ExecState,
+    ExecutionRecord,
+    FinishOutcome,
+    Ledger,
+    derive_token,
+    sha256_hex,
+    validate_acquire_key,
+    validate_finish,
+)
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteRecord, RouteTable, pick_launch_cell
 from services.scheduler.policy import (
@@ -44,6 +61,7 @@ from services.scheduler.policy import (
     capacity,
     make_policy,
 )
+from services.scheduler.relay import FinishRelay
 from services.scheduler.tasks import TaskSource
 from services.scheduler.transitions import TransitionRunner
 
@@ -105,7 +123,8 @@ class Scheduler:
         self._launch_lock = asyncio.Lock()
         self._exec_locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Condition()
-        self._reports: asyncio.Queue[FinishReport] = asyncio.Queue()
+        self.relay = FinishRelay(peers, on_refused=self._report_refused)
+        self._acquiring: dict[str, asyncio.Lock] = {}  # sha256(acquire key) -> its acquires, one at a time
         self._registrations: list[bytes] = []
         self._states: dict[str, bytes] = {}
         self.transitions = TransitionRunner(self)
@@ -128,6 +147,8 @@ class Scheduler:
         return self.epoch > 0 and not self.deposed.is_set()
 
     def require_leader(self) -> None:
+        """UNAVAILABLE (naming the leader when known) unless this process leads; StaleEpoch
+        once deposed (the harness edge answers UNAVAILABLE too). Nothing was changed."""
         if self.deposed.is_set():
             raise StaleEpoch("this scheduler was deposed")
         if self.epoch <= 0:
@@ -149,12 +170,16 @@ class Scheduler:
 
     async def take_over(self, epoch: int) -> None:
         """Rebuilds from etcd as the new leader: bursts, executions, routes, transitions."""
-        bursts, execs, routes, transitions = await self.store.load()
+        loaded = await self.store.load()
+        bursts, routes, transitions = loaded.bursts, loaded.routes, loaded.transitions
         ledger = Ledger()
+        ledger.archived = loaded.summary
         for b in bursts:
             ledger.apply_burst(b)
+        # Every running execution gets a full deadline from now: heartbeats that went to the
+        # old leader, or nowhere during the gap, time nothing out.
         deadline = self.clock() + self.cfg.heartbeat_deadline_s
-        for rec in sorted(execs, key=lambda r: (r.burst_id, r.seq)):
+        for rec in sorted(loaded.executions, key=lambda r: (r.burst_id, r.seq)):
             ledger.load(rec, deadline)
         self.ledger = ledger
         self.harnesses.recount(r.harness_id for r in ledger.records.values() if not r.state.final)
@@ -174,12 +199,13 @@ class Scheduler:
         self.history.append("leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched,
                             finished=c.finished)
         self.emit("leader",
-                f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts, "
+                f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts "
+                f"({ledger.archived.bursts} archived), "
                 f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
                 f"{len(transitions)} transitions to resume")
         for rec in ledger.records.values():
-            if rec.state.final:
-                self._reports.put_nowait(self._report(rec))
+            if rec.state.final:  # (archived bursts were all settled: not resent)
+                self.relay.submit(self._report(rec))
         for cell_id, body in transitions.items():
             self.transitions.resume(cell_id, body)
         if self.policy_version > 0:
@@ -264,17 +290,53 @@ class Scheduler:
 
     # Harness API --------------------------------------------------------------------------
 
-    async def acquire(self, harness_id: str, wait_s: float) -> tuple[Launched | None, bool, float]:
+    async def acquire(self, harness_id: str, wait_s: float, key: str = "") -> tuple[Launched | None, bool, float]:
         """Launches the next queued execution on a free slot for the authenticated harness
         ``harness_id``, waiting up to ``wait_s``. Returns (launched or None, burst
         exhausted, retry-after hint). Over the harness's rate or in-flight limit:
-        ResourceExhausted, nothing launched."""
+        ResourceExhausted, nothing launched.
+
+        With an idempotency ``key``, an execution already launched with it (by this leader
+        or an earlier one) is returned again, with the same token; acquires with one key
+        run one at a time, so a retry racing its first attempt launches nothing twice."""
         self.require_leader()
+        validate_acquire_key(key)
         self.harnesses.admit_acquire(harness_id)
+        if not key:
+            return await self._acquire(harness_id, wait_s, "")
+        key_sha = sha256_hex(key)
+        lock = self._acquiring.setdefault(key_sha, asyncio.Lock())
+        try:
+            async with lock:
+                again = self._reacquire(harness_id, key, key_sha)
+                if again is not None:
+                    return again, False, 0.0
+                return await self._acquire(harness_id, wait_s, key)
+        finally:
+            if not lock.locked() and self._acquiring.get(key_sha) is lock:
+                del self._acquiring[key_sha]
+
+    def _reacquire(self, harness_id: str, key: str, key_sha: str) -> Launched | None:
+        """The execution launched earlier with this acquire key, handed back (None: none)."""
+        rec = self.ledger.acquired_with(key_sha)
+        if rec is None:
+            return None
+        self.harnesses.check_owner(rec.harness_id, harness_id)
+        if rec.state.final:
+            raise FailedPrecondition(f"{rec.execution_id}, acquired with this key, is already closed "
+                                     f"({rec.state.value})")
+        token = derive_token(key, rec.execution_id)
+        route = self.routes.routes.get(rec.execution_id)
+        if sha256_hex(token) != rec.token_sha256 or route is None:
+            raise FailedPrecondition(f"{rec.execution_id} cannot be handed out again")
+        burst = self.ledger.bursts[rec.burst_id]
+        return Launched(rec, token, burst.member(rec.seq)[2].task_json, route)
+
+    async def _acquire(self, harness_id: str, wait_s: float, key: str) -> tuple[Launched | None, bool, float]:
         deadline = self.clock() + min(wait_s, self.cfg.max_wait_s)
         while True:
             self.require_leader()
-            got = await self._try_launch(harness_id)
+            got = await self._try_launch(harness_id, key)
             if got is not None:
                 return got, False, 0.0
             left = deadline - self.clock()
@@ -287,7 +349,7 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
 
-    async def _try_launch(self, harness_id: str) -> Launched | None:
+    async def _try_launch(self, harness_id: str, key: str = "") -> Launched | None:
         """Picks (under the launch lock) the next queued execution and a free slot, reserves
         both, then writes outside the lock, so launches overlap their etcd round trips. A
         reserved route counts against its cell's slots (mod_revision 0 = pending)."""
@@ -300,8 +362,10 @@ class Scheduler:
                 return None
             burst, seq = nxt
             self.harnesses.check_inflight(harness_id)
-            token = secrets.token_urlsafe(32)
-            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
+            eid = burst.member(seq)[0]
+            token = derive_token(key, eid) if key else secrets.token_urlsafe(32)
+            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall(),
+                                          sha256_hex(key) if key else "")
             route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
                                 burst.burst_id, burst.policy_version,
                                 expires_s=rec.launched_s + self.cfg.execution_token_ttl_s)
@@ -408,7 +472,7 @@ class Scheduler:
         self.harnesses.closed(closed.harness_id)
         self.history.append("close", self.epoch, rev=rev, execution_id=closed.execution_id,
                             status=closed.state.value, reward=closed.reward)
-        self._reports.put_nowait(self._report(closed))
+        self.relay.submit(self._report(closed))
         if closed.state is ExecState.TIMED_OUT:
             self.emit("timed_out", f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",
                       execution_id=closed.execution_id)
@@ -425,21 +489,15 @@ class Scheduler:
     # Loops --------------------------------------------------------------------------------
 
     async def report_loop(self) -> None:
-        """Forwards finish reports to the packer, retrying each until acknowledged."""
-        while True:
-            report = await self._reports.get()
-            backoff = 0.1
-            while True:
-                try:
-                    await self.peers.report_finish(report)
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the packer may be down: retry (the call is idempotent)
-                    log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id,
-                            "error": repr(exc)})
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+        """Forwards finish reports to the packer (services/scheduler/relay.py): each is
+        retried until acknowledged or refused, none waits on another."""
+        await self.relay.run()
+
+    def _report_refused(self, report: FinishReport, exc: Exception) -> None:
+        self.history.append("report_refused", self.epoch, execution_id=report.execution_id,
+                            group_id=report.group_id, error=str(exc)[:200])
+        self.emit("report_refused", f"the packer refused the finish report of {report.execution_id}: {exc}",
+                  execution_id=report.execution_id)
 
     async def supply_loop(self) -> None:
         """Follows the packer's supply signal (reconnecting)."""
@@ -489,10 +547,27 @@ class Scheduler:
                     await self._close(rec)
         self._rescue_orphans()
         self._finish_stranded_moves()
+        await self._archive_closed()
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.apply(action, snap)
         self._gauges()
+
+    async def _archive_closed(self) -> None:
+        """Archives closed bursts, oldest first (services/scheduler/ledger.py): memory,
+        etcd space and the next takeover stay bounded by the live bursts."""
+        before = self.wall() - self.cfg.archive_grace_s
+        while (burst := self.ledger.archivable(self.relay.unsettled, before)) is not None:
+            summary = self.ledger.plan_archive(burst)
+            try:
+                rev = await self._fenced(self.store.archive(summary, self.ledger.archived.revision))
+            except Conflict as exc:  # only a leader writes it: a stale view, rebuilt at the next takeover
+                log.warning("archive refused: %s", exc)
+                return
+            self.ledger.apply_archive(dataclasses.replace(summary, revision=rev))
+            self.history.append("archive", self.epoch, rev=rev, burst_id=burst.burst_id, executions=burst.quota)
+            self.emit("archive", f"archived burst {burst.burst_id}: {burst.quota} executions closed; "
+                      f"{summary.bursts} bursts, {summary.executions} executions archived in all")
 
     def _finish_stranded_moves(self) -> None:
         """A cell an agent reports DRAINING or RETURNING with no transition of ours running
@@ -536,13 +611,13 @@ class Scheduler:
                         self.policy_version, self.next_quota(), self._drained_since)
 
     def next_quota(self) -> int:
-        if self.cfg.max_bursts and len(self.ledger.bursts) >= self.cfg.max_bursts:
+        if self.cfg.max_bursts and self.ledger.bursts_total >= self.cfg.max_bursts:
             return 0
         tasks = self.tasks.take(self._tasks_taken(), self.cfg.groups_per_burst())
         return len(tasks) * self.cfg.group_size
 
     def _tasks_taken(self) -> int:
-        return sum(len(b.tasks) for b in self.ledger.bursts.values())
+        return self.ledger.tasks_taken
 
     async def apply(self, action: Any, snap: Snapshot) -> None:
         gauges = dict(waterlevel=snap.ledger.waterlevel, capacity=capacity(snap.cells),
@@ -643,7 +718,8 @@ class Scheduler:
         c = self.ledger.counts(b.burst_id) if b else self.ledger.counts()
         counts = self.routes.counts()
         views = self.cells.views()
-        bursts_done = sum(1 for bid in self.ledger.bursts if self.ledger.bursts[bid].target_version <= self.policy_version)
+        bursts_done = self.ledger.archived.bursts + sum(
+            1 for bid in self.ledger.bursts if self.ledger.bursts[bid].target_version <= self.policy_version)
         return {
             "epoch": self.epoch, "burst_id": b.burst_id if b else 0, "ledger": c,
             "finished_by_status": self.ledger.finished_by_status(),

@@ -8,18 +8,21 @@ out-of-range reward, bad key or id -> INVALID_ARGUMENT; not the leader -> UNAVAI
 deposed (stale epoch) -> FAILED_PRECONDITION; no harness credential, an unknown API key or
 an expired token -> UNAUTHENTICATED; another harness's execution or a caller of another role
 -> PERMISSION_DENIED; over the harness's rate or in-flight limit -> RESOURCE_EXHAUSTED.
-None of them changes anything.
+None of them changes anything. A standby, or a leader deposed under the call, answers
+UNAVAILABLE with the leader's target in the details ("the leader is at HOST:PORT") and in
+the trailing metadata ``x-gyre-leader``: the harness client retries there.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import grpc
 
 from gyre import apikeys
-from gyre.errors import InvalidArgument
+from gyre.errors import InvalidArgument, StaleEpoch, Unavailable
 from gyre.grpcx.auth import AccessTable, allow, caller
 from gyre.grpcx.errors import bearer_token, metadata_value, rpc, rpc_stream
 from gyre.identity import Role
@@ -43,6 +46,7 @@ _KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE,
         CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
 MAX_ID = 256
 HARNESS_SERVICE = "gyre.v1.HarnessService"
+T = TypeVar("T")
 
 
 def _execution_id(value: str) -> str:
@@ -67,6 +71,29 @@ def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
         seq=e.seq, time_s=e.time_s, kind=e.kind, message=e.message, cell_id=e.cell_id, execution_id=e.execution_id,
         waterlevel=e.waterlevel, capacity=e.capacity, ready_groups=e.ready_groups,
     )
+
+
+LEADER_METADATA = "x-gyre-leader"
+
+
+async def _at_leader(s: Scheduler, context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+    """Runs a harness call; a write refused for a stale epoch (this process was deposed
+    under it: nothing changed) becomes UNAVAILABLE. Every UNAVAILABLE names the leader in
+    the trailing metadata when known, so the harness retries there."""
+    try:
+        return await call
+    except StaleEpoch as exc:
+        where = f"; the leader is at {s.leader_target}" if s.leader_target else ""
+        _name_leader(s, context)
+        raise Unavailable(f"this scheduler was deposed ({exc}){where}") from exc
+    except Unavailable:
+        _name_leader(s, context)
+        raise
+
+
+def _name_leader(s: Scheduler, context: grpc.aio.ServicerContext) -> None:
+    if s.leader_target and not s.leading:
+        context.set_trailing_metadata(((LEADER_METADATA, s.leader_target),))
 
 
 class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
@@ -95,7 +122,8 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         if not (math.isfinite(request.wait_s) and 0.0 <= request.wait_s <= 60.0):
             raise InvalidArgument("wait_s must be in [0, 60]")
         harness = self._harness(context, request.harness_id) or request.harness_id
-        got, exhausted, retry = await self.s.acquire(harness, request.wait_s)
+        got, exhausted, retry = await _at_leader(self.s, context, self.s.acquire(harness, request.wait_s,
+                                                                          request.idempotency_key))
         if got is None:
             return scheduler_pb2.AcquireExecutionResponse(burst_exhausted=exhausted, retry_after_s=retry)
         return scheduler_pb2.AcquireExecutionResponse(execution=execution_to_proto(got, self.s))
@@ -105,7 +133,7 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
             context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
-        left, state = await self.s.heartbeat(eid, token, self._harness(context))
+        left, state = await _at_leader(self.s, context, self.s.heartbeat(eid, token, self._harness(context)))
         return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
 
     @rpc
@@ -116,7 +144,8 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         status = _STATUS_FROM.get(request.status)
         if status is None:
             raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
-        out = await self.s.finish(eid, token, status, request.reward, request.idempotency_key, self._harness(context))
+        out = await _at_leader(self.s, context, self.s.finish(eid, token, status, request.reward, request.idempotency_key,
+                                                     self._harness(context)))
         return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state],
                 duplicate=out.duplicate)
 
