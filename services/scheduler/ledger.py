@@ -40,6 +40,7 @@ import hmac
 import json
 import math
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
@@ -468,7 +469,7 @@ class Ledger:
 
     # Archive ------------------------------------------------------------------------------
 
-    def archivable(self, unsettled: set[str] | frozenset[str] = frozenset(),
+    def archivable(self, unsettled: AbstractSet[str] = frozenset(),
                    closed_before_s: float = math.inf) -> Burst | None:
         """The oldest burst, if it can be archived: not the newest, every execution launched
         and closed (the last close before ``closed_before_s``, wall clock), none in

@@ -1,7 +1,8 @@
 """The finish relay: closed executions reported to the packer, none blocking another.
 
-Every closed execution is submitted once (by the close, or by a new leader for the closed
-records of its live bursts) and delivered by a few concurrent workers. A delivery ends in
+Every closed execution is reported once (by the close, or by a new leader for the closed
+records of its live bursts) and delivered by a few concurrent workers (the packer's
+ReportFinish is idempotent, and the order of reports does not matter to it). A delivery ends in
 one of three ways:
 
 * **acknowledged** (new or duplicate): settled;
@@ -24,6 +25,7 @@ import random
 from collections.abc import Callable
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.scheduler.ledger import ExecutionRecord, Ledger
 from services.scheduler.peers import FinishReport, Peers
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,9 @@ class RelayCounts:
 class FinishRelay:
     """Delivers finish reports to the packer with ``workers`` concurrent calls."""
 
-    def __init__(self, peers: Peers, workers: int = 4, max_backoff_s: float = 5.0,
+    def __init__(self, ledger: Ledger, peers: Peers, workers: int = 4, max_backoff_s: float = 5.0,
                  on_refused: Callable[[FinishReport, Exception], None] | None = None) -> None:
+        self._ledger = ledger
         self._peers = peers
         self._workers = max(1, workers)
         self._max_backoff_s = max_backoff_s
@@ -59,6 +62,17 @@ class FinishRelay:
     def unsettled(self) -> frozenset[str]:
         """Executions whose report is neither acknowledged nor refused yet."""
         return frozenset(self._pending)
+
+    @property
+    def pending(self) -> int:
+        """Reports not settled yet."""
+        return len(self._pending)
+
+    def report(self, rec: ExecutionRecord) -> None:
+        """Queues the report of a closed execution."""
+        burst = self._ledger.bursts[rec.burst_id]
+        self.submit(FinishReport(rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward,
+                                 rec.policy_version))
 
     def submit(self, report: FinishReport) -> None:
         """Queues a report (a report already pending is not queued twice)."""

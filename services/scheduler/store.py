@@ -21,10 +21,9 @@ read", a reroute by "the route is at the revision we wrote". A lost guard raises
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from gyre.errors import Conflict
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
@@ -38,20 +37,56 @@ READ_PAGE = 1000
 """Keys per range request of a takeover (about 400 KiB of execution records)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Loaded:
-    """Everything a new leader reads: the archive summary, the live bursts and their
-    execution records, routes, transitions in progress."""
+class Stored(NamedTuple):
+    """Everything a new leader rebuilds from: the live bursts and their execution records,
+    routes, the transitions under way (cell id -> record), and the summary of the archived
+    bursts."""
 
-    summary: ArchiveSummary
     bursts: list[Burst]
     executions: list[ExecutionRecord]
     routes: list[RouteRecord]
     transitions: dict[str, dict[str, Any]]
+    summary: ArchiveSummary = ArchiveSummary()
+
+
+class Election(Protocol):
+    """The part of the leader election the scheduler asks directly."""
+
+    async def current_epoch(self) -> int: ...
+
+
+class Store(Protocol):
+    """The scheduler's persistence: reads for a rebuild, and fenced writes, each raising
+    :class:`~gyre.errors.Conflict` for a lost guard and :class:`~gyre.errors.StaleEpoch`
+    for a lost leadership. :class:`SchedulerStore` is the etcd one."""
+
+    election: Election
+
+    async def load(self) -> Stored: ...
+
+    async def read_routes(self) -> list[RouteRecord]: ...
+
+    async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None: ...
+
+    async def read_policy(self) -> dict[str, Any] | None: ...
+
+    async def dispatch(self, burst: Burst) -> int: ...
+
+    async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int: ...
+
+    async def close(self, rec: ExecutionRecord, expected_revision: int) -> int: ...
+
+    async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]: ...
+
+    async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int: ...
+
+    async def delete_transition(self, cell_id: str) -> int: ...
+
+    async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int: ...
 
 
 class SchedulerStore:
-    """Reads and fenced writes of the scheduler's keys."""
+    """Reads and fenced writes of the scheduler's keys (etcd)."""
 
     def __init__(self, etcd: Etcd, keys: Keys, election: LeaderElection) -> None:
         self.etcd = etcd
@@ -60,7 +95,7 @@ class SchedulerStore:
 
     # Rebuild ------------------------------------------------------------------------------
 
-    async def load(self) -> Loaded:
+    async def load(self) -> Stored:
         """Everything a new leader needs, read in pages. The summary is read first: an
         archive that lands between the reads only removes keys it already counts (a record
         of a burst the summary covers is skipped by the ledger)."""
@@ -78,7 +113,7 @@ class SchedulerStore:
         for kv in trans_kvs:
             body = json.loads(kv.value)
             transitions[str(body["cell_id"])] = body
-        return Loaded(summary, bursts, [r for r in execs if r.burst_id > summary.through], routes, transitions)
+        return Stored(bursts, [r for r in execs if r.burst_id > summary.through], routes, transitions, summary)
 
     async def read_routes(self) -> list[RouteRecord]:
         _, kvs = await self.etcd.get_prefix_paged(self.keys.routes(), READ_PAGE)

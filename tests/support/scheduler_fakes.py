@@ -17,7 +17,7 @@ from typing import Any
 from gyre.errors import Conflict, StaleEpoch, Unavailable
 from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
 from services.scheduler.placement import RouteRecord
-from services.scheduler.store import Loaded
+from services.scheduler.store import Stored
 
 
 class _FakeElection:
@@ -76,13 +76,13 @@ class FakeStore:
         self.writes += 1
         return self.revision
 
-    async def load(self) -> Loaded:
+    async def load(self) -> Stored:
         summary = ArchiveSummary() if self.summary is None else ArchiveSummary.from_json(
             self.summary.value, self.summary.mod_revision)
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
         routes = [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
-        return Loaded(summary, bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()})
+        return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()}, summary)
 
     async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int:
         rev = self._write()
