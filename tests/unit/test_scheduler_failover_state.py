@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_scheduler_service import lead, make  # noqa: E402  (same test folder)
+from test_scheduler_service import lead, make  # same test folder
 
 from bench.support.recording_peers import RecordingPeers
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
@@ -50,7 +50,7 @@ async def test_acquire_retried_with_its_key_returns_the_same_execution_across_a_
     with pytest.raises(InvalidArgument):
         await s.acquire("h", 0, "short")
 
-    s2, store2, _ = await _failover(s, store, clock)
+    s2, _, _ = await _failover(s, store, clock)
     again2, _, _ = await s2.acquire("h", 0, KEY)
     assert (again2.record.execution_id, again2.token) == (first.record.execution_id, first.token)
     assert s2.ledger.counts().launched == 2
@@ -155,7 +155,7 @@ async def _run_burst(s) -> list:
 
 
 async def test_closed_bursts_are_archived_and_a_new_leader_rebuilds_the_same_totals():
-    s, store, peers, clock = make(policy="rollout_only", archive_grace_s=5.0)
+    s, store, _, clock = make(policy="rollout_only", archive_grace_s=5.0)
     await lead(s, store)
     task = asyncio.create_task(s.report_loop())
     try:
@@ -189,7 +189,7 @@ async def test_closed_bursts_are_archived_and_a_new_leader_rebuilds_the_same_tot
 
 
 async def test_an_unsettled_report_holds_its_burst_back_from_the_archive():
-    s, store, peers, clock = make(policy="rollout_only", archive_grace_s=0.0)
+    s, store, _, _ = make(policy="rollout_only", archive_grace_s=0.0)
     await lead(s, store)
     await _run_burst(s)
     await s.reconcile_once()
