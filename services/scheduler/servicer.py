@@ -5,7 +5,7 @@ converts the answer. Domain errors become statuses in :func:`gyre.grpcx.errors.r
 unknown execution -> NOT_FOUND; no token or a token that names no execution ->
 UNAUTHENTICATED; another execution's token -> PERMISSION_DENIED; a bad status, NaN/inf or
 out-of-range reward, bad key or id -> INVALID_ARGUMENT; not the leader -> UNAVAILABLE;
-deposed (stale epoch) -> FAILED_PRECONDITION; no harness credential, an unknown API key or
+deposed (stale epoch) -> UNAVAILABLE naming the leader; no harness credential, an unknown API key or
 an expired token -> UNAUTHENTICATED; another harness's execution or a caller of another role
 -> PERMISSION_DENIED; over the harness's rate or in-flight limit -> RESOURCE_EXHAUSTED.
 None of them changes anything. A standby, or a leader deposed under the call, answers
@@ -95,10 +95,14 @@ async def _at_leader(s: Scheduler, context: grpc.aio.ServicerContext, call: Awai
 def _name_leader(s: Scheduler, context: grpc.aio.ServicerContext) -> None:
     if s.lead.leader_target and not s.leading:
         context.set_trailing_metadata(((LEADER_METADATA, s.lead.leader_target),))
-def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int]) -> scheduler_pb2.Ledger:
+
+
+def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int] | None = None,
+        policy_version: int = 0) -> scheduler_pb2.Ledger:
     return scheduler_pb2.Ledger(
         burst_id=burst_id, dispatched=c.dispatched, launched=c.launched, finished=c.finished, queued=c.queued,
-        running=c.running, waterlevel=c.waterlevel, finished_by_status=dict(by_status),
+        running=c.running, waterlevel=c.waterlevel, finished_by_status=dict(by_status or {}),
+        policy_version=policy_version,
     )
 
 
@@ -184,6 +188,8 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
             policy_version=st.policy_version, reroutes=st.reroutes, bursts_completed=st.bursts_completed,
             transitions_to_training=st.to_training, transitions_to_rollout=st.to_rollout,
             total=_ledger(st.burst_id, st.total, st.total_by_status), policy=st.policy, leader=st.leader,
+            versions=[_ledger(0, c, policy_version=v) for v, c in st.versions.items()],
+            migrations=st.migrations, open_bursts=st.open_bursts,
         )
 
     @rpc_stream
