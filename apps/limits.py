@@ -27,7 +27,10 @@ def longest_segment(path: str | os.PathLike[str]) -> int:
     """The most tokens one trajectory segment can reach under the config at ``path``."""
     router = load(RouterConfig, path)
     cell = load(CellAgentConfig, path)
-    return min(router.max_prompt_tokens + router.max_tokens_limit, cell.max_model_len)
+    bounds = [router.max_prompt_tokens + router.max_tokens_limit, cell.max_model_len]
+    # The router cuts every call to its own context and turn limits (services/router/limits.py).
+    bounds += [n for n in (router.max_model_len, router.max_turn_tokens) if n]
+    return min(bounds)
 
 
 def check_sequence_limits(path: str | os.PathLike[str]) -> int:

@@ -10,7 +10,7 @@ certificate in ``tls_dir`` (an identity directory: tls.crt, tls.key, ca.crt; def
 Failover is invisible to the harness. ``scheduler_target`` may name several scheduler
 replicas ("host:a,host:b", or a list); only the leader serves harness calls, a standby
 answers UNAVAILABLE naming the leader, and the client follows it. Every call is retried on
-UNAVAILABLE and DEADLINE_EXCEEDED (back-off with full jitter) until ``retry_s`` has passed
+UNAVAILABLE and DEADLINE_EXCEEDED (capped exponential back-off with jitter, gyre.backoff) until ``retry_s`` has passed
 since its first attempt (default 30 s, or ``$GYRE_HARNESS_RETRY_S``): long enough for a
 leader failover (the old leader's lease TTL, 10 s by default, plus the election and the
 rebuild). Retries are safe: AcquireExecution and FinishExecution carry idempotency keys (a
@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import secrets
 import time
@@ -39,6 +38,7 @@ import aiohttp
 import grpc
 
 from gyre.apikeys import METADATA_KEY
+from gyre.backoff import Backoff
 from gyre.errors import GyreError, InvalidArgument, from_http_status, from_rpc_error
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
@@ -81,11 +81,6 @@ def leader_hint(err: grpc.aio.AioRpcError) -> str:
             return value if isinstance(value, str) else value.decode(errors="replace")
     m = _LEADER_IN_DETAILS.search(err.details() or "")
     return m.group(1) if m else ""
-
-
-def backoff_s(attempt: int, base_s: float = 0.1, cap_s: float = 2.0) -> float:
-    """Exponential back-off with full jitter: uniform in [0, min(cap, base * 2**attempt)]."""
-    return random.uniform(0.0, min(cap_s, base_s * 2 ** min(attempt, 30)))
 
 
 class HarnessClient:
@@ -173,7 +168,7 @@ class HarnessClient:
         than UNAVAILABLE / DEADLINE_EXCEEDED, or ``retry_s`` has passed (then raises the
         last error as a GyreError). Only for calls that are safe to repeat."""
         started = time.monotonic()
-        attempt = 0
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 return await attempt_fn(self.stub, timeout_s)
@@ -186,8 +181,7 @@ class HarnessClient:
                 log.info("%s: %s from the scheduler; retrying at %s (%.1f s left)", what, err.code().name,
                          self.target, left)
                 if not now_at_leader:
-                    await asyncio.sleep(min(backoff_s(attempt), max(left, 0.0)))
-                    attempt += 1
+                    await asyncio.sleep(min(backoff.next(), max(left, 0.0)))
 
     async def acquire(self, wait_s: float = 10.0) -> ExecutionHandle | None:
         """The next execution, or None if none could be launched within ``wait_s``.

@@ -58,10 +58,12 @@ class SchedulerConfig(ServiceConfig):
     # Executions.
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="How often harnesses should heartbeat.")
     heartbeat_deadline_s: float = Field(30.0, gt=0.0, description="No heartbeat for this long: TIMED_OUT.")
-    reward_min: float = Field(0.0,
-            description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT).")
-    reward_max: float = Field(1e6,
-            description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT).")
+    reward_min: float = Field(0.0, ge=-1e9, le=1e9, allow_inf_nan=False,
+            description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT); finite, "
+            "within the packer's max_abs_reward.")
+    reward_max: float = Field(1e6, ge=-1e9, le=1e9, allow_inf_nan=False,
+            description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT); finite, "
+            "within the packer's max_abs_reward.")
     max_wait_s: float = Field(60.0, ge=0.0, description="Cap on AcquireExecution's wait_s.")
     execution_token_ttl_s: float = Field(
         86_400.0, gt=0.0,

@@ -10,7 +10,7 @@ one of three ways:
   already resolved and forgot, or one that is full): settled and logged, never retried,
   since a retry would be refused the same way;
 * **not delivered** (the packer is down or slow, any other error): retried after a back-off
-  with full jitter (doubling up to ``max_backoff_s``), while the other reports go on.
+  with jitter (:mod:`gyre.backoff`, doubling up to ``max_backoff_s``), while the other reports go on.
 
 :attr:`FinishRelay.unsettled` names the executions not settled yet: their burst is not
 archived until they are (the packer may still need them).
@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import random
 from collections.abc import Callable
 
+from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.scheduler.ledger import ExecutionRecord, Ledger
 from services.scheduler.peers import FinishReport, Peers
@@ -55,7 +55,7 @@ class FinishRelay:
         self._on_refused = on_refused
         self._queue: asyncio.Queue[FinishReport] = asyncio.Queue()
         self._pending: dict[str, FinishReport] = {}
-        self._attempts: dict[str, int] = {}
+        self._backoffs: dict[str, Backoff] = {}
         self.counts = RelayCounts()
 
     @property
@@ -112,10 +112,9 @@ class FinishRelay:
                 self._on_refused(report, exc)
             return
         except Exception as exc:  # noqa: BLE001 -- the packer may be down or slow: retry later (the call is idempotent)
-            n = self._attempts.get(eid, 0)
-            self._attempts[eid] = n + 1
+            backoff = self._backoffs.setdefault(eid, Backoff(0.1, self._max_backoff_s))
             self.counts.retries += 1
-            delay = random.uniform(0.0, min(self._max_backoff_s, 0.1 * 2 ** min(n, 20)))
+            delay = backoff.next()
             log.info("finish report not delivered; retrying in %.2f s", delay,
                      extra={"execution_id": eid, "error": repr(exc)})
             asyncio.get_running_loop().call_later(delay, self._queue.put_nowait, report)
@@ -125,4 +124,4 @@ class FinishRelay:
 
     def _settle(self, execution_id: str) -> None:
         self._pending.pop(execution_id, None)
-        self._attempts.pop(execution_id, None)
+        self._backoffs.pop(execution_id, None)
