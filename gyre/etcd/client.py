@@ -98,12 +98,22 @@ _TRANSPORT_ERRORS = (
 )
 
 
+CHANNEL_OPTIONS = {
+    # gRPC's reconnect back-off grows to 120 s by default: after a long etcd outage the
+    # channel would stay down long after etcd is back. Retry the connection every second
+    # (the connect timeout itself stays at its default).
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+"""Options of the etcd channel."""
+
+
 class _TlsClient(aetcd.Client):
     """aetcd's client over a mutual-TLS channel (no password token: the certificate's CN is
     the etcd user)."""
 
     def __init__(self, host: str, port: int, timeout: float, credentials: grpc.ChannelCredentials) -> None:
-        super().__init__(host=host, port=port, timeout=timeout)
+        super().__init__(host=host, port=port, timeout=timeout, options=dict(CHANNEL_OPTIONS))
         self._credentials = credentials
 
     async def connect(self) -> None:
@@ -159,7 +169,7 @@ class Etcd:
                     raise ValueError(f"etcd endpoint {endpoint} needs TLS but this process has no certificate")
                 client = _TlsClient(host, port, self._timeout_s, self._tls.channel_credentials())
             else:
-                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=dict(CHANNEL_OPTIONS))
             try:
                 await client.connect()
                 await asyncio.wait_for(client.status(), self._timeout_s)
