@@ -1,11 +1,19 @@
 """The Gyre scheduler: bursts, the execution ledger, the waterlevel, cell roles, transitions.
 
-Modules: ``policy`` (pure role decisions: waterlevel, colocated, static, rollout_only),
-``ledger`` (pure D / L / F, exactly-once close), ``placement`` (pure cell/route tables and
-placement order), ``tasks`` (task sources), ``scheduler`` (the leader's operations and
-control loop), ``transitions`` (rollout <-> training orchestration, resumable), ``store``
-(etcd, every write fenced), ``peers`` (outgoing gRPC), ``events`` (event log, metrics),
-``servicer`` (gRPC edge), ``config``; ``fakes`` and ``testing`` for tests.
+Modules, by concern (``scheduler`` composes them; each has a typed interface):
+
+* pure: ``policy`` (role decisions from a snapshot: waterlevel, colocated, static,
+  rollout_only), ``ledger`` (D / L / F, exactly-once close), ``placement`` (cell/route
+  tables, placement order);
+* ``leadership`` (epoch, deposition, the fenced ``store``: its ``Store`` protocol and the
+  etcd ``SchedulerStore``), ``fleet`` (cells, routes, routers, engine versions, commands
+  to cell agents), ``bursts`` (dispatch), ``executions`` (acquire, heartbeat, finish,
+  time-outs), ``relay`` (finish reports to the packer), ``supply`` (the packer's supply
+  signal), ``publication`` (policy versions onto rollout engines), ``transitions`` (role
+  moves, reroutes, rescues, resumable), ``commands`` (the policy's actions, one ``match``),
+  ``control`` (the control loop, the snapshot), ``status`` (typed GetStatus),
+  ``telemetry`` and ``events`` (events, metrics, wake-ups), ``harness_gate``, ``history``,
+  ``tasks``, ``peers`` (outgoing gRPC), ``servicer`` (gRPC edge), ``config``.
 
 What it writes in etcd (all with ``LeaderElection.fenced_txn``):
 

@@ -56,7 +56,7 @@ async def build(rt: Runtime) -> Services:
         rt.supervisor.spawn(f"mirror.{name}", mirror.run())
 
     async def _close_peers() -> None:
-        await sched.transitions.cancel_all()
+        await sched.stop()
         await peers.close()
         sched.history.close()
 

@@ -1,72 +1,66 @@
-"""The scheduler leader's state and its harness-facing operations (acquire, heartbeat,
-finish), the control loop that applies the policy's actions, and the rebuild on takeover.
+"""The scheduler process's composition root: builds the parts, rebuilds them from etcd when
+this process becomes the leader, and is what the gRPC edge and ``__main__`` talk to.
 
-Domain logic lives in :mod:`ledger`, :mod:`policy` and :mod:`placement` (pure); this module
-sequences them with persistence (:mod:`store`, every write fenced) and the peers
-(:mod:`peers`). It never imports grpc. Every change follows plan -> fenced write -> apply,
-so memory never runs ahead of etcd; a write refused for a stale epoch marks the process
-deposed, and the process exits (a supervisor restarts it as a standby).
+Where each concern lives (every part has a typed interface; none reaches into another):
+
+* :mod:`leadership` - epoch, deposition, the fenced store;
+* :mod:`fleet` - cells, routes, routers, engine versions, commands to cell agents;
+* :mod:`bursts` (+ the pure :mod:`ledger`) - dispatching bursts, D / L / F;
+* :mod:`executions` - acquire, heartbeat, finish, time-outs;
+* :mod:`relay` - finish reports to the packer;
+* :mod:`supply` - the packer's supply signal;
+* :mod:`publication` - the newest policy version and loading it on rollout engines;
+* :mod:`transitions` - moving cells between roles, reroutes, rescues;
+* :mod:`commands` - the policy's actions carried out (``match`` over the action union);
+* :mod:`control` - the control loop and the policy's snapshot;
+* :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
+
+It never imports grpc. Every change follows plan -> fenced write -> apply, so memory never
+runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and the
+process exits (a supervisor restarts it as a standby).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gyre.errors import Conflict, FatalError, GyreError, StaleEpoch, Unauthenticated, Unavailable
-from services.scheduler.config import SchedulerConfig
 from gyre.apikeys import KeyFile
+from services.scheduler.bursts import Bursts
+from services.scheduler.commands import Commands
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.control import ControlLoop
 from services.scheduler.events import EventLog, Metrics
+from services.scheduler.executions import Acquired, Executions, Launched
+from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
-from services.scheduler.ledger import ExecState, ExecutionRecord, FinishOutcome, Ledger, sha256_hex, validate_finish
-from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
-from services.scheduler.placement import CellTable, RouteRecord, RouteTable, pick_launch_cell
-from services.scheduler.policy import (
-    BurstView,
-    CellState,
-    DispatchBurst,
-    Hold,
-    KeepInTraining,
-    MoveToTraining,
-    Policy,
-    PublishPolicy,
-    ReturnToRollout,
-    SealBatch,
-    Snapshot,
-    SupplyTracker,
-    capacity,
-    make_policy,
-)
+from services.scheduler.leadership import Leadership
+from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
+from services.scheduler.peers import Peers, SupplyUpdate
+from services.scheduler.placement import CellTable, RouteTable
+from services.scheduler.policy import Policy, capacity, make_policy
+from services.scheduler.publication import Publication
+from services.scheduler.relay import FinishRelay
+from services.scheduler.status import SchedulerStatus, cell_statuses
+from services.scheduler.store import Store
+from services.scheduler.supply import SupplyFollower
 from services.scheduler.tasks import TaskSource
+from services.scheduler.telemetry import Changes, Reading, Telemetry
 from services.scheduler.transitions import TransitionRunner
 
-log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Launched:
-    """An execution handed to a harness (the token exists only here and in its hands)."""
-
-    record: ExecutionRecord
-    token: str
-    task_json: str
-    route: RouteRecord
+__all__ = ["Acquired", "Launched", "Scheduler"]
 
 
 class Scheduler:
-    """One scheduler process's view; acts only while it leads (``epoch`` set)."""
+    """One scheduler process; acts only while it leads."""
 
     def __init__(
         self,
         config: SchedulerConfig,
-        store: Any,
+        store: Store | None,
         peers: Peers,
         tasks: TaskSource,
         events: EventLog | None = None,
@@ -75,583 +69,189 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.cfg = config
-        self.store = store
+        cfg = self.cfg = config
         self.peers = peers
-        self.tasks = tasks
-        self.events = events or EventLog(config.events_kept)
-        self.metrics = metrics
-        self.policy = policy or make_policy(
-            config.policy, fraction=config.fraction, interval_s=config.interval_s,
-            training_cells=config.static_training_cells, drain_grace_s=config.drain_grace_s,
-        )
         self.clock = clock
-        self.wall = wall
-        self.ledger = Ledger()
-        self.cells = CellTable()
-        self.routes = RouteTable()
-        self.tracker = SupplyTracker(config.fraction)
-        self.supply_raw = SupplyUpdate(0, config.batch_size, 0)
-        self.supply = self.tracker.observe(clock(), 0, config.batch_size, 0)
-        self.policy_version = 0
-        self.policy_source = ""
-        self.published = 0
-        self.router_targets: list[str] = []
-        self.epoch = 0
-        self.deposed = asyncio.Event()
-        self.reroutes = 0
-        self.to_training = 0
-        self.to_rollout = 0
-        self._launch_lock = asyncio.Lock()
-        self._exec_locks: dict[str, asyncio.Lock] = {}
-        self._changed = asyncio.Condition()
-        self._reports: asyncio.Queue[FinishReport] = asyncio.Queue()
-        self._registrations: list[bytes] = []
-        self._states: dict[str, bytes] = {}
-        self.transitions = TransitionRunner(self)
-        self.leader_target = ""
-        self._missing_since: dict[str, float] = {}
-        self._drained_since: float | None = None
-        self._sealed: set[int] = set()
-        self.history = History(config.history_file)
-        self.harnesses = HarnessGate(
-            KeyFile.load(config.harness_keys_file) if config.harness_keys_file else None,
-            require_key=config.harness_require_key, max_inflight=config.harness_max_inflight,
-            rate_per_s=config.harness_acquire_rate_per_s, burst=config.harness_acquire_burst,
-            trust_unauthenticated=config.tls.insecure and not config.harness_keys_file, clock=clock,
+        self.policy = policy or make_policy(
+            cfg.policy, fraction=cfg.fraction, interval_s=cfg.interval_s,
+            training_cells=cfg.static_training_cells, drain_grace_s=cfg.drain_grace_s,
         )
+        self.lead = Leadership(store)
+        self.ledger = Ledger()
+        self.fleet = Fleet(self.lead, cfg.router_target)
+        self.changes = Changes()
+        self.history = History(cfg.history_file)
+        self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes)
+        self.telemetry = Telemetry(events or EventLog(cfg.events_kept), metrics, self._reading)
+        self.harnesses = HarnessGate(
+            KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
+            require_key=cfg.harness_require_key, max_inflight=cfg.harness_max_inflight,
+            rate_per_s=cfg.harness_acquire_rate_per_s, burst=cfg.harness_acquire_burst,
+            trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file, clock=clock,
+        )
+        self.relay = FinishRelay(self.ledger, peers)
+        self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
+        self.bursts = Bursts(cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall)
+        self.executions = Executions(cfg, self.ledger, self.fleet, self.lead, self.harnesses, self.relay,
+                self.history, self.telemetry, self.changes, clock, wall)
+        self.transitions = TransitionRunner(cfg, self.lead, self.fleet, peers, self.publication, self.supply,
+                self.telemetry, self.history, self.changes, self.executions.reload_routes, clock)
+        self.commands = Commands(self.lead, peers, self.bursts, self.transitions, self.publication,
+                self.telemetry)
+        self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
+                self.executions, self.supply, self.publication, self.transitions, self.commands,
+                self.telemetry, self.changes, clock)
 
-    # Leadership ---------------------------------------------------------------------------
+    # Shorthands (operators' and tests' vocabulary) ----------------------------------------
+
+    @property
+    def store(self) -> Store:
+        return self.lead.store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        self.lead.bind(store)
+
+    @property
+    def events(self) -> EventLog:
+        return self.telemetry.events
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self.telemetry.metrics
+
+    @property
+    def cells(self) -> CellTable:
+        return self.fleet.cells
+
+    @property
+    def routes(self) -> RouteTable:
+        return self.fleet.routes
+
+    @property
+    def deposed(self) -> asyncio.Event:
+        return self.lead.deposed
 
     @property
     def leading(self) -> bool:
-        return self.epoch > 0 and not self.deposed.is_set()
+        return self.lead.leading
 
-    def require_leader(self) -> None:
-        if self.deposed.is_set():
-            raise StaleEpoch("this scheduler was deposed")
-        if self.epoch <= 0:
-            where = f"; the leader is at {self.leader_target}" if self.leader_target else ""
-            raise Unavailable(f"not the scheduler leader{where}")
+    @property
+    def supply_raw(self) -> SupplyUpdate:
+        return self.supply.raw
 
-    def mark_deposed(self, exc: BaseException) -> None:
-        if not self.deposed.is_set():
-            log.error("deposed: %s", exc)
-            self.deposed.set()
+    @supply_raw.setter
+    def supply_raw(self, update: SupplyUpdate) -> None:
+        self.supply.raw = update
 
-    async def _fenced(self, aw: Any) -> Any:
-        """Awaits a store write; a stale epoch marks us deposed and propagates."""
-        try:
-            return await aw
-        except StaleEpoch as exc:
-            self.mark_deposed(exc)
-            raise
+    @property
+    def policy_version(self) -> int:
+        return self.publication.version
+
+    # Leadership ---------------------------------------------------------------------------
 
     async def take_over(self, epoch: int) -> None:
-        """Rebuilds from etcd as the new leader: bursts, executions, routes, transitions."""
-        bursts, execs, routes, transitions = await self.store.load()
-        ledger = Ledger()
-        for b in bursts:
-            ledger.apply_burst(b)
-        deadline = self.clock() + self.cfg.heartbeat_deadline_s
-        for rec in sorted(execs, key=lambda r: (r.burst_id, r.seq)):
-            ledger.load(rec, deadline)
-        self.ledger = ledger
-        self.harnesses.recount(r.harness_id for r in ledger.records.values() if not r.state.final)
-        # Routes without an open execution (a crash between writes cannot leave one, but an
-        # operator can) are left out of the table and left in etcd for inspection.
-        self.routes = RouteTable()
-        for r in routes:
-            rec = ledger.records.get(r.execution_id)
-            if rec is not None and not rec.state.final:
-                self.routes.put(r)
+        """Rebuilds from etcd as the new leader: bursts, executions, routes, transitions,
+        the policy version; then resumes what the old leader left half done."""
+        stored = await self.store.load()
+        for b in stored.bursts:
+            self.ledger.apply_burst(b)
+        self.executions.rebuild(stored.executions, stored.routes)
         policy = await self.store.read_policy()
         if policy:
-            self._set_policy(policy)
-        self.published = self.policy_version
-        self.epoch = epoch
-        c = ledger.counts()
+            self.publication.observe(policy)
+        self.lead.epoch = epoch
+        c = self.ledger.counts()
         self.history.append("leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched,
                             finished=c.finished)
-        self.emit("leader",
-                f"elected leader at epoch {epoch}: rebuilt {len(bursts)} bursts, "
+        self.telemetry.emit("leader",
+                f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts, "
                 f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
-                f"{len(transitions)} transitions to resume")
-        for rec in ledger.records.values():
-            if rec.state.final:
-                self._reports.put_nowait(self._report(rec))
-        for cell_id, body in transitions.items():
+                f"{len(stored.transitions)} transitions to resume")
+        for cell_id, body in stored.transitions.items():
             self.transitions.resume(cell_id, body)
-        if self.policy_version > 0:
-            # The old leader may have died mid-publication: engines still behind catch up
-            # (cells already serving the version are skipped).
-            self.transitions.publish(self.policy_version)
-        await self._notify()
-
-    async def reload_routes(self) -> None:
-        """Re-reads every route from etcd (after a lost CAS), keeping open executions only."""
-        table = RouteTable()
-        for r in await self.store.read_routes():
-            rec = self.ledger.records.get(r.execution_id)
-            if rec is not None and not rec.state.final:
-                table.put(r)
-        for r in self.routes.routes.values():  # launches in flight (not in etcd yet) still hold slots
-            if r.mod_revision == 0 and r.execution_id not in table.routes:
-                table.put(r)
-        self.routes = table
+        # The old leader may have died mid-publication: engines still behind catch up
+        # (cells already serving the version are skipped).
+        self.publication.catch_up(self.transitions.running)
+        await self.changes.notify()
 
     # Inputs from watches ------------------------------------------------------------------
 
     def on_cells(self, items: Mapping[bytes, Any]) -> None:
-        self._registrations = [kv.value for kv in items.values()]
-        self.cells.refresh(self._registrations, self._states)
-        self._settle_overlays()
-        self._wake()
+        self.fleet.on_cells(items)
+        self._cells_changed()
 
     def on_cell_states(self, items: Mapping[bytes, Any]) -> None:
-        self._states = {kv.key.decode().rsplit("/", 1)[-1]: kv.value for kv in items.values()}
-        self.cells.refresh(self._registrations, self._states)
-        self._settle_overlays()
-        self._wake()
+        self.fleet.on_cell_states(items)
+        self._cells_changed()
 
     def on_policy(self, items: Mapping[bytes, Any]) -> None:
-        for kv in items.values():
-            try:
-                self._set_policy(json.loads(kv.value))
-            except (ValueError, TypeError):
-                log.warning("malformed policy key ignored")
-        self._wake()
+        self.publication.on_policy(items)
+        self.changes.wake()
 
     def on_routers(self, items: Mapping[bytes, Any]) -> None:
-        targets = []
-        for kv in items.values():
-            try:
-                targets.append(str(json.loads(kv.value)["target"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        self.router_targets = sorted(set(targets))
+        self.fleet.on_routers(items)
 
     def on_leader(self, items: Mapping[bytes, Any]) -> None:
-        for kv in items.values():
-            try:
-                self.leader_target = str(json.loads(kv.value).get("target", ""))
-            except (ValueError, TypeError, AttributeError):
-                self.leader_target = ""
-            if self.epoch > 0 and getattr(kv, "create_revision", 0) > self.epoch:
-                # A newer leader's key (ours lapsed): stop before the next write finds out.
-                # (An older revision is only a lagging watch: ignored.)
-                self.mark_deposed(StaleEpoch(f"the leader key now has epoch {kv.create_revision}"))
-        if not items:
-            self.leader_target = ""
+        self.lead.on_leader(items)
 
-    def _set_policy(self, body: Mapping[str, Any]) -> None:
-        version = int(body.get("version", 0))
-        if version > self.policy_version:
-            self.policy_version = version
-            self.policy_source = str(body.get("source_target", ""))
-            self.emit("policy_version", f"policy v{version} published by {self.policy_source or '?'}")
-
-    def _settle_overlays(self) -> None:
-        for cid, want in list(self.cells.overlay.items()):
-            if self.cells.states.get(cid) is want and not self.transitions.running(cid):
-                del self.cells.overlay[cid]
-
-    def all_router_targets(self) -> list[str]:
-        targets = list(self.router_targets)
-        if self.cfg.router_target and self.cfg.router_target not in targets:
-            targets.append(self.cfg.router_target)
-        return targets
+    def _cells_changed(self) -> None:
+        self.fleet.settle_overlays(self.transitions.running)
+        self.changes.wake()
 
     # Harness API --------------------------------------------------------------------------
 
     async def acquire(self, harness_id: str, wait_s: float) -> tuple[Launched | None, bool, float]:
-        """Launches the next queued execution on a free slot for the authenticated harness
-        ``harness_id``, waiting up to ``wait_s``. Returns (launched or None, burst
-        exhausted, retry-after hint). Over the harness's rate or in-flight limit:
-        ResourceExhausted, nothing launched."""
-        self.require_leader()
-        self.harnesses.admit_acquire(harness_id)
-        deadline = self.clock() + min(wait_s, self.cfg.max_wait_s)
-        while True:
-            self.require_leader()
-            got = await self._try_launch(harness_id)
-            if got is not None:
-                return got, False, 0.0
-            left = deadline - self.clock()
-            if left <= 0:
-                exhausted = self.ledger.next_queued() is None
-                return None, exhausted, self.cfg.reconcile_s * 2
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
-                except asyncio.TimeoutError:
-                    pass
-
-    async def _try_launch(self, harness_id: str) -> Launched | None:
-        """Picks (under the launch lock) the next queued execution and a free slot, reserves
-        both, then writes outside the lock, so launches overlap their etcd round trips. A
-        reserved route counts against its cell's slots (mod_revision 0 = pending)."""
-        async with self._launch_lock:
-            nxt = self.ledger.next_queued()
-            if nxt is None:
-                return None
-            cell = pick_launch_cell(self.cells, self.routes)
-            if cell is None:
-                return None
-            burst, seq = nxt
-            self.harnesses.check_inflight(harness_id)
-            token = secrets.token_urlsafe(32)
-            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
-            route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
-                                burst.burst_id, burst.policy_version,
-                                expires_s=rec.launched_s + self.cfg.execution_token_ttl_s)
-            self.harnesses.launched(rec.harness_id)  # counted from the reservation on
-            self.ledger.reserve(rec.execution_id)
-            self.routes.put(route)
-        # Shielded: a harness that hangs up mid-launch must not leave memory behind etcd (the
-        # execution then runs unheld and times out).
-        ok = await asyncio.shield(self._land_launch(rec, route, burst, seq))
-        if not ok:
-            return None
-        return Launched(self.ledger.records[rec.execution_id], token, burst.member(seq)[2].task_json,
-                        self.routes.routes[rec.execution_id])
-
-    async def _land_launch(self, rec: ExecutionRecord, route: RouteRecord, burst: Any, seq: int) -> bool:
-        try:
-            rev = await self._fenced(self.store.launch(rec, route))
-        except BaseException as exc:
-            self.routes.drop(rec.execution_id)
-            self.ledger.unreserve(burst, seq)
-            self.harnesses.closed(rec.harness_id)
-            if isinstance(exc, (Conflict, Unavailable)):
-                # Conflict: launched by an earlier attempt whose answer was lost. Unavailable:
-                # the outcome is unknown. Either way, adopt what etcd holds.
-                await self._resolve(rec)
-                adopted = self.ledger.records.get(rec.execution_id)
-                if adopted is not None and not adopted.state.final:
-                    self.harnesses.launched(adopted.harness_id)
-                if isinstance(exc, Conflict):
-                    return False
-            raise
-        self.ledger.apply(dataclasses.replace(rec, revision=rev),
-                self.clock() + self.cfg.heartbeat_deadline_s)
-        self.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
-        self.history.append("launch", self.epoch, rev=rev, execution_id=rec.execution_id, burst_id=rec.burst_id,
-                            cell_id=route.cell_id)
-        self._gauges()
-        return True
-
-    async def _resolve(self, rec: ExecutionRecord) -> None:
-        """After an unknown or refused write: adopt what etcd holds for this execution."""
-        try:
-            stored = await self.store.read_execution(rec.burst_id, rec.execution_id)
-        except Unavailable:
-            return
-        if stored is not None:
-            self.ledger.load(stored, self.clock() + self.cfg.heartbeat_deadline_s)
-            if stored.state.final:
-                self.routes.drop(stored.execution_id)
-            elif stored.execution_id not in self.routes.routes:
-                await self.reload_routes()  # a launch we did not see land: adopt its route
-
-    def _authorize(self, execution_id: str, token: str, harness: str | None) -> ExecutionRecord:
-        """The token must hold the execution, be unexpired, and (with authentication on)
-        belong to the harness that acquired it."""
-        rec = self.ledger.authorize(execution_id, token)
-        self.harnesses.check_owner(rec.harness_id, harness)
-        if not rec.state.final and self.wall() > rec.launched_s + self.cfg.execution_token_ttl_s:
-            raise Unauthenticated(f"the token of {execution_id} expired")
-        return rec
+        """(launched or None, burst exhausted, retry-after hint): see Executions.acquire."""
+        got = await self.executions.acquire(harness_id, wait_s)
+        return got.launched, got.exhausted, got.retry_after_s
 
     async def heartbeat(self, execution_id: str, token: str, harness: str | None = None) -> tuple[float, ExecState]:
-        self.require_leader()
-        rec = self._authorize(execution_id, token, harness)
-        left = self.ledger.heartbeat(execution_id, self.clock(), self.cfg.heartbeat_deadline_s)
-        return left, self.ledger.records[rec.execution_id].state
+        return await self.executions.heartbeat(execution_id, token, harness)
 
     async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
             key: str, harness: str | None = None) -> FinishOutcome:
-        """Closes an execution once; a repeat returns the first outcome (duplicate=True)."""
-        self.require_leader()
-        self._authorize(execution_id, token, harness)
-        finish = validate_finish(status, reward, key, self.cfg.reward_min, self.cfg.reward_max)
-        async with self._lock_of(execution_id):
-            out = self.ledger.plan_finish(execution_id, finish, self.wall())
-            if out.duplicate:
-                return out
-            if not await asyncio.shield(self._close(out.record)):  # a hang-up does not half-close
-                return FinishOutcome(self.ledger.records[execution_id], True)
-            return out
-
-    def _lock_of(self, execution_id: str) -> asyncio.Lock:
-        """Closes of one execution are serialized; different executions close in parallel
-        (their records are independent keys)."""
-        lock = self._exec_locks.get(execution_id)
-        if lock is None:
-            lock = self._exec_locks[execution_id] = asyncio.Lock()
-        return lock
-
-    async def _close(self, closed: ExecutionRecord) -> bool:
-        """Persists a close, then applies it; False when another close got there first."""
-        old = self.ledger.records[closed.execution_id]
-        try:
-            rev = await self._fenced(self.store.close(closed, old.revision))
-        except (Conflict, Unavailable):
-            await self._resolve(closed)
-            if self.ledger.records[closed.execution_id].state.final:
-                self._exec_locks.pop(closed.execution_id, None)
-                self.harnesses.closed(closed.harness_id)
-                return False
-            raise
-        self.ledger.apply(dataclasses.replace(closed, revision=rev))
-        self.routes.drop(closed.execution_id)  # the route is gone from etcd too: the token is revoked
-        self.harnesses.closed(closed.harness_id)
-        self.history.append("close", self.epoch, rev=rev, execution_id=closed.execution_id,
-                            status=closed.state.value, reward=closed.reward)
-        self._reports.put_nowait(self._report(closed))
-        if closed.state is ExecState.TIMED_OUT:
-            self.emit("timed_out", f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",
-                      execution_id=closed.execution_id)
-        self._exec_locks.pop(closed.execution_id, None)
-        self._gauges()
-        await self._notify()
-        return True
-
-    def _report(self, rec: ExecutionRecord) -> FinishReport:
-        burst = self.ledger.bursts[rec.burst_id]
-        return FinishReport(rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward,
-                rec.policy_version)
+        return await self.executions.finish(execution_id, token, status, reward, key, harness)
 
     # Loops --------------------------------------------------------------------------------
 
+    async def control_loop(self) -> None:
+        await self.control.run()
+
     async def report_loop(self) -> None:
-        """Forwards finish reports to the packer, retrying each until acknowledged."""
-        while True:
-            report = await self._reports.get()
-            backoff = 0.1
-            while True:
-                try:
-                    await self.peers.report_finish(report)
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the packer may be down: retry (the call is idempotent)
-                    log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id,
-                            "error": repr(exc)})
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+        await self.relay.run()
 
     async def supply_loop(self) -> None:
-        """Follows the packer's supply signal (reconnecting)."""
-        if not self.cfg.packer_target:
-            await asyncio.Event().wait()
-        backoff = 0.2
-        while True:
-            try:
-                async for upd in self.peers.watch_supply():
-                    self.supply_raw = upd
-                    backoff = 0.2
-                    self._wake()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.info("supply stream interrupted; reconnecting", extra={"error": repr(exc)})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    async def control_loop(self) -> None:
-        """Level-triggered: reconcile every ``reconcile_s`` (sooner when woken); survives
-        any error but a lost leadership."""
-        while True:
-            if self.deposed.is_set():
-                raise FatalError("deposed: a newer scheduler leader exists")
-            try:
-                await self.reconcile_once()
-            except asyncio.CancelledError:
-                raise
-            except StaleEpoch as exc:
-                self.mark_deposed(exc)
-                raise FatalError(f"deposed: {exc}") from exc
-            except Exception:
-                log.exception("reconcile failed; retrying next tick")
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), self.cfg.reconcile_s)
-                except asyncio.TimeoutError:
-                    pass
+        await self.supply.run(bool(self.cfg.packer_target))
 
     async def reconcile_once(self) -> None:
-        if not self.leading:
-            return
-        for rec in self.ledger.plan_timeouts(self.clock()):
-            async with self._lock_of(rec.execution_id):
-                if self.ledger.records[rec.execution_id].state is ExecState.RUNNING:
-                    await self._close(rec)
-        self._rescue_orphans()
-        self._finish_stranded_moves()
-        snap = self.snapshot()
-        for action in self.policy.decide(snap):
-            await self.apply(action, snap)
-        self._gauges()
+        await self.control.reconcile_once()
 
-    def _finish_stranded_moves(self) -> None:
-        """A cell an agent reports DRAINING or RETURNING with no transition of ours running
-        (a move that failed, or a leader that died before recording it) would hold every
-        later move: bring it back to rollout."""
-        for cid in self.cells.records:
-            # Overlay first: our last command's outcome beats a watch that has not caught up.
-            state = self.cells.state(cid)
-            if state in (CellState.DRAINING, CellState.RETURNING) and not self.transitions.running(cid):
-                self.emit("stranded", f"{cid} was left {state.value} with no move in progress: back to rollout",
-                          cell_id=cid)
-                self.transitions.start(cid, CellState.ROLLOUT, f"stranded in {state.value}")
+    async def stop(self) -> None:
+        """Cancels the background work (transitions, joins, policy loads)."""
+        await self.transitions.cancel_all()
+        await self.publication.cancel_all()
 
-    def _rescue_orphans(self) -> None:
-        """Routes to a cell whose registration is gone (its lease lapsed) for longer than
-        ``orphan_grace_s`` are moved to live engines."""
-        now = self.clock()
-        routed = self.routes.counts()
-        for cid in list(self._missing_since):
-            if cid not in routed or cid in self.cells.records:
-                del self._missing_since[cid]
-        for cid in routed:
-            if cid in self.cells.records:
-                continue
-            since = self._missing_since.setdefault(cid, now)
-            if now - since >= self.cfg.orphan_grace_s and not self.transitions.running(cid):
-                self.transitions.rescue(cid)
+    # Status -------------------------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
-        raw = self.supply_raw
-        self.supply = self.tracker.observe(self.clock(), raw.ready_groups, self.cfg.batch_size,
-                raw.batch_needs, raw.batch_id)
-        b = self.ledger.current_burst
-        burst = None if b is None else BurstView(b.burst_id, b.quota, b.policy_version, b.target_version)
-        counts = self.ledger.counts()
-        if counts.waterlevel > 0:
-            self._drained_since = None
-        elif self._drained_since is None:
-            self._drained_since = self.clock()
-        return Snapshot(self.clock(), counts, self.cells.views(), self.supply, burst,
-                        self.policy_version, self.next_quota(), self._drained_since)
+    def _reading(self) -> Reading:
+        return Reading(self.ledger.counts(), self.fleet.cells.views(), self.supply.current, self.lead.leading,
+                self.publication.version)
 
-    def next_quota(self) -> int:
-        if self.cfg.max_bursts and len(self.ledger.bursts) >= self.cfg.max_bursts:
-            return 0
-        tasks = self.tasks.take(self._tasks_taken(), self.cfg.groups_per_burst())
-        return len(tasks) * self.cfg.group_size
-
-    def _tasks_taken(self) -> int:
-        return sum(len(b.tasks) for b in self.ledger.bursts.values())
-
-    async def apply(self, action: Any, snap: Snapshot) -> None:
-        gauges = dict(waterlevel=snap.ledger.waterlevel, capacity=capacity(snap.cells),
-                ready_groups=snap.supply.ready_groups)
-        if isinstance(action, Hold):
-            self.emit("hold", action.reason, cell_id=action.cell_id, **gauges)
-        elif isinstance(action, DispatchBurst):
-            await self._dispatch(action, gauges)
-        elif isinstance(action, MoveToTraining):
-            if not self.transitions.running(action.cell_id):
-                self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
-                self.to_training += 1
-                self.transitions.start(action.cell_id, CellState.TRAINING, action.reason)
-        elif isinstance(action, ReturnToRollout):
-            if not self.transitions.running(action.cell_id):
-                self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
-                self.to_rollout += 1
-                self.transitions.start(action.cell_id, CellState.ROLLOUT, action.reason)
-        elif isinstance(action, KeepInTraining):
-            self.emit(action.kind, action.reason, cell_id=action.cell_id, **gauges)
-            self.transitions.rejoin(action.cell_id)
-        elif isinstance(action, SealBatch):
-            if action.batch_id not in self._sealed:
-                try:
-                    await self.peers.seal_batch(self.epoch, action.batch_id)
-                except GyreError as exc:  # e.g. no group assigned yet: the next tick retries
-                    log.info("seal refused: %s", exc)
-                    return
-                self._sealed.add(action.batch_id)
-                self.emit(action.kind, action.reason, **gauges)
-        elif isinstance(action, PublishPolicy):
-            if action.version > self.published:
-                self.published = action.version
-                self.emit(action.kind, action.reason, cell_id=action.source_cell_id, **gauges)
-                self.transitions.publish(action.version)
-
-    async def _dispatch(self, action: DispatchBurst, gauges: dict[str, int]) -> None:
-        tasks = self.tasks.take(self._tasks_taken(), self.cfg.groups_per_burst())
-        if not tasks:
-            return
-        burst = self.ledger.plan_burst(tasks, self.cfg.group_size, self.policy_version,
-                self.cfg.batches_per_burst, self.wall())
-        try:
-            rev = await self._fenced(self.store.dispatch(burst))
-        except Conflict:
-            return  # dispatched by an earlier attempt; the next rebuild or tick picks it up
-        self.ledger.apply_burst(burst)
-        self.history.append("dispatch", self.epoch, rev=rev, burst_id=burst.burst_id, quota=burst.quota,
-                            policy_version=burst.policy_version)
-        self.emit(action.kind,
-                f"dispatched burst {burst.burst_id}: {burst.quota} executions "
-                f"({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)
-        await self._notify()
-
-    # Helpers ------------------------------------------------------------------------------
-
-    def emit(self, kind: str, message: str, **kw: Any) -> None:
-        if "waterlevel" not in kw:
-            kw["waterlevel"] = self.ledger.counts().waterlevel
-            kw["capacity"] = capacity(self.cells.views())
-            kw["ready_groups"] = self.supply.ready_groups
-        self.events.emit(kind, message, **kw)
-        if self.metrics is not None and kind != "hold":
-            self.metrics.events.labels(kind).inc()
-
-    def _wake(self) -> None:
-        try:
-            asyncio.get_running_loop().create_task(self._notify())
-        except RuntimeError:
-            pass
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
-
-    def _gauges(self) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        c = self.ledger.counts()
-        views = self.cells.views()
-        m.waterlevel.set(c.waterlevel)
-        m.queued.set(c.queued)
-        m.running.set(c.running)
-        m.dispatched.set(c.dispatched)
-        m.finished.set(c.finished)
-        m.capacity.set(capacity(views))
-        m.supply.set(self.supply.ready_groups)
-        m.supply_fraction.set(self.supply.fraction)
-        m.leader.set(1 if self.leading else 0)
-        m.policy_version.set(self.policy_version)
-        for st in CellState:
-            m.roles.labels(st.value).set(sum(1 for v in views if v.state is st))
-
-    def status(self) -> dict[str, Any]:
-        """GetStatus as plain data (the servicer converts it)."""
-        b = self.ledger.current_burst
-        c = self.ledger.counts(b.burst_id) if b else self.ledger.counts()
-        counts = self.routes.counts()
-        views = self.cells.views()
-        bursts_done = sum(1 for bid in self.ledger.bursts if self.ledger.bursts[bid].target_version <= self.policy_version)
-        return {
-            "epoch": self.epoch, "burst_id": b.burst_id if b else 0, "ledger": c,
-            "finished_by_status": self.ledger.finished_by_status(),
-            "total": self.ledger.counts(), "capacity": capacity(views), "ready_groups": self.supply.ready_groups,
-            "batch_size": self.cfg.batch_size, "policy_version": self.policy_version,
-            "cells": [(v, self.cells.get(v.cell_id), counts.get(v.cell_id, 0)) for v in views],
-            "reroutes": self.reroutes, "bursts_completed": bursts_done,
-            "to_training": self.to_training, "to_rollout": self.to_rollout,
-            "burst_by_status": self.ledger.finished_by_status(b.burst_id if b else None),
-            "policy": self.policy.name, "leader": self.leading,
-        }
+    def status(self) -> SchedulerStatus:
+        """GetStatus (the servicer converts it to the proto)."""
+        ledger, version = self.ledger, self.publication.version
+        b = ledger.current_burst
+        cells = cell_statuses(self.fleet)
+        return SchedulerStatus(
+            epoch=self.lead.epoch, leader=self.lead.leading, policy=self.policy.name,
+            burst_id=b.burst_id if b else 0,
+            burst=ledger.counts(b.burst_id) if b else ledger.counts(),
+            burst_by_status=ledger.finished_by_status(b.burst_id if b else None),
+            total=ledger.counts(), total_by_status=ledger.finished_by_status(),
+            capacity=capacity(self.fleet.cells.views()), ready_groups=self.supply.current.ready_groups,
+            batch_size=self.cfg.batch_size, policy_version=version, cells=cells,
+            reroutes=self.transitions.reroutes,
+            bursts_completed=sum(1 for x in ledger.bursts.values() if x.target_version <= version),
+            to_training=self.commands.to_training, to_rollout=self.commands.to_rollout,
+        )

@@ -14,7 +14,7 @@ None of them changes anything.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -26,8 +26,9 @@ from gyre.identity import Role
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.events import Event
 from services.scheduler.ledger import ExecState
-from services.scheduler.policy import CellKind, CellState
+from services.scheduler.policy import CellKind, CellState, LedgerCounts
 from services.scheduler.scheduler import Launched, Scheduler
+from services.scheduler.status import CellStatus
 
 _STATUS_FROM = {
     common_pb2.EXECUTION_STATUS_COMPLETED: ExecState.COMPLETED,
@@ -66,6 +67,20 @@ def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
     return scheduler_pb2.SchedulerEvent(
         seq=e.seq, time_s=e.time_s, kind=e.kind, message=e.message, cell_id=e.cell_id, execution_id=e.execution_id,
         waterlevel=e.waterlevel, capacity=e.capacity, ready_groups=e.ready_groups,
+    )
+
+
+def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int]) -> scheduler_pb2.Ledger:
+    return scheduler_pb2.Ledger(
+        burst_id=burst_id, dispatched=c.dispatched, launched=c.launched, finished=c.finished, queued=c.queued,
+        running=c.running, waterlevel=c.waterlevel, finished_by_status=dict(by_status),
+    )
+
+
+def _cell(c: CellStatus) -> scheduler_pb2.CellInfo:
+    return scheduler_pb2.CellInfo(
+        cell_id=c.cell_id, kind=_KIND_TO[c.kind], index=c.index, state=_CELL_STATE_TO[c.state], slots=c.slots,
+        routed=c.routed, target=c.target, policy_version=c.policy_version,
     )
 
 
@@ -136,28 +151,12 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
     async def GetStatus(self, request: scheduler_pb2.GetStatusRequest,
             context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStatus:
         st = self.s.status()
-        c, t = st["ledger"], st["total"]
-        ledger = scheduler_pb2.Ledger(
-            burst_id=st["burst_id"], dispatched=c.dispatched, launched=c.launched, finished=c.finished,
-            queued=c.queued, running=c.running, waterlevel=c.waterlevel, finished_by_status=st["burst_by_status"],
-        )
-        total = scheduler_pb2.Ledger(
-            burst_id=st["burst_id"], dispatched=t.dispatched, launched=t.launched, finished=t.finished,
-            queued=t.queued, running=t.running, waterlevel=t.waterlevel, finished_by_status=st["finished_by_status"],
-        )
-        cells = [
-            scheduler_pb2.CellInfo(
-                cell_id=v.cell_id, kind=_KIND_TO[v.kind], index=v.index, state=_CELL_STATE_TO[v.state], slots=v.slots,
-                routed=routed, target=rec.target if rec else "",
-                policy_version=self.s.transitions._version(v.cell_id),
-            )
-            for v, rec, routed in st["cells"]
-        ]
         return scheduler_pb2.SchedulerStatus(
-            epoch=st["epoch"], ledger=ledger, capacity=st["capacity"], ready_groups=st["ready_groups"],
-            batch_size=st["batch_size"], cells=cells, policy_version=st["policy_version"], reroutes=st["reroutes"],
-            bursts_completed=st["bursts_completed"], transitions_to_training=st["to_training"],
-            transitions_to_rollout=st["to_rollout"], total=total, policy=st["policy"], leader=st["leader"],
+            epoch=st.epoch, ledger=_ledger(st.burst_id, st.burst, st.burst_by_status), capacity=st.capacity,
+            ready_groups=st.ready_groups, batch_size=st.batch_size, cells=[_cell(c) for c in st.cells],
+            policy_version=st.policy_version, reroutes=st.reroutes, bursts_completed=st.bursts_completed,
+            transitions_to_training=st.to_training, transitions_to_rollout=st.to_rollout,
+            total=_ledger(st.burst_id, st.total, st.total_by_status), policy=st.policy, leader=st.leader,
         )
 
     @rpc_stream

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from gyre.errors import Conflict
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
@@ -29,8 +29,52 @@ MAX_TXN_OPS = 120
 """etcd refuses transactions with more than 128 operations (its default --max-txn-ops)."""
 
 
+class Stored(NamedTuple):
+    """Everything a new leader rebuilds from: bursts, execution records, routes, and the
+    transitions under way (cell id -> record)."""
+
+    bursts: list[Burst]
+    executions: list[ExecutionRecord]
+    routes: list[RouteRecord]
+    transitions: dict[str, dict[str, Any]]
+
+
+class Election(Protocol):
+    """The part of the leader election the scheduler asks directly."""
+
+    async def current_epoch(self) -> int: ...
+
+
+class Store(Protocol):
+    """The scheduler's persistence: reads for a rebuild, and fenced writes, each raising
+    :class:`~gyre.errors.Conflict` for a lost guard and :class:`~gyre.errors.StaleEpoch`
+    for a lost leadership. :class:`SchedulerStore` is the etcd one."""
+
+    election: Election
+
+    async def load(self) -> Stored: ...
+
+    async def read_routes(self) -> list[RouteRecord]: ...
+
+    async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None: ...
+
+    async def read_policy(self) -> dict[str, Any] | None: ...
+
+    async def dispatch(self, burst: Burst) -> int: ...
+
+    async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int: ...
+
+    async def close(self, rec: ExecutionRecord, expected_revision: int) -> int: ...
+
+    async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]: ...
+
+    async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int: ...
+
+    async def delete_transition(self, cell_id: str) -> int: ...
+
+
 class SchedulerStore:
-    """Reads and fenced writes of the scheduler's keys."""
+    """Reads and fenced writes of the scheduler's keys (etcd)."""
 
     def __init__(self, etcd: Etcd, keys: Keys, election: LeaderElection) -> None:
         self.etcd = etcd
@@ -39,8 +83,7 @@ class SchedulerStore:
 
     # Rebuild ------------------------------------------------------------------------------
 
-    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str,
-            Any]]]:
+    async def load(self) -> Stored:
         """Everything a new leader needs: bursts, execution records, routes, transitions."""
         _, burst_kvs = await self.etcd.get_prefix(self.keys.bursts())
         _, exec_kvs = await self.etcd.get_prefix(self.keys.executions())
@@ -53,7 +96,7 @@ class SchedulerStore:
         for kv in trans_kvs:
             body = json.loads(kv.value)
             transitions[str(body["cell_id"])] = body
-        return bursts, execs, routes, transitions
+        return Stored(bursts, execs, routes, transitions)
 
     async def read_routes(self) -> list[RouteRecord]:
         _, kvs = await self.etcd.get_prefix(self.keys.routes())

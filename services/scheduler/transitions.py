@@ -21,36 +21,48 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from gyre.errors import Conflict, FailedPrecondition, GyreError, StaleEpoch
-from services.scheduler.peers import MoveOrder
+from gyre.errors import Conflict, GyreError, StaleEpoch
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.fleet import CellGone, Fleet
+from services.scheduler.history import History
+from services.scheduler.leadership import Leadership
+from services.scheduler.peers import MoveOrder, Peers
 from services.scheduler.placement import pick_destinations
 from services.scheduler.policy import CellState, training_set
-
-if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+from services.scheduler.publication import Publication
+from services.scheduler.supply import SupplyFollower
+from services.scheduler.telemetry import Changes, Telemetry
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-MAX_REFUSALS = 15
-"""FAILED_PRECONDITION answers (not a stale epoch) a command survives before it gives up."""
-
-
-class CellGone(Exception):
-    """The cell's registration vanished (its lease lapsed) mid-transition."""
 
 
 class TransitionRunner:
     """Runs at most one transition per cell as a task; the policy runs one at a time."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    def __init__(self, cfg: SchedulerConfig, lead: Leadership, fleet: Fleet, peers: Peers,
+            publication: Publication, supply: SupplyFollower, telemetry: Telemetry, history: History,
+            changes: Changes, reload_routes: Callable[[], Awaitable[None]], clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.lead = lead
+        self.fleet = fleet
+        self.peers = peers
+        self.publication = publication
+        self.supply = supply
+        self.telemetry = telemetry
+        self.history = history
+        self.changes = changes
+        self.reload_routes = reload_routes
+        """Re-reads the routes from etcd (after a lost CAS)."""
+        self.clock = clock
+        self.reroutes = 0
+        """Executions rerouted so far (moves and rescues)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._side: set[asyncio.Task[None]] = set()
-        self.loaded: dict[str, int] = {}
 
     def running(self, cell_id: str) -> bool:
         t = self._tasks.get(cell_id)
@@ -59,11 +71,12 @@ class TransitionRunner:
     def start(self, cell_id: str, target: CellState, reason: str) -> None:
         if self.running(cell_id):
             return
-        cur = self.s.cells.state(cell_id)
+        cells = self.fleet.cells
+        cur = cells.state(cell_id)
         if target is CellState.TRAINING:
-            self.s.cells.overlay[cell_id] = CellState.DRAINING
+            cells.overlay[cell_id] = CellState.DRAINING
         elif cur in (CellState.TRAINING, CellState.RETURNING):
-            self.s.cells.overlay[cell_id] = CellState.RETURNING
+            cells.overlay[cell_id] = CellState.RETURNING
         self._tasks[cell_id] = asyncio.create_task(self._run(cell_id, target, reason),
                 name=f"transition.{cell_id}")
 
@@ -73,15 +86,12 @@ class TransitionRunner:
             target = CellState(str(body.get("target", "")))
         except ValueError:
             target = CellState.ROLLOUT
-        self.s.emit("transition_resumed", f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})",
-                cell_id=cell_id)
+        self.telemetry.emit("transition_resumed",
+                f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})", cell_id=cell_id)
         self.start(cell_id, target, str(body.get("reason", "resumed")))
 
     def rejoin(self, cell_id: str) -> None:
         self._spawn(self._join(cell_id))
-
-    def publish(self, version: int) -> None:
-        self._spawn(self._publish(version))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -94,109 +104,113 @@ class TransitionRunner:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _done(self, cell_id: str) -> None:
+        self._tasks.pop(cell_id, None)
+        self.fleet.settle_overlays(self.running)
+        self.changes.wake()
+
+    async def _set_state(self, cell_id: str, state: CellState, reason: str, attempts: int = 0) -> None:
+        await self.fleet.call(cell_id, lambda: self.peers.set_state(self.fleet.target(cell_id), self.lead.epoch,
+                state, reason), attempts)
+
     # The runs -----------------------------------------------------------------------------
 
     async def _run(self, cell_id: str, target: CellState, reason: str) -> None:
-        s = self.s
+        lead = self.lead
         try:
-            await s._fenced(s.store.put_transition(cell_id, {"target": target.value, "reason": reason,
-                    "epoch": s.epoch}))
+            await lead.fenced(lead.store.put_transition(cell_id, {"target": target.value, "reason": reason,
+                    "epoch": lead.epoch}))
             if target is CellState.TRAINING:
                 await self._to_training(cell_id)
             else:
                 await self._to_rollout(cell_id)
-            await s._fenced(s.store.delete_transition(cell_id))
+            await lead.fenced(lead.store.delete_transition(cell_id))
         except StaleEpoch as exc:
-            s.mark_deposed(exc)
+            lead.mark_deposed(exc)
         except CellGone:
-            s.cells.overlay.pop(cell_id, None)
-            s.emit("transition_abandoned", f"{cell_id} left the cluster during its move to {target.value}",
-                    cell_id=cell_id)
+            self.fleet.cells.overlay.pop(cell_id, None)
+            self.telemetry.emit("transition_abandoned",
+                    f"{cell_id} left the cluster during its move to {target.value}", cell_id=cell_id)
             try:
-                await s._fenced(s.store.delete_transition(cell_id))
+                await lead.fenced(lead.store.delete_transition(cell_id))
             except StaleEpoch as exc:
-                s.mark_deposed(exc)
+                lead.mark_deposed(exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.exception("transition failed", extra={"cell_id": cell_id})
-            s.cells.overlay.pop(cell_id, None)
-            s.emit("transition_failed", f"{cell_id} -> {target.value} failed: {exc!r}", cell_id=cell_id)
+            self.fleet.cells.overlay.pop(cell_id, None)
+            self.telemetry.emit("transition_failed", f"{cell_id} -> {target.value} failed: {exc!r}",
+                    cell_id=cell_id)
             await self._call_off(cell_id, target)
         finally:
-            self._tasks.pop(cell_id, None)
-            s._settle_overlays()
-            s._wake()
+            self._done(cell_id)
 
     async def _call_off(self, cell_id: str, target: CellState) -> None:
         """After a failed move to training, a cell left DRAINING would hold every later move:
         call the drain off (DRAINING -> ROLLOUT) and drop the record; the policy decides again."""
-        s = self.s
+        lead = self.lead
         try:
-            if target is CellState.TRAINING and s.cells.states.get(cell_id) is CellState.DRAINING:
-                await self._retry(cell_id, lambda: s.peers.set_state(self._target(cell_id), s.epoch, CellState.ROLLOUT,
-                                                                    "move failed; drain called off"), attempts=5)
-            await s._fenced(s.store.delete_transition(cell_id))
+            if target is CellState.TRAINING and self.fleet.cells.states.get(cell_id) is CellState.DRAINING:
+                await self._set_state(cell_id, CellState.ROLLOUT, "move failed; drain called off", attempts=5)
+            await lead.fenced(lead.store.delete_transition(cell_id))
         except StaleEpoch as exc:
-            s.mark_deposed(exc)
+            lead.mark_deposed(exc)
         except (GyreError, CellGone) as exc:
             log.warning("could not call off %s: %r (the record stays for the next attempt)", cell_id, exc)
 
     async def _to_training(self, cell_id: str) -> None:
-        s = self.s
-        target = self._target(cell_id)
-        await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.DRAINING,
-                "moving to training"))
-        moved = await self._reroute(cell_id)
+        await self._set_state(cell_id, CellState.DRAINING, "moving to training")
+        moved = await self.reroute(cell_id)
         if moved is None:
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT,
-                    "move called off"))
-            s.cells.overlay[cell_id] = CellState.ROLLOUT
-            s.emit("transition_called_off",
+            await self._set_state(cell_id, CellState.ROLLOUT, "move called off")
+            self.fleet.cells.overlay[cell_id] = CellState.ROLLOUT
+            self.telemetry.emit("transition_called_off",
                     f"called off {cell_id} -> TRAINING: no destination for its executions", cell_id=cell_id)
             return
         await self._wait_empty(cell_id)
-        await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.TRAINING, "training"))
-        s.cells.overlay[cell_id] = CellState.TRAINING
-        s.emit("cell_in_training", f"{cell_id} is training ({moved} executions rerouted)", cell_id=cell_id)
+        await self._set_state(cell_id, CellState.TRAINING, "training")
+        self.fleet.cells.overlay[cell_id] = CellState.TRAINING
+        self.telemetry.emit("cell_in_training", f"{cell_id} is training ({moved} executions rerouted)",
+                cell_id=cell_id)
         # Outside the transition (a later return must not wait on it), after it.
         self._spawn(self._join(cell_id, self._tasks.get(cell_id)))
 
-    async def _reroute(self, cell_id: str) -> int | None:
+    async def reroute(self, cell_id: str) -> int | None:
         """Moves every route off ``cell_id``; None when destinations ran out."""
-        s = self.s
+        fleet, lead = self.fleet, self.lead
         for _ in range(5):
             # Launches to this cell still in flight land first (a pending route has
             # mod_revision 0; its write would overwrite a rerouted one).
             for _ in range(500):
-                if not any(r.mod_revision == 0 for r in s.routes.on_cell(cell_id)):
+                if not any(r.mod_revision == 0 for r in fleet.routes.on_cell(cell_id)):
                     break
                 await asyncio.sleep(0.01)
-            async with s._launch_lock:
-                leaving = s.routes.on_cell(cell_id)
+            async with fleet.placement_lock:
+                leaving = fleet.routes.on_cell(cell_id)
                 if any(r.mod_revision == 0 for r in leaving):
                     continue
                 if not leaving:
                     return 0
-                dests = pick_destinations(s.cells, s.routes, cell_id, len(leaving), self._version)
+                dests = pick_destinations(fleet.cells, fleet.routes, cell_id, len(leaving), fleet.version)
                 if len(dests) < len(leaving):
                     return None
                 pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old,
                         d in zip(leaving, dests)]
                 try:
-                    revs = await s._fenced(s.store.move_routes(pairs))
+                    revs = await lead.fenced(lead.store.move_routes(pairs))
                 except Conflict:
                     # A chunk may have gone through before another lost its guard: resync.
-                    await s.reload_routes()
+                    await self.reload_routes()
                     continue
                 moves = []
                 for (old, new), rev in zip(pairs, revs):
-                    s.routes.put(dataclasses.replace(new, epoch=old.epoch + 1, mod_revision=rev))
+                    fleet.routes.put(dataclasses.replace(new, epoch=old.epoch + 1, mod_revision=rev))
                     moves.append(MoveOrder(old.execution_id, old.cell_id, new.cell_id, old.epoch + 1))
-                    s.history.append("reroute", s.epoch, rev=rev, execution_id=old.execution_id,
+                    self.history.append("reroute", lead.epoch, rev=rev, execution_id=old.execution_id,
                                      from_cell=old.cell_id, to_cell=new.cell_id, route_epoch=old.epoch + 1)
-            s.reroutes += len(moves)
-            s.emit("reroute", f"rerouted {len(moves)} executions off {cell_id}: " + ", ".join(
+            self.reroutes += len(moves)
+            self.telemetry.emit("reroute", f"rerouted {len(moves)} executions off {cell_id}: " + ", ".join(
                 sorted({f"{m.to_cell}" for m in moves})), cell_id=cell_id)
             await self._tell_routers(moves)
             return len(moves)
@@ -205,14 +219,13 @@ class TransitionRunner:
     async def _tell_routers(self, moves: list[MoveOrder]) -> None:
         """Router.MoveExecutions on every router (a few tries: routers also follow the
         route keys, so a router that misses the call still converges)."""
-        s = self.s
-        routers = s.all_router_targets()
+        routers = self.fleet.all_router_targets()
         backoff = 0.1
         for attempt in range(5):
-            if not routers or s.deposed.is_set():
+            if not routers or self.lead.deposed.is_set():
                 return
             try:
-                await s.peers.move_executions(routers, s.epoch, moves)
+                await self.peers.move_executions(routers, self.lead.epoch, moves)
                 return
             except GyreError as exc:
                 log.warning("MoveExecutions failed (attempt %d)", attempt + 1, extra={"error": repr(exc)})
@@ -225,163 +238,89 @@ class TransitionRunner:
             self._tasks[cell_id] = asyncio.create_task(self._rescue(cell_id), name=f"rescue.{cell_id}")
 
     async def _rescue(self, cell_id: str) -> None:
-        s = self.s
         try:
-            n = len(s.routes.on_cell(cell_id))
-            moved = await self._reroute(cell_id)
+            n = len(self.fleet.routes.on_cell(cell_id))
+            moved = await self.reroute(cell_id)
             if moved is None:
-                s.emit("rescue_failed", f"{cell_id} is gone; no free slot for its {n} executions yet",
+                self.telemetry.emit("rescue_failed", f"{cell_id} is gone; no free slot for its {n} executions yet",
                         cell_id=cell_id)
             else:
-                s.emit("rescued", f"{cell_id} is gone: rerouted its {moved} executions", cell_id=cell_id)
+                self.telemetry.emit("rescued", f"{cell_id} is gone: rerouted its {moved} executions",
+                        cell_id=cell_id)
         except StaleEpoch as exc:
-            s.mark_deposed(exc)
+            self.lead.mark_deposed(exc)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("rescue failed", extra={"cell_id": cell_id})
         finally:
             self._tasks.pop(cell_id, None)
-            s._wake()
+            self.changes.wake()
 
     async def _wait_empty(self, cell_id: str) -> None:
-        s = self.s
-        deadline = s.clock() + s.cfg.drain_timeout_s
-        while s.clock() < deadline:
+        deadline = self.clock() + self.cfg.drain_timeout_s
+        while self.clock() < deadline:
             try:
-                if await s.peers.running_requests(self._target(cell_id)) == 0:
+                if await self.peers.running_requests(self.fleet.target(cell_id)) == 0:
                     return
             except GyreError:
                 pass
             await asyncio.sleep(0.1)
-        s.emit("drain_timeout",
-                f"{cell_id} still had requests after {s.cfg.drain_timeout_s:.0f} s; switching anyway", cell_id=cell_id)
-
-    async def _to_rollout(self, cell_id: str) -> None:
-        s = self.s
-        target = self._target(cell_id)
-        state = s.cells.states.get(cell_id, CellState.STARTING)
-        if state is CellState.DRAINING:
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT,
-                    "drain called off"))
-        elif state in (CellState.TRAINING, CellState.RETURNING):
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.RETURNING,
-                    "returning to rollout"))
-            await self._load(cell_id)
-            await self._retry(cell_id, lambda: s.peers.set_state(target, s.epoch, CellState.ROLLOUT,
-                    "rollout"))
-        s.cells.overlay[cell_id] = CellState.ROLLOUT
-        s.emit("cell_in_rollout", f"{cell_id} is back in rollout at policy v{self._version(cell_id)}",
+        self.telemetry.emit("drain_timeout",
+                f"{cell_id} still had requests after {self.cfg.drain_timeout_s:.0f} s; switching anyway",
                 cell_id=cell_id)
 
-    async def _load(self, cell_id: str) -> None:
-        s = self.s
-        v = s.policy_version
-        if v <= self._version(cell_id) or not s.policy_source:
-            return
-        got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch, v,
-                s.policy_source))
-        self.loaded[cell_id] = max(int(got), v)
+    async def _to_rollout(self, cell_id: str) -> None:
+        state = self.fleet.cells.states.get(cell_id, CellState.STARTING)
+        if state is CellState.DRAINING:
+            await self._set_state(cell_id, CellState.ROLLOUT, "drain called off")
+        elif state in (CellState.TRAINING, CellState.RETURNING):
+            await self._set_state(cell_id, CellState.RETURNING, "returning to rollout")
+            await self.publication.load(cell_id)
+            await self._set_state(cell_id, CellState.ROLLOUT, "rollout")
+        self.fleet.cells.overlay[cell_id] = CellState.ROLLOUT
+        self.telemetry.emit("cell_in_rollout",
+                f"{cell_id} is back in rollout at policy v{self.fleet.version(cell_id)}", cell_id=cell_id)
+
+    async def _join_batch(self, cell_id: str, batch_id: int, version: int, prefix: int, core: str) -> bool:
+        return await self.peers.join_batch(self.fleet.target(cell_id), self.lead.epoch, batch_id, version, prefix,
+                core)
 
     async def _join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
         """JoinBatch(current batch) until the cell joins one, or leaves training, or a
         transition starts for it. A refusal (window closed, previous batch still stepping,
         no trainer) is retried with backoff: the next batch may take it."""
-        s = self.s
         if after is not None:  # the move to training that spawned us finishes first
             await asyncio.wait([after])
+        fleet, emit = self.fleet, self.telemetry.emit
         backoff, missed = 0.5, set()
-        while not s.deposed.is_set():
-            if s.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
+        while not self.lead.deposed.is_set():
+            if fleet.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
                 return
             try:
-                batch_id = await s.peers.current_batch()
+                batch_id = await self.peers.current_batch()
             except GyreError:
-                batch_id = s.supply_raw.batch_id
-            views = s.cells.views()
+                batch_id = self.supply.raw.batch_id
+            views = fleet.cells.views()
             # Cells join in prefix order, so when cell i joins the prefix is [core .. i].
-            rec = s.cells.get(cell_id)
+            rec = fleet.cells.get(cell_id)
             prefix = rec.index + 1 if rec is not None and rec.index >= 0 else len(training_set(views))
-            core = next((s.cells.get(v.cell_id) for v in views if v.is_core), None)
+            core = next((fleet.cells.get(v.cell_id) for v in views if v.is_core), None)
             core_target = core.target if core is not None else ""
+            version = self.publication.version
             try:
-                joined = await self._retry(cell_id, lambda: s.peers.join_batch(
-                    self._target(cell_id), s.epoch, batch_id, s.policy_version, max(prefix, 1), core_target), attempts=5)
+                joined = await fleet.call(cell_id, functools.partial(self._join_batch, cell_id, batch_id, version,
+                        max(prefix, 1), core_target), attempts=5)
             except (GyreError, CellGone) as exc:
-                s.emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
+                emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
                 return
             if joined:
-                s.emit("joined_batch",
-                        f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{s.policy_version})", cell_id=cell_id)
+                emit("joined_batch", f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{version})",
+                        cell_id=cell_id)
                 return
             if batch_id not in missed:
                 missed.add(batch_id)
-                s.emit("join_missed",
-                        f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{s.policy_version}); retrying", cell_id=cell_id)
+                emit("join_missed",
+                        f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying", cell_id=cell_id)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
-
-    async def _publish(self, version: int) -> None:
-        s = self.s
-        if not s.policy_source:
-            s.emit("publish_skipped", f"policy v{version}: no source target known")
-            return
-        cells = [
-            v.cell_id for v in s.cells.views()
-            if v.state is CellState.ROLLOUT and not self.running(v.cell_id) and self._version(v.cell_id) < version
-        ]
-
-        async def one(cell_id: str) -> None:
-            try:
-                got = await self._retry(cell_id, lambda: s.peers.load_policy(self._target(cell_id), s.epoch,
-                        version, s.policy_source), attempts=5)
-                self.loaded[cell_id] = max(int(got), version)
-            except (GyreError, CellGone) as exc:
-                s.emit("load_failed", f"{cell_id} could not load policy v{version}: {exc}", cell_id=cell_id)
-
-        await asyncio.gather(*(one(c) for c in cells))
-        s.emit("policy_loaded", f"policy v{version} loaded on {len(cells)} rollout engines")
-
-    # Helpers ------------------------------------------------------------------------------
-
-    def _target(self, cell_id: str) -> str:
-        rec = self.s.cells.get(cell_id)
-        if rec is None:
-            raise CellGone(cell_id)
-        return rec.target
-
-    def _version(self, cell_id: str) -> int:
-        rec = self.s.cells.get(cell_id)
-        return max(rec.policy_version if rec else 0, self.loaded.get(cell_id, 0))
-
-    async def _retry(self, cell_id: str, fn: Callable[[], Awaitable[T]], attempts: int = 0) -> T:
-        """Calls ``fn`` until it succeeds; gives up when the cell is gone (CellGone), after
-        ``attempts`` tries if set, after MAX_REFUSALS refusals, or when our epoch is refused
-        by a newer leader's (StaleEpoch)."""
-        s = self.s
-        backoff = 0.1
-        n = refused = 0
-        while True:
-            if s.deposed.is_set():
-                raise StaleEpoch("deposed")
-            if s.cells.get(cell_id) is None:
-                raise CellGone(cell_id)
-            try:
-                return await fn()
-            except FailedPrecondition as exc:
-                if await s.store.election.current_epoch() != s.epoch:
-                    s.mark_deposed(exc)
-                    raise StaleEpoch(str(exc)) from exc
-                err: GyreError = exc
-                refused += 1
-            except GyreError as exc:
-                err = exc
-            n += 1
-            # Unreachable cells are retried until they come back or their lease lapses; a
-            # refusal (an illegal state for the command) is retried a bounded number of times:
-            # the transition then fails, and the policy decides again on fresh state.
-            if (attempts and n >= attempts) or refused >= MAX_REFUSALS:
-                raise err
-            log.warning("command to %s failed; retrying", cell_id, extra={"error": repr(err)})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)

@@ -17,6 +17,7 @@ from typing import Any
 from gyre.errors import Conflict, StaleEpoch, Unavailable
 from services.scheduler.ledger import Burst, ExecutionRecord
 from services.scheduler.placement import RouteRecord
+from services.scheduler.store import Stored
 
 
 class _FakeElection:
@@ -74,12 +75,11 @@ class FakeStore:
         self.writes += 1
         return self.revision
 
-    async def load(self) -> tuple[list[Burst], list[ExecutionRecord], list[RouteRecord], dict[str, dict[str,
-            Any]]]:
+    async def load(self) -> Stored:
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
         routes = [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
-        return bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()}
+        return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()})
 
     async def read_routes(self) -> list[RouteRecord]:
         return [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]

@@ -364,7 +364,7 @@ async def test_metrics_expose_waterlevel_capacity_and_roles():
 
     metrics = Metrics()
     s, store, peers, _ = make(policy="rollout_only")
-    s.metrics = metrics
+    s.telemetry.metrics = metrics
     await lead(s, store)
     await _fill(s, 3)
     await s.reconcile_once()
@@ -486,7 +486,7 @@ async def test_a_failed_move_calls_the_drain_off():
 
     peers.set_state = refuse_training
     s.supply_raw = SupplyUpdate(4, 4, 1)
-    import services.scheduler.transitions as T
+    import services.scheduler.fleet as T
     old, T.MAX_REFUSALS = T.MAX_REFUSALS, 2
     try:
         await s.reconcile_once()

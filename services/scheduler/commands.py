@@ -1,0 +1,93 @@
+"""Commands: carrying out the policy's actions (one ``match`` over the typed action union).
+
+Each action is applied at most once where that matters (a move for a cell already moving,
+a batch already sealed, a version already published are skipped), because the policy is
+level-triggered and repeats itself until the next snapshot reflects what was done.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gyre.errors import GyreError
+from services.scheduler.bursts import Bursts
+from services.scheduler.leadership import Leadership
+from services.scheduler.peers import Peers
+from services.scheduler.policy import (
+    Action,
+    CellState,
+    DispatchBurst,
+    Hold,
+    KeepInTraining,
+    MoveToTraining,
+    PublishPolicy,
+    ReturnToRollout,
+    SealBatch,
+    Snapshot,
+    capacity,
+)
+from services.scheduler.publication import Publication
+from services.scheduler.telemetry import Telemetry
+from services.scheduler.transitions import TransitionRunner
+
+log = logging.getLogger(__name__)
+
+
+class Commands:
+    """Applies actions to the cluster; counts role switches."""
+
+    def __init__(self, lead: Leadership, peers: Peers, bursts: Bursts, transitions: TransitionRunner,
+            publication: Publication, telemetry: Telemetry) -> None:
+        self.lead = lead
+        self.peers = peers
+        self.bursts = bursts
+        self.transitions = transitions
+        self.publication = publication
+        self.telemetry = telemetry
+        self.to_training = 0
+        self.to_rollout = 0
+        self._sealed: set[int] = set()
+
+    async def apply(self, action: Action, snap: Snapshot) -> None:
+        """Carries out one action decided on ``snap``."""
+        gauges = {"waterlevel": snap.ledger.waterlevel, "capacity": capacity(snap.cells),
+                "ready_groups": snap.supply.ready_groups}
+        emit = self.telemetry.emit
+        match action:
+            case Hold(reason=reason, cell_id=cell_id):
+                emit(action.kind, reason, cell_id=cell_id, **gauges)
+            case DispatchBurst():
+                await self.bursts.dispatch(self.publication.version, action.kind, gauges)
+            case MoveToTraining(cell_id=cell_id, reason=reason):
+                if self._move(cell_id, CellState.TRAINING, action.kind, reason, gauges):
+                    self.to_training += 1
+            case ReturnToRollout(cell_id=cell_id, reason=reason):
+                if self._move(cell_id, CellState.ROLLOUT, action.kind, reason, gauges):
+                    self.to_rollout += 1
+            case KeepInTraining(cell_id=cell_id):
+                emit(action.kind, action.reason, cell_id=cell_id, **gauges)
+                self.transitions.rejoin(cell_id)
+            case SealBatch(batch_id=batch_id):
+                await self._seal(batch_id, action.kind, action.reason, gauges)
+            case PublishPolicy(version=version):
+                if self.publication.publish(version, self.transitions.running):
+                    emit(action.kind, action.reason, cell_id=action.source_cell_id, **gauges)
+
+    def _move(self, cell_id: str, target: CellState, kind: str, reason: str, gauges: dict[str, int]) -> bool:
+        """Starts a transition unless one runs for the cell; True when started."""
+        if self.transitions.running(cell_id):
+            return False
+        self.telemetry.emit(kind, reason, cell_id=cell_id, **gauges)
+        self.transitions.start(cell_id, target, reason)
+        return True
+
+    async def _seal(self, batch_id: int, kind: str, reason: str, gauges: dict[str, int]) -> None:
+        if batch_id in self._sealed:
+            return
+        try:
+            await self.peers.seal_batch(self.lead.epoch, batch_id)
+        except GyreError as exc:  # e.g. no group assigned yet: the next tick retries
+            log.info("seal refused: %s", exc)
+            return
+        self._sealed.add(batch_id)
+        self.telemetry.emit(kind, reason, **gauges)

@@ -1,0 +1,101 @@
+"""The control loop: level-triggered reconciliation. Each tick closes overdue executions,
+rescues the executions of vanished cells, brings stranded cells back, builds the policy's
+:class:`~services.scheduler.policy.Snapshot`, and applies what the policy decides."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gyre.errors import FatalError, StaleEpoch
+from services.scheduler.bursts import Bursts
+from services.scheduler.commands import Commands
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.executions import Executions
+from services.scheduler.fleet import Fleet
+from services.scheduler.leadership import Leadership
+from services.scheduler.ledger import Ledger
+from services.scheduler.policy import CellState, Policy, Snapshot
+from services.scheduler.publication import Publication
+from services.scheduler.supply import SupplyFollower
+from services.scheduler.telemetry import Changes, Telemetry
+from services.scheduler.transitions import TransitionRunner
+
+log = logging.getLogger(__name__)
+
+
+class ControlLoop:
+    """Decides with the policy and applies its actions, every ``reconcile_s`` or sooner."""
+
+    def __init__(self, cfg: SchedulerConfig, policy: Policy, lead: Leadership, ledger: Ledger, fleet: Fleet,
+            bursts: Bursts, executions: Executions, supply: SupplyFollower, publication: Publication,
+            transitions: TransitionRunner, commands: Commands, telemetry: Telemetry, changes: Changes,
+            clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.lead = lead
+        self.ledger = ledger
+        self.fleet = fleet
+        self.bursts = bursts
+        self.executions = executions
+        self.supply = supply
+        self.publication = publication
+        self.transitions = transitions
+        self.commands = commands
+        self.telemetry = telemetry
+        self.changes = changes
+        self.clock = clock
+        self._drained_since: float | None = None
+
+    async def run(self) -> None:
+        """Reconciles until deposed; survives any other error."""
+        while True:
+            if self.lead.deposed.is_set():
+                raise FatalError("deposed: a newer scheduler leader exists")
+            try:
+                await self.reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except StaleEpoch as exc:
+                self.lead.mark_deposed(exc)
+                raise FatalError(f"deposed: {exc}") from exc
+            except Exception:
+                log.exception("reconcile failed; retrying next tick")
+            await self.changes.wait(self.cfg.reconcile_s)
+
+    async def reconcile_once(self) -> None:
+        if not self.lead.leading:
+            return
+        await self.executions.time_out_overdue()
+        for cid in self.fleet.orphaned(self.clock(), self.cfg.orphan_grace_s):
+            if not self.transitions.running(cid):
+                self.transitions.rescue(cid)
+        self._finish_stranded_moves()
+        snap = self.snapshot()
+        for action in self.policy.decide(snap):
+            await self.commands.apply(action, snap)
+        self.telemetry.gauges()
+
+    def _finish_stranded_moves(self) -> None:
+        """A cell an agent reports DRAINING or RETURNING with no transition of ours running
+        (a move that failed, or a leader that died before recording it) would hold every
+        later move: bring it back to rollout."""
+        for cid in self.fleet.cells.records:
+            # Overlay first: our last command's outcome beats a watch that has not caught up.
+            state = self.fleet.cells.state(cid)
+            if state in (CellState.DRAINING, CellState.RETURNING) and not self.transitions.running(cid):
+                self.telemetry.emit("stranded",
+                        f"{cid} was left {state.value} with no move in progress: back to rollout", cell_id=cid)
+                self.transitions.start(cid, CellState.ROLLOUT, f"stranded in {state.value}")
+
+    def snapshot(self) -> Snapshot:
+        """What the policy decides on, now."""
+        supply = self.supply.observe()
+        counts = self.ledger.counts()
+        if counts.waterlevel > 0:
+            self._drained_since = None
+        elif self._drained_since is None:
+            self._drained_since = self.clock()
+        return Snapshot(self.clock(), counts, self.fleet.cells.views(), supply, self.bursts.current(),
+                        self.publication.version, self.bursts.next_quota(), self._drained_since)

@@ -1,0 +1,64 @@
+"""The scheduler's status (GetStatus), typed: what operators and the dashboard see."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from services.scheduler.fleet import Fleet
+from services.scheduler.policy import CellKind, CellState, LedgerCounts
+
+
+@dataclasses.dataclass(frozen=True)
+class CellStatus:
+    """One cell: its registration, role, load and the policy version its engine serves."""
+
+    cell_id: str
+    kind: CellKind
+    index: int
+    state: CellState
+    slots: int
+    routed: int
+    """Executions routed to it (reservations included)."""
+    target: str
+    policy_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStatus:
+    """The leader's view (a standby reports ``leader=False`` and what it mirrors)."""
+
+    epoch: int
+    leader: bool
+    policy: str
+    """The policy's name."""
+    burst_id: int
+    """The newest burst (0: none yet)."""
+    burst: LedgerCounts
+    """D / L / F of the newest burst."""
+    burst_by_status: Mapping[str, int]
+    total: LedgerCounts
+    """D / L / F of all bursts."""
+    total_by_status: Mapping[str, int]
+    capacity: int
+    ready_groups: int
+    batch_size: int
+    policy_version: int
+    cells: tuple[CellStatus, ...]
+    reroutes: int
+    bursts_completed: int
+    """Bursts whose final version has been published."""
+    to_training: int
+    to_rollout: int
+
+
+def cell_statuses(fleet: Fleet) -> tuple[CellStatus, ...]:
+    """Every registered cell, in the policy's order (standalone first, then by index)."""
+    routed = fleet.routes.counts()
+    out = []
+    for v in fleet.cells.views():
+        rec = fleet.cells.get(v.cell_id)
+        out.append(CellStatus(v.cell_id, v.kind, v.index, v.state, v.slots, routed.get(v.cell_id, 0),
+                rec.target if rec else "", fleet.version(v.cell_id)))
+    return tuple(out)
+
