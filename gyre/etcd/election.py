@@ -19,9 +19,9 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from gyre.errors import StaleEpoch
+from gyre.errors import StaleEpoch, Unavailable
 from gyre.etcd.client import KV, Compare, Etcd, Op, create_revision_is
-from gyre.etcd.lease import LeaseKeeper
+from gyre.etcd.lease import LeaseKeeper, jittered
 from gyre.etcd.watch import PrefixMirror
 from gyre.fencing import FenceGuard
 from gyre.ids import Epoch
@@ -77,12 +77,18 @@ class LeaderElection:
         return None
 
     async def campaign(self, poll_s: float = 0.5) -> Epoch:
-        """Waits until elected. Polls (a watch would only be a hint anyway)."""
+        """Waits until elected. Polls (a watch would only be a hint anyway); while etcd is
+        unreachable or the lease is being replaced, keeps waiting."""
         while True:
-            epoch = await self.try_acquire()
-            if epoch is not None:
-                return epoch
-            await asyncio.sleep(poll_s)
+            if not self._lease.lost.is_set():
+                try:
+                    epoch = await self.try_acquire()
+                except (Unavailable, TimeoutError) as exc:
+                    log.info("campaign: etcd unreachable; retrying", extra={"error": repr(exc)})
+                else:
+                    if epoch is not None:
+                        return epoch
+            await asyncio.sleep(jittered(poll_s))
 
     async def current_epoch(self) -> int:
         """The epoch of whoever leads now (0 if nobody)."""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import grpc
 import pytest
 import yaml
 
@@ -23,6 +24,7 @@ from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
 from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router
 from gyre.etcd import Etcd, Keys
+from tests.support.scheduler_peers import Harness
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = [30, 31, 32, 33]
@@ -142,3 +144,81 @@ async def test_etcd_outage_ends_nothing(fresh_etcd, tmp_path, outage):
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _scheduler_config(tmp: Path, etcd_endpoint: str, cluster: str) -> Path:
+    common = {"lease_ttl_s": TTL_S, "log_json": False, "etcd_timeout_s": 1.0}
+    path = tmp / "sched.yaml"
+    path.write_text(yaml.safe_dump({
+        "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]},
+        "scheduler": {**common, "policy": "rollout_only", "batch_size": 4, "group_size": 2, "over_provision": 0.0,
+                      "max_bursts": 1, "reconcile_s": 0.1, "heartbeat_deadline_s": 120.0},
+        "cell_agent": {**common, "cell_id": "sa-0", "kind": "standalone", "index": -1, "slots": 8,
+                       "engine": "mock", "mock_fixed_decode_step_s": 0.002, "probe_interval_s": 0.5},
+    }))
+    return path
+
+
+async def _finish_with_retries(h, e, deadline_s: float) -> tuple[object, int]:
+    """FinishExecution retried (same idempotency key) on UNAVAILABLE, after the hint; returns
+    the answer and how many UNAVAILABLEs carried a retry-after-ms hint."""
+    hinted = 0
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return await h.finish(e, key="k-outage"), hinted
+        except grpc.aio.AioRpcError as err:
+            assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err
+            assert time.monotonic() < deadline, "finish never succeeded"
+            hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                assert hint, err.details()
+                hinted += 1
+            await asyncio.sleep(int(hint or 500) / 1000)
+
+
+@pytest.mark.parametrize("down_s", [5.0, 30.0])
+async def test_scheduler_leader_steps_down_and_leads_again(fresh_etcd, tmp_path, down_s):
+    """The scheduler leader and a cell agent through an etcd pause past the lease TTL: a
+    harness call that needs etcd gets UNAVAILABLE with a retry hint during the outage and
+    succeeds after it; the leader stepped down (its lease was gone), campaigned again and
+    leads with a new epoch; both processes are alive, the cell registered again."""
+    cluster = "es" + secrets.token_hex(4)
+    cfg = _scheduler_config(tmp_path, fresh_etcd.endpoint, cluster)
+    keys = Keys(cluster)
+    cell = ServiceProcess("cell_agent", cfg, log_path=tmp_path / "cell.log").start(timeout_s=60)
+    sched = ServiceProcess("scheduler", cfg, log_path=tmp_path / "sched.log").start(timeout_s=60)
+    h = Harness(sched.target)
+    etcd = Etcd([fresh_etcd.endpoint], 2.0)
+    await etcd.connect()
+    try:
+        before = await h.wait_leader(30)
+        e1, e2 = await h.acquire(), await h.acquire()
+        assert e1 is not None and e2 is not None
+        fresh_etcd.pause()
+        await asyncio.sleep(1.0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.finish(e1, key="k-outage")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert int(dict(err.value.trailing_metadata() or ()).get("retry-after-ms", 0)) > 0
+        await asyncio.sleep(down_s - 1.0)
+        fresh_etcd.resume()
+        out, _ = await _finish_with_retries(h, e1, 30)
+        assert not out.duplicate
+        after = await h.wait_leader(20)
+        assert after.epoch > before.epoch  # a new session, a new campaign, a new epoch
+        assert (after.total.launched, after.total.finished) == (2, 1)  # nothing lost, nothing twice
+        again, _ = await _finish_with_retries(h, e1, 10)
+        assert again.duplicate
+        assert (await h.finish(e2, key="k2")).duplicate is False
+        assert sched.alive() and cell.alive()
+        kv = await etcd.get(keys.cell("sa-0"))
+        assert kv is not None
+        e3 = await h.acquire()
+        assert e3 is not None
+    finally:
+        fresh_etcd.resume()
+        await h.close()
+        sched.stop()
+        cell.stop()
+        await etcd.close()
