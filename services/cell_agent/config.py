@@ -32,9 +32,21 @@ class CellAgentConfig(ServiceConfig):
     dtype: str = Field("bfloat16", description="vLLM: weight dtype.")
     seed: int = Field(0, ge=0, description="Engine seed (vLLM sampling seed; mock token hash seed).")
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description="vLLM on GPU: memory fraction.")
+    kv_handoff: bool = Field(
+        True, description="vLLM: pin, serve and read KV blocks for handoffs engine to engine "
+        "(off: ExportKv answers nothing and a moved call recomputes its prefix).")
+    kv_medium: Literal["", "tcp", "nccl", "cuda_ipc"] = Field(
+        "", description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
+        "point), cuda_ipc (GPUs on one node); empty: cuda_ipc with a GPU, tcp without.")
+    kv_host: str = Field(
+        "127.0.0.1", description="vLLM: address the engine serves pinned KV blocks on (an address "
+        "other cells reach when handoffs cross hosts).")
+    kv_pin_ttl_s: float = Field(
+        30.0, gt=0, description="vLLM: a pin not released within this is released (its blocks freed).")
+    kv_read_timeout_s: float = Field(
+        10.0, gt=0, description="vLLM: deadline of a destination's read; past it the prefix is recomputed.")
     kv_dir: str = Field(
-        "", description="Shared directory for KV handoff (file medium); empty: no KV export "
-        "on vLLM (the destination recomputes), in-memory handles on the mock.")
+        "", description="Mock engine: directory for exported KV handles (file medium); memory if empty.")
     max_prompt_tokens: int = Field(131072, ge=1, description="Longest prompt Generate accepts.")
     max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
 
