@@ -7,12 +7,14 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from gyre.config import ServiceConfig
+from services.cell_agent.training.config import TrainerSettings
 
 
 class CellAgentConfig(ServiceConfig):
     """One cell: its identity, its engine, and the crash-only health probe."""
 
     SECTION: ClassVar[str] = "cell_agent"
+    MOVED_SECTIONS: ClassVar[dict[str, str]] = {"training": "cell_agent.training"}
 
     # Identity -------------------------------------------------------------------------------
     cell_id: str = Field("cell-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
@@ -82,3 +84,8 @@ class CellAgentConfig(ServiceConfig):
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")
+
+    # Training ------------------------------------------------------------------------------------
+    training: TrainerSettings | None = Field(
+        None, description="How this cell trains (services/cell_agent/training/config.py): mode torch "
+        "(the real trainer) or mock (the cost model); absent: this cluster does not train.")

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gyre.backoff import Backoff
 from gyre.errors import Conflict, GyreError, StaleEpoch
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import CellGone, Fleet
@@ -274,7 +275,7 @@ class TransitionRunner:
         """Router.MoveExecutions on every router (a few tries: routers also follow the
         route keys, so a router that misses the call still converges)."""
         routers = self.fleet.all_router_targets()
-        backoff = 0.1
+        backoff = Backoff(0.1, 1.6)
         for attempt in range(5):
             if not routers or self.lead.deposed.is_set():
                 return
@@ -283,8 +284,7 @@ class TransitionRunner:
                 return
             except GyreError as exc:
                 log.warning("MoveExecutions failed (attempt %d)", attempt + 1, extra={"error": repr(exc)})
-                await asyncio.sleep(backoff)
-                backoff *= 2
+                await backoff.sleep()
 
     def rescue(self, cell_id: str) -> None:
         """Moves the executions of a cell that left the cluster (lease lapsed) elsewhere."""
@@ -347,7 +347,7 @@ class TransitionRunner:
         if after is not None:  # the move to training that spawned us finishes first
             await asyncio.wait([after])
         fleet, emit = self.fleet, self.telemetry.emit
-        backoff, missed = 0.5, set()
+        backoff, missed = Backoff(0.5, 5.0), set()
         while not self.lead.deposed.is_set():
             if fleet.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
                 return
@@ -376,5 +376,4 @@ class TransitionRunner:
                 missed.add(batch_id)
                 emit("join_missed",
                         f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying", cell_id=cell_id)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await backoff.sleep()
