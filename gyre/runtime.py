@@ -28,6 +28,7 @@ from gyre import config as config_mod
 from gyre.config import ServiceConfig
 from gyre.errors import FatalError
 from gyre.etcd import Etcd, Keys, LeaseKeeper
+from gyre.etcd.client import LeaseNotFound
 from gyre.grpcx.server import GrpcServer, Registrar
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured, set_process_tls
 from gyre.supervisor import Supervisor
@@ -84,8 +85,11 @@ async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, afte
     async def _register(lease_id: int) -> None:
         await etcd.put(rt.keys.service(name, instance), registration, lease=lease_id)
 
-    await _register(lease.lease_id)
     lease.on_new_session(_register)
+    try:
+        await _register(lease.lease_id)
+    except LeaseNotFound:  # lapsed during a slow start: the keeper's new session registers
+        log.warning("lease lapsed during start-up; registering with the next session")
     if after_start is not None:
         await after_start(rt)
     log.info("service ready", extra={"service": name, "target": rt.target})

@@ -269,6 +269,8 @@ class Etcd:
         except aetcd.rpc.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"etcd refused a transaction: {exc.details()}") from exc
+            if "lease not found" in (exc.details() or ""):
+                raise LeaseNotFound(f"etcd txn: {exc.details()}") from exc
             raise Unavailable(f"etcd txn: {exc.code().name} {exc.details()}") from exc
         return resp.succeeded, resp.header.revision
 
@@ -312,11 +314,19 @@ class Etcd:
         await self.client.compact(revision, physical=True)
 
 
+class LeaseNotFound(Unavailable):
+    """A write named a lease etcd no longer has (it expired while this process could not
+    refresh it): the lease keeper replaces it with a new session, whose hooks put the
+    lease-bound keys again."""
+
+
 def _refused(what: str, key: bytes, exc: Exception) -> Exception:
-    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied;
-    any other client error unchanged."""
+    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied,
+    "lease not found" as LeaseNotFound; any other client error unchanged."""
     if "permission denied" in str(exc):
         return PermissionDenied(f"etcd refused {what} {key.decode(errors='replace')}: {exc}")
+    if "lease not found" in str(exc):
+        return LeaseNotFound(f"etcd {what} {key.decode(errors='replace')}: {exc}")
     return exc
 
 

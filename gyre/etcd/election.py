@@ -15,13 +15,13 @@ every fenced write raises StaleEpoch, and the process campaigns again like any c
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
+from gyre.backoff import Backoff
 from gyre.errors import StaleEpoch, Unavailable
 from gyre.etcd.client import KV, Compare, Etcd, Op, create_revision_is
-from gyre.etcd.lease import LeaseKeeper, jittered
+from gyre.etcd.lease import LeaseKeeper
 from gyre.etcd.watch import PrefixMirror
 from gyre.fencing import FenceGuard
 from gyre.ids import Epoch
@@ -79,6 +79,7 @@ class LeaderElection:
     async def campaign(self, poll_s: float = 0.5) -> Epoch:
         """Waits until elected. Polls (a watch would only be a hint anyway); while etcd is
         unreachable or the lease is being replaced, keeps waiting."""
+        poll = Backoff(poll_s, poll_s)
         while True:
             if not self._lease.lost.is_set():
                 try:
@@ -88,7 +89,7 @@ class LeaderElection:
                 else:
                     if epoch is not None:
                         return epoch
-            await asyncio.sleep(jittered(poll_s))
+            await poll.sleep()
 
     async def current_epoch(self) -> int:
         """The epoch of whoever leads now (0 if nobody)."""

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 
 import aetcd.exceptions
 
+from gyre.backoff import Backoff
 from gyre.errors import Unavailable
 from gyre.etcd.client import Etcd
 
@@ -33,12 +33,6 @@ SessionHook = Callable[[int], Awaitable[None]]
 """``hook(lease_id)``: re-puts what the process binds to its lease, with the new lease."""
 
 _ETCD_DOWN = (Unavailable, asyncio.TimeoutError, aetcd.exceptions.ClientError)
-
-
-def jittered(backoff_s: float, rng: Callable[[], float] = random.random) -> float:
-    """A back-off with jitter: uniformly in [backoff/2, backoff] (so that processes that
-    lost etcd together do not come back in lockstep)."""
-    return backoff_s * (0.5 + 0.5 * rng())
 
 
 class LeaseKeeper:
@@ -124,7 +118,7 @@ class LeaseKeeper:
     async def _keep(self) -> None:
         """Refreshes until the lease is lost (returns then)."""
         interval = max(self._ttl_s / 3.0, 0.2)
-        retry = min(interval, 0.5)
+        retry = Backoff(min(interval, 0.5), min(interval, 0.5))
         wait = interval
         while True:
             await asyncio.sleep(wait)
@@ -136,7 +130,7 @@ class LeaseKeeper:
                     log.warning("lease expired while etcd was unreachable", extra={"error": repr(exc)})
                     return
                 log.info("lease refresh failed; retrying", extra={"error": repr(exc)})
-                wait = jittered(retry)
+                wait = retry.next()
                 continue
             if ttl <= 0:
                 log.warning("lease is gone (etcd says TTL %s)", ttl)
@@ -145,19 +139,18 @@ class LeaseKeeper:
             wait = interval
 
     async def _regrant(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, self._max_backoff_s)
         while True:
             try:
                 await asyncio.wait_for(self.grant(), timeout=max(self._ttl_s / 3.0, 0.5))
                 return
             except _ETCD_DOWN as exc:
                 log.info("lease grant failed; retrying", extra={"error": repr(exc)})
-            await asyncio.sleep(jittered(backoff))
-            backoff = min(backoff * 2, self._max_backoff_s)
+            await backoff.sleep()
 
     async def _run_hooks(self, session: int) -> None:
         for hook in self._hooks:
-            backoff = 0.1
+            backoff = Backoff(0.1, self._max_backoff_s)
             while session == self.session and not self.lost.is_set():
                 try:
                     await hook(self.lease_id)
@@ -166,8 +159,7 @@ class LeaseKeeper:
                     log.info("new-session hook failed; retrying", extra={"error": repr(exc)})
                 except Exception:
                     log.exception("new-session hook failed; retrying")
-                await asyncio.sleep(jittered(backoff))
-                backoff = min(backoff * 2, self._max_backoff_s)
+                await backoff.sleep()
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         """Revokes a lease we gave up on; usually etcd already dropped it."""

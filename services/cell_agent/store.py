@@ -18,7 +18,7 @@ import json
 
 from gyre.errors import StaleEpoch
 from gyre.etcd import Etcd, Keys, LeaseKeeper, Op
-from gyre.etcd.client import create_revision_is
+from gyre.etcd.client import LeaseNotFound, create_revision_is
 from services.cell_agent.lifecycle import CellState
 
 
@@ -41,15 +41,24 @@ class EtcdCellStore:
     async def register(self, record: dict[str, object]) -> None:
         key = self._keys.cell(self._cell_id)
         value = json.dumps(record).encode()
-        await self._etcd.put(key, value, lease=self._lease_id)
         self._written[key] = value
+        await self._put(key, value)
+
+    async def _put(self, key: bytes, value: bytes) -> None:
+        try:
+            await self._etcd.put(key, value, lease=self._lease_id)
+        except LeaseNotFound:
+            if not isinstance(self._lease, LeaseKeeper):
+                raise
+            # The lease lapsed (a slow start, an etcd outage): the keeper's next session
+            # puts what was last written (renew).
 
     async def write_state(self, state: CellState, epoch: int, updated_s: float) -> None:
         key = self._keys.cell_state(self._cell_id)
         value = json.dumps({"state": state.name, "epoch": epoch, "updated_s": updated_s}).encode()
         if epoch <= 0:
-            await self._etcd.put(key, value, lease=self._lease_id)
             self._written[key] = value
+            await self._put(key, value)
             return
         ok, _ = await self._etcd.txn(
             [create_revision_is(self._keys.leader(), epoch)], [Op(key, value, self._lease_id)]
