@@ -9,6 +9,9 @@ import dataclasses
 from gyre.errors import InvalidArgument
 from gyre.v1 import common_pb2
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -27,8 +30,10 @@ class Sampling:
             raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument("stop_token_ids must be >= 0")
+        if not INT64_MIN <= self.seed <= INT64_MAX:
+            raise InvalidArgument(f"seed must fit a signed 64-bit integer, got {self.seed}")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidArgument(f"stop_token_ids must be in [0, {INT32_MAX}]")
         return self
 
     @classmethod

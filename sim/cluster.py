@@ -132,16 +132,19 @@ class Engine:
             return
         self.t_last = t
         stalls = self.stalls
-        while dt > _EPS and stalls:
-            s = stalls[0]
-            take = s[1] if s[1] < dt else dt
-            acc[s[0]] += take
-            dt -= take
-            s[1] -= take
-            self.stall_total -= take
-            if s[1] <= _EPS:
-                stalls.popleft()
-        if not stalls:
+        if stalls:
+            while dt > _EPS and stalls:
+                s = stalls[0]
+                take = min(dt, s[1])
+                acc[s[0]] += take
+                dt -= take
+                s[1] -= take
+                self.stall_total -= take
+                if s[1] <= _EPS:
+                    stalls.popleft()
+            if not stalls:
+                self.stall_total = 0.0
+        else:
             self.stall_total = 0.0
         if dt > 0:
             if self.active:
@@ -181,6 +184,11 @@ class Engine:
 
     def leave(self, ex: Execution) -> int:
         """Removes a decoding sequence; returns the tokens it generated here."""
+        self.remove(ex)
+        return int(min(ex.remaining, max(0.0, self.v - ex.start_v) + 1e-6))
+
+    def remove(self, ex: Execution) -> None:
+        """Removes a decoding sequence (its generated tokens are the caller's business)."""
         del self.active[ex.xid]
         ex.token += 1
         self.a -= ex.ctx0 - ex.start_v
@@ -190,7 +198,6 @@ class Engine:
             self.a = 0.0
             self.v = 0.0
             self.heap.clear()
-        return int(min(ex.remaining, max(0.0, self.v - ex.start_v) + 1e-6))
 
     def next_finish_v(self) -> float | None:
         heap = self.heap
@@ -201,6 +208,36 @@ class Engine:
                 return fv
             heapq.heappop(heap)
         return None
+
+    def take_finished(self) -> list[Execution]:
+        """At a finish event: snaps V up to the earliest live finish (the float slack of the
+        integration), then pops every sequence whose turn is done (``next_finish_v`` and
+        ``pop_finished`` in one pass over the heap)."""
+        heap = self.heap
+        active = self.active
+        pop = heapq.heappop
+        while heap:
+            fv, xid, tok = heap[0]
+            ex = active.get(xid)
+            if ex is not None and ex.token == tok:
+                self.v = max(self.v, fv)
+                break
+            pop(heap)
+        else:
+            return []
+        lim = self.v + 1e-6
+        out = []
+        while heap:
+            fv, xid, tok = heap[0]
+            ex = active.get(xid)
+            if ex is None or ex.token != tok:
+                pop(heap)
+                continue
+            if fv > lim:
+                break
+            pop(heap)
+            out.append(ex)
+        return out
 
     def pop_finished(self) -> list[Execution]:
         out = []
@@ -393,20 +430,18 @@ class Cluster:
 
     def fill(self) -> None:
         """Places homeless executions, then launches queued ones, into free rollout slots."""
-        while self.homeless:
-            c = self.placement.pick()
-            if c is None:
-                break
-            ex = self.homeless.popleft()
-            self._place(ex, c)
-        while self.queue:
-            if self.queue[0].state is ExecState.CLOSED:  # cancelled while queued
-                self.queue.popleft()
+        homeless, queue = self.homeless, self.queue
+        if not homeless and not queue:
+            return
+        for c in self.placement.picks():
+            if homeless:
+                self._place(homeless.popleft(), c)
                 continue
-            c = self.placement.pick()
-            if c is None:
+            while queue and queue[0].state is ExecState.CLOSED:  # cancelled while queued
+                queue.popleft()
+            if not queue:
                 return
-            ex = self.queue.popleft()
+            ex = queue.popleft()
             self.versions[ex.group.version].launched += 1
             ex.state = ExecState.SANDBOX
             ex.cell = c
@@ -440,27 +475,31 @@ class Cluster:
         self._reschedule(c)
 
     def _reschedule(self, c: Cell) -> None:
+        """Schedules the engine's next finish (``Engine.time_to`` inlined: the hot path)."""
         eng = c.engine
         eng.gen += 1
         fv = eng.next_finish_v()
         if fv is None:
             return
-        t = self.loop.now + eng.stall_s() + eng.time_to(fv)
+        rate = eng.rate
+        if rate is None:
+            n = len(eng.active)
+            eng.rate_base = eng.v
+            rate = eng.rate = self.cost.decode_rate(n, eng.a + n * eng.v)
+        base = eng.rate_base
+        t = self.loop.now + (eng.stall_total if eng.stalls else 0.0) + rate.time(eng.v - base, fv - base)
         self.loop.schedule(t, self._engine_event, c, eng.gen)
 
     def _engine_event(self, c: Cell, gen: int) -> None:
         eng = c.engine
         if gen != eng.gen or c.mode != "rollout":
             return
-        t = self.loop.now
-        c.account(t)
-        fv = eng.next_finish_v()
-        if fv is not None and eng.v < fv:
-            eng.v = fv  # float slack of the integration
-        for ex in eng.pop_finished():
-            n = eng.leave(ex)
+        c.account(self.loop.now)
+        version = eng.version
+        for ex in eng.take_finished():  # V snaps to the first finish: float slack
+            eng.remove(ex)
             n = ex.remaining
-            self._generated(ex, n, eng.version)
+            self._generated(ex, n, version)
             ex.ctx += n
             ex.remaining = 0
             self._turn_done(ex)

@@ -10,6 +10,7 @@ sequence), which ``DecodeRate`` integrates exactly instead of assuming a constan
 from __future__ import annotations
 
 import math
+
 from sim.config import CostConfig
 
 
@@ -18,13 +19,20 @@ class DecodeRate:
     where m0 + m1*V is the memory time. ``time(v0, v1)`` integrates s; ``advance(v0, dt)``
     inverts it. (A plain slotted class: it is built on every batch change.)"""
 
-    __slots__ = ("comp", "m0", "m1", "oh")
+    __slots__ = ("c_oh", "comp", "k", "m0", "m1", "oh", "vc")
 
     def __init__(self, comp: float, m0: float, m1: float, oh: float) -> None:
         self.comp = comp
         self.m0 = m0
         self.m1 = m1
         self.oh = oh
+        # Derived once (a rate is built per batch change and used once or twice).
+        if m1 <= 0:
+            self.vc = math.inf if m0 < comp else -math.inf
+        else:
+            self.vc = (comp - m0) / m1
+        self.c_oh = comp + oh
+        self.k = m0 + oh
 
     def __repr__(self) -> str:
         return f"DecodeRate(comp={self.comp!r}, m0={self.m0!r}, m1={self.m1!r}, oh={self.oh!r})"
@@ -34,38 +42,35 @@ class DecodeRate:
 
     def _cross(self) -> float:
         """V at which the memory term overtakes the compute term (-inf: memory from start)."""
-        if self.m1 <= 0:
-            return math.inf if self.m0 < self.comp else -math.inf
-        return (self.comp - self.m0) / self.m1
+        return self.vc
 
     def time(self, v0: float, v1: float) -> float:
         """Seconds to advance from v0 to v1 (v1 >= v0)."""
         if v1 <= v0:
             return 0.0
-        vc = self._cross()
+        vc = self.vc
         t = 0.0
         if v0 < vc:
             seg_end = min(v1, vc)
-            t += (self.comp + self.oh) * (seg_end - v0)
+            t += self.c_oh * (seg_end - v0)
             v0 = seg_end
         if v1 > v0:
-            k = self.m0 + self.oh
-            t += k * (v1 - v0) + 0.5 * self.m1 * (v1 * v1 - v0 * v0)
+            t += self.k * (v1 - v0) + 0.5 * self.m1 * (v1 * v1 - v0 * v0)
         return t
 
     def advance(self, v0: float, dt: float) -> float:
         """V reached after dt seconds from v0."""
         if dt <= 0:
             return v0
-        vc = self._cross()
+        vc = self.vc
         if v0 < vc:
-            c = self.comp + self.oh
+            c = self.c_oh
             t_const = (vc - v0) * c if vc != math.inf else math.inf
             if dt <= t_const:
                 return v0 + dt / c
             dt -= t_const
             v0 = vc
-        k = self.m0 + self.oh
+        k = self.k
         if self.m1 <= 1e-18:
             return v0 + dt / k
         # m1/2 v^2 + k v - (m1/2 v0^2 + k v0 + dt) = 0, solved stably.
@@ -87,14 +92,17 @@ class CostModel:
         self._decode_flops = cfg.decode_flops_eff * cfg.flops * cfg.gpus_per_cell
         self._prefill_flops = cfg.prefill_flops_eff * cfg.flops * cfg.gpus_per_cell
         self._train_flops_per_cell = cfg.train_flops_eff * cfg.flops * cfg.gpus_per_cell
+        self._two_n = 2.0 * cfg.n_params
+        self._wb = cfg.weight_bytes
+        self._kv = cfg.kv_bytes_per_token
+        self._oh = cfg.decode_step_overhead_s
 
     def decode_rate(self, batch: int, ctx_offset: float) -> DecodeRate:
         """Rate for ``batch`` sequences whose total context at V is ctx_offset + batch*V."""
-        c = self.cfg
-        comp = 2.0 * c.n_params * batch / self._decode_flops
-        m0 = (c.weight_bytes + c.kv_bytes_per_token * ctx_offset) / self._bw
-        m1 = c.kv_bytes_per_token * batch / self._bw
-        return DecodeRate(comp=comp, m0=m0, m1=m1, oh=c.decode_step_overhead_s)
+        bw = self._bw
+        kv = self._kv
+        return DecodeRate(self._two_n * batch / self._decode_flops, (self._wb + kv * ctx_offset) / bw,
+                          kv * batch / bw, self._oh)
 
     def decode_step_s(self, batch: int, total_ctx: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_ctx`` context tokens."""

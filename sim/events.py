@@ -23,8 +23,7 @@ class EventLoop:
         self._stopped = False
 
     def schedule(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
-        if t < self.now:
-            t = self.now
+        t = max(t, self.now)
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fn, args))
 
@@ -35,15 +34,20 @@ class EventLoop:
         """Processes events until ``stop()``, an empty heap, or time ``until``."""
         heap = self._heap
         pop = heapq.heappop
-        while heap and not self._stopped:
-            t, _, fn, args = heap[0]
-            if t > until:
-                self.now = until
-                return
-            pop(heap)
-            self.now = t
-            self.processed += 1
-            fn(*args)
+        n = 0
+        try:
+            while heap and not self._stopped:
+                item = pop(heap)
+                t = item[0]
+                if t > until:
+                    heapq.heappush(heap, item)
+                    self.now = until
+                    return
+                self.now = t
+                n += 1
+                item[2](*item[3])
+        finally:
+            self.processed += n
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from services.scheduler import placement as SP
@@ -18,11 +18,15 @@ class Placement(Protocol):
     avoid: frozenset[str]
     """Cells planned to move next (PlanMoves): used only when no other cell has room."""
 
-    def pick(self, exclude: "Cell | None" = None) -> "Cell | None":
+    def pick(self, exclude: Cell | None = None) -> Cell | None:
         """The rollout cell that takes the next execution (None: no free slot)."""
 
-    def role_changed(self, cell: "Cell") -> None:
+    def role_changed(self, cell: Cell) -> None:
         """Tells the placement that ``cell`` changed role."""
+
+    def picks(self) -> Iterator[Cell]:
+        """Successive picks, lazily: the caller routes each execution before it asks for the
+        next cell (the same cells as calling ``pick()`` each time)."""
 
 
 class SchedulerPlacement:
@@ -31,7 +35,7 @@ class SchedulerPlacement:
 
     name = "scheduler"
 
-    def __init__(self, cells: Sequence["Cell"]) -> None:
+    def __init__(self, cells: Sequence[Cell]) -> None:
         self.avoid: frozenset[str] = frozenset()
         self._cells = {c.cid: c for c in cells}
         self._table = SP.CellTable()
@@ -44,14 +48,29 @@ class SchedulerPlacement:
         }
         self._table.states = {c.cid: CellState(c.role.value) for c in cells}
 
-    def role_changed(self, cell: "Cell") -> None:
+    def role_changed(self, cell: Cell) -> None:
         self._table.states[cell.cid] = CellState(cell.role.value)
 
-    def pick(self, exclude: "Cell | None" = None) -> "Cell | None":
+    def pick(self, exclude: Cell | None = None) -> Cell | None:
         counts = {cid: len(c.execs) for cid, c in self._cells.items()}
         order = SP.placement_order(self._table, counts, exclude=[exclude.cid] if exclude else [],
                 avoid=self.avoid)
         return self._cells[order[0][0].cell_id] if order else None
+
+    def picks(self) -> Iterator[Cell]:
+        """One ``placement_order`` call for many launches: it ranks elastic cells by index
+        alone (filling each), so walking the order with its free counts yields what
+        successive picks would. Standalone engines are ranked by free slots, which every
+        launch changes: with more than one of them, pick one at a time."""
+        counts = {cid: len(c.execs) for cid, c in self._cells.items()}
+        order = SP.placement_order(self._table, counts, avoid=self.avoid)
+        if sum(rec.kind is CellKind.STANDALONE for rec, _ in order) > 1:
+            yield from _one_at_a_time(self)
+            return
+        for rec, free in order:
+            cell = self._cells[rec.cell_id]
+            for _ in range(free):
+                yield cell
 
 
 class LeastLoadedPlacement:
@@ -60,14 +79,17 @@ class LeastLoadedPlacement:
 
     name = "least_loaded"
 
-    def __init__(self, cells: Sequence["Cell"]) -> None:
+    def __init__(self, cells: Sequence[Cell]) -> None:
         self.avoid: frozenset[str] = frozenset()
         self._cells = list(cells)
 
-    def role_changed(self, cell: "Cell") -> None:
+    def role_changed(self, cell: Cell) -> None:
         return None
 
-    def pick(self, exclude: "Cell | None" = None) -> "Cell | None":
+    def picks(self) -> Iterator[Cell]:
+        return _one_at_a_time(self)
+
+    def pick(self, exclude: Cell | None = None) -> Cell | None:
         best = None
         best_key: tuple[bool, int, bool, int] | None = None
         avoid = self.avoid
@@ -81,7 +103,12 @@ class LeastLoadedPlacement:
         return best
 
 
-def make_placement(name: str, cells: Sequence["Cell"]) -> Placement:
+def _one_at_a_time(p: Placement) -> Iterator[Cell]:
+    while (c := p.pick()) is not None:
+        yield c
+
+
+def make_placement(name: str, cells: Sequence[Cell]) -> Placement:
     if name == "scheduler":
         return SchedulerPlacement(cells)
     if name == "least_loaded":

@@ -3,6 +3,10 @@
 An episode's random draws depend only on (seed, task index, member), never on the policy or
 on when it runs, so every policy sees the same trace. Drift scales the output lengths by a
 factor of the policy version the episode is dispatched with (WORKLOADS.md, "Drift").
+
+Drawing an episode costs tens of microseconds and every policy of a benchmark replays the
+same trace, so episodes are memoized per trace (``_EpisodeCache``: the few most recent
+traces of this process, keyed by profile, seed and drift factor).
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ def _ln(rng: np.random.Generator, d: LogNormal, size: int | None = None, scale: 
     return x
 
 
+class _EpisodeCache:
+    """Episodes of the ``keep`` most recently used traces, by (task, member, drift factor)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._traces: dict[tuple, dict[tuple[int, int, float], Episode]] = {}
+
+    def for_trace(self, key: tuple) -> dict[tuple[int, int, float], Episode]:
+        eps = self._traces.pop(key, None)
+        if eps is None:
+            eps = {}
+            while len(self._traces) >= self.keep:
+                del self._traces[next(iter(self._traces))]
+        self._traces[key] = eps  # most recent last
+        return eps
+
+
+_CACHE = _EpisodeCache()
+
+
 class Trace:
     """Draws episodes of one profile. ``episode(task, member, version)`` is a pure function of
     the seed and its arguments."""
@@ -64,17 +88,30 @@ class Trace:
         self.drift = drift or DriftConfig()
         w = np.array([c.weight for c in profile.tool_latency], dtype=float)
         self._tool_w = (w / w.sum()).cumsum() if len(w) else w
+        self._tool_c = [(c.latency_s.median, c.latency_s.sigma, c.task_factor) for c in profile.tool_latency]
+        self._key = (profile.model_dump_json(), seed, self.drift.turns_too)
+        self._factors: dict[int, float] = {}
 
     def _task_rng(self, task: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, task, 1_000_003])
 
     def episode(self, task: int, member: int, version: int = 0) -> Episode:
+        drift = self._factors.get(version)
+        if drift is None:
+            drift = self._factors[version] = self.drift.factor(version)
+        cache = _CACHE.for_trace(self._key)
+        key = (task, member, drift)
+        ep = cache.get(key)
+        if ep is None:
+            ep = cache[key] = self._draw(task, member, drift)
+        return ep
+
+    def _draw(self, task: int, member: int, drift: float) -> Episode:
         p = self.profile
         trng = self._task_rng(task)
         task_factor = float(_ln(trng, p.task_factor))
         length_factor = float(_ln(trng, p.group_length_factor)) if p.group_length_factor else 1.0
         rng = np.random.default_rng([self.seed, task, member])
-        drift = self.drift.factor(version)
         turn_scale = drift if self.drift.turns_too else 1.0
         n_turns = max(1, int(round(float(_ln(rng, p.turns, scale=turn_scale)))))
         if p.turns.hi is not None:
@@ -87,13 +124,17 @@ class Trace:
         tools = [0.0] * n_turns
         if len(self._tool_w) and n_turns > 1:
             comp = np.searchsorted(self._tool_w, rng.random(n_turns - 1), side="right")
-            z = rng.standard_normal(n_turns - 1)
-            for k in range(n_turns - 1):
-                c = p.tool_latency[min(int(comp[k]), len(p.tool_latency) - 1)]
-                t = c.latency_s.median * math.exp(c.latency_s.sigma * float(z[k]))
-                if c.task_factor:
+            z = rng.standard_normal(n_turns - 1).tolist()
+            comps = self._tool_c
+            last = len(comps) - 1
+            cap = p.tool_cap_s
+            exp = math.exp
+            for k, (ci, zk) in enumerate(zip(comp.tolist(), z)):
+                median, sigma, heavy = comps[min(last, ci)]
+                t = median * exp(sigma * zk)
+                if heavy:
                     t *= task_factor
-                tools[k] = min(t, p.tool_cap_s)
+                tools[k] = min(cap, t)
         sandbox = float(_ln(rng, p.sandbox_start_s)) if p.sandbox_start_s else 0.0
         reward = float(_ln(rng, p.reward_s)) if p.reward_s else 0.0
         return Episode(

@@ -4,8 +4,10 @@
 2. starts a private etcd and every service as processes (packer, scheduler, router, a core
    and two satellites as elastic cells, one standalone rollout engine; vLLM-CPU engines and
    torch trainers by default),
-3. serves the live dashboard, runs the example harness (agents with tools on per-execution
-   workspaces) through several bursts, and shows live progress,
+3. starts the dashboard service like every other process (``python -m services.dashboard``:
+   the live page, with the scheduler's decisions and their reasons), runs the example
+   harness (agents with tools on per-execution workspaces) through several bursts, and
+   shows live progress read from the dashboard's ``/api/timeline``,
 4. writes a run folder with ``summary.json``, ``timeline.png``, ``timeline.json``, the
    cluster config and every process's log.
 """
@@ -15,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from rich.console import Console, Group
 from rich.live import Live
@@ -71,14 +75,67 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
     data["cell_agent"]["model_dir"] = str(model_dir)
     data["cell_agent"]["engine"] = opts.engine
     data["scheduler"]["max_bursts"] = opts.bursts
-    # The demo serves the dashboard itself (it also feeds the summary and timeline.png).
-    data["launch"]["processes"] = [p for p in data["launch"]["processes"] if p["service"] != "dashboard"]
+    # The dashboard is the service itself (one dashboard, one behaviour); the launcher gives
+    # every loopback port a free one, so its HTTP port travels as an env override instead.
+    port = opts.dashboard_port if opts.dashboard_port and port_is_free(opts.dashboard_port) else 0
+    for spec in data["launch"]["processes"]:
+        if spec["service"] == "dashboard":
+            spec["env"] = {**(spec.get("env") or {}), "GYRE_DASHBOARD__HTTP_PORT": str(port)}
+    if not any(spec["service"] == "dashboard" for spec in data["launch"]["processes"]):
+        data["launch"]["processes"].append({"service": "dashboard", "env": {"GYRE_DASHBOARD__HTTP_PORT": str(port)}})
     for section, values in opts.config_overrides.items():
         data.setdefault(section, {}).update(values)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     out = opts.run_dir / "cluster.template.yaml"
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
+
+
+def port_is_free(port: int) -> bool:
+    """True when ``port`` can be bound on loopback now (the dashboard falls back to any)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class DashboardReader:
+    """Reads the dashboard service's ``/api/timeline``: the demo's only view of the run."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self.latest: dict[str, Any] | None = None
+
+    async def timeline(self, window_s: float | None = None) -> dict[str, Any] | None:
+        """The timeline JSON (the last ``window_s`` seconds of it), or None while unreachable."""
+        query = f"?window_s={window_s}" if window_s else ""
+        try:
+            async with self._session.get(f"{self.url}api/timeline{query}") as resp:
+                resp.raise_for_status()
+                body: dict[str, Any] = await resp.json()
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+        if body.get("counters"):
+            self.latest = status_from_timeline(body)
+        return body
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+def status_from_timeline(body: dict[str, Any]) -> dict[str, Any]:
+    """The latest scheduler status, as the dashboard's timeline JSON carries it."""
+    c = body["counters"]
+    return {
+        **{k: c[k] for k in ("capacity", "ready_groups", "batch_size", "policy_version", "reroutes", "bursts_completed",
+                              "transitions_to_training", "transitions_to_rollout")},
+        "ledger": {k: c[k] for k in ("burst_id", "dispatched", "finished", "queued", "running", "waterlevel")},
+        "total": {k: c.get(f"total_{k}", 0) for k in ("dispatched", "finished")},
+        "cells": [cell for cell in body.get("cells", []) if cell.get("state") != "GONE"],
+    }
 
 
 def build_model(console: Console) -> Path:
@@ -128,10 +185,6 @@ def reward_by_version(stats: HarnessStats) -> dict[int, dict[str, float]]:
 
 async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from apps.demo.plot import plot_timeline
-    from gyre.config import TlsConfig
-    from services.dashboard.app import DashboardApp
-    from services.dashboard.config import DashboardConfig
-    from services.dashboard.source import GrpcStatusSource
 
     console = Console()
     started = time.monotonic()
@@ -144,15 +197,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     stats = HarnessStats()
     tally = BurstTally()
     stop = asyncio.Event()
-    # The dashboard's own identity (mTLS), from the cluster's certificates.
-    tls = TlsConfig(insecure=True) if cluster.pki.insecure else TlsConfig(dir=str(cluster.pki.identity_dir("dashboard")))
-    source = GrpcStatusSource(cluster.procs["scheduler"].target, DashboardConfig(tls=tls))
-    dashboard = DashboardApp(source)
-    try:
-        runner, port = await dashboard.start("127.0.0.1", opts.dashboard_port)
-    except OSError:  # the port is taken (another demo, another server): any free one will do
-        runner, port = await dashboard.start("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{port}/"
+    url = str(cluster.procs["dashboard"].ready_info["url"])
+    dashboard = DashboardReader(url)
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
     outcome = "completed"
@@ -165,7 +211,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         with Live(_progress_view(None, stats, tally, 0, url), console=console, refresh_per_second=2, transient=not opts.live) as live:
             while True:
                 await asyncio.sleep(0.5)
-                status = dashboard.timeline.latest
+                await dashboard.timeline(window_s=1)
+                status = dashboard.latest
                 if status is not None:
                     tally.see(status["ledger"])
                 live.update(_progress_view(status, stats, tally, time.monotonic() - started, url))
@@ -184,17 +231,16 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         if harness is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(harness), 30)
-        await dashboard.poll_once()
-        timeline = dashboard.timeline.to_json(dashboard.now_s())
+        await asyncio.sleep(1.5)  # the dashboard polls every 0.5 s: let it see the last status
+        timeline = await dashboard.timeline() or {}
     finally:
         stop.set()
         if harness is not None and not harness.done():
             harness.cancel()
-        await runner.cleanup()
-        await source.close()
+        await dashboard.close()
         await loop.run_in_executor(None, cluster.stop)
 
-    final = dashboard.timeline.latest or {}
+    final = dashboard.latest or {}
     if final:
         tally.see(final["ledger"])
     dispatched = sum(tally.dispatched.values())

@@ -82,7 +82,7 @@ DEFAULT_CONFIG = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 32768,
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,

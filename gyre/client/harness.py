@@ -25,6 +25,7 @@ import aiohttp
 import grpc
 
 from gyre.apikeys import METADATA_KEY
+from gyre.backoff import Backoff
 from gyre.errors import GyreError, InvalidArgument, Unavailable, from_http_status, from_rpc_error
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
@@ -195,7 +196,7 @@ class ExecutionHandle:
             reward=reward,
             idempotency_key=self._idempotency_key,
         )
-        delay = 0.2
+        backoff = Backoff(0.2, 2.0)
         for attempt in range(attempts):
             try:
                 reply = await self._client.stub.FinishExecution(request, timeout=self._timeout_s, metadata=self._metadata)
@@ -207,8 +208,7 @@ class ExecutionHandle:
                 retryable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retryable or attempt == attempts - 1:
                     raise from_rpc_error(err) from err
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
         raise Unavailable("finish not acknowledged")  # pragma: no cover
 
     # Model calls -------------------------------------------------------------------------

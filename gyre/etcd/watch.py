@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import aetcd.exceptions
 
+from gyre.backoff import Backoff
 from gyre.errors import Unavailable
 from gyre.etcd.client import KV, Etcd
 
@@ -77,18 +78,17 @@ class PrefixMirror:
 
     async def run(self) -> None:
         """Mirrors forever; survives etcd restarts (backs off and relists)."""
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 await self.relist()
-                backoff = 0.1
+                backoff.reset()
                 await self._watch_until_resync()
             except asyncio.CancelledError:
                 raise
             except (Unavailable, aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
                 log.info("watch interrupted; relisting", extra={"prefix": self._prefix.decode(), "error": repr(exc)})
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.sleep()
 
     async def _watch_until_resync(self) -> None:
         watch = await self._etcd.client.watch_prefix(self._prefix, start_revision=self.revision + 1)

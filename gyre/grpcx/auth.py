@@ -143,43 +143,67 @@ class Guard:
         self.table = table
         self.enforce = enforce
 
-    async def _admit(self, method: str, rule: Rule, request: Any, context: grpc.aio.ServicerContext) -> None:
-        """Sets the caller; aborts with PERMISSION_DENIED when the rule does not admit it."""
-        if not self.enforce:
-            _caller.set(None)
-            return
-        who = peer_identity(context)
-        if who is None:
-            await _deny(context, f"{self.table.service}/{method}: the client certificate names no Gyre role")
-        assert who is not None
-        if who.role not in rule.roles:
-            await _deny(context, f"{self.table.service}/{method} admits {rule.describe()}, not {who}")
-        if rule.own and getattr(request, rule.own) != who.name:
+    async def _admit(self, method: str, rule: Rule, raw: Any, parse: Parse,
+                     context: grpc.aio.ServicerContext) -> Any:
+        """Checks the caller's role, parses the request, checks ``own``; sets the caller and
+        returns the request. Aborts with PERMISSION_DENIED when the rule does not admit the
+        caller, with INVALID_ARGUMENT when the message does not parse."""
+        who: Identity | None = None
+        if self.enforce:
+            who = peer_identity(context)
+            if who is None:
+                await _deny(context, f"{self.table.service}/{method}: the client certificate names no Gyre role")
+            assert who is not None
+            if who.role not in rule.roles:
+                await _deny(context, f"{self.table.service}/{method} admits {rule.describe()}, not {who}")
+        request = await _parse(f"{self.table.service}/{method}", parse, raw, context)
+        if who is not None and rule.own and getattr(request, rule.own) != who.name:
             await _deny(context, f"{who} may act only for itself ({rule.own}={who.name!r})")
         _caller.set(who)
+        return request
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The handler behind the guard. It takes the raw bytes and parses them itself, so
+        a message that does not parse (invalid UTF-8 in a string, nesting past protobuf's
+        limit, garbage) is INVALID_ARGUMENT rather than grpc's INTERNAL."""
         rule = self.table.rules[method]
         if handler.request_streaming:
             raise ValueError(f"{self.table.service}/{method}: client streaming is not guarded")
+        parse = handler.request_deserializer
         if handler.response_streaming:
-            return handler._replace(unary_stream=self._stream(method, rule, handler.unary_stream))  # type: ignore[attr-defined]
-        return handler._replace(unary_unary=self._unary(method, rule, handler.unary_unary))  # type: ignore[attr-defined]
+            return handler._replace(  # type: ignore[attr-defined]
+                request_deserializer=None, unary_stream=self._stream(method, rule, parse, handler.unary_stream))
+        return handler._replace(  # type: ignore[attr-defined]
+            request_deserializer=None, unary_unary=self._unary(method, rule, parse, handler.unary_unary))
 
-    def _unary(self, method: str, rule: Rule, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._admit(method, rule, request, context)
+    def _unary(self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            request = await self._admit(method, rule, raw, parse, context)
             return await behavior(request, context)
 
         return guarded
 
-    def _stream(self, method: str, rule: Rule, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await self._admit(method, rule, request, context)
+    def _stream(self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            request = await self._admit(method, rule, raw, parse, context)
             async for item in behavior(request, context):
                 yield item
 
         return guarded
+
+
+Parse = Callable[[bytes], Any] | None
+"""A handler's request deserializer (None: the handler takes bytes)."""
+
+
+async def _parse(where: str, parse: Parse, raw: Any, context: grpc.aio.ServicerContext) -> Any:
+    if parse is None or not isinstance(raw, bytes | bytearray | memoryview):
+        return raw
+    try:
+        return parse(bytes(raw))
+    except Exception as exc:  # DecodeError, RecursionError, ...: the caller's bytes are bad
+        log.warning("malformed request", extra={"method": where, "peer": context.peer(), "error": repr(exc)})
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed request message ({exc})")
 
 
 async def _deny(context: grpc.aio.ServicerContext, message: str) -> None:

@@ -92,7 +92,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("burst_id", "dispatched", "launched", "finished", "queued", "running", "waterlevel", "finished_by_status")
+    __slots__ = ("burst_id", "dispatched", "launched", "finished", "queued", "running", "waterlevel", "finished_by_status", "policy_version")
     class FinishedByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Ledger(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WATERLEVEL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     burst_id: int
     dispatched: int
     launched: int
@@ -116,7 +117,8 @@ class Ledger(_message.Message):
     running: int
     waterlevel: int
     finished_by_status: _containers.ScalarMap[str, int]
-    def __init__(self, burst_id: _Optional[int] = ..., dispatched: _Optional[int] = ..., launched: _Optional[int] = ..., finished: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waterlevel: _Optional[int] = ..., finished_by_status: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, burst_id: _Optional[int] = ..., dispatched: _Optional[int] = ..., launched: _Optional[int] = ..., finished: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waterlevel: _Optional[int] = ..., finished_by_status: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class CellInfo(_message.Message):
     __slots__ = ("cell_id", "kind", "index", "state", "slots", "routed", "target", "policy_version")
@@ -139,7 +141,7 @@ class CellInfo(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.CellKind, str]] = ..., index: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.CellState, str]] = ..., slots: _Optional[int] = ..., routed: _Optional[int] = ..., target: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader")
+    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader", "versions", "migrations", "open_bursts")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,9 @@ class SchedulerStatus(_message.Message):
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_BURSTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ledger: Ledger
     capacity: int
@@ -168,7 +173,10 @@ class SchedulerStatus(_message.Message):
     total: Ledger
     policy: str
     leader: bool
-    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[Ledger]
+    migrations: int
+    open_bursts: int
+    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[Ledger, _Mapping]]] = ..., migrations: _Optional[int] = ..., open_bursts: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_seq",)

@@ -18,10 +18,10 @@ from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.engines import build_engine
-from services.cell_agent.hooks import NoopTrainingHook, TrainingHook
 from services.cell_agent.lifecycle import CellKind
 from services.cell_agent.servicer import CellControlServicer, EngineServicer
 from services.cell_agent.store import EtcdCellStore
+from services.cell_agent.training import build_hook
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +35,8 @@ def _preimport(cfg: CellAgentConfig) -> None:
 
         apply_vllm_env()  # before torch is first imported
         importlib.import_module("vllm.v1.engine.async_llm")
-    for name in ("torch", "services.cell_agent.training.hook"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-
-
-def _training_hook(rt: Runtime, cfg: CellAgentConfig, cell: Cell) -> TrainingHook:
-    """The trainer's hook if this build has one (services/cell_agent/training), else a no-op."""
-    try:
-        from services.cell_agent.training import build_hook  # type: ignore[attr-defined]
-    except ImportError:
-        return NoopTrainingHook()
-    return build_hook(rt, cfg, cell)
+    if cfg.training is not None:
+        importlib.import_module("services.cell_agent.training.hook")  # torch and the trainer
 
 
 class _App:
@@ -78,7 +66,7 @@ class _App:
             probe_timeout_s=cfg.probe_timeout_s,
             snapshot_timeout_s=cfg.snapshot_timeout_s,
         )
-        cell.hook = _training_hook(rt, cfg, cell)
+        cell.hook = build_hook(rt, cfg)
         self.cell = cell
         await cell.start()
         rt.supervisor.on_flush(cell.close)

@@ -7,12 +7,14 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from gyre.config import ServiceConfig
+from services.cell_agent.training.config import TrainerSettings
 
 
 class CellAgentConfig(ServiceConfig):
     """One cell: its identity, its engine, and the crash-only health probe."""
 
     SECTION: ClassVar[str] = "cell_agent"
+    MOVED_SECTIONS: ClassVar[dict[str, str]] = {"training": "cell_agent.training"}
 
     # Identity -------------------------------------------------------------------------------
     cell_id: str = Field("cell-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
@@ -32,9 +34,21 @@ class CellAgentConfig(ServiceConfig):
     dtype: str = Field("bfloat16", description="vLLM: weight dtype.")
     seed: int = Field(0, ge=0, description="Engine seed (vLLM sampling seed; mock token hash seed).")
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description="vLLM on GPU: memory fraction.")
+    kv_handoff: bool = Field(
+        True, description="vLLM: pin, serve and read KV blocks for handoffs engine to engine "
+        "(off: ExportKv answers nothing and a moved call recomputes its prefix).")
+    kv_medium: Literal["", "tcp", "nccl", "cuda_ipc"] = Field(
+        "", description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
+        "point), cuda_ipc (GPUs on one node); empty: cuda_ipc with a GPU, tcp without.")
+    kv_host: str = Field(
+        "127.0.0.1", description="vLLM: address the engine serves pinned KV blocks on (an address "
+        "other cells reach when handoffs cross hosts).")
+    kv_pin_ttl_s: float = Field(
+        30.0, gt=0, description="vLLM: a pin not released within this is released (its blocks freed).")
+    kv_read_timeout_s: float = Field(
+        10.0, gt=0, description="vLLM: deadline of a destination's read; past it the prefix is recomputed.")
     kv_dir: str = Field(
-        "", description="Shared directory for KV handoff (file medium); empty: no KV export "
-        "on vLLM (the destination recomputes), in-memory handles on the mock.")
+        "", description="Mock engine: directory for exported KV handles (file medium); memory if empty.")
     max_prompt_tokens: int = Field(131072, ge=1, description="Longest prompt Generate accepts.")
     max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
 
@@ -70,3 +84,8 @@ class CellAgentConfig(ServiceConfig):
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")
+
+    # Training ------------------------------------------------------------------------------------
+    training: TrainerSettings | None = Field(
+        None, description="How this cell trains (services/cell_agent/training/config.py): mode torch "
+        "(the real trainer) or mock (the cost model); absent: this cluster does not train.")

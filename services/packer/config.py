@@ -42,6 +42,11 @@ class PackerConfig(ServiceConfig):
         "more sequences until a claimer asks or the batch is sealed.",
     )
     max_group_size: int = Field(256, ge=1, le=65_536, description="Largest accepted group_size.")
+    max_abs_reward: float = Field(
+        1e9, gt=0, le=1e12, allow_inf_nan=False,
+        description="A finish report whose |reward| exceeds this is INVALID_ARGUMENT, refused before "
+        "anything is logged (group statistics of larger rewards overflow).",
+    )
     failed_member_rule: Literal["drop_group", "keep_rest"] = Field(
         "drop_group",
         description="A group with a failed/timed-out/cancelled member: drop the whole group "

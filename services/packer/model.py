@@ -19,6 +19,11 @@ from services.packer.segments import Segment
 MAX_ID_CHARS = 256
 """Longest accepted execution, group or cell id."""
 
+MAX_ABS_REWARD = 1e9
+"""Default bound on |reward| (PackerConfig.max_abs_reward). Finite bounds on both ends keep
+the group statistics finite: the squares in a std overflow to inf near 1e154, and an
+advantage of inf or NaN cannot be written to the WAL (nor trained)."""
+
 
 class ExecStatus(enum.Enum):
     """How an execution closed (the closed subset of gyre.v1.ExecutionStatus)."""
@@ -205,6 +210,7 @@ class Finish:
         reward: float,
         policy_version: int,
         max_group_size: int,
+        max_abs_reward: float = MAX_ABS_REWARD,
     ) -> Finish:
         check_id(execution_id, "execution_id")
         check_id(group_id, "group_id")
@@ -214,6 +220,8 @@ class Finish:
             raise InvalidArgument("status must be COMPLETED, FAILED, TIMED_OUT or CANCELLED")
         if not math.isfinite(reward):
             raise InvalidArgument(f"reward must be finite, got {reward!r}")
+        if abs(reward) > max_abs_reward:
+            raise InvalidArgument(f"reward must be in [-{max_abs_reward:g}, {max_abs_reward:g}], got {reward!r}")
         if policy_version < 0:
             raise InvalidArgument(f"policy_version must be >= 0, got {policy_version}")
         return cls(
@@ -222,10 +230,12 @@ class Finish:
         )
 
     @classmethod
-    def from_proto(cls, msg: packer_pb2.FinishReport, max_group_size: int) -> Finish:
+    def from_proto(
+        cls, msg: packer_pb2.FinishReport, max_group_size: int, max_abs_reward: float = MAX_ABS_REWARD
+    ) -> Finish:
         return cls.validated(
             msg.execution_id, msg.group_id, msg.group_size, _STATUS_FROM_PROTO.get(msg.status),
-            msg.reward, msg.policy_version, max_group_size,
+            msg.reward, msg.policy_version, max_group_size, max_abs_reward,
         )
 
     def to_proto(self) -> packer_pb2.FinishReport:

@@ -63,15 +63,29 @@ class Packer:
         self.fatal: BaseException | None = None
         self._complete: dict[str, float] = {}  # all closed, in the grace period -> since
         self.late_turns = 0  # refused: their group was already ready (runtime count)
+        self.skipped: list[int] = []  # WAL events set aside at recovery (see recover)
 
     # Start-up ----------------------------------------------------------------------------
 
     def recover(self, events: Iterable[Event]) -> int:
-        """Replays the WAL; held claims get a fresh TTL (their cells may still be training)."""
+        """Replays the WAL; held claims get a fresh TTL (their cells may still be training).
+
+        An event that no longer applies (it depends on a record the WAL quarantined as
+        corrupt) is set aside with an error, and replay goes on; the invariants are then
+        checked in full, and a state that is still inconsistent stops the process."""
         n = 0
-        for ev in events:
-            self.state.apply(ev)
+        self.skipped = []
+        for k, ev in enumerate(events):
+            try:
+                self.state.apply(ev)
+            except (KeyError, ValueError, TypeError, FatalError) as exc:
+                self.skipped.append(k)
+                log.error("packer WAL: an event does not apply (a record it depends on was lost); set aside",
+                          extra={"event": k, "type": ev.get("t"), "error": repr(exc)})
+                continue
             n += 1
+        if self.skipped:
+            self.state.check(deep=True)
         now = self.clock()
         for ms in self.state.micro_steps.values():
             if ms.holder is not None:
@@ -354,6 +368,10 @@ class Packer:
         if not any(e.turns for e in kept.values()):
             return self._drop(group, "empty")
         rewards = {x: e.finish.reward for x, e in kept.items() if e.finish is not None}
+        if any(abs(r) > cfg.max_abs_reward for r in rewards.values()):
+            # Only a WAL written before rewards were bounded holds these: their statistics
+            # overflow, so the group goes and the packer stays up (no crash loop on replay).
+            return self._drop(group, "invalid_reward")
         if cfg.drop_zero_variance and reward_std(list(rewards.values())) <= cfg.zero_variance_tol:
             return self._drop(group, "zero_variance")
         oldest = min(
@@ -365,6 +383,8 @@ class Packer:
         if is_stale(oldest, self.state.policy_version, cfg.max_staleness):
             return self._drop(group, "stale")
         adv = group_advantages(rewards, cfg.advantage_std_normalize, cfg.advantage_eps)
+        if not all(math.isfinite(a) for a in adv.values()):
+            return self._drop(group, "invalid_reward")  # never with bounded rewards; a last guard
         self._commit({"t": "ready", "g": group.id, "adv": adv, "oldest": oldest, "drop_x": drop_x})
 
     def _drop(self, group: Group, reason: str) -> None:

@@ -66,7 +66,7 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
 
     @rpc
     async def ReportFinish(self, request: packer_pb2.FinishReport, context: grpc.aio.ServicerContext) -> Any:
-        finish = Finish.from_proto(request, self._cfg.max_group_size)
+        finish = Finish.from_proto(request, self._cfg.max_group_size, self._cfg.max_abs_reward)
         return packer_pb2.ReportFinishResponse(duplicate=await self._packer.report_finish(finish))
 
     @rpc

@@ -335,17 +335,20 @@ class PackerState:
     def _on_assign(self, ev: Event) -> None:
         batch = self.batches[int(ev["b"])]
         group = self.groups[ev["g"]]
-        group.transition(GroupState.ASSIGNED)
-        group.batch_id = batch.id
-        self.ready.pop(group.id, None)
-        batch.groups.append(group.id)
         segs = ev.get("segs")  # absent in WALs written before segments: a turn each
-        for x in sorted(group.execs):
+        splits: dict[str, list[tuple[int, ...]]] = {}
+        for x in sorted(group.execs):  # checked in full before anything changes
             ex = group.execs[x]
             split = [tuple(int(i) for i in s) for s in segs[x]] if segs is not None else per_turn(list(ex.turns))
             if sorted(i for s in split for i in s) != sorted(ex.turns):
                 raise FatalError(f"assign {group.id}: segments of {x} do not cover its turns")
-            ex.segments = {s[0]: s for s in split}
+            splits[x] = split
+        group.transition(GroupState.ASSIGNED)
+        group.batch_id = batch.id
+        self.ready.pop(group.id, None)
+        batch.groups.append(group.id)
+        for x, split in splits.items():
+            group.execs[x].segments = {s[0]: s for s in split}
             for s in split:
                 batch.pending.append((x, s[0]))
 

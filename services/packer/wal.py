@@ -14,8 +14,11 @@ The log is compacted (:meth:`Wal.compact`) to a header and a snapshot of the sta
 has grown by ``wal_compact_bytes``, so neither the disk nor the replay grows without bound.
 
 Each line is ``<crc32 hex> <json>``. A torn or checksum-failing *last* line (a crash in the
-middle of a write) is cut off on open; a bad line followed by good ones is corruption, and
-the packer refuses to start (FatalError) rather than guess.
+middle of a write) is cut off on open. A bad line followed by good ones is corruption (a
+disk or a hand went wrong): the bad lines are moved to ``packer.wal.quarantine.<unix time>``
+beside the log, with an error naming each, and every intact line is kept and replayed, so
+one damaged record never keeps the packer (and every rollout feeding it) down. Events that
+no longer apply without the lost ones are set aside at replay (``Packer.recover``).
 """
 
 from __future__ import annotations
@@ -84,29 +87,37 @@ class Wal:
         self.bytes_since_compact = 0
         self.flushes = 0
         self.compactions = 0
+        self.quarantined: list[int] = []  # line numbers moved aside by the last open()
 
     def open(self) -> list[Event]:
         """Reads every intact event, cuts a torn tail, and opens the log for appending."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         events: list[Event] = []
         good_bytes = 0
+        self.quarantined = []
         if self.path.exists():
             data = self.path.read_bytes()
             lines = data.split(b"\n")
             # The piece after the last newline is empty, or a torn write.
             complete, tail = lines[:-1], lines[-1]
+            kept: list[bytes] = []
+            bad: list[tuple[int, bytes]] = []
             for n, raw in enumerate(complete):
                 event = _decode(raw)
                 if event is None:
                     if n == len(complete) - 1 and not tail:
                         log.warning("packer WAL: dropping a torn last line", extra={"line": n + 1})
                         break
-                    raise FatalError(f"{self.path}: corrupt line {n + 1} of {len(complete)}")
+                    bad.append((n + 1, raw))
+                    continue
                 events.append(event)
+                kept.append(raw)
                 good_bytes += len(raw) + 1
             if tail:
                 log.warning("packer WAL: dropping a torn tail", extra={"bytes": len(tail)})
-            if good_bytes != len(data):
+            if bad:
+                self._quarantine(bad, len(complete), b"".join(raw + b"\n" for raw in kept))
+            elif good_bytes != len(data):
                 with open(self.path, "r+b") as f:
                     f.truncate(good_bytes)
                     os.fsync(f.fileno())
@@ -115,6 +126,27 @@ class Wal:
             _fsync_dir(self.path.parent)
         self.bytes_since_compact = good_bytes  # a long log left behind is compacted soon
         return events
+
+    def _quarantine(self, bad: list[tuple[int, bytes]], total: int, intact: bytes) -> None:
+        """Moves corrupt lines aside (durably, first) and rewrites the log with the intact ones."""
+        where = self.path.with_name(f"{WAL_NAME}.quarantine.{int(time.time() * 1000)}")
+        with open(where, "wb") as f:
+            for n, raw in bad:
+                f.write(f"# line {n} of {total}\n".encode() + raw + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = self.path.with_name(WAL_NAME + ".intact")
+        with open(tmp, "wb") as f:
+            f.write(intact)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        self.quarantined = [n for n, _ in bad]
+        log.error(
+            "packer WAL: corrupt records quarantined; every intact record is recovered",
+            extra={"lines": self.quarantined, "of": total, "quarantine": str(where)},
+        )
 
     def archive(self) -> Path | None:
         """Moves the log aside (``packer.wal.<unix time>.old``) and starts an empty one."""

@@ -15,6 +15,7 @@ from services.router.calls import CallPolicy
 from services.router.config import RouterConfig
 from services.router.engine_client import GrpcEngineClient, PackerTurnSink
 from services.router.http_api import OpenAIApi
+from services.router.limits import model_context
 from services.router.manager import CallManager
 from services.router.metrics import RouterCollector, serve as serve_metrics
 from services.router.routes import RouteTable
@@ -48,7 +49,9 @@ async def build(rt: Runtime) -> Services:
         coalesce_s=cfg.coalesce_ms / 1000.0,
     )
     manager = CallManager(table, engines, policy, turns)
-    limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit, request_timeout_s=cfg.request_timeout_s)
+    limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
+                  request_timeout_s=cfg.request_timeout_s, turn_tokens=cfg.max_turn_tokens,
+                  context_tokens=cfg.max_model_len or model_context(cfg.model_dir))
     servicer = RouterServicer(
         manager, store, turns, vocab_size=tokenizer.vocab_size, stop_token_ids=tokenizer.stop_token_ids,
         move_route_wait_s=cfg.move_route_wait_s, **limits,

@@ -71,6 +71,8 @@ class RouterStats:
     kv_handoffs: int = 0
     kv_recomputes: int = 0
     aborts_sent: int = 0
+    closed_calls: int = 0
+    """Calls ended because their execution closed under them (e.g. cancelled by the scheduler)."""
 
 
 class _End:
@@ -124,6 +126,7 @@ class ModelCall:
         self.trajectory: Any = None
         """The execution's trajectory this call produced, once it completed (the manager's)."""
         self._moved = asyncio.Event()
+        self._closed = False
         self._route_changed = asyncio.Event()
         self._move_waiters: list[asyncio.Future[None]] = []
         self._buf: collections.deque[Any] = collections.deque()
@@ -147,6 +150,14 @@ class ModelCall:
         self._move_waiters.append(fut)
         self._moved.set()
         return fut
+
+    def end_execution(self) -> None:
+        """The execution closed (its route was deleted: finished, timed out, or cancelled by
+        the scheduler): the running attempt stops at once (its engine request aborted) and
+        the call fails with FAILED_PRECONDITION (HTTP 409) naming the closed execution."""
+        self._closed = True
+        self._route_changed.set()
+        self._moved.set()
 
     @property
     def at_cell(self) -> str:
@@ -229,6 +240,8 @@ class ModelCall:
             if self._complete():
                 return
             route = self._routes.get(self.execution_id)
+            if self._closed:
+                raise self._closed_error()
             if route is None:
                 raise Unavailable(f"execution {self.execution_id} has no route (closed, or no engine can take it)")
             request = self._next_request(kv[0] if kv else None)
@@ -253,8 +266,14 @@ class ModelCall:
                 if exc is None and pump.result() in (Finish.STOP, Finish.LENGTH):
                     return
                 self.route = None
+                if self._closed:
+                    raise self._closed_error()
                 await self._failed(route, request, exc)
                 continue
+            if self._closed:
+                await self._stop(pump, route, request)
+                self.route = None
+                raise self._closed_error()
             # A move: 3. export (optional), stop the source, continue at the new route.
             self._stats.moves += 1
             self.reroutes += 1
@@ -265,6 +284,11 @@ class ModelCall:
             await self._stop(pump, route, request)
             self.route = None
             self._resolve_move_waiters()
+
+    def _closed_error(self) -> FailedPrecondition:
+        self._stats.closed_calls += 1
+        return FailedPrecondition(f"execution {self.execution_id} was closed by the scheduler (finished, timed "
+                "out, or cancelled because its group can no longer be trained): this call ends")
 
     def _complete(self) -> bool:
         """True (and emits the final chunk) when the output is already complete."""

@@ -36,6 +36,18 @@ class RouterConfig(ServiceConfig):
     )
     max_prompt_tokens: int = Field(131072, ge=1, description="Largest prompt (in tokens) of one model call.")
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens a call may ask for.")
+    max_model_len: int = Field(
+        0, ge=0,
+        description="The served model's context (prompt + output tokens), as the engines' "
+        "cell_agent.max_model_len: a prompt that leaves no room is 400 / INVALID_ARGUMENT before any "
+        "engine sees it, and max_tokens is cut to the room left. 0: the model's max_position_embeddings "
+        "(model_dir/config.json), if any.",
+    )
+    max_turn_tokens: int = Field(
+        0, ge=0,
+        description="The packer's micro_step_token_budget: no call grows a turn past it (max_tokens is "
+        "cut; a prompt that fills it is 400), so every turn recorded can be trained. 0: no limit.",
+    )
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when an HTTP request gives none.")
     request_timeout_s: float = Field(
         600.0, gt=0,

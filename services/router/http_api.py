@@ -3,8 +3,11 @@
 
 Handler cancellation is on: a harness that disconnects cancels its handler, which closes
 the model call and aborts the engine request. Bodies larger than ``max_body_bytes`` get
-413, malformed JSON 400, an unknown token 401, another execution's token 403; none of
-them changes anything. Non-standard extensions: ``return_token_ids`` (token ids in every
+413, malformed JSON 400 (also a body nested deeper than ``MAX_JSON_DEPTH``, a string
+holding a lone surrogate, a seed beyond int64 or a stop id beyond int32), an unknown token
+401, another execution's token 403, a prompt that leaves no room in the model's context or
+a trainable turn 400 (:mod:`services.router.limits`); none of them changes anything or
+reaches an engine. Non-standard extensions: ``return_token_ids`` (token ids in every
 choice), ``stop_token_ids``, and the headers ``x-gyre-execution-id`` (the execution the
 token must hold) and ``x-gyre-timeout-s`` (the caller's deadline, propagated downstream).
 
@@ -33,6 +36,7 @@ from gyre.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted,
 from gyre.telemetry import tag_execution
 from services.router.calls import ModelCall
 from services.router.engine import Chunk, Finish, Sampling
+from services.router.limits import CallLimits
 from services.router.manager import CallManager
 from services.router.routes import Route
 from services.router.stops import OutputText, parse_stop
@@ -70,6 +74,8 @@ class OpenAIApi:
         request_timeout_s: float,
         store: RouteStore | None = None,
         tool_call_parser: str = "hermes",
+        context_tokens: int = 0,
+        turn_tokens: int = 0,
     ) -> None:
         self._manager = manager
         self._tools = ToolCallParsers(tool_call_parser, tokenizer)
@@ -77,7 +83,7 @@ class OpenAIApi:
         self._tok = tokenizer
         self.model_name = model_name
         self._max_body_bytes = max_body_bytes
-        self._max_prompt_tokens = max_prompt_tokens
+        self._limits = CallLimits(max_prompt_tokens, max_tokens_limit, context_tokens, turn_tokens)
         self._max_tokens_limit = max_tokens_limit
         self._default_max_tokens = default_max_tokens
         self._request_timeout_s = request_timeout_s
@@ -142,13 +148,7 @@ class OpenAIApi:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise ResourceExhausted(f"request body larger than {self._max_body_bytes} bytes") from exc
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"malformed JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidArgument("the request body must be a JSON object")
-        return body
+        return parse_body(raw)
 
     def _timeout(self, request: web.Request) -> float:
         raw = request.headers.get("x-gyre-timeout-s")
@@ -201,8 +201,7 @@ class OpenAIApi:
             if body.get("tools"):
                 raise InvalidArgument("tools need /v1/chat/completions")
             prompt = await self._completion_prompt(body.get("prompt"))
-        if not 1 <= len(prompt) <= self._max_prompt_tokens:
-            raise InvalidArgument(f"the prompt must hold 1..{self._max_prompt_tokens} tokens, got {len(prompt)}")
+        sampling = self._limits.fit(len(prompt), sampling)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise InvalidArgument("stream must be a boolean")
@@ -380,6 +379,53 @@ def _error_response(exc: GyreError) -> web.Response:
         {"error": {"message": str(exc) or type(exc).__name__, "type": _ERROR_TYPES.get(status, "server_error"), "code": status}},
         status=status,
     )
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of a request body (a chat request needs about 6 levels)."""
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or InvalidArgument (never another exception)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"malformed JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidArgument(f"malformed JSON: nested deeper than {MAX_JSON_DEPTH} levels") from exc
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    check_json(body)
+    return body
+
+
+def check_json(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuses (InvalidArgument) nesting deeper than ``max_depth`` and strings or keys that
+    hold a lone surrogate (``"\\ud800"`` is valid JSON but no valid text: a tokenizer or an
+    encoder would fail on it later, as a 500). Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, dict | list):
+            if depth > max_depth:
+                raise InvalidArgument(f"malformed JSON: nested deeper than {max_depth} levels")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _check_text(key)
+                    stack.append((item, depth + 1))
+            else:
+                stack.extend((item, depth + 1) for item in value)
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"a string holds a lone surrogate at position {exc.start}: not valid text") from exc
 
 
 def _int(value: Any, name: str) -> int:

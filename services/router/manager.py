@@ -141,7 +141,11 @@ class CallManager:
             call.request_move()
 
     def forget(self, execution_id: str) -> None:
-        """The execution closed: drop its turn counter and its trajectory."""
+        """The execution closed (its route is gone): its calls still running end now (their
+        engine requests aborted, the harness told why), and its turn counter and trajectory
+        are dropped."""
+        for call in list(self._calls.get(execution_id, ())):
+            call.end_execution()
         self._turn_index.pop(execution_id, None)
         self.trajectories.forget(execution_id)
 

@@ -18,6 +18,7 @@ _COUNTERS = {
     "kv_handoffs": "Continuations that imported the source's KV blocks.",
     "kv_recomputes": "Continuations that recomputed the prefix.",
     "aborts_sent": "Engine.Abort calls sent.",
+    "closed_calls": "Model calls ended because their execution closed under them (e.g. cancelled).",
 }
 
 

@@ -18,6 +18,7 @@ from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
 from services.router.calls import ModelCall
 from services.router.engine import Sampling
+from services.router.limits import CallLimits
 from services.router.manager import CallManager
 from services.router.store import RouteStore
 from services.router.turns import TurnRecorder
@@ -50,6 +51,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_tokens_limit: int,
         request_timeout_s: float,
         move_route_wait_s: float,
+        context_tokens: int = 0,
+        turn_tokens: int = 0,
     ) -> None:
         self._manager = manager
         self._store = store
@@ -57,6 +60,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self._max_prompt_tokens = max_prompt_tokens
+        self._limits = CallLimits(max_prompt_tokens, max_tokens_limit, context_tokens, turn_tokens)
         self._max_tokens_limit = max_tokens_limit
         self._request_timeout_s = request_timeout_s
         self._move_route_wait_s = move_route_wait_s
@@ -88,6 +92,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if request.prompt_loss_mask and len(request.prompt_loss_mask) != len(prompt):
             raise InvalidArgument("prompt_loss_mask must be empty or as long as the prompt")
         sampling = Sampling.from_proto(request.sampling, self._max_tokens_limit, self._stop_token_ids)
+        sampling = self._limits.fit(len(prompt), sampling)
         remaining = context.time_remaining()
         timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
         box: list[ModelCall] = []

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from gyre.v1 import packer_pb2
 
@@ -138,7 +139,7 @@ class TurnRecorder:
 
     async def _send(self, turn: Turn) -> None:
         assert self._sink is not None
-        backoff = 0.05
+        backoff = Backoff(0.05, self._retry_max_s, sleep=self._sleep)
         while True:
             try:
                 await self._sink.record(turn)
@@ -160,6 +161,5 @@ class TurnRecorder:
                 log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
                 return
             except GyreError as exc:
-                log.info("packer unavailable; retrying", extra={"error": str(exc), "backoff_s": backoff})
-                await self._sleep(backoff)
-                backoff = min(backoff * 2, self._retry_max_s)
+                delay = await backoff.sleep()
+                log.info("packer unavailable; retried", extra={"error": str(exc), "backoff_s": delay})

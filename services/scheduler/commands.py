@@ -57,7 +57,7 @@ class Commands:
             case Hold(reason=reason, cell_id=cell_id):
                 emit(action.kind, reason, cell_id=cell_id, **gauges)
             case DispatchBurst():
-                await self.bursts.dispatch(self.publication.version, action.kind, gauges)
+                await self.bursts.dispatch(action.policy_version, action.kind, gauges)
             case MoveToTraining(cell_id=cell_id, reason=reason):
                 if self._move(cell_id, CellState.TRAINING, action.kind, reason, gauges):
                     self.to_training += 1

@@ -45,16 +45,25 @@ class SchedulerConfig(ServiceConfig):
         2.0, ge=0.0, le=600.0,
         description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst with nothing trainable).",
     )
+    max_staleness: int = Field(
+        1, ge=0, le=1000,
+        description="eta: the most policy versions a consumed group may lag the newest. One setting for the "
+        "whole cluster (put it in the ``cluster:`` section: the packer's field has the same name, and the "
+        "launcher refuses a config where they differ); the policy cancels groups that cannot be trained "
+        "within it, the packer drops them.",
+    )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")
 
     # Executions.
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="How often harnesses should heartbeat.")
     heartbeat_deadline_s: float = Field(30.0, gt=0.0, description="No heartbeat for this long: TIMED_OUT.")
-    reward_min: float = Field(0.0,
-            description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT).")
-    reward_max: float = Field(1e6,
-            description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT).")
+    reward_min: float = Field(0.0, ge=-1e9, le=1e9, allow_inf_nan=False,
+            description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT); finite, "
+            "within the packer's max_abs_reward.")
+    reward_max: float = Field(1e6, ge=-1e9, le=1e9, allow_inf_nan=False,
+            description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT); finite, "
+            "within the packer's max_abs_reward.")
     max_wait_s: float = Field(60.0, ge=0.0, description="Cap on AcquireExecution's wait_s.")
     execution_token_ttl_s: float = Field(
         86_400.0, gt=0.0,

@@ -226,6 +226,23 @@ class Executions:
                 if self.ledger.records[rec.execution_id].state is ExecState.RUNNING:
                     await self._close(rec)
 
+    async def cancel(self, execution_ids: Iterable[str], reason: str) -> list[str]:
+        """Closes these executions as CANCELLED (the scheduler's cancel rule): running ones
+        lose their route (the router aborts their calls, their harness's next heartbeat or
+        finish answers CANCELLED); queued ones are withdrawn before launch. Returns the ids
+        closed now (already closed or unknown ones are skipped)."""
+        self.lead.require()
+        done = []
+        for eid in execution_ids:
+            async with self._lock_of(eid):
+                rec = self.ledger.plan_cancel(eid, self.wall())
+                if rec is not None and await asyncio.shield(self._close(rec)):
+                    done.append(eid)
+        if done:
+            self.telemetry.emit("cancelled", f"cancelled {len(done)} executions: {reason}",
+                    execution_id=done[0] if len(done) == 1 else "")
+        return done
+
     def _lock_of(self, execution_id: str) -> asyncio.Lock:
         """Closes of one execution are serialized; different executions close in parallel
         (their records are independent keys)."""
@@ -236,19 +253,25 @@ class Executions:
 
     async def _close(self, closed: ExecutionRecord) -> bool:
         """Persists a close, then applies it; False when another close got there first."""
-        old = self.ledger.records[closed.execution_id]
+        old = self.ledger.records.get(closed.execution_id)  # None: a queued one withdrawn
         try:
-            rev = await self.lead.fenced(self.lead.store.close(closed, old.revision))
+            rev = await self.lead.fenced(self.lead.store.close(closed, old.revision if old else 0))
         except (Conflict, Unavailable):
             await self.resolve(closed)
-            if self.ledger.records[closed.execution_id].state.final:
+            now = self.ledger.records.get(closed.execution_id)
+            if now is not None and now.state.final:
                 self._locks.pop(closed.execution_id, None)
-                self.harnesses.closed(closed.harness_id)
+                if old is not None:
+                    self.harnesses.closed(closed.harness_id)
                 return False
             raise
         self.ledger.apply(dataclasses.replace(closed, revision=rev))
         self.fleet.routes.drop(closed.execution_id)  # the route is gone from etcd too: the token is revoked
-        self.harnesses.closed(closed.harness_id)
+        if old is None:  # withdrawn from the queue: it left the queue without a launch
+            self.history.append("launch", self.lead.epoch, rev=rev, execution_id=closed.execution_id,
+                                burst_id=closed.burst_id, cell_id="", withdrawn=True)
+        else:
+            self.harnesses.closed(closed.harness_id)
         self.history.append("close", self.lead.epoch, rev=rev, execution_id=closed.execution_id,
                             status=closed.state.value, reward=closed.reward)
         self.relay.report(closed)

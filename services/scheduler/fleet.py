@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
+from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
 from services.scheduler.leadership import Leadership
 from services.scheduler.placement import CellRecord, CellTable, RouteRecord, RouteTable
@@ -131,7 +132,7 @@ class Fleet:
         """Calls ``fn`` (a command to the cell) until it succeeds; gives up when the cell is
         gone (CellGone), after ``attempts`` tries if set, after MAX_REFUSALS refusals, or when
         our epoch is refused by a newer leader's (StaleEpoch)."""
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         n = refused = 0
         while True:
             if self.lead.deposed.is_set():
@@ -153,5 +154,4 @@ class Fleet:
             if (attempts and n >= attempts) or refused >= MAX_REFUSALS:
                 raise err
             log.warning("command to %s failed; retrying", cell_id, extra={"error": repr(err)})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.sleep()

@@ -52,10 +52,15 @@ HARNESS_FINAL = frozenset({ExecState.COMPLETED, ExecState.FAILED, ExecState.CANC
 """The statuses a harness may report (TIMED_OUT is the scheduler's own)."""
 
 _ALLOWED: dict[ExecState, frozenset[ExecState]] = {
-    ExecState.QUEUED: frozenset({ExecState.RUNNING}),
+    ExecState.QUEUED: frozenset({ExecState.RUNNING, ExecState.CANCELLED}),
     ExecState.RUNNING: FINAL,
 }
-"""The one table of allowed execution transitions; final states go nowhere."""
+"""The one table of allowed execution transitions; final states go nowhere. QUEUED ->
+CANCELLED is the scheduler withdrawing a queued execution (its group can no longer be
+trained within the staleness bound): the record is created closed, so L counts executions
+that left the queue (launched, or withdrawn before launch)."""
+CANCEL_KEY = "scheduler-cancel"
+"""The idempotency key of a close the scheduler made (cancel rule, or a withdrawal)."""
 
 
 def sha256_hex(token: str) -> str:
@@ -179,6 +184,14 @@ def validate_finish(status: ExecState, reward: float, key: str, reward_min: floa
     return Finish(status, float(reward), key)
 
 
+def _parse_member(execution_id: str) -> tuple[int, int, int]:
+    """(burst, task, member) of "b<burst>-t<task>-<member>"; ValueError otherwise."""
+    parts = execution_id.split("-")
+    if len(parts) != 3 or not parts[0].startswith("b") or not parts[1].startswith("t"):
+        raise ValueError(execution_id)
+    return int(parts[0][1:]), int(parts[1][1:]), int(parts[2])
+
+
 class Ledger:
     """Bursts and executions of one scheduler, with counts derived from the records."""
 
@@ -202,6 +215,18 @@ class Ledger:
         lc = sum(self._launched.get(b, 0) for b in ids)
         f = sum(self._finished.get(b, 0) for b in ids)
         return LedgerCounts(d, lc, f)
+
+    def counts_by_version(self) -> dict[int, LedgerCounts]:
+        """D / L / F per policy version (the version each burst was dispatched with)."""
+        out: dict[int, tuple[int, int, int]] = {}
+        for b, burst in self.bursts.items():
+            d, lc, f = out.get(burst.policy_version, (0, 0, 0))
+            out[burst.policy_version] = (d + burst.quota, lc + self._launched.get(b, 0), f + self._finished.get(b, 0))
+        return {v: LedgerCounts(*c) for v, c in sorted(out.items())}
+
+    def open_bursts(self) -> list[int]:
+        """Bursts with an execution not yet closed (several while bursts overlap)."""
+        return [b for b, burst in sorted(self.bursts.items()) if self._finished.get(b, 0) < burst.quota]
 
     def finished_by_status(self, burst_id: int | None = None) -> dict[str, int]:
         """Closed executions by final status, of one burst or of all (None)."""
@@ -291,11 +316,8 @@ class Ledger:
 
     def is_queued(self, execution_id: str) -> bool:
         """True for a dispatched execution ("b<burst>-t<task>-<member>") with no record yet."""
-        parts = execution_id.split("-")
-        if len(parts) != 3 or not parts[0].startswith("b") or not parts[1].startswith("t"):
-            return False
         try:
-            b, t, m = int(parts[0][1:]), int(parts[1][1:]), int(parts[2])
+            b, t, m = _parse_member(execution_id)
         except ValueError:
             return False
         burst = self.bursts.get(b)
@@ -314,6 +336,39 @@ class Ledger:
             rec, state=finish.status, reward=finish.reward, idempotency_key=finish.idempotency_key, finished_s=now_s
         )
         return FinishOutcome(closed, False)
+
+    def plan_cancel(self, execution_id: str, now_s: float) -> ExecutionRecord | None:
+        """The execution closed as CANCELLED by the scheduler (not applied): a running one
+        keeps its record's fields; a queued one gets a record with no token or harness.
+        None when it is already closed, not dispatched, or its launch is in flight."""
+        rec = self.records.get(execution_id)
+        if rec is not None:
+            if rec.state.final:
+                return None
+            return dataclasses.replace(rec, state=ExecState.CANCELLED, idempotency_key=CANCEL_KEY,
+                    finished_s=now_s)
+        if execution_id in self._reserved or not self.is_queued(execution_id):
+            return None
+        burst_id, t, m = _parse_member(execution_id)
+        burst = self.bursts[burst_id]
+        seq = t * burst.group_size + m
+        _, group_id, task = burst.member(seq)
+        return ExecutionRecord(execution_id, burst_id, seq, group_id, task.task_id, burst.policy_version,
+                ExecState.CANCELLED, "", idempotency_key=CANCEL_KEY, finished_s=now_s)
+
+    def members(self, group_id: str) -> list[str]:
+        """The execution ids of a dispatched group ("b<burst>-t<task>"); [] if unknown."""
+        parts = group_id.split("-")
+        if len(parts) != 2 or not parts[0].startswith("b") or not parts[1].startswith("t"):
+            return []
+        try:
+            b, t = int(parts[0][1:]), int(parts[1][1:])
+        except ValueError:
+            return []
+        burst = self.bursts.get(b)
+        if burst is None or not 0 <= t < len(burst.tasks):
+            return []
+        return [f"{group_id}-{m}" for m in range(burst.group_size)]
 
     def plan_timeouts(self, now_s: float) -> list[ExecutionRecord]:
         """Running executions past their heartbeat deadline, closed as TIMED_OUT (not applied)."""
@@ -343,7 +398,8 @@ class Ledger:
         self._reserved.discard(rec.execution_id)
         if old is None:
             self._launched[rec.burst_id] = self._launched.get(rec.burst_id, 0) + 1
-            self._by_token[rec.token_sha256] = rec.execution_id
+            if rec.token_sha256:
+                self._by_token[rec.token_sha256] = rec.execution_id
         if rec.state is ExecState.RUNNING:
             if deadline_s is not None:
                 self._deadline[rec.execution_id] = deadline_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gyre.backoff import Backoff
 from services.scheduler.ledger import ExecutionRecord, Ledger
 from services.scheduler.peers import FinishReport, Peers
 
@@ -34,7 +35,7 @@ class FinishRelay:
         """Delivers queued reports one by one, each retried with backoff until acknowledged."""
         while True:
             report = await self._queue.get()
-            backoff = 0.1
+            backoff = Backoff(0.1, 5.0)
             while True:
                 try:
                     await self._peers.report_finish(report)
@@ -44,5 +45,4 @@ class FinishRelay:
                 except Exception as exc:  # noqa: BLE001 (the packer may be down: retry; the call is idempotent)
                     log.warning("finish report failed; retrying", extra={"execution_id": report.execution_id,
                             "error": repr(exc)})
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    await backoff.sleep()

@@ -254,4 +254,6 @@ class Scheduler:
             reroutes=self.transitions.reroutes,
             bursts_completed=sum(1 for x in ledger.bursts.values() if x.target_version <= version),
             to_training=self.commands.to_training, to_rollout=self.commands.to_rollout,
+            versions=ledger.counts_by_version(), migrations=self.transitions.migrations,
+            open_bursts=len(ledger.open_bursts()),
         )

@@ -70,10 +70,12 @@ def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
     )
 
 
-def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int]) -> scheduler_pb2.Ledger:
+def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int] | None = None,
+        policy_version: int = 0) -> scheduler_pb2.Ledger:
     return scheduler_pb2.Ledger(
         burst_id=burst_id, dispatched=c.dispatched, launched=c.launched, finished=c.finished, queued=c.queued,
-        running=c.running, waterlevel=c.waterlevel, finished_by_status=dict(by_status),
+        running=c.running, waterlevel=c.waterlevel, finished_by_status=dict(by_status or {}),
+        policy_version=policy_version,
     )
 
 
@@ -157,6 +159,8 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
             policy_version=st.policy_version, reroutes=st.reroutes, bursts_completed=st.bursts_completed,
             transitions_to_training=st.to_training, transitions_to_rollout=st.to_rollout,
             total=_ledger(st.burst_id, st.total, st.total_by_status), policy=st.policy, leader=st.leader,
+            versions=[_ledger(0, c, policy_version=v) for v, c in st.versions.items()],
+            migrations=st.migrations, open_bursts=st.open_bursts,
         )
 
     @rpc_stream

@@ -50,6 +50,11 @@ class SchedulerStatus:
     """Bursts whose final version has been published."""
     to_training: int
     to_rollout: int
+    versions: Mapping[int, LedgerCounts] = dataclasses.field(default_factory=dict)
+    """D / L / F per policy version the bursts were dispatched with."""
+    migrations: int = 0
+    open_bursts: int = 0
+    """Bursts with an execution not yet closed (more than one while bursts overlap)."""
 
 
 def cell_statuses(fleet: Fleet) -> tuple[CellStatus, ...]:

@@ -132,8 +132,8 @@ class SchedulerStore:
         return rev
 
     async def close(self, rec: ExecutionRecord, expected_revision: int) -> int:
-        """Writes the final record (if unchanged since ``expected_revision``) and deletes the
-        route, in one transaction."""
+        """Writes the final record (if unchanged since ``expected_revision``; 0: if absent, a
+        queued execution withdrawn) and deletes the route, in one transaction."""
         key = self.keys.execution(rec.burst_id, rec.execution_id)
         ok, rev = await self.election.fenced_txn(
             [mod_revision_is(key, expected_revision)],

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from gyre.backoff import Backoff
 from services.scheduler.peers import Peers, SupplyUpdate
 from services.scheduler.policy import Supply, SupplyTracker
 from services.scheduler.telemetry import Changes
@@ -38,16 +39,15 @@ class SupplyFollower:
         """Follows the packer's supply stream (reconnecting); idles without a packer."""
         if not enabled:
             await asyncio.Event().wait()
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
                 async for upd in self._peers.watch_supply():
                     self.raw = upd
-                    backoff = 0.2
+                    backoff.reset()
                     self._changes.wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 (any stream error: reconnect)
                 log.info("supply stream interrupted; reconnecting", extra={"error": repr(exc)})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await backoff.sleep()

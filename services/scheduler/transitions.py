@@ -26,13 +26,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gyre.backoff import Backoff
 from gyre.errors import Conflict, GyreError, StaleEpoch
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import CellGone, Fleet
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
 from services.scheduler.peers import MoveOrder, Peers
-from services.scheduler.placement import pick_destinations
+from services.scheduler.placement import RouteRecord, pick_destinations
 from services.scheduler.policy import CellState, training_set
 from services.scheduler.publication import Publication
 from services.scheduler.supply import SupplyFollower
@@ -60,7 +61,9 @@ class TransitionRunner:
         """Re-reads the routes from etcd (after a lost CAS)."""
         self.clock = clock
         self.reroutes = 0
-        """Executions rerouted so far (moves and rescues)."""
+        """Executions rerouted so far (moves, rescues and migrations)."""
+        self.migrations = 0
+        """Executions migrated one by one (the policy's Migrate)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._side: set[asyncio.Task[None]] = set()
 
@@ -216,11 +219,63 @@ class TransitionRunner:
             return len(moves)
         return None
 
+    def migrate(self, execution_id: str, cell_id: str, reason: str) -> None:
+        """Moves one live execution to ``cell_id`` (the policy's Migrate), in the background."""
+        self._spawn(self._migrate(execution_id, cell_id, reason))
+
+    async def _migrate(self, execution_id: str, cell_id: str, reason: str) -> bool:
+        """The continuation reroute of one execution: CAS its route onto ``cell_id`` (which
+        must be in rollout, serve the same policy version, and have a free slot), then
+        Router.MoveExecutions. False (nothing changed) when any of that does not hold."""
+        fleet, lead = self.fleet, self.lead
+        async with fleet.placement_lock:
+            old = fleet.routes.routes.get(execution_id)
+            why = self._migration_refused(old, cell_id)
+            if why or old is None:
+                log.info("migration of %s to %s skipped: %s", execution_id, cell_id, why)
+                return False
+            dest = fleet.record(cell_id)
+            new = dataclasses.replace(old, cell_id=cell_id, target=dest.target)
+            try:
+                rev = (await lead.fenced(lead.store.move_routes([(old, new)])))[0]
+            except Conflict:
+                await self.reload_routes()
+                return False
+            fleet.routes.put(dataclasses.replace(new, epoch=old.epoch + 1, mod_revision=rev))
+            self.history.append("reroute", lead.epoch, rev=rev, execution_id=execution_id, from_cell=old.cell_id,
+                                to_cell=cell_id, route_epoch=old.epoch + 1, migration=True)
+        self.reroutes += 1
+        self.migrations += 1
+        self.telemetry.emit("migrated", f"migrated {execution_id} from {old.cell_id} to {cell_id}: {reason}",
+                cell_id=cell_id, execution_id=execution_id)
+        await self._tell_routers([MoveOrder(execution_id, old.cell_id, cell_id, old.epoch + 1)])
+        return True
+
+    def _migration_refused(self, route: RouteRecord | None, cell_id: str) -> str:
+        """Why a migration cannot happen now ("" when it can)."""
+        fleet = self.fleet
+        if route is None:
+            return "no open route"
+        if route.mod_revision == 0:
+            return "its launch is still being written"
+        if route.cell_id == cell_id:
+            return "already there"
+        dest = fleet.cells.get(cell_id)
+        if dest is None or fleet.cells.state(cell_id) is not CellState.ROLLOUT or not dest.target:
+            return f"{cell_id} is not a rollout engine"
+        if self.running(cell_id):
+            return f"{cell_id} is moving"
+        if fleet.routes.counts().get(cell_id, 0) >= dest.slots:
+            return f"{cell_id} has no free slot"
+        if fleet.version(cell_id) != fleet.version(route.cell_id):
+            return f"{cell_id} serves another policy version"
+        return ""
+
     async def _tell_routers(self, moves: list[MoveOrder]) -> None:
         """Router.MoveExecutions on every router (a few tries: routers also follow the
         route keys, so a router that misses the call still converges)."""
         routers = self.fleet.all_router_targets()
-        backoff = 0.1
+        backoff = Backoff(0.1, 1.6)
         for attempt in range(5):
             if not routers or self.lead.deposed.is_set():
                 return
@@ -229,8 +284,7 @@ class TransitionRunner:
                 return
             except GyreError as exc:
                 log.warning("MoveExecutions failed (attempt %d)", attempt + 1, extra={"error": repr(exc)})
-                await asyncio.sleep(backoff)
-                backoff *= 2
+                await backoff.sleep()
 
     def rescue(self, cell_id: str) -> None:
         """Moves the executions of a cell that left the cluster (lease lapsed) elsewhere."""
@@ -293,7 +347,7 @@ class TransitionRunner:
         if after is not None:  # the move to training that spawned us finishes first
             await asyncio.wait([after])
         fleet, emit = self.fleet, self.telemetry.emit
-        backoff, missed = 0.5, set()
+        backoff, missed = Backoff(0.5, 5.0), set()
         while not self.lead.deposed.is_set():
             if fleet.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
                 return
@@ -322,5 +376,4 @@ class TransitionRunner:
                 missed.add(batch_id)
                 emit("join_missed",
                         f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying", cell_id=cell_id)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await backoff.sleep()

@@ -46,7 +46,7 @@ def _make_engine(kind: str, model_dir, kv_dir: str, cell_id: str) -> Engine:
     if kind == "vllm":
         from services.cell_agent.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(str(model_dir), max_model_len=2048, max_num_seqs=16, kv_dir=kv_dir, cell_id=cell_id)
+        return VllmEngine(str(model_dir), max_model_len=2048, max_num_seqs=16, cell_id=cell_id)
     from services.cell_agent.engines.mock import MockEngine, MockTiming, RealClock
 
     return MockEngine(MockTiming(fixed_decode_step_s=0.001), RealClock(), model_dir=str(model_dir),
@@ -184,10 +184,8 @@ async def test_continuation_contract(engine):
 
 async def test_kv_handoff_to_another_engine(engine, models, kv_dir):
     """ExportKv at the source, a continuation at a second engine that imports the handle:
-    token-identical to the uninterrupted run, the prefix not recomputed, and the pinned
-    blocks gone after release."""
-    import os
-
+    token-identical to the uninterrupted run, the prefix not recomputed, and the pin gone
+    after release (vLLM: tests/integration/test_vllm_kv_handoff.py at long prefixes)."""
     dest = _make_engine(engine.kind, models[0], kv_dir, "dst")
     await dest.start()
     try:
@@ -209,15 +207,14 @@ async def test_kv_handoff_to_another_engine(engine, models, kv_dir):
         rest = [t async for c in stream for t in c.token_ids]
         assert got + rest == full
         if engine.kind == "vllm":
-            assert dest.cached_tokens["kv-cont"] >= handle.num_tokens
-            assert os.path.isdir(handle.locator)
+            assert dest.cached_tokens["kv-cont"] >= len(cont) - 128  # all but the last block
+            assert engine.pinned_kv == 1
         else:
             assert dest.stats.kv_imports == 1
         await engine.release_kv(handle.handle_id)
         await engine.release_kv(handle.handle_id)  # idempotent
         if engine.kind == "vllm":
-            assert not os.path.exists(handle.locator)
-            assert not any(os.scandir(kv_dir)), os.listdir(kv_dir)  # nothing left behind
+            assert engine.pinned_kv == 0 and engine.running_requests == 0
     finally:
         await dest.shutdown()
 

@@ -26,9 +26,9 @@ import pytest
 
 from apps.procs import ServiceProcess
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.browser import CHROMIUM, chromium_page
 from tests.tls import add_port
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 120  # three bursts of 40 scripted steps, then the last status is held
 
@@ -132,29 +132,6 @@ def _get_json(url: str) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-async def _chromium(url: str, out_dir: Path) -> tuple[Path, str]:
-    """Screenshot and DOM of ``url`` from headless Chromium (fresh profile each run)."""
-    png = out_dir / "dashboard.png"
-    base = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1280,800",
-        "--virtual-time-budget=5000",
-    ]
-    shot = await asyncio.create_subprocess_exec(
-        *base, f"--user-data-dir={out_dir / 'profile-shot'}", f"--screenshot={png}", url,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert await asyncio.wait_for(shot.wait(), 90) == 0
-    dom = await asyncio.create_subprocess_exec(
-        *base, f"--user-data-dir={out_dir / 'profile-dom'}", "--dump-dom", url,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )
-    out, _ = await asyncio.wait_for(dom.communicate(), 90)
-    assert dom.returncode == 0
-    return png, out.decode()
-
-
 def _distinct_colours(png: Path) -> int:
     import matplotlib.image as mpimg
     import numpy as np
@@ -203,7 +180,7 @@ async def test_dashboard_renders_scripted_scheduler_in_chromium(tmp_out: Path) -
         health = await asyncio.to_thread(_get_json, url + "healthz")
         assert health["ok"] is True and health["polls_ok"] > STEPS
 
-        png, dom = await _chromium(url, tmp_out)
+        png, dom = await chromium_page(url, tmp_out)
         assert png.exists() and png.stat().st_size > 10_000
         assert _distinct_colours(png) > 200, "screenshot looks blank"
         for cell_id in ("cell-0", "cell-1", "cell-2", "cell-9"):

@@ -2,7 +2,9 @@
 gets its engine request aborted within 500 ms and the engine slot returns (HTTP and gRPC);
 an unknown token is 401 / UNAUTHENTICATED, another execution's token 403 /
 PERMISSION_DENIED, an oversized body 413, malformed JSON or fields 400 / INVALID_ARGUMENT,
-and none of them reaches an engine, records a turn or disturbs the next good request;
+and none of them reaches an engine, records a turn or disturbs the next good request (also:
+a prompt past the model's context, a lone surrogate, a 100k-deep body, a seed or stop id
+beyond int64, a message that does not parse on gRPC);
 /v1/models and /v1/completions answer like OpenAI's."""
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from tests.tls import RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY = 64 * 1024
+CONTEXT = 3000  # router.max_model_len
+TURN = 2500  # router.max_turn_tokens (the packer's budget)
 
 
 @dataclasses.dataclass
@@ -62,7 +66,8 @@ async def env(etcd_server, tmp_path_factory):
     packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.01)).start()
     cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), packer_target=packer_target,
-                       http_port=0, max_body_bytes=MAX_BODY, max_tokens_limit=4096, log_json=False)
+                       http_port=0, max_body_bytes=MAX_BODY, max_tokens_limit=4096, log_json=False,
+                       max_model_len=CONTEXT, max_turn_tokens=TURN)
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
@@ -188,7 +193,9 @@ async def test_grpc_deadline_propagates_to_engine(env):
 
 @pytest.mark.parametrize(
     "case",
-    ["settle", "no_token", "unknown_token", "foreign_token", "oversized", "malformed_json", "not_object", "bad_max_tokens", "too_many_tokens", "empty_messages", "bad_role", "wrong_model"],
+    ["settle", "no_token", "unknown_token", "foreign_token", "oversized", "malformed_json", "not_object", "bad_max_tokens",
+     "too_many_tokens", "empty_messages", "bad_role", "wrong_model", "prompt_over_context", "prompt_fills_a_turn",
+     "lone_surrogate", "lone_surrogate_key", "deep_json", "huge_seed", "huge_stop_id", "huge_max_tokens"],
 )
 async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case):
     if case == "settle":
@@ -227,11 +234,28 @@ async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case)
     elif case == "wrong_model":
         body = chat_body(model="gpt-9")
         expected = 404
+    elif case == "prompt_over_context":
+        body = {"prompt": [7] * CONTEXT, "max_tokens": 4}
+    elif case == "prompt_fills_a_turn":
+        body = {"prompt": [7] * TURN, "max_tokens": 4}
+    elif case == "lone_surrogate":
+        data = b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 4}'
+    elif case == "lone_surrogate_key":
+        data = b'{"messages": [{"role": "user", "content": "hi"}], "\\udfff": 1}'
+    elif case == "deep_json":
+        data = b'{"messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # 100k deep: test_router_bad_input
+    elif case == "huge_seed":
+        body = chat_body(seed=2**64)
+    elif case == "huge_stop_id":
+        body = chat_body(stop_token_ids=[2**63])
+    elif case == "huge_max_tokens":
+        body = chat_body(max_tokens=10**40)
     import json as _json
 
     payload = data if data is not None else _json.dumps(body).encode()
+    path = "completions" if "prompt" in body and data is None else "chat/completions"
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{env.url}/chat/completions", data=payload, headers=headers) as r:
+        async with s.post(f"{env.url}/{path}", data=payload, headers=headers) as r:
             assert r.status == expected, await r.text()
             err = await r.json()
             assert err["error"]["code"] == expected and err["error"]["message"]
@@ -259,6 +283,8 @@ async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case)
         ("empty_prompt", grpc.StatusCode.INVALID_ARGUMENT),
         ("token_out_of_vocab", grpc.StatusCode.INVALID_ARGUMENT),
         ("zero_max_tokens", grpc.StatusCode.INVALID_ARGUMENT),
+        ("prompt_over_context", grpc.StatusCode.INVALID_ARGUMENT),
+        ("huge_stop_id", grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case, code):
@@ -279,6 +305,10 @@ async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case,
         req.prompt_token_ids.append(10**6)
     elif case == "zero_max_tokens":
         req.sampling.max_tokens = 0
+    elif case == "prompt_over_context":
+        req.prompt_token_ids.extend([7] * CONTEXT)
+    elif case == "huge_stop_id":
+        req.sampling.stop_token_ids.append(-5)  # int32 on the wire: a negative id is the overflow
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in env.stub.Generate(req, metadata=md, timeout=5):
             pass
@@ -300,3 +330,26 @@ async def test_route_written_just_before_the_call_is_honoured(env):
         req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=[5], sampling=common_pb2.SamplingParams(max_tokens=2))
         got = [m async for m in env.stub.Generate(req, metadata=(("authorization", f"Bearer {tok}"),), timeout=10)]
         assert sum(len(m.chunk.token_ids) for m in got) == 2
+
+
+@pytest.mark.parametrize("field", [b"\x0a\x02\xff\xfe", b"\x0a\x04ex-1\x1a\x03\x08\xff"])
+async def test_a_message_that_does_not_parse_is_invalid_argument(env, field):
+    """Invalid UTF-8 in a string field, or a truncated sub-message: protobuf cannot parse the
+    request; gRPC's own answer would be INTERNAL, ours is INVALID_ARGUMENT and changes nothing."""
+    before = await _snapshot(env)
+    assert await _raw_generate(env, field) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await _snapshot(env) == before
+
+
+async def _raw_generate(env: Env, payload: bytes) -> grpc.StatusCode:
+    from tests.tls import channel as tls_channel
+
+    async with tls_channel(env.proc.target, "harness-1") as ch:
+        call = ch.unary_stream("/gyre.v1.Router/Generate", request_serializer=None, response_deserializer=None)(
+            payload, metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=5)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK

@@ -112,9 +112,9 @@ class FakeStore:
     async def close(self, rec: ExecutionRecord, expected_revision: int) -> int:
         rev = self._write()
         cur = self.execs.get(rec.execution_id)
-        if cur is None or cur.mod_revision != expected_revision:
+        if (cur.mod_revision if cur is not None else 0) != expected_revision:
             raise Conflict("changed")
-        self.execs[rec.execution_id] = _Val(rec.to_json(), rev, cur.version + 1)
+        self.execs[rec.execution_id] = _Val(rec.to_json(), rev, (cur.version if cur is not None else 0) + 1)
         self.routes.pop(rec.execution_id, None)
         return rev
 

@@ -1,5 +1,5 @@
 """Packer durability: the WAL replays to exactly the state that wrote it; a torn last line
-is cut off and a corrupt middle line refuses to start; a packer restarted mid-batch from
+is cut off and a corrupt middle line is quarantined with everything intact recovered; a packer restarted mid-batch from
 its WAL loses no trajectory, packs none twice, keeps claims held across the restart, and
 every turn is trained exactly once."""
 
@@ -12,7 +12,7 @@ import pytest
 from gyre.errors import FailedPrecondition, FatalError
 from services.packer.model import ClaimOutcome
 from services.packer.packer import Packer
-from services.packer.wal import Wal
+from services.packer.wal import MemoryLog, Wal
 from tests.support import packer_kit as tk
 
 
@@ -37,7 +37,7 @@ async def test_wal_replays_to_the_same_state(tmp_path):
     assert wal.flushes >= 1 and wal.bytes_written == (tmp_path / "packer.wal").stat().st_size
 
 
-async def test_torn_tail_is_cut_and_corruption_refused(tmp_path):
+async def test_torn_tail_is_cut(tmp_path):
     wal = Wal(tmp_path)
     wal.open()
     p = Packer(tk.config(), wal, clock=tk.ManualClock())
@@ -50,11 +50,43 @@ async def test_torn_tail_is_cut_and_corruption_refused(tmp_path):
     path.write_bytes(good + b'0000abcd {"t":"tu')  # a crash in the middle of a write
     assert len(Wal(tmp_path).open()) == n
     assert path.read_bytes() == good
-    lines = good.split(b"\n")
-    lines[1] = lines[1].replace(b'"g1"', b'"gX"')  # checksum no longer matches
+
+
+async def test_corrupt_middle_record_is_quarantined_and_the_rest_recovered(tmp_path):
+    wal = Wal(tmp_path)
+    wal.open()
+    p = Packer(tk.config(), wal, clock=tk.ManualClock())
+    p.recover([])
+    await tk.feed_group(p, "g1", size=2)
+    await tk.feed_group(p, "g2", size=3, turns=2)
+    await wal.close()
+    path = tmp_path / "packer.wal"
+    lines = path.read_bytes().split(b"\n")
+    original = Wal(tmp_path).open()
+    bad = next(n for n, raw in enumerate(lines) if b'"g2-x1"' in raw and b'"t":"turn"' in raw)
+    lines[bad] = lines[bad].replace(b'"g2"', b'"gX"')  # a flipped byte: the checksum fails
     path.write_bytes(b"\n".join(lines))
-    with pytest.raises(FatalError):
-        Wal(tmp_path).open()
+    reopened = Wal(tmp_path)
+    events = reopened.open()  # before: FatalError, the packer crash-looped
+    assert reopened.quarantined == [bad + 1]
+    assert events == original[:bad] + original[bad + 1:]
+    (moved,) = tmp_path.glob("packer.wal.quarantine.*")
+    assert lines[bad] in moved.read_bytes() and f"# line {bad + 1} of".encode() in moved.read_bytes()
+    q = Packer(tk.config(), reopened, clock=tk.ManualClock())
+    q.recover(events)
+    q.state.check(deep=True)
+    assert q.state.produced == 2 + 6 - 1  # every intact turn is back
+    assert ("g2-x2", 1) in q.state.seen_turns and ("g2-x1", 0) not in q.state.seen_turns
+    await reopened.close()
+    again = Wal(tmp_path)
+    assert again.open() == events and again.quarantined == []  # the log was rewritten clean
+
+
+async def test_an_event_that_depends_on_a_lost_record_is_set_aside(tmp_path):
+    events = [{"t": "batch", "b": 1, "size": 2}, {"t": "claim", "ms": "b1-m0", "cell": "a"}]
+    p = Packer(tk.config(), MemoryLog(), clock=tk.ManualClock())
+    assert p.recover(events) == 1
+    assert p.skipped == [1]
 
 
 async def test_restart_mid_batch_loses_nothing_and_trains_each_turn_once(tmp_path):

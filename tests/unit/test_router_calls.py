@@ -247,6 +247,24 @@ async def test_no_route_is_a_clean_error():
             pass
 
 
+async def test_a_closed_execution_ends_its_running_call_and_aborts_the_engine_request():
+    """The scheduler cancels an execution (its route key is deleted) while a call runs: the
+    call ends at once with FAILED_PRECONDITION naming the closed execution, and the engine
+    request is aborted (its slot returns)."""
+    mgr, table, engines, _, _ = setup({"a": Script(delay_s=0.01)})
+
+    async def close_after(n: int) -> None:
+        if n >= 5:
+            table.remove("e1")
+
+    with pytest.raises(FailedPrecondition, match="e1 was closed by the scheduler"):
+        await asyncio.wait_for(run_call(mgr, 1000, on_tokens=close_after), 5)
+    await asyncio.sleep(0.01)
+    rid = engines.requests[0][1].request_id
+    assert ("a", rid) in engines.aborts and len(engines.requests) == 1
+    assert mgr.stats.closed_calls == 1 and mgr.stats.inflight == 0
+
+
 async def test_hung_engine_becomes_an_error_not_a_hang():
     mgr, _, _, _, _ = setup({"a": Script(hang_after=3)}, retry_budget=0, engine_idle_timeout_s=0.2)
     with pytest.raises(Unavailable, match="sent nothing"):

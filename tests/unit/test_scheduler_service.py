@@ -506,3 +506,75 @@ async def test_a_cell_stranded_in_returning_is_brought_back():
     await settle(s)
     assert s.cells.state("sat1") is CellState.ROLLOUT
     assert [a[2] for a in peers.commands("set_state")] == [CellState.RETURNING, CellState.ROLLOUT]
+
+
+async def test_cancel_closes_running_and_withdraws_queued_executions_once():
+    """The cancel rule's mechanism: a running execution closes as CANCELLED (route gone, its
+    harness's heartbeat and finish answer CANCELLED, the packer is told), a queued one is
+    withdrawn (never launched), and a repeat or an already closed one changes nothing."""
+    s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1)])
+    await lead(s, store)
+    a, _, _ = await s.acquire("h", 0)  # b1-t0-0 runs; the other 7 are queued
+    assert a is not None
+    group = a.record.group_id
+    done = await s.executions.cancel(s.ledger.members(group), "its group can no longer be trained")
+    assert sorted(done) == [f"{group}-0", f"{group}-1"]
+    assert store.route_of(a.record.execution_id) is None and not s.routes.routes
+    left, state = await s.heartbeat(a.record.execution_id, a.token)
+    assert (left, state) == (0.0, ExecState.CANCELLED)
+    out = await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 1.0, "k")
+    assert out.duplicate and out.record.state is ExecState.CANCELLED
+    c = s.ledger.counts()
+    assert (c.dispatched, c.launched, c.finished) == (8, 2, 2)
+    s.ledger.check_invariants()
+    assert await s.executions.cancel(s.ledger.members(group), "again") == []
+    # The withdrawn member is never launched; the next acquire takes the next group.
+    b, _, _ = await s.acquire("h", 0)
+    assert b is not None and b.record.group_id != group
+    task = asyncio.create_task(s.report_loop())
+    try:
+        for _ in range(300):
+            if f"{group}-1" in peers.reports:
+                break
+            await asyncio.sleep(0.01)
+        assert {peers.reports[f"{group}-{m}"].status for m in (0, 1)} == {ExecState.CANCELLED}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    # A new leader rebuilds the same counts from the store.
+    s2, _, _, _ = make(policy="rollout_only", store=store.as_leader(epoch=9))
+    await s2.take_over(9)
+    assert s2.ledger.counts() == s.ledger.counts() and s2.ledger.next_queued() is not None
+    s2.ledger.check_invariants()
+
+
+async def test_migrate_moves_one_execution_with_a_fenced_route_cas_and_tells_the_routers():
+    s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1), ("sb", "standalone", -1, 2)])
+    await lead(s, store)
+    got = [await s.acquire("h", 0) for _ in range(2)]
+    on_sb = next(g for g, _, _ in got if g.route.cell_id == "sb")
+    on_sa = next(g for g, _, _ in got if g.route.cell_id == "sa")
+    assert not await s.transitions._migrate(on_sb.record.execution_id, "sa", "test")  # sa is full
+    assert not await s.transitions._migrate(on_sb.record.execution_id, "gone", "test")
+    assert await s.transitions._migrate(on_sa.record.execution_id, "sb", "spread the load")
+    route, epoch = store.route_of(on_sa.record.execution_id)
+    assert route["cell_id"] == "sb" and epoch == 2 and s.routes.routes[on_sa.record.execution_id].cell_id == "sb"
+    (_, fence, moves), = peers.commands("move_executions")
+    assert fence == 7 and [(m.execution_id, m.from_cell, m.to_cell, m.route_epoch) for m in moves] == [
+        (on_sa.record.execution_id, "sa", "sb", 2)]
+    st = s.status()
+    assert st.migrations == 1 and st.reroutes == 1
+    assert any(e.kind == "migrated" for e in s.events.after(0))
+
+
+async def test_status_has_the_ledger_per_policy_version():
+    s, store, peers, _ = make(policy="rollout_only", max_bursts=2)
+    await lead(s, store)
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 3, "source_target": "core:1"}).encode())})
+    for g in [await s.acquire("h", 0) for _ in range(8)]:
+        await s.finish(g[0].record.execution_id, g[0].token, ExecState.COMPLETED, 1.0, "k")
+    await s.reconcile_once()  # burst 2 at v3
+    a, _, _ = await s.acquire("h", 0)
+    st = s.status()
+    assert {v: (c.dispatched, c.launched, c.finished) for v, c in st.versions.items()} == {0: (8, 8, 8), 3: (8, 1, 0)}
+    assert st.open_bursts == 1 and a.record.policy_version == 3

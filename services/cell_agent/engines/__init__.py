@@ -27,8 +27,12 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
             dtype=cfg.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             policy_version=cfg.policy_version,
-            kv_dir=cfg.kv_dir,
             cell_id=cfg.cell_id,
+            kv_handoff=cfg.kv_handoff,
+            kv_medium=cfg.kv_medium,
+            kv_host=cfg.kv_host,
+            kv_pin_ttl_s=cfg.kv_pin_ttl_s,
+            kv_read_timeout_s=cfg.kv_read_timeout_s,
         )
     from services.cell_agent.engines.mock import MockEngine, MockFaults, MockTiming
 

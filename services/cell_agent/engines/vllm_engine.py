@@ -5,9 +5,9 @@ Token ids in, per-step token deltas with per-token log-probs out; prefix caching
 abort by request id (and by cancelling the consumer); in-place weight updates through a
 worker extension (:mod:`.vllm_worker_ext`) that receives safetensors bytes; pause/resume;
 sleep/wake where the platform supports it (CUDA) and a fallback elsewhere (CPU: clear the
-prefix cache, keep the memory). KV export is not implemented for vLLM yet: ``export_kv``
-returns None and the destination recomputes the prefix (see VLLM_CPU.md for the KV
-connector design that would replace it).
+prefix cache, keep the memory); KV handoff engine to engine (``kv_handoff``): pin a running
+request's blocks, let a destination read them point to point, release on acknowledgement
+(the connector and its transports: :mod:`.vllm_kv`, :mod:`.kv_transport`).
 
 The environment settings VLLM_CPU.md measured are applied before vLLM is imported.
 """
@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
-import uuid
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,13 +82,22 @@ class VllmEngine(Engine):
         gpu_memory_utilization: float = 0.8,
         enable_prefix_caching: bool = True,
         policy_version: int = 0,
-        kv_dir: str = "",
         cell_id: str = "vllm",
+        kv_handoff: bool = True,
+        kv_medium: str = "",
+        kv_host: str = "127.0.0.1",
+        kv_pin_ttl_s: float = 30.0,
+        kv_read_timeout_s: float = 10.0,
     ) -> None:
         super().__init__(policy_version)
         self.model_dir = model_dir
-        self.kv_dir = kv_dir
         self.cell_id = cell_id
+        self.kv_handoff = kv_handoff
+        self.kv_medium = kv_medium or ("cuda_ipc" if cuda_available() else "tcp")
+        self.kv_host = kv_host
+        self.kv_pin_ttl_s = kv_pin_ttl_s
+        """How long a pin holds its blocks without a release (then they are freed)."""
+        self.kv_read_timeout_s = kv_read_timeout_s
         self._args: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=model_dir,
@@ -106,8 +114,7 @@ class VllmEngine(Engine):
         if self._gpu:
             self._args.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         self._llm: Any = None
-        self._prompts: dict[str, list[int]] = {}
-        self._pins: dict[str, str] = {}  # KV handle id -> pin file
+        self._pins: dict[str, asyncio.TimerHandle] = {}  # KV handle id -> its expiry
         self.cached_tokens: dict[str, int] = {}
         """Prompt tokens served from a cache (local prefix cache or imported KV), by
         request id (the most recent requests only)."""
@@ -138,19 +145,24 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         extra: dict[str, Any] = {}
-        if self.kv_dir:
+        if self.kv_handoff:
             from vllm.config import KVTransferConfig
 
-            os.makedirs(self.kv_dir, exist_ok=True)
             extra["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="GyreKvConnector",
                 kv_connector_module_path="services.cell_agent.engines.vllm_kv",
                 kv_role="kv_both",
-                kv_connector_extra_config={"shared_storage_path": self.kv_dir},
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={
+                    "medium": self.kv_medium, "host": self.kv_host, "read_timeout_s": self.kv_read_timeout_s,
+                },
             )
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args, **extra))
 
     async def shutdown(self) -> None:
+        for timer in self._pins.values():
+            timer.cancel()
+        self._pins.clear()
         llm, self._llm = self._llm, None
         if llm is not None:
             if self._active:
@@ -165,10 +177,20 @@ class VllmEngine(Engine):
 
     # Serving -------------------------------------------------------------------------------
 
-    def _params(self, sampling: Sampling) -> Any:
+    def _params(self, sampling: Sampling, kv_handle: KvHandle | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        extra = None
+        if kv_handle is not None and self.kv_handoff:
+            from services.cell_agent.engines.vllm_kv import PARAMS_KEY
+
+            # A handle of another medium, a dead source, a released pin: the connector's
+            # read fails and vLLM recomputes the prompt (the call goes on).
+            extra = {"kv_transfer_params": {PARAMS_KEY: {
+                "handle_id": kv_handle.handle_id, "locator": kv_handle.locator, "medium": kv_handle.medium,
+                "timeout_s": self.kv_read_timeout_s,
+            }}}
         return SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -177,6 +199,7 @@ class VllmEngine(Engine):
             stop_token_ids=list(sampling.stop_token_ids),
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
         )
 
     async def _generate(
@@ -190,9 +213,8 @@ class VllmEngine(Engine):
         if self.vocab_size and max(prompt_token_ids) >= self.vocab_size:
             raise InvalidArgument(f"prompt token ids must be < the model's vocabulary ({self.vocab_size})")
         llm = self.llm
-        params = self._params(sampling)
+        params = self._params(sampling, kv_handle)
         self._active.add(request_id)
-        self._prompts[request_id] = prompt_token_ids
         first = True
         finished = False
         try:
@@ -226,7 +248,6 @@ class VllmEngine(Engine):
             raise err from exc
         finally:
             self._active.discard(request_id)
-            self._prompts.pop(request_id, None)
             was_aborted = request_id in self._aborted
             self._aborted.discard(request_id)
             if not finished and not was_aborted and self._llm is not None and self._dead is None:
@@ -248,7 +269,14 @@ class VllmEngine(Engine):
 
     @property
     def running_requests(self) -> int:
-        return sum(1 for r in self._active if not r.startswith("probe-"))
+        """Requests in flight plus pinned handoffs (a pin holds a request's blocks, so it
+        takes a slot until it is released)."""
+        return sum(1 for r in self._active if not r.startswith("probe-")) + len(self._pins)
+
+    @property
+    def pinned_kv(self) -> int:
+        """KV handles exported and not yet released (or expired)."""
+        return len(self._pins)
 
     # Weights -------------------------------------------------------------------------------
 
@@ -309,41 +337,32 @@ class VllmEngine(Engine):
     # KV handoff ----------------------------------------------------------------------------
 
     async def export_kv(self, request_id: str) -> KvHandle | None:
-        """Pins the stored KV of a running request's prompt (block-aligned prefix) in the
-        shared KV directory; None without a KV directory or before it was stored."""
-        prompt = self._prompts.get(request_id)
-        if not self.kv_dir or prompt is None or self._llm is None:
+        """Pins a running request's KV blocks (prompt and generated tokens) for a
+        destination to read once the request is cancelled; None when the request is not
+        running here or handoff is off. The pin expires after ``kv_pin_ttl_s``."""
+        if not self.kv_handoff or request_id not in self._active or self._llm is None:
             return None
-        from services.cell_agent.engines.vllm_kv import PIN_PREFIX, folder_for, stored_prefix_len
-
-        block = int(self._llm.vllm_config.cache_config.block_size)
-        n = stored_prefix_len(len(prompt), block)
-        if n < block:
+        internal = list(self._llm.output_processor.external_req_ids.get(request_id, ()))
+        handle_id = f"kv-{self.cell_id}-{secrets.token_hex(16)}"  # a capability: unguessable
+        got = await self._llm.collective_rpc("gyre_kv_pin", args=(internal, handle_id, self.kv_pin_ttl_s))
+        if not got or got[0] is None:
             return None
-        folder = folder_for(self.kv_dir, prompt[:n])
-        handle_id = f"kv-{self.cell_id}-{uuid.uuid4().hex[:12]}"
-        pin = os.path.join(folder, PIN_PREFIX + handle_id)
-        try:
-            with open(pin, "x"):
-                pass
-        except (FileNotFoundError, FileExistsError):
-            return None  # not stored (yet): the destination recomputes
-        self._pins[handle_id] = pin
-        return KvHandle(handle_id, self.cell_id, n, folder, "file")
+        locator, medium, num_tokens = got[0]
+        loop = asyncio.get_running_loop()
+        self._pins[handle_id] = loop.call_later(
+            self.kv_pin_ttl_s, lambda: asyncio.ensure_future(self.release_kv(handle_id))
+        )
+        return KvHandle(handle_id, self.cell_id, int(num_tokens), locator, medium)
 
     async def release_kv(self, handle_id: str) -> None:
-        pin = self._pins.pop(handle_id, None)
-        if pin is None:
+        """Releases a pin (the acknowledgement after the destination took over, or its
+        expiry); the blocks are freed at the engine's next step. Idempotent."""
+        timer = self._pins.pop(handle_id, None)
+        if timer is None:
             return
-        from services.cell_agent.engines.vllm_kv import pinned
-
-        folder = os.path.dirname(pin)
-        try:
-            os.unlink(pin)
-        except FileNotFoundError:
-            pass
-        if not pinned(folder):
-            await asyncio.to_thread(shutil.rmtree, folder, True)
+        timer.cancel()
+        if self._llm is not None and self._dead is None:
+            await self._llm.collective_rpc("gyre_kv_release", args=(handle_id,))
 
     # Failure -------------------------------------------------------------------------------
 

@@ -1,130 +1,252 @@
-"""KV handoff for the vLLM engine: a KV connector that keeps each request's prompt KV in a
-shared directory (the "file" medium on CPU), matches a continuation on its longest stored
-block-aligned prefix, and frees what nobody pinned.
+"""KV handoff for the vLLM engine: Gyre's KV connector (vLLM's ``KVConnectorBase_V1``),
+which moves a live request's whole KV cache (prompt and generated tokens, any length)
+from one engine to another point to point, following the seed's protocol:
 
-Built on vLLM's ``ExampleConnector`` (which stores a prompt's KV per layer as safetensors
-while prefilling and loads it for a later request), with what a reroute needs:
+1. **pin** (source, before the request is cancelled): the front end
+   (:meth:`VllmEngine.export_kv`) calls ``gyre_kv_pin`` through ``collective_rpc``; the
+   pin is recorded in the process's :class:`PinTable` under a fresh handle id;
+2. the router cancels the request; when vLLM finishes it, :meth:`request_finished` sees
+   the pin and keeps the request's blocks (returns True: vLLM frees them only when the
+   connector reports the request in ``finished_sending``); the worker seals the pin once
+   the engine stepped past the request (**writes stopped**);
+3. **read** (destination): the request arrives with the handle in its
+   ``kv_transfer_params``; :meth:`get_num_new_matched_tokens` claims every whole block of
+   the prompt but the last token as an asynchronous external load (the request waits in
+   ``WAITING_FOR_REMOTE_KVS`` while the others keep running); the worker reads the blocks
+   from the source's :class:`~.kv_transport.KvServer` in a thread straight into the
+   blocks vLLM allocated; the source serves only the prefix its tokens share with the
+   destination's;
+4. **ack -> release**: after the destination's first token the router calls
+   ``ReleaseKv`` at the source (``gyre_kv_release``); the worker reports the request in
+   ``finished_sending`` and vLLM frees its blocks. A pin that nobody releases expires
+   after its TTL (the same path), and a source that dies takes its blocks with it.
 
-* matching: a continuation's prompt is the original prompt plus generated tokens, so the
-  stored entry is found by trying every block-aligned prefix, longest first (the example
-  only tries one length);
-* pinning: the front end (:meth:`VllmEngine.export_kv`) drops a ``pin-<handle>`` file into
-  the entry before the router cancels the source request; ``release`` removes it;
-* freeing: when the last request using an entry finishes, the scheduler-side connector
-  deletes the entry unless it is pinned, so storage stays bounded by the live requests.
+Failure never fails the call: a read that fails, times out, finds no pin or a token
+mismatch is reported in ``failed_recving`` and vLLM recomputes the prompt (the destination
+continues token-identically, only slower).
 
-Limits: prompts longer than the prefill chunk (``max_num_batched_tokens``) are not stored
-correctly by the example's save path; GPU deployments would use CUDA IPC / NIXL instead of
-files. The entry naming (``folder_for``) must match the example's hashing.
+The scheduler-side and worker-side connectors share the process-wide :data:`TABLE`: this
+needs the worker in the engine-core process (vLLM's ``UniProcExecutor``: one GPU per
+engine, or the CPU engine); tensor-parallel engines would need the pin to travel to every
+worker (not built). Transports: :mod:`.kv_transport` (``tcp`` here, ``nccl`` / ``cuda_ipc``
+on GPUs).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
-import os
-import shutil
+import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-    ExampleConnector,
-    ExampleConnectorMetadata,
-    align_to_block_size,
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
 )
-from vllm.utils.hashing import safe_hash
+
+from services.cell_agent.engines.kv_transport import (
+    MEDIUMS,
+    KvReadError,
+    KvServer,
+    PagedCaches,
+    PinTable,
+    ReadSpec,
+    read,
+)
 
 if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
-PIN_PREFIX = "pin-"
+PARAMS_KEY = "gyre_kv"
+"""The key of a Gyre handle in a request's ``kv_transfer_params``."""
+IDLE_STEP_S = 0.002
+"""Pause of an engine step that schedules nothing (the engine keeps stepping while it holds
+pinned blocks or waits for a read; this keeps that from spinning a core)."""
+
+TABLE = PinTable()
+"""The pins of this engine process (scheduler and worker side share it)."""
 
 
-def folder_for(storage: str, token_ids: list[int]) -> str:
-    """The directory that holds the KV of exactly ``token_ids`` (the example's naming)."""
-    token_bytes = torch.tensor(token_ids).numpy().tobytes()
-    return os.path.join(storage, safe_hash(token_bytes, usedforsecurity=False).hexdigest())
+@dataclasses.dataclass
+class _Server:
+    server: KvServer | None = None
+    medium: str = "tcp"
+    live: dict[str, Request] = dataclasses.field(default_factory=dict)
+    """Requests the scheduler holds now, by vLLM's internal id."""
 
 
-def stored_prefix_len(prompt_len: int, block_size: int) -> int:
-    """How many prompt tokens a request stores while prefilling: the largest multiple of
-    the block size strictly below the prompt length (``align_to_block_size``)."""
-    return align_to_block_size(prompt_len, block_size)
+_SERVER = _Server()
 
 
-def pinned(folder: str) -> bool:
-    try:
-        return any(name.startswith(PIN_PREFIX) for name in os.listdir(folder))
-    except FileNotFoundError:
-        return False
+def pin(request_ids: list[str], handle_id: str, ttl_s: float) -> tuple[str, str, int] | None:
+    """Pins the running request (one of vLLM's internal ids for it) under ``handle_id``;
+    returns (locator, medium, tokens computed so far) or None when it is not running."""
+    if _SERVER.server is None:
+        return None
+    for rid in request_ids:
+        req = _SERVER.live.get(rid)
+        if req is not None and TABLE.pinned(rid) is None:
+            TABLE.pin(handle_id, rid, ttl_s)
+            return _SERVER.server.locator, _SERVER.medium, int(req.num_computed_tokens)
+    return None
 
 
-class GyreKvConnector(ExampleConnector):
-    """ExampleConnector + longest-prefix matching + pins + freeing (see module docstring)."""
+def release(handle_id: str) -> None:
+    """Releases a pin (idempotent); held blocks are freed at the engine's next step."""
+    TABLE.release(handle_id)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._match_len: dict[str, int] = {}
-        self._users: dict[str, set[str]] = {}  # entry folder -> request ids using it
-        self._entries_of: dict[str, set[str]] = {}  # request id -> entry folders
+
+def pinned_count() -> int:
+    return len(TABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Load:
+    request_id: str
+    spec: ReadSpec
+
+
+@dataclasses.dataclass
+class GyreKvMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, per step: the reads to start, and whether the step is idle."""
+
+    loads: list[_Load] = dataclasses.field(default_factory=list)
+    idle: bool = False
+
+
+class GyreKvConnector(KVConnectorBase_V1):
+    """Pins, holds and serves a request's blocks at the source; reads them at the
+    destination (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._block = int(vllm_config.cache_config.block_size)
+        self._medium = str(extra.get("medium", "tcp"))
+        self._host = str(extra.get("host", "127.0.0.1"))
+        self._read_timeout_s = float(extra.get("read_timeout_s", 10.0))
+        if self._medium not in MEDIUMS:
+            raise ValueError(f"unknown KV medium {self._medium!r}")
+        # Scheduler side.
+        self._matched: dict[str, int] = {}
+        self._tried: set[str] = set()
+        self._pending: list[_Load] = []
+        # Worker side.
+        self._caches: PagedCaches | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reads: dict[str, tuple[concurrent.futures.Future[int], int]] = {}
 
     # Scheduler side ------------------------------------------------------------------------
 
-    def _longest_stored_prefix(self, prompt: list[int]) -> int:
-        # The largest block multiple strictly below the prompt length: at least one prompt
-        # token must be computed to produce the next token.
-        k = align_to_block_size(len(prompt), self._block_size)
-        while k >= self._block_size:
-            if os.path.isdir(folder_for(self._storage_path, prompt[:k])):
-                return k
-            k -= self._block_size
-        return 0
+    def on_new_request(self, request: Request) -> None:
+        _SERVER.live[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        prompt = list(request.prompt_token_ids or [])
-        k = self._longest_stored_prefix(prompt)
-        if k <= num_computed_tokens:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if not params or request.request_id in self._tried:
             return 0, False
-        self._match_len[request.request_id] = k
-        return k - num_computed_tokens, False
+        # Every whole block but the one holding the last prompt token (it must be computed
+        # to produce the next token).
+        target = (len(request.prompt_token_ids or []) - 1) // self._block * self._block
+        if target <= num_computed_tokens:
+            return 0, False
+        self._matched[request.request_id] = target
+        return target - num_computed_tokens, True
 
-    def _use(self, request_id: str, folder: str) -> None:
-        self._users.setdefault(folder, set()).add(request_id)
-        self._entries_of.setdefault(request_id, set()).add(folder)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        rid = request.request_id
+        target = self._matched.pop(rid)
+        self._tried.add(rid)
+        params = request.kv_transfer_params[PARAMS_KEY]
+        first = (target - num_external_tokens) // self._block
+        block_ids = blocks.get_block_ids()[0]
+        spec = ReadSpec(
+            locator=str(params["locator"]),
+            handle_id=str(params["handle_id"]),
+            medium=str(params["medium"]),
+            token_ids=list(request.prompt_token_ids or [])[:target],
+            first_block=first,
+            dst_blocks=list(block_ids[first : target // self._block]),
+            timeout_s=float(params.get("timeout_s", self._read_timeout_s)),
+        )
+        self._pending.append(_Load(rid, spec))
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        meta = ExampleConnectorMetadata()
-        for new_req in scheduler_output.scheduled_new_reqs:
-            prompt = list(new_req.prompt_token_ids or [])
-            rid = new_req.req_id
-            if rid in self._requests_need_load:
-                k = self._match_len.pop(rid, 0)
-                # make_meta keeps align_to_block_size(len) = k tokens of prompt[:k + 1].
-                meta.add_request(token_ids=prompt[: k + 1], block_ids=new_req.block_ids[0],
-                                 block_size=self._block_size, is_store=False, mm_hashes=[])
-                self._use(rid, folder_for(self._storage_path, prompt[:k]))
-            n = stored_prefix_len(len(prompt), self._block_size)
-            if n >= self._block_size:
-                folder = folder_for(self._storage_path, prompt[:n])
-                self._use(rid, folder)
-                if not os.path.isdir(folder):
-                    # Stored even when its prefix was loaded: a continuation can move again.
-                    meta.add_request(token_ids=prompt, block_ids=new_req.block_ids[0],
-                                     block_size=self._block_size, is_store=True, mm_hashes=[])
-        # A preempted request recomputes locally (no reload through the connector).
-        self._requests_need_load.clear()
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = GyreKvMetadata(self._pending, idle=scheduler_output.total_num_scheduled_tokens == 0)
+        self._pending = []
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._match_len.pop(rid, None)
-        for folder in self._entries_of.pop(rid, set()):
-            users = self._users.get(folder, set())
-            users.discard(rid)
-            if not users:
-                self._users.pop(folder, None)
-                if not pinned(folder):
-                    shutil.rmtree(folder, ignore_errors=True)
-        return False, None
+        _SERVER.live.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._tried.discard(rid)
+        if TABLE.pinned(rid) is None:
+            return False, None
+        done = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0) or 0)
+        tokens = list(request.all_token_ids[:done])
+        return TABLE.finish(rid, tokens, list(block_ids), done), None
+
+    # Worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = PagedCaches(dict(kv_caches), int(self._kv_cache_config.num_blocks))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gyre-kv-read")
+        if _SERVER.server is None:
+            _SERVER.server = KvServer(TABLE, self._caches, self._block, self._host)
+            _SERVER.medium = self._medium
+            log.info("kv server listening", extra={"locator": _SERVER.server.locator, "medium": self._medium})
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, GyreKvMetadata)
+        for load in meta.loads:
+            assert self._pool is not None and self._caches is not None
+            self._reads[load.request_id] = (self._pool.submit(read, load.spec, self._caches), len(load.spec.dst_blocks))
+        if meta.idle and not meta.loads:
+            time.sleep(IDLE_STEP_S)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        TABLE.seal(finished_req_ids)
+        TABLE.expire_unfinished()
+        out = KVConnectorTransferResults(finished_sending=TABLE.take_releasable())
+        for rid, (fut, want) in list(self._reads.items()):
+            if not fut.done():
+                continue
+            del self._reads[rid]
+            out.finished_recving.add(rid)
+            try:
+                got = fut.result()
+            except Exception as exc:  # noqa: BLE001  (whatever went wrong with a read, the engine recomputes)
+                level = logging.INFO if isinstance(exc, KvReadError) else logging.WARNING
+                log.log(level, "kv read failed; recomputing", extra={"request_id": rid, "error": repr(exc)})
+                got = -1
+            if got != want:
+                out.failed_recving.add(rid)
+        return out
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,5 @@
-"""The worker-side half of in-place weight updates: a vLLM ``worker_extension_cls`` mixin.
+"""The worker-side half of in-place weight updates and of KV pins: a vLLM
+``worker_extension_cls`` mixin.
 
 vLLM mixes this class into its worker, so its methods run inside the worker (in-process or
 in a worker process) and can reach the model runner. Weights arrive as safetensors bytes
@@ -32,3 +33,16 @@ class GyreWorkerExtension:
         model = self.model_runner.get_model()
         with torch.no_grad():
             return float(sum(p.float().sum().item() for p in model.parameters()))
+
+    def gyre_kv_pin(self, request_ids: list[str], handle_id: str, ttl_s: float) -> tuple[str, str, int] | None:
+        """Pins a running request's KV blocks for a handoff (see :mod:`.vllm_kv`); runs in the
+        engine process, between steps."""
+        from services.cell_agent.engines import vllm_kv
+
+        return vllm_kv.pin(request_ids, handle_id, ttl_s)
+
+    def gyre_kv_release(self, handle_id: str) -> None:
+        """Releases a pin (idempotent)."""
+        from services.cell_agent.engines import vllm_kv
+
+        vllm_kv.release(handle_id)

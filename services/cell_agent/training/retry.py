@@ -9,6 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
+from gyre.backoff import Backoff
 from gyre.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
@@ -22,14 +23,13 @@ class _Keeper(Protocol):
 async def retrying(call: Callable[[], Awaitable[T]]) -> T:
     """Calls the packer until it answers: UNAVAILABLE and DEADLINE_EXCEEDED are retried
     with exponential back-off (up to 2 s); any other error is the caller's."""
-    delay = 0.05
+    backoff = Backoff(0.05, 2.0)
     while True:
         try:
             return await call()
         except (Unavailable, DeadlineExceeded) as exc:
             log.warning("packer unavailable; retrying", extra={"error": repr(exc)})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await backoff.sleep()
 
 
 async def keep_claims(source: _Keeper, every_s: Callable[[], float]) -> None:
