@@ -161,8 +161,16 @@ class ScenarioConfig(_Frozen):
     """One benchmark scenario: a profile, a cluster and a seed."""
 
     name: str = Field(..., description="Scenario name (used in file names and tables).")
-    profile: str = Field("A", description="Key of `profiles`.")
+    profile: str = Field("A", description="Key of `profiles` (with `mix`: the one whose group size every task takes).")
+    mix: dict[str, float] = Field(
+        default_factory=dict,
+        description="Mixed tasks: profile key -> weight; each task's profile is drawn by (seed, task). Empty: `profile` only.",
+    )
     seed: int = Field(1, description="Seed of the trace (same trace for every policy).")
+    seeds: list[int] = Field(
+        default_factory=list,
+        description="Seeds the benchmark runs the scenario on (min / median / max reported); empty: `seed` only.",
+    )
     drift: DriftConfig = Field(default_factory=DriftConfig, description="Length drift.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cells.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Batches.")
@@ -195,8 +203,11 @@ class SimConfig(_Frozen):
     @model_validator(mode="after")
     def _profiles_exist(self) -> "SimConfig":
         for s in self.scenarios:
-            if s.profile not in self.profiles:
-                raise ValueError(f"scenario {s.name}: unknown profile {s.profile!r}")
+            for key in [s.profile, *s.mix]:
+                if key not in self.profiles:
+                    raise ValueError(f"scenario {s.name}: unknown profile {key!r}")
+            if any(w <= 0 for w in s.mix.values()):
+                raise ValueError(f"scenario {s.name}: mix weights must be positive")
         return self
 
     def scenario(self, name: str) -> ScenarioConfig:

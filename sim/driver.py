@@ -19,7 +19,7 @@ from sim.cluster import Cluster, ExecState, Role
 from sim.config import ScenarioConfig, SimConfig
 from sim.events import EventLoop
 from sim.metrics import RunResult, collect
-from sim.workload import Trace
+from sim.workload import make_trace
 
 _STATE = {
     Role.ROLLOUT: P.CellState.ROLLOUT,
@@ -85,7 +85,7 @@ class Driver:
         pp = self.cfg.policy
         self.loop = EventLoop()
         self.profile = self.cfg.profiles[sc.profile]
-        self.trace = Trace(self.profile, sc.seed, sc.drift)
+        self.trace = make_trace(self.cfg, sc)
         self.cluster = Cluster(
             self.loop, self.cfg.cost, sc.cluster.cells, sc.cluster.standalone_cells,
             sc.cluster.slots_per_cell, sc.training.batch_groups, sc.training.max_staleness,
