@@ -778,7 +778,7 @@ class Cluster:
 
     def _consumed(self, g: Group) -> None:
         self.live.get(g.version, {}).pop(g.gid, None)
-        vl = self.versions[g.version]
+        vl = self.versions.setdefault(g.version, VersionLedger())
         vl.consumed += 1
         vl.ready -= 1
 

@@ -69,7 +69,7 @@ class CheckingDriver(Driver):
         lo = P.staleness.oldest_usable(tr.version, tr.needs == 0, tr.max_staleness)
         assert all(u >= lo for u in cl.live)
         assert all(g.version >= lo for g in tr.pool)
-        for u, vl in cl.versions.items():
+        for vl in cl.versions.values():
             assert vl.finished <= vl.launched <= vl.dispatched
             assert vl.ready + vl.consumed + vl.cancelled <= vl.groups
         CheckingDriver.checks += 1
