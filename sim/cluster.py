@@ -391,6 +391,7 @@ class Cluster:
         self.switch_s = 0.0
         self.reroutes = 0
         self.reroute_recompute_tokens = 0
+        self.reroute_gpu_s = 0.0  # GPU-s that reroutes cost: prefix recompute or KV handoff
         self.kv_handoffs = 0
         self.publishes = 0
         self.sealed_batches = 0
@@ -465,6 +466,7 @@ class Cluster:
         if ex.recompute:
             p = self.cost.prefill_s(ex.ctx + prompt, 0)
             self.reroute_recompute_tokens += ex.ctx
+            self.reroute_gpu_s += p - self.cost.prefill_s(prompt, ex.ctx)
             ex.recompute = False
         else:
             p = self.cost.prefill_s(prompt, ex.ctx)
@@ -588,12 +590,15 @@ class Cluster:
         if self.cc.kv_handoff and ex.ctx > 0:
             dst.engine.add_stall("prefill", self.cc.kv_handoff_s)
             self.kv_handoffs += 1
+            self.reroute_gpu_s += self.cc.kv_handoff_s
         elif ex.ctx > 0:
             ex.recompute = True
         if ex.state is ExecState.GPU:
             if ex.remaining > 0:  # continuation of the cancelled request
                 if ex.recompute:
-                    dst.engine.add_stall("prefill", self.cost.prefill_s(ex.ctx, 0))
+                    p = self.cost.prefill_s(ex.ctx, 0)
+                    dst.engine.add_stall("prefill", p)
+                    self.reroute_gpu_s += p
                     self.reroute_recompute_tokens += ex.ctx
                     ex.recompute = False
                 dst.engine.join(ex)

@@ -37,6 +37,7 @@ class RunResult:
     role_switch_gpu_s: float
     reroutes: int
     reroute_recompute_tokens: int
+    reroute_gpu_s: float  # prefix recompute (or KV handoff) that reroutes cost
     kv_handoffs: int
     staleness_mean: float
     staleness_max: int
@@ -112,6 +113,7 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
         role_switch_gpu_s=gpu["role_switch"],
         reroutes=cl.reroutes,
         reroute_recompute_tokens=cl.reroute_recompute_tokens,
+        reroute_gpu_s=cl.reroute_gpu_s,
         kv_handoffs=cl.kv_handoffs,
         staleness_mean=mean_lag,
         staleness_max=max(lag_tokens) if lag_tokens else 0,

@@ -59,11 +59,23 @@ class KV:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One operation inside a transaction: a put (value set) or a delete (value None)."""
+    """One operation inside a transaction: a put (value set) or a delete (value None); a
+    delete with ``range_end`` removes every key in [key, range_end) (:func:`prefix_end`)."""
 
     key: bytes
     value: bytes | None = None
     lease: int | None = None
+    range_end: bytes | None = None
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix`` (etcd's convention)."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +216,33 @@ class Etcd:
             raise _refused("get", prefix, exc) from exc
         return got.header.revision, [KV.from_raw(kv) for kv in got.kvs]
 
+    async def get_prefix_paged(self, prefix: bytes, page: int = 1000) -> tuple[int, list[KV]]:
+        """All keys under ``prefix``, read ``page`` keys per request at one revision (a
+        consistent snapshot, as :meth:`get_prefix`), so no answer nears the gRPC message
+        limit however many keys there are. Returns (the revision read at, the keys)."""
+        if page < 1:
+            raise ValueError("page must be >= 1")
+        client = self.client
+        end = prefix_end(prefix)
+        start, revision, out = prefix, 0, []
+        while True:
+            request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision,
+                                             sort_order=aetcd.rpc.RangeRequest.ASCEND,
+                                             sort_target=aetcd.rpc.RangeRequest.KEY)
+            try:
+                got = await client.kvstub.Range(request, timeout=self._timeout_s, metadata=client.metadata)
+            except _TRANSPORT_ERRORS as exc:
+                raise Unavailable(f"etcd range: {exc!r}") from exc
+            except aetcd.rpc.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    raise PermissionDenied(f"etcd refused get {prefix.decode(errors='replace')}: {exc.details()}") from exc
+                raise Unavailable(f"etcd range: {exc.code().name} {exc.details()}") from exc
+            revision = revision or got.header.revision
+            out += [KV.from_raw(kv) for kv in got.kvs]
+            if not got.more or not got.kvs:
+                return revision, out
+            start = got.kvs[-1].key + b"\0"
+
     async def count_prefix(self, prefix: bytes) -> int:
         try:
             got = await self.client.get_prefix(prefix, keys_only=True)
@@ -324,5 +363,5 @@ def _apply_op(target: Any, op: str, value: Any) -> Any:
 
 def _to_aetcd(t: Any, op: Op) -> Any:
     if op.value is None:
-        return t.delete(op.key)
+        return t.delete(op.key, range_end=op.range_end) if op.range_end is not None else t.delete(op.key)
     return t.put(op.key, op.value, lease=op.lease)

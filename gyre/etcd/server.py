@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gyre.lifeline import spawn
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -72,7 +74,7 @@ class EtcdServer:
             ]
         log = open(self._log_path, "ab")
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
-        self._proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, start_new_session=True)
+        self._proc = spawn(args, stdout=log, stderr=log, env=env, start_new_session=True)  # dies with us
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:

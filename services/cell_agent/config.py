@@ -83,6 +83,10 @@ class CellAgentConfig(ServiceConfig):
     probe_interval_s: float = Field(2.0, gt=0, description="Health probe period (a probe generates a token).")
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
+    pid_dir: str = Field(
+        "", description="Where the cell records the processes it started, so its next incarnation "
+        "ends what a crash left running (services/cell_agent/incarnation.py); empty: "
+        "$XDG_RUNTIME_DIR/gyre/<cluster> or <tmp>/gyre-<uid>/<cluster>.")
     snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")
 
     # Training ------------------------------------------------------------------------------------

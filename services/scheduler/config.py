@@ -28,6 +28,13 @@ class SchedulerConfig(ServiceConfig):
     max_bursts: int = Field(0, ge=0,
             description="Stop dispatching after this many bursts (0: until tasks run out).")
 
+    archive_grace_s: float = Field(
+        30.0, ge=0.0, le=86_400.0,
+        description="A burst older than the newest, fully closed and reported to the packer, is archived "
+        "(folded into the ledger summary, its records deleted from etcd) once its last close is this old; "
+        "until then a harness's late finish retry is still answered as a duplicate.",
+    )
+
     # Task source.
     tasks_file: str = Field("",
             description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator.")

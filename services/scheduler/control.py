@@ -1,5 +1,6 @@
 """The control loop: level-triggered reconciliation. Each tick closes overdue executions,
-rescues the executions of vanished cells, brings stranded cells back, builds the policy's
+rescues the executions of vanished cells, brings stranded cells back, archives closed
+bursts, builds the policy's
 :class:`~services.scheduler.policy.Snapshot`, and applies what the policy decides."""
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class ControlLoop:
             if not self.transitions.running(cid):
                 self.transitions.rescue(cid)
         self._finish_stranded_moves()
+        await self.bursts.archive_closed(self.executions.relay.unsettled)
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.commands.apply(action, snap)

@@ -39,7 +39,7 @@ from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
-from services.scheduler.peers import Peers, SupplyUpdate
+from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
 from services.scheduler.policy import Policy, capacity, make_policy
 from services.scheduler.publication import Publication
@@ -89,7 +89,7 @@ class Scheduler:
             rate_per_s=cfg.harness_acquire_rate_per_s, burst=cfg.harness_acquire_burst,
             trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file, clock=clock,
         )
-        self.relay = FinishRelay(self.ledger, peers)
+        self.relay = FinishRelay(self.ledger, peers, on_refused=self._report_refused)
         self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
         self.bursts = Bursts(cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall)
         self.executions = Executions(cfg, self.ledger, self.fleet, self.lead, self.harnesses, self.relay,
@@ -154,6 +154,7 @@ class Scheduler:
         """Rebuilds from etcd as the new leader: bursts, executions, routes, transitions,
         the policy version; then resumes what the old leader left half done."""
         stored = await self.store.load()
+        self.ledger.archived = stored.summary
         for b in stored.bursts:
             self.ledger.apply_burst(b)
         self.executions.rebuild(stored.executions, stored.routes)
@@ -165,7 +166,8 @@ class Scheduler:
         self.history.append("leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched,
                             finished=c.finished)
         self.telemetry.emit("leader",
-                f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts, "
+                f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts "
+                f"({stored.summary.bursts} archived), "
                 f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
                 f"{len(stored.transitions)} transitions to resume")
         for cell_id, body in stored.transitions.items():
@@ -201,9 +203,9 @@ class Scheduler:
 
     # Harness API --------------------------------------------------------------------------
 
-    async def acquire(self, harness_id: str, wait_s: float) -> tuple[Launched | None, bool, float]:
+    async def acquire(self, harness_id: str, wait_s: float, key: str = "") -> tuple[Launched | None, bool, float]:
         """(launched or None, burst exhausted, retry-after hint): see Executions.acquire."""
-        got = await self.executions.acquire(harness_id, wait_s)
+        got = await self.executions.acquire(harness_id, wait_s, key)
         return got.launched, got.exhausted, got.retry_after_s
 
     async def heartbeat(self, execution_id: str, token: str, harness: str | None = None) -> tuple[float, ExecState]:
@@ -220,6 +222,13 @@ class Scheduler:
 
     async def report_loop(self) -> None:
         await self.relay.run()
+
+    def _report_refused(self, report: FinishReport, exc: Exception) -> None:
+        """The packer refused a finish report (settled, not retried): recorded."""
+        self.history.append("report_refused", self.lead.epoch, execution_id=report.execution_id,
+                            group_id=report.group_id, error=str(exc)[:200])
+        self.telemetry.emit("report_refused", f"the packer refused the finish report of "
+                            f"{report.execution_id}: {exc}", execution_id=report.execution_id)
 
     async def supply_loop(self) -> None:
         await self.supply.run(bool(self.cfg.packer_target))
@@ -252,7 +261,8 @@ class Scheduler:
             capacity=capacity(self.fleet.cells.views()), ready_groups=self.supply.current.ready_groups,
             batch_size=self.cfg.batch_size, policy_version=version, cells=cells,
             reroutes=self.transitions.reroutes,
-            bursts_completed=sum(1 for x in ledger.bursts.values() if x.target_version <= version),
+            bursts_completed=ledger.archived.bursts + sum(1 for x in ledger.bursts.values()
+                                                          if x.target_version <= version),
             to_training=self.commands.to_training, to_rollout=self.commands.to_rollout,
             versions=ledger.counts_by_version(), migrations=self.transitions.migrations,
             open_bursts=len(ledger.open_bursts()),

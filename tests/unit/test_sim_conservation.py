@@ -107,6 +107,7 @@ def test_reroutes_happen_and_conserve_with_kv_handoff() -> None:
     assert r.gpu_s_total == pytest.approx(r.cell_seconds, rel=1e-9)
     assert r.kv_handoffs <= r.reroutes
     assert r.reroute_recompute_tokens == 0  # handoff instead of recompute
+    assert r.reroute_gpu_s == pytest.approx(r.kv_handoffs * cfg.cost.kv_handoff_s)
 
 
 def test_waterlevel_reroutes_live_executions() -> None:
@@ -117,6 +118,7 @@ def test_waterlevel_reroutes_live_executions() -> None:
     assert r.reached
     assert r.reroutes > 0
     assert r.reroute_recompute_tokens > 0
+    assert 0 < r.reroute_gpu_s <= r.gpu_s["prefill"]  # the recompute is prefill work
 
 
 def test_same_seed_same_run_and_seeds_differ() -> None:
