@@ -588,7 +588,7 @@ class Cluster:
         dst.execs[ex.xid] = ex
         dst.account(t)
         if self.cc.kv_handoff and ex.ctx > 0:
-            dst.engine.add_stall("prefill", self.cc.kv_handoff_s)
+            dst.engine.add_stall("prefill", self.cost.kv_handoff_s(ex.ctx))
             self.kv_handoffs += 1
             self.reroute_gpu_s += self.cc.kv_handoff_s
         elif ex.ctx > 0:

@@ -39,7 +39,8 @@ class CellAgentConfig(ServiceConfig):
         "(off: ExportKv answers nothing and a moved call recomputes its prefix).")
     kv_medium: Literal["", "tcp", "nccl", "cuda_ipc"] = Field(
         "", description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
-        "point), cuda_ipc (GPUs on one node); empty: cuda_ipc with a GPU, tcp without.")
+        "point), cuda_ipc (GPUs on one node); empty: tcp (the GPU mediums are opt-in until "
+        "tests/gpu/test_kv_transfer.py has run on a GPU machine).")
     kv_host: str = Field(
         "127.0.0.1", description="vLLM: address the engine serves pinned KV blocks on (an address "
         "other cells reach when handoffs cross hosts).")
