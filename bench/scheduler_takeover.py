@@ -4,7 +4,7 @@ same run, with every record kept (the layout before archiving).
 
 How the ledger is reached quickly: bursts of ``--burst`` closed executions (groups of 4)
 are written straight to a private etcd as the leader writes them (one burst key, one
-execution record of ~430 bytes each, in transactions of 120 operations), skipping the
+execution record of ~530 bytes each, in transactions of 120 operations), skipping the
 harness round trips. In the archived layout each burst is then folded with the leader's
 own transaction (``SchedulerStore.archive``: summary put + burst delete + range delete of
 its records, fenced), as the control loop does once a burst is closed and its finish
