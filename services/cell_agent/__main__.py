@@ -39,8 +39,9 @@ def _preimport(cfg: CellAgentConfig) -> None:
 
         apply_vllm_env()  # before torch is first imported
         importlib.import_module("vllm.v1.engine.async_llm")
-    if cfg.training is not None:
-        importlib.import_module("services.cell_agent.training.hook")  # torch and the trainer
+    # build_hook imports the trainer (and torch) for every cell, training or not: here, off
+    # the loop (on the loop it took the 3 s lease of tests/fault/test_cell_crash_only.py).
+    importlib.import_module("services.cell_agent.training.hook")
 
 
 class _App:
