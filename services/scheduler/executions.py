@@ -173,7 +173,7 @@ class Executions:
             nxt = self.ledger.next_queued()
             if nxt is None:
                 return None
-            cell = pick_launch_cell(fleet.cells, fleet.routes)
+            cell = pick_launch_cell(fleet.cells, fleet.routes, fleet.planned, fleet.spread)
             if cell is None:
                 return None
             burst, seq = nxt

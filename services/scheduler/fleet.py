@@ -40,6 +40,10 @@ class Fleet:
         self.router_targets: list[str] = []
         self.placement_lock = asyncio.Lock()
         """Held while picking a slot and reserving it (launches, reroutes)."""
+        self.planned: tuple[str, ...] = ()
+        """Cells the policy plans to move to training next (PlanMoves): placement avoids them."""
+        self.spread = False
+        """Placement fills the least loaded rollout cell first (else packs by index)."""
         self._router_target = router_target
         self._registrations: list[bytes] = []
         self._states: dict[str, bytes] = {}

@@ -281,6 +281,9 @@ class Ledger:
         self._reserved: set[str] = set()  # launches whose write is in flight
         self._by_acquire_key: dict[str, str] = {}  # sha256(acquire key) -> execution
         self._last_close: dict[int, float] = {}  # burst -> latest finished_s of its records
+        self.cancelled_groups: dict[str, int] = {}
+        """Groups the scheduler cancelled (cancel early) -> their stamp version; kept when
+        their burst is archived (a new leader rebuilds it from the unarchived records)."""
         self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
@@ -523,6 +526,8 @@ class Ledger:
             self._last_close[rec.burst_id] = max(self._last_close.get(rec.burst_id, 0.0), rec.finished_s)
             self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
             self._deadline.pop(rec.execution_id, None)
+            if rec.idempotency_key == CANCEL_KEY:
+                self.cancelled_groups[rec.group_id] = self.bursts[rec.burst_id].policy_version
 
     def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
         """Rebuild: applies a record read back from etcd (any state); a record of an

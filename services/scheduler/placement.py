@@ -177,21 +177,23 @@ def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterab
     return order
 
 
-def pick_launch_cell(cells: CellTable, routes: RouteTable) -> CellRecord | None:
+def pick_launch_cell(cells: CellTable, routes: RouteTable, avoid: Iterable[str] = (),
+        spread: bool = False) -> CellRecord | None:
     """The engine for a new execution, or None when no rollout slot is free."""
-    order = placement_order(cells, routes.counts())
+    order = placement_order(cells, routes.counts(), avoid=avoid, spread=spread)
     return order[0][0] if order else None
 
 
 def pick_destinations(
-    cells: CellTable, routes: RouteTable, source: str, n: int, version_of: Callable[[str], int] | None = None
+    cells: CellTable, routes: RouteTable, source: str, n: int, version_of: Callable[[str], int] | None = None,
+    avoid: Iterable[str] = (), spread: bool = False,
 ) -> list[CellRecord]:
     """Destinations for ``n`` executions leaving ``source`` (fewer if slots run out). With
     ``version_of``, engines serving the source's policy version come first (a continuation
     should run on the same weights); the placement order holds within each group."""
     counts = routes.counts()
     out: list[CellRecord] = []
-    order = placement_order(cells, counts, exclude=[source])
+    order = placement_order(cells, counts, exclude=[source], avoid=avoid, spread=spread)
     if version_of is not None:
         want = version_of(source)
         order = sorted(order, key=lambda x: version_of(x[0].cell_id) != want)  # stable

@@ -195,7 +195,8 @@ class TransitionRunner:
                     continue
                 if not leaving:
                     return 0
-                dests = pick_destinations(fleet.cells, fleet.routes, cell_id, len(leaving), fleet.version)
+                dests = pick_destinations(fleet.cells, fleet.routes, cell_id, len(leaving), fleet.version,
+                        fleet.planned, fleet.spread)
                 if len(dests) < len(leaving):
                     return None
                 pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old,
