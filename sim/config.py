@@ -153,6 +153,13 @@ class PolicyParams(_Frozen):
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
+    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
+    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
+    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
+    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
+    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells).")
+    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
 
 
 class ScenarioConfig(_Frozen):
