@@ -112,7 +112,12 @@ class CostConfig(_Frozen):
     switch_to_train_s: float = Field(2.0, ge=0, description="Rollout -> train (sleep + optimizer in).")
     switch_to_rollout_s: float = Field(1.5, ge=0, description="Train -> rollout (wake).")
     weight_sync_s: float = Field(0.1, ge=0, description="Pushing/pulling one weight version.")
-    kv_handoff_s: float = Field(0.02, ge=0, description="Moving one request's KV on a reroute.")
+    kv_handoff_s: float = Field(
+        0.03, ge=0, description="Fixed latency of one KV handoff on a reroute (pin, seal, read set-up, "
+        "the destination's asynchronous load): measured by bench/engine_vllm.py.")
+    kv_handoff_bytes_per_s: float = Field(
+        50e9, gt=0, description="Bandwidth of the KV transfer between two cells (NVLink / CUDA IPC / "
+        "NCCL point to point); a handoff of ctx tokens adds ctx * kv_bytes_per_token / this.")
     kv_handoff: bool = Field(False, description="Reroutes move KV (else the prefix is recomputed).")
 
 
@@ -148,6 +153,13 @@ class PolicyParams(_Frozen):
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
+    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
+    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
+    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
+    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
+    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells).")
+    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
 
 
 class TargetConfig(_Frozen):
