@@ -259,15 +259,18 @@ def _time(r: RunResult | None) -> float | None:
     return r.time_to_n_s if r is not None and r.reached else None
 
 
-def hygiene(r: RunResult, group_size: int) -> dict[str, float]:
-    """The issue's hygiene figures of one run."""
-    dispatched_groups = r.ledger["dispatched"] / group_size if group_size else 0
+def hygiene(r: RunResult) -> dict[str, float]:
+    """The issue's hygiene figures of one run: dropped or cancelled groups / dispatched,
+    role-switch + reroute/migration GPU-s / all GPU-s, idle shares of both sides, and the
+    length bias (mean generated tokens of consumed / of dispatched groups: < 1 means
+    over-provision and dropping favour short episodes)."""
     total = r.gpu_s_total or 1.0
     return {
-        "dropped_share": r.dropped_groups / dispatched_groups if dispatched_groups else 0.0,
+        "dropped_share": r.dropped_share,
         "switch_reroute_gpu_share": (r.role_switch_gpu_s + r.reroute_gpu_s) / total,
         "trainer_idle": r.trainer_idle_ratio,
         "rollout_idle": r.rollout_idle_ratio,
+        "length_bias": r.length_bias,
     }
 
 
@@ -282,14 +285,13 @@ def summarize(cfg: SimConfig, results: list[ScenarioResult]) -> dict[str, dict[s
 
 def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
     sc = rs[0].scenario
-    gsize = cfg.profiles[sc.profile].group_size
     gyre = [_time(r.run("gyre")) for r in rs]
     base = {role: [_time(r.run(role)) for r in rs] for role in SUMMARY_ROLES}
     ratios = {role: [b / g if (b is not None and g) else None for b, g in zip(ts, gyre)]
               for role, ts in base.items()}
     eff = [r.bound_eta.t_star_eta_s / g if g else None for r, g in zip(rs, gyre)]
     eff_old = [r.bound.t_star_s / g if g else None for r, g in zip(rs, gyre)]
-    hyg = [hygiene(run, gsize) for r in rs if (run := r.run("gyre")) is not None]
+    hyg = [hygiene(run) for r in rs if (run := r.run("gyre")) is not None]
     hyg_med = {k: _median([h[k] for h in hyg]) for k in (hyg[0] if hyg else {})}
     out: dict[str, Any] = {
         "gyre_s": _median(gyre),

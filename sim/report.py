@@ -123,8 +123,8 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         f"reroute GPU-s ≤ {100 * t.switch_reroute_share:.0f}%, trainer and rollout idle ≤ {_pct(t.trainer_idle)}):"),
         "",
         ("| scenario | dropped or cancelled groups / dispatched | switch + reroute GPU-s share | trainer idle | "
-        "rollout idle | T\\*_η (s) | one-burst T\\* (s) |"),
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | one-burst T\\* (s) |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
         h, ok = s["hygiene"], s["hygiene_met"]
@@ -138,7 +138,8 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
 
         lines.append(
             f"| {name} | {cell('dropped_share')} | {cell('switch_reroute_gpu_share')} | {cell('trainer_idle')} | "
-            f"{cell('rollout_idle')} | {_f(s['t_star_eta_s'])} | {_f(s['t_star_one_burst_s'])} |"
+            f"{cell('rollout_idle')} | {cell('length_bias', pct=False)} | {_f(s['t_star_eta_s'])} | "
+            f"{_f(s['t_star_one_burst_s'])} |"
         )
     return "\n".join(lines) + "\n"
 
