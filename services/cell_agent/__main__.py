@@ -61,7 +61,7 @@ class _App:
             slots=cfg.slots,
             engine=cfg.engine,
         )
-        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease.lease_id)
+        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease)
         cell = Cell(
             identity,
             build_engine(cfg),
