@@ -119,7 +119,8 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
     slots = sc.cluster.slots_per_cell
     cells = sc.cluster.cells
     return {
-        "cluster": {"name": "emulate", "etcd_endpoints": ["127.0.0.1:23890"], "lease_ttl_s": 10},
+        "cluster": {"name": "emulate", "etcd_endpoints": ["127.0.0.1:23890"], "lease_ttl_s": 10,
+                    "max_staleness": tr.max_staleness},
         "scheduler": {
             "port": 50151, "router_target": "127.0.0.1:50152", "router_http_url": "http://127.0.0.1:8100/v1",
             "packer_target": "127.0.0.1:50153",
@@ -142,7 +143,7 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
         "packer": {
             "port": 50153, "wal_dir": "{run_dir}/packer-wal", "wal_fsync": False,
             "batch_size": tr.batch_groups, "micro_step_token_budget": budget,
-            "max_staleness": tr.max_staleness, "ready_grace_s": min(0.25, 0.1 + tick_s),
+            "ready_grace_s": min(0.25, 0.1 + tick_s),
         },
         "cell_agent": {
             "engine": "mock", "slots": slots,

@@ -2,8 +2,10 @@
 
 Wires the engine, the etcd store, the training hook and the servicers; the common runtime
 does the rest (lease, gRPC server, signals, ordered shutdown). The engine starts before the
-server, the cell registers and enters ROLLOUT once the server is up, and a monitor task
-ends the process (non-zero) when the engine dies or hangs.
+server (after ending whatever a previous incarnation of this cell left running: see
+``incarnation.py``; the engine's processes die with this agent), the cell registers and
+enters ROLLOUT once the server is up, and a monitor task ends the process (non-zero) when
+the engine dies or hangs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.engines import build_engine
+from services.cell_agent.engines.vllm_engine import cuda_available
+from services.cell_agent.incarnation import Incarnation, default_pid_dir
 from services.cell_agent.lifecycle import CellKind
 from services.cell_agent.servicer import CellControlServicer, EngineServicer
 from services.cell_agent.store import EtcdCellStore
@@ -35,8 +39,9 @@ def _preimport(cfg: CellAgentConfig) -> None:
 
         apply_vllm_env()  # before torch is first imported
         importlib.import_module("vllm.v1.engine.async_llm")
-    if cfg.training is not None:
-        importlib.import_module("services.cell_agent.training.hook")  # torch and the trainer
+    # build_hook imports the trainer (and torch) for every cell, training or not: here, off
+    # the loop (on the loop it took the 3 s lease of tests/fault/test_cell_crash_only.py).
+    importlib.import_module("services.cell_agent.training.hook")
 
 
 class _App:
@@ -56,7 +61,7 @@ class _App:
             slots=cfg.slots,
             engine=cfg.engine,
         )
-        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease.lease_id)
+        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease)
         cell = Cell(
             identity,
             build_engine(cfg),
@@ -68,8 +73,19 @@ class _App:
         )
         cell.hook = build_hook(rt, cfg)
         self.cell = cell
+        # One incarnation at a time: end what a previous agent of this cell left running,
+        # and make the engine processes started from here on die with this agent.
+        incarnation = Incarnation(cfg.pid_dir or default_pid_dir(cfg.cluster_name), cfg.cell_id,
+                                  cuda_available())
+        await asyncio.to_thread(incarnation.begin)
         await cell.start()
-        rt.supervisor.on_flush(cell.close)
+        incarnation.record()
+
+        async def close() -> None:
+            await cell.close()
+            incarnation.end()
+
+        rt.supervisor.on_flush(close)
         rt.supervisor.spawn("engine-monitor", cell.run())
         if cfg.metrics_port:
             from services.cell_agent.metrics import CellMetrics

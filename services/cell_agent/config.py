@@ -80,7 +80,8 @@ class CellAgentConfig(ServiceConfig):
         "(off: ExportKv answers nothing and a moved call recomputes its prefix).")
     kv_medium: Literal["", "tcp", "nccl", "cuda_ipc"] = Field(
         "", description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
-        "point), cuda_ipc (GPUs on one node); empty: cuda_ipc with a GPU, tcp without.")
+        "point), cuda_ipc (GPUs on one node); empty: tcp (the GPU mediums are opt-in until "
+        "tests/gpu/test_kv_transfer.py has run on a GPU machine).")
     kv_host: str = Field(
         "127.0.0.1", description="vLLM: address the engine serves pinned KV blocks on (an address "
         "other cells reach when handoffs cross hosts).")
@@ -103,6 +104,10 @@ class CellAgentConfig(ServiceConfig):
     probe_interval_s: float = Field(2.0, gt=0, description="Health probe period (a probe generates a token).")
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
+    pid_dir: str = Field(
+        "", description="Where the cell records the processes it started, so its next incarnation "
+        "ends what a crash left running (services/cell_agent/incarnation.py); empty: "
+        "$XDG_RUNTIME_DIR/gyre/<cluster> or <tmp>/gyre-<uid>/<cluster>.")
     snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")
 
     # Training ------------------------------------------------------------------------------------

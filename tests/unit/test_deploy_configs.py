@@ -244,3 +244,24 @@ def test_the_longest_segment_fits_a_micro_step(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ValueError, match="micro_step_token_budget"):
         check_sequence_limits(path)
+
+
+def test_scheduler_and_packer_agree_on_the_staleness_bound(tmp_path: Path) -> None:
+    """Every shipped config sets eta once for both services; a config where they differ is
+    refused when the launcher loads it."""
+    from apps.limits import check_shared_settings
+
+    local = ROOT / "deploy" / "local" / "cluster.yaml"
+    for name, text in (("compose", COMPOSE_CLUSTER.read_text()), ("k8s", k8s_cluster_yaml()), ("local", local.read_text())):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        check_shared_settings(path)
+    doc = yaml.safe_load(local.read_text())
+    doc.setdefault("cluster", {})["max_staleness"] = 2
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    check_shared_settings(path)  # once, in cluster: both services read it
+    doc["packer"]["max_staleness"] = 0
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match="max_staleness"):
+        check_shared_settings(path)

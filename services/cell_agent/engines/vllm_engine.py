@@ -93,7 +93,7 @@ class VllmEngine(Engine):
         self.model_dir = model_dir
         self.cell_id = cell_id
         self.kv_handoff = kv_handoff
-        self.kv_medium = kv_medium or ("cuda_ipc" if cuda_available() else "tcp")
+        self.kv_medium = kv_medium or "tcp"
         self.kv_host = kv_host
         self.kv_pin_ttl_s = kv_pin_ttl_s
         """How long a pin holds its blocks without a release (then they are freed)."""
