@@ -156,11 +156,25 @@ class _Runner:
             why = f"no policy of {entry.policy} is in the scheduler's registry yet"
             self.log(f"[{self.sc.name} seed {self.sc.seed}] {entry.role}: MISSING ({why})")
             return RoleResult(entry.role, None, None, missing=why)
+        if entry.at is not None:
+            return self.at(entry, name)
         if not entry.sweep:
             r = self.one(PolicySpec(name), self.sc, name)
             self.res.runs[name] = r
             return RoleResult(entry.role, name, name)
         return self.sweep(entry, name)
+
+    def at(self, entry: PolicyEntry, name: str) -> RoleResult:
+        """One run at the split of another row's oracle."""
+        ref = self.res.roles.get(entry.at)
+        best = next((p for p in ref.sweep if p.label == ref.label), None) if ref is not None else None
+        if best is None:
+            return RoleResult(entry.role, None, None, missing=f"row {entry.at!r} has no oracle to run at")
+        label = point_label(name, best.training_cells, best.placement)
+        r = self.one(PolicySpec(name, training_cells=best.training_cells), _with(self.sc, best.placement), label)
+        self.res.runs[label] = r
+        return RoleResult(entry.role, name, label if r.reached else None,
+                          missing="" if r.reached else "did not reach N")
 
     def sweep(self, entry: PolicyEntry, name: str) -> RoleResult:
         sc = self.sc

@@ -204,6 +204,9 @@ class PolicyEntry(_Frozen):
         "the first one it knows runs, so a policy plugs in as it lands. None known: the row is reported missing.",
     )
     sweep: bool = Field(False, description="Sweep the training cells T over `static_training_cells`: the best is the oracle.")
+    at: str | None = Field(
+        None, description="Run once at the training cells and placement of this (swept) row's oracle "
+        "instead of sweeping (e.g. lending at the oracle async static split).")
     placements: list[Literal["scheduler", "least_loaded"]] = Field(
         default_factory=list,
         description="Placements of the sweep: every T on the first, the best T and its neighbours on the others "
