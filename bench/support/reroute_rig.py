@@ -39,7 +39,7 @@ class Trial:
     error: str
     """The harness's error ('' when the response completed)."""
     gap_s: float
-    """From the SIGKILL to the first token after it."""
+    """From the SIGKILL to the first token served after the reroute."""
     source: str
     destination: str
     reroutes: int
@@ -139,18 +139,21 @@ class RerouteRig:
                                        sampling=common_pb2.SamplingParams(max_tokens=max_tokens)),
             metadata=(("authorization", f"Bearer {ex.token}"),), timeout=120,
         )
-        tokens, error, t_kill, first_after, reroutes = 0, "", 0.0, 0.0, 0
+        tokens, error, t_kill, first_after, reroutes, at_kill = 0, "", 0.0, 0.0, 0, -1
         try:
             async for msg in call:
                 now = time.monotonic()
                 n = len(msg.chunk.token_ids)
-                if t_kill and n and not first_after:
+                # The first token served after the reroute (tokens the source sent before
+                # it died may still arrive after the kill: they carry the old count).
+                if t_kill and n and not first_after and msg.reroutes > at_kill:
                     first_after = now
                 tokens += n
                 reroutes = msg.reroutes
                 if not t_kill and tokens >= kill_after:
                     self._cells[source].kill()
                     t_kill = time.monotonic()
+                    at_kill = msg.reroutes
         except grpc.aio.AioRpcError as err:
             error = f"{err.code().name}: {err.details()}"
         destination = await self.cell_of(ex.execution_id) if not error else ""
