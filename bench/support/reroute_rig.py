@@ -65,7 +65,7 @@ class RerouteRig:
             "router": {**common, "model_dir": str(build_tokenizer_dir(tmp / "model")), "http_port": 0,
                        "report_engine_failures": report, "failover_wait_s": 30.0, "retry_budget": 3},
             "cell_agent": {**common, "kind": "standalone", "index": -1, "slots": slots, "engine": "mock",
-                           "mock_fixed_decode_step_s": decode_step_s, "probe_interval_s": 0.5},
+                           "mock": {"fixed_decode_step_s": decode_step_s}, "probe_interval_s": 0.5},
         }
         self.config = tmp / "reroute.yaml"
         self.config.write_text(yaml.safe_dump(config))
