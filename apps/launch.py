@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from apps.limits import check_sequence_limits
+from apps.limits import check_sequence_limits, check_shared_settings
 from apps.pki import LaunchPki
 from apps.procs import ServiceProcess
 from gyre.etcd.server import EtcdServer, free_port
@@ -72,6 +72,7 @@ class Cluster:
         self.pki = LaunchPki(self.config, certs_dir)
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False) if self.pki.changed else text)
         check_sequence_limits(self.config_path)  # before anything starts
+        check_shared_settings(self.config_path)
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
         self.procs: dict[str, ServiceProcess] = {}

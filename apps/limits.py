@@ -1,6 +1,7 @@
-"""Cluster-wide sequence limits, checked when a cluster config is loaded (by the launcher,
-before any process starts): the longest trajectory segment the configuration allows must
-fit one micro-step and the trained model's context.
+"""Cluster-wide limits, checked when a cluster config is loaded (by the launcher, before
+any process starts): the longest trajectory segment the configuration allows must fit one
+micro-step and the trained model's context; and the scheduler and the packer must agree on
+the staleness bound eta (``max_staleness``).
 
 An execution's tokens only grow (services/router/trajectory.py), and the packer trains each
 segment as one sequence (services/packer/segments.py). A segment is as long as its last
@@ -21,6 +22,10 @@ from gyre.config import load
 from services.cell_agent.config import CellAgentConfig
 from services.packer.config import PackerConfig
 from services.router.config import RouterConfig
+from services.scheduler.config import SchedulerConfig
+
+SHARED = ("max_staleness",)
+"""Settings the scheduler and the packer must agree on (set them once, in ``cluster:``)."""
 
 
 def longest_segment(path: str | os.PathLike[str]) -> int:
@@ -53,3 +58,15 @@ def check_sequence_limits(path: str | os.PathLike[str]) -> int:
                 f"holds {positions} positions: lower cell_agent.max_model_len"
             )
     return longest
+
+
+def check_shared_settings(path: str | os.PathLike[str]) -> None:
+    """Raises ValueError when the scheduler and the packer disagree on a shared setting
+    (the staleness bound eta): the policy would cancel by one bound while the packer drops
+    by another."""
+    scheduler, packer = load(SchedulerConfig, path), load(PackerConfig, path)
+    for name in SHARED:
+        a, b = getattr(scheduler, name), getattr(packer, name)
+        if a != b:
+            raise ValueError(f"{path}: scheduler.{name} is {a} but packer.{name} is {b}: set it once, in the "
+                             f"cluster: section")

@@ -19,6 +19,7 @@ from typing import Any
 
 from gyre.certs import ensure_process_identity
 from gyre.config import read_file
+from gyre.lifeline import kill_group, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,9 @@ class ServiceProcess:
         config = read_file(self.config_path) if self.config_path else {}
         ensure_process_identity(self.service, config, self.overrides, env)
         stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
+        # Its own process group (a dead service's leftovers are ended with it, reap_group),
+        # and it dies with this process however this one dies (lifeline.spawn).
+        self.proc = spawn(
             self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
             start_new_session=True,
         )
@@ -114,10 +117,17 @@ class ServiceProcess:
             self.proc.send_signal(sig)
 
     def kill(self) -> None:
-        """SIGKILL: a crash, no clean shutdown (its lease lapses after the TTL)."""
+        """SIGKILL: a crash, no clean shutdown (its lease lapses after the TTL). Only the
+        service process: what it started must die with it on its own (gyre.lifeline)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def reap_group(self) -> None:
+        """SIGKILL to what is left of the service's process group once it has exited (a
+        process it started that outlived it)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            kill_group(self.proc.pid)
 
     def pause(self) -> None:
         self.signal(signal.SIGSTOP)
@@ -137,6 +147,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.reap_group()
         return self.proc.returncode
 
     def wait(self, timeout_s: float) -> int:

@@ -53,6 +53,9 @@ class ServiceConfig(BaseSettings):
     """Settings every service shares. Subclasses add their own fields and set ``SECTION``."""
 
     SECTION: ClassVar[str] = "service"
+    MOVED_SECTIONS: ClassVar[dict[str, str]] = {}
+    """Top-level sections this service used to read, and where they live now (a file that
+    still has one is refused with that message instead of being silently ignored)."""
 
     model_config = SettingsConfigDict(
         frozen=True, extra="forbid", env_nested_delimiter="__", case_sensitive=False
@@ -129,13 +132,18 @@ def read_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
 
 def load(cls: type[T], path: str | os.PathLike[str] | None = None, **overrides: Any) -> T:
     """Builds ``cls`` from the ``cluster`` and ``cls.SECTION`` sections of ``path`` (or
-    $GYRE_CONFIG), environment variables ``GYRE_<SECTION>__*``, and ``overrides``."""
+    $GYRE_CONFIG), environment variables ``GYRE_<SECTION>__*``, and ``overrides`` (a key
+    "a.b" overrides field ``b`` of the nested section ``a``)."""
     data = read_file(path or os.environ.get(CONFIG_ENV))
     section = cls.SECTION
+    for old, new in cls.MOVED_SECTIONS.items():
+        if old in data:
+            raise ValueError(f"{path or os.environ.get(CONFIG_ENV)}: the top-level '{old}:' section is now '{new}'; move it there")
     merged: dict[str, Any] = {}
     merged.update(_shared_fields(cls, data.get("cluster") or {}))
     merged.update(data.get(section) or {})
-    merged.update(overrides)
+    for key, value in overrides.items():
+        set_dotted(merged, key, value)
     env_prefix = f"GYRE_{section.upper()}__"
 
     class _Bound(cls):  # type: ignore[valid-type,misc]
@@ -144,6 +152,20 @@ def load(cls: type[T], path: str | os.PathLike[str] | None = None, **overrides: 
     _Bound.__name__ = cls.__name__
     built = _Bound(**merged)
     return cls.model_validate(built.model_dump())
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """``data[a][b] = value`` for ``key`` "a.b" (``--set training.lr=0.1``): a nested
+    override keeps the section's other fields; a non-mapping in the way is replaced."""
+    *path, leaf = key.split(".")
+    node = data
+    for part in path:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+        node[part] = child = dict(child)
+        node = child
+    node[leaf] = value
 
 
 def _shared_fields(cls: type[ServiceConfig], cluster: dict[str, Any]) -> dict[str, Any]:

@@ -1,30 +1,49 @@
-"""The physical limit T* = max(work bound, critical path) of a scenario (WORKLOADS.md).
+"""Lower bounds on the time to N policy updates of a scenario (WORKLOADS.md, "Physical limit").
 
-For update k (k = 0..N-1) the bound looks at the groups dispatched for it (the burst's
-quota with over-provision, drawn at version k) and lets the best case pick the
-``batch_groups`` cheapest of them:
+Both bounds share the per-group costs of the trace: for update k they look at the groups
+dispatched for it (a quota of ``batch_groups x (1 + over-provision)`` groups) and let the
+best case pick. A group's *work* is the rollout GPU-s of its members at the best feasible
+decode batch (``slots_per_cell`` sequences sharing each weight read) plus their prefill,
+plus its training GPU-s; its *alone latency* is its slowest member at the best per-sequence
+speed (alone on an engine) with its sandbox, tool and reward waits.
 
-* work bound = (rollout GPU-s of the picked groups at the best feasible decode batch
-  (``slots_per_cell`` sequences sharing each weight read) + their prefill GPU-s + their
-  training GPU-s + one fixed optimizer cost per update) / cells;
-* critical path = the slowest episode that some update must wait for, at the best
-  per-sequence speed (alone on an engine) with its sandbox, tool and reward waits, plus the
-  final training step on every cell. For each update that is the ``batch_groups``-th fastest
-  group of its quota; the bound takes the largest over updates (one burst's latency is a
-  floor that no amount of overlap removes).
+* ``physical_limit`` — the one-burst bound T* (kept for comparison with earlier reports):
+  max(work bound, critical path), the work bound being every update's ``batch_groups``
+  cheapest groups plus one optimizer step per update, over all cells; the critical path
+  the slowest ``batch_groups``-th fastest group of any update plus the final training step.
+  It counts one burst's latency, not one per update, and ignores the staleness bound.
+* ``staleness_limit`` — T*_eta, which respects the staleness bound eta: a group consumed by
+  batch k (trained at version k, published as version k+1 at time t_{k+1}) must have been
+  dispatched at version >= k - eta, so it cannot start before t_{max(0, k-eta)}. The
+  publish times obey (``publish_times``)
 
-It is a lower bound under the shared assumptions (the trace, the cost model, one batch per
-update); it ignores role switches, reroutes and weight sync, which are costs of a policy.
+      t_0 = 0,
+      t_{k+1} >= t_k + train_k / cells + tau_opt                  (batch k trains after t_k)
+      t_{k+1} >= t_{max(0,k-eta)} + L_k + tail_k                  (its B-th group's latency)
+      t_{k+1} >= t_m + (sum of rollout_j, j >= m + eta, j <= k     (work that cannot start
+                        + sum of train_j, m <= j <= k) / cells       before t_m), m = 1..k
+      t_{k+1} >= (sum of rollout_j + train_j, j <= k) / cells      (m = 0: all the work)
+
+  with L_k the B-th fastest alone latency among the groups eligible for batch k (its quota,
+  drawn at the earliest version it may be dispatched with, which under length drift is
+  the shortest), tail_k = tau_opt + the least training time of one of them on every cell,
+  rollout_j / train_j the GPU-s of batch j's B cheapest groups (train_j with one optimizer
+  step), tau_opt the optimizer's fixed step. T*_eta = t_N.
+
+Both are lower bounds under the simulator's assumptions (the trace, the cost model, one
+batch of ``batch_groups`` groups per update drawn from its quota); role switches, reroutes,
+weight sync and queueing are costs of a policy, not of the bound. Efficiency = bound / T.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sim.config import ScenarioConfig, SimConfig
 from sim.cost import CostModel
-from sim.workload import Episode, Trace
+from sim.workload import Episode, make_trace
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,30 @@ class Bound:
     prefill_gpu_s: float
     train_gpu_s: float
     slowest_needed_group_s: float
+
+
+@dataclass(frozen=True)
+class StalenessBound:
+    """T*_eta, the publish times of the recursion, and which constraint set each one."""
+
+    t_star_eta_s: float
+    eta: int
+    publish_times_s: tuple[float, ...]  # t_1 .. t_N
+    binding: tuple[str, ...]  # per update: "train", "latency" or "work"
+    work_bound_s: float  # all the work over all cells (the m = 0 term at k = N-1)
+    latency_s: tuple[float, ...]  # L_k
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """One group's costs at the best case (see the module docstring)."""
+
+    decode_gpu_s: float
+    prefill_gpu_s: float
+    train_gpu_s: float
+    tokens: int
+    alone_s: float
+    work: float  # decode + prefill + train GPU-s
 
 
 def _episode_costs(ep: Episode, cost: CostModel, best_batch: int) -> tuple[float, float, float]:
@@ -59,28 +102,62 @@ def _episode_costs(ep: Episode, cost: CostModel, best_batch: int) -> tuple[float
     return decode_gpu, prefill, alone
 
 
+def group_cost(eps: Sequence[Episode], cost: CostModel, best_batch: int) -> GroupCost:
+    parts = [_episode_costs(ep, cost, best_batch) for ep in eps]
+    tokens = sum(ep.total_tokens for ep in eps)
+    train = tokens / cost.train_tokens_per_cell_s()
+    return GroupCost(
+        decode_gpu_s=sum(d for d, _, _ in parts),
+        prefill_gpu_s=sum(p for _, p, _ in parts),
+        train_gpu_s=train,
+        tokens=tokens,
+        alone_s=max(a for _, _, a in parts),
+        work=sum(d + p for d, p, _ in parts) + train,
+    )
+
+
+def quota_groups(sc: ScenarioConfig) -> int:
+    """Groups dispatched per update (the batch with its over-provision)."""
+    tr = sc.training
+    return max(tr.batch_groups, math.ceil(tr.batch_groups * (1 + tr.overprovision) - 1e-9))
+
+
+class _Costs:
+    """Group costs of one scenario's trace, by (task, version)."""
+
+    def __init__(self, cfg: SimConfig, sc: ScenarioConfig) -> None:
+        self.trace = make_trace(cfg, sc)
+        self.cost = CostModel(cfg.cost)
+        self.best_batch = sc.cluster.slots_per_cell
+        self.per_burst = quota_groups(sc)
+        self._memo: dict[tuple[int, int], GroupCost] = {}
+
+    def batch(self, k: int, version: int) -> list[GroupCost]:
+        """The quota of update k, drawn at ``version``."""
+        out = []
+        for task in range(k * self.per_burst, (k + 1) * self.per_burst):
+            key = (task, version)
+            g = self._memo.get(key)
+            if g is None:
+                g = self._memo[key] = group_cost(self.trace.group(task, version), self.cost, self.best_batch)
+            out.append(g)
+        return out
+
+
 def physical_limit(cfg: SimConfig, sc: ScenarioConfig) -> Bound:
-    """T* for N = ``sc.training.updates`` updates of scenario ``sc``."""
-    profile = cfg.profiles[sc.profile]
-    trace = Trace(profile, sc.seed, sc.drift)
-    cost = CostModel(cfg.cost)
+    """The one-burst T* for N = ``sc.training.updates`` updates of scenario ``sc``."""
+    return _physical_limit(cfg, sc, _Costs(cfg, sc))
+
+
+def _physical_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Bound:
     tr = sc.training
     cells = sc.cluster.cells
-    per_burst = max(tr.batch_groups, math.ceil(tr.batch_groups * (1 + tr.overprovision) - 1e-9))
-    best_batch = sc.cluster.slots_per_cell
     rollout = prefill = train = 0.0
     slowest = 0.0
     last_train_tokens = 0
-    tok_s = cost.train_tokens_per_cell_s()
+    tok_s = costs.cost.train_tokens_per_cell_s()
     for k in range(tr.updates):
-        groups = []
-        for task in range(k * per_burst, (k + 1) * per_burst):
-            eps = trace.group(task, k)
-            parts = [_episode_costs(ep, cost, best_batch) for ep in eps]
-            tokens = sum(ep.total_tokens for ep in eps)
-            work = sum(d + p for d, p, _ in parts) + tokens / tok_s
-            latency = max(a for _, _, a in parts)
-            groups.append((work, latency, sum(d for d, _, _ in parts), sum(p for _, p, _ in parts), tokens))
+        groups = [(g.work, g.alone_s, g.decode_gpu_s, g.prefill_gpu_s, g.tokens) for g in costs.batch(k, k)]
         by_work = sorted(groups)[: tr.batch_groups]
         rollout += sum(g[2] for g in by_work)
         prefill += sum(g[3] for g in by_work)
@@ -90,7 +167,7 @@ def physical_limit(cfg: SimConfig, sc: ScenarioConfig) -> Bound:
         needed = sorted(g[1] for g in groups)[tr.batch_groups - 1]
         slowest = max(slowest, needed)
     work_bound = (rollout + prefill + train) / cells
-    critical = slowest + cost.train_s(last_train_tokens, cells)
+    critical = slowest + costs.cost.train_s(last_train_tokens, cells)
     return Bound(
         t_star_s=max(work_bound, critical),
         work_bound_s=work_bound,
@@ -100,3 +177,70 @@ def physical_limit(cfg: SimConfig, sc: ScenarioConfig) -> Bound:
         train_gpu_s=train,
         slowest_needed_group_s=slowest,
     )
+
+
+def publish_times(latency: Sequence[float], tail: Sequence[float], rollout: Sequence[float],
+                  train: Sequence[float], cells: int, eta: int,
+                  tau_opt: float) -> tuple[list[float], list[str]]:
+    """The recursion of T*_eta (module docstring): the earliest publish times t_1..t_N and,
+    per update, the constraint that set it. ``latency[k]`` = L_k, ``tail[k]`` = tail_k,
+    ``rollout[k]`` / ``train[k]`` = batch k's GPU-s (``train`` with its optimizer step);
+    batch k trains on every cell in at least ``(train[k] - tau_opt) / cells`` + tau_opt."""
+    n = len(latency)
+    if not (len(tail) == len(rollout) == len(train) == n):
+        raise ValueError("latency, tail, rollout and train need one entry per update")
+    if cells < 1 or eta < 0:
+        raise ValueError("cells >= 1 and eta >= 0")
+    t = [0.0]
+    binding: list[str] = []
+    for k in range(n):
+        cands = {
+            "train": t[k] + (train[k] - tau_opt) / cells + tau_opt,
+            "latency": t[max(0, k - eta)] + latency[k] + tail[k],
+        }
+        work = 0.0
+        for m in range(k + 1):
+            first_rollout = 0 if m == 0 else m + eta
+            w = sum(rollout[first_rollout: k + 1]) + sum(train[m: k + 1])
+            work = max(work, t[m] + w / cells)
+        cands["work"] = work
+        why = max(cands, key=cands.__getitem__)
+        t.append(cands[why])
+        binding.append(why)
+    return t[1:], binding
+
+
+def staleness_limit(cfg: SimConfig, sc: ScenarioConfig) -> StalenessBound:
+    """T*_eta for N = ``sc.training.updates`` updates of ``sc`` at eta = its max_staleness."""
+    return _staleness_limit(cfg, sc, _Costs(cfg, sc))
+
+
+def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> StalenessBound:
+    tr = sc.training
+    eta = tr.max_staleness
+    cells = sc.cluster.cells
+    tau_opt = cfg.cost.train_step_fixed_s
+    latency, tail, rollout, train = [], [], [], []
+    for k in range(tr.updates):
+        groups = costs.batch(k, max(0, k - eta))  # the earliest version it may be dispatched with
+        by_latency = sorted(groups, key=lambda g: g.alone_s)
+        latency.append(by_latency[tr.batch_groups - 1].alone_s)
+        tail.append(tau_opt + min(g.train_gpu_s for g in groups) / cells)
+        cheapest = sorted(groups, key=lambda g: g.work)[: tr.batch_groups]
+        rollout.append(sum(g.decode_gpu_s + g.prefill_gpu_s for g in cheapest))
+        train.append(sum(g.train_gpu_s for g in cheapest) + tau_opt)
+    times, binding = publish_times(latency, tail, rollout, train, cells, eta, tau_opt)
+    return StalenessBound(
+        t_star_eta_s=times[-1],
+        eta=eta,
+        publish_times_s=tuple(times),
+        binding=tuple(binding),
+        work_bound_s=(sum(rollout) + sum(train)) / cells,
+        latency_s=tuple(latency),
+    )
+
+
+def limits(cfg: SimConfig, sc: ScenarioConfig) -> tuple[Bound, StalenessBound]:
+    """Both bounds, sharing the group costs."""
+    costs = _Costs(cfg, sc)
+    return _physical_limit(cfg, sc, costs), _staleness_limit(cfg, sc, costs)

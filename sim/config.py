@@ -112,7 +112,12 @@ class CostConfig(_Frozen):
     switch_to_train_s: float = Field(2.0, ge=0, description="Rollout -> train (sleep + optimizer in).")
     switch_to_rollout_s: float = Field(1.5, ge=0, description="Train -> rollout (wake).")
     weight_sync_s: float = Field(0.1, ge=0, description="Pushing/pulling one weight version.")
-    kv_handoff_s: float = Field(0.02, ge=0, description="Moving one request's KV on a reroute.")
+    kv_handoff_s: float = Field(
+        0.03, ge=0, description="Fixed latency of one KV handoff on a reroute (pin, seal, read set-up, "
+        "the destination's asynchronous load): measured by bench/engine_vllm.py.")
+    kv_handoff_bytes_per_s: float = Field(
+        50e9, gt=0, description="Bandwidth of the KV transfer between two cells (NVLink / CUDA IPC / "
+        "NCCL point to point); a handoff of ctx tokens adds ctx * kv_bytes_per_token / this.")
     kv_handoff: bool = Field(False, description="Reroutes move KV (else the prefix is recomputed).")
 
 
@@ -148,14 +153,29 @@ class PolicyParams(_Frozen):
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
+    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
+    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
+    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
+    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
+    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells).")
+    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
 
 
 class ScenarioConfig(_Frozen):
     """One benchmark scenario: a profile, a cluster and a seed."""
 
     name: str = Field(..., description="Scenario name (used in file names and tables).")
-    profile: str = Field("A", description="Key of `profiles`.")
+    profile: str = Field("A", description="Key of `profiles` (with `mix`: the one whose group size every task takes).")
+    mix: dict[str, float] = Field(
+        default_factory=dict,
+        description="Mixed tasks: profile key -> weight; each task's profile is drawn by (seed, task). Empty: `profile` only.",
+    )
     seed: int = Field(1, description="Seed of the trace (same trace for every policy).")
+    seeds: list[int] = Field(
+        default_factory=list,
+        description="Seeds the benchmark runs the scenario on (min / median / max reported); empty: `seed` only.",
+    )
     drift: DriftConfig = Field(default_factory=DriftConfig, description="Length drift.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cells.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Batches.")
@@ -188,8 +208,11 @@ class SimConfig(_Frozen):
     @model_validator(mode="after")
     def _profiles_exist(self) -> "SimConfig":
         for s in self.scenarios:
-            if s.profile not in self.profiles:
-                raise ValueError(f"scenario {s.name}: unknown profile {s.profile!r}")
+            for key in [s.profile, *s.mix]:
+                if key not in self.profiles:
+                    raise ValueError(f"scenario {s.name}: unknown profile {key!r}")
+            if any(w <= 0 for w in s.mix.values()):
+                raise ValueError(f"scenario {s.name}: mix weights must be positive")
         return self
 
     def scenario(self, name: str) -> ScenarioConfig:

@@ -117,6 +117,12 @@ class CostModel:
         ctx = prefix + tokens / 2.0
         return tokens * (2.0 * c.n_params + 4.0 * c.n_layers * c.d_model * ctx) / self._prefill_flops
 
+    def kv_handoff_s(self, ctx: int) -> float:
+        """Moving a request's KV (``ctx`` tokens) to another cell instead of recomputing it:
+        the handoff's fixed latency plus the bytes over the transfer's bandwidth."""
+        c = self.cfg
+        return c.kv_handoff_s + ctx * c.kv_bytes_per_token / c.kv_handoff_bytes_per_s
+
     def train_tokens_per_cell_s(self) -> float:
         """Training throughput of one cell, tokens/s (6N FLOPs per token)."""
         return self._train_flops_per_cell / (6.0 * self.cfg.n_params)

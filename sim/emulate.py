@@ -119,7 +119,8 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
     slots = sc.cluster.slots_per_cell
     cells = sc.cluster.cells
     return {
-        "cluster": {"name": "emulate", "etcd_endpoints": ["127.0.0.1:23890"], "lease_ttl_s": 10},
+        "cluster": {"name": "emulate", "etcd_endpoints": ["127.0.0.1:23890"], "lease_ttl_s": 10,
+                    "max_staleness": tr.max_staleness},
         "scheduler": {
             "port": 50151, "router_target": "127.0.0.1:50152", "router_http_url": "http://127.0.0.1:8100/v1",
             "packer_target": "127.0.0.1:50153",
@@ -140,7 +141,7 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
         "packer": {
             "port": 50153, "wal_dir": "{run_dir}/packer-wal", "wal_fsync": False,
             "batch_size": tr.batch_groups, "micro_step_token_budget": budget,
-            "max_staleness": tr.max_staleness, "ready_grace_s": min(0.25, 0.1 + tick_s),
+            "ready_grace_s": min(0.25, 0.1 + tick_s),
         },
         "cell_agent": {
             "engine": "mock", "slots": slots, "mock_time_scale": scale,
@@ -153,12 +154,12 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "mock_weight_load_s": c.weight_sync_s, "mock_sleep_s": c.switch_to_train_s,
             "mock_wake_s": c.switch_to_rollout_s, "mock_max_batch": max(slots, 1),
             "max_prompt_tokens": max(131072, budget), "drain_wait_s": 10.0,
-        },
-        "training": {
-            "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,
-            "n_params": c.n_params, "flops": c.flops, "train_flops_eff": c.train_flops_eff,
-            "gpus_per_cell": c.gpus_per_cell, "train_step_fixed_s": c.train_step_fixed_s,
-            "weight_sync_s": c.weight_sync_s, "claim_wait_s": 0.5, "done_poll_s": 0.02,
+            "training": {
+                "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,
+                "n_params": c.n_params, "flops": c.flops, "train_flops_eff": c.train_flops_eff,
+                "gpus_per_cell": c.gpus_per_cell, "train_step_fixed_s": c.train_step_fixed_s,
+                "weight_sync_s": c.weight_sync_s, "claim_wait_s": 0.5, "done_poll_s": 0.02,
+            },
         },
         "launch": {
             "etcd": {},

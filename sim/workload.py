@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.config import DriftConfig, LogNormal, ProfileConfig
+from sim.config import DriftConfig, LogNormal, ProfileConfig, ScenarioConfig, SimConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class _EpisodeCache:
         return eps
 
 
-_CACHE = _EpisodeCache()
+_CACHE = _EpisodeCache(keep=4)
 
 
 class Trace:
@@ -149,6 +149,48 @@ class Trace:
 
     def group(self, task: int, version: int = 0) -> list[Episode]:
         return [self.episode(task, m, version) for m in range(self.profile.group_size)]
+
+
+class MixedTrace:
+    """Tasks of several profiles in one stream (a mixed-task scenario): each task's profile is
+    drawn from the weights by (seed, task) alone, so every policy sees the same mix. Every
+    profile takes the group size of the scenario's own profile (a burst is whole groups of
+    one size)."""
+
+    def __init__(self, profiles: list[tuple[ProfileConfig, float]], seed: int, drift: DriftConfig | None = None,
+                 group_size: int | None = None) -> None:
+        if not profiles:
+            raise ValueError("a mixed trace needs at least one profile")
+        size = group_size or profiles[0][0].group_size
+        self.traces = [Trace(p.model_copy(update={"group_size": size}), seed, drift) for p, _ in profiles]
+        self.profile = self.traces[0].profile
+        self.seed = seed
+        w = np.array([wt for _, wt in profiles], dtype=float)
+        self._cum = (w / w.sum()).cumsum().tolist()
+        self._kinds: dict[int, int] = {}
+
+    def kind(self, task: int) -> int:
+        """Index (into the profiles given) of ``task``'s profile."""
+        k = self._kinds.get(task)
+        if k is None:
+            u = float(np.random.default_rng([self.seed, task, 2_000_003]).random())
+            k = next((i for i, c in enumerate(self._cum) if u < c), len(self._cum) - 1)
+            self._kinds[task] = k
+        return k
+
+    def episode(self, task: int, member: int, version: int = 0) -> Episode:
+        return self.traces[self.kind(task)].episode(task, member, version)
+
+    def group(self, task: int, version: int = 0) -> list[Episode]:
+        return self.traces[self.kind(task)].group(task, version)
+
+
+def make_trace(cfg: SimConfig, sc: ScenarioConfig) -> Trace | MixedTrace:
+    """The trace of a scenario: its profile, or the weighted mix of ``sc.mix``."""
+    if not sc.mix:
+        return Trace(cfg.profiles[sc.profile], sc.seed, sc.drift)
+    return MixedTrace([(cfg.profiles[k], w) for k, w in sc.mix.items()], sc.seed, sc.drift,
+                      group_size=cfg.profiles[sc.profile].group_size)
 
 
 def _clip_total(out: np.ndarray, cap: int) -> np.ndarray:

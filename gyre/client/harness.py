@@ -6,6 +6,16 @@ certificate in ``tls_dir`` (an identity directory: tls.crt, tls.key, ca.crt; def
 (``api_key``, or the file named by ``$GYRE_HARNESS_API_KEY_FILE``, or
 ``$GYRE_HARNESS_API_KEY``) in the ``x-gyre-api-key`` metadata of every call.
 ``insecure=True`` dials plaintext (a scheduler run with ``tls.insecure``).
+
+Failover is invisible to the harness. ``scheduler_target`` may name several scheduler
+replicas ("host:a,host:b", or a list); only the leader serves harness calls, a standby
+answers UNAVAILABLE naming the leader, and the client follows it. Every call is retried on
+UNAVAILABLE and DEADLINE_EXCEEDED (capped exponential back-off with jitter, gyre.backoff) until ``retry_s`` has passed
+since its first attempt (default 30 s, or ``$GYRE_HARNESS_RETRY_S``): long enough for a
+leader failover (the old leader's lease TTL, 10 s by default, plus the election and the
+rebuild). Retries are safe: AcquireExecution and FinishExecution carry idempotency keys (a
+retried acquire returns the same execution and token, also from the new leader), and a
+heartbeat changes nothing but a deadline.
 """
 
 from __future__ import annotations
@@ -16,17 +26,20 @@ import json
 import logging
 import math
 import os
+import re
+import secrets
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
 import aiohttp
 import grpc
 
 from gyre.apikeys import METADATA_KEY
 from gyre.backoff import Backoff
-from gyre.errors import GyreError, InvalidArgument, Unavailable, from_http_status, from_rpc_error
+from gyre.errors import GyreError, InvalidArgument, from_http_status, from_rpc_error
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
 from gyre.identity import Role
@@ -41,39 +54,71 @@ _STATUS = {
 }
 
 
+LEADER_METADATA = "x-gyre-leader"
+"""Trailing metadata of a standby's UNAVAILABLE: the leader's gRPC target."""
+_LEADER_IN_DETAILS = re.compile(r"the leader is at (\S+?)[;,)]?(?:\s|$)")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+DEFAULT_RETRY_S = 30.0
+T = TypeVar("T")
+
+
 class NoExecution(Exception):
     """Raised by :meth:`HarnessClient.acquire_or_raise` when the burst has nothing left."""
 
 
-class HarnessClient:
-    """Asks the scheduler for executions. One per harness process."""
+def _targets(spec: str | Sequence[str]) -> list[str]:
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = [t.strip() for t in items if t.strip()]
+    if not out:
+        raise ValueError("no scheduler target")
+    return out
 
-    def __init__(self, scheduler_target: str, harness_id: str = "", timeout_s: float = 10.0, *,
+
+def leader_hint(err: grpc.aio.AioRpcError) -> str:
+    """The leader's target a standby named in its UNAVAILABLE answer ("" if none)."""
+    for key, value in err.trailing_metadata() or ():
+        if key == LEADER_METADATA:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    m = _LEADER_IN_DETAILS.search(err.details() or "")
+    return m.group(1) if m else ""
+
+
+class HarnessClient:
+    """Asks the scheduler for executions. One per harness process.
+
+    ``scheduler_target``: one target or several (a list, or comma-separated); the client
+    follows the leader among them. ``timeout_s``: deadline of one attempt. ``retry_s``:
+    how long one call keeps retrying through UNAVAILABLE / DEADLINE_EXCEEDED (a leader
+    failover); None reads ``$GYRE_HARNESS_RETRY_S`` (default 30 s)."""
+
+    def __init__(self, scheduler_target: str | Sequence[str], harness_id: str = "", timeout_s: float = 10.0, *,
                  tls_dir: str | os.PathLike[str] | None = None, api_key: str | None = None,
-                 insecure: bool = False) -> None:
-        self._target = scheduler_target
+                 insecure: bool = False, retry_s: float | None = None) -> None:
+        self._targets = _targets(scheduler_target)
+        self._current = 0
         self.harness_id = harness_id or f"harness-{uuid.uuid4().hex[:8]}"
         self._timeout_s = timeout_s
+        self.retry_s = float(os.environ.get("GYRE_HARNESS_RETRY_S", DEFAULT_RETRY_S)) if retry_s is None else retry_s
         self._tls_dir = tls_dir or os.environ.get("GYRE_HARNESS_TLS_DIR", "")
         self._insecure = insecure
         key = api_key or _key_from_env()
         self.metadata: tuple[tuple[str, str], ...] = ((METADATA_KEY, key),) if key else ()
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: scheduler_pb2_grpc.HarnessServiceStub | None = None
+        self._tls: TlsFiles | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._http: aiohttp.ClientSession | None = None
+        self.retries = 0
+        """Attempts retried so far (UNAVAILABLE / DEADLINE_EXCEEDED), for monitoring."""
 
-    async def __aenter__(self) -> HarnessClient:
+    async def __aenter__(self) -> Self:
         if self._insecure:
-            tls = TlsFiles(insecure=True)
+            self._tls = TlsFiles(insecure=True)
         elif self._tls_dir:
-            tls = TlsFiles.from_dir(self._tls_dir)
+            self._tls = TlsFiles.from_dir(self._tls_dir)
         else:
             raise TlsNotConfigured(
                 "the scheduler requires mTLS: pass tls_dir= (or set GYRE_HARNESS_TLS_DIR) to a harness "
                 "identity directory (python -m gyre.certs issue DIR harness NAME)"
             )
-        self._channel = dial(self._target, tls, Role.SCHEDULER)
-        self._stub = scheduler_pb2_grpc.HarnessServiceStub(self._channel)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self
 
@@ -84,26 +129,72 @@ class HarnessClient:
         if self._http is not None:
             await self._http.close()
             self._http = None
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        self._tls = None
+
+    @property
+    def target(self) -> str:
+        """The scheduler the next call goes to (the leader, as far as the client knows)."""
+        return self._targets[self._current]
 
     @property
     def stub(self) -> scheduler_pb2_grpc.HarnessServiceStub:
-        if self._stub is None:
+        """A stub on the current target (no retries: prefer the client's methods)."""
+        if self._tls is None:
             raise RuntimeError("use `async with HarnessClient(...)`")
-        return self._stub
+        ch = self._channels.get(self.target)
+        if ch is None:
+            ch = self._channels[self.target] = dial(self.target, self._tls, Role.SCHEDULER)
+        return scheduler_pb2_grpc.HarnessServiceStub(ch)
+
+    def _follow(self, err: grpc.aio.AioRpcError) -> bool:
+        """After a retryable error: switch to the leader a standby named, or (none named)
+        to the next target. True when the next attempt may go out at once."""
+        hint = leader_hint(err)
+        if hint and hint != self.target:
+            if hint not in self._targets:
+                self._targets.append(hint)
+            self._current = self._targets.index(hint)
+            return True
+        if len(self._targets) > 1:
+            self._current = (self._current + 1) % len(self._targets)
+        return False
+
+    async def call(self, what: str, attempt_fn: Callable[[scheduler_pb2_grpc.HarnessServiceStub, float],
+                                                       Awaitable[T]], timeout_s: float) -> T:
+        """Runs ``attempt_fn(stub, timeout)`` until it succeeds, fails with a status other
+        than UNAVAILABLE / DEADLINE_EXCEEDED, or ``retry_s`` has passed (then raises the
+        last error as a GyreError). Only for calls that are safe to repeat."""
+        started = time.monotonic()
+        backoff = Backoff(0.1, 2.0)
+        while True:
+            try:
+                return await attempt_fn(self.stub, timeout_s)
+            except grpc.aio.AioRpcError as err:
+                left = started + self.retry_s - time.monotonic()
+                if err.code() not in _RETRYABLE or left <= 0:
+                    raise from_rpc_error(err) from err
+                now_at_leader = self._follow(err)
+                self.retries += 1
+                log.info("%s: %s from the scheduler; retrying at %s (%.1f s left)", what, err.code().name,
+                         self.target, left)
+                if not now_at_leader:
+                    await asyncio.sleep(min(backoff.next(), max(left, 0.0)))
 
     async def acquire(self, wait_s: float = 10.0) -> ExecutionHandle | None:
         """The next execution, or None if none could be launched within ``wait_s``.
 
-        Check :attr:`last_burst_exhausted` to tell "wait and retry" from "burst done"."""
-        request = scheduler_pb2.AcquireExecutionRequest(harness_id=self.harness_id, wait_s=wait_s)
-        try:
-            reply = await self.stub.AcquireExecution(request, timeout=wait_s + self._timeout_s,
-                                                     metadata=self.metadata)
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from err
+        Retried across a failover with one idempotency key: a retry never launches a second
+        execution. Check :attr:`last_burst_exhausted` to tell "wait and retry" from "burst
+        done"."""
+        request = scheduler_pb2.AcquireExecutionRequest(harness_id=self.harness_id, wait_s=wait_s,
+                                                        idempotency_key=secrets.token_urlsafe(24))
+        reply = await self.call(
+            "acquire", lambda stub, t: stub.AcquireExecution(request, timeout=t, metadata=self.metadata),
+            wait_s + self._timeout_s,
+        )
         self.last_burst_exhausted = reply.burst_exhausted
         self.last_retry_after_s = reply.retry_after_s
         if not reply.HasField("execution"):
@@ -144,7 +235,7 @@ class ExecutionHandle:
 
     # Lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> ExecutionHandle:
+    async def __aenter__(self) -> Self:
         self.start_heartbeats()
         return self
 
@@ -178,14 +269,16 @@ class ExecutionHandle:
                 log.warning("heartbeat failed", extra={"execution_id": self.execution_id, "error": str(exc)})
 
     async def heartbeat(self) -> scheduler_pb2.HeartbeatResponse:
+        """Keeps the execution alive; retried across a failover (it only pushes a deadline)."""
         request = scheduler_pb2.HeartbeatRequest(execution_id=self.execution_id)
-        try:
-            return await self._client.stub.Heartbeat(request, timeout=self._timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from err
+        return await self._client.call(
+            "heartbeat", lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata),
+            self._timeout_s,
+        )
 
-    async def finish(self, reward: float = 0.0, status: str = "completed", attempts: int = 5) -> scheduler_pb2.FinishExecutionResponse:
-        """Reports the end. Safe to retry: the idempotency key makes repeats no-ops."""
+    async def finish(self, reward: float = 0.0, status: str = "completed") -> scheduler_pb2.FinishExecutionResponse:
+        """Reports the end, retried across a failover (up to the client's ``retry_s``).
+        Safe to retry: the idempotency key makes repeats no-ops."""
         if status not in _STATUS:
             raise InvalidArgument(f"status must be one of {sorted(_STATUS)}")
         if status == "completed" and not math.isfinite(reward):
@@ -196,20 +289,14 @@ class ExecutionHandle:
             reward=reward,
             idempotency_key=self._idempotency_key,
         )
-        backoff = Backoff(0.2, 2.0)
-        for attempt in range(attempts):
-            try:
-                reply = await self._client.stub.FinishExecution(request, timeout=self._timeout_s, metadata=self._metadata)
-                self.finished = True
-                if asyncio.current_task() is not self._heartbeat:
-                    await self.stop_heartbeats()
-                return reply
-            except grpc.aio.AioRpcError as err:
-                retryable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                if not retryable or attempt == attempts - 1:
-                    raise from_rpc_error(err) from err
-                await backoff.sleep()
-        raise Unavailable("finish not acknowledged")  # pragma: no cover
+        reply = await self._client.call(
+            "finish", lambda stub, t: stub.FinishExecution(request, timeout=t, metadata=self._metadata),
+            self._timeout_s,
+        )
+        self.finished = True
+        if asyncio.current_task() is not self._heartbeat:
+            await self.stop_heartbeats()
+        return reply
 
     # Model calls -------------------------------------------------------------------------
 

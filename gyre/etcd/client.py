@@ -59,11 +59,23 @@ class KV:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One operation inside a transaction: a put (value set) or a delete (value None)."""
+    """One operation inside a transaction: a put (value set) or a delete (value None); a
+    delete with ``range_end`` removes every key in [key, range_end) (:func:`prefix_end`)."""
 
     key: bytes
     value: bytes | None = None
     lease: int | None = None
+    range_end: bytes | None = None
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix`` (etcd's convention)."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +110,22 @@ _TRANSPORT_ERRORS = (
 )
 
 
+CHANNEL_OPTIONS = {
+    # gRPC's reconnect back-off grows to 120 s by default: after a long etcd outage the
+    # channel would stay down long after etcd is back. Retry the connection every second
+    # (the connect timeout itself stays at its default).
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+"""Options of the etcd channel."""
+
+
 class _TlsClient(aetcd.Client):
     """aetcd's client over a mutual-TLS channel (no password token: the certificate's CN is
     the etcd user)."""
 
     def __init__(self, host: str, port: int, timeout: float, credentials: grpc.ChannelCredentials) -> None:
-        super().__init__(host=host, port=port, timeout=timeout)
+        super().__init__(host=host, port=port, timeout=timeout, options=dict(CHANNEL_OPTIONS))
         self._credentials = credentials
 
     async def connect(self) -> None:
@@ -159,7 +181,7 @@ class Etcd:
                     raise ValueError(f"etcd endpoint {endpoint} needs TLS but this process has no certificate")
                 client = _TlsClient(host, port, self._timeout_s, self._tls.channel_credentials())
             else:
-                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=dict(CHANNEL_OPTIONS))
             try:
                 await client.connect()
                 await asyncio.wait_for(client.status(), self._timeout_s)
@@ -203,6 +225,33 @@ class Etcd:
         except aetcd.exceptions.ClientError as exc:
             raise _refused("get", prefix, exc) from exc
         return got.header.revision, [KV.from_raw(kv) for kv in got.kvs]
+
+    async def get_prefix_paged(self, prefix: bytes, page: int = 1000) -> tuple[int, list[KV]]:
+        """All keys under ``prefix``, read ``page`` keys per request at one revision (a
+        consistent snapshot, as :meth:`get_prefix`), so no answer nears the gRPC message
+        limit however many keys there are. Returns (the revision read at, the keys)."""
+        if page < 1:
+            raise ValueError("page must be >= 1")
+        client = self.client
+        end = prefix_end(prefix)
+        start, revision, out = prefix, 0, []
+        while True:
+            request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision,
+                                             sort_order=aetcd.rpc.RangeRequest.ASCEND,
+                                             sort_target=aetcd.rpc.RangeRequest.KEY)
+            try:
+                got = await client.kvstub.Range(request, timeout=self._timeout_s, metadata=client.metadata)
+            except _TRANSPORT_ERRORS as exc:
+                raise Unavailable(f"etcd range: {exc!r}") from exc
+            except aetcd.rpc.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    raise PermissionDenied(f"etcd refused get {prefix.decode(errors='replace')}: {exc.details()}") from exc
+                raise Unavailable(f"etcd range: {exc.code().name} {exc.details()}") from exc
+            revision = revision or got.header.revision
+            out += [KV.from_raw(kv) for kv in got.kvs]
+            if not got.more or not got.kvs:
+                return revision, out
+            start = got.kvs[-1].key + b"\0"
 
     async def count_prefix(self, prefix: bytes) -> int:
         try:
@@ -259,6 +308,8 @@ class Etcd:
         except aetcd.rpc.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"etcd refused a transaction: {exc.details()}") from exc
+            if "lease not found" in (exc.details() or ""):
+                raise LeaseNotFound(f"etcd txn: {exc.details()}") from exc
             raise Unavailable(f"etcd txn: {exc.code().name} {exc.details()}") from exc
         return resp.succeeded, resp.header.revision
 
@@ -302,11 +353,19 @@ class Etcd:
         await self.client.compact(revision, physical=True)
 
 
+class LeaseNotFound(Unavailable):
+    """A write named a lease etcd no longer has (it expired while this process could not
+    refresh it): the lease keeper replaces it with a new session, whose hooks put the
+    lease-bound keys again."""
+
+
 def _refused(what: str, key: bytes, exc: Exception) -> Exception:
-    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied;
-    any other client error unchanged."""
+    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied,
+    "lease not found" as LeaseNotFound; any other client error unchanged."""
     if "permission denied" in str(exc):
         return PermissionDenied(f"etcd refused {what} {key.decode(errors='replace')}: {exc}")
+    if "lease not found" in str(exc):
+        return LeaseNotFound(f"etcd {what} {key.decode(errors='replace')}: {exc}")
     return exc
 
 
@@ -324,5 +383,5 @@ def _apply_op(target: Any, op: str, value: Any) -> Any:
 
 def _to_aetcd(t: Any, op: Op) -> Any:
     if op.value is None:
-        return t.delete(op.key)
+        return t.delete(op.key, range_end=op.range_end) if op.range_end is not None else t.delete(op.key)
     return t.put(op.key, op.value, lease=op.lease)

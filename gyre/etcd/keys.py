@@ -53,6 +53,10 @@ class Keys:
     def bursts(self) -> bytes:
         return self._k("ledger", "burst", "")
 
+    # Archived bursts, folded into one summary record (services/scheduler/ledger.py).
+    def ledger_summary(self) -> bytes:
+        return self._k("ledger", "summary")
+
     # Routes: execution -> engine, with an epoch (the key's version).
     def routes(self) -> bytes:
         return self._k("routes", "")

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gyre.lifeline import spawn
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -62,6 +64,10 @@ class EtcdServer:
             "--initial-cluster", f"gyre={peer}",
             "--log-level", "error",
             "--logger", "zap",
+            # As docker-compose.yml and the Kubernetes manifest: old revisions are dropped
+            # hourly, so the scheduler's archived bursts stop taking space (issue 13 part 5).
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
         ]
         if self.tls_dir is not None:
             args += [
@@ -72,7 +78,7 @@ class EtcdServer:
             ]
         log = open(self._log_path, "ab")
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
-        self._proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, start_new_session=True)
+        self._proc = spawn(args, stdout=log, stderr=log, env=env, start_new_session=True)  # dies with us
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gyre.v1 import common_pb2 as gyre_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gyre/v1/scheduler.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"=\n\x17\x41\x63quireExecutionRequest\x12\x12\n\nharness_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\x8b\x02\n\tExecution\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x10\n\x08\x62urst_id\x18\x05 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x11\n\ttask_json\x18\x07 \x01(\t\x12\x17\n\x0fopenai_base_url\x18\x08 \x01(\t\x12\x15\n\rrouter_target\x18\t \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\n \x01(\x01\x12\x1c\n\x14heartbeat_deadline_s\x18\x0b \x01(\x01\x12\r\n\x05model\x18\x0c \x01(\t\"q\n\x18\x41\x63quireExecutionResponse\x12%\n\texecution\x18\x01 \x01(\x0b\x32\x12.gyre.v1.Execution\x12\x17\n\x0f\x62urst_exhausted\x18\x02 \x01(\x08\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\"(\n\x10HeartbeatRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\"Q\n\x11HeartbeatResponse\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\"\x81\x01\n\x16\x46inishExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"V\n\x17\x46inishExecutionResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x9b\x02\n\x06Ledger\x12\x10\n\x08\x62urst_id\x18\x01 \x01(\x03\x12\x12\n\ndispatched\x18\x02 \x01(\x03\x12\x10\n\x08launched\x18\x03 \x01(\x03\x12\x10\n\x08\x66inished\x18\x04 \x01(\x03\x12\x0e\n\x06queued\x18\x05 \x01(\x03\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x12\n\nwaterlevel\x18\x07 \x01(\x03\x12\x41\n\x12\x66inished_by_status\x18\x08 \x03(\x0b\x32%.gyre.v1.Ledger.FinishedByStatusEntry\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x1a\x37\n\x15\x46inishedByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb5\x01\n\x08\x43\x65llInfo\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x1f\n\x04kind\x18\x02 \x01(\x0e\x32\x11.gyre.v1.CellKind\x12\r\n\x05index\x18\x03 \x01(\x05\x12!\n\x05state\x18\x04 \x01(\x0e\x32\x12.gyre.v1.CellState\x12\r\n\x05slots\x18\x05 \x01(\x05\x12\x0e\n\x06routed\x18\x06 \x01(\x05\x12\x0e\n\x06target\x18\x07 \x01(\t\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\"\xb0\x03\n\x0fSchedulerStatus\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x1f\n\x06ledger\x18\x02 \x01(\x0b\x32\x0f.gyre.v1.Ledger\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x14\n\x0cready_groups\x18\x04 \x01(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\x03\x12 \n\x05\x63\x65lls\x18\x06 \x03(\x0b\x32\x11.gyre.v1.CellInfo\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x10\n\x08reroutes\x18\x08 \x01(\x03\x12\x18\n\x10\x62ursts_completed\x18\t \x01(\x03\x12\x1f\n\x17transitions_to_training\x18\n \x01(\x03\x12\x1e\n\x16transitions_to_rollout\x18\x0b \x01(\x03\x12\x1e\n\x05total\x18\x0c \x01(\x0b\x32\x0f.gyre.v1.Ledger\x12\x0e\n\x06policy\x18\r \x01(\t\x12\x0e\n\x06leader\x18\x0e \x01(\x08\x12!\n\x08versions\x18\x0f \x03(\x0b\x32\x0f.gyre.v1.Ledger\x12\x12\n\nmigrations\x18\x10 \x01(\x03\x12\x13\n\x0bopen_bursts\x18\x11 \x01(\x03\"\'\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x03\"\xaf\x01\n\x0eSchedulerEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06time_s\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07\x63\x65ll_id\x18\x05 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x06 \x01(\t\x12\x12\n\nwaterlevel\x18\x07 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x03\x12\x14\n\x0cready_groups\x18\t \x01(\x03\x32\x83\x02\n\x0eHarnessService\x12W\n\x10\x41\x63quireExecution\x12 .gyre.v1.AcquireExecutionRequest\x1a!.gyre.v1.AcquireExecutionResponse\x12\x42\n\tHeartbeat\x12\x19.gyre.v1.HeartbeatRequest\x1a\x1a.gyre.v1.HeartbeatResponse\x12T\n\x0f\x46inishExecution\x12\x1f.gyre.v1.FinishExecutionRequest\x1a .gyre.v1.FinishExecutionResponse2\x9b\x01\n\x10SchedulerControl\x12@\n\tGetStatus\x12\x19.gyre.v1.GetStatusRequest\x1a\x18.gyre.v1.SchedulerStatus\x12\x45\n\x0bWatchEvents\x12\x1b.gyre.v1.WatchEventsRequest\x1a\x17.gyre.v1.SchedulerEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gyre/v1/scheduler.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"V\n\x17\x41\x63quireExecutionRequest\x12\x12\n\nharness_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\"\x8b\x02\n\tExecution\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x10\n\x08\x62urst_id\x18\x05 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x11\n\ttask_json\x18\x07 \x01(\t\x12\x17\n\x0fopenai_base_url\x18\x08 \x01(\t\x12\x15\n\rrouter_target\x18\t \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\n \x01(\x01\x12\x1c\n\x14heartbeat_deadline_s\x18\x0b \x01(\x01\x12\r\n\x05model\x18\x0c \x01(\t\"q\n\x18\x41\x63quireExecutionResponse\x12%\n\texecution\x18\x01 \x01(\x0b\x32\x12.gyre.v1.Execution\x12\x17\n\x0f\x62urst_exhausted\x18\x02 \x01(\x08\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\"(\n\x10HeartbeatRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\"Q\n\x11HeartbeatResponse\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\"\x81\x01\n\x16\x46inishExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"V\n\x17\x46inishExecutionResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.gyre.v1.ExecutionStatus\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x9b\x02\n\x06Ledger\x12\x10\n\x08\x62urst_id\x18\x01 \x01(\x03\x12\x12\n\ndispatched\x18\x02 \x01(\x03\x12\x10\n\x08launched\x18\x03 \x01(\x03\x12\x10\n\x08\x66inished\x18\x04 \x01(\x03\x12\x0e\n\x06queued\x18\x05 \x01(\x03\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x12\n\nwaterlevel\x18\x07 \x01(\x03\x12\x41\n\x12\x66inished_by_status\x18\x08 \x03(\x0b\x32%.gyre.v1.Ledger.FinishedByStatusEntry\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x1a\x37\n\x15\x46inishedByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb5\x01\n\x08\x43\x65llInfo\x12\x0f\n\x07\x63\x65ll_id\x18\x01 \x01(\t\x12\x1f\n\x04kind\x18\x02 \x01(\x0e\x32\x11.gyre.v1.CellKind\x12\r\n\x05index\x18\x03 \x01(\x05\x12!\n\x05state\x18\x04 \x01(\x0e\x32\x12.gyre.v1.CellState\x12\r\n\x05slots\x18\x05 \x01(\x05\x12\x0e\n\x06routed\x18\x06 \x01(\x05\x12\x0e\n\x06target\x18\x07 \x01(\t\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\"\xb0\x03\n\x0fSchedulerStatus\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x1f\n\x06ledger\x18\x02 \x01(\x0b\x32\x0f.gyre.v1.Ledger\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x14\n\x0cready_groups\x18\x04 \x01(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\x03\x12 \n\x05\x63\x65lls\x18\x06 \x03(\x0b\x32\x11.gyre.v1.CellInfo\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x10\n\x08reroutes\x18\x08 \x01(\x03\x12\x18\n\x10\x62ursts_completed\x18\t \x01(\x03\x12\x1f\n\x17transitions_to_training\x18\n \x01(\x03\x12\x1e\n\x16transitions_to_rollout\x18\x0b \x01(\x03\x12\x1e\n\x05total\x18\x0c \x01(\x0b\x32\x0f.gyre.v1.Ledger\x12\x0e\n\x06policy\x18\r \x01(\t\x12\x0e\n\x06leader\x18\x0e \x01(\x08\x12!\n\x08versions\x18\x0f \x03(\x0b\x32\x0f.gyre.v1.Ledger\x12\x12\n\nmigrations\x18\x10 \x01(\x03\x12\x13\n\x0bopen_bursts\x18\x11 \x01(\x03\"\'\n\x12WatchEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x03\"\xaf\x01\n\x0eSchedulerEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06time_s\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07\x63\x65ll_id\x18\x05 \x01(\t\x12\x14\n\x0c\x65xecution_id\x18\x06 \x01(\t\x12\x12\n\nwaterlevel\x18\x07 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x03\x12\x14\n\x0cready_groups\x18\t \x01(\x03\x32\x83\x02\n\x0eHarnessService\x12W\n\x10\x41\x63quireExecution\x12 .gyre.v1.AcquireExecutionRequest\x1a!.gyre.v1.AcquireExecutionResponse\x12\x42\n\tHeartbeat\x12\x19.gyre.v1.HeartbeatRequest\x1a\x1a.gyre.v1.HeartbeatResponse\x12T\n\x0f\x46inishExecution\x12\x1f.gyre.v1.FinishExecutionRequest\x1a .gyre.v1.FinishExecutionResponse2\x9b\x01\n\x10SchedulerControl\x12@\n\tGetStatus\x12\x19.gyre.v1.GetStatusRequest\x1a\x18.gyre.v1.SchedulerStatus\x12\x45\n\x0bWatchEvents\x12\x1b.gyre.v1.WatchEventsRequest\x1a\x17.gyre.v1.SchedulerEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEDGER_FINISHEDBYSTATUSENTRY']._loaded_options = None
   _globals['_LEDGER_FINISHEDBYSTATUSENTRY']._serialized_options = b'8\001'
   _globals['_ACQUIREEXECUTIONREQUEST']._serialized_start=58
-  _globals['_ACQUIREEXECUTIONREQUEST']._serialized_end=119
-  _globals['_EXECUTION']._serialized_start=122
-  _globals['_EXECUTION']._serialized_end=389
-  _globals['_ACQUIREEXECUTIONRESPONSE']._serialized_start=391
-  _globals['_ACQUIREEXECUTIONRESPONSE']._serialized_end=504
-  _globals['_HEARTBEATREQUEST']._serialized_start=506
-  _globals['_HEARTBEATREQUEST']._serialized_end=546
-  _globals['_HEARTBEATRESPONSE']._serialized_start=548
-  _globals['_HEARTBEATRESPONSE']._serialized_end=629
-  _globals['_FINISHEXECUTIONREQUEST']._serialized_start=632
-  _globals['_FINISHEXECUTIONREQUEST']._serialized_end=761
-  _globals['_FINISHEXECUTIONRESPONSE']._serialized_start=763
-  _globals['_FINISHEXECUTIONRESPONSE']._serialized_end=849
-  _globals['_GETSTATUSREQUEST']._serialized_start=851
-  _globals['_GETSTATUSREQUEST']._serialized_end=869
-  _globals['_LEDGER']._serialized_start=872
-  _globals['_LEDGER']._serialized_end=1155
-  _globals['_LEDGER_FINISHEDBYSTATUSENTRY']._serialized_start=1100
-  _globals['_LEDGER_FINISHEDBYSTATUSENTRY']._serialized_end=1155
-  _globals['_CELLINFO']._serialized_start=1158
-  _globals['_CELLINFO']._serialized_end=1339
-  _globals['_SCHEDULERSTATUS']._serialized_start=1342
-  _globals['_SCHEDULERSTATUS']._serialized_end=1774
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1776
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1815
-  _globals['_SCHEDULEREVENT']._serialized_start=1818
-  _globals['_SCHEDULEREVENT']._serialized_end=1993
-  _globals['_HARNESSSERVICE']._serialized_start=1996
-  _globals['_HARNESSSERVICE']._serialized_end=2255
-  _globals['_SCHEDULERCONTROL']._serialized_start=2258
-  _globals['_SCHEDULERCONTROL']._serialized_end=2413
+  _globals['_ACQUIREEXECUTIONREQUEST']._serialized_end=144
+  _globals['_EXECUTION']._serialized_start=147
+  _globals['_EXECUTION']._serialized_end=414
+  _globals['_ACQUIREEXECUTIONRESPONSE']._serialized_start=416
+  _globals['_ACQUIREEXECUTIONRESPONSE']._serialized_end=529
+  _globals['_HEARTBEATREQUEST']._serialized_start=531
+  _globals['_HEARTBEATREQUEST']._serialized_end=571
+  _globals['_HEARTBEATRESPONSE']._serialized_start=573
+  _globals['_HEARTBEATRESPONSE']._serialized_end=654
+  _globals['_FINISHEXECUTIONREQUEST']._serialized_start=657
+  _globals['_FINISHEXECUTIONREQUEST']._serialized_end=786
+  _globals['_FINISHEXECUTIONRESPONSE']._serialized_start=788
+  _globals['_FINISHEXECUTIONRESPONSE']._serialized_end=874
+  _globals['_GETSTATUSREQUEST']._serialized_start=876
+  _globals['_GETSTATUSREQUEST']._serialized_end=894
+  _globals['_LEDGER']._serialized_start=897
+  _globals['_LEDGER']._serialized_end=1180
+  _globals['_LEDGER_FINISHEDBYSTATUSENTRY']._serialized_start=1125
+  _globals['_LEDGER_FINISHEDBYSTATUSENTRY']._serialized_end=1180
+  _globals['_CELLINFO']._serialized_start=1183
+  _globals['_CELLINFO']._serialized_end=1364
+  _globals['_SCHEDULERSTATUS']._serialized_start=1367
+  _globals['_SCHEDULERSTATUS']._serialized_end=1799
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1801
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1840
+  _globals['_SCHEDULEREVENT']._serialized_start=1843
+  _globals['_SCHEDULEREVENT']._serialized_end=2018
+  _globals['_HARNESSSERVICE']._serialized_start=2021
+  _globals['_HARNESSSERVICE']._serialized_end=2280
+  _globals['_SCHEDULERCONTROL']._serialized_start=2283
+  _globals['_SCHEDULERCONTROL']._serialized_end=2438
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AcquireExecutionRequest(_message.Message):
-    __slots__ = ("harness_id", "wait_s")
+    __slots__ = ("harness_id", "wait_s", "idempotency_key")
     HARNESS_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     harness_id: str
     wait_s: float
-    def __init__(self, harness_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, harness_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class Execution(_message.Message):
     __slots__ = ("execution_id", "token", "task_id", "group_id", "burst_id", "policy_version", "task_json", "openai_base_url", "router_target", "heartbeat_interval_s", "heartbeat_deadline_s", "model")

@@ -28,6 +28,13 @@ if _version_not_supported:
 class HarnessServiceStub:
     """What harnesses call. The execution token travels in the `authorization` metadata as
     "Bearer <token>" on every call but AcquireExecution.
+
+    Failover: only the leader serves these calls. A standby (or a deposed leader) answers
+    UNAVAILABLE, changes nothing, and names the leader when it knows it: trailing metadata
+    `x-gyre-leader: HOST:PORT` and "the leader is at HOST:PORT" in the details. Every call is
+    safe to retry across a leader change: AcquireExecution and FinishExecution with their
+    idempotency keys, Heartbeat as it is. A new leader keeps every running execution alive for
+    a full heartbeat deadline from its takeover, so heartbeats lost in the gap time nothing out.
     """
 
     def __init__(self, channel):
@@ -56,6 +63,13 @@ class HarnessServiceStub:
 class HarnessServiceServicer:
     """What harnesses call. The execution token travels in the `authorization` metadata as
     "Bearer <token>" on every call but AcquireExecution.
+
+    Failover: only the leader serves these calls. A standby (or a deposed leader) answers
+    UNAVAILABLE, changes nothing, and names the leader when it knows it: trailing metadata
+    `x-gyre-leader: HOST:PORT` and "the leader is at HOST:PORT" in the details. Every call is
+    safe to retry across a leader change: AcquireExecution and FinishExecution with their
+    idempotency keys, Heartbeat as it is. A new leader keeps every running execution alive for
+    a full heartbeat deadline from its takeover, so heartbeats lost in the gap time nothing out.
     """
 
     def AcquireExecution(self, request, context):
@@ -110,6 +124,13 @@ def add_HarnessServiceServicer_to_server(servicer, server):
 class HarnessService:
     """What harnesses call. The execution token travels in the `authorization` metadata as
     "Bearer <token>" on every call but AcquireExecution.
+
+    Failover: only the leader serves these calls. A standby (or a deposed leader) answers
+    UNAVAILABLE, changes nothing, and names the leader when it knows it: trailing metadata
+    `x-gyre-leader: HOST:PORT` and "the leader is at HOST:PORT" in the details. Every call is
+    safe to retry across a leader change: AcquireExecution and FinishExecution with their
+    idempotency keys, Heartbeat as it is. A new leader keeps every running execution alive for
+    a full heartbeat deadline from its takeover, so heartbeats lost in the gap time nothing out.
     """
 
     @staticmethod

@@ -2,8 +2,10 @@
 
 Wires the engine, the etcd store, the training hook and the servicers; the common runtime
 does the rest (lease, gRPC server, signals, ordered shutdown). The engine starts before the
-server, the cell registers and enters ROLLOUT once the server is up, and a monitor task
-ends the process (non-zero) when the engine dies or hangs.
+server (after ending whatever a previous incarnation of this cell left running: see
+``incarnation.py``; the engine's processes die with this agent), the cell registers and
+enters ROLLOUT once the server is up, and a monitor task ends the process (non-zero) when
+the engine dies or hangs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.engines import build_engine
-from services.cell_agent.hooks import NoopTrainingHook, TrainingHook
+from services.cell_agent.engines.vllm_engine import cuda_available
+from services.cell_agent.incarnation import Incarnation, default_pid_dir
 from services.cell_agent.lifecycle import CellKind
 from services.cell_agent.servicer import CellControlServicer, EngineServicer
 from services.cell_agent.store import EtcdCellStore
+from services.cell_agent.training import build_hook
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +39,9 @@ def _preimport(cfg: CellAgentConfig) -> None:
 
         apply_vllm_env()  # before torch is first imported
         importlib.import_module("vllm.v1.engine.async_llm")
-    for name in ("torch", "services.cell_agent.training.hook"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-
-
-def _training_hook(rt: Runtime, cfg: CellAgentConfig, cell: Cell) -> TrainingHook:
-    """The trainer's hook if this build has one (services/cell_agent/training), else a no-op."""
-    try:
-        from services.cell_agent.training import build_hook  # type: ignore[attr-defined]
-    except ImportError:
-        return NoopTrainingHook()
-    return build_hook(rt, cfg, cell)
+    # build_hook imports the trainer (and torch) for every cell, training or not: here, off
+    # the loop (on the loop it took the 3 s lease of tests/fault/test_cell_crash_only.py).
+    importlib.import_module("services.cell_agent.training.hook")
 
 
 class _App:
@@ -68,7 +61,7 @@ class _App:
             slots=cfg.slots,
             engine=cfg.engine,
         )
-        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease.lease_id)
+        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease)
         cell = Cell(
             identity,
             build_engine(cfg),
@@ -78,10 +71,21 @@ class _App:
             probe_timeout_s=cfg.probe_timeout_s,
             snapshot_timeout_s=cfg.snapshot_timeout_s,
         )
-        cell.hook = _training_hook(rt, cfg, cell)
+        cell.hook = build_hook(rt, cfg)
         self.cell = cell
+        # One incarnation at a time: end what a previous agent of this cell left running,
+        # and make the engine processes started from here on die with this agent.
+        incarnation = Incarnation(cfg.pid_dir or default_pid_dir(cfg.cluster_name), cfg.cell_id,
+                                  cuda_available())
+        await asyncio.to_thread(incarnation.begin)
         await cell.start()
-        rt.supervisor.on_flush(cell.close)
+        incarnation.record()
+
+        async def close() -> None:
+            await cell.close()
+            incarnation.end()
+
+        rt.supervisor.on_flush(close)
         rt.supervisor.spawn("engine-monitor", cell.run())
         if cfg.metrics_port:
             from services.cell_agent.metrics import CellMetrics

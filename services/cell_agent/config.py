@@ -7,12 +7,14 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from gyre.config import ServiceConfig
+from services.cell_agent.training.config import TrainerSettings
 
 
 class CellAgentConfig(ServiceConfig):
     """One cell: its identity, its engine, and the crash-only health probe."""
 
     SECTION: ClassVar[str] = "cell_agent"
+    MOVED_SECTIONS: ClassVar[dict[str, str]] = {"training": "cell_agent.training"}
 
     # Identity -------------------------------------------------------------------------------
     cell_id: str = Field("cell-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
@@ -37,7 +39,8 @@ class CellAgentConfig(ServiceConfig):
         "(off: ExportKv answers nothing and a moved call recomputes its prefix).")
     kv_medium: Literal["", "tcp", "nccl", "cuda_ipc"] = Field(
         "", description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
-        "point), cuda_ipc (GPUs on one node); empty: cuda_ipc with a GPU, tcp without.")
+        "point), cuda_ipc (GPUs on one node); empty: tcp (the GPU mediums are opt-in until "
+        "tests/gpu/test_kv_transfer.py has run on a GPU machine).")
     kv_host: str = Field(
         "127.0.0.1", description="vLLM: address the engine serves pinned KV blocks on (an address "
         "other cells reach when handoffs cross hosts).")
@@ -81,4 +84,13 @@ class CellAgentConfig(ServiceConfig):
     probe_interval_s: float = Field(2.0, gt=0, description="Health probe period (a probe generates a token).")
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
+    pid_dir: str = Field(
+        "", description="Where the cell records the processes it started, so its next incarnation "
+        "ends what a crash left running (services/cell_agent/incarnation.py); empty: "
+        "$XDG_RUNTIME_DIR/gyre/<cluster> or <tmp>/gyre-<uid>/<cluster>.")
     snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")
+
+    # Training ------------------------------------------------------------------------------------
+    training: TrainerSettings | None = Field(
+        None, description="How this cell trains (services/cell_agent/training/config.py): mode torch "
+        "(the real trainer) or mock (the cost model); absent: this cluster does not train.")

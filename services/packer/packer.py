@@ -388,6 +388,11 @@ class Packer:
             "batch_active": batch.active,
             "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
             "ready_unassigned": len(st.ready), "counters": self.counters(),
+            "ready_tokens": float(sum(st.group_tokens(st.groups[g]) for g in st.ready)),
+            "backlog_tokens": float(st.backlog_tokens()),
+            "tokens_trained": float(st.tokens_trained),
+            "optimizing": st.optimizing(),
+            "groups_ready_total": st.groups_ready_total,
         }
 
     async def wait_changed(self, timeout_s: float | None) -> None:

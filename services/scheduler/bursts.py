@@ -1,9 +1,14 @@
 """Bursts: what the next burst would dispatch, and dispatching it (a fenced create of the
-burst record, then the ledger). The ledger itself (D / L / F per burst) is :mod:`ledger`."""
+burst record, then the ledger); archiving closed bursts (a fenced fold into the ledger
+summary that deletes their records). The ledger itself (D / L / F per burst) is
+:mod:`ledger`."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from gyre.errors import Conflict
 from services.scheduler.config import SchedulerConfig
@@ -13,6 +18,8 @@ from services.scheduler.ledger import Burst, Ledger, Task
 from services.scheduler.policy import BurstView
 from services.scheduler.tasks import TaskSource
 from services.scheduler.telemetry import Changes, Telemetry
+
+log = logging.getLogger(__name__)
 
 
 class Bursts:
@@ -37,13 +44,12 @@ class Bursts:
     def next_quota(self) -> int:
         """Executions the next burst would dispatch (0: the task source or ``max_bursts`` is
         exhausted)."""
-        if self.cfg.max_bursts and len(self.ledger.bursts) >= self.cfg.max_bursts:
+        if self.cfg.max_bursts and self.ledger.bursts_total >= self.cfg.max_bursts:
             return 0
         return len(self._next_tasks()) * self.cfg.group_size
 
     def _next_tasks(self) -> list[Task]:
-        taken = sum(len(b.tasks) for b in self.ledger.bursts.values())
-        return self.tasks.take(taken, self.cfg.groups_per_burst())
+        return self.tasks.take(self.ledger.tasks_taken, self.cfg.groups_per_burst())
 
     async def dispatch(self, policy_version: int, kind: str, gauges: dict[str, int]) -> Burst | None:
         """Dispatches the next burst at ``policy_version``; None when there is nothing to
@@ -65,3 +71,20 @@ class Bursts:
                 f"({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)
         await self.changes.notify()
         return burst
+
+    async def archive_closed(self, unsettled: AbstractSet[str]) -> None:
+        """Archives closed bursts, oldest first, once their last close is ``archive_grace_s``
+        old and none of their finish reports is ``unsettled`` (:mod:`ledger`): memory, etcd
+        space and the next takeover stay bounded by the live bursts."""
+        before = self.wall() - self.cfg.archive_grace_s
+        while (burst := self.ledger.archivable(unsettled, before)) is not None:
+            summary = self.ledger.plan_archive(burst)
+            try:
+                rev = await self.lead.fenced(self.lead.store.archive(summary, self.ledger.archived.revision))
+            except Conflict as exc:  # only a leader writes it: our view is stale; the next takeover rebuilds
+                log.warning("archive refused: %s", exc)
+                return
+            self.ledger.apply_archive(dataclasses.replace(summary, revision=rev))
+            self.history.append("archive", self.lead.epoch, rev=rev, burst_id=burst.burst_id, executions=burst.quota)
+            self.telemetry.emit("archive", f"archived burst {burst.burst_id} ({burst.quota} executions closed); "
+                                f"{summary.bursts} bursts, {summary.executions} executions archived in all")

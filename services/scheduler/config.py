@@ -28,6 +28,13 @@ class SchedulerConfig(ServiceConfig):
     max_bursts: int = Field(0, ge=0,
             description="Stop dispatching after this many bursts (0: until tasks run out).")
 
+    archive_grace_s: float = Field(
+        30.0, ge=0.0, le=86_400.0,
+        description="A burst older than the newest, fully closed and reported to the packer, is archived "
+        "(folded into the ledger summary, its records deleted from etcd) once its last close is this old; "
+        "until then a harness's late finish retry is still answered as a duplicate.",
+    )
+
     # Task source.
     tasks_file: str = Field("",
             description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator.")
@@ -44,6 +51,13 @@ class SchedulerConfig(ServiceConfig):
     drain_grace_s: float = Field(
         2.0, ge=0.0, le=600.0,
         description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst with nothing trainable).",
+    )
+    max_staleness: int = Field(
+        1, ge=0, le=1000,
+        description="eta: the most policy versions a consumed group may lag the newest. One setting for the "
+        "whole cluster (put it in the ``cluster:`` section: the packer's field has the same name, and the "
+        "launcher refuses a config where they differ); the policy cancels groups that cannot be trained "
+        "within it, the packer drops them.",
     )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")

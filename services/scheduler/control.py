@@ -1,5 +1,6 @@
 """The control loop: level-triggered reconciliation. Each tick closes overdue executions,
-rescues the executions of vanished cells, brings stranded cells back, builds the policy's
+rescues the executions of vanished cells, brings stranded cells back, archives closed
+bursts, builds the policy's
 :class:`~services.scheduler.policy.Snapshot`, and applies what the policy decides."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from gyre.errors import FatalError, StaleEpoch
+from gyre.errors import StaleEpoch
 from services.scheduler.bursts import Bursts
 from services.scheduler.commands import Commands
 from services.scheduler.config import SchedulerConfig
@@ -49,17 +50,18 @@ class ControlLoop:
         self._drained_since: float | None = None
 
     async def run(self) -> None:
-        """Reconciles until deposed; survives any other error."""
+        """Reconciles until deposed (then returns: the process steps down); survives any
+        other error."""
         while True:
             if self.lead.deposed.is_set():
-                raise FatalError("deposed: a newer scheduler leader exists")
+                return
             try:
                 await self.reconcile_once()
             except asyncio.CancelledError:
                 raise
             except StaleEpoch as exc:
                 self.lead.mark_deposed(exc)
-                raise FatalError(f"deposed: {exc}") from exc
+                return
             except Exception:
                 log.exception("reconcile failed; retrying next tick")
             await self.changes.wait(self.cfg.reconcile_s)
@@ -72,6 +74,7 @@ class ControlLoop:
             if not self.transitions.running(cid):
                 self.transitions.rescue(cid)
         self._finish_stranded_moves()
+        await self.bursts.archive_closed(self.executions.relay.unsettled)
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.commands.apply(action, snap)

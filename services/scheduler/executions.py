@@ -6,6 +6,12 @@ A launch reserves the next queued execution and a free slot under the fleet's pl
 lock, then writes outside it (launches overlap their etcd round trips); a close is
 serialized per execution and compares the record's revision. After an unknown or refused
 write, what etcd holds is adopted (:meth:`Executions.resolve`).
+
+An acquire with an idempotency key is idempotent across leaders: the launch stores the
+key's SHA-256 and derives the token from the key (:func:`~services.scheduler.ledger.derive_token`),
+so a retry, here or at a new leader after a failover, hands back the same execution and
+token. Acquires with one key run one at a time, so a retry racing its first attempt
+launches nothing twice.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import dataclasses
 import secrets
 from collections.abc import Callable, Iterable
 
-from gyre.errors import Conflict, Unauthenticated, Unavailable
+from gyre.errors import Conflict, FailedPrecondition, Unauthenticated, Unavailable
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
@@ -27,7 +33,9 @@ from services.scheduler.ledger import (
     ExecutionRecord,
     FinishOutcome,
     Ledger,
+    derive_token,
     sha256_hex,
+    validate_acquire_key,
     validate_finish,
 )
 from services.scheduler.placement import RouteRecord, pick_launch_cell
@@ -73,6 +81,7 @@ class Executions:
         self.clock = clock
         self.wall = wall
         self._locks: dict[str, asyncio.Lock] = {}
+        self._acquiring: dict[str, asyncio.Lock] = {}  # sha256(acquire key) -> its acquires, one at a time
 
     def _deadline(self) -> float:
         return self.clock() + self.cfg.heartbeat_deadline_s
@@ -80,7 +89,9 @@ class Executions:
     # Rebuild ------------------------------------------------------------------------------
 
     def rebuild(self, execs: Iterable[ExecutionRecord], routes: Iterable[RouteRecord]) -> None:
-        """Loads the records and routes a new leader read (running ones get a fresh deadline).
+        """Loads the records and routes a new leader read (running ones get a full deadline
+        from now: heartbeats that went to the old leader, or nowhere during the gap, time
+        nothing out; records of archived bursts are skipped).
         Routes without an open execution (a crash between writes cannot leave one, but an
         operator can) are left out of the table and left in etcd for inspection."""
         deadline = self._deadline()
@@ -103,16 +114,49 @@ class Executions:
 
     # Launch -------------------------------------------------------------------------------
 
-    async def acquire(self, harness_id: str, wait_s: float) -> Acquired:
+    async def acquire(self, harness_id: str, wait_s: float, key: str = "") -> Acquired:
         """Launches the next queued execution on a free slot for the authenticated harness
         ``harness_id``, waiting up to ``wait_s``. Over the harness's rate or in-flight limit:
-        ResourceExhausted, nothing launched."""
+        ResourceExhausted, nothing launched. With an idempotency ``key``: the execution an
+        earlier acquire with it launched, if any (FAILED_PRECONDITION once it is closed)."""
         self.lead.require()
+        validate_acquire_key(key)
         self.harnesses.admit_acquire(harness_id)
+        if not key:
+            return await self._acquire(harness_id, wait_s, "")
+        key_sha = sha256_hex(key)
+        lock = self._acquiring.setdefault(key_sha, asyncio.Lock())
+        try:
+            async with lock:
+                again = self._reacquire(harness_id, key, key_sha)
+                if again is not None:
+                    return Acquired(again)
+                return await self._acquire(harness_id, wait_s, key)
+        finally:
+            if not lock.locked() and self._acquiring.get(key_sha) is lock:
+                del self._acquiring[key_sha]
+
+    def _reacquire(self, harness_id: str, key: str, key_sha: str) -> Launched | None:
+        """The execution launched earlier with this acquire key, handed back (None: none)."""
+        rec = self.ledger.acquired_with(key_sha)
+        if rec is None:
+            return None
+        self.harnesses.check_owner(rec.harness_id, harness_id)
+        if rec.state.final:
+            raise FailedPrecondition(f"{rec.execution_id}, acquired with this key, is already closed "
+                                     f"({rec.state.value})")
+        token = derive_token(key, rec.execution_id)
+        route = self.fleet.routes.routes.get(rec.execution_id)
+        if sha256_hex(token) != rec.token_sha256 or route is None:
+            raise FailedPrecondition(f"{rec.execution_id} cannot be handed out again")
+        burst = self.ledger.bursts[rec.burst_id]
+        return Launched(rec, token, burst.member(rec.seq)[2].task_json, route)
+
+    async def _acquire(self, harness_id: str, wait_s: float, key: str) -> Acquired:
         deadline = self.clock() + min(wait_s, self.cfg.max_wait_s)
         while True:
             self.lead.require()
-            got = await self._try_launch(harness_id)
+            got = await self._try_launch(harness_id, key)
             if got is not None:
                 return Acquired(got)
             left = deadline - self.clock()
@@ -120,7 +164,7 @@ class Executions:
                 return Acquired(None, self.ledger.next_queued() is None, self.cfg.reconcile_s * 2)
             await self.changes.wait(min(left, 0.5))
 
-    async def _try_launch(self, harness_id: str) -> Launched | None:
+    async def _try_launch(self, harness_id: str, key: str = "") -> Launched | None:
         """Picks (under the placement lock) the next queued execution and a free slot,
         reserves both, then writes outside the lock. A reserved route counts against its
         cell's slots (mod_revision 0 = pending)."""
@@ -134,8 +178,9 @@ class Executions:
                 return None
             burst, seq = nxt
             self.harnesses.check_inflight(harness_id)
-            token = secrets.token_urlsafe(32)
-            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall())
+            token = derive_token(key, burst.member(seq)[0]) if key else secrets.token_urlsafe(32)
+            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall(),
+                                          sha256_hex(key) if key else "")
             route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
                                 burst.burst_id, burst.policy_version,
                                 expires_s=rec.launched_s + self.cfg.execution_token_ttl_s)

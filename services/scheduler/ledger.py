@@ -15,17 +15,32 @@ record yet, launched in order (oldest burst first).
 
 Heartbeat deadlines live in memory only (a heartbeat costs no etcd write): after a failover
 the new leader gives every running execution a fresh deadline, which can only delay a
-time-out, never cause a wrong one.
+time-out, never cause a wrong one (heartbeats that went to the old leader, or nowhere during
+the gap, time nothing out).
+
+Idempotent acquire: a launch made with an acquire key stores the key's SHA-256, and the
+execution's token is derived from the key (:func:`derive_token`), so a retried acquire, on
+this leader or a new one, finds the same record and hands back the same token; no secret is
+stored.
+
+Bounded state: a burst older than the newest, with every execution closed (and reported to
+the packer, the caller's condition), is *archived*: its counts fold into one
+:class:`ArchiveSummary` (kept at ``keys.ledger_summary()``) and its burst and execution
+records are deleted, so memory, etcd space and takeover time depend on the live bursts
+only, never on how many executions a run has made.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 import hashlib
+import hmac
 import json
 import math
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
@@ -65,6 +80,27 @@ CANCEL_KEY = "scheduler-cancel"
 
 def sha256_hex(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+ACQUIRE_KEY_MIN = 16
+ACQUIRE_KEY_MAX = 128
+
+
+def validate_acquire_key(key: str) -> str:
+    """An acquire idempotency key: empty (none) or a 16..128-character secret."""
+    if key and not ACQUIRE_KEY_MIN <= len(key) <= ACQUIRE_KEY_MAX:
+        raise InvalidArgument(
+            f"idempotency_key must have {ACQUIRE_KEY_MIN}..{ACQUIRE_KEY_MAX} characters (a random secret)"
+        )
+    return key
+
+
+def derive_token(acquire_key: str, execution_id: str) -> str:
+    """The token of an execution launched with ``acquire_key``: HMAC-SHA256 of the
+    execution id under the key (only the key's holder can compute it; any leader can
+    reproduce it for a retried acquire)."""
+    mac = hmac.new(acquire_key.encode(), b"gyre/execution-token/" + execution_id.encode(), hashlib.sha256)
+    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +165,8 @@ class ExecutionRecord:
     finished_s: float = 0.0
     reward: float = 0.0
     idempotency_key: str = ""
+    acquire_key_sha256: str = ""
+    """SHA-256 of the acquire idempotency key ("" when the acquire had none)."""
     revision: int = 0
     """etcd mod revision of the stored record (0: not stored yet); not serialized."""
 
@@ -144,6 +182,42 @@ class ExecutionRecord:
         d["state"] = ExecState(d["state"])
         d["revision"] = revision
         return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchiveSummary:
+    """What remains of archived bursts: their counts (each was fully launched and closed),
+    in one small record however many there were. Bursts are archived oldest first, so
+    ``through`` (the newest archived burst id) says which burst records are gone."""
+
+    through: int = 0
+    bursts: int = 0
+    tasks: int = 0
+    executions: int = 0
+    by_status: tuple[tuple[str, int], ...] = ()
+    revision: int = 0
+    """etcd mod revision of the stored summary (0: none stored); not serialized."""
+
+    def status_counts(self) -> dict[str, int]:
+        return dict(self.by_status)
+
+    def add(self, burst: Burst, by_status: dict[str, int]) -> ArchiveSummary:
+        """The summary with ``burst`` (fully closed) folded in."""
+        merged = self.status_counts()
+        for k, v in by_status.items():
+            merged[k] = merged.get(k, 0) + v
+        return ArchiveSummary(burst.burst_id, self.bursts + 1, self.tasks + len(burst.tasks),
+                              self.executions + burst.quota, tuple(sorted(merged.items())), self.revision)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"through": self.through, "bursts": self.bursts, "tasks": self.tasks,
+                           "executions": self.executions, "by_status": dict(self.by_status)}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int = 0) -> ArchiveSummary:
+        d = json.loads(raw)
+        return cls(int(d["through"]), int(d["bursts"]), int(d["tasks"]), int(d["executions"]),
+                   tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())), revision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,15 +279,21 @@ class Ledger:
         self._by_status: dict[str, int] = {}
         self._cursor: dict[int, int] = {}  # burst -> lowest seq that may still be queued
         self._reserved: set[str] = set()  # launches whose write is in flight
+        self._by_acquire_key: dict[str, str] = {}  # sha256(acquire key) -> execution
+        self._last_close: dict[int, float] = {}  # burst -> latest finished_s of its records
+        self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
 
     def counts(self, burst_id: int | None = None) -> LedgerCounts:
-        """D / L / F of one burst, or of all bursts (None)."""
+        """D / L / F of one burst, or of all bursts (None, archived ones included)."""
         ids = [burst_id] if burst_id is not None else list(self.bursts)
         d = sum(self.bursts[b].quota for b in ids if b in self.bursts)
         lc = sum(self._launched.get(b, 0) for b in ids)
         f = sum(self._finished.get(b, 0) for b in ids)
+        if burst_id is None:
+            n = self.archived.executions
+            d, lc, f = d + n, lc + n, f + n
         return LedgerCounts(d, lc, f)
 
     def counts_by_version(self) -> dict[int, LedgerCounts]:
@@ -229,14 +309,28 @@ class Ledger:
         return [b for b, burst in sorted(self.bursts.items()) if self._finished.get(b, 0) < burst.quota]
 
     def finished_by_status(self, burst_id: int | None = None) -> dict[str, int]:
-        """Closed executions by final status, of one burst or of all (None)."""
+        """Closed executions by final status, of one burst or of all (None, archived ones
+        included)."""
         if burst_id is None:
-            return dict(self._by_status)
-        out: dict[str, int] = {}
+            out = self.archived.status_counts()
+            for k, v in self._by_status.items():
+                out[k] = out.get(k, 0) + v
+            return out
+        out = {}
         for r in self.records.values():
             if r.burst_id == burst_id and r.state.final:
                 out[r.state.value] = out.get(r.state.value, 0) + 1
         return out
+
+    @property
+    def bursts_total(self) -> int:
+        """Bursts dispatched so far, archived ones included."""
+        return len(self.bursts) + self.archived.bursts
+
+    @property
+    def tasks_taken(self) -> int:
+        """Tasks dispatched so far, archived bursts included (the task source's position)."""
+        return sum(len(b.tasks) for b in self.bursts.values()) + self.archived.tasks
 
     @property
     def current_burst(self) -> Burst | None:
@@ -250,7 +344,7 @@ class Ledger:
         tasks = tuple(tasks)
         if not tasks or group_size < 1:
             raise InvalidArgument("a burst needs tasks and group_size >= 1")
-        burst_id = (max(self.bursts) + 1) if self.bursts else 1
+        burst_id = max([*self.bursts, self.archived.through]) + 1
         return Burst(burst_id, policy_version, policy_version + batches, group_size, tasks, now_s)
 
     def apply_burst(self, burst: Burst) -> None:
@@ -287,14 +381,19 @@ class Ledger:
         self._cursor[burst.burst_id] = min(self._cursor.get(burst.burst_id, 0), seq)
 
     def plan_launch(self, burst: Burst, seq: int, token_sha256: str, harness_id: str,
-            now_s: float) -> ExecutionRecord:
+            now_s: float, acquire_key_sha256: str = "") -> ExecutionRecord:
         execution_id, group_id, task = burst.member(seq)
         if execution_id in self.records or execution_id in self._reserved:
             raise FailedPrecondition(f"{execution_id} already launched")
         return ExecutionRecord(
             execution_id, burst.burst_id, seq, group_id, task.task_id, burst.policy_version,
-            ExecState.RUNNING, token_sha256, harness_id, now_s,
+            ExecState.RUNNING, token_sha256, harness_id, now_s, acquire_key_sha256=acquire_key_sha256,
         )
+
+    def acquired_with(self, acquire_key_sha256: str) -> ExecutionRecord | None:
+        """The execution an earlier acquire with this key launched (None: none, or archived)."""
+        eid = self._by_acquire_key.get(acquire_key_sha256) if acquire_key_sha256 else None
+        return None if eid is None else self.records.get(eid)
 
     # Close --------------------------------------------------------------------------------
 
@@ -400,16 +499,22 @@ class Ledger:
             self._launched[rec.burst_id] = self._launched.get(rec.burst_id, 0) + 1
             if rec.token_sha256:
                 self._by_token[rec.token_sha256] = rec.execution_id
+            if rec.acquire_key_sha256:
+                self._by_acquire_key[rec.acquire_key_sha256] = rec.execution_id
         if rec.state is ExecState.RUNNING:
             if deadline_s is not None:
                 self._deadline[rec.execution_id] = deadline_s
         else:  # a final state
             self._finished[rec.burst_id] = self._finished.get(rec.burst_id, 0) + 1
+            self._last_close[rec.burst_id] = max(self._last_close.get(rec.burst_id, 0.0), rec.finished_s)
             self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
             self._deadline.pop(rec.execution_id, None)
 
     def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
-        """Rebuild: applies a record read back from etcd (any state)."""
+        """Rebuild: applies a record read back from etcd (any state); a record of an
+        archived burst is ignored."""
+        if rec.burst_id <= self.archived.through:
+            return
         if rec.execution_id in self.records:
             self.apply(rec, deadline_s)
             return
@@ -417,6 +522,46 @@ class Ledger:
             # QUEUED -> RUNNING -> final, in one go.
             self.apply(dataclasses.replace(rec, state=ExecState.RUNNING))
         self.apply(rec, deadline_s if rec.state is ExecState.RUNNING else None)
+
+    # Archive ------------------------------------------------------------------------------
+
+    def archivable(self, unsettled: AbstractSet[str] = frozenset(),
+                   closed_before_s: float = math.inf) -> Burst | None:
+        """The oldest burst, if it can be archived: not the newest, every execution launched
+        and closed (the last close before ``closed_before_s``, wall clock), none in
+        ``unsettled`` (e.g. finish reports not yet delivered)."""
+        if len(self.bursts) < 2:
+            return None
+        b = min(self.bursts)
+        burst = self.bursts[b]
+        if self._finished.get(b, 0) != burst.quota or self._last_close.get(b, 0.0) > closed_before_s:
+            return None
+        if any(self.records[e].burst_id == b for e in unsettled if e in self.records):
+            return None
+        return burst
+
+    def plan_archive(self, burst: Burst) -> ArchiveSummary:
+        """The summary with ``burst`` folded in (not applied)."""
+        return self.archived.add(burst, self.finished_by_status(burst.burst_id))
+
+    def apply_archive(self, summary: ArchiveSummary) -> None:
+        """Drops the bursts the (persisted) summary covers, and their records."""
+        for b in [b for b in self.bursts if b <= summary.through]:
+            del self.bursts[b]
+            self._cursor.pop(b, None)
+            self._launched.pop(b, None)
+            self._finished.pop(b, None)
+            self._last_close.pop(b, None)
+        for eid in [e for e, r in self.records.items() if r.burst_id <= summary.through]:
+            rec = self.records.pop(eid)
+            self._by_token.pop(rec.token_sha256, None)
+            self._by_acquire_key.pop(rec.acquire_key_sha256, None)
+            self._deadline.pop(eid, None)
+            if rec.state.final:
+                self._by_status[rec.state.value] -= 1
+                if not self._by_status[rec.state.value]:
+                    del self._by_status[rec.state.value]
+        self.archived = summary
 
     # Heartbeats ---------------------------------------------------------------------------
 

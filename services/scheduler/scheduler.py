@@ -16,8 +16,9 @@ Where each concern lives (every part has a typed interface; none reaches into an
 * :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
 
 It never imports grpc. Every change follows plan -> fenced write -> apply, so memory never
-runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and the
-process exits (a supervisor restarts it as a standby).
+runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and
+:meth:`Scheduler.step_down` makes it a standby again (fresh parts; ``__main__`` campaigns
+again and a win rebuilds everything from etcd, as a failover would).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
-from services.scheduler.peers import Peers, SupplyUpdate
+from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
 from services.scheduler.policy import Policy, capacity, make_policy
 from services.scheduler.publication import Publication
@@ -69,10 +70,18 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        cfg = self.cfg = config
+        self.cfg = config
         self.peers = peers
         self.clock = clock
-        self.policy = policy or make_policy(
+        self._wall = wall
+        self._policy_given = policy
+        self._tasks = tasks
+        self._build(store, events or EventLog(config.events_kept), metrics)
+
+    def _build(self, store: Store | None, events: EventLog, metrics: Metrics | None) -> None:
+        """Builds every part from nothing (at start, and after a step-down)."""
+        cfg, peers, clock, wall, tasks = self.cfg, self.peers, self.clock, self._wall, self._tasks
+        self.policy = self._policy_given or make_policy(
             cfg.policy, fraction=cfg.fraction, interval_s=cfg.interval_s,
             training_cells=cfg.static_training_cells, drain_grace_s=cfg.drain_grace_s,
         )
@@ -80,16 +89,17 @@ class Scheduler:
         self.ledger = Ledger()
         self.fleet = Fleet(self.lead, cfg.router_target)
         self.changes = Changes()
-        self.history = History(cfg.history_file)
+        if not hasattr(self, "history"):
+            self.history = History(cfg.history_file)
         self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes)
-        self.telemetry = Telemetry(events or EventLog(cfg.events_kept), metrics, self._reading)
+        self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
             KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
             require_key=cfg.harness_require_key, max_inflight=cfg.harness_max_inflight,
             rate_per_s=cfg.harness_acquire_rate_per_s, burst=cfg.harness_acquire_burst,
             trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file, clock=clock,
         )
-        self.relay = FinishRelay(self.ledger, peers)
+        self.relay = FinishRelay(self.ledger, peers, on_refused=self._report_refused)
         self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
         self.bursts = Bursts(cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall)
         self.executions = Executions(cfg, self.ledger, self.fleet, self.lead, self.harnesses, self.relay,
@@ -101,6 +111,21 @@ class Scheduler:
         self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
                 self.executions, self.supply, self.publication, self.transitions, self.commands,
                 self.telemetry, self.changes, clock)
+
+    async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:
+        """Stops acting and forgets everything the leadership held (its lease is gone, or a
+        newer leader exists): the process is a standby again, with empty parts fed the
+        watches' current ``inputs`` (cells, cell_states, policy, routers, leader); a new
+        campaign's :meth:`take_over` rebuilds the rest from etcd. ``tasks``: a fresh task
+        source, as a restarted process would have."""
+        await self.stop()
+        self._tasks = tasks
+        self._build(self.lead.store, self.telemetry.events, self.telemetry.metrics)
+        feeds = {"cells": self.on_cells, "cell_states": self.on_cell_states, "policy": self.on_policy,
+                 "routers": self.on_routers, "leader": self.on_leader}
+        for name, items in inputs.items():
+            feeds[name](items)
+        self.telemetry.emit("leader", "stepped down: leadership lost; campaigning again")
 
     # Shorthands (operators' and tests' vocabulary) ----------------------------------------
 
@@ -154,6 +179,7 @@ class Scheduler:
         """Rebuilds from etcd as the new leader: bursts, executions, routes, transitions,
         the policy version; then resumes what the old leader left half done."""
         stored = await self.store.load()
+        self.ledger.archived = stored.summary
         for b in stored.bursts:
             self.ledger.apply_burst(b)
         self.executions.rebuild(stored.executions, stored.routes)
@@ -165,7 +191,8 @@ class Scheduler:
         self.history.append("leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched,
                             finished=c.finished)
         self.telemetry.emit("leader",
-                f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts, "
+                f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts "
+                f"({stored.summary.bursts} archived), "
                 f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
                 f"{len(stored.transitions)} transitions to resume")
         for cell_id, body in stored.transitions.items():
@@ -201,9 +228,9 @@ class Scheduler:
 
     # Harness API --------------------------------------------------------------------------
 
-    async def acquire(self, harness_id: str, wait_s: float) -> tuple[Launched | None, bool, float]:
+    async def acquire(self, harness_id: str, wait_s: float, key: str = "") -> tuple[Launched | None, bool, float]:
         """(launched or None, burst exhausted, retry-after hint): see Executions.acquire."""
-        got = await self.executions.acquire(harness_id, wait_s)
+        got = await self.executions.acquire(harness_id, wait_s, key)
         return got.launched, got.exhausted, got.retry_after_s
 
     async def heartbeat(self, execution_id: str, token: str, harness: str | None = None) -> tuple[float, ExecState]:
@@ -220,6 +247,13 @@ class Scheduler:
 
     async def report_loop(self) -> None:
         await self.relay.run()
+
+    def _report_refused(self, report: FinishReport, exc: Exception) -> None:
+        """The packer refused a finish report (settled, not retried): recorded."""
+        self.history.append("report_refused", self.lead.epoch, execution_id=report.execution_id,
+                            group_id=report.group_id, error=str(exc)[:200])
+        self.telemetry.emit("report_refused", f"the packer refused the finish report of "
+                            f"{report.execution_id}: {exc}", execution_id=report.execution_id)
 
     async def supply_loop(self) -> None:
         await self.supply.run(bool(self.cfg.packer_target))
@@ -252,7 +286,8 @@ class Scheduler:
             capacity=capacity(self.fleet.cells.views()), ready_groups=self.supply.current.ready_groups,
             batch_size=self.cfg.batch_size, policy_version=version, cells=cells,
             reroutes=self.transitions.reroutes,
-            bursts_completed=sum(1 for x in ledger.bursts.values() if x.target_version <= version),
+            bursts_completed=ledger.archived.bursts + sum(1 for x in ledger.bursts.values()
+                                                          if x.target_version <= version),
             to_training=self.commands.to_training, to_rollout=self.commands.to_rollout,
             versions=ledger.counts_by_version(), migrations=self.transitions.migrations,
             open_bursts=len(ledger.open_bursts()),

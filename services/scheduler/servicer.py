@@ -5,21 +5,24 @@ converts the answer. Domain errors become statuses in :func:`gyre.grpcx.errors.r
 unknown execution -> NOT_FOUND; no token or a token that names no execution ->
 UNAUTHENTICATED; another execution's token -> PERMISSION_DENIED; a bad status, NaN/inf or
 out-of-range reward, bad key or id -> INVALID_ARGUMENT; not the leader -> UNAVAILABLE;
-deposed (stale epoch) -> FAILED_PRECONDITION; no harness credential, an unknown API key or
+deposed (stale epoch) -> UNAVAILABLE naming the leader; no harness credential, an unknown API key or
 an expired token -> UNAUTHENTICATED; another harness's execution or a caller of another role
 -> PERMISSION_DENIED; over the harness's rate or in-flight limit -> RESOURCE_EXHAUSTED.
-None of them changes anything.
+None of them changes anything. A standby, or a leader deposed under the call, answers
+UNAVAILABLE with the leader's target in the details ("the leader is at HOST:PORT") and in
+the trailing metadata ``x-gyre-leader``: the harness client retries there.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import TypeVar
 
 import grpc
 
 from gyre import apikeys
-from gyre.errors import InvalidArgument
+from gyre.errors import InvalidArgument, StaleEpoch, Unavailable
 from gyre.grpcx.auth import AccessTable, allow, caller
 from gyre.grpcx.errors import bearer_token, metadata_value, rpc, rpc_stream
 from gyre.identity import Role
@@ -44,6 +47,7 @@ _KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE,
         CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
 MAX_ID = 256
 HARNESS_SERVICE = "gyre.v1.HarnessService"
+T = TypeVar("T")
 
 
 def _execution_id(value: str) -> str:
@@ -68,6 +72,29 @@ def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
         seq=e.seq, time_s=e.time_s, kind=e.kind, message=e.message, cell_id=e.cell_id, execution_id=e.execution_id,
         waterlevel=e.waterlevel, capacity=e.capacity, ready_groups=e.ready_groups,
     )
+
+
+LEADER_METADATA = "x-gyre-leader"
+
+
+async def _at_leader(s: Scheduler, context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+    """Runs a harness call; a write refused for a stale epoch (this process was deposed
+    under it: nothing changed) becomes UNAVAILABLE. Every UNAVAILABLE names the leader in
+    the trailing metadata when known, so the harness retries there."""
+    try:
+        return await call
+    except StaleEpoch as exc:
+        where = f"; the leader is at {s.lead.leader_target}" if s.lead.leader_target else ""
+        _name_leader(s, context)
+        raise Unavailable(f"this scheduler was deposed ({exc}){where}") from exc
+    except Unavailable:
+        _name_leader(s, context)
+        raise
+
+
+def _name_leader(s: Scheduler, context: grpc.aio.ServicerContext) -> None:
+    if s.lead.leader_target and not s.leading:
+        context.set_trailing_metadata(((LEADER_METADATA, s.lead.leader_target),))
 
 
 def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int] | None = None,
@@ -112,7 +139,8 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         if not (math.isfinite(request.wait_s) and 0.0 <= request.wait_s <= 60.0):
             raise InvalidArgument("wait_s must be in [0, 60]")
         harness = self._harness(context, request.harness_id) or request.harness_id
-        got, exhausted, retry = await self.s.acquire(harness, request.wait_s)
+        got, exhausted, retry = await _at_leader(self.s, context, self.s.acquire(harness, request.wait_s,
+                                                                          request.idempotency_key))
         if got is None:
             return scheduler_pb2.AcquireExecutionResponse(burst_exhausted=exhausted, retry_after_s=retry)
         return scheduler_pb2.AcquireExecutionResponse(execution=execution_to_proto(got, self.s))
@@ -122,7 +150,7 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
             context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
-        left, state = await self.s.heartbeat(eid, token, self._harness(context))
+        left, state = await _at_leader(self.s, context, self.s.heartbeat(eid, token, self._harness(context)))
         return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
 
     @rpc
@@ -133,7 +161,8 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         status = _STATUS_FROM.get(request.status)
         if status is None:
             raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
-        out = await self.s.finish(eid, token, status, request.reward, request.idempotency_key, self._harness(context))
+        out = await _at_leader(self.s, context, self.s.finish(eid, token, status, request.reward, request.idempotency_key,
+                                                     self._harness(context)))
         return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state],
                 duplicate=out.duplicate)
 

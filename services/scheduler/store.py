@@ -6,6 +6,12 @@ Layout (gyre/etcd/keys.py): ``keys.burst(b)`` = a burst record (quota, tasks, ve
 a transition under way (resumable). Per-execution records are independent (TOOLING.md: a
 shared counter key collapses under contention), and the counts are derived by reading them.
 
+``keys.ledger_summary()`` = the :class:`~services.scheduler.ledger.ArchiveSummary` of the
+archived bursts, whose burst and execution keys are gone (deleted in the same transaction
+that folds them in), so the keys a takeover reads do not grow with the run. Takeover reads
+are paged (``Etcd.get_prefix_paged``: ``READ_PAGE`` keys per request, one revision): one
+request for the whole ledger would pass gRPC's message limit near 10k executions.
+
 Every write is one :meth:`LeaderElection.fenced_txn`: it also compares the leader key's
 create revision with our epoch, so a deposed (e.g. paused) leader changes nothing. A launch
 is guarded by "the record does not exist", a close by "the record is at the revision we
@@ -21,22 +27,26 @@ from typing import Any, NamedTuple, Protocol
 
 from gyre.errors import Conflict
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
-from gyre.etcd.client import create_revision_is, mod_revision_is
-from services.scheduler.ledger import Burst, ExecutionRecord
+from gyre.etcd.client import create_revision_is, mod_revision_is, prefix_end
+from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
 from services.scheduler.placement import RouteRecord
 
 MAX_TXN_OPS = 120
 """etcd refuses transactions with more than 128 operations (its default --max-txn-ops)."""
+READ_PAGE = 1000
+"""Keys per range request of a takeover (about 400 KiB of execution records)."""
 
 
 class Stored(NamedTuple):
-    """Everything a new leader rebuilds from: bursts, execution records, routes, and the
-    transitions under way (cell id -> record)."""
+    """Everything a new leader rebuilds from: the live bursts and their execution records,
+    routes, the transitions under way (cell id -> record), and the summary of the archived
+    bursts."""
 
     bursts: list[Burst]
     executions: list[ExecutionRecord]
     routes: list[RouteRecord]
     transitions: dict[str, dict[str, Any]]
+    summary: ArchiveSummary = ArchiveSummary()
 
 
 class Election(Protocol):
@@ -72,6 +82,8 @@ class Store(Protocol):
 
     async def delete_transition(self, cell_id: str) -> int: ...
 
+    async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int: ...
+
 
 class SchedulerStore:
     """Reads and fenced writes of the scheduler's keys (etcd)."""
@@ -84,22 +96,27 @@ class SchedulerStore:
     # Rebuild ------------------------------------------------------------------------------
 
     async def load(self) -> Stored:
-        """Everything a new leader needs: bursts, execution records, routes, transitions."""
-        _, burst_kvs = await self.etcd.get_prefix(self.keys.bursts())
-        _, exec_kvs = await self.etcd.get_prefix(self.keys.executions())
-        _, route_kvs = await self.etcd.get_prefix(self.keys.routes())
-        _, trans_kvs = await self.etcd.get_prefix(self.keys.transitions())
-        bursts = sorted((Burst.from_json(kv.value) for kv in burst_kvs), key=lambda b: b.burst_id)
+        """Everything a new leader needs, read in pages. The summary is read first: an
+        archive that lands between the reads only removes keys it already counts (a record
+        of a burst the summary covers is skipped by the ledger)."""
+        skv = await self.etcd.get(self.keys.ledger_summary())
+        summary = ArchiveSummary() if skv is None else ArchiveSummary.from_json(skv.value, skv.mod_revision)
+        _, burst_kvs = await self.etcd.get_prefix_paged(self.keys.bursts(), READ_PAGE)
+        _, exec_kvs = await self.etcd.get_prefix_paged(self.keys.executions(), READ_PAGE)
+        _, route_kvs = await self.etcd.get_prefix_paged(self.keys.routes(), READ_PAGE)
+        _, trans_kvs = await self.etcd.get_prefix_paged(self.keys.transitions(), READ_PAGE)
+        bursts = sorted((b for b in map(Burst.from_json, (kv.value for kv in burst_kvs))
+                         if b.burst_id > summary.through), key=lambda b: b.burst_id)
         execs = [ExecutionRecord.from_json(kv.value, kv.mod_revision) for kv in exec_kvs]
         routes = [RouteRecord.from_json(kv.value, kv.version, kv.mod_revision) for kv in route_kvs]
         transitions = {}
         for kv in trans_kvs:
             body = json.loads(kv.value)
             transitions[str(body["cell_id"])] = body
-        return Stored(bursts, execs, routes, transitions)
+        return Stored(bursts, [r for r in execs if r.burst_id > summary.through], routes, transitions, summary)
 
     async def read_routes(self) -> list[RouteRecord]:
-        _, kvs = await self.etcd.get_prefix(self.keys.routes())
+        _, kvs = await self.etcd.get_prefix_paged(self.keys.routes(), READ_PAGE)
         return [RouteRecord.from_json(kv.value, kv.version, kv.mod_revision) for kv in kvs]
 
     async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None:
@@ -141,6 +158,20 @@ class SchedulerStore:
         )
         if not ok:
             raise Conflict(f"{rec.execution_id} changed since revision {expected_revision}")
+        return rev
+
+    async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int:
+        """Folds burst ``summary.through`` (fully closed) into the stored summary and
+        deletes its burst key and every execution key under it (one range delete), in one
+        transaction, if the stored summary is still at ``expected_revision`` (0: none yet).
+        Returns the revision. Bursts are archived one at a time, oldest first."""
+        skey = self.keys.ledger_summary()
+        prefix = self.keys.executions(summary.through)
+        ops = [Op(skey, summary.to_json()), Op(self.keys.burst(summary.through)),
+               Op(prefix, range_end=prefix_end(prefix))]
+        ok, rev = await self.election.fenced_txn([mod_revision_is(skey, expected_revision)], ops)
+        if not ok:
+            raise Conflict(f"the ledger summary changed since revision {expected_revision}")
         return rev
 
     async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]:

@@ -5,19 +5,25 @@ Invariants: when the leader is killed mid-burst, the standby takes over with the
 middle of a transition, the standby resumes it (routes moved exactly once, the cell ends in
 training, the transition record is gone), also as the second failover of one burst; a leader
 paused past its lease and resumed cannot change anything (its writes are refused, etcd is
-unchanged, it exits non-zero). The JSONL history of all leaders passes the offline checker.
+unchanged) and steps down: a standby again, answering UNAVAILABLE with the leader's address
+and a retry hint. The JSONL history of all leaders passes the offline checker.
+A failover is invisible to harnesses: SIGKILL of the leader while real harness clients
+acquire, heartbeat and finish; every execution completes (none times out, none is lost or
+counted twice) and every harness call succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from apps.procs import ServiceProcess
+from gyre.client import HarnessClient
 from gyre.etcd import Keys
 from services.scheduler import history
 from tests.support.scheduler_peers import (
@@ -29,6 +35,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
+from tests.tls import PKI, tls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,6 +176,11 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
         await etcd.close()
 
 
+async def _standby(h: Harness):
+    st = await h.status()
+    return None if st.leader else st
+
+
 async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, tmp_path):
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
@@ -192,7 +204,13 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await ha.finish(e1)
         assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), err.value.details()
-        assert await asyncio.to_thread(a.wait, 15) != 0  # a lost lease is fatal
+        # A lost lease is not fatal: the old leader steps down and is a standby again.
+        st_a = await wait_until(lambda: _standby(ha), 20)
+        assert a.alive() and not st_a.leader
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ha.acquire(wait_s=0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and b.target in err.value.details()
+        assert dict(err.value.trailing_metadata() or ()).get("retry-after-ms")
         assert await _ledger_keys(etcd, keys) == before
         out = await hb.finish(e1)
         assert not out.duplicate
@@ -276,4 +294,70 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
             p.stop()
         for x in (core, sa, router, packer):
             await x.stop()
+        await etcd.close()
+
+
+async def _harness_worker(client: HarnessClient, done: list[str], errors: list[str], rng: random.Random) -> None:
+    """Acquire, hold (heartbeating in the background), finish; until the burst runs out."""
+    while True:
+        try:
+            execution = await client.acquire(wait_s=1.0)
+        except Exception as exc:  # noqa: BLE001 -- a harness call that failed is the finding
+            errors.append(f"acquire: {exc!r}")
+            return
+        if execution is None:
+            if client.last_burst_exhausted:
+                return
+            continue
+        try:
+            async with execution:
+                await asyncio.sleep(rng.uniform(0.3, 1.5))  # the episode; heartbeats go on
+                await execution.finish(reward=1.0)
+            done.append(execution.execution_id)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{execution.execution_id}: {exc!r}")
+
+
+async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, cluster_name, tmp_path):
+    """The leader dies mid-burst, with executions being acquired, heartbeated and finished;
+    its lease (6 s) outlasts what a harness client without failover support would wait."""
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
+    packer = await FakePacker().start()
+    hist = tmp_path / "history.jsonl"
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=12,
+                       max_bursts=1, packer_target=packer.target, history_file=str(hist), lease_ttl_s=6,
+                       heartbeat_interval_s=0.5, heartbeat_deadline_s=4.0)
+    a = _start(cfg, tmp_path, "sched-a")
+    ha = Harness(a.target)
+    await ha.wait_leader()
+    b = _start(cfg, tmp_path, "sched-b")
+    hb = Harness(b.target)
+    tls("harness")  # the harness identity directory
+    done: list[str] = []
+    errors: list[str] = []
+    try:
+        await wait_until(lambda: asyncio.sleep(0, b.target and True), what="standby up")
+        async with HarnessClient([a.target, b.target], harness_id="h-fault", tls_dir=PKI / "harness") as client:
+            workers = [asyncio.create_task(_harness_worker(client, done, errors, random.Random(i))) for i in range(6)]
+            await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), what="work under way")
+            a.kill()
+            await asyncio.wait_for(asyncio.gather(*workers), 90)
+            assert client.retries > 0  # the failover happened under the harnesses' calls
+        assert errors == []
+        st = await hb.wait_leader()
+        t = st.total
+        assert (t.dispatched, t.launched, t.finished) == (24, 24, 24), t
+        assert dict(st.total.finished_by_status) == {"COMPLETED": 24}
+        assert sorted(done) == sorted(set(done)) and len(done) == 24
+        await wait_until(lambda: asyncio.sleep(0, len(packer.reports) == 24), what="all finish reports")
+        assert history.check(history.read(hist), complete=True) == []
+    finally:
+        await ha.close()
+        await hb.close()
+        a.stop()
+        b.stop()
+        await cell.stop()
+        await packer.stop()
         await etcd.close()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gyre.errors import Conflict, StaleEpoch, Unavailable
-from services.scheduler.ledger import Burst, ExecutionRecord
+from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
 from services.scheduler.placement import RouteRecord
 from services.scheduler.store import Stored
 
@@ -47,6 +47,7 @@ class FakeStore:
         self.routes: dict[str, _Val] = {}
         self.transitions: dict[str, dict[str, Any]] = {}
         self.policy: dict[str, Any] | None = None
+        self.summary: _Val | None = None
         self.fail_next = 0
         self.launch_delay_s = 0.0
         self.election = _FakeElection(self)
@@ -76,10 +77,22 @@ class FakeStore:
         return self.revision
 
     async def load(self) -> Stored:
+        summary = ArchiveSummary() if self.summary is None else ArchiveSummary.from_json(
+            self.summary.value, self.summary.mod_revision)
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
         routes = [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
-        return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()})
+        return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()}, summary)
+
+    async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int:
+        rev = self._write()
+        if (self.summary.mod_revision if self.summary else 0) != expected_revision:
+            raise Conflict("the summary changed")
+        self.summary = _Val(summary.to_json(), rev, (self.summary.version if self.summary else 0) + 1)
+        self.bursts.pop(summary.through, None)
+        for eid in [e for e, v in self.execs.items() if json.loads(v.value)["burst_id"] == summary.through]:
+            del self.execs[eid]
+        return rev
 
     async def read_routes(self) -> list[RouteRecord]:
         return [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]

@@ -5,8 +5,9 @@ and Kubernetes (the gyre-config ConfigMap + each pod's environment), every secti
 the service's pydantic config exactly as the service will at start-up (file, then
 GYRE_<SECTION>__<FIELD> overrides), so a renamed or removed field breaks this test instead of
 a deployment; every GYRE_ override names a real field (pydantic-settings would ignore a typo
-silently); per-container identities (cell id, kind, index, advertised host) come out right.
-A service whose config module has not landed yet is skipped, not passed.
+silently); per-container identities (cell id, kind, index, advertised host) come out right;
+every elastic cell gets the trainer's settings (``cell_agent.training``), standalone ones
+carry them unused.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import yaml
 
 from gyre import config as config_mod
 from gyre.config import ServiceConfig
+from services.cell_agent.training.config import TrainingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -34,23 +37,19 @@ SECTION_MODULES = {
     "packer": "services.packer.config",
     "cell_agent": "services.cell_agent.config",
     "dashboard": "services.dashboard.config",
-    "training": "services.cell_agent.training.config",  # read by elastic cell agents
 }
 # Overrides for fields a service is expected to grow; accepted (and ignored by
 # pydantic-settings) until they exist. Empty: every override names a real field.
 PENDING_FIELDS: set[str] = set()
 
-# Sections read by the same containers (a cell agent reads cell_agent and training).
-SHARED_CONTAINERS = {"cell_agent": ("training",), "training": ("cell_agent",)}
 # Which containers run which section: compose service names / Kubernetes workload names.
 COMPOSE_USERS = {
     "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
     "cell_agent": ["cell-0", "cell-1", "cell-2", "rollout-0"], "dashboard": ["dashboard"],
-    "training": ["cell-0", "cell-1", "cell-2"],
 }
 K8S_USERS = {
     "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
-    "cell_agent": ["cell", "rollout"], "dashboard": ["dashboard"], "training": ["cell"],
+    "cell_agent": ["cell", "rollout"], "dashboard": ["dashboard"],
 }
 # What the Kubernetes downward API would give a pod (for $(VAR) and fieldRef values).
 FIELD_REFS = {
@@ -62,12 +61,7 @@ FIELD_REFS = {
 
 
 def config_class(section: str) -> type[Any]:
-    try:
-        module = importlib.import_module(SECTION_MODULES[section])
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"{SECTION_MODULES[section]} has not landed yet ({exc})")
-    if section == "training":
-        return module.TrainingSettings  # type: ignore[no-any-return]
+    module = importlib.import_module(SECTION_MODULES[section])
     classes = [
         obj for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, ServiceConfig) and obj.SECTION == section
@@ -117,6 +111,26 @@ TOOL_VARIABLES = {"GYRE_CONFIG", "GYRE_HEALTHCHECK_TLS_DIR", "GYRE_HARNESS_TLS_D
 harness's identity), not section overrides."""
 
 
+def has_field(cls: type[Any], path: list[str]) -> bool:
+    """Whether ``GYRE_<SECTION>__A__B`` names a field: ``a`` of ``cls``, then ``b`` of the
+    model (or of one of the models of a union) that ``a`` holds."""
+    if not path:
+        return True
+    field = cls.model_fields.get(path[0])
+    if field is None:
+        return False
+    if len(path) == 1:
+        return True
+    return any(has_field(m, path[1:]) for m in models_in(field.annotation))
+
+
+def models_in(annotation: Any) -> list[type[Any]]:
+    """The pydantic models an annotation can hold (through Optional, unions, Annotated)."""
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
+
+
 def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     cls = config_class(section)
     prefix = f"GYRE_{section.upper()}__"
@@ -126,18 +140,12 @@ def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypa
     for key, value in env.items():
         if key.startswith(prefix):
             field = key[len(prefix):].lower()
-            assert field in cls.model_fields or field in PENDING_FIELDS, f"{key}: {cls.__name__} has no field {field}"
-        elif key.startswith("GYRE_") and key not in TOOL_VARIABLES and not any(
-            key.startswith(f"GYRE_{other.upper()}__") for other in SHARED_CONTAINERS.get(section, ())
-        ):
+            assert has_field(cls, field.split("__")) or field in PENDING_FIELDS, f"{key}: {cls.__name__} has no field {field}"
+        elif key.startswith("GYRE_") and key not in TOOL_VARIABLES:
             raise AssertionError(f"{key} overrides another section than {section}")
         monkeypatch.setenv(key, value)
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
-    if section == "training":  # not a service: the cell agent's hook reads it (training/hook.py)
-        merged = dict(yaml.safe_load(text).get("training") or {})
-        merged.update({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
-        return cls(**merged)
     return config_mod.load(cls, path)
 
 
@@ -151,8 +159,6 @@ def test_every_section_is_known() -> None:
 def test_compose_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for service in COMPOSE_USERS[section]:
         cfg = build(section, COMPOSE_CLUSTER.read_text(), compose_env(service), tmp_path, monkeypatch)
-        if section == "training":
-            continue
         assert cfg.cluster_name == "compose" and cfg.etcd_endpoints == ["etcd:2379"]
         assert cfg.host == "0.0.0.0"
         if section == "cell_agent":
@@ -160,6 +166,7 @@ def test_compose_sections_load(section: str, tmp_path: Path, monkeypatch: pytest
             assert cfg.kind == ("standalone" if service.startswith("rollout") else "elastic")  # type: ignore[attr-defined]
             assert cfg.index == (-1 if cfg.kind == "standalone" else int(service[-1]))  # type: ignore[attr-defined]
             assert cfg.engine == "mock"  # type: ignore[attr-defined]
+            assert isinstance(cfg.training, TrainingSettings) and cfg.training.world_size == 3  # type: ignore[attr-defined]
         elif section != "dashboard":
             assert cfg.advertise_host == service
 
@@ -168,14 +175,13 @@ def test_compose_sections_load(section: str, tmp_path: Path, monkeypatch: pytest
 def test_k8s_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for workload in K8S_USERS[section]:
         cfg = build(section, k8s_cluster_yaml(), k8s_env(workload), tmp_path, monkeypatch)
-        if section == "training":
-            continue
         assert cfg.cluster_name == "gyre" and len(cfg.etcd_endpoints) == 3
         assert cfg.host == "0.0.0.0"
         if section == "cell_agent":
             assert cfg.cell_id == f"{workload}-1"  # type: ignore[attr-defined]
             assert cfg.index == (-1 if workload == "rollout" else 1)  # type: ignore[attr-defined]
             assert cfg.kind == ("standalone" if workload == "rollout" else "elastic")  # type: ignore[attr-defined]
+            assert isinstance(cfg.training, TrainingSettings) and cfg.training.world_size == 3  # type: ignore[attr-defined]
         if section != "dashboard":
             assert cfg.advertise_host == "10.1.2.3"
 
@@ -184,6 +190,11 @@ def test_a_typo_in_an_override_is_caught(tmp_path: Path, monkeypatch: pytest.Mon
     env = dict(compose_env("dashboard"), GYRE_DASHBOARD__POLL_INTERVAL=1)
     with pytest.raises(AssertionError, match="no field poll_interval"):
         build("dashboard", COMPOSE_CLUSTER.read_text(), {k: str(v) for k, v in env.items()}, tmp_path, monkeypatch)
+    env = dict(compose_env("cell-0"), GYRE_CELL_AGENT__TRAINING__LEARNING_RATE="0.1")
+    with pytest.raises(AssertionError, match="no field training__learning_rate"):
+        build("cell_agent", COMPOSE_CLUSTER.read_text(), env, tmp_path, monkeypatch)
+    env = dict(compose_env("cell-0"), GYRE_CELL_AGENT__TRAINING__LR="0.1")  # a real nested field
+    assert build("cell_agent", COMPOSE_CLUSTER.read_text(), env, tmp_path, monkeypatch).training.lr == 0.1
     bad = COMPOSE_CLUSTER.read_text().replace("poll_interval_s: 0.5", "poll_interval_s: 0.5\n  poll_every_s: 1")
     with pytest.raises(ValueError, match="poll_every_s"):
         build("dashboard", bad, {}, tmp_path, monkeypatch)
@@ -205,9 +216,10 @@ def test_sections_agree_with_each_other() -> None:
         assert cfg["scheduler"]["batch_size"] == cfg["packer"]["batch_size"]
         packer = f"{packer_host}:{cfg['packer']['port']}"
         assert cfg["scheduler"]["packer_target"] == cfg["router"]["packer_target"] == packer
-        assert cfg["training"]["packer_target"] == packer
-        assert cfg["training"]["world_size"] == elastic  # every elastic cell is one rank
-        host, _, port = cfg["training"]["dist_master"].rpartition(":")
+        training = cfg["cell_agent"]["training"]
+        assert training["packer_target"] == packer
+        assert training["world_size"] == elastic  # every elastic cell is one rank
+        host, _, port = training["dist_master"].rpartition(":")
         assert host == core_host and port == "29500"
         assert cfg["dashboard"]["scheduler_target"].endswith(f":{cfg['scheduler']['port']}")
     assert compose_env("cell-0")["GYRE_CELL_AGENT__INDEX"] == "0"  # the rendezvous host is the core
@@ -232,3 +244,24 @@ def test_the_longest_segment_fits_a_micro_step(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ValueError, match="micro_step_token_budget"):
         check_sequence_limits(path)
+
+
+def test_scheduler_and_packer_agree_on_the_staleness_bound(tmp_path: Path) -> None:
+    """Every shipped config sets eta once for both services; a config where they differ is
+    refused when the launcher loads it."""
+    from apps.limits import check_shared_settings
+
+    local = ROOT / "deploy" / "local" / "cluster.yaml"
+    for name, text in (("compose", COMPOSE_CLUSTER.read_text()), ("k8s", k8s_cluster_yaml()), ("local", local.read_text())):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        check_shared_settings(path)
+    doc = yaml.safe_load(local.read_text())
+    doc.setdefault("cluster", {})["max_staleness"] = 2
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    check_shared_settings(path)  # once, in cluster: both services read it
+    doc["packer"]["max_staleness"] = 0
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match="max_staleness"):
+        check_shared_settings(path)

@@ -33,11 +33,12 @@ OPS = st.lists(
 
 
 async def _rebuild(store: FakeStore) -> Ledger:
-    bursts, execs, _, _ = await store.load()
+    loaded = await store.load()
     ledger = Ledger()
-    for b in bursts:
+    ledger.archived = loaded.summary
+    for b in loaded.bursts:
         ledger.apply_burst(b)
-    for rec in sorted(execs, key=lambda r: (r.burst_id, r.seq)):
+    for rec in sorted(loaded.executions, key=lambda r: (r.burst_id, r.seq)):
         ledger.load(rec, 0.0)
     return ledger
 

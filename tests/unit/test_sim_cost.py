@@ -34,6 +34,15 @@ def test_prefill_recompute_of_35k_context(cost: CostModel) -> None:
     assert appended > cost.prefill_s(400, 0)
 
 
+def test_kv_handoff_is_a_fixed_latency_plus_bytes_and_beats_recompute_at_agent_contexts(cost: CostModel) -> None:
+    c = cost.cfg
+    assert cost.kv_handoff_s(0) == c.kv_handoff_s
+    per_token = c.kv_bytes_per_token / c.kv_handoff_bytes_per_s
+    assert cost.kv_handoff_s(35_000) == pytest.approx(c.kv_handoff_s + 35_000 * per_token)
+    for ctx in (30_000, 100_000):  # agent contexts: moving the KV is far cheaper than prefill
+        assert cost.kv_handoff_s(ctx) < 0.1 * cost.prefill_s(ctx, 0)
+
+
 def test_train_step_formula(cost: CostModel) -> None:
     c = cost.cfg
     tokens = 1_000_000

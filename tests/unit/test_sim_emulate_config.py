@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from services.cell_agent.config import CellAgentConfig
-from services.cell_agent.training.mock_trainer import MockTrainerSettings
+from services.cell_agent.training.config import MockTrainerSettings
 from services.packer.config import PackerConfig
 from services.router.config import RouterConfig
 from services.scheduler.config import SchedulerConfig
@@ -43,7 +43,7 @@ def test_rendered_sections_are_valid_service_configs(scaled) -> None:
 def test_trainer_and_engine_follow_the_cost_model(scaled) -> None:
     cfg, sc = scaled
     conf = render_config(cfg, sc, time_scale=10.0, model_dir="/m")
-    settings = MockTrainerSettings(**conf["training"])
+    settings = MockTrainerSettings(**conf["cell_agent"]["training"])
     cost = CostModel(cfg.cost)
     tokens = 50_000
     # One cell trains `tokens` in cost.train_s(tokens, 1) minus the fixed step, scaled.

@@ -10,10 +10,13 @@ import types
 
 import pytest
 
+from gyre import config as config_mod
+from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.hooks import JoinBatch
 from services.cell_agent.training import hook as hook_mod
+from services.cell_agent.training.config import MockTrainerSettings
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
-from services.cell_agent.training.mock_trainer import MockTrainerSettings, MockTrainingHook, sequence_tokens
+from services.cell_agent.training.mock_trainer import MockTrainingHook, sequence_tokens
 
 
 class FakePacker:
@@ -22,7 +25,7 @@ class FakePacker:
         self.claimed: dict[str, str] = {}
         self.acked: list[str] = []
 
-    def source(self, cell: str):  # noqa: ANN201
+    def source(self, cell: str):
         packer = self
 
         class Source:
@@ -45,7 +48,7 @@ class FakePacker:
 
         return Source()
 
-    async def batch(self, batch_id: int):  # noqa: ANN201
+    async def batch(self, batch_id: int):
         return types.SimpleNamespace(done=not self.free and len(self.acked) == len(self.claimed))
 
 
@@ -109,13 +112,13 @@ def test_marker_counts_each_turn_from_its_new_segment() -> None:
 
 
 def test_build_hook_picks_mock_for_mode_mock(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("GYRE_CONFIG", raising=False)
     cfgfile = tmp_path / "c.yaml"
-    cfgfile.write_text("training: {mode: mock, packer_target: '127.0.0.1:1', time_scale: 0.5}\n")
-    monkeypatch.setattr("sys.argv", ["x", "--config", str(cfgfile)])
+    cfgfile.write_text("cell_agent: {training: {mode: mock, packer_target: '127.0.0.1:1', time_scale: 0.5}}\n")
     rt = types.SimpleNamespace(target="127.0.0.1:2", etcd=None, keys=None)
-    cfg = types.SimpleNamespace(kind="elastic", index=0, cell_id="cell-0", model_dir="", policy_version=0)
+    cfg = config_mod.load(CellAgentConfig, cfgfile, cell_id="cell-0", index=0, policy_version=3)
     got = hook_mod.build_hook(rt, cfg)
     assert isinstance(got, MockTrainingHook)
-    assert got.settings.time_scale == 0.5
-    standalone = types.SimpleNamespace(kind="standalone", index=-1, cell_id="s", model_dir="")
+    assert got.settings.time_scale == 0.5 and got.settings.initial_policy_version == 3
+    standalone = config_mod.load(CellAgentConfig, cfgfile, cell_id="s", kind="standalone", index=-1)
     assert not isinstance(hook_mod.build_hook(rt, standalone), MockTrainingHook)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
+
 from sim.config import DriftConfig, LogNormal, ProfileConfig, load_config
 from sim.workload import Trace
 
@@ -66,3 +68,35 @@ def test_total_output_clip_truncates_turns() -> None:
     assert e.total_output == 250
     assert e.output_tokens == (100, 100, 50)
     assert len(e.prompt_tokens) == len(e.tool_s) == 3
+
+
+def test_mixed_trace_draws_each_task_from_one_profile_by_weight() -> None:
+    from sim.config import ScenarioConfig
+    from sim.workload import MixedTrace, make_trace
+
+    sc = ScenarioConfig(name="mix", profile="A", seed=5, mix={"A": 1.0, "B": 1.0, "C": 2.0})
+    cfg = CFG.model_copy(update={"scenarios": [sc]})
+    t = make_trace(cfg, sc)
+    assert isinstance(t, MixedTrace)
+    kinds = [t.kind(task) for task in range(2000)]
+    share = [kinds.count(i) / len(kinds) for i in range(3)]
+    assert share[0] == pytest.approx(0.25, abs=0.04) and share[2] == pytest.approx(0.5, abs=0.04)
+    # Every group has the scenario profile's size; B tasks are single-turn, A tasks are long.
+    for task in range(40):
+        g = t.group(task)
+        assert len(g) == CFG.profiles["A"].group_size
+        if kinds[task] == 1:
+            assert all(e.turns == 1 for e in g)
+    # The same seed gives the same mix and episodes; the plain trace is unchanged by mixing.
+    again = make_trace(cfg, sc)
+    assert [again.kind(task) for task in range(200)] == kinds[:200]
+    assert again.episode(7, 1) == t.episode(7, 1)
+    plain = make_trace(cfg, sc.model_copy(update={"mix": {}}))
+    assert plain.episode(3, 0) == Trace(CFG.profiles["A"], seed=5).episode(3, 0)
+
+
+def test_mix_names_known_profiles() -> None:
+    from sim.config import ScenarioConfig, SimConfig
+
+    with pytest.raises(ValueError, match="unknown profile"):
+        SimConfig(scenarios=[ScenarioConfig(name="x", mix={"A": 1.0, "Z": 1.0})])

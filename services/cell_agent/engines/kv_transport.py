@@ -337,6 +337,7 @@ class KvServer:
         if n == 0:
             _send_msg(sock, head)
             return
+        _sync(self._device())  # the engine's last kernels on these blocks are done
         if medium == "tcp":
             _send_msg(sock, head)
             for name in names:
@@ -421,6 +422,7 @@ def read(spec: ReadSpec, caches: PagedCaches) -> int:
                 for layer in layers:
                     data = _recv_tensor(sock, layer["shape"], _DTYPES[layer["dtype"]])
                     caches.scatter(layer["name"], dst, data)
+                _sync(next(iter(caches.tensors.values())).device)
             elif spec.medium == "cuda_ipc":
                 _copy_from_ipc(head, caches, dst)
                 _send_msg(sock, {"done": True})

@@ -5,11 +5,21 @@ vLLM mixes this class into its worker, so its methods run inside the worker (in-
 in a worker process) and can reach the model runner. Weights arrive as safetensors bytes
 (tensors do not cross vLLM's multiprocess RPC), are parsed here and handed to the model
 runner's ``reload_weights``, which maps checkpoint names onto the loaded model in place.
+
+Importing it in the engine core also ties that process's life to the cell agent's
+(:func:`gyre.lifeline.die_with_parent`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from gyre.lifeline import die_with_parent
+
+# vLLM imports this module early in its engine-core process (where the worker lives): from
+# here on the engine core dies with the cell agent that started it, however the agent dies
+# (vLLM 0.32 has no parent-death handling of its own for the engine core).
+die_with_parent()
 
 
 class GyreWorkerExtension:

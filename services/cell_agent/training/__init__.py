@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def build_hook(rt: Any, cfg: Any, cell: Any = None) -> Any:
-    """See :func:`services.cell_agent.training.hook.build_hook`."""
+def build_hook(rt: Any, cfg: Any) -> Any:
+    """See :func:`services.cell_agent.training.hook.build_hook` (imported on call: torch and
+    the trainer load only for cells that train)."""
     from services.cell_agent.training.hook import build_hook as _build
 
-    return _build(rt, cfg, cell)
+    return _build(rt, cfg)

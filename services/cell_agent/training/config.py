@@ -1,8 +1,17 @@
-"""Typed settings of a cell's trainer (a nested section of the cell agent's config)."""
+"""Typed settings of a cell's trainer: ``cell_agent.training`` in the cluster YAML,
+``GYRE_CELL_AGENT__TRAINING__<FIELD>`` in the environment, ``--set training.<field>=...`` on
+the command line, validated like every other setting.
+
+``mode`` picks the trainer: ``torch`` (:class:`TrainingSettings`, the real trainer) or
+``mock`` (:class:`MockTrainerSettings`, the cost-model trainer of the emulated cluster).
+No section (``None``) means this cluster does not train.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class TrainingSettings(BaseModel):
@@ -13,6 +22,7 @@ class TrainingSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    mode: Literal["torch"] = Field("torch", description='"torch": the real trainer (this section).')
     enabled: bool = Field(
         True, description="Train on this cell (elastic cells only). Off: JoinBatch answers joined=false.")
     model_dir: str = Field(
@@ -49,3 +59,48 @@ class TrainingSettings(BaseModel):
     pull_timeout_s: float = Field(300.0, gt=0, description="Deadline of one snapshot pull.")
     checkpoint_dir: str = Field("", description="Where the core writes a checkpoint per step; empty: none.")
     checkpoint_keep: int = Field(2, ge=1, le=100, description="Checkpoints kept on disk.")
+
+
+class MockTrainerSettings(BaseModel):
+    """``mode: mock``: the cost-model trainer (``sim.config.CostConfig``'s training terms),
+    used by the emulated cluster (``sim/emulate.py``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["mock"] = Field("mock", description='"mock": the cost-model trainer.')
+    enabled: bool = Field(True, description="Train on this cell (elastic cells only).")
+    packer_target: str = Field("", description="gRPC target of the packer.")
+    time_scale: float = Field(1.0, ge=0, description="Multiplier of every modelled duration (0: no waiting).")
+    n_params: float = Field(7.6e9, gt=0, description="Model parameters N (6N FLOPs per trained token).")
+    flops: float = Field(989e12, gt=0, description="Dense FLOP/s per GPU.")
+    train_flops_eff: float = Field(0.35, gt=0, le=1, description="Achieved FLOP fraction (MFU) in training.")
+    gpus_per_cell: int = Field(1, ge=1, description="GPUs in one cell.")
+    train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update (core).")
+    weight_sync_s: float = Field(0.1, ge=0, description="A satellite pulling the batch's weights.")
+    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep.")
+    join_wait_s: float = Field(10.0, ge=0, description="How long a join waits for the previous batch to end.")
+    done_poll_s: float = Field(0.05, gt=0, description="Core: GetBatch poll period while waiting for acks.")
+    initial_policy_version: int = Field(0, ge=0, description="Version the cluster starts at.")
+    segment_marker_id: int = Field(
+        2, ge=-1, description="Token id that opens each turn's new prompt segment (the emulation's "
+        "replay driver writes it; engines never emit it): a sequence then counts only the tokens "
+        "from its last marker on, so an episode's turns together count its final context, as in "
+        "sim. -1: count every token of every packed sequence (what a real trainer processes).")
+
+    def micro_step_s(self, tokens: int) -> float:
+        """Scaled seconds to train ``tokens`` tokens on one cell."""
+        rate = self.gpus_per_cell * self.flops * self.train_flops_eff / (6.0 * self.n_params)
+        return tokens / rate * self.time_scale
+
+
+def _mode(value: Any) -> str:
+    """The trainer a ``training`` section selects (``torch`` unless it says ``mode: mock``)."""
+    mode = value.get("mode", "torch") if isinstance(value, dict) else getattr(value, "mode", "torch")
+    return str(mode)
+
+
+TrainerSettings = Annotated[
+    Annotated[TrainingSettings, Tag("torch")] | Annotated[MockTrainerSettings, Tag("mock")],
+    Discriminator(_mode),
+]
+"""The ``cell_agent.training`` section: the real trainer's or the mock trainer's settings."""

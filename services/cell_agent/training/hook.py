@@ -2,12 +2,11 @@
 :class:`~services.cell_agent.training.service.TrainingService`, and :func:`build_hook`, the
 factory the cell agent's ``__main__`` looks for.
 
-Settings come from ``cfg.training`` when the cell agent's config has that field (a
-:class:`TrainingSettings`), else from the ``training:`` section of the cluster YAML named by
-``--config`` / $GYRE_CONFIG with ``GYRE_TRAINING__<FIELD>`` environment overrides. A cell trains when that section (or
-``cfg.training``) exists and does not say ``enabled: false``; an empty ``model_dir`` falls
-back to the cell's own ``model_dir``;
-disabled, or with no model at all (a mock cluster), the cell gets the no-op hook. A trainer
+Settings are the cell agent's typed ``training`` section (``cell_agent.training`` in the
+YAML, ``GYRE_CELL_AGENT__TRAINING__<FIELD>``, ``--set training.<field>=...``). A cell trains
+when that section exists and does not say ``enabled: false``; an empty ``model_dir`` falls
+back to the cell's own ``model_dir``; disabled, or with no model at all (a mock cluster),
+the cell gets the no-op hook. ``mode: mock`` gives the cost-model trainer. A trainer
 that fails to start (bad settings, a rendezvous that never completes) does not take the
 cell down: JoinBatch answers UNAVAILABLE with the reason and rollout goes on.
 """
@@ -15,14 +14,14 @@ cell down: JoinBatch answers UNAVAILABLE with the reason and rollout goes on.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gyre import config as config_mod
+from gyre.runtime import Runtime
 from services.cell_agent import snapshots
-from services.cell_agent.training.config import TrainingSettings
+from services.cell_agent.config import CellAgentConfig
+from services.cell_agent.hooks import NoopTrainingHook, TrainingHook
+from services.cell_agent.training.config import MockTrainerSettings, TrainingSettings
 from services.cell_agent.training.service import TrainingService
 
 log = logging.getLogger(__name__)
@@ -49,56 +48,31 @@ class CellTrainingHook:
         return [snapshots.registration(self.service.snapshots)]
 
 
-def _raw_section() -> tuple[Any, dict[str, Any]]:
-    """The ``training:`` section of the cluster YAML (or None) and it with env overrides."""
-    path = _config_path()
-    raw = (config_mod.read_file(path) if path else {}).get("training")
-    section = dict(raw or {})
-    prefix = "GYRE_TRAINING__"
-    for key, value in os.environ.items():
-        if key.startswith(prefix):
-            section[key[len(prefix):].lower()] = value
-    return raw, section
-
-
-def load_settings(cfg: Any) -> TrainingSettings:
-    """The trainer settings of a cell agent (see the module docstring)."""
-    found = getattr(cfg, "training", None)
-    if isinstance(found, TrainingSettings):
-        settings = found
-    else:
-        raw, section = _raw_section()
-        if raw is None and not section:
-            return TrainingSettings(enabled=False)  # no training section: this cluster does not train
-        settings = TrainingSettings(**section)
-    if not settings.model_dir and getattr(cfg, "model_dir", ""):
+def load_settings(cfg: CellAgentConfig) -> TrainingSettings:
+    """The real trainer's settings of a cell agent (disabled without a ``training`` section)."""
+    settings = cfg.training
+    if not isinstance(settings, TrainingSettings):
+        return TrainingSettings(enabled=False)  # no section (this cluster does not train), or mock
+    if not settings.model_dir and cfg.model_dir:
         settings = settings.model_copy(update={"model_dir": cfg.model_dir})
     return settings
 
 
-def _config_path() -> str | None:
-    argv = sys.argv
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return os.environ.get(config_mod.CONFIG_ENV)
-
-
-def build_hook(rt: Any, cfg: Any, cell: Any = None) -> Any:
+def build_hook(rt: Runtime, cfg: CellAgentConfig) -> TrainingHook:
     """The cell agent's training hook: a real trainer for an elastic cell with a model, the
-    no-op hook otherwise. Spawns the background build under the runtime's supervisor."""
-    from services.cell_agent.hooks import NoopTrainingHook
-
-    if getattr(cfg, "kind", "elastic") != "elastic" or getattr(cfg, "index", -1) < 0:
+    cost-model trainer for ``mode: mock``, the no-op hook otherwise. Spawns the background
+    build under the runtime's supervisor."""
+    if cfg.kind != "elastic" or cfg.index < 0:
         return NoopTrainingHook()
-    if not isinstance(getattr(cfg, "training", None), TrainingSettings):
-        _, section = _raw_section()
-        if section.get("mode") == "mock":  # the cost-model trainer of the emulated cluster
-            from services.cell_agent.training.mock_trainer import build_mock_hook
+    if isinstance(cfg.training, MockTrainerSettings):  # the cost-model trainer of the emulated cluster
+        from services.cell_agent.training.mock_trainer import build_mock_hook
 
-            return build_mock_hook(rt, cfg, section)
+        if not cfg.training.enabled:
+            return NoopTrainingHook()
+        settings_mock = cfg.training
+        if not settings_mock.initial_policy_version and cfg.policy_version:
+            settings_mock = settings_mock.model_copy(update={"initial_policy_version": cfg.policy_version})
+        return build_mock_hook(rt, cfg, settings_mock)
     settings = load_settings(cfg)
     if not settings.enabled:
         return NoopTrainingHook()

@@ -4,7 +4,7 @@ micro-steps from the packer like the real trainer and waits the simulator's trai
 optimizer cost on the core), time-scaled; the core then publishes ``keys.policy()`` exactly
 like the real trainer (``services/cell_agent/training/store.py``).
 
-Selected by the cluster YAML's ``training:`` section with ``mode: mock`` (see
+Selected by ``cell_agent.training`` with ``mode: mock`` (see
 ``services/cell_agent/training/hook.py``); used by the emulated cluster (``sim/emulate.py``).
 
 One batch on every participant:
@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
 
 from gyre.grpcx.channel import dial, unary
 from gyre.grpcx.tls import process_tls
@@ -34,42 +33,12 @@ from gyre.identity import Role
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent import snapshots
+from services.cell_agent.training.config import MockTrainerSettings
 from services.cell_agent.training.microstep import MicroStep, Outcome
 from services.cell_agent.training.packer_client import PackerSource
 from services.cell_agent.training.retry import keep_claims, retrying
 
 log = logging.getLogger(__name__)
-
-
-class MockTrainerSettings(BaseModel):
-    """The ``training:`` section when ``mode: mock`` (cost model of ``sim.config.CostConfig``)."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    mode: str = Field("mock", description='"mock": this trainer.')
-    enabled: bool = Field(True, description="Train on this cell (elastic cells only).")
-    packer_target: str = Field("", description="gRPC target of the packer.")
-    time_scale: float = Field(1.0, ge=0, description="Multiplier of every modelled duration (0: no waiting).")
-    n_params: float = Field(7.6e9, gt=0, description="Model parameters N (6N FLOPs per trained token).")
-    flops: float = Field(989e12, gt=0, description="Dense FLOP/s per GPU.")
-    train_flops_eff: float = Field(0.35, gt=0, le=1, description="Achieved FLOP fraction (MFU) in training.")
-    gpus_per_cell: int = Field(1, ge=1, description="GPUs in one cell.")
-    train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update (core).")
-    weight_sync_s: float = Field(0.1, ge=0, description="A satellite pulling the batch's weights.")
-    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep.")
-    join_wait_s: float = Field(10.0, ge=0, description="How long a join waits for the previous batch to end.")
-    done_poll_s: float = Field(0.05, gt=0, description="Core: GetBatch poll period while waiting for acks.")
-    initial_policy_version: int = Field(0, ge=0, description="Version the cluster starts at.")
-    segment_marker_id: int = Field(
-        2, ge=-1, description="Token id that opens each turn's new prompt segment (the emulation's "
-        "replay driver writes it; engines never emit it): a sequence then counts only the tokens "
-        "from its last marker on, so an episode's turns together count its final context, as in "
-        "sim. -1: count every token of every packed sequence (what a real trainer processes).")
-
-    def micro_step_s(self, tokens: int) -> float:
-        """Scaled seconds to train ``tokens`` tokens on one cell."""
-        rate = self.gpus_per_cell * self.flops * self.train_flops_eff / (6.0 * self.n_params)
-        return tokens / rate * self.time_scale
 
 
 def sequence_tokens(step: MicroStep, marker: int = -1) -> int:
@@ -251,10 +220,7 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         log.error("mock batch failed", extra={"task": task.get_name(), "error": repr(task.exception())})
 
 
-def build_mock_hook(rt: Any, cfg: Any, section: dict[str, Any]) -> MockTrainingHook:
-    """The mock trainer of an elastic cell, from the raw ``training:`` section."""
-    settings = MockTrainerSettings(**section)
-    if not settings.initial_policy_version and getattr(cfg, "policy_version", 0):
-        settings = settings.model_copy(update={"initial_policy_version": cfg.policy_version})
+def build_mock_hook(rt: Any, cfg: Any, settings: MockTrainerSettings) -> MockTrainingHook:
+    """The mock trainer of an elastic cell."""
     return MockTrainingHook(settings, cell_id=cfg.cell_id, index=cfg.index,
                             target=lambda: rt.target, etcd=rt.etcd, keys=rt.keys)

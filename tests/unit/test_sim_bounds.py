@@ -1,0 +1,71 @@
+"""The lower bound T*_eta (sim/bounds.py): the publish-time recursion on cases computed by
+hand, and on a small scenario: below every policy's time, never below the work bound, and
+no larger when the staleness bound loosens."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from sim.bounds import limits, physical_limit, publish_times, staleness_limit
+from sim.driver import PolicySpec, run_policy
+from tests.unit.test_sim_conservation import small_config
+
+
+def test_latency_chain_by_hand() -> None:
+    # One cell, no rollout work, training = the optimizer step (2 s) only.
+    kw = {"tail": [1.0, 1.0], "rollout": [0.0, 0.0], "train": [2.0, 2.0], "cells": 1, "tau_opt": 2.0}
+    # eta = 0: batch 1 starts after t_1 = 0 + 10 + 1; then 11 + 20 + 1.
+    t, why = publish_times([10.0, 20.0], eta=0, **kw)
+    assert t == [11.0, 32.0] and why == ["latency", "latency"]
+    # eta = 1: batch 1 may start at t_0: 0 + 20 + 1 = 21 (> t_1 + optimizer = 13).
+    t, why = publish_times([10.0, 20.0], eta=1, **kw)
+    assert t == [11.0, 21.0] and why == ["latency", "latency"]
+    # eta = 1 with a short second group: the optimizer step after t_1 binds (11 + 0 + 2).
+    t, why = publish_times([10.0, 0.5], eta=1, **kw)
+    assert t == [11.0, 13.0] and why == ["latency", "train"]
+
+
+def test_work_binds_by_hand() -> None:
+    # Two cells, 10 GPU-s of rollout and 4 of training (2 s optimizer) per batch, eta = 1:
+    # t_1 = (10 + 4) / 2 = 7, t_2 = 28 / 2 = 14, t_3 = 42 / 2 = 21: the whole work.
+    t, why = publish_times([1.0] * 3, [0.5] * 3, [10.0] * 3, [4.0] * 3, cells=2, eta=1, tau_opt=2.0)
+    assert t == [7.0, 14.0, 21.0] and why == ["work"] * 3
+
+
+def test_work_that_cannot_start_before_t_k_binds_by_hand() -> None:
+    # eta = 0, one cell: batch 0 waits 10 s for its group (t_1 = 10), so batch 1's 5 GPU-s of
+    # rollout and 2 of training all come after t_1: t_2 = 10 + 7 = 17, although all the work
+    # (1 + 5 + 2 + 2 = 10 GPU-s) would fit in 10 s from t_0.
+    t, why = publish_times([10.0, 0.1], [0.0, 0.0], [1.0, 5.0], [2.0, 2.0], cells=1, eta=0, tau_opt=2.0)
+    assert t == [10.0, 17.0] and why == ["latency", "work"]
+    # With eta = 1 batch 1's rollout may run before t_1: only its training (2 s) is after it.
+    t, _ = publish_times([10.0, 0.1], [0.0, 0.0], [1.0, 5.0], [2.0, 2.0], cells=1, eta=1, tau_opt=2.0)
+    assert t == [10.0, 12.0]
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError):
+        publish_times([1.0], [1.0, 2.0], [1.0], [1.0], cells=1, eta=0, tau_opt=1.0)
+    with pytest.raises(ValueError):
+        publish_times([1.0], [1.0], [1.0], [1.0], cells=0, eta=0, tau_opt=1.0)
+
+
+def _with_eta(sc, eta: int):
+    return sc.model_copy(update={"training": sc.training.model_copy(update={"max_staleness": eta})})
+
+
+def test_small_scenario_bound_is_below_every_policy_and_loosens_with_eta() -> None:
+    cfg, sc = small_config()
+    bounds = [staleness_limit(cfg, _with_eta(sc, eta)).t_star_eta_s for eta in (0, 1, 2, 8)]
+    assert all(a >= b - 1e-9 for a, b in itertools.pairwise(bounds))
+    assert bounds[0] > bounds[-1]  # a tight staleness bound costs latency
+    old, eta1 = limits(cfg, sc)
+    assert old == physical_limit(cfg, sc)
+    assert eta1.t_star_eta_s == pytest.approx(bounds[1])
+    assert eta1.t_star_eta_s >= old.work_bound_s * (1 - 1e-9)
+    assert len(eta1.publish_times_s) == sc.training.updates
+    for spec in (PolicySpec("waterlevel"), PolicySpec("colocated"), PolicySpec("static", training_cells=3)):
+        r = run_policy(cfg, sc, spec)
+        assert r.reached and r.time_to_n_s >= eta1.t_star_eta_s, spec.label
