@@ -189,8 +189,12 @@ class SimConfig(_Frozen):
     )
     cost: CostConfig = Field(default_factory=CostConfig, description="GPU cost model.")
     policy: PolicyParams = Field(default_factory=PolicyParams, description="Policy parameters.")
-    policies: list[Literal["waterlevel", "colocated", "static"]] = Field(
+    policies: list[Literal["gyre", "waterlevel", "colocated", "static", "async-static", "async-static-lend"]] = Field(
         default_factory=lambda: ["waterlevel", "colocated", "static"], description="Compared."
+    )
+    async_static_placements: list[Literal["scheduler", "least_loaded"]] = Field(
+        default_factory=lambda: ["scheduler", "least_loaded"],
+        description="Placements the async static split is swept over (with static_training_cells).",
     )
     static_training_cells: list[int] = Field(
         default_factory=lambda: [8, 16, 24, 32, 48],

@@ -225,6 +225,10 @@ class PackerState:
             out += sum(m.packed_tokens for m in b.micro_steps if m.acked_by is None)
         return out
 
+    def stamp(self, group: Group) -> int:
+        """The policy version a group was dispatched with (its members' finish reports)."""
+        return min((ex.finish.policy_version for ex in group.execs.values() if ex.finish is not None), default=0)
+
     def optimizing(self) -> bool:
         """True while the optimizer step of a trained batch runs: every micro-step of it is
         acknowledged and the version it trained on is still the newest published."""
