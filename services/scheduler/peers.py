@@ -60,6 +60,8 @@ class SupplyUpdate:
     optimizing: bool = False
     groups_ready_total: int = 0
     """Groups that became ready since the packer started (the arrival rate)."""
+    batch_assigned: int = 0
+    """Groups assigned to the current batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +143,8 @@ class GrpcPeers:
             async for sig in call:
                 yield SupplyUpdate(int(sig.ready_groups), int(sig.batch_needs), int(sig.batch_id),
                         int(sig.ready_unassigned), float(sig.ready_tokens), float(sig.backlog_tokens),
-                        float(sig.tokens_trained), bool(sig.optimizing), int(sig.groups_ready_total))
+                        float(sig.tokens_trained), bool(sig.optimizing), int(sig.groups_ready_total),
+                        int(sig.batch_assigned))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
         finally:
