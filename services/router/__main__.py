@@ -17,7 +17,8 @@ from services.router.engine_client import GrpcEngineClient, PackerTurnSink
 from services.router.http_api import OpenAIApi
 from services.router.limits import model_context
 from services.router.manager import CallManager
-from services.router.metrics import RouterCollector, serve as serve_metrics
+from services.router.metrics import RouterCollector
+from services.router.metrics import serve as serve_metrics
 from services.router.routes import RouteTable
 from services.router.servicer import RouterServicer
 from services.router.store import RouteStore

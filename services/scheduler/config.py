@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from typing import ClassVar, Literal
 
 from pydantic import Field
