@@ -100,6 +100,10 @@ class SchedulerConfig(ServiceConfig):
     orphan_grace_s: float = Field(
         3.0, ge=0.0, description="Reroute the executions of a cell whose registration has been gone this long."
     )
+    engine_probe_timeout_s: float = Field(
+        1.0, gt=0.0, description="A cell reported failed by a router is dead when it does not answer a probe "
+        "within this long; its executions are then rerouted at once.",
+    )
     drain_timeout_s: float = Field(30.0, gt=0.0, description="Longest wait for a draining cell to empty.")
     command_timeout_s: float = Field(30.0, gt=0.0,
             description="Deadline of CellControl commands (LoadPolicy pulls weights).")
