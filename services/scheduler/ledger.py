@@ -44,6 +44,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from gyre.etcd.values import token_sha256
 from services.scheduler.policy import LedgerCounts
 
 
@@ -76,10 +77,6 @@ trained within the staleness bound): the record is created closed, so L counts e
 that left the queue (launched, or withdrawn before launch)."""
 CANCEL_KEY = "scheduler-cancel"
 """The idempotency key of a close the scheduler made (cancel rule, or a withdrawal)."""
-
-
-def sha256_hex(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 ACQUIRE_KEY_MIN = 16
@@ -431,7 +428,7 @@ class Ledger:
             if self.is_queued(execution_id):
                 raise FailedPrecondition(f"{execution_id} is queued, not launched")
             raise NotFound(f"unknown execution {execution_id!r}")
-        digest = sha256_hex(token)
+        digest = token_sha256(token)
         if digest != rec.token_sha256:
             if digest in self._by_token:
                 raise PermissionDenied(f"the token does not hold {execution_id}")
