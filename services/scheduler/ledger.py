@@ -197,6 +197,8 @@ class ArchiveSummary:
     by_status: tuple[tuple[str, int], ...] = ()
     revision: int = 0
     """etcd mod revision of the stored summary (0: none stored); not serialized."""
+    by_version: tuple[tuple[int, int], ...] = ()
+    """Executions per policy version the bursts were dispatched with."""
 
     def status_counts(self) -> dict[str, int]:
         return dict(self.by_status)
@@ -206,18 +208,23 @@ class ArchiveSummary:
         merged = self.status_counts()
         for k, v in by_status.items():
             merged[k] = merged.get(k, 0) + v
+        versions = dict(self.by_version)
+        versions[burst.policy_version] = versions.get(burst.policy_version, 0) + burst.quota
         return ArchiveSummary(burst.burst_id, self.bursts + 1, self.tasks + len(burst.tasks),
-                              self.executions + burst.quota, tuple(sorted(merged.items())), self.revision)
+                              self.executions + burst.quota, tuple(sorted(merged.items())), self.revision,
+                              tuple(sorted(versions.items())))
 
     def to_json(self) -> bytes:
         return json.dumps({"through": self.through, "bursts": self.bursts, "tasks": self.tasks,
-                           "executions": self.executions, "by_status": dict(self.by_status)}).encode()
+                           "executions": self.executions, "by_status": dict(self.by_status),
+                           "by_version": {str(v): n for v, n in self.by_version}}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int = 0) -> ArchiveSummary:
         d = json.loads(raw)
         return cls(int(d["through"]), int(d["bursts"]), int(d["tasks"]), int(d["executions"]),
-                   tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())), revision)
+                   tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())), revision,
+                   tuple(sorted((int(k), int(v)) for k, v in d.get("by_version", {}).items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +304,9 @@ class Ledger:
         return LedgerCounts(d, lc, f)
 
     def counts_by_version(self) -> dict[int, LedgerCounts]:
-        """D / L / F per policy version (the version each burst was dispatched with)."""
-        out: dict[int, tuple[int, int, int]] = {}
+        """D / L / F per policy version (the version each burst was dispatched with),
+        archived bursts included."""
+        out: dict[int, tuple[int, int, int]] = {v: (n, n, n) for v, n in self.archived.by_version}
         for b, burst in self.bursts.items():
             d, lc, f = out.get(burst.policy_version, (0, 0, 0))
             out[burst.policy_version] = (d + burst.quota, lc + self._launched.get(b, 0), f + self._finished.get(b, 0))
