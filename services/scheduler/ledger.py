@@ -44,6 +44,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from gyre.etcd.values import token_sha256
 from services.scheduler.policy import LedgerCounts
 
 
@@ -76,10 +77,6 @@ trained within the staleness bound): the record is created closed, so L counts e
 that left the queue (launched, or withdrawn before launch)."""
 CANCEL_KEY = "scheduler-cancel"
 """The idempotency key of a close the scheduler made (cancel rule, or a withdrawal)."""
-
-
-def sha256_hex(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 ACQUIRE_KEY_MIN = 16
@@ -288,6 +285,9 @@ class Ledger:
         self._reserved: set[str] = set()  # launches whose write is in flight
         self._by_acquire_key: dict[str, str] = {}  # sha256(acquire key) -> execution
         self._last_close: dict[int, float] = {}  # burst -> latest finished_s of its records
+        self.cancelled_groups: dict[str, int] = {}
+        """Groups the scheduler cancelled (cancel early) -> their stamp version; kept when
+        their burst is archived (a new leader rebuilds it from the unarchived records)."""
         self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
@@ -428,7 +428,7 @@ class Ledger:
             if self.is_queued(execution_id):
                 raise FailedPrecondition(f"{execution_id} is queued, not launched")
             raise NotFound(f"unknown execution {execution_id!r}")
-        digest = sha256_hex(token)
+        digest = token_sha256(token)
         if digest != rec.token_sha256:
             if digest in self._by_token:
                 raise PermissionDenied(f"the token does not hold {execution_id}")
@@ -531,6 +531,8 @@ class Ledger:
             self._last_close[rec.burst_id] = max(self._last_close.get(rec.burst_id, 0.0), rec.finished_s)
             self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
             self._deadline.pop(rec.execution_id, None)
+            if rec.idempotency_key == CANCEL_KEY:
+                self.cancelled_groups[rec.group_id] = self.bursts[rec.burst_id].policy_version
 
     def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
         """Rebuild: applies a record read back from etcd (any state); a record of an

@@ -22,8 +22,9 @@ from test_scheduler_service import lead, make  # same test folder
 
 from bench.support.recording_peers import RecordingPeers
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from gyre.etcd.values import token_sha256
 from services.packer.model import ExecStatus, Finish
-from services.scheduler.ledger import ExecState, derive_token, sha256_hex
+from services.scheduler.ledger import ExecState, derive_token
 from services.scheduler.peers import FinishReport
 from tests.support import packer_kit as tk
 
@@ -259,7 +260,7 @@ async def test_an_unsettled_report_holds_its_burst_back_from_the_archive():
 
 
 def test_acquire_key_hash_is_what_the_record_keeps():
-    assert sha256_hex(KEY) != KEY and len(derive_token(KEY, "b1-t0-0")) == 43
+    assert token_sha256(KEY) != KEY and len(derive_token(KEY, "b1-t0-0")) == 43
     assert derive_token(KEY, "b1-t0-0") != derive_token(KEY, "b1-t0-1")
 
 
