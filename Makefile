@@ -25,9 +25,10 @@ test: install  ## the whole suite (unit, integration, fault; gpu tests skip with
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-bench: install  ## benchmarks (~12 min); JSON in bench/results/, summaries in docs/benchmarks*.md
+bench: install  ## benchmarks (~20 min); JSON in bench/results/, summaries in docs/benchmarks*.md
 	$(PY) bench/cluster.py --emulate
 	$(PY) bench/scheduler_ledger.py
+	$(PY) bench/scheduler_takeover.py
 	$(PY) bench/router_latency.py
 	$(PY) bench/packer_claims.py
 	$(PY) bench/training_elastic.py

@@ -23,7 +23,7 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "results" / "engine_vllm.json"
 MAX_LEN = 16384 + 512
 HANDOFF_LENGTHS = {"1k": 1024, "4k": 4096, "16k": 16384}
-REPEATS = 3
+REPEATS = 5
 
 
 async def _stream(engine, rid, prompt, n):

@@ -78,10 +78,18 @@ class RateLimited(ResourceExhausted):
 
 
 class Unavailable(GyreError):
-    """A dependency is down or no destination can take the work; retry later."""
+    """A dependency is down or no destination can take the work; retry later.
+
+    ``retry_after_s`` is the hint sent with it: gRPC trailing metadata ``retry-after-ms``
+    (and ``grpc-retry-pushback-ms``, which gRPC's own retry policy honours), HTTP
+    ``Retry-After``."""
 
     code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
+
+    def __init__(self, *args: object, retry_after_s: float = 1.0) -> None:
+        super().__init__(*args)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(GyreError):
@@ -136,6 +144,17 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
+RETRY_AFTER_MS = "retry-after-ms"
+"""Trailing metadata key of the retry hint (milliseconds)."""
+
+
+def retry_after_for(exc: BaseException) -> float | None:
+    """Seconds the caller should wait before retrying, or None when no retry is advised."""
+    if isinstance(exc, Unavailable):
+        return exc.retry_after_s
+    return None
+
+
 def http_status_for(exc: BaseException) -> int:
     """The HTTP status for an exception raised while serving an HTTP request."""
     return exc.http_status if isinstance(exc, GyreError) else 500
@@ -149,4 +168,21 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> GyreError:
     out = cls(details or code.name)
     if cls is GyreError:
         out.code = code
+    if isinstance(out, Unavailable):
+        hint = _metadata_ms(err, RETRY_AFTER_MS)
+        if hint is not None:
+            out.retry_after_s = hint
     return out
+
+
+def _metadata_ms(err: grpc.aio.AioRpcError | grpc.RpcError, key: str) -> float | None:
+    """A millisecond value of the call's trailing metadata, in seconds (None if absent)."""
+    trailing = getattr(err, "trailing_metadata", None)
+    items = trailing() if callable(trailing) else None
+    for k, value in items or ():
+        if k == key:
+            try:
+                return max(0.0, int(value) / 1000.0)
+            except (TypeError, ValueError):
+                return None
+    return None

@@ -6,6 +6,10 @@ servicers. This module does the rest, the same way for every service: logging an
 the one etcd client, the process lease and its keeper, the gRPC server (health, reflection,
 limits), registration under ``/gyre/<cluster>/services/<kind>/``, signal handling, and the
 ordered shutdown. A :class:`~gyre.errors.FatalError` exits with status 1.
+
+An etcd outage ends nothing: the lease keeper replaces a lost lease by a new session when
+etcd answers again, and the registration is put again with it (services add their own
+lease-bound keys with ``rt.lease.on_new_session``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from gyre import config as config_mod
 from gyre.config import ServiceConfig
 from gyre.errors import FatalError
 from gyre.etcd import Etcd, Keys, LeaseKeeper
+from gyre.etcd.client import LeaseNotFound
 from gyre.grpcx.server import GrpcServer, Registrar
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured, set_process_tls
 from gyre.supervisor import Supervisor
@@ -75,11 +80,16 @@ async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, afte
     server = GrpcServer(cfg, services)
     rt.server = server
     rt.port = await server.start()
-    await etcd.put(
-        rt.keys.service(name, instance),
-        json.dumps({"target": rt.target, "pid": os.getpid()}).encode(),
-        lease=lease.lease_id,
-    )
+    registration = json.dumps({"target": rt.target, "pid": os.getpid()}).encode()
+
+    async def _register(lease_id: int) -> None:
+        await etcd.put(rt.keys.service(name, instance), registration, lease=lease_id)
+
+    lease.on_new_session(_register)
+    try:
+        await _register(lease.lease_id)
+    except LeaseNotFound:  # lapsed during a slow start: the keeper's new session registers
+        log.warning("lease lapsed during start-up; registering with the next session")
     if after_start is not None:
         await after_start(rt)
     log.info("service ready", extra={"service": name, "target": rt.target})
@@ -117,7 +127,8 @@ def main(
     ``prepare(config)`` runs first, before the process connects to etcd and takes its
     lease: put slow synchronous start-up there (importing vLLM or torch, loading a model).
     Anything that blocks the event loop after the lease is granted delays the lease keeper,
-    and a lease that lapses during start-up ends the process."""
+    and a lease that lapses during start-up is replaced by a new session (registrations
+    made before it lapsed are put again only if the service registered a session hook)."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
     parser.add_argument("--config", default=os.environ.get(config_mod.CONFIG_ENV), help="cluster config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")

@@ -1,6 +1,9 @@
-"""One benchmark scenario end to end: the physical limit, the waterlevel policy, colocated
-synchronous, the static split sweep (coarse, then refined around the best: the "oracle
-static"), and optional what-if variants, all on the same trace and cell count."""
+"""One benchmark scenario end to end: the physical limit, Gyre (the default policy), the seed's
+waterlevel, colocated synchronous, the bursty static split sweep (coarse, then refined around
+the best: "oracle bursty static"), the asynchronous static split swept over T and both
+placements ("oracle async static"), the async static split that lends idle trainers at the
+oracle's T and placement, and what-if variants of Gyre (its ablation levers), all on the
+same trace and cell count."""
 
 from __future__ import annotations
 
@@ -20,12 +23,31 @@ class ScenarioResult:
     bound: Bound
     runs: dict[str, RunResult] = field(default_factory=dict)  # by label
     sweep: list[tuple[int, float]] = field(default_factory=list)  # (T, time to N)
-    variants: dict[str, RunResult] = field(default_factory=dict)  # what-ifs of waterlevel
+    async_sweep: list[tuple[int, str, float]] = field(default_factory=list)  # (T, placement, time to N)
+    variants: dict[str, RunResult] = field(default_factory=dict)  # what-ifs of the main policy
     wall_s: float = 0.0
 
     @property
     def waterlevel(self) -> RunResult | None:
         return self.runs.get("waterlevel")
+
+    @property
+    def gyre(self) -> RunResult | None:
+        return self.runs.get("gyre")
+
+    @property
+    def main(self) -> RunResult | None:
+        """The policy the report is about: Gyre when it ran, else the seed's waterlevel."""
+        return self.gyre or self.waterlevel
+
+    @property
+    def oracle_async_static(self) -> RunResult | None:
+        runs = [r for r in self.runs.values() if r.policy == "async-static" and r.reached]
+        return min(runs, key=lambda r: r.time_to_n_s) if runs else None
+
+    @property
+    def async_lend(self) -> RunResult | None:
+        return next((r for r in self.runs.values() if r.policy == "async-static-lend"), None)
 
     @property
     def colocated(self) -> RunResult | None:
@@ -48,6 +70,19 @@ class ScenarioResult:
         if wl is not None and st is not None:
             out["oracle_static"] = st.label
             out["speedup_vs_oracle_static"] = st.time_to_n_s / wl.time_to_n_s
+        g, oa = self.gyre, self.oracle_async_static
+        if g is not None:
+            out["gyre_s"] = g.time_to_n_s
+            out["gyre_efficiency_t_star"] = t_star / g.time_to_n_s if g.reached else 0.0
+            out["gyre_dropped_share"] = g.dropped_share
+            if oa is not None:
+                out["oracle_async_static"] = oa.label
+                out["oracle_async_static_s"] = oa.time_to_n_s
+                out["gyre_vs_oracle_async_static"] = oa.time_to_n_s / g.time_to_n_s
+            if st is not None:
+                out["gyre_vs_oracle_bursty_static"] = st.time_to_n_s / g.time_to_n_s
+            if co is not None:
+                out["gyre_vs_colocated"] = co.time_to_n_s / g.time_to_n_s
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -56,6 +91,8 @@ class ScenarioResult:
             "headline": self.headline(),
             "bound": vars(self.bound),
             "static_sweep": [{"training_cells": t, "time_to_n_s": s} for t, s in self.sweep],
+            "async_static_sweep": [{"training_cells": t, "placement": p, "time_to_n_s": s}
+                                   for t, p, s in self.async_sweep],
             "runs": {k: r.to_json(with_series=False) for k, r in self.runs.items()},
             "variants": {k: r.to_json(with_series=False) for k, r in self.variants.items()},
             "wall_s": self.wall_s,
@@ -90,6 +127,8 @@ def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *,
             f"{r.time_to_n_s:9.0f} s  ({r.events_processed} events, {r.sim_wall_s:.1f} s wall)")
         return r
 
+    if "gyre" in cfg.policies:
+        res.runs["gyre"] = one(PolicySpec("gyre"))
     if "waterlevel" in cfg.policies:
         res.runs["waterlevel"] = one(PolicySpec("waterlevel"))
     if "colocated" in cfg.policies:
@@ -109,9 +148,44 @@ def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *,
                 res.runs[r.label] = r
                 times[t] = r.time_to_n_s
         res.sweep = sorted(times.items())
+    if "async-static" in cfg.policies:
+        _async_sweep(cfg, sc, res, one)
+    oa = res.oracle_async_static
+    if "async-static-lend" in cfg.policies and oa is not None:
+        r = one(PolicySpec("async-static-lend", training_cells=_t_of(oa), placement=_placement_of(oa, sc)))
+        res.runs[r.label] = r
+    main = "gyre" if "gyre" in cfg.policies else "waterlevel"
     for name, (vcfg, vsc) in (variants or {}).items():
-        r = one(PolicySpec("waterlevel"), vcfg, vsc, label=f"waterlevel ({name})")
-        r.label = f"waterlevel ({name})"
+        r = one(PolicySpec(main), vcfg, vsc, label=f"{main} ({name})")
+        r.label = f"{main} ({name})"
         res.variants[name] = r
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def _t_of(r: RunResult) -> int:
+    return int(r.label.split("T=")[1].split(",")[0])
+
+
+def _placement_of(r: RunResult, sc: ScenarioConfig) -> str:
+    return r.label.split(", ")[1] if ", " in r.label else sc.cluster.placement
+
+
+def _async_sweep(cfg: SimConfig, sc: ScenarioConfig, res: ScenarioResult, one) -> None:
+    """AReaL-style async static split over T (coarse, then refined around the best) for each
+    placement of ``cfg.async_static_placements``; the best of all is the oracle."""
+    cells = sc.cluster.cells
+    coarse = sorted({t for t in cfg.static_training_cells if 1 <= t < cells})
+    for placement in cfg.async_static_placements:
+        times: dict[int, float] = {}
+        for t in coarse:
+            r = one(PolicySpec("async-static", training_cells=t, placement=placement))
+            res.runs[r.label] = r
+            times[t] = r.time_to_n_s
+        if times:
+            best = min(times, key=times.__getitem__)
+            for t in _refine(coarse, best, cells):
+                r = one(PolicySpec("async-static", training_cells=t, placement=placement))
+                res.runs[r.label] = r
+                times[t] = r.time_to_n_s
+        res.async_sweep += [(t, placement, x) for t, x in sorted(times.items())]

@@ -17,6 +17,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.policy import staleness
 from sim.config import CostConfig
 from sim.cost import CostModel, DecodeRate
 from sim.events import EventLoop
@@ -47,7 +48,7 @@ class ExecState(enum.Enum):
     CLOSED = 5
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Group:
     """The executions of one task in one burst; ready when all have closed."""
 
@@ -61,9 +62,26 @@ class Group:
     ready_s: float = -1.0
     # tokens generated under each policy version (for per-token lag)
     gen_by_version: dict[int, int] = field(default_factory=dict)
+    members: list["Execution"] = field(default_factory=list)
+    consumed: bool = False  # assigned to a batch
+    cancelled: bool = False  # unconsumable within the staleness bound (cancel early)
+    length: int = 0  # generated tokens of its members at dispatch (for the length bias)
 
 
 @dataclass(slots=True)
+class VersionLedger:
+    """The per-version ledger (services.scheduler.policy.VersionCounts, mutable)."""
+
+    groups: int = 0
+    dispatched: int = 0
+    launched: int = 0
+    finished: int = 0
+    ready: int = 0
+    consumed: int = 0
+    cancelled: int = 0
+
+
+@dataclass(slots=True, eq=False)
 class Execution:
     xid: int
     group: Group
@@ -78,6 +96,7 @@ class Execution:
     launched_s: float = -1.0
     closed_s: float = -1.0
     reroutes: int = 0
+    cancelled: bool = False  # closed by the cancel-early rule, not by finishing
     # decode bookkeeping on the current engine
     start_v: float = 0.0
     ctx0: int = 0
@@ -299,6 +318,8 @@ class Trainer:
         self.consumed_tokens = 0
         self.lag_tokens: dict[int, int] = {}  # lag -> generated tokens consumed with that lag
         self.per_cell_rate = cost.train_tokens_per_cell_s()
+        self.pool_tokens = 0.0  # tokens of the groups in the pool
+        self.on_consumed = lambda g: None  # set by the cluster
 
     @property
     def busy(self) -> bool:
@@ -316,9 +337,12 @@ class Trainer:
         the pool keeps showing the unassigned supply."""
         while self.members and self.needs > 0 and self.work <= _EPS and self.optimizing_until < 0 and self.pool:
             g = self.pool.popleft()
+            self.pool_tokens -= g.tokens
             if self.version - g.version > self.max_staleness:
                 self.dropped_groups += 1
                 continue
+            g.consumed = True
+            self.on_consumed(g)
             self.needs -= 1
             self.work += g.tokens
             self.consumed_groups += 1
@@ -331,6 +355,7 @@ class Trainer:
         keep = deque(g for g in self.pool if self.version - g.version <= self.max_staleness)
         self.dropped_groups += len(self.pool) - len(keep)
         self.pool = keep
+        self.pool_tokens = float(sum(g.tokens for g in keep))
 
 
 @dataclass
@@ -371,21 +396,37 @@ class Cluster:
         self.publishes = 0
         self.sealed_batches = 0
         self.elastic = [c for c in self.cells if not c.standalone]
+        self._by_id = {c.cid: c for c in self.cells}
         self.placement = make_placement(placement, self.cells)
         self.role_epoch = 0  # bumped on every role change (lets views be cached)
+        # overlapping bursts: the per-version ledger, live groups, the cancel-early rule
+        self.versions: dict[int, VersionLedger] = {}
+        self.live: dict[int, dict[int, Group]] = {}  # version -> unconsumed, uncancelled groups
+        self.cancelled_groups = 0
+        self.cancelled_executions = 0
+        self.migrations = 0
+        self.ready_log: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of ready groups
+        self.trainer.on_consumed = self._consumed
 
     # -- executions --------------------------------------------------------------------------
 
     def dispatch(self, burst: int, version: int, tasks: list[int], episodes: list[list[Episode]]) -> None:
         t = self.loop.now
+        vl = self.versions.setdefault(version, VersionLedger())
+        live = self.live.setdefault(version, {})
         for task, eps in zip(tasks, episodes):
             g = Group(len(self.groups), task, burst, version, len(eps))
+            g.length = sum(ep.total_output for ep in eps)
             self.groups.append(g)
+            live[g.gid] = g
+            vl.groups += 1
             for ep in eps:
                 ex = Execution(len(self.executions), g, ep, dispatched_s=t)
+                g.members.append(ex)
                 self.executions.append(ex)
                 self.queue.append(ex)
                 self.ledger.dispatched += 1
+                vl.dispatched += 1
         self.fill()
 
     def fill(self) -> None:
@@ -397,9 +438,12 @@ class Cluster:
             if homeless:
                 self._place(homeless.popleft(), c)
                 continue
+            while queue and queue[0].state is ExecState.CLOSED:  # cancelled while queued
+                queue.popleft()
             if not queue:
                 return
             ex = queue.popleft()
+            self.versions[ex.group.version].launched += 1
             ex.state = ExecState.SANDBOX
             ex.cell = c
             c.execs[ex.xid] = ex
@@ -408,6 +452,8 @@ class Cluster:
             self.loop.schedule(self.loop.now + ex.ep.sandbox_s, self._turn_arrives, ex)
 
     def _turn_arrives(self, ex: Execution) -> None:
+        if ex.state is ExecState.CLOSED:  # cancelled meanwhile
+            return
         c = ex.cell
         if c is None:  # homeless: it will be resumed when placed
             ex.state = ExecState.GPU
@@ -479,20 +525,29 @@ class Cluster:
             self.loop.schedule(t + delay, self._turn_arrives, ex)
 
     def _close(self, ex: Execution) -> None:
+        if ex.state is ExecState.CLOSED:  # cancelled meanwhile
+            return
         t = self.loop.now
         ex.state = ExecState.CLOSED
         ex.closed_s = t
         if ex.cell is not None:
             del ex.cell.execs[ex.xid]
             ex.cell = None
+        elif ex in self.homeless:  # closed (tool or reward done) while waiting for a slot
+            self.homeless.remove(ex)
         self.ledger.finished += 1
         g = ex.group
+        vl = self.versions[g.version]
+        vl.finished += 1
         g.closed += 1
         g.tokens += ex.ctx
         if g.closed == g.size:
             g.ready_s = t
+            vl.ready += 1
+            self.ready_log.append((t, g.tokens))
             self.trainer_progress()
             self.trainer.pool.append(g)
+            self.trainer.pool_tokens += g.tokens
             self._trainer_kick()
         self.fill()
         self.on_boundary()
@@ -655,6 +710,7 @@ class Cluster:
         t = self.loop.now
         tr.progress(t)
         tr.assign()
+        self.cancel_unconsumable()
         for c in tr.members:
             busy = tr.work > _EPS if tr.optimizing_until < 0 else c in tr.opt_members
             mode = "train" if busy else "idle_train"
@@ -693,6 +749,7 @@ class Cluster:
                 tr.batch_id += 1
                 tr.needs = tr.batch_groups
                 tr.work = 0.0
+                self.cancel_unconsumable()
                 tr.purge_stale()
                 self._trainer_kick()
                 self.on_update(tr.version)
@@ -721,6 +778,126 @@ class Cluster:
         tr.needs = fresh
         self._trainer_kick()
         return True
+
+    # -- overlapping bursts: cancel early, migrate, planned moves ---------------------------
+
+    def _consumed(self, g: Group) -> None:
+        self.live.get(g.version, {}).pop(g.gid, None)
+        vl = self.versions.setdefault(g.version, VersionLedger())
+        vl.consumed += 1
+        vl.ready -= 1
+
+    def cancel_unconsumable(self) -> int:
+        """The cancel-early rule (services.scheduler.policy.staleness.unconsumable), the same
+        for every policy: every group that no batch within the staleness bound can take any
+        more is cancelled now; its ready copy leaves the pool, its open members are stopped
+        (their slots freed). Returns the groups cancelled."""
+        tr = self.trainer
+        lo = staleness.oldest_usable(tr.version, tr.needs == 0, tr.max_staleness)
+        gone = [u for u in self.live if u < lo]
+        n = 0
+        for u in gone:
+            for g in list(self.live.pop(u).values()):
+                self._cancel_group(g)
+                n += 1
+        if n:
+            self.fill()
+        return n
+
+    def _cancel_group(self, g: Group) -> None:
+        tr = self.trainer
+        g.cancelled = True
+        vl = self.versions[g.version]
+        vl.cancelled += 1
+        self.cancelled_groups += 1
+        if g.closed == g.size:  # ready, in the pool
+            if g in tr.pool:
+                tr.pool.remove(g)
+                tr.pool_tokens -= g.tokens
+            vl.ready -= 1
+            return
+        for ex in g.members:
+            if ex.state is not ExecState.CLOSED:
+                self._cancel_exec(ex)
+
+    def _cancel_exec(self, ex: Execution) -> None:
+        t = self.loop.now
+        vl = self.versions[ex.group.version]
+        if ex.state is ExecState.QUEUED:  # counts as launched and closed at once (F <= L)
+            self.ledger.launched += 1
+            vl.launched += 1
+        elif ex.cell is not None:
+            c = ex.cell
+            c.account(t)
+            eng = c.engine
+            if ex.xid in eng.active:
+                n = eng.leave(ex)
+                if n:
+                    self._generated(ex, n, eng.version)
+                ex.ctx += n
+            del c.execs[ex.xid]
+            ex.cell = None
+            self._reschedule(c)
+        else:
+            try:
+                self.homeless.remove(ex)
+            except ValueError:
+                pass
+        ex.state = ExecState.CLOSED
+        ex.cancelled = True
+        ex.closed_s = t
+        ex.token += 1
+        self.ledger.finished += 1
+        vl.finished += 1
+        self.cancelled_executions += 1
+
+    def migrate(self, xid: int, cid: str) -> bool:
+        """Moves one live execution to rollout cell ``cid`` as a continuation (the reroute a
+        draining cell uses, KV handoff where enabled). False when it cannot (closed, not
+        routed, same cell, destination not in rollout or full)."""
+        if not 0 <= xid < len(self.executions):
+            return False
+        ex = self.executions[xid]
+        src = ex.cell
+        dst = self._by_id.get(cid)
+        if (ex.state is ExecState.CLOSED or src is None or dst is None or dst is src
+                or dst.role is not Role.ROLLOUT or dst.free <= 0):
+            return False
+        t = self.loop.now
+        src.account(t)
+        eng = src.engine
+        if ex.xid in eng.active:
+            n = eng.leave(ex)
+            if n:
+                self._generated(ex, n, eng.version)
+            ex.ctx += n
+            ex.remaining -= n
+        del src.execs[ex.xid]
+        ex.cell = None
+        self.migrations += 1
+        ex.reroutes += 1
+        self._place(ex, dst)
+        self._reschedule(src)
+        return True
+
+    def plan_moves(self, cids: tuple[str, ...]) -> bool:
+        """Placement keeps the planned cells free while other rollout cells have room."""
+        new = frozenset(cids)
+        if new == self.placement.avoid:
+            return False
+        self.placement.avoid = new
+        return True
+
+    def ready_rate(self) -> tuple[float, float]:
+        """(ready groups per second, tokens per ready group) over the recent ready groups."""
+        log = self.ready_log
+        if not log:
+            return 0.0, 0.0
+        span = self.loop.now - log[0][0]
+        tokens = sum(x for _, x in log) / len(log)
+        if len(log) < 2 or span <= 0:
+            return 0.0, tokens
+        return len(log) / span, tokens
 
     # -- views -------------------------------------------------------------------------------
 

@@ -153,6 +153,13 @@ class PolicyParams(_Frozen):
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
+    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
+    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
+    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
+    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
+    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells).")
+    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
 
 
 class ScenarioConfig(_Frozen):
@@ -182,8 +189,12 @@ class SimConfig(_Frozen):
     )
     cost: CostConfig = Field(default_factory=CostConfig, description="GPU cost model.")
     policy: PolicyParams = Field(default_factory=PolicyParams, description="Policy parameters.")
-    policies: list[Literal["waterlevel", "colocated", "static"]] = Field(
+    policies: list[Literal["gyre", "waterlevel", "colocated", "static", "async-static", "async-static-lend"]] = Field(
         default_factory=lambda: ["waterlevel", "colocated", "static"], description="Compared."
+    )
+    async_static_placements: list[Literal["scheduler", "least_loaded"]] = Field(
+        default_factory=lambda: ["scheduler", "least_loaded"],
+        description="Placements the async static split is swept over (with static_training_cells).",
     )
     static_training_cells: list[int] = Field(
         default_factory=lambda: [8, 16, 24, 32, 48],

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.scheduler import policy as P
-from sim.cluster import Cluster, Role
+from sim.cluster import Cluster, ExecState, Role
 from sim.config import ScenarioConfig, SimConfig
 from sim.events import EventLoop
 from sim.metrics import RunResult, collect
@@ -40,11 +40,19 @@ class PolicySpec:
     training_cells: int = 0
     overprovision: float | None = None  # None: the scenario's
 
+    placement: str | None = None  # None: the scenario's
+
     @property
     def label(self) -> str:
-        if self.name == "static":
-            return f"static T={self.training_cells}"
-        return self.name
+        where = f", {self.placement}" if self.placement else ""
+        if self.name in ("static", "async-static", "async-static-lend"):
+            return f"{self.name} T={self.training_cells}{where}"
+        return self.name + where
+
+    @property
+    def is_async(self) -> bool:
+        """Continuous dispatch under the staleness gate (needs the pipeline view)."""
+        return self.name in P.ASYNC_POLICIES
 
 
 @dataclass
@@ -81,11 +89,16 @@ class Driver:
         self.cluster = Cluster(
             self.loop, self.cfg.cost, sc.cluster.cells, sc.cluster.standalone_cells,
             sc.cluster.slots_per_cell, sc.training.batch_groups, sc.training.max_staleness,
-            sc.cluster.placement,
+            self._placement(),
+        )
+        gyre = P.GyreConfig(
+            min_horizon_s=pp.gyre_min_horizon_s, hysteresis=pp.gyre_hysteresis, plan_ahead=pp.gyre_plan_ahead,
+            rates=pp.gyre_rates, keep=pp.gyre_keep, plan=pp.gyre_plan, migrate=pp.gyre_migrate,
+            drain_grace_s=pp.drain_grace_s,
         )
         self.policy = P.make_policy(
             self.spec.name, fraction=pp.supply_fraction, interval_s=pp.supply_interval_s,
-            training_cells=self.spec.training_cells, drain_grace_s=pp.drain_grace_s,
+            training_cells=self.spec.training_cells, drain_grace_s=pp.drain_grace_s, gyre=gyre,
         )
         self.tracker = P.SupplyTracker(pp.supply_fraction)
         op = self.spec.overprovision
@@ -94,6 +107,8 @@ class Driver:
         bg = sc.training.batch_groups
         self.groups_per_burst = max(bg, math.ceil(bg * (1 + op) - 1e-9))
         self.quota = self.groups_per_burst * self.profile.group_size
+        self.extra_groups = self.groups_per_burst - bg
+        self.show_tail = self.spec.name == "gyre" and pp.gyre_migrate
         self.burst: P.BurstView | None = None
         self.next_task = 0
         self.update_times: list[float] = []
@@ -110,26 +125,47 @@ class Driver:
         self.cluster.on_boundary = self.boundary
         self.cluster.on_update = self._updated
 
+    def _placement(self) -> str:
+        """The spec's placement, else Gyre's own (spread, planned cells last: its PlanMoves
+        lever), else the scenario's."""
+        if self.spec.placement:
+            return self.spec.placement
+        if self.spec.name == "gyre" and self.cfg.policy.gyre_plan:
+            return "least_loaded"
+        return self.scenario.cluster.placement
+
     # -- snapshot ----------------------------------------------------------------------------
 
     def snapshot(self) -> P.Snapshot:
         cl = self.cluster
         now = self.loop.now
-        if self._views_epoch != cl.role_epoch:
-            self._views = tuple(
+        if self.spec.is_async:  # with the per-cell load
+            cells = tuple(
                 P.CellView(
                     c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
-                    -1 if c.standalone else c.index, _STATE[c.role], c.slots,
+                    -1 if c.standalone else c.index, _STATE[c.role], c.slots, len(c.execs),
                 )
                 for c in cl.cells
             )
-            self._views_epoch = cl.role_epoch
-        cells = self._views
+        else:
+            if self._views_epoch != cl.role_epoch:
+                self._views = tuple(
+                    P.CellView(
+                        c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
+                        -1 if c.standalone else c.index, _STATE[c.role], c.slots,
+                    )
+                    for c in cl.cells
+                )
+                self._views_epoch = cl.role_epoch
+            cells = self._views
         tr = cl.trainer
         supply = self.tracker.observe(now, len(tr.pool), tr.batch_groups, tr.needs, tr.batch_id)
         led = cl.ledger
         target = self.scenario.training.updates
-        next_quota = self.quota if tr.version < target else 0
+        if tr.version >= target:
+            next_quota = 0
+        else:  # async: the gate bounds the dispatch, the task source does not
+            next_quota = (1 << 30) if self.spec.is_async else self.quota
         # Since when W has been 0 (the live scheduler passes the same): lets the policy seal
         # a drained burst's partial batch instead of waiting for groups that will not come.
         if led.dispatched - led.finished > 0 or self.burst is None:
@@ -145,15 +181,54 @@ class Driver:
             policy_version=tr.version,
             next_quota=next_quota,
             drained_since_s=self._drained_since,
+            pipeline=self._pipeline() if self.spec.is_async else None,
+            executions=self._tail() if self.show_tail else (),
         )
+
+    def _pipeline(self) -> P.Pipeline:
+        cl = self.cluster
+        tr = cl.trainer
+        eta = tr.max_staleness
+        lo = tr.version - eta - 1
+        versions = tuple(
+            P.VersionCounts(u, vl.groups, vl.dispatched, vl.launched, vl.finished, vl.ready, vl.consumed,
+                            vl.cancelled)
+            for u, vl in cl.versions.items() if u >= lo or vl.dispatched > vl.finished
+        )
+        rate, per_group = cl.ready_rate()
+        return P.Pipeline(
+            max_staleness=eta, group_size=self.profile.group_size, batch_groups=tr.batch_groups,
+            extra_groups=self.extra_groups, published_version=cl.published,
+            groups_dispatched=len(cl.groups), groups_cancelled=cl.cancelled_groups,
+            groups_consumed=tr.consumed_groups, ready_groups=len(tr.pool),
+            batch_assigned=tr.batch_groups - tr.needs, backlog_tokens=tr.work, ready_tokens=tr.pool_tokens,
+            optimizing=tr.optimizing_until >= 0, train_rate_per_cell=tr.per_cell_rate,
+            ready_rate=rate, tokens_per_group=per_group, versions=versions,
+            planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
+        )
+
+    def _tail(self, limit: int = 256) -> tuple[P.ExecView, ...]:
+        """Open executions of the oldest consumable version (the tail the batch waits on)."""
+        cl = self.cluster
+        tr = cl.trainer
+        lo = P.staleness.oldest_usable(tr.version, tr.needs == 0, tr.max_staleness)
+        live = cl.live.get(lo)
+        if not live:
+            return ()
+        now = self.loop.now
+        out = []
+        for g in live.values():
+            for ex in g.members:
+                if ex.cell is not None and ex.state is not ExecState.CLOSED:
+                    out.append(P.ExecView(str(ex.xid), ex.cell.cid, g.version, now - ex.launched_s, ex.reroutes))
+                    if len(out) >= limit:
+                        return tuple(out)
+        return tuple(out)
 
     # -- actions -----------------------------------------------------------------------------
 
     def _cell(self, cid: str):
-        for c in self.cluster.cells:
-            if c.cid == cid:
-                return c
-        raise KeyError(cid)
+        return self.cluster._by_id[cid]
 
     def apply(self, a: P.Action) -> bool:
         """Applies one action; False when it changed nothing (a repeat of a level-triggered
@@ -172,6 +247,10 @@ class Driver:
             return False
         if isinstance(a, P.SealBatch):
             return cl.seal_batch(a.batch_id)
+        if isinstance(a, P.Migrate):
+            return cl.migrate(int(a.execution_id), a.cell_id)
+        if isinstance(a, P.PlanMoves):
+            return cl.plan_moves(a.cell_ids)
         raise TypeError(f"unknown action {a!r}")
 
     def _dispatch(self, a: P.DispatchBurst) -> None:

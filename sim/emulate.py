@@ -137,6 +137,8 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "port": 50152, "http_port": 8100, "packer_target": "127.0.0.1:50153",
             "served_model_name": "emulate",
             "model_dir": model_dir, "max_prompt_tokens": max(131072, budget), "max_tokens_limit": 32768,
+            # The tiny model only tokenizes here; the mock engines serve contexts of any length.
+            "max_model_len": max(131072, budget),
         },
         "packer": {
             "port": 50153, "wal_dir": "{run_dir}/packer-wal", "wal_fsync": False,
@@ -144,15 +146,17 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "ready_grace_s": min(0.25, 0.1 + tick_s),
         },
         "cell_agent": {
-            "engine": "mock", "slots": slots, "mock_time_scale": scale,
-            "mock_step_overhead_s": c.decode_step_overhead_s, "mock_n_params": c.n_params,
-            "mock_weight_bytes": c.weight_bytes, "mock_n_layers": c.n_layers, "mock_d_model": c.d_model,
-            "mock_kv_bytes_per_token": c.kv_bytes_per_token,
-            # The mock's efficiencies are fixed (0.8 of HBM, 0.5 of FLOPs): fold the scenario's in.
-            "mock_hbm_bytes_per_s": c.hbm_bw * c.gpus_per_cell * c.hbm_eff / 0.8,
-            "mock_flops": c.flops * c.gpus_per_cell * c.decode_flops_eff / 0.5,
-            "mock_weight_load_s": c.weight_sync_s, "mock_sleep_s": c.switch_to_train_s,
-            "mock_wake_s": c.switch_to_rollout_s, "mock_max_batch": max(slots, 1),
+            "engine": "mock", "slots": slots,
+            "mock": {
+                "time_scale": scale, "step_overhead_s": c.decode_step_overhead_s, "n_params": c.n_params,
+                "weight_bytes": c.weight_bytes, "n_layers": c.n_layers, "d_model": c.d_model,
+                "kv_bytes_per_token": c.kv_bytes_per_token,
+                # The mock's efficiencies are fixed (0.8 of HBM, 0.5 of FLOPs): fold the scenario's in.
+                "hbm_bytes_per_s": c.hbm_bw * c.gpus_per_cell * c.hbm_eff / 0.8,
+                "flops": c.flops * c.gpus_per_cell * c.decode_flops_eff / 0.5,
+                "weight_load_s": c.weight_sync_s, "sleep_s": c.switch_to_train_s,
+                "wake_s": c.switch_to_rollout_s, "max_batch": max(slots, 1),
+            },
             "max_prompt_tokens": max(131072, budget), "drain_wait_s": 10.0,
             "training": {
                 "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,

@@ -42,7 +42,12 @@ class RunResult:
     staleness_mean: float
     staleness_max: int
     stale_token_fraction: float
-    dropped_groups: int
+    dropped_groups: int  # cancelled early (staleness rule) + dropped stale at assignment
+    cancelled_executions: int
+    dispatched_groups: int
+    dropped_share: float  # dropped groups / dispatched groups
+    length_bias: float  # mean generated tokens of consumed groups / of dispatched groups
+    migrations: int
     sealed_batches: int
     consumed_groups: int
     partial_batch_groups: int  # groups already assigned to the batch in progress at the end
@@ -80,7 +85,7 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
     n_tok = sum(lag_tokens.values())
     mean_lag = sum(k * v for k, v in lag_tokens.items()) / n_tok if n_tok else 0.0
     stale = sum(v for k, v in lag_tokens.items() if k > 0) / n_tok if n_tok else 0.0
-    lat = [ex.closed_s - ex.launched_s for ex in cl.executions if ex.state is ExecState.CLOSED]
+    lat = [ex.closed_s - ex.launched_s for ex in cl.executions if ex.state is ExecState.CLOSED and not ex.cancelled]
     pct = {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat else {}
     pct["max"] = float(max(lat)) if lat else 0.0
     states: dict[str, int] = {}
@@ -113,7 +118,12 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
         staleness_mean=mean_lag,
         staleness_max=max(lag_tokens) if lag_tokens else 0,
         stale_token_fraction=stale,
-        dropped_groups=tr.dropped_groups,
+        dropped_groups=tr.dropped_groups + cl.cancelled_groups,
+        cancelled_executions=cl.cancelled_executions,
+        dispatched_groups=len(cl.groups),
+        dropped_share=(tr.dropped_groups + cl.cancelled_groups) / len(cl.groups) if cl.groups else 0.0,
+        length_bias=_length_bias(cl.groups),
+        migrations=cl.migrations,
         sealed_batches=cl.sealed_batches,
         consumed_groups=tr.consumed_groups,
         partial_batch_groups=tr.batch_groups - tr.needs,
@@ -133,3 +143,13 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
         timeseries=[vars(s) for s in drv.samples],
         actions=list(drv.events),
     )
+
+
+def _length_bias(groups) -> float:
+    """Mean generated tokens of the consumed groups over that of all dispatched groups (< 1:
+    over-provision and cancelling favour short episodes)."""
+    if not groups:
+        return 1.0
+    used = [g.length for g in groups if g.consumed]
+    every = sum(g.length for g in groups) / len(groups)
+    return (sum(used) / len(used)) / every if used and every > 0 else 1.0

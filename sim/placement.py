@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 
 class Placement(Protocol):
+    avoid: frozenset[str]
+    """Cells planned to move next (PlanMoves): used only when no other cell has room."""
+
     def pick(self, exclude: Cell | None = None) -> Cell | None:
         """The rollout cell that takes the next execution (None: no free slot)."""
 
@@ -33,6 +36,7 @@ class SchedulerPlacement:
     name = "scheduler"
 
     def __init__(self, cells: Sequence[Cell]) -> None:
+        self.avoid: frozenset[str] = frozenset()
         self._cells = {c.cid: c for c in cells}
         self._table = SP.CellTable()
         self._table.records = {
@@ -49,7 +53,8 @@ class SchedulerPlacement:
 
     def pick(self, exclude: Cell | None = None) -> Cell | None:
         counts = {cid: len(c.execs) for cid, c in self._cells.items()}
-        order = SP.placement_order(self._table, counts, exclude=[exclude.cid] if exclude else [])
+        order = SP.placement_order(self._table, counts, exclude=[exclude.cid] if exclude else [],
+                avoid=self.avoid)
         return self._cells[order[0][0].cell_id] if order else None
 
     def picks(self) -> Iterator[Cell]:
@@ -58,7 +63,7 @@ class SchedulerPlacement:
         successive picks would. Standalone engines are ranked by free slots, which every
         launch changes: with more than one of them, pick one at a time."""
         counts = {cid: len(c.execs) for cid, c in self._cells.items()}
-        order = SP.placement_order(self._table, counts)
+        order = SP.placement_order(self._table, counts, avoid=self.avoid)
         if sum(rec.kind is CellKind.STANDALONE for rec, _ in order) > 1:
             yield from _one_at_a_time(self)
             return
@@ -75,6 +80,7 @@ class LeastLoadedPlacement:
     name = "least_loaded"
 
     def __init__(self, cells: Sequence[Cell]) -> None:
+        self.avoid: frozenset[str] = frozenset()
         self._cells = list(cells)
 
     def role_changed(self, cell: Cell) -> None:
@@ -85,12 +91,13 @@ class LeastLoadedPlacement:
 
     def pick(self, exclude: Cell | None = None) -> Cell | None:
         best = None
-        best_key: tuple[int, bool, int] | None = None
+        best_key: tuple[bool, int, bool, int] | None = None
+        avoid = self.avoid
         for c in self._cells:
             f = c.free
             if f <= 0 or c is exclude:
                 continue
-            key = (f, c.standalone, c.index)
+            key = (c.cid not in avoid, f, c.standalone, c.index)
             if best_key is None or key > best_key:
                 best, best_key = c, key
         return best

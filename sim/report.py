@@ -28,7 +28,7 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in (res.waterlevel, res.colocated, res.oracle_static) if r is not None]
+    runs = [r for r in (res.main, res.oracle_async_static, res.oracle_static) if r is not None]
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.1 * len(runs)), sharex=False, squeeze=False)
     for ax, r in zip(axes[:, 0], runs):
         ts = r.timeseries
@@ -64,7 +64,7 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
 
 
 def _row(res: ScenarioResult, r: RunResult) -> str:
-    wl = res.waterlevel
+    wl = res.main
     sp = (r.time_to_n_s / wl.time_to_n_s) if (wl is not None and r.reached and wl.reached) else float("nan")
     eff = res.bound.t_star_s / r.time_to_n_s if r.reached else 0.0
     lat = r.episode_latency_s
@@ -102,17 +102,22 @@ def scenario_markdown(res: ScenarioResult, img_rel: str) -> str:
            if sc.drift.growth_per_version or sc.drift.jump_at_version >= 0 else "")
         + ".",
         "",
+        *([f"**Gyre: {h.get('gyre_vs_oracle_async_static', float('nan')):.2f}× vs oracle async static "
+           f"({h.get('oracle_async_static', '—')}), {h.get('gyre_vs_oracle_bursty_static', float('nan')):.2f}× vs "
+           f"oracle bursty static, {h.get('gyre_vs_colocated', float('nan')):.2f}× vs colocated, "
+           f"efficiency T*/T = {h.get('gyre_efficiency_t_star', 0):.2f}, dropped {h.get('gyre_dropped_share', 0):.0%} "
+           "of dispatched groups.**", ""] if "gyre_s" in h else []),
         f"**Waterlevel: {h.get('speedup_vs_colocated', float('nan')):.2f}× vs colocated synchronous, "
         f"{h.get('speedup_vs_oracle_static', float('nan')):.2f}× vs oracle static ({h.get('oracle_static', '—')}), "
         f"efficiency T*/T = {h.get('efficiency', 0):.2f}** "
         f"(T* = {_f(b.t_star_s)} s = max(work bound {_f(b.work_bound_s)} s, critical path {_f(b.critical_path_s)} s)).",
         "",
-        "| policy | time to N (s) | its time / waterlevel's | T*/T | trainer idle | rollout idle | "
+        "| policy | time to N (s) | its time / the main policy's | T*/T | trainer idle | rollout idle | "
         "role switches (GPU-s) | reroutes | version lag per token (mean / stale share) / groups dropped as too stale | "
         "episode p50 / p90 / p99 (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    order = [res.waterlevel, res.colocated, res.oracle_static]
+    order = [res.gyre, res.waterlevel, res.colocated, res.oracle_static, res.oracle_async_static, res.async_lend]
     shown = [r for r in order if r is not None]
     lines += [_row(res, r) for r in shown]
     lines += [_row(res, r) for r in res.variants.values()]
@@ -127,5 +132,8 @@ def scenario_markdown(res: ScenarioResult, img_rel: str) -> str:
     if res.sweep:
         lines += ["", "Static split sweep (T training cells of " f"{sc.cluster.cells}): "
                   + ", ".join(f"T={t}: {_f(s)} s" for t, s in res.sweep) + "."]
+    if res.async_sweep:
+        lines += ["", "Async static sweep (T, placement): "
+                  + ", ".join(f"T={t} {p}: {_f(s)} s" for t, p, s in res.async_sweep) + "."]
     lines += ["", f"![allocation and waterlevel, {sc.name}]({img_rel})", ""]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""timeline.png: cell roles over time, with the waterlevel and capacity beneath."""
+"""timeline.png: cell roles over time, with the waterlevel and capacity beneath, and the open
+work per policy version (overlapping bursts) at the bottom."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def plot_timeline(timeline: dict[str, Any], out: str | Path, title: str = "Gyre 
     cells = timeline.get("cells", [])
     bands = timeline.get("bands", {})
     series = timeline.get("series", {})
-    fig, (ax_roles, ax_w) = plt.subplots(
-        2, 1, figsize=(12, 2.0 + 0.45 * max(len(cells), 1) + 2.5), sharex=True,
-        gridspec_kw={"height_ratios": [max(len(cells), 1) * 0.45 + 0.6, 2.5]},
+    fig, (ax_roles, ax_w, ax_v) = plt.subplots(
+        3, 1, figsize=(12, 2.0 + 0.45 * max(len(cells), 1) + 4.5), sharex=True,
+        gridspec_kw={"height_ratios": [max(len(cells), 1) * 0.45 + 0.6, 2.5, 2.0]},
     )
     labels = []
     for row, cell in enumerate(reversed(cells)):
@@ -51,12 +52,25 @@ def plot_timeline(timeline: dict[str, Any], out: str | Path, title: str = "Gyre 
         for ax in (ax_roles, ax_w):
             ax.axvline(mark_t, color="#888888", linewidth=0.6, linestyle="-.")
         ax_w.annotate(f"v{version}", (mark_t, 0), textcoords="offset points", xytext=(2, 2), fontsize=7, color="#555555")
-    ax_w.set_xlabel("seconds since start")
     ax_w.set_ylabel("executions / slots")
     ax_w.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax_w.grid(alpha=0.3)
+    _plot_versions(ax_v, t, timeline.get("version_w", {}))
+    ax_v.set_xlabel("seconds since start")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_versions(ax: Any, t: list[float], version_w: dict[str, list[int]]) -> None:
+    """Open executions per policy version, stacked: two bands at once are overlapping bursts."""
+    versions = sorted(version_w, key=int)
+    if t and versions:
+        ys = [version_w[v][: len(t)] for v in versions]
+        ax.stackplot(t, ys, labels=[f"v{v}" for v in versions], step="post", alpha=0.85)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=1 + len(versions) // 12,
+                  title="burst version", title_fontsize=7)
+    ax.set_ylabel("open executions\nby version")
+    ax.grid(alpha=0.3)

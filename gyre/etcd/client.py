@@ -110,12 +110,22 @@ _TRANSPORT_ERRORS = (
 )
 
 
+CHANNEL_OPTIONS = {
+    # gRPC's reconnect back-off grows to 120 s by default: after a long etcd outage the
+    # channel would stay down long after etcd is back. Retry the connection every second
+    # (the connect timeout itself stays at its default).
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+"""Options of the etcd channel."""
+
+
 class _TlsClient(aetcd.Client):
     """aetcd's client over a mutual-TLS channel (no password token: the certificate's CN is
     the etcd user)."""
 
     def __init__(self, host: str, port: int, timeout: float, credentials: grpc.ChannelCredentials) -> None:
-        super().__init__(host=host, port=port, timeout=timeout)
+        super().__init__(host=host, port=port, timeout=timeout, options=dict(CHANNEL_OPTIONS))
         self._credentials = credentials
 
     async def connect(self) -> None:
@@ -171,7 +181,7 @@ class Etcd:
                     raise ValueError(f"etcd endpoint {endpoint} needs TLS but this process has no certificate")
                 client = _TlsClient(host, port, self._timeout_s, self._tls.channel_credentials())
             else:
-                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=dict(CHANNEL_OPTIONS))
             try:
                 await client.connect()
                 await asyncio.wait_for(client.status(), self._timeout_s)
@@ -298,6 +308,8 @@ class Etcd:
         except aetcd.rpc.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"etcd refused a transaction: {exc.details()}") from exc
+            if "lease not found" in (exc.details() or ""):
+                raise LeaseNotFound(f"etcd txn: {exc.details()}") from exc
             raise Unavailable(f"etcd txn: {exc.code().name} {exc.details()}") from exc
         return resp.succeeded, resp.header.revision
 
@@ -341,11 +353,19 @@ class Etcd:
         await self.client.compact(revision, physical=True)
 
 
+class LeaseNotFound(Unavailable):
+    """A write named a lease etcd no longer has (it expired while this process could not
+    refresh it): the lease keeper replaces it with a new session, whose hooks put the
+    lease-bound keys again."""
+
+
 def _refused(what: str, key: bytes, exc: Exception) -> Exception:
-    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied;
-    any other client error unchanged."""
+    """etcd's "permission denied" (a key outside this process's role) as PermissionDenied,
+    "lease not found" as LeaseNotFound; any other client error unchanged."""
     if "permission denied" in str(exc):
         return PermissionDenied(f"etcd refused {what} {key.decode(errors='replace')}: {exc}")
+    if "lease not found" in str(exc):
+        return LeaseNotFound(f"etcd {what} {key.decode(errors='replace')}: {exc}")
     return exc
 
 

@@ -64,6 +64,10 @@ class EtcdServer:
             "--initial-cluster", f"gyre={peer}",
             "--log-level", "error",
             "--logger", "zap",
+            # As docker-compose.yml and the Kubernetes manifest: old revisions are dropped
+            # hourly, so the scheduler's archived bursts stop taking space (issue 13 part 5).
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
         ]
         if self.tls_dir is not None:
             args += [

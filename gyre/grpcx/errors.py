@@ -3,7 +3,8 @@
 Wrap every servicer method with :func:`rpc` (unary) or :func:`rpc_stream` (server
 streaming). A :class:`~gyre.errors.GyreError` aborts the call with its status and changes
 nothing further; any other exception is logged and becomes INTERNAL. Cancellation is never
-swallowed.
+swallowed. An UNAVAILABLE carries its retry hint as trailing metadata (``retry-after-ms``,
+and ``grpc-retry-pushback-ms`` for gRPC's own retry policy).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from gyre.errors import GyreError, Unauthenticated, status_for
+from gyre.errors import RETRY_AFTER_MS, GyreError, Unauthenticated, retry_after_for, status_for
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -32,8 +33,7 @@ def rpc(fn: F) -> F:
         except asyncio.CancelledError:
             raise
         except GyreError as exc:
-            code, msg = status_for(exc)
-            await context.abort(code, msg)
+            await _abort(context, exc)
         except Exception as exc:  # one place turns the unexpected into INTERNAL
             if _is_abort(exc):
                 raise
@@ -57,8 +57,7 @@ def rpc_stream(fn: F) -> F:
         except asyncio.CancelledError:
             raise
         except GyreError as exc:
-            code, msg = status_for(exc)
-            await context.abort(code, msg)
+            await _abort(context, exc)
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -67,6 +66,16 @@ def rpc_stream(fn: F) -> F:
             await context.abort(code, msg)
 
     return wrapper  # type: ignore[return-value]
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: GyreError) -> None:
+    """Ends the call with the error's status and, for a retryable one, its retry hint."""
+    code, msg = status_for(exc)
+    hint = retry_after_for(exc)
+    if hint is not None:
+        ms = str(max(0, round(hint * 1000)))
+        context.set_trailing_metadata(((RETRY_AFTER_MS, ms), ("grpc-retry-pushback-ms", ms)))
+    await context.abort(code, msg)
 
 
 def _is_abort(exc: BaseException) -> bool:

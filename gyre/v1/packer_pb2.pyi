@@ -247,7 +247,7 @@ class WatchSupplyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SupplySignal(_message.Message):
-    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped", "batch_active", "unclaimed_micro_steps", "ready_unassigned", "counters")
+    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped", "batch_active", "unclaimed_micro_steps", "ready_unassigned", "counters", "ready_tokens", "backlog_tokens", "tokens_trained", "optimizing", "groups_ready_total", "batch_assigned")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,12 @@ class SupplySignal(_message.Message):
     UNCLAIMED_MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
     READY_UNASSIGNED_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZING_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_READY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     ready_groups: int
     batch_needs: int
     batch_id: int
@@ -271,4 +277,10 @@ class SupplySignal(_message.Message):
     unclaimed_micro_steps: int
     ready_unassigned: int
     counters: PackerCounters
-    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., batch_active: _Optional[bool] = ..., unclaimed_micro_steps: _Optional[int] = ..., ready_unassigned: _Optional[int] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ...) -> None: ...
+    ready_tokens: float
+    backlog_tokens: float
+    tokens_trained: float
+    optimizing: bool
+    groups_ready_total: int
+    batch_assigned: int
+    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., batch_active: _Optional[bool] = ..., unclaimed_micro_steps: _Optional[int] = ..., ready_unassigned: _Optional[int] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ..., ready_tokens: _Optional[float] = ..., backlog_tokens: _Optional[float] = ..., tokens_trained: _Optional[float] = ..., optimizing: _Optional[bool] = ..., groups_ready_total: _Optional[int] = ..., batch_assigned: _Optional[int] = ...) -> None: ...

@@ -39,9 +39,11 @@ def _preimport(cfg: CellAgentConfig) -> None:
 
         apply_vllm_env()  # before torch is first imported
         importlib.import_module("vllm.v1.engine.async_llm")
-    # build_hook imports the trainer (and torch) for every cell, training or not: here, off
-    # the loop (on the loop it took the 3 s lease of tests/fault/test_cell_crash_only.py).
-    importlib.import_module("services.cell_agent.training.hook")
+    # The trainer (and torch) only for a cell with a training section (build_hook gives the
+    # others the no-op hook without importing it): here, off the loop (on the loop it took
+    # the 3 s lease of tests/fault/test_cell_crash_only.py).
+    if cfg.training is not None:
+        importlib.import_module("services.cell_agent.training.hook")
 
 
 class _App:
@@ -61,7 +63,7 @@ class _App:
             slots=cfg.slots,
             engine=cfg.engine,
         )
-        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease.lease_id)
+        store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease)
         cell = Cell(
             identity,
             build_engine(cfg),

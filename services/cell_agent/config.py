@@ -4,10 +4,51 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gyre.config import ServiceConfig
 from services.cell_agent.training.config import TrainerSettings
+
+
+class MockEngineSettings(BaseModel):
+    """The mock engine (``engine: mock``): its timing model (defaults: 7B on an H200,
+    WORKLOADS.md), its batch, and scripted faults. ``cell_agent.mock`` in the YAML,
+    ``GYRE_CELL_AGENT__MOCK__<FIELD>`` in the environment, ``--set mock.<field>=...``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    time_scale: float = Field(
+        1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
+    fixed_decode_step_s: float = Field(
+        0.0, ge=0, description="If > 0, each decode step costs this instead of the roofline term.")
+    step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of every engine step.")
+    n_params: float = Field(7.0e9, gt=0, description="Model parameters (compute terms).")
+    weight_bytes: float = Field(14.0e9, ge=0, description="Bytes of weights read per decode step.")
+    n_layers: int = Field(28, ge=1, description="Layers (prefill attention term).")
+    d_model: int = Field(3584, ge=1, description="Hidden size (prefill attention term).")
+    kv_bytes_per_token: float = Field(57344.0, ge=0, description="KV-cache bytes per context token.")
+    hbm_bytes_per_s: float = Field(4.8e12, gt=0, description="Memory bandwidth, bytes/s.")
+    flops: float = Field(989e12, gt=0, description="Dense bf16 FLOP/s.")
+    weight_load_s: float = Field(0.1, ge=0, description="Cost of an in-place weight update.")
+    sleep_s: float = Field(0.5, ge=0, description="Cost of releasing rollout memory (sleep).")
+    wake_s: float = Field(0.5, ge=0, description="Cost of restoring rollout memory (wake).")
+    vocab_size: int = Field(512, ge=8, description="Mock token ids are drawn from [3, vocab).")
+    max_batch: int = Field(256, ge=1, description="Most requests the mock runs in one step.")
+    kv_dir: str = Field(
+        "", description="Directory for exported KV handles (file medium); memory if empty.")
+    die_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock dies after this many tokens.")
+    hang_after_tokens: int = Field(
+        -1, ge=-1, description="Fault: the mock hangs after this many tokens.")
+
+    def timing(self) -> dict[str, float]:
+        """The :class:`~services.cell_agent.engines.mock.MockTiming` fields."""
+        return {name: getattr(self, name) for name in TIMING_FIELDS}
+
+
+TIMING_FIELDS = (
+    "n_params", "weight_bytes", "n_layers", "d_model", "kv_bytes_per_token", "hbm_bytes_per_s", "flops",
+    "step_overhead_s", "fixed_decode_step_s", "weight_load_s", "sleep_s", "wake_s", "time_scale",
+)
 
 
 class CellAgentConfig(ServiceConfig):
@@ -53,29 +94,8 @@ class CellAgentConfig(ServiceConfig):
     max_prompt_tokens: int = Field(131072, ge=1, description="Longest prompt Generate accepts.")
     max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
 
-    # Mock timing model (defaults: 7B on an H200, WORKLOADS.md) ----------------------------------
-    mock_time_scale: float = Field(
-        1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
-    mock_fixed_decode_step_s: float = Field(
-        0.0, ge=0, description="If > 0, each decode step costs this instead of the roofline term.")
-    mock_step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of every engine step.")
-    mock_n_params: float = Field(7.0e9, gt=0, description="Model parameters (compute terms).")
-    mock_weight_bytes: float = Field(14.0e9, ge=0, description="Bytes of weights read per decode step.")
-    mock_n_layers: int = Field(28, ge=1, description="Layers (prefill attention term).")
-    mock_d_model: int = Field(3584, ge=1, description="Hidden size (prefill attention term).")
-    mock_kv_bytes_per_token: float = Field(57344.0, ge=0, description="KV-cache bytes per context token.")
-    mock_hbm_bytes_per_s: float = Field(4.8e12, gt=0, description="Memory bandwidth, bytes/s.")
-    mock_flops: float = Field(989e12, gt=0, description="Dense bf16 FLOP/s.")
-    mock_weight_load_s: float = Field(0.1, ge=0, description="Cost of an in-place weight update.")
-    mock_sleep_s: float = Field(0.5, ge=0, description="Cost of releasing rollout memory (sleep).")
-    mock_wake_s: float = Field(0.5, ge=0, description="Cost of restoring rollout memory (wake).")
-    mock_vocab_size: int = Field(512, ge=8, description="Mock token ids are drawn from [3, vocab).")
-    mock_max_batch: int = Field(256, ge=1, description="Most requests the mock runs in one step.")
-    mock_kv_dir: str = Field(
-        "", description="Directory for exported KV handles (file medium); memory if empty.")
-    mock_die_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock dies after this many tokens.")
-    mock_hang_after_tokens: int = Field(
-        -1, ge=-1, description="Fault: the mock hangs after this many tokens.")
+    mock: MockEngineSettings = Field(
+        default_factory=MockEngineSettings, description="The mock engine's timing model and faults.")
 
     # Lifecycle and health -----------------------------------------------------------------------
     drain_wait_s: float = Field(

@@ -7,7 +7,8 @@ dict (the proto's field names; enums as names with or without their prefix, or n
 - one list of role bands per cell (``[t_start_s, t_end_s, state]``, consecutive equal states
   merged; a cell that disappears from the status gets a ``GONE`` band),
 - series of the gauges (waterlevel W, capacity, ready groups, policy version, reroutes, ...),
-- policy-version markers, and the latest counters,
+- policy-version markers, the open work (W) per policy version the bursts serve (several
+  at once while bursts overlap), and the latest counters,
 
 bounded to ``max_samples`` samples, plus the latest scheduler events (decisions with their
 reasons), deduplicated.  A status from a standby (``leader`` false, where the
@@ -36,12 +37,15 @@ _KIND_BY_NUMBER = {0: UNKNOWN, 1: "STANDALONE", 2: "ELASTIC"}
 LEDGER_FIELDS = ("burst_id", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
 STATUS_FIELDS = (
     "epoch", "capacity", "ready_groups", "batch_size", "policy_version", "reroutes",
-    "bursts_completed", "transitions_to_training", "transitions_to_rollout",
+    "bursts_completed", "transitions_to_training", "transitions_to_rollout", "open_bursts", "migrations",
 )
 SERIES_FIELDS = (
     "waterlevel", "capacity", "ready_groups", "batch_size", "policy_version", "reroutes",
-    "dispatched", "finished", "running", "queued", "burst_id",
+    "dispatched", "finished", "running", "queued", "burst_id", "open_bursts",
 )
+VERSION_FIELDS = ("policy_version", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
+"""A per-version ledger (SchedulerStatus.versions): bursts overlap, each serving its version."""
+MAX_VERSIONS = 64
 
 
 def _enum(value: Any, prefix: str, by_number: Mapping[int, str], allowed: tuple[str, ...]) -> str:
@@ -124,7 +128,20 @@ def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(total_raw, Mapping):
         raise ValueError("total must be a mapping")
     out["total"] = {k: _int(total_raw, k) for k in LEDGER_FIELDS if k != "burst_id"}
+    out["versions"] = _versions(raw.get("versions") or [])
     return out
+
+
+def _versions(raw: Any) -> list[dict[str, int]]:
+    """The per-version ledgers, by version (at most MAX_VERSIONS, the newest kept)."""
+    if not isinstance(raw, list | tuple):
+        raise ValueError("versions must be a list")
+    out = []
+    for v in raw:
+        if not isinstance(v, Mapping):
+            raise ValueError("each version ledger must be a mapping")
+        out.append({k: _int(v, k) for k in VERSION_FIELDS})
+    return sorted(out, key=lambda v: v["policy_version"])[-MAX_VERSIONS:]
 
 
 def normalize_event(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,6 +213,8 @@ class Timeline:
         self._bands: dict[str, list[list[Any]]] = {}
         self._cells: dict[str, dict[str, Any]] = {}
         self._policy_marks: list[list[float | int]] = []
+        self._version_w: dict[int, deque[int]] = {}
+        """Open executions (W) per policy version, one value per sample."""
         self._latest: dict[str, Any] | None = None
         self._epoch = 0
         self.stats = SourceStats()
@@ -264,6 +283,13 @@ class Timeline:
         ledger = status["ledger"]
         for key in SERIES_FIELDS:
             self._series[key].append(ledger[key] if key in ledger else status[key])
+        now = {v["policy_version"]: v["waterlevel"] for v in status["versions"]}
+        n = len(self._t)
+        for version in now:
+            if version not in self._version_w:
+                self._version_w[version] = deque([0] * (n - 1))
+        for version, series in self._version_w.items():
+            series.append(now.get(version, 0))
 
     def _update_bands(self, t_s: float, status: dict[str, Any]) -> None:
         present = set()
@@ -292,6 +318,10 @@ class Timeline:
             self._t.popleft()
             for series in self._series.values():
                 series.popleft()
+            for vseries in self._version_w.values():
+                vseries.popleft()
+        for version in [v for v, vs in self._version_w.items() if not any(vs)]:
+            del self._version_w[version]  # no open work of this version in the window
         start = self._t[0]
         for cell_id in list(self._bands):
             bands = [b for b in self._bands[cell_id] if b[1] >= start]
@@ -317,6 +347,7 @@ class Timeline:
             counters["finished_by_status"] = dict(latest["ledger"]["finished_by_status"])
             counters["policy"] = latest["policy"]
             counters.update({f"total_{k}": v for k, v in latest["total"].items()})
+            counters["versions"] = [dict(v) for v in latest["versions"]]
         start = float("-inf") if window_s is None or not self._t else self._t[-1] - window_s
         first = bisect.bisect_left(self._t, start)
         bands = {
@@ -329,6 +360,7 @@ class Timeline:
             "bands": bands,
             "series": {"t": list(self._t)[first:], **{k: list(v)[first:] for k, v in self._series.items()}},
             "policy_marks": [list(m) for m in self._policy_marks if m[0] >= start],
+            "version_w": {str(v): list(vs)[first:] for v, vs in sorted(self._version_w.items())},
             "events": sorted(self._events, key=lambda e: (e["time_s"], e["seq"]), reverse=True),
             "counters": counters,
             "source": dataclasses.asdict(self.stats),

@@ -35,7 +35,7 @@ async def build(rt: Runtime) -> Services:
     if cfg.policy_from_etcd:
         rt.supervisor.spawn("policy", PolicyMirror(rt.etcd, rt.keys, packer).run())
     if cfg.release_on_cell_loss:
-        rt.supervisor.spawn("cells", CellMirror(rt.etcd, rt.keys, packer).run())
+        rt.supervisor.spawn("cells", CellMirror(rt.etcd, rt.keys, packer, grace_s=cfg.cell_loss_grace_s).run())
     if cfg.metrics_port:
         metrics = PackerMetrics()
         metrics.serve(cfg.host, cfg.metrics_port)

@@ -82,6 +82,12 @@ class PackerConfig(ServiceConfig):
         description="Return a cell's claims as soon as its etcd registration (keys.cell) vanishes, "
         "not only after claim_ttl_s.",
     )
+    cell_loss_grace_s: float = Field(
+        5.0, ge=0,
+        description="How long a cell's registration must stay gone before its claims are released: "
+        "an etcd outage past the lease TTL removes every registration, and live cells put theirs "
+        "back within about a second of etcd's return.",
+    )
     reap_interval_s: float = Field(
         0.5, gt=0, le=60, description="How often expired claims are returned to the pool."
     )

@@ -22,6 +22,7 @@ from typing import Any
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
 from gyre.fencing import FenceGuard
 from gyre.ids import BatchId, CellId
+from gyre.staleness import unconsumable
 from services.packer.advantages import group_advantages, is_stale, reward_std
 from services.packer.config import PackerConfig
 from services.packer.model import (
@@ -338,6 +339,12 @@ class Packer:
             "batch_active": batch.active,
             "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
             "ready_unassigned": len(st.ready), "counters": self.counters(),
+            "ready_tokens": float(sum(st.group_tokens(st.groups[g]) for g in st.ready)),
+            "backlog_tokens": float(st.backlog_tokens()),
+            "tokens_trained": float(st.tokens_trained),
+            "optimizing": st.optimizing(),
+            "batch_assigned": len(batch.groups),
+            "groups_ready_total": st.groups_ready_total,
         }
 
     async def wait_changed(self, timeout_s: float | None) -> None:
@@ -400,11 +407,16 @@ class Packer:
             if now >= since + cfg.ready_grace_s:
                 del self._complete[gid]
                 self._resolve(st.groups[gid])
+        batch = st.batches[st.filling]
+        full = st.optimizing() or len(batch.groups) >= batch.size
         for gid in list(st.ready):
             group = st.groups[gid]
             if is_stale(group.oldest_version, st.policy_version, cfg.max_staleness):
                 self._drop(group, "stale")
-        batch = st.batches[st.filling]
+            elif unconsumable(st.stamp(group), st.policy_version, full, cfg.max_staleness):
+                # The scheduler's cancel-early rule (gyre.staleness): no batch within eta can
+                # take it; its open members are being cancelled, its ready copy goes too.
+                self._drop(group, "unconsumable")
         if batch.active and not batch.sealed:
             while batch.needs > 0 and st.ready:
                 self._assign(batch, next(iter(st.ready)))

@@ -168,6 +168,10 @@ class PackerState:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.groups_dropped: collections.Counter[str] = collections.Counter()
         self.claims_expired = 0
+        self.tokens_trained = 0
+        """Packed tokens of acknowledged micro-steps (since this process started)."""
+        self.groups_ready_total = 0
+        """Groups that became ready (since this process started)."""
         self.policy_version = 0
         self.events_applied = 0
         self.wal_id = ""
@@ -196,6 +200,31 @@ class PackerState:
         for mid in batch.free:
             out.update(self.execs[x].group_id for x, _ in self.micro_steps[mid].seqs)
         return out
+
+    def group_tokens(self, group: Group) -> int:
+        """Packed tokens a group will train, about (each execution's longest turn)."""
+        return sum(max((t.tokens for t in ex.turns.values()), default=0) for ex in group.execs.values())
+
+    def backlog_tokens(self) -> int:
+        """Packed tokens assigned to a batch and not trained yet (not packed, or in an
+        unacknowledged micro-step)."""
+        out = 0
+        for b in self.batches.values():
+            if b.done:
+                continue
+            out += sum(self.segment(r).tokens for r in b.pending)
+            out += sum(m.packed_tokens for m in b.micro_steps if m.acked_by is None)
+        return out
+
+    def stamp(self, group: Group) -> int:
+        """The policy version a group was dispatched with (its members' finish reports)."""
+        return min((ex.finish.policy_version for ex in group.execs.values() if ex.finish is not None), default=0)
+
+    def optimizing(self) -> bool:
+        """True while the optimizer step of a trained batch runs: every micro-step of it is
+        acknowledged and the version it trained on is still the newest published."""
+        done = [b for b in self.batches.values() if b.done and b.version is not None]
+        return bool(done) and max(done, key=lambda b: b.id).version >= self.policy_version  # type: ignore[operator]
 
     def buffered(self) -> dict[str, int]:
         """Turns held, by where they are, recounted from the structures."""
@@ -293,6 +322,7 @@ class PackerState:
         group.oldest_version = int(ev["oldest"])
         group.transition(GroupState.READY)
         self.ready[group.id] = None
+        self.groups_ready_total += 1
 
     def _on_drop(self, ev: Event) -> None:
         group = self.groups[ev["g"]]
@@ -406,6 +436,7 @@ class PackerState:
         ms.holder = None
         self.held.pop(ms.id, None)
         self.consumed += ms.n_seqs
+        self.tokens_trained += ms.packed_tokens
         batch = self.batches[ms.batch_id]
         batch.free.pop(ms.id, None)  # a late ack of a returned, untaken micro-step
         batch.packed_seqs -= ms.n_seqs

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
+from collections.abc import Callable
 
 from gyre.etcd import Etcd, Keys, PrefixMirror
 from gyre.etcd.client import KV
@@ -54,34 +56,60 @@ class PolicyMirror:
 
 class CellMirror:
     """Follows the cell registry (keys.cells(), lease-bound): when a cell that was registered
-    disappears (its process died and its lease lapsed), its claims return to the pool at
-    once instead of after the claim TTL. Cells never seen registered are left to the TTL."""
+    disappears (its process died and its lease lapsed), its claims return to the pool after
+    ``grace_s`` instead of after the claim TTL. Cells never seen registered are left to the TTL.
 
-    def __init__(self, etcd: Etcd, keys: Keys, packer: Packer, resync_s: float = 10.0) -> None:
+    An etcd outage longer than the lease TTL makes every registration vanish at once, and
+    the live cells put them back (same value) as soon as their new lease session starts: a
+    cell that comes back within ``grace_s`` with the registration it had keeps its claims (it
+    is still training them). One that comes back with a different registration is a new
+    process: its old claims are released."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, packer: Packer, resync_s: float = 10.0, grace_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._prefix = keys.cells()
         self._packer = packer
         self._mirror = PrefixMirror(etcd, self._prefix, resync_s=resync_s)
-        self.seen: set[str] = set()
+        self._grace_s = grace_s
+        self._clock = clock
+        self.seen: dict[str, bytes] = {}
+        self._missing: dict[str, float] = {}
 
-    def _cells(self) -> set[str]:
+    def _cells(self) -> dict[str, bytes]:
         n = len(self._prefix)
-        return {key[n:].decode(errors="replace") for key in self._mirror.items}
+        return {key[n:].decode(errors="replace"): kv.value for key, kv in self._mirror.items.items()}
+
+    async def reconcile(self) -> None:
+        """Releases the claims of cells gone for ``grace_s`` (or back as another process)."""
+        live = self._cells()
+        now = self._clock()
+        for cell, value in live.items():
+            if cell in self._missing:
+                del self._missing[cell]
+                if self.seen.get(cell) != value:
+                    await self._packer.release_cell(cell)  # a new process: the old one's claims are dead
+        for cell in sorted(set(self.seen) - set(live)):
+            since = self._missing.setdefault(cell, now)
+            if now - since >= self._grace_s:
+                del self._missing[cell]
+                del self.seen[cell]
+                await self._packer.release_cell(cell)
+        self.seen.update(live)
 
     async def run(self) -> None:
         task = asyncio.create_task(self._mirror.run(), name="packer.cell_mirror")
         try:
             while True:
                 if self._mirror.synced.is_set():
-                    live = self._cells()
-                    for cell in sorted(self.seen - live):
-                        await self._packer.release_cell(cell)
-                    self.seen = live
-                await self._mirror.changed(timeout_s=5.0)
+                    await self.reconcile()
+                wait = min(5.0, self._grace_s / 2) if self._missing else 5.0
+                await self._mirror.changed(timeout_s=max(wait, 0.05))
                 if task.done():
                     await task
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
 
 def incarnation_key(keys: Keys) -> bytes:
     """Where the id of the cluster's current packer WAL is kept (not lease-bound)."""

@@ -32,7 +32,15 @@ from typing import Any
 
 from aiohttp import web
 
-from gyre.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, http_status_for
+from gyre.errors import (
+    GyreError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    http_status_for,
+    retry_after_for,
+)
 from gyre.telemetry import tag_execution
 from services.router.calls import ModelCall
 from services.router.engine import Chunk, Finish, Sampling
@@ -374,10 +382,13 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 def _error_response(exc: GyreError) -> web.Response:
+    """The JSON error body; a retryable error (503) carries ``Retry-After`` (whole seconds)."""
     status = http_status_for(exc)
+    hint = retry_after_for(exc)
+    headers = {"Retry-After": str(max(1, math.ceil(hint)))} if hint is not None else None
     return web.json_response(
         {"error": {"message": str(exc) or type(exc).__name__, "type": _ERROR_TYPES.get(status, "server_error"), "code": status}},
-        status=status,
+        status=status, headers=headers,
     )
 
 

@@ -4,7 +4,9 @@ Every scheduler process serves the gRPC APIs and mirrors the cells, their states
 policy key, the routers and the leader key; one of them wins the election (the others
 campaign as standbys and answer harness calls with UNAVAILABLE naming the leader). The
 winner rebuilds from etcd and runs the control loop, the finish-report forwarder and the
-supply follower. A lost leadership (stale epoch, lost lease) ends the process non-zero.
+supply follower. A lost leadership (a stale epoch, or the lease gone in an etcd outage)
+makes the process step down: it stops acting at once, forgets what it held, and campaigns
+again; whoever wins (maybe itself, with a new epoch) rebuilds from etcd.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from services.scheduler.tasks import make_task_source
 log = logging.getLogger("services.scheduler")
 
 _state: dict[str, Scheduler] = {}
+_mirrors: dict[str, PrefixMirror] = {}
 HARNESS = "gyre.v1.HarnessService"
 
 
@@ -54,6 +57,7 @@ async def build(rt: Runtime) -> Services:
     }
     for name, mirror in mirrors.items():
         rt.supervisor.spawn(f"mirror.{name}", mirror.run())
+    _mirrors.update(mirrors)
 
     async def _close_peers() -> None:
         await sched.stop()
@@ -68,8 +72,33 @@ async def build(rt: Runtime) -> Services:
     ]
 
 
+async def _lead_until_lost(sched: Scheduler, rt: Runtime) -> None:
+    """Runs the leader's loops until the leadership is lost: deposed (a write or command
+    refused for a stale epoch, a newer leader key) or the lease past its renew deadline."""
+    loops = [asyncio.create_task(c) for c in (sched.control_loop(), sched.report_loop(), sched.supply_loop())]
+    lost = [asyncio.create_task(sched.deposed.wait()), asyncio.create_task(_lease_lost(rt))]
+    try:
+        done, _ = await asyncio.wait([*loops, *lost], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (*loops, *lost):
+            task.cancel()
+        await asyncio.gather(*loops, *lost, return_exceptions=True)
+    for task in done:  # a loop that failed for any other reason is a bug: end the process
+        if task in loops and not task.cancelled() and task.exception() is not None and not sched.deposed.is_set():
+            raise task.exception()  # type: ignore[misc]
+
+
+async def _lease_lost(rt: Runtime) -> None:
+    """Returns once the lease is past its renew deadline (checked often: a leader must
+    stop acting before then, and etcd may be unreachable to tell it)."""
+    while rt.lease.valid():
+        await asyncio.sleep(0.1)
+
+
 async def after_start(rt: Runtime) -> None:
     sched = _state["scheduler"]
+    cfg = rt.config
+    assert isinstance(cfg, SchedulerConfig)
     candidate = json.dumps({"instance": rt.instance, "target": rt.target})
     election = LeaderElection(rt.etcd, rt.keys.leader(), candidate, rt.lease)
     sched.store = SchedulerStore(rt.etcd, rt.keys, election)
@@ -80,11 +109,17 @@ async def after_start(rt: Runtime) -> None:
     await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def lead() -> None:
-        epoch = await election.campaign(poll_s=0.25)
-        await sched.take_over(int(epoch))
-        await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
-        log.info("leading", extra={"epoch": int(epoch)})
-        await asyncio.gather(sched.control_loop(), sched.report_loop(), sched.supply_loop())
+        while True:
+            epoch = await election.campaign(poll_s=0.25)
+            await sched.take_over(int(epoch))
+            await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
+            log.info("leading", extra={"epoch": int(epoch)})
+            await _lead_until_lost(sched, rt)
+            await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+            election.step_down()
+            tasks = make_task_source(cfg.tasks_file, cfg.task_seed, cfg.loop_tasks)
+            await sched.step_down(tasks, {name: dict(m.items) for name, m in _mirrors.items()})
+            log.warning("stepped down; campaigning again", extra={"epoch": int(epoch)})
 
     rt.supervisor.spawn("leadership", lead())
 

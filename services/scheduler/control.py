@@ -9,7 +9,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from gyre.errors import FatalError, StaleEpoch
+from gyre.errors import StaleEpoch
+from gyre.staleness import unconsumable
 from services.scheduler.bursts import Bursts
 from services.scheduler.commands import Commands
 from services.scheduler.config import SchedulerConfig
@@ -50,17 +51,18 @@ class ControlLoop:
         self._drained_since: float | None = None
 
     async def run(self) -> None:
-        """Reconciles until deposed; survives any other error."""
+        """Reconciles until deposed (then returns: the process steps down); survives any
+        other error."""
         while True:
             if self.lead.deposed.is_set():
-                raise FatalError("deposed: a newer scheduler leader exists")
+                return
             try:
                 await self.reconcile_once()
             except asyncio.CancelledError:
                 raise
             except StaleEpoch as exc:
                 self.lead.mark_deposed(exc)
-                raise FatalError(f"deposed: {exc}") from exc
+                return
             except Exception:
                 log.exception("reconcile failed; retrying next tick")
             await self.changes.wait(self.cfg.reconcile_s)
@@ -73,11 +75,27 @@ class ControlLoop:
             if not self.transitions.running(cid):
                 self.transitions.rescue(cid)
         self._finish_stranded_moves()
+        await self.cancel_unconsumable()
         await self.bursts.archive_closed(self.executions.relay.unsettled)
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.commands.apply(action, snap)
         self.telemetry.gauges()
+
+    async def cancel_unconsumable(self) -> list[str]:
+        """The cancel-early rule (:mod:`gyre.staleness`, the same for every policy): the open
+        members of groups that no batch within eta can take are cancelled (running ones lose
+        their route, queued ones are withdrawn); the packer drops their ready copies by the
+        same rule. Returns the executions cancelled."""
+        version, raw, eta = self.publication.version, self.supply.raw, self.cfg.max_staleness
+        full = raw.optimizing or raw.batch_assigned >= self.cfg.batch_size
+        doomed = [(u, g, left) for u, g, left in self.ledger.open_groups() if unconsumable(u, version, full, eta)]
+        if not doomed:
+            return []
+        stamps = sorted({u for u, _, _ in doomed})
+        why = (f"{len(doomed)} groups stamped v{', v'.join(map(str, stamps))} can no longer be trained within "
+               f"max_staleness {eta} (trainer at v{version}{', batch full' if full else ''})")
+        return await self.executions.cancel([e for _, _, left in doomed for e in left], why)
 
     def _finish_stranded_moves(self) -> None:
         """A cell an agent reports DRAINING or RETURNING with no transition of ours running

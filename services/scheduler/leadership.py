@@ -3,7 +3,7 @@ write goes through.
 
 A scheduler process acts only while it leads (``epoch`` > 0, not deposed). Every write is a
 fenced store call awaited through :meth:`Leadership.fenced`: a write refused for a stale
-epoch marks the process deposed (it then exits; a supervisor restarts it as a standby).
+epoch marks the process deposed (it then steps down: a standby again, campaigning).
 """
 
 from __future__ import annotations

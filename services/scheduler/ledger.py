@@ -308,6 +308,20 @@ class Ledger:
         """Bursts with an execution not yet closed (several while bursts overlap)."""
         return [b for b, burst in sorted(self.bursts.items()) if self._finished.get(b, 0) < burst.quota]
 
+    def open_groups(self) -> list[tuple[int, str, list[str]]]:
+        """(stamp version, group id, open members) of every group with a member queued or
+        running, oldest burst first."""
+        out = []
+        for b in self.open_bursts():
+            burst = self.bursts[b]
+            for t in range(len(burst.tasks)):
+                group = f"b{b}-t{t}"
+                members = [f"{group}-{m}" for m in range(burst.group_size)]
+                left = [e for e in members if (r := self.records.get(e)) is None or not r.state.final]
+                if left:
+                    out.append((burst.policy_version, group, left))
+        return out
+
     def finished_by_status(self, burst_id: int | None = None) -> dict[str, int]:
         """Closed executions by final status, of one burst or of all (None, archived ones
         included)."""

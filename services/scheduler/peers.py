@@ -44,11 +44,24 @@ class FinishReport:
 
 @dataclasses.dataclass(frozen=True)
 class SupplyUpdate:
-    """One packer supply signal."""
+    """One packer supply signal (gyre.v1.SupplySignal; tokens are packed tokens)."""
 
     ready_groups: int
+    """Ready groups not yet fully claimed, capped by what the current batch needs."""
     batch_needs: int
     batch_id: int
+    ready_unassigned: int = 0
+    """Ready groups not assigned to a batch (uncapped: supply beyond the current batch)."""
+    ready_tokens: float = 0.0
+    backlog_tokens: float = 0.0
+    """Tokens assigned to a batch and not trained yet."""
+    tokens_trained: float = 0.0
+    """Tokens trained since the packer started (rates are measured on it)."""
+    optimizing: bool = False
+    groups_ready_total: int = 0
+    """Groups that became ready since the packer started (the arrival rate)."""
+    batch_assigned: int = 0
+    """Groups assigned to the current batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +141,10 @@ class GrpcPeers:
         call = self._packer().WatchSupply(packer_pb2.WatchSupplyRequest())
         try:
             async for sig in call:
-                yield SupplyUpdate(int(sig.ready_groups), int(sig.batch_needs), int(sig.batch_id))
+                yield SupplyUpdate(int(sig.ready_groups), int(sig.batch_needs), int(sig.batch_id),
+                        int(sig.ready_unassigned), float(sig.ready_tokens), float(sig.backlog_tokens),
+                        float(sig.tokens_trained), bool(sig.optimizing), int(sig.groups_ready_total),
+                        int(sig.batch_assigned))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
         finally:

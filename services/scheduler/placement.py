@@ -9,7 +9,10 @@ only writer), so the table is exact on the leader.
 Placement order, for launches and reroute destinations alike: standalone engines first
 (most free slots first), then elastic cells in rollout by descending index. The same order
 the paper gives for reroutes; used for launches too so that the cells that move to training
-first (the core, then low-index satellites) carry the fewest executions when they go.
+first (the core, then low-index satellites) carry the fewest executions when they go. With
+the asynchronous policies the order takes the policy's plan instead: ``avoid`` (the cells
+``PlanMoves`` names) goes last and ``spread`` fills the others least loaded first, so only
+the cells about to move are kept empty and nothing else is packed.
 """
 
 from __future__ import annotations
@@ -145,9 +148,15 @@ class RouteTable:
         return out
 
 
-def placement_order(cells: CellTable, counts: Mapping[str, int],
-        exclude: Iterable[str] = ()) -> list[tuple[CellRecord, int]]:
-    """Rollout cells with free slots, in preference order, with their free slot counts."""
+def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterable[str] = (),
+        avoid: Iterable[str] = (), spread: bool = False) -> list[tuple[CellRecord, int]]:
+    """Rollout cells with free slots, in preference order, with their free slot counts.
+
+    Standalone engines first (most free slots first); then elastic cells by descending index
+    (packing: the cells that move to training first carry the fewest executions), or with
+    ``spread`` by most free slots (least loaded first, higher index on a tie). Cells in
+    ``avoid`` (the policy's ``PlanMoves``: they move to training next) come last, so they
+    take work only when nothing else has room."""
     skip = set(exclude)
     free = [
         (r, r.slots - counts.get(r.cell_id, 0))
@@ -157,8 +166,15 @@ def placement_order(cells: CellTable, counts: Mapping[str, int],
     free = [(r, f) for r, f in free if f > 0]
     standalone = sorted((x for x in free if x[0].kind is CellKind.STANDALONE), key=lambda x: (-x[1],
             x[0].cell_id))
-    elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: -x[0].index)
-    return standalone + elastic
+    if spread:
+        elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: (-x[1], -x[0].index))
+    else:
+        elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: -x[0].index)
+    order = standalone + elastic
+    planned = set(avoid)
+    if planned:
+        order = sorted(order, key=lambda x: x[0].cell_id in planned)  # stable
+    return order
 
 
 def pick_launch_cell(cells: CellTable, routes: RouteTable) -> CellRecord | None:

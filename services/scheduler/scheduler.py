@@ -16,8 +16,9 @@ Where each concern lives (every part has a typed interface; none reaches into an
 * :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
 
 It never imports grpc. Every change follows plan -> fenced write -> apply, so memory never
-runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and the
-process exits (a supervisor restarts it as a standby).
+runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and
+:meth:`Scheduler.step_down` makes it a standby again (fresh parts; ``__main__`` campaigns
+again and a win rebuilds everything from etcd, as a failover would).
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        cfg = self.cfg = config
+        self.cfg = config
         self.peers = peers
         self.clock = clock
-        self.policy = policy or make_policy(
+        self._wall = wall
+        self._policy_given = policy
+        self._tasks = tasks
+        self._build(store, events or EventLog(config.events_kept), metrics)
+
+    def _build(self, store: Store | None, events: EventLog, metrics: Metrics | None) -> None:
+        """Builds every part from nothing (at start, and after a step-down)."""
+        cfg, peers, clock, wall, tasks = self.cfg, self.peers, self.clock, self._wall, self._tasks
+        self.policy = self._policy_given or make_policy(
             cfg.policy, fraction=cfg.fraction, interval_s=cfg.interval_s,
             training_cells=cfg.static_training_cells, drain_grace_s=cfg.drain_grace_s,
         )
@@ -80,9 +89,10 @@ class Scheduler:
         self.ledger = Ledger()
         self.fleet = Fleet(self.lead, cfg.router_target)
         self.changes = Changes()
-        self.history = History(cfg.history_file)
+        if not hasattr(self, "history"):
+            self.history = History(cfg.history_file)
         self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes)
-        self.telemetry = Telemetry(events or EventLog(cfg.events_kept), metrics, self._reading)
+        self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
             KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
             require_key=cfg.harness_require_key, max_inflight=cfg.harness_max_inflight,
@@ -101,6 +111,21 @@ class Scheduler:
         self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
                 self.executions, self.supply, self.publication, self.transitions, self.commands,
                 self.telemetry, self.changes, clock)
+
+    async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:
+        """Stops acting and forgets everything the leadership held (its lease is gone, or a
+        newer leader exists): the process is a standby again, with empty parts fed the
+        watches' current ``inputs`` (cells, cell_states, policy, routers, leader); a new
+        campaign's :meth:`take_over` rebuilds the rest from etcd. ``tasks``: a fresh task
+        source, as a restarted process would have."""
+        await self.stop()
+        self._tasks = tasks
+        self._build(self.lead.store, self.telemetry.events, self.telemetry.metrics)
+        feeds = {"cells": self.on_cells, "cell_states": self.on_cell_states, "policy": self.on_policy,
+                 "routers": self.on_routers, "leader": self.on_leader}
+        for name, items in inputs.items():
+            feeds[name](items)
+        self.telemetry.emit("leader", "stepped down: leadership lost; campaigning again")
 
     # Shorthands (operators' and tests' vocabulary) ----------------------------------------
 

@@ -22,10 +22,11 @@ from tests.tls import channel
 pytestmark = pytest.mark.timeout(120)
 
 
-def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
+def write_config(tmp_path, etcd_server, cluster_name, mock=None, **cell) -> str:
+    mock = mock or {}
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"cell_id": "cell-p", "engine": "mock", "mock_fixed_decode_step_s": 0.002,
+        "cell_agent": {"cell_id": "cell-p", "engine": "mock", "mock": {"fixed_decode_step_s": 0.002, **mock},
                        "lease_ttl_s": 3, "log_json": False, **cell},
     }
     path = tmp_path / "cluster.yaml"
@@ -50,10 +51,10 @@ async def _waiters_fail(target: str, n: int = 3) -> list[grpc.StatusCode]:
         return await asyncio.gather(*[one(i) for i in range(n)])
 
 
-@pytest.mark.parametrize("fault", ["mock_die_after_tokens", "mock_hang_after_tokens"])
+@pytest.mark.parametrize("fault", ["die_after_tokens", "hang_after_tokens"])
 async def test_dead_or_hung_engine_fails_waiters_and_exits(tmp_path, etcd_server, cluster_name, fault):
     path = write_config(tmp_path, etcd_server, cluster_name, probe_interval_s=0.3, probe_timeout_s=1.0,
-                        **{fault: 200})
+                        mock={fault: 200})
     proc = ServiceProcess("cell_agent", path, log_path=tmp_path / "cell.log").start(timeout_s=60)
     etcd = Etcd([etcd_server.endpoint], timeout_s=2.0)
     await etcd.connect()

@@ -5,7 +5,8 @@ Invariants: when the leader is killed mid-burst, the standby takes over with the
 middle of a transition, the standby resumes it (routes moved exactly once, the cell ends in
 training, the transition record is gone), also as the second failover of one burst; a leader
 paused past its lease and resumed cannot change anything (its writes are refused, etcd is
-unchanged, it exits non-zero). The JSONL history of all leaders passes the offline checker.
+unchanged) and steps down: a standby again, answering UNAVAILABLE with the leader's address
+and a retry hint. The JSONL history of all leaders passes the offline checker.
 A failover is invisible to harnesses: SIGKILL of the leader while real harness clients
 acquire, heartbeat and finish; every execution completes (none times out, none is lost or
 counted twice) and every harness call succeeds.
@@ -175,6 +176,11 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
         await etcd.close()
 
 
+async def _standby(h: Harness):
+    st = await h.status()
+    return None if st.leader else st
+
+
 async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, tmp_path):
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
@@ -198,7 +204,13 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await ha.finish(e1)
         assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), err.value.details()
-        assert await asyncio.to_thread(a.wait, 15) != 0  # a lost lease is fatal
+        # A lost lease is not fatal: the old leader steps down and is a standby again.
+        st_a = await wait_until(lambda: _standby(ha), 20)
+        assert a.alive() and not st_a.leader
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ha.acquire(wait_s=0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and b.target in err.value.details()
+        assert dict(err.value.trailing_metadata() or ()).get("retry-after-ms")
         assert await _ledger_keys(etcd, keys) == before
         out = await hb.finish(e1)
         assert not out.duplicate

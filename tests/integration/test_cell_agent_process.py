@@ -27,7 +27,7 @@ def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
         "cell_agent": {"cell_id": "cell-p", "kind": "elastic", "index": 0, "slots": 4, "engine": "mock",
-                       "mock_fixed_decode_step_s": 0.002, "probe_interval_s": 0.5, "lease_ttl_s": 3,
+                       "mock": {"fixed_decode_step_s": 0.002}, "probe_interval_s": 0.5, "lease_ttl_s": 3,
                        "drain_wait_s": 0.5, "log_json": False, **cell},
     }
     path = tmp_path / "cluster.yaml"

@@ -79,7 +79,7 @@ async def test_short_demo_moves_cells_and_reroutes(tmp_path: Path):
         # Long, uneven episodes so stragglers are still running when the core moves.
         env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
         config_overrides={
-            "cell_agent": {"mock_time_scale": 0.05, "slots": 6},
+            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
             "scheduler": {"interval_s": 0.5},
         },
     )

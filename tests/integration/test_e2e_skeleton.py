@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def skeleton_config(tmp_path: Path, model_dir: Path) -> Path:
     data = yaml.safe_load((ROOT / "deploy" / "local" / "cluster.yaml").read_text())
-    data["cell_agent"].update(engine="mock", model_dir=str(model_dir), mock_time_scale=0.0, slots=4)
+    data["cell_agent"].update(engine="mock", model_dir=str(model_dir), mock={"time_scale": 0.0}, slots=4)
     data["router"]["model_dir"] = str(model_dir)
     # One burst, no training: the thinnest path through every service.
     data["scheduler"].update(max_bursts=1, policy="rollout_only", batch_size=2, group_size=2, over_provision=0.0)

@@ -10,7 +10,7 @@ import asyncio
 import aetcd.exceptions
 import pytest
 
-from gyre.errors import FatalError, StaleEpoch
+from gyre.errors import StaleEpoch
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, PrefixMirror
 from gyre.etcd.client import Op, mod_revision_is
 from gyre.fencing import FenceGuard
@@ -43,17 +43,84 @@ async def test_unrenewed_lease_removes_registration(etcd_server, cluster_name):
     await etcd.close()
 
 
-async def test_lost_lease_is_fatal(etcd_server, cluster_name):
+async def test_lost_lease_becomes_a_new_session(etcd_server, cluster_name):
+    """etcd dropped the lease (expiry, or revoked): the keeper grants a new one and the
+    session hook puts the lease-bound keys again; the process never stops."""
     etcd = await _connect(etcd_server)
+    keys = Keys(cluster_name)
     keeper = LeaseKeeper(etcd, ttl_s=2)
     await keeper.grant()
-    await etcd.revoke(keeper.lease_id)  # somebody (or expiry) removed it
-    with pytest.raises(FatalError):
-        await asyncio.wait_for(keeper.run(), 5)
-    assert keeper.lost.is_set()
-    await etcd.revoke(keeper.lease_id)  # revoking a lease that is gone is a no-op
-    await keeper.revoke()
-    await etcd.close()
+    key = keys.service("router", "r-0")
+    await etcd.put(key, b"{}", lease=keeper.lease_id)
+    renewed: list[int] = []
+
+    async def hook(lease_id: int) -> None:
+        renewed.append(lease_id)
+        await etcd.put(key, b"{}", lease=lease_id)
+
+    keeper.on_new_session(hook)
+    first = keeper.lease_id
+    task = asyncio.create_task(keeper.run())
+    try:
+        await etcd.revoke(first)  # somebody (or expiry) removed it
+        assert await asyncio.wait_for(keeper.wait_session(1), 5) == 2
+        for _ in range(50):
+            kv = await etcd.get(key)
+            if kv is not None and kv.lease == keeper.lease_id:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None and kv.lease == keeper.lease_id
+        assert renewed == [keeper.lease_id] and keeper.lease_id != first
+        assert keeper.valid() and keeper.losses == 1 and not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await keeper.revoke()
+        await etcd.close()
+
+
+async def test_etcd_paused_past_the_ttl_new_session_and_the_leader_steps_down(fresh_etcd, cluster_name):
+    """etcd SIGSTOPped for longer than the TTL: the lease is past its renew deadline (the
+    leader stops acting), etcd drops it on resume, the keeper grants a new session, the
+    registration comes back, the old leadership is over and a new campaign wins."""
+    etcd = await _connect(fresh_etcd)
+    keys = Keys(cluster_name)
+    keeper = LeaseKeeper(etcd, ttl_s=2)
+    await keeper.grant()
+    reg = keys.service("scheduler", "s-0")
+    await etcd.put(reg, b"{}", lease=keeper.lease_id)
+
+    async def hook(lease_id: int) -> None:
+        await etcd.put(reg, b"{}", lease=lease_id)
+
+    keeper.on_new_session(hook)
+    election = LeaderElection(etcd, keys.leader(), "s-0", keeper)
+    epoch = await election.try_acquire()
+    assert epoch is not None and election.is_leader
+    task = asyncio.create_task(keeper.run())
+    try:
+        fresh_etcd.pause()
+        await asyncio.sleep(4.0)
+        assert not keeper.valid() and not election.is_leader  # stopped acting during the outage
+        fresh_etcd.resume()
+        assert await asyncio.wait_for(keeper.wait_session(1), 15) == 2
+        assert not election.is_leader  # the leader key went with the old lease
+        with pytest.raises(StaleEpoch):
+            await election.fenced_txn([], [Op(keys.route("x"), b"{}")])
+        assert await etcd.get(keys.route("x")) is None
+        for _ in range(50):
+            kv = await etcd.get(reg)
+            if kv is not None and kv.lease == keeper.lease_id:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None and kv.lease == keeper.lease_id
+        again = await asyncio.wait_for(election.campaign(poll_s=0.1), 15)
+        assert again > epoch and election.is_leader and not task.done()
+    finally:
+        fresh_etcd.resume()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await etcd.close()
 
 
 async def test_cas_on_stale_revision_is_refused(etcd_server, cluster_name):

@@ -38,8 +38,8 @@ async def env(etcd_server, tmp_path_factory):
     for cell in ("ca", "cb"):
         cells[cell] = ServiceProcess(
             "cell_agent", cfg, name=cell, log_path=tmp / f"{cell}.log",
-            overrides={"cell_id": cell, "kind": "standalone", "index": -1, "engine": "mock", "mock_kv_dir": str(kv_dir),
-                       "policy_version": 1, "mock_fixed_decode_step_s": 0.01,
+            overrides={"cell_id": cell, "kind": "standalone", "index": -1, "engine": "mock", "mock.kv_dir": str(kv_dir),
+                       "policy_version": 1, "mock.fixed_decode_step_s": 0.01,
                        # The cell agent's start-up can block its loop for seconds on a loaded
                        # machine (imports), after its lease was granted: give it room.
                        "lease_ttl_s": 20},

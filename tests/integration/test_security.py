@@ -112,7 +112,7 @@ class Cluster:
                           "heartbeat_deadline_s": 120.0, "harness_keys_file": str(keys_file),
                           "harness_max_inflight": 2, "harness_acquire_rate_per_s": 0.5, "harness_acquire_burst": 4},
             "cell_agent": {"cell_id": "cell-0", "kind": "elastic", "index": 0, "slots": 6, "engine": "mock",
-                           "model_dir": str(model), "mock_fixed_decode_step_s": 0.002, "lease_ttl_s": 10,
+                           "model_dir": str(model), "mock": {"fixed_decode_step_s": 0.002}, "lease_ttl_s": 10,
                            "training": {"dtype": "float32", "world_size": 1, "dist_master": f"127.0.0.1:{_free_port()}",
                                         "claim_wait_s": 0.2}},
         }

@@ -42,7 +42,7 @@ async def test_one_trace_from_harness_to_engine(tmp_path: Path):
 
     model_dir = build_tiny_model(tmp_path / "model")
     data = yaml.safe_load((ROOT / "deploy" / "local" / "cluster.yaml").read_text())
-    data["cell_agent"].update(engine="mock", model_dir=str(model_dir), mock_time_scale=0.0, tracing="console")
+    data["cell_agent"].update(engine="mock", model_dir=str(model_dir), mock={"time_scale": 0.0}, tracing="console")
     data["router"].update(model_dir=str(model_dir), tracing="console")
     data["scheduler"].update(max_bursts=1, policy="rollout_only", batch_size=1, group_size=1, over_provision=0.0)
     data.pop("training", None)

@@ -56,7 +56,7 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
         "cell_agent": {"kind": "elastic", "slots": 2, "engine": "mock", "model_dir": str(model_dir),
-                       "mock_fixed_decode_step_s": 0.002, "probe_interval_s": 1.0, "drain_wait_s": 1.0,
+                       "mock": {"fixed_decode_step_s": 0.002}, "probe_interval_s": 1.0, "drain_wait_s": 1.0,
                        "training": {"dtype": "float64", "lr": LR, "world_size": 2,
                                     "dist_master": f"127.0.0.1:{_free_port()}", "packer_target": f"127.0.0.1:{pport}",
                                     "claim_wait_s": 0.2}},

@@ -258,3 +258,26 @@ async def test_event_stream_resumes_and_survives_failures() -> None:
     kinds = [e["kind"] for e in dash.timeline.to_json(0.0)["events"]]
     assert kinds == ["cell_to_rollout", "reroute", "cell_to_training", "burst_started"]
     assert dash.timeline.stats.event_errors == 2  # the failure and the malformed event
+
+
+def test_overlapping_bursts_show_as_open_work_per_version() -> None:
+    """While bursts overlap, each version's open work (W) is its own series; a version whose
+    work all closed before the window leaves it; a malformed per-version ledger is refused."""
+    tl = Timeline(max_samples=3)
+
+    def with_versions(*ws: tuple[int, int]) -> dict[str, Any]:
+        st = status({"c0": "ROLLOUT"})
+        st["versions"] = [{"policy_version": v, "dispatched": 8, "finished": 8 - w, "waterlevel": w} for v, w in ws]
+        st["open_bursts"] = sum(1 for _, w in ws if w)
+        return st
+
+    tl.add(1.0, with_versions((0, 6)))
+    tl.add(2.0, with_versions((0, 2), (1, 8)))  # burst 2 (v1) dispatched before burst 1 closed
+    out = tl.to_json(2.0)
+    assert out["version_w"] == {"0": [6, 2], "1": [0, 8]} and out["counters"]["open_bursts"] == 2
+    assert [v["policy_version"] for v in out["counters"]["versions"]] == [0, 1]
+    for t in (3.0, 4.0, 5.0):
+        tl.add(t, with_versions((0, 0), (1, 3)))
+    assert tl.to_json(5.0)["version_w"] == {"1": [3, 3, 3]}
+    with pytest.raises(ValueError, match="versions"):
+        normalize_status({**status({"c0": "ROLLOUT"}), "versions": {"0": 1}})

@@ -147,6 +147,22 @@ async def test_stale_group_dropped_at_readiness_and_when_policy_moves():
     assert p.supply()["dropped"] == {"stale": 4}
 
 
+async def test_group_dispatched_too_long_ago_is_dropped_as_unconsumable():
+    """The cancel-early rule (gyre.staleness), by the version a group was dispatched with:
+    its tokens may be fresh (engines moved on mid-episode), but no batch within eta takes
+    a group stamped 1 once the trainer is at 3 (eta 1), nor at 2 once batch 2 is full."""
+    p, _, _ = tk.make_packer(max_staleness=1)
+    await p.observe_policy(3)
+    for k in range(2):
+        await p.record_turn(tk.turn(f"a{k}", "old", 0, version=3))
+        await p.report_finish(tk.finish(f"a{k}", "old", 2, reward=float(k), version=1))
+    assert p.state.counters()["dropped"] == {"unconsumable": 2}
+    for k in range(2):
+        await p.record_turn(tk.turn(f"b{k}", "ok", 0, version=3))
+        await p.report_finish(tk.finish(f"b{k}", "ok", 2, reward=float(k), version=2))
+    assert p.supply()["ready_unassigned"] == 1  # stamped 2, trainer at 3: still consumable
+
+
 async def test_duplicates_are_idempotent():
     p, log, _ = tk.make_packer()
     assert await p.record_turn(tk.turn("x0", "g")) is False

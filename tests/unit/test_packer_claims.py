@@ -245,3 +245,26 @@ async def test_keep_claims_counts_and_unknown_cells():
     await p.claim("a", 0, 0, 0)
     assert await p.keep("a") == 2
     assert await p.keep("nobody") == 0
+
+
+async def test_supply_carries_the_tokens_and_counts_the_schedulers_rates_need():
+    """Ready tokens (each execution's longest turn), the current batch's untrained backlog,
+    tokens trained, groups that became ready, and "optimizing" once every micro-step of a
+    sealed batch is acknowledged."""
+    p, _, _ = tk.make_packer(batch_size=2, micro_step_token_budget=400)
+    s0 = p.supply()
+    assert (s0["ready_tokens"], s0["backlog_tokens"], s0["tokens_trained"], s0["groups_ready_total"]) == (0, 0, 0, 0)
+    await tk.feed_group(p, "g0", size=2, turns=1, prompt=6, output=4)
+    assert p.supply()["groups_ready_total"] == 1 and p.supply()["ready_tokens"] == 2 * 10
+    await tk.feed_group(p, "g1", size=2, turns=1, prompt=6, output=4)
+    assert p.supply()["ready_tokens"] == 4 * 10  # waiting for a claim to activate batch 1
+    r = await p.claim("cell0", 1, 0, 0)
+    assert r.micro_step is not None
+    s1 = p.supply()
+    assert s1["ready_tokens"] == 0 and s1["backlog_tokens"] == 4 * 10  # assigned, not trained
+    assert await p.ack("cell0", 1, r.micro_step.micro_step_id) is False
+    s2 = p.supply()
+    assert s2["tokens_trained"] == 4 * 10 and s2["backlog_tokens"] == 0 and s2["groups_ready_total"] == 2
+    assert s2["optimizing"]  # batch 1 trained on v0; v1 is not published yet
+    await p.observe_policy(1)
+    assert not p.supply()["optimizing"]

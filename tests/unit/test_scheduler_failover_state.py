@@ -6,7 +6,8 @@ token, on the same leader and on a new one after a failover, and never launches 
 key of another harness is refused, as is the key of a closed execution and a key too short
 to be a secret; a new leader gives every running execution a full heartbeat deadline (a
 heartbeat lost in the gap times nothing out). The finish relay never blocks on one refused
-report: after a failover whose requeued reports the packer refuses (groups it forgot),
+report: after a failover past more batches than the real packer remembers
+(``dedupe_batches``), whose requeued reports it refuses (groups it trained and forgot),
 later reports are still delivered, and refused ones are settled, not retried. A closed
 burst is archived: its records leave the store, the totals stay, a rebuild gives the same
 counts, burst ids go on, and a new leader does not resend its reports.
@@ -21,8 +22,10 @@ from test_scheduler_service import lead, make  # same test folder
 
 from bench.support.recording_peers import RecordingPeers
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from services.packer.model import ExecStatus, Finish
 from services.scheduler.ledger import ExecState, derive_token, sha256_hex
 from services.scheduler.peers import FinishReport
+from tests.support import packer_kit as tk
 
 KEY = "k" * 8 + "0123456789abcdef"
 
@@ -143,6 +146,54 @@ async def test_refused_report_is_settled_while_an_undelivered_one_is_retried():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class InProcessPacker(RecordingPeers):
+    """The real packer (in memory) as the scheduler's finish-report peer."""
+
+    def __init__(self, **cfg) -> None:
+        super().__init__()
+        self.packer, _, _ = tk.make_packer(**cfg)
+
+    async def report_finish(self, report: FinishReport) -> None:
+        await self.packer.report_finish(Finish.validated(
+            report.execution_id, report.group_id, report.group_size, ExecStatus(report.status.value.lower()),
+            report.reward, report.policy_version, 1 << 16))
+        self.reports[report.execution_id] = report
+
+
+async def test_failover_after_more_batches_than_the_packer_remembers_does_not_stall_reports():
+    """The new leader requeues every closed record; the packer refuses those of groups it
+    trained and forgot (dedupe_batches); a later finish is still delivered."""
+    peer = InProcessPacker(batch_size=1, dedupe_batches=2)
+    s, store, _, clock = make(policy="rollout_only", over_provision=2.0, peers=peer)
+    await lead(s, store)
+    relay = asyncio.create_task(s.report_loop())
+    try:
+        held = [(await s.acquire("h", 0))[0] for _ in range(12)]  # groups b1-t0 .. b1-t5
+        for g in held[:10]:  # five groups close, one batch each, and are trained
+            await peer.packer.record_turn(tk.turn(g.record.execution_id, g.record.group_id, 0))
+            await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, float(g.record.seq % 2), "k")
+        await _wait_for(lambda: len(peer.reports) == 10, "reports of five groups")
+        for b in range(1, 6):
+            r = await peer.packer.claim("core", b, 0, 0)
+            await peer.packer.ack("core", b, r.micro_step.micro_step_id)
+        assert peer.packer.state.filling == 6 and "b1-t0-0" not in peer.packer.state.finished  # forgotten
+    finally:
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
+    s2, _, _ = await _failover(s, store, clock, peers=peer, over_provision=2.0)
+    relay = asyncio.create_task(s2.report_loop())
+    try:
+        last = held[10]
+        await peer.packer.record_turn(tk.turn(last.record.execution_id, last.record.group_id, 0))
+        await s2.finish(last.record.execution_id, last.token, ExecState.COMPLETED, 1.0, "k")
+        await _wait_for(lambda: last.record.execution_id in peer.packer.state.finished, "the later report")
+        await _wait_for(lambda: not s2.relay.unsettled, "every report settled")
+        assert s2.relay.counts.refused >= 6  # b1-t0 .. b1-t2: trained and forgotten, refused once each
+    finally:
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
 
 
 async def _run_burst(s) -> list:

@@ -578,3 +578,24 @@ async def test_status_has_the_ledger_per_policy_version():
     st = s.status()
     assert {v: (c.dispatched, c.launched, c.finished) for v, c in st.versions.items()} == {0: (8, 8, 8), 3: (8, 1, 0)}
     assert st.open_bursts == 1 and a.record.policy_version == 3
+
+
+async def test_cancel_early_rule_cancels_groups_no_batch_within_eta_can_take():
+    """gyre.staleness.unconsumable, applied by the control loop: groups stamped v0 stay while
+    the trainer is at v1 with its batch still filling (eta 1), are cancelled once batch v1 is
+    full, and the cancelled ones close as CANCELLED (running ones lose their route)."""
+    s, store, peers, _ = make(policy="rollout_only", max_bursts=1, max_staleness=1)
+    await lead(s, store)
+    a, _, _ = await s.acquire("h", 0)
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    s.supply_raw = SupplyUpdate(0, 4, 2, batch_assigned=3)
+    await s.reconcile_once()
+    assert s.ledger.counts().finished == 0
+    s.supply_raw = SupplyUpdate(0, 0, 2, batch_assigned=4)  # batch v1 has all its groups
+    await s.reconcile_once()
+    c = s.ledger.counts()
+    assert c.finished == c.dispatched == 8 and s.ledger.finished_by_status() == {"CANCELLED": 8}
+    assert store.route_of(a.record.execution_id) is None
+    assert (await s.heartbeat(a.record.execution_id, a.token))[1] is ExecState.CANCELLED
+    assert any(e.kind == "cancelled" and "max_staleness 1" in e.message for e in s.events.after(0))
+    s.ledger.check_invariants()

@@ -61,14 +61,24 @@ class CheckingDriver(Driver):
                 assert ex.cell is c and ex.state not in (ExecState.CLOSED, ExecState.QUEUED)
         homeless = len(cl.homeless)
         assert routed + homeless == led.launched - led.finished
-        if self.spec.name == "waterlevel":
+        if self.spec.name in ("waterlevel", "gyre"):
             views = self.snapshot().cells
             assert P.is_prefix(views)
+        # The cancel-early rule: no unassigned group the trainer can no longer use is kept.
+        tr = cl.trainer
+        lo = P.staleness.oldest_usable(tr.version, tr.needs == 0, tr.max_staleness)
+        assert all(u >= lo for u in cl.live)
+        assert all(g.version >= lo for g in tr.pool)
+        for vl in cl.versions.values():
+            assert vl.finished <= vl.launched <= vl.dispatched
+            assert vl.ready + vl.consumed + vl.cancelled <= vl.groups
         CheckingDriver.checks += 1
 
 
 @pytest.mark.parametrize("spec", [PolicySpec("waterlevel"), PolicySpec("colocated"),
-                                  PolicySpec("static", training_cells=3)],
+                                  PolicySpec("static", training_cells=3), PolicySpec("gyre"),
+                                  PolicySpec("async-static", training_cells=3),
+                                  PolicySpec("async-static-lend", training_cells=3)],
                          ids=lambda s: s.label)
 def test_executions_and_gpu_seconds_are_conserved(spec: PolicySpec) -> None:
     cfg, sc = small_config()
@@ -134,3 +144,44 @@ def test_long_runs_do_not_stall_on_float_residue() -> None:
     r = d.run()
     assert r.reached and r.updates == 12
     assert d.loop.processed < 400_000
+
+
+@pytest.mark.parametrize("name", ["gyre", "async-static"])
+def test_overlapping_bursts_respect_the_gate_and_consume_within_eta(name: str) -> None:
+    """Continuous dispatch: bursts overlap (several versions open at once), every consumed
+    token's lag is within eta, over-provisioned stragglers are cancelled early (their slots
+    freed, counted as finished) and the consumed groups are shorter than the dispatched ones."""
+    cfg, sc = small_config()
+    d = CheckingDriver(cfg, sc, PolicySpec(name, training_cells=3))
+    r = d.run()
+    assert r.reached
+    assert r.staleness_max <= sc.training.max_staleness
+    cl = d.cluster
+    gate = P.staleness.gate(r.updates, sc.training.max_staleness, sc.training.batch_groups, d.extra_groups)
+    assert len(cl.groups) - cl.cancelled_groups <= gate
+    assert len({g.version for g in cl.groups}) >= r.updates  # dispatched at several versions
+    assert cl.cancelled_groups > 0 and r.cancelled_executions > 0
+    assert all(g.cancelled or g.consumed or g.version >= r.updates - sc.training.max_staleness
+               for g in cl.groups)
+
+
+def test_migrate_moves_one_execution_as_a_continuation() -> None:
+    cfg, sc = small_config()
+    sc = sc.model_copy(update={"cluster": ClusterConfig(cells=8, standalone_cells=1, slots_per_cell=40)})
+    d = CheckingDriver(cfg, sc, PolicySpec("async-static", training_cells=3))
+    cl = d.cluster
+    d.loop.schedule(0.0, d.boundary)
+    t = 0.0
+    while not any(e.cell is not None and e.state is ExecState.GPU for e in cl.executions):
+        t += 0.5
+        d.loop.run(until=t)
+    ex = next(e for e in cl.executions if e.cell is not None and e.state is ExecState.GPU)
+    src = ex.cell
+    dst = next(c for c in cl.cells if c.role is Role.ROLLOUT and c is not src and c.free > 0)
+    assert not cl.migrate(ex.xid, src.cid)
+    assert cl.migrate(ex.xid, dst.cid)
+    assert ex.cell is dst and ex.xid in dst.execs and ex.xid not in src.execs
+    assert cl.migrations == 1 and ex.recompute is False  # its continuation prefilled at once
+    d.boundary()
+    r = d.run()
+    assert r.reached and r.gpu_s_total == pytest.approx(r.cell_seconds, rel=1e-9)

@@ -50,16 +50,16 @@ def test_trainer_and_engine_follow_the_cost_model(scaled) -> None:
     want = (cost.train_s(tokens, 1) - cfg.cost.train_step_fixed_s) / 10
     assert settings.micro_step_s(tokens) == pytest.approx(want)
     cell = CellAgentConfig.model_validate(conf["cell_agent"])
-    assert cell.mock_time_scale == pytest.approx(0.1)
-    assert cell.mock_sleep_s == cfg.cost.switch_to_train_s
-    assert cell.mock_wake_s == cfg.cost.switch_to_rollout_s
+    assert cell.mock.time_scale == pytest.approx(0.1)
+    assert cell.mock.sleep_s == cfg.cost.switch_to_train_s
+    assert cell.mock.wake_s == cfg.cost.switch_to_rollout_s
     # The mock's fixed efficiencies (0.8, 0.5) folded in: its decode term equals sim.cost's.
     from services.cell_agent.engines.mock import MockTiming
 
-    mt = MockTiming(n_params=cell.mock_n_params, weight_bytes=cell.mock_weight_bytes,
-                    kv_bytes_per_token=cell.mock_kv_bytes_per_token,
-                    hbm_bytes_per_s=cell.mock_hbm_bytes_per_s,
-                    flops=cell.mock_flops, step_overhead_s=cell.mock_step_overhead_s)
+    mt = MockTiming(n_params=cell.mock.n_params, weight_bytes=cell.mock.weight_bytes,
+                    kv_bytes_per_token=cell.mock.kv_bytes_per_token,
+                    hbm_bytes_per_s=cell.mock.hbm_bytes_per_s,
+                    flops=cell.mock.flops, step_overhead_s=cell.mock.step_overhead_s)
     ctx = [3000, 5000, 800]
     assert mt.step_s([], ctx) == pytest.approx(cost.decode_step_s(3, sum(ctx)))
 

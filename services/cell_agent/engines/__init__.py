@@ -36,32 +36,17 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
         )
     from services.cell_agent.engines.mock import MockEngine, MockFaults, MockTiming
 
-    timing = MockTiming(
-        n_params=cfg.mock_n_params,
-        weight_bytes=cfg.mock_weight_bytes,
-        n_layers=cfg.mock_n_layers,
-        d_model=cfg.mock_d_model,
-        kv_bytes_per_token=cfg.mock_kv_bytes_per_token,
-        hbm_bytes_per_s=cfg.mock_hbm_bytes_per_s,
-        flops=cfg.mock_flops,
-        step_overhead_s=cfg.mock_step_overhead_s,
-        fixed_decode_step_s=cfg.mock_fixed_decode_step_s,
-        weight_load_s=cfg.mock_weight_load_s,
-        sleep_s=cfg.mock_sleep_s,
-        wake_s=cfg.mock_wake_s,
-        time_scale=cfg.mock_time_scale,
-    )
-    faults = MockFaults(
-        die_after_tokens=cfg.mock_die_after_tokens, hang_after_tokens=cfg.mock_hang_after_tokens
-    )
+    mock = cfg.mock
+    timing = MockTiming(**mock.timing())
+    faults = MockFaults(die_after_tokens=mock.die_after_tokens, hang_after_tokens=mock.hang_after_tokens)
     return MockEngine(
         timing=timing,
         faults=faults,
-        vocab_size=cfg.mock_vocab_size,
-        max_batch=cfg.mock_max_batch,
+        vocab_size=mock.vocab_size,
+        max_batch=mock.max_batch,
         seed=cfg.seed,
         model_dir=cfg.model_dir,
         cell_id=cfg.cell_id,
-        kv_dir=cfg.kv_dir or cfg.mock_kv_dir,
+        kv_dir=cfg.kv_dir or mock.kv_dir,
         policy_version=cfg.policy_version,
     )

@@ -225,6 +225,10 @@ class VllmEngine(Engine):
                 if first:
                     first = False
                     self._note_cached(request_id, int(out.num_cached_tokens or 0))
+                    if kv_handle is not None:
+                        log.info("kv handoff received", extra={
+                            "request_id": request_id, "handle_id": kv_handle.handle_id,
+                            "prompt_tokens": len(prompt_token_ids), "cached_tokens": self.cached_tokens[request_id]})
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 lps = [_logprob(d, t) for d, t in zip(comp.logprobs or [], ids)]

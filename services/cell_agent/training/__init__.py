@@ -10,8 +10,13 @@ from typing import Any
 
 
 def build_hook(rt: Any, cfg: Any) -> Any:
-    """See :func:`services.cell_agent.training.hook.build_hook` (imported on call: torch and
-    the trainer load only for cells that train)."""
+    """See :func:`services.cell_agent.training.hook.build_hook`. A cell without a ``training``
+    section gets the no-op hook here: the hook module imports torch (seconds on a loaded
+    machine, on the event loop), so it is imported only for cells that may train."""
+    if cfg.training is None:
+        from services.cell_agent.hooks import NoopTrainingHook
+
+        return NoopTrainingHook()
     from services.cell_agent.training.hook import build_hook as _build
 
     return _build(rt, cfg)

@@ -1,0 +1,250 @@
+"""Gyre's elastic policy ("gyre", the default): overlapping bursts under the staleness
+bound, cells sized from rates, committed work always covered, tail control.
+
+Dispatch. Like the asynchronous baselines, groups go out whenever the staleness gate
+``(v + eta + 1) x B + X`` has room (:func:`.common.dispatch_to_gate`), stamped with the
+version they serve; unconsumable groups are cancelled early by the mechanism
+(:mod:`.staleness`), the same rule for every policy. Gyre differs only in where cells are.
+
+Roles, from rates (not thresholds). With ``r`` the training rate of one cell, ``g`` the
+recent tokens per ready group and ``lambda`` the recent arrival rate of ready groups, the
+batch in progress still has ``work = backlog + ready x g`` tokens available now and
+``missing`` groups to come, which arrive in about ``t_arr = missing / lambda``. The training
+prefix is sized so that the batch's last micro-step finishes as its last group arrives::
+
+    T_rate = ceil((work + missing x g + next_ready x g) / (r x max(t_arr, min_horizon_s)))
+
+(``next_ready``: ready groups beyond the current batch, i.e. the next batch's supply is
+already there; ``min_horizon_s`` keeps the prefix from chasing a single group). The target
+is capped so that rollout keeps the committed work covered::
+
+    T_max = elastic cells - ceil(W_eta / slots)        (W_eta: staleness.waterlevel)
+
+and the rest of the cells are lent to rollout. **The supply gate disappears into this rule**:
+"enough ready supply, held for an interval" was a proxy for "training would not starve";
+the rate rule states that directly (no supply -> no work -> T = 1) and reacts within one
+decision instead of after ``interval_s``, and it never sends a cell to train on a batch that
+the arrival rate cannot feed.
+
+Hysteresis. A cell moves to training when ``T < target`` (one move in flight at a time,
+core first, the prefix grows by index); a satellite returns only when ``T > target + h``
+with ``h = max(1, ceil(hysteresis x target))``. Nothing happens at an update: satellites
+stay across updates whenever the next batch's supply keeps the target up (there is no
+burst end any more).
+
+Invariant (tested with hypothesis): a move to training never leaves rollout capacity below
+``W_eta``; the training set is a prefix of the elastic cells; at most one move to training
+is in flight; no dispatch exceeds the gate.
+
+Tail control. ``PlanMoves`` names the next cells the target will take (plus
+``plan_ahead``); placement launches nothing new on them while other cells have room, and
+spreads everything else (least loaded first), so planned cells empty by themselves before
+they move and nothing else is packed. ``Migrate`` moves an execution of the oldest
+consumable version (the tail the batch waits on) off a crowded engine onto the least loaded
+one, once per execution, when the destination runs at most half the source's load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from services.scheduler.policy import staleness
+from services.scheduler.policy.actions import (
+    Action,
+    Hold,
+    Migrate,
+    MoveToTraining,
+    PlanMoves,
+    ReturnToRollout,
+)
+from services.scheduler.policy.common import dispatch_to_gate, drained_actions, publish_newest
+from services.scheduler.policy.snapshot import (
+    IN_FLIGHT,
+    TRAINING_SIDE,
+    CellState,
+    CellView,
+    Pipeline,
+    Snapshot,
+    capacity,
+    training_set,
+)
+from services.scheduler.policy.waterlevel import WaterlevelPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class GyreConfig:
+    """Parameters of :class:`GyrePolicy`; the booleans are the ablation levers."""
+
+    min_horizon_s: float = 30.0
+    """Shortest horizon the training prefix is sized for, seconds (> 0)."""
+    hysteresis: float = 0.2
+    """Cells kept beyond the target before one returns, as a fraction of the target."""
+    plan_ahead: int = 2
+    """Cells planned beyond the target's next moves."""
+    rates: bool = True
+    """Size the prefix from rates; False: move while W_eta is covered and half a batch is
+    ready (the seed's threshold, without its timer), return when nothing is ready."""
+    keep: bool = True
+    """Hysteresis; False: return as soon as the target drops."""
+    plan: bool = True
+    """Issue PlanMoves (placement avoids planned cells)."""
+    migrate: bool = True
+    """Migrate tail executions off crowded engines."""
+    migrate_max: int = 4
+    """Migrations per decision."""
+    migrate_min_load: float = 0.5
+    """Only engines above this fraction of their slots give tail executions away."""
+    drain_grace_s: float = 2.0
+    """How long W must stay 0 before a partial batch is sealed (task source exhausted)."""
+
+    def __post_init__(self) -> None:
+        if not (self.min_horizon_s > 0 and math.isfinite(self.min_horizon_s)):
+            raise ValueError("min_horizon_s must be finite and > 0")
+        if self.hysteresis < 0 or self.plan_ahead < 0 or self.migrate_max < 0:
+            raise ValueError("hysteresis, plan_ahead and migrate_max must be >= 0")
+
+
+def rate_target(p: Pipeline, batch_needs: int, horizon_floor_s: float) -> tuple[int, str]:
+    """T_rate: training cells that finish the batch in progress as its last group arrives
+    (see the module docstring), with the reason in words."""
+    r = p.train_rate_per_cell
+    if r <= 0:
+        return 1, "no training rate known"
+    g = p.tokens_per_group or (p.ready_tokens / p.ready_groups if p.ready_groups else 0.0)
+    needs = 0 if p.optimizing else max(0, batch_needs)
+    if p.optimizing:  # the window is closed: size for the next batch
+        needs = p.batch_groups
+        backlog = 0.0
+    else:
+        backlog = p.backlog_tokens
+    ready_cur = min(p.ready_groups, needs)
+    missing = needs - ready_cur
+    next_ready = max(0, p.ready_groups - needs)
+    work = backlog + (ready_cur + missing + next_ready) * g
+    if missing > 0:
+        t_arr = missing / p.ready_rate if p.ready_rate > 0 else math.inf
+    else:
+        t_arr = 0.0
+    horizon = max(t_arr, horizon_floor_s)
+    if math.isinf(horizon):
+        t = 1 if backlog + ready_cur * g <= 0 else math.ceil((backlog + ready_cur * g) / (r * horizon_floor_s))
+        return max(1, t), f"no arrivals measured, work now {backlog + ready_cur * g:.3g} tok"
+    t = math.ceil(work / (r * horizon))
+    return max(1, t), (f"work {work:.3g} tok ({missing} groups missing, {next_ready} ahead) over "
+                       f"{horizon:.0f} s at {r:.3g} tok/s/cell")
+
+
+class GyrePolicy:
+    """Gyre: see the module docstring."""
+
+    name = "gyre"
+
+    def __init__(self, config: GyreConfig | None = None, name: str = "gyre") -> None:
+        self.config = config or GyreConfig()
+        self.name = name
+
+    # -- targets -----------------------------------------------------------------------------
+
+    def target(self, s: Snapshot, elastic: list[CellView], w: int) -> tuple[int, str]:
+        """The training prefix Gyre wants now and why."""
+        p = s.pipeline
+        assert p is not None
+        slots = max((c.slots for c in elastic), default=1) or 1
+        standalone = sum(c.slots for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT)
+        t_max = len(elastic) - staleness.cells_to_cover(max(0, w - standalone), slots)
+        if self.config.rates:
+            t, why = rate_target(p, s.supply.batch_needs, self.config.min_horizon_s)
+        else:
+            t = len(elastic) if p.ready_groups >= p.batch_groups // 2 else (
+                len(training_set(elastic)) if p.ready_groups > 0 else 1)
+            why = f"ready {p.ready_groups} of {p.batch_groups} (threshold)"
+        if t > t_max:
+            return max(1, t_max), f"{why}; capped at {t_max} to cover W_eta {w}"
+        return t, why
+
+    # -- decide ------------------------------------------------------------------------------
+
+    def decide(self, s: Snapshot) -> list[Action]:
+        p = s.pipeline
+        if p is None:
+            return [Hold("gyre needs the pipeline view (per-version ledger, rates)")]
+        actions: list[Action] = publish_newest(s) + dispatch_to_gate(s)
+        elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
+        prefix = training_set(elastic)
+        repair = WaterlevelPolicy._repair(s.elastic(), prefix)
+        if repair:
+            return actions + repair
+        w = staleness.waterlevel(p, s.policy_version)
+        target, why = self.target(s, elastic, w)
+        actions += self._roles(s, elastic, prefix, target, w, why)
+        planned = p.planned
+        if self.config.plan:
+            planned = self._plan(elastic, prefix, target)
+            if planned != p.planned:
+                actions.append(PlanMoves(planned,
+                        f"planned next moves: {', '.join(planned) or 'none'} (target {target})"))
+        if self.config.migrate:
+            actions += self._migrate(s, planned)
+        if not any(not isinstance(a, Hold) for a in actions):
+            actions += drained_actions(s, self.config.drain_grace_s, prefix) or []
+        return actions
+
+    def _roles(self, s: Snapshot, elastic: list[CellView], prefix: list[CellView], target: int, w: int,
+               why: str) -> list[Action]:
+        t = len(prefix)
+        if t < target:
+            busy = [c for c in elastic if c.state is CellState.DRAINING]
+            if busy:
+                return [Hold(f"waiting: {busy[0].cell_id} is DRAINING", busy[0].cell_id)]
+            rest = [c for c in elastic if c.state not in TRAINING_SIDE]
+            if not rest:
+                return []
+            cand = rest[0]
+            if cand.state is not CellState.ROLLOUT:
+                return [Hold(f"waiting: next cell {cand.cell_id} is {cand.state.value}", cand.cell_id)]
+            after = capacity(s.cells) - cand.slots
+            if after < w:
+                return [Hold(f"kept {cand.cell_id} in rollout: capacity {after} < W_eta {w}", cand.cell_id)]
+            return [MoveToTraining(cand.cell_id,
+                    f"moved {cand.cell_id} to training: T {t} -> {t + 1} of target {target} ({why}); "
+                    f"capacity {after} >= W_eta {w}")]
+        h = max(1, math.ceil(self.config.hysteresis * target)) if self.config.keep else 0
+        if t > target + h:
+            last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]
+            if last:
+                c = last[-1]
+                return [ReturnToRollout(c.cell_id,
+                        f"returned {c.cell_id} to rollout: T {t} > target {target} + {h} ({why})")]
+        return []
+
+    def _plan(self, elastic: list[CellView], prefix: list[CellView], target: int) -> tuple[str, ...]:
+        """The cells the target takes next, plus ``plan_ahead``, in move order."""
+        k = max(0, target - len(prefix)) + self.config.plan_ahead
+        rest = [c for c in elastic if c.state not in TRAINING_SIDE and c.state not in IN_FLIGHT]
+        return tuple(c.cell_id for c in rest[:k])
+
+    def _migrate(self, s: Snapshot, plan: tuple[str, ...]) -> list[Action]:
+        if not s.executions:
+            return []
+        planned = set(plan)
+        load = {c.cell_id: c.load for c in s.cells if c.state is CellState.ROLLOUT}
+        slots = {c.cell_id: c.slots for c in s.cells}
+        dests = sorted((cid for cid in load if cid not in planned), key=lambda cid: (load[cid], cid))
+        out: list[Action] = []
+        for ex in sorted(s.executions, key=lambda e: (-e.running_s, e.execution_id)):
+            if len(out) >= self.config.migrate_max or not dests:
+                break
+            src = ex.cell_id
+            if ex.moves > 0 or src not in load or load[src] <= self.config.migrate_min_load * slots.get(src, 0):
+                continue
+            dst = dests[0]
+            if dst == src or load[dst] + 1 > load[src] / 2 or load[dst] >= slots.get(dst, 0):
+                continue
+            out.append(Migrate(ex.execution_id, dst,
+                    f"migrated {ex.execution_id} (v{ex.version}, {ex.running_s:.0f} s) from {src} "
+                    f"(load {load[src]}) to {dst} (load {load[dst]})"))
+            load[src] -= 1
+            load[dst] += 1
+            dests.sort(key=lambda cid: (load[cid], cid))
+        return out

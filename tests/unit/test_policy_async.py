@@ -1,0 +1,316 @@
+"""The asynchronous policies as pure functions: the staleness gate and the cancel-early rule,
+W_eta (the waterlevel of overlapping bursts) and its invariant, Gyre's decisions over random
+snapshots (hypothesis), and the async static baselines."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.policy import (
+    AsyncStaticConfig,
+    AsyncStaticLendPolicy,
+    AsyncStaticPolicy,
+    CellKind,
+    CellState,
+    CellView,
+    DispatchBurst,
+    ExecView,
+    GyreConfig,
+    GyrePolicy,
+    LedgerCounts,
+    Migrate,
+    MoveToTraining,
+    Pipeline,
+    PlanMoves,
+    PublishPolicy,
+    ReturnToRollout,
+    Snapshot,
+    Supply,
+    VersionCounts,
+    capacity,
+    is_prefix,
+    make_policy,
+    staleness,
+    training_set,
+)
+from services.scheduler.policy.gyre import rate_target
+
+# Staleness ---------------------------------------------------------------------------------
+
+
+def test_gate_is_areal_plus_overprovision():
+    assert staleness.gate(0, 1, 256, 64) == 2 * 256 + 64
+    assert staleness.gate(3, 0, 10) == 40
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=10, extra_groups=2, groups_dispatched=25,
+                 groups_cancelled=3)
+    assert staleness.dispatch_room(p, 0) == 22 - 22
+    assert staleness.dispatch_room(p, 1) == 32 - 22
+
+
+@given(u=st.integers(0, 20), v=st.integers(0, 25), eta=st.integers(0, 4), full=st.booleans())
+def test_cancel_early_exactly_when_no_batch_within_eta_can_take_it(u, v, eta, full):
+    """A group stamped u is unconsumable iff no batch k >= v (k > v when batch v is full)
+    has k - u <= eta."""
+    first_open_batch = v + 1 if full else v
+    can = any(staleness.consumable(u, k, eta) for k in range(first_open_batch, first_open_batch + eta + 2))
+    assert staleness.unconsumable(u, v, full, eta) == (not can and u <= first_open_batch)
+    assert (u < staleness.oldest_usable(v, full, eta)) == staleness.unconsumable(u, v, full, eta)
+
+
+# W_eta -------------------------------------------------------------------------------------
+
+VERSION = st.builds(
+    lambda v, g, d, lf, fin, ready, cons, canc: VersionCounts(
+        v, g, d, min(d, lf), min(min(d, lf), fin), ready, cons, canc),
+    st.integers(0, 6), st.integers(0, 40), st.integers(0, 160), st.integers(0, 160), st.integers(0, 160),
+    st.integers(0, 10), st.integers(0, 10), st.integers(0, 10),
+)
+
+
+@st.composite
+def pipelines(draw):
+    versions = draw(st.lists(VERSION, max_size=5, unique_by=lambda vc: vc.version))
+    return Pipeline(
+        max_staleness=draw(st.integers(0, 3)), group_size=draw(st.integers(1, 8)),
+        batch_groups=draw(st.integers(1, 40)), extra_groups=draw(st.integers(0, 10)),
+        ready_groups=draw(st.integers(0, 60)), batch_assigned=draw(st.integers(0, 40)),
+        versions=tuple(sorted(versions, key=lambda vc: vc.version)),
+    )
+
+
+@given(p=pipelines(), v=st.integers(0, 8))
+def test_w_eta_is_bounded_by_usable_and_needed_work(p, v):
+    w = staleness.waterlevel(p, v)
+    seed_w = sum(vc.open for vc in p.versions)
+    assert 0 <= w <= staleness.usable_open(p.versions, v, p.max_staleness) <= seed_w
+    assert w <= staleness.groups_needed(p) * p.group_size
+    # eta = 0, nothing ready, nothing assigned, one version: the seed's W (capped by one batch).
+    if p.max_staleness == 0 and p.ready_groups == 0 and p.batch_assigned == 0 and len(p.versions) == 1:
+        vc = p.versions[0]
+        if vc.version == v:
+            assert w == min(vc.open, p.batch_groups * p.group_size)
+
+
+@given(p=pipelines(), v=st.integers(0, 8), which=st.integers(0, 4))
+def test_w_eta_never_rises_when_work_closes_or_becomes_ready(p, v, which):
+    if not p.versions:
+        return
+    vc = p.versions[which % len(p.versions)]
+    if vc.finished >= vc.launched:
+        return
+    closed = VersionCounts(vc.version, vc.groups, vc.dispatched, vc.launched, vc.finished + 1, vc.ready,
+                           vc.consumed, vc.cancelled)
+    after = Pipeline(**{**p.__dict__, "versions": tuple(closed if x is vc else x for x in p.versions)})
+    assert staleness.waterlevel(after, v) <= staleness.waterlevel(p, v)
+    readied = Pipeline(**{**after.__dict__, "ready_groups": after.ready_groups + 1})
+    assert staleness.waterlevel(readied, v) <= staleness.waterlevel(after, v)
+
+
+# Gyre over random snapshots -----------------------------------------------------------------
+
+STATES = [CellState.ROLLOUT] * 4 + [CellState.TRAINING] * 3 + [CellState.DRAINING, CellState.RETURNING]
+
+
+@st.composite
+def gyre_snapshots(draw):
+    n = draw(st.integers(1, 12))
+    slots = draw(st.integers(1, 16))
+    k = draw(st.integers(0, n))  # training prefix
+    cells = []
+    for i in range(n):
+        state = draw(st.sampled_from(STATES)) if i < k else draw(st.sampled_from(
+            [CellState.ROLLOUT] * 5 + [CellState.RETURNING, CellState.DRAINING, CellState.FAILED]))
+        if i < k and state is CellState.RETURNING:
+            state = CellState.TRAINING
+        load = draw(st.integers(0, slots)) if state is CellState.ROLLOUT else 0
+        cells.append(CellView(f"c{i}", CellKind.ELASTIC, i, state, slots, load))
+    if draw(st.booleans()):
+        cells.append(CellView("s0", CellKind.STANDALONE, -1, CellState.ROLLOUT, slots, draw(st.integers(0, slots))))
+    p = draw(pipelines())
+    v = draw(st.integers(0, 8))
+    p = Pipeline(**{**p.__dict__, "published_version": draw(st.integers(0, v)),
+                    "groups_dispatched": draw(st.integers(0, 400)),
+                    "train_rate_per_cell": draw(st.sampled_from([0.0, 1000.0, 7600.0])),
+                    "ready_rate": draw(st.floats(0, 5)), "tokens_per_group": draw(st.floats(0, 1e5)),
+                    "backlog_tokens": draw(st.floats(0, 1e6)), "optimizing": draw(st.booleans()),
+                    "planned": tuple(draw(st.lists(st.sampled_from([c.cell_id for c in cells]), max_size=3,
+                                                   unique=True)))})
+    rollout = [c for c in cells if c.state is CellState.ROLLOUT and c.load > 0]
+    execs = tuple(
+        ExecView(f"x{j}", draw(st.sampled_from(rollout)).cell_id, v, draw(st.floats(0, 500)), draw(st.integers(0, 1)))
+        for j in range(draw(st.integers(0, 6)))
+    ) if rollout else ()
+    needs = max(0, p.batch_groups - p.batch_assigned)
+    supply = Supply(min(p.ready_groups, needs), p.batch_groups, needs, v + 1)
+    d = sum(vc.dispatched for vc in p.versions)
+    f = sum(vc.finished for vc in p.versions)
+    lf = sum(vc.launched for vc in p.versions)
+    snap = Snapshot(draw(st.floats(0, 1e5)), LedgerCounts(d, lf, f), tuple(cells), supply, None, v,
+                    draw(st.sampled_from([0, 1 << 30])), None, p, execs)
+    return snap
+
+
+CONFIGS = st.builds(GyreConfig, rates=st.booleans(), keep=st.booleans(), plan=st.booleans(),
+                    migrate=st.booleans(), hysteresis=st.sampled_from([0.0, 0.2, 1.0]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(s=gyre_snapshots(), cfg=CONFIGS)
+def test_gyre_invariants_on_random_snapshots(s, cfg):
+    p = s.pipeline
+    acts = GyrePolicy(cfg).decide(s)
+    moves = [a for a in acts if isinstance(a, MoveToTraining)]
+    w = staleness.waterlevel(p, s.policy_version)
+    by_id = {c.cell_id: c for c in s.cells}
+    elastic = s.elastic()
+    prefix_ok = is_prefix(s.cells)
+    assert len(moves) <= 1
+    plans = [a.cell_ids for a in acts if isinstance(a, PlanMoves)]
+    planned = plans[-1] if plans else p.planned
+    for m in moves:
+        c = by_id[m.cell_id]
+        # Invariant: committed usable work stays covered.
+        assert capacity(s.cells) - c.slots >= w
+        assert c.state is CellState.ROLLOUT
+        assert not any(x.state is CellState.DRAINING for x in elastic)
+        # The prefix grows by the lowest-index cell not training.
+        if prefix_ok:
+            after = tuple(CellView(x.cell_id, x.kind, x.index, CellState.DRAINING if x is c else x.state, x.slots)
+                          for x in s.cells)
+            assert is_prefix(after)
+    for a in acts:
+        if isinstance(a, ReturnToRollout) and prefix_ok and training_set(s.cells) and training_set(s.cells)[0].is_core:
+            assert not by_id[a.cell_id].is_core
+        if isinstance(a, DispatchBurst):
+            assert a.quota % p.group_size == 0
+            assert a.quota // p.group_size <= staleness.dispatch_room(p, s.policy_version)
+            assert a.policy_version == s.policy_version
+        if isinstance(a, PublishPolicy):
+            assert a.version == s.policy_version > p.published_version
+        if isinstance(a, Migrate):
+            dst = by_id[a.cell_id]
+            src = next(e for e in s.executions if e.execution_id == a.execution_id).cell_id
+            assert dst.state is CellState.ROLLOUT and a.cell_id not in planned and a.cell_id != src
+            assert dst.load < by_id[src].load
+        if isinstance(a, PlanMoves):
+            assert all(by_id[c].state is CellState.ROLLOUT or by_id[c].state is CellState.FAILED
+                       or by_id[c].state is CellState.STARTING for c in a.cell_ids)
+
+
+def _cells(states, slots=10, loads=None):
+    loads = loads or [0] * len(states)
+    return tuple(CellView(f"c{i}", CellKind.ELASTIC, i, s, slots, loads[i]) for i, s in enumerate(states))
+
+
+def _snap(cells, p, v=1, needs=None, execs=()):
+    needs = p.batch_groups - p.batch_assigned if needs is None else needs
+    return Snapshot(100.0, LedgerCounts(0, 0, 0), cells, Supply(min(p.ready_groups, needs), p.batch_groups, needs, v),
+                    None, v, 1 << 30, None, p, execs)
+
+
+def test_rate_target_finishes_the_batch_as_its_last_group_arrives():
+    # 10 groups missing at 0.1 groups/s: they arrive in 100 s; 1e6 tokens of work in all at
+    # 1000 tok/s per cell -> 10 cells finish it in 100 s.
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, batch_assigned=5, ready_groups=5,
+                 backlog_tokens=2.5e5, train_rate_per_cell=1000.0, ready_rate=0.1, tokens_per_group=5e4)
+    t, why = rate_target(p, batch_needs=15, horizon_floor_s=30.0)
+    assert t == 10, why
+    # The next batch's supply already there: more cells.
+    more = Pipeline(**{**p.__dict__, "ready_groups": 25})
+    assert rate_target(more, 15, 30.0)[0] > t
+    # Nothing to train and nothing arriving: the core alone.
+    idle = Pipeline(**{**p.__dict__, "ready_groups": 0, "ready_rate": 0.0, "backlog_tokens": 0.0})
+    assert rate_target(idle, 15, 30.0)[0] == 1
+
+
+def test_gyre_grows_the_prefix_from_rates_and_keeps_rollout_covering_w_eta():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, batch_assigned=20, ready_groups=40,
+                 train_rate_per_cell=1000.0, ready_rate=1.0, tokens_per_group=5e4,
+                 versions=(VersionCounts(1, groups=30, dispatched=120, launched=100, finished=60),),
+                 published_version=1)
+    s = _snap(_cells([T, R, R, R, R, R]), p)
+    acts = GyrePolicy().decide(s)
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
+    # W_eta = min(60 open, needed 0 groups) = 0 here; with work needed, capacity must cover it.
+    p2 = Pipeline(**{**p.__dict__, "ready_groups": 0, "batch_assigned": 0, "backlog_tokens": 1e7,
+                     "versions": (VersionCounts(1, groups=30, dispatched=120, launched=100, finished=90),)})
+    w = staleness.waterlevel(p2, 1)
+    assert w == 30
+    s2 = _snap(_cells([T, R, R, R, R, R]), p2)
+    moves = [a for a in GyrePolicy().decide(s2) if isinstance(a, MoveToTraining)]
+    assert moves and capacity(s2.cells) - 10 >= w
+    s3 = _snap(_cells([T, T, T, R, R, R]), p2)  # 20 slots after the move < 30: hold
+    assert not [a for a in GyrePolicy().decide(s3) if isinstance(a, MoveToTraining)]
+
+
+def test_gyre_returns_satellites_only_beyond_the_hysteresis_band():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, batch_assigned=0, ready_groups=0,
+                 train_rate_per_cell=1000.0, ready_rate=0.0, tokens_per_group=5e4, published_version=1)
+    # Target 1 (nothing to train): 3 training cells > 1 + h (h = 1) -> the last satellite returns.
+    acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), p))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
+    # 2 training cells = 1 + h: kept (no flapping at the edge).
+    acts = GyrePolicy().decide(_snap(_cells([T, T, R, R]), p))
+    assert not [a for a in acts if isinstance(a, ReturnToRollout)]
+    # Without hysteresis it returns at once.
+    acts = GyrePolicy(GyreConfig(keep=False)).decide(_snap(_cells([T, T, R, R]), p))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c1"]
+
+
+def test_gyre_plans_next_cells_and_migrates_the_tail_off_crowded_engines():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, published_version=1,
+                 train_rate_per_cell=1000.0)
+    execs = (ExecView("7", "c3", 0, 300.0), ExecView("8", "c3", 0, 10.0, moves=1))
+    s = _snap(_cells([T, R, R, R], loads=[0, 9, 1, 9]), p, execs=execs)
+    acts = GyrePolicy().decide(s)
+    plan = [a for a in acts if isinstance(a, PlanMoves)]
+    assert plan and plan[0].cell_ids == ("c1", "c2")
+    # c2 is planned, so the tail goes nowhere... unless a non-planned light engine exists.
+    assert not [a for a in acts if isinstance(a, Migrate)]
+    p2 = Pipeline(**{**p.__dict__, "planned": ("c1",)})
+    s2 = _snap(_cells([T, R, R, R], loads=[0, 9, 1, 9]), p2, execs=execs)
+    migs = [a for a in GyrePolicy(GyreConfig(plan_ahead=1)).decide(s2) if isinstance(a, Migrate)]
+    assert [(m.execution_id, m.cell_id) for m in migs] == [("7", "c2")]  # once per execution
+
+
+# Async static baselines ---------------------------------------------------------------------
+
+
+def test_async_static_keeps_its_split_and_dispatches_to_the_gate():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=10, extra_groups=2, groups_dispatched=15,
+                 published_version=0)
+    acts = AsyncStaticPolicy(AsyncStaticConfig(training_cells=2)).decide(_snap(_cells([T, R, T, R]), p, v=1))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
+    pub = [a for a in acts if isinstance(a, PublishPolicy)]
+    assert pub and pub[0].version == 1
+    disp = [a for a in acts if isinstance(a, DispatchBurst)]
+    assert disp and disp[0].quota == (3 * 10 + 2 - 15) * 4 and disp[0].policy_version == 1
+
+
+def test_async_static_lend_lends_idle_trainers_and_reclaims_them():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    pol = AsyncStaticLendPolicy(AsyncStaticConfig(training_cells=3, reclaim_groups=2))
+    idle = Pipeline(max_staleness=1, group_size=4, batch_groups=10, groups_dispatched=30)
+    acts = pol.decide(_snap(_cells([T, T, T, R]), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c1", "c2"]
+    # Lent, some backlog but little ready supply: keep lending.
+    busy = Pipeline(**{**idle.__dict__, "backlog_tokens": 10.0, "ready_groups": 1})
+    assert not [a for a in pol.decide(_snap(_cells([T, R, R, R]), busy)) if isinstance(a, MoveToTraining)]
+    # Enough ready supply: reclaim.
+    ready = Pipeline(**{**busy.__dict__, "ready_groups": 2})
+    acts = pol.decide(_snap(_cells([T, R, R, R]), ready))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1", "c2"]
+
+
+def test_make_policy_names():
+    assert make_policy("gyre").name == "gyre"
+    assert make_policy("waterlevel").name == "waterlevel"
+    assert make_policy("waterlevel-sync").name == "waterlevel-sync"
+    assert make_policy("async-static", training_cells=3).name == "async-static"
+    assert make_policy("async-static-lend", training_cells=3).name == "async-static-lend"
