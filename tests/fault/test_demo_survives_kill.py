@@ -18,7 +18,7 @@ from apps.launch import Cluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("victim", ["cell-0", "router"])
+@pytest.mark.parametrize("victim", ["cell-1", "router", "packer", "scheduler"])
 async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, victim: str):
     killed: list[int] = []
 
@@ -31,7 +31,7 @@ async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, vic
         engine="mock", bursts=2, run_dir=tmp_path / "demo", dashboard_port=0, concurrency=24,
         timeout_s=400, live=False,
         env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
-        config_overrides={"cell_agent": {"mock_time_scale": 0.05, "slots": 6}, "scheduler": {"interval_s": 0.5}},
+        config_overrides={"cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6}, "scheduler": {"interval_s": 0.5}},
         during=kill_once,
     )
     summary = await run_demo(opts)

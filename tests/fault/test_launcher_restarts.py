@@ -23,7 +23,7 @@ CONFIG = {
     "cluster": {"name": "sup", "etcd_endpoints": ["127.0.0.1:23790"], "lease_ttl_s": 3,
                 "tls": {"dir": "{certs_dir}/{identity}"}},
     "packer": {"port": 50053, "wal_dir": "{run_dir}/packer-wal"},
-    "cell_agent": {"engine": "mock", "mock_time_scale": 0.0},
+    "cell_agent": {"engine": "mock", "mock": {"time_scale": 0.0}},
     "launch": {"etcd": {}, "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
                "processes": [
                    {"service": "packer"},

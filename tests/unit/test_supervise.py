@@ -21,6 +21,10 @@ def wait_for(cond, timeout_s: float = 5.0) -> None:
         time.sleep(0.005)
 
 
+def restarted(sup: Supervisor) -> bool:
+    return any(e.kind == "restarted" for e in sup.events())
+
+
 def test_backoff_doubles_to_the_cap_with_jitter_below_each_step():
     p = RestartPolicy(backoff_initial_s=1.0, backoff_max_s=8.0, multiplier=2.0, jitter=0.5)
     rng = random.Random(7)
@@ -47,7 +51,7 @@ def test_crashed_child_is_restarted_and_events_are_journaled(tmp_path):
     try:
         old = child.pid
         child.crash()
-        wait_for(lambda: sup.restarts()["cell-1"] == 1)
+        wait_for(lambda: restarted(sup))
         assert child.alive() and child.pid != old and child.reaped == 1
         kinds = [e.kind for e in sup.events()]
         assert kinds == ["exited", "restarting", "restarted"]
@@ -67,7 +71,7 @@ def test_failed_starts_back_off_again_then_succeed():
     sup.start()
     try:
         child.crash()
-        wait_for(lambda: sup.restarts()["packer"] == 1)
+        wait_for(lambda: restarted(sup))
         assert child.starts == 3
         kinds = [e.kind for e in sup.events()]
         assert kinds.count("restart_failed") == 2 and kinds[-1] == "restarted"
