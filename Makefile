@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-fast bench protos lock clean up
+.PHONY: install demo test test-fast bench bench-full protos lock clean up
 
 install:  ## etcd (apt) when missing, .venv with the pinned packages
 	@./scripts/install.sh
@@ -25,8 +25,8 @@ test: install  ## the whole suite (unit, integration, fault; gpu tests skip with
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-bench: install  ## benchmarks (~20 min); JSON in bench/results/, summaries in docs/benchmarks*.md
-	$(PY) bench/cluster.py --emulate
+bench: install  ## benchmarks (~30 min on 2 cores); JSON in bench/results/, summaries in docs/benchmarks*.md
+	$(PY) bench/cluster.py --suite bench --emulate
 	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/scheduler_takeover.py
 	$(PY) bench/router_latency.py
@@ -35,6 +35,9 @@ bench: install  ## benchmarks (~20 min); JSON in bench/results/, summaries in do
 	$(PY) bench/engine_mock.py
 	$(PY) bench/engine_vllm.py
 	$(PY) bench/trajectory_vllm.py
+
+bench-full: install  ## the cluster benchmark's every scenario, seed and sweep point (hours on 2 cores)
+	$(PY) bench/cluster.py --emulate
 
 protos: install  ## regenerate gyre/v1 from protos/ (the output is committed)
 	./scripts/gen_protos.sh

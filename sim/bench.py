@@ -1,191 +1,351 @@
-"""One benchmark scenario end to end: the physical limit, Gyre (the default policy), the seed's
-waterlevel, colocated synchronous, the bursty static split sweep (coarse, then refined around
-the best: "oracle bursty static"), the asynchronous static split swept over T and both
-placements ("oracle async static"), the async static split that lends idle trainers at the
-oracle's T and placement, and what-if variants of Gyre (its ablation levers), all on the
-same trace and cell count."""
+"""The cluster benchmark's runner: every row of ``SimConfig.policies`` on every scenario and
+seed, on the same trace and cell count, with both lower bounds, and the summary across
+seeds that ``bench/results/cluster.json`` carries.
+
+A row names a *role* (``gyre``, ``colocated``, ``oracle_async_static``, ...) and candidate
+policies; the first candidate that the scheduler's registry (``make_policy``) knows runs,
+so policies plug in as they land, and a row none of whose candidates exists is reported as
+missing, never silently replaced. A swept row runs every training-cell count T of
+``static_training_cells`` on its first placement, the best of them and its neighbours on
+each further placement, then refines around the best, and keeps the best as the oracle
+(chosen in hindsight, per seed). With ``sweep_cutoff`` a sweep point
+stops once it runs that factor past the best point so far: it cannot be the oracle.
+
+Scenario x seed units are independent: ``run_all`` spreads them over worker processes.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import math
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.bounds import Bound, physical_limit
-from sim.config import ScenarioConfig, SimConfig
+from services.scheduler import policy as P
+from sim.bounds import Bound, StalenessBound, limits
+from sim.config import PolicyEntry, ScenarioConfig, SimConfig, apply_variant
 from sim.driver import PolicySpec, run_policy
 from sim.metrics import RunResult
+
+SUMMARY_ROLES = ("oracle_async_static", "oracle_bursty_static", "colocated")
+"""Baselines of the summary's ratios (baseline time / Gyre time)."""
+
+Log = Callable[[str], None]
+
+
+def known_policy(name: str) -> bool:
+    """Whether the scheduler's policy registry builds ``name``."""
+    try:
+        P.make_policy(name)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class SweepPoint:
+    """One point of a split sweep; ``time_to_n_s`` None: cut past ``cut_at_s``."""
+
+    policy: str
+    training_cells: int
+    placement: str
+    time_to_n_s: float | None
+    cut_at_s: float | None = None
+
+    @property
+    def label(self) -> str:
+        return point_label(self.policy, self.training_cells, self.placement)
+
+
+def point_label(policy: str, training_cells: int, placement: str) -> str:
+    return f"{policy} T={training_cells} ({placement})"
+
+
+@dataclass
+class RoleResult:
+    """What filled one row: the policy that ran and the run (for a sweep: the oracle)."""
+
+    role: str
+    policy: str | None
+    label: str | None
+    missing: str = ""
+    sweep: list[SweepPoint] = field(default_factory=list)
 
 
 @dataclass
 class ScenarioResult:
+    """One scenario on one seed."""
+
     scenario: ScenarioConfig
     bound: Bound
+    bound_eta: StalenessBound
     runs: dict[str, RunResult] = field(default_factory=dict)  # by label
-    sweep: list[tuple[int, float]] = field(default_factory=list)  # (T, time to N)
-    async_sweep: list[tuple[int, str, float]] = field(default_factory=list)  # (T, placement, time to N)
-    variants: dict[str, RunResult] = field(default_factory=dict)  # what-ifs of the main policy
+    roles: dict[str, RoleResult] = field(default_factory=dict)
+    variants: dict[str, RunResult] = field(default_factory=dict)
     wall_s: float = 0.0
 
-    @property
-    def waterlevel(self) -> RunResult | None:
-        return self.runs.get("waterlevel")
-
-    @property
-    def gyre(self) -> RunResult | None:
-        return self.runs.get("gyre")
-
-    @property
-    def main(self) -> RunResult | None:
-        """The policy the report is about: Gyre when it ran, else the seed's waterlevel."""
-        return self.gyre or self.waterlevel
-
-    @property
-    def oracle_async_static(self) -> RunResult | None:
-        runs = [r for r in self.runs.values() if r.policy == "async-static" and r.reached]
-        return min(runs, key=lambda r: r.time_to_n_s) if runs else None
-
-    @property
-    def async_lend(self) -> RunResult | None:
-        return next((r for r in self.runs.values() if r.policy == "async-static-lend"), None)
-
-    @property
-    def colocated(self) -> RunResult | None:
-        return self.runs.get("colocated")
-
-    @property
-    def oracle_static(self) -> RunResult | None:
-        statics = [r for r in self.runs.values() if r.policy == "static" and r.reached]
-        return min(statics, key=lambda r: r.time_to_n_s) if statics else None
-
-    def headline(self) -> dict[str, Any]:
-        wl, co, st = self.waterlevel, self.colocated, self.oracle_static
-        t_star = self.bound.t_star_s
-        out: dict[str, Any] = {"scenario": self.scenario.name, "t_star_s": t_star}
-        if wl is not None:
-            out["waterlevel_s"] = wl.time_to_n_s
-            out["efficiency"] = t_star / wl.time_to_n_s if wl.reached else 0.0
-        if wl is not None and co is not None:
-            out["speedup_vs_colocated"] = co.time_to_n_s / wl.time_to_n_s
-        if wl is not None and st is not None:
-            out["oracle_static"] = st.label
-            out["speedup_vs_oracle_static"] = st.time_to_n_s / wl.time_to_n_s
-        g, oa = self.gyre, self.oracle_async_static
-        if g is not None:
-            out["gyre_s"] = g.time_to_n_s
-            out["gyre_efficiency_t_star"] = t_star / g.time_to_n_s if g.reached else 0.0
-            out["gyre_dropped_share"] = g.dropped_share
-            if oa is not None:
-                out["oracle_async_static"] = oa.label
-                out["oracle_async_static_s"] = oa.time_to_n_s
-                out["gyre_vs_oracle_async_static"] = oa.time_to_n_s / g.time_to_n_s
-            if st is not None:
-                out["gyre_vs_oracle_bursty_static"] = st.time_to_n_s / g.time_to_n_s
-            if co is not None:
-                out["gyre_vs_colocated"] = co.time_to_n_s / g.time_to_n_s
-        return out
+    def run(self, role: str) -> RunResult | None:
+        rr = self.roles.get(role)
+        return self.runs.get(rr.label) if rr is not None and rr.label else None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "scenario": self.scenario.model_dump(),
-            "headline": self.headline(),
             "bound": vars(self.bound),
-            "static_sweep": [{"training_cells": t, "time_to_n_s": s} for t, s in self.sweep],
-            "async_static_sweep": [{"training_cells": t, "placement": p, "time_to_n_s": s}
-                                   for t, p, s in self.async_sweep],
+            "bound_eta": vars(self.bound_eta),
+            "roles": {k: vars(v) | {"sweep": [vars(p) for p in v.sweep]} for k, v in self.roles.items()},
             "runs": {k: r.to_json(with_series=False) for k, r in self.runs.items()},
             "variants": {k: r.to_json(with_series=False) for k, r in self.variants.items()},
             "wall_s": self.wall_s,
         }
 
 
+def _with(sc: ScenarioConfig, placement: str | None = None, horizon_s: float | None = None) -> ScenarioConfig:
+    upd: dict[str, Any] = {}
+    if placement is not None and placement != sc.cluster.placement:
+        upd["cluster"] = sc.cluster.model_copy(update={"placement": placement})
+    if horizon_s is not None and horizon_s < sc.training.horizon_s:
+        upd["training"] = sc.training.model_copy(update={"horizon_s": horizon_s})
+    return sc.model_copy(update=upd) if upd else sc
+
+
 def _refine(coarse: list[int], best: int, cells: int) -> list[int]:
-    """Static-split points between the best coarse point and its neighbours."""
+    """Split points between the best coarse point and its neighbours."""
     pts = sorted(set(coarse))
     i = pts.index(best)
-    out = []
     lo = pts[i - 1] if i > 0 else max(1, best // 2)
     hi = pts[i + 1] if i + 1 < len(pts) else min(cells - 1, best + (best - lo))
-    for t in ((lo + best) // 2, (best + hi) // 2):
-        if 1 <= t < cells and t not in pts:
-            out.append(t)
-    return sorted(set(out))
+    return sorted({t for t in ((lo + best) // 2, (best + hi) // 2) if 1 <= t < cells and t not in pts})
 
 
-def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *,
-                 variants: dict[str, tuple[SimConfig, ScenarioConfig]] | None = None,
-                 record_every_s: float = 5.0, log=print) -> ScenarioResult:
-    """Runs every policy of ``cfg.policies`` on scenario ``sc``."""
-    t0 = time.perf_counter()
-    res = ScenarioResult(sc, physical_limit(cfg, sc))
-    log(f"[{sc.name}] T* = {res.bound.t_star_s:.0f} s (work {res.bound.work_bound_s:.0f} s, "
-        f"critical path {res.bound.critical_path_s:.0f} s)")
+def _neighbours(coarse: list[int], t: int) -> list[int]:
+    """``t`` and the coarse points on either side of it."""
+    pts = sorted(set(coarse) | {t})
+    i = pts.index(t)
+    return pts[max(0, i - 1): i + 2]
 
-    def one(spec: PolicySpec, c: SimConfig = cfg, s: ScenarioConfig = sc, label: str = "") -> RunResult:
-        r = run_policy(c, s, spec, record_every_s=record_every_s)
-        log(f"[{s.name}] {label or spec.label:16s} time to {s.training.updates} updates "
-            f"{r.time_to_n_s:9.0f} s  ({r.events_processed} events, {r.sim_wall_s:.1f} s wall)")
+
+def _middle_out(points: list[int]) -> list[int]:
+    """The middle point first (the likeliest best: later points are cut against it)."""
+    pts = sorted(points)
+    mid = len(pts) // 2
+    return sorted(pts, key=lambda t: (abs(pts.index(t) - mid), t))
+
+
+class _Runner:
+    """Runs the rows of one scenario x seed."""
+
+    def __init__(self, cfg: SimConfig, sc: ScenarioConfig, res: ScenarioResult, record_every_s: float,
+                 log: Log) -> None:
+        self.cfg, self.sc, self.res, self.record_every_s, self.log = cfg, sc, res, record_every_s, log
+
+    def one(self, spec: PolicySpec, sc: ScenarioConfig, label: str, cfg: SimConfig | None = None) -> RunResult:
+        r = run_policy(cfg or self.cfg, sc, spec, record_every_s=self.record_every_s)
+        r.label = label
+        shown = f"{r.time_to_n_s:9.0f} s" if r.reached else f"  > {sc.training.horizon_s:.0f} s (cut)"
+        self.log(f"[{sc.name} seed {sc.seed}] {label:34s} time to {sc.training.updates} updates {shown}  "
+                 f"({r.events_processed} events, {r.sim_wall_s:.1f} s wall)")
         return r
 
-    if "gyre" in cfg.policies:
-        res.runs["gyre"] = one(PolicySpec("gyre"))
-    if "waterlevel" in cfg.policies:
-        res.runs["waterlevel"] = one(PolicySpec("waterlevel"))
-    if "colocated" in cfg.policies:
-        res.runs["colocated"] = one(PolicySpec("colocated"))
-    if "static" in cfg.policies:
+    def row(self, entry: PolicyEntry) -> RoleResult:
+        name = next((n for n in entry.policy if known_policy(n)), None)
+        if name is None:
+            why = f"no policy of {entry.policy} is in the scheduler's registry yet"
+            self.log(f"[{self.sc.name} seed {self.sc.seed}] {entry.role}: MISSING ({why})")
+            return RoleResult(entry.role, None, None, missing=why)
+        if entry.at is not None:
+            return self.at(entry, name)
+        if not entry.sweep:
+            r = self.one(PolicySpec(name), self.sc, name)
+            self.res.runs[name] = r
+            return RoleResult(entry.role, name, name)
+        return self.sweep(entry, name)
+
+    def at(self, entry: PolicyEntry, name: str) -> RoleResult:
+        """One run at the split of another row's oracle."""
+        ref = self.res.roles.get(entry.at)
+        best = next((p for p in ref.sweep if p.label == ref.label), None) if ref is not None else None
+        if best is None:
+            return RoleResult(entry.role, None, None, missing=f"row {entry.at!r} has no oracle to run at")
+        label = point_label(name, best.training_cells, best.placement)
+        r = self.one(PolicySpec(name, training_cells=best.training_cells), _with(self.sc, best.placement), label)
+        self.res.runs[label] = r
+        return RoleResult(entry.role, name, label if r.reached else None,
+                          missing="" if r.reached else "did not reach N")
+
+    def sweep(self, entry: PolicyEntry, name: str) -> RoleResult:
+        sc = self.sc
         cells = sc.cluster.cells
-        coarse = sorted({t for t in cfg.static_training_cells if 1 <= t < cells})
-        times: dict[int, float] = {}
-        for t in coarse:
-            r = one(PolicySpec("static", training_cells=t))
-            res.runs[r.label] = r
-            times[t] = r.time_to_n_s
-        if times:
-            best = min(times, key=times.__getitem__)
-            for t in _refine(coarse, best, cells):
-                r = one(PolicySpec("static", training_cells=t))
-                res.runs[r.label] = r
-                times[t] = r.time_to_n_s
-        res.sweep = sorted(times.items())
-    if "async-static" in cfg.policies:
-        _async_sweep(cfg, sc, res, one)
-    oa = res.oracle_async_static
-    if "async-static-lend" in cfg.policies and oa is not None:
-        r = one(PolicySpec("async-static-lend", training_cells=_t_of(oa), placement=_placement_of(oa, sc)))
-        res.runs[r.label] = r
-    main = "gyre" if "gyre" in cfg.policies else "waterlevel"
-    for name, (vcfg, vsc) in (variants or {}).items():
-        r = one(PolicySpec(main), vcfg, vsc, label=f"{main} ({name})")
-        r.label = f"{main} ({name})"
-        res.variants[name] = r
+        placements = list(entry.placements) or [sc.cluster.placement]
+        coarse = [t for t in self.cfg.static_training_cells if 1 <= t < cells]
+        points: list[SweepPoint] = []
+        best: SweepPoint | None = None
+
+        def run_point(t: int, where: str) -> None:
+            nonlocal best
+            label = point_label(name, t, where)
+            if label in self.res.runs or any(p.label == label for p in points):
+                return
+            cutoff = self.cfg.sweep_cutoff
+            horizon = best.time_to_n_s * cutoff if (cutoff and best is not None) else None
+            r = self.one(PolicySpec(name, training_cells=t), _with(sc, where, horizon), label)
+            if r.reached:
+                p = SweepPoint(name, t, where, r.time_to_n_s)
+                self.res.runs[label] = r
+                if best is None or r.time_to_n_s < best.time_to_n_s:
+                    best = p
+            else:
+                p = SweepPoint(name, t, where, None, cut_at_s=horizon)
+            points.append(p)
+
+        for t in _middle_out(coarse):
+            run_point(t, placements[0])
+        for where in placements[1:]:  # the best coarse point and its coarse neighbours
+            for t in _neighbours(coarse, best.training_cells) if best is not None else coarse:
+                run_point(t, where)
+        if best is not None:
+            for t in _refine(coarse, best.training_cells, cells):
+                run_point(t, best.placement)
+        points.sort(key=lambda p: (p.placement, p.training_cells))
+        return RoleResult(entry.role, name, best.label if best else None,
+                          missing="" if best else "no sweep point reached N", sweep=points)
+
+
+def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: bool = True, record_every_s: float = 5.0,
+                 log: Log = print) -> ScenarioResult:
+    """Every row of ``cfg.policies`` (and, with ``variants``, the what-ifs of the gyre row's
+    policy) on scenario ``sc`` at its ``seed``."""
+    t0 = time.perf_counter()
+    bound, bound_eta = limits(cfg, sc)
+    res = ScenarioResult(sc, bound, bound_eta)
+    log(f"[{sc.name} seed {sc.seed}] T*_eta = {bound_eta.t_star_eta_s:.0f} s (eta {bound_eta.eta}); "
+        f"one-burst T* = {bound.t_star_s:.0f} s")
+    runner = _Runner(cfg, sc, res, record_every_s, log)
+    for entry in cfg.policies:
+        res.roles[entry.role] = runner.row(entry)
+    gyre = res.roles.get("gyre")
+    if variants and gyre is not None and gyre.policy is not None:
+        for vname, overrides in cfg.variants.items():
+            vcfg, vsc = apply_variant(cfg, sc, overrides)
+            res.variants[vname] = runner.one(PolicySpec(gyre.policy), vsc, f"{gyre.policy} ({vname})", vcfg)
     res.wall_s = time.perf_counter() - t0
     return res
 
 
-def _t_of(r: RunResult) -> int:
-    return int(r.label.split("T=")[1].split(",")[0])
+def seeds_of(sc: ScenarioConfig) -> list[int]:
+    return list(sc.seeds) or [sc.seed]
 
 
-def _placement_of(r: RunResult, sc: ScenarioConfig) -> str:
-    return r.label.split(", ")[1] if ", " in r.label else sc.cluster.placement
+def _unit(args: tuple[SimConfig, ScenarioConfig, bool]) -> ScenarioResult:
+    cfg, sc, variants = args
+    return run_scenario(cfg, sc, variants=variants, log=lambda m: print(m, flush=True))
 
 
-def _async_sweep(cfg: SimConfig, sc: ScenarioConfig, res: ScenarioResult, one) -> None:
-    """AReaL-style async static split over T (coarse, then refined around the best) for each
-    placement of ``cfg.async_static_placements``; the best of all is the oracle."""
-    cells = sc.cluster.cells
-    coarse = sorted({t for t in cfg.static_training_cells if 1 <= t < cells})
-    for placement in cfg.async_static_placements:
-        times: dict[int, float] = {}
-        for t in coarse:
-            r = one(PolicySpec("async-static", training_cells=t, placement=placement))
-            res.runs[r.label] = r
-            times[t] = r.time_to_n_s
-        if times:
-            best = min(times, key=times.__getitem__)
-            for t in _refine(coarse, best, cells):
-                r = one(PolicySpec("async-static", training_cells=t, placement=placement))
-                res.runs[r.label] = r
-                times[t] = r.time_to_n_s
-        res.async_sweep += [(t, placement, x) for t, x in sorted(times.items())]
+def run_all(cfg: SimConfig, scenarios: list[ScenarioConfig], *, jobs: int = 1,
+            log: Log = print) -> list[ScenarioResult]:
+    """Every scenario on each of its seeds (variants on the first seed only), over ``jobs``
+    worker processes; results in scenario, then seed order."""
+    units = [(cfg, sc.model_copy(update={"seed": seed}), i == 0)
+             for sc in scenarios for i, seed in enumerate(seeds_of(sc))]
+    if jobs <= 1 or len(units) <= 1:
+        return [run_scenario(c, s, variants=v, log=log) for c, s, v in units]
+    with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_unit, units))
+
+
+# -- the summary across seeds ------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: list[float | None]) -> list[float | None]:
+    ok = [x for x in xs if x is not None and math.isfinite(x)]
+    return [min(ok), statistics.median(ok), max(ok)] if ok else [None, None, None]
+
+
+def _time(r: RunResult | None) -> float | None:
+    return r.time_to_n_s if r is not None and r.reached else None
+
+
+def hygiene(r: RunResult) -> dict[str, float]:
+    """The issue's hygiene figures of one run: dropped or cancelled groups / dispatched,
+    role-switch + reroute/migration GPU-s / all GPU-s, idle shares of both sides, and the
+    length bias (mean generated tokens of consumed / of dispatched groups: < 1 means
+    over-provision and dropping favour short episodes)."""
+    total = r.gpu_s_total or 1.0
+    return {
+        "dropped_share": r.dropped_share,
+        "switch_reroute_gpu_share": (r.role_switch_gpu_s + r.reroute_gpu_s) / total,
+        "trainer_idle": r.trainer_idle_ratio,
+        "rollout_idle": r.rollout_idle_ratio,
+        "length_bias": r.length_bias,
+    }
+
+
+def summarize(cfg: SimConfig, results: list[ScenarioResult]) -> dict[str, dict[str, Any]]:
+    """``summary`` of cluster.json: per scenario the medians over seeds (with min / median /
+    max under ``spread``), what ran in each row, what is missing, hygiene and the target."""
+    by_name: dict[str, list[ScenarioResult]] = {}
+    for res in results:
+        by_name.setdefault(res.scenario.name, []).append(res)
+    return {name: _summary_one(cfg, rs) for name, rs in by_name.items()}
+
+
+def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
+    sc = rs[0].scenario
+    gyre = [_time(r.run("gyre")) for r in rs]
+    base = {role: [_time(r.run(role)) for r in rs] for role in SUMMARY_ROLES}
+    ratios = {role: [b / g if (b is not None and g) else None for b, g in zip(ts, gyre)]
+              for role, ts in base.items()}
+    eff = [r.bound_eta.t_star_eta_s / g if g else None for r, g in zip(rs, gyre)]
+    eff_old = [r.bound.t_star_s / g if g else None for r, g in zip(rs, gyre)]
+    hyg = [hygiene(run) for r in rs if (run := r.run("gyre")) is not None]
+    hyg_med = {k: _median([h[k] for h in hyg]) for k in (hyg[0] if hyg else {})}
+    out: dict[str, Any] = {
+        "gyre_s": _median(gyre),
+        "oracle_async_static_s": _median(base["oracle_async_static"]),
+        "oracle_bursty_static_s": _median(base["oracle_bursty_static"]),
+        "colocated_s": _median(base["colocated"]),
+        "vs_oracle_async_static": _median(ratios["oracle_async_static"]),
+        "vs_oracle_bursty_static": _median(ratios["oracle_bursty_static"]),
+        "vs_colocated": _median(ratios["colocated"]),
+        "efficiency_t_star_eta": _median(eff),
+        "dropped_share": hyg_med.get("dropped_share"),
+        "seeds": [r.scenario.seed for r in rs],
+        "eta": sc.training.max_staleness,
+        "t_star_eta_s": _median([r.bound_eta.t_star_eta_s for r in rs]),
+        "t_star_one_burst_s": _median([r.bound.t_star_s for r in rs]),
+        "efficiency_t_star_one_burst": _median(eff_old),
+        "spread": {
+            "gyre_s": _spread(gyre),
+            **{f"{role}_s": _spread(ts) for role, ts in base.items()},
+            **{f"vs_{role}": _spread(x) for role, x in ratios.items()},
+            "efficiency_t_star_eta": _spread(eff),
+        },
+        "ran": {role: sorted({rr.label or "" for r in rs if (rr := r.roles.get(role)) is not None and rr.label})
+                for role in [p.role for p in cfg.policies]},
+        "missing": {role: rr.missing for role, rr in rs[0].roles.items() if rr.policy is None or not rr.label},
+        "hygiene": hyg_med,
+        "hygiene_met": _hygiene_met(cfg, hyg_med),
+    }
+    if sc.target is not None:
+        got = out.get(f"vs_{sc.target.baseline}")
+        met = got is not None and got >= sc.target.ratio
+        if sc.target.min_efficiency is not None:
+            e = out["efficiency_t_star_eta"]
+            met = met and e is not None and e >= sc.target.min_efficiency
+        out["target"] = {**sc.target.model_dump(), "measured": got, "met": met}
+    return out
+
+
+def _hygiene_met(cfg: SimConfig, h: dict[str, float | None]) -> dict[str, bool | None]:
+    limits_ = cfg.targets.model_dump()
+    key = {"switch_reroute_gpu_share": "switch_reroute_share"}
+    return {k: (None if v is None else v <= limits_[key.get(k, k)]) for k, v in h.items()
+            if key.get(k, k) in limits_}

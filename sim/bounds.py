@@ -24,22 +24,35 @@ speed (alone on an engine) with its sandbox, tool and reward waits.
                         + sum of train_j, m <= j <= k) / cells       before t_m), m = 1..k
       t_{k+1} >= (sum of rollout_j + train_j, j <= k) / cells      (m = 0: all the work)
 
-  with L_k the B-th fastest alone latency among the groups eligible for batch k (its quota,
-  drawn at the earliest version it may be dispatched with, which under length drift is
-  the shortest), tail_k = tau_opt + the least training time of one of them on every cell,
-  rollout_j / train_j the GPU-s of batch j's B cheapest groups (train_j with one optimizer
-  step), tau_opt the optimizer's fixed step. T*_eta = t_N.
+  with L_k the B-th fastest alone latency among the groups eligible for batch k,
+  tail_k = tau_opt + the least training time of one of them on every cell, rollout_j /
+  train_j the GPU-s of the B cheapest groups eligible for batch j (train_j with one
+  optimizer step), tau_opt the optimizer's fixed step. T*_eta = t_N.
+
+  *Eligible for batch k*: tasks are dispatched in trace order, and every task before
+  ``max(0, k - eta) x B`` went out before t_{k-eta} (the batches before k - eta consumed that
+  many), so it is too old for batch k. The last task batch k can draw depends on the policy
+  (a bursty split dispatches ``q = B (1 + over-provision)`` per version, the staleness gate
+  ``(v + eta + 1) B + X`` usable ones, and the cancel-early rule replaces what it cancels);
+  the bound allows ``2 (k + eta + 1) q``: every quota up to version k + eta and as many
+  replacements. L_k and the training step use that window at the earliest version batch k
+  may carry (``max(0, k - eta)``); the work terms take, for each range of batches, the
+  cheapest distinct groups of the tasks they may come from, at version 0 (under growing
+  drift the shortest). A policy that burns more tasks than that per version could beat
+  the bound; efficiency > 1 in a report would say so.
 
 Both are lower bounds under the simulator's assumptions (the trace, the cost model, one
-batch of ``batch_groups`` groups per update drawn from its quota); role switches, reroutes,
-weight sync and queueing are costs of a policy, not of the bound. Efficiency = bound / T.
+batch of B groups per update); role switches, reroutes, weight sync, queueing and the work
+of cancelled groups are costs of a policy, not of the bound. Efficiency = bound / T.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from sim.config import ScenarioConfig, SimConfig
 from sim.cost import CostModel
@@ -127,21 +140,27 @@ class _Costs:
 
     def __init__(self, cfg: SimConfig, sc: ScenarioConfig) -> None:
         self.trace = make_trace(cfg, sc)
+        self.drift = sc.drift
         self.cost = CostModel(cfg.cost)
         self.best_batch = sc.cluster.slots_per_cell
         self.per_burst = quota_groups(sc)
-        self._memo: dict[tuple[int, int], GroupCost] = {}
+        self._memo: dict[tuple[int, float], GroupCost] = {}
 
-    def batch(self, k: int, version: int) -> list[GroupCost]:
-        """The quota of update k, drawn at ``version``."""
+    def tasks(self, tasks: range, version: int) -> list[GroupCost]:
+        """Group costs of ``tasks`` drawn at ``version``."""
+        factor = self.drift.factor(version)
         out = []
-        for task in range(k * self.per_burst, (k + 1) * self.per_burst):
-            key = (task, version)
+        for task in tasks:
+            key = (task, factor)
             g = self._memo.get(key)
             if g is None:
                 g = self._memo[key] = group_cost(self.trace.group(task, version), self.cost, self.best_batch)
             out.append(g)
         return out
+
+    def batch(self, k: int, version: int) -> list[GroupCost]:
+        """The quota of update k (its burst of the bursty policies), drawn at ``version``."""
+        return self.tasks(range(k * self.per_burst, (k + 1) * self.per_burst), version)
 
 
 def physical_limit(cfg: SimConfig, sc: ScenarioConfig) -> Bound:
@@ -180,12 +199,15 @@ def _physical_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Bound:
 
 
 def publish_times(latency: Sequence[float], tail: Sequence[float], rollout: Sequence[float],
-                  train: Sequence[float], cells: int, eta: int,
-                  tau_opt: float) -> tuple[list[float], list[str]]:
+                  train: Sequence[float], cells: int, eta: int, tau_opt: float,
+                  work: Callable[[int, int], float] | None = None) -> tuple[list[float], list[str]]:
     """The recursion of T*_eta (module docstring): the earliest publish times t_1..t_N and,
     per update, the constraint that set it. ``latency[k]`` = L_k, ``tail[k]`` = tail_k,
     ``rollout[k]`` / ``train[k]`` = batch k's GPU-s (``train`` with its optimizer step);
-    batch k trains on every cell in at least ``(train[k] - tau_opt) / cells`` + tau_opt."""
+    batch k trains on every cell in at least ``(train[k] - tau_opt) / cells`` + tau_opt.
+    ``work(m, k)``, when given, is the GPU-s that cannot start before t_m and must be done
+    by t_{k+1} (default: the sums of ``rollout`` over batches m+eta..k, all of them for
+    m = 0, and of ``train`` over m..k)."""
     n = len(latency)
     if not (len(tail) == len(rollout) == len(train) == n):
         raise ValueError("latency, tail, rollout and train need one entry per update")
@@ -198,12 +220,15 @@ def publish_times(latency: Sequence[float], tail: Sequence[float], rollout: Sequ
             "train": t[k] + (train[k] - tau_opt) / cells + tau_opt,
             "latency": t[max(0, k - eta)] + latency[k] + tail[k],
         }
-        work = 0.0
+        best = 0.0
         for m in range(k + 1):
-            first_rollout = 0 if m == 0 else m + eta
-            w = sum(rollout[first_rollout: k + 1]) + sum(train[m: k + 1])
-            work = max(work, t[m] + w / cells)
-        cands["work"] = work
+            if work is not None:
+                w = work(m, k)
+            else:
+                first_rollout = 0 if m == 0 else m + eta
+                w = sum(rollout[first_rollout: k + 1]) + sum(train[m: k + 1])
+            best = max(best, t[m] + w / cells)
+        cands["work"] = best
         why = max(cands, key=cands.__getitem__)
         t.append(cands[why])
         binding.append(why)
@@ -220,22 +245,56 @@ def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Stale
     eta = tr.max_staleness
     cells = sc.cluster.cells
     tau_opt = cfg.cost.train_step_fixed_s
+    b = tr.batch_groups
+    q = costs.per_burst
+    n = tr.updates
+
+    def lo(k: int) -> int:  # tasks before it were dispatched before t_{k-eta}: too old
+        return max(0, k - eta) * b
+
+    def hi(k: int) -> int:  # bursty quotas or the gate's window, plus a quota of replacements per version
+        return 2 * (k + eta + 1) * q
+
+    arrays: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def costs_of(first: int, end: int, version: int) -> np.ndarray:
+        """(rollout GPU-s, training GPU-s, alone latency) of tasks [first, end) at version."""
+        key = (first, end, version)
+        if key not in arrays:
+            gs = costs.tasks(range(first, end), version)
+            arrays[key] = np.array([(g.decode_gpu_s + g.prefill_gpu_s, g.train_gpu_s, g.alone_s) for g in gs])
+        return arrays[key]
+
+    def cheapest(x: np.ndarray, count: int) -> float:
+        if count <= 0:
+            return 0.0
+        return float(np.partition(x, count - 1)[:count].sum())
+
     latency, tail, rollout, train = [], [], [], []
-    for k in range(tr.updates):
-        groups = costs.batch(k, max(0, k - eta))  # the earliest version it may be dispatched with
-        by_latency = sorted(groups, key=lambda g: g.alone_s)
-        latency.append(by_latency[tr.batch_groups - 1].alone_s)
-        tail.append(tau_opt + min(g.train_gpu_s for g in groups) / cells)
-        cheapest = sorted(groups, key=lambda g: g.work)[: tr.batch_groups]
-        rollout.append(sum(g.decode_gpu_s + g.prefill_gpu_s for g in cheapest))
-        train.append(sum(g.train_gpu_s for g in cheapest) + tau_opt)
-    times, binding = publish_times(latency, tail, rollout, train, cells, eta, tau_opt)
+    for k in range(n):
+        window = costs_of(lo(k), hi(k), max(0, k - eta))  # at the earliest version it may carry
+        latency.append(float(np.partition(window[:, 2], b - 1)[b - 1]))
+        tail.append(tau_opt + float(window[:, 1].min()) / cells)
+        rollout.append(cheapest(window[:, 0], b))
+        train.append(cheapest(window[:, 1], b) + tau_opt)
+
+    def work(m: int, k: int) -> float:
+        """GPU-s of batches that cannot start before t_m: the rollout of batches m+eta..k
+        (all of them for m = 0) and the training of batches m..k, each the cheapest distinct
+        groups of the tasks they may come from."""
+        first = 0 if m == 0 else m + eta
+        every = costs_of(0, hi(n - 1), 0)  # version 0: the shortest under growing drift
+        r = cheapest(every[lo(first):hi(k), 0], (k - first + 1) * b)
+        t = cheapest(every[lo(m):hi(k), 1], (k - m + 1) * b)
+        return r + t + (k - m + 1) * tau_opt
+
+    times, binding = publish_times(latency, tail, rollout, train, cells, eta, tau_opt, work=work)
     return StalenessBound(
         t_star_eta_s=times[-1],
         eta=eta,
         publish_times_s=tuple(times),
         binding=tuple(binding),
-        work_bound_s=(sum(rollout) + sum(train)) / cells,
+        work_bound_s=work(0, n - 1) / cells,
         latency_s=tuple(latency),
     )
 

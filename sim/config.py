@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -162,6 +162,14 @@ class PolicyParams(_Frozen):
     gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
 
 
+class TargetConfig(_Frozen):
+    """What a scenario must show (issue 12's targets): Gyre's time against a baseline's."""
+
+    baseline: str = Field("oracle_async_static", description="Role of the baseline (see `policies`).")
+    ratio: float = Field(1.0, gt=0, description="Least baseline time / Gyre time (median over seeds).")
+    min_efficiency: float | None = Field(None, gt=0, le=1, description="Least T*_eta / Gyre time, if any.")
+
+
 class ScenarioConfig(_Frozen):
     """One benchmark scenario: a profile, a cluster and a seed."""
 
@@ -177,8 +185,55 @@ class ScenarioConfig(_Frozen):
         description="Seeds the benchmark runs the scenario on (min / median / max reported); empty: `seed` only.",
     )
     drift: DriftConfig = Field(default_factory=DriftConfig, description="Length drift.")
+    target: TargetConfig | None = Field(None, description="The target the report checks (None: none).")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cells.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Batches.")
+
+
+SPLIT_POLICIES = ("static", "async-static", "async-static-lend")
+"""Policies with a fixed number of training cells T: the benchmark sweeps T."""
+
+
+class PolicyEntry(_Frozen):
+    """One row of the comparison: a role, and the policies that may fill it."""
+
+    role: str = Field(..., description="Row name in reports and the summary (gyre, colocated, oracle_async_static, ...).")
+    policy: list[str] = Field(
+        ..., min_length=1,
+        description="Candidates from the scheduler's policy registry (services.scheduler.policy.make_policy); "
+        "the first one it knows runs, so a policy plugs in as it lands. None known: the row is reported missing.",
+    )
+    sweep: bool = Field(False, description="Sweep the training cells T over `static_training_cells`: the best is the oracle.")
+    at: str | None = Field(
+        None, description="Run once at the training cells and placement of this (swept) row's oracle "
+        "instead of sweeping (e.g. lending at the oracle async static split).")
+    placements: list[Literal["scheduler", "least_loaded"]] = Field(
+        default_factory=list,
+        description="Placements of the sweep: every T on the first, the best T and its neighbours on the others "
+        "(empty: the scenario's).")
+
+
+def _entry(x: Any) -> Any:
+    """A bare policy name is a row of its own name (swept when it is a split)."""
+    if isinstance(x, str):
+        return {"role": x, "policy": [x], "sweep": x in SPLIT_POLICIES}
+    return x
+
+
+class HygieneTargets(_Frozen):
+    """Upper limits the report checks Gyre's run against (issue 12, "Hygiene")."""
+
+    dropped_share: float = Field(0.05, ge=0, description="Dropped or cancelled groups / dispatched groups.")
+    switch_reroute_share: float = Field(0.02, ge=0, description="Role-switch + reroute GPU-s / all GPU-s.")
+    trainer_idle: float = Field(0.15, ge=0, description="Idle share of the training side.")
+    rollout_idle: float = Field(0.15, ge=0, description="Idle share of the rollout side.")
+
+
+class SuiteConfig(_Frozen):
+    """A named subset of the benchmark (``bench/cluster.py --suite NAME``)."""
+
+    scenarios: list[str] = Field(default_factory=list, description="Scenario names (empty: all).")
+    overrides: list[str] = Field(default_factory=list, description="Dotted `key=value` overrides for the suite.")
 
 
 class SimConfig(_Frozen):
@@ -189,34 +244,49 @@ class SimConfig(_Frozen):
     )
     cost: CostConfig = Field(default_factory=CostConfig, description="GPU cost model.")
     policy: PolicyParams = Field(default_factory=PolicyParams, description="Policy parameters.")
-    policies: list[Literal["gyre", "waterlevel", "colocated", "static", "async-static", "async-static-lend"]] = Field(
-        default_factory=lambda: ["waterlevel", "colocated", "static"], description="Compared."
-    )
-    async_static_placements: list[Literal["scheduler", "least_loaded"]] = Field(
-        default_factory=lambda: ["scheduler", "least_loaded"],
-        description="Placements the async static split is swept over (with static_training_cells).",
+    policies: list[PolicyEntry] = Field(
+        default_factory=lambda: [PolicyEntry(role="gyre", policy=["gyre", "waterlevel"]),
+                                 PolicyEntry(role="colocated", policy=["colocated"]),
+                                 PolicyEntry(role="oracle_bursty_static", policy=["static"], sweep=True)],
+        description="Compared rows (a bare name is a row of its own name).",
     )
     static_training_cells: list[int] = Field(
         default_factory=lambda: [8, 16, 24, 32, 48],
-        description="Static split sweep: training-cell counts T (refined around the best).",
+        description="Split sweep: training-cell counts T (refined around the best).",
+    )
+    sweep_cutoff: float | None = Field(
+        None, gt=1,
+        description="Stop a sweep point once it runs this factor past the best point so far (it cannot "
+        "be the oracle; reported as cut). None: run every point to N.",
     )
     variants: dict[str, list[str]] = Field(
         default_factory=dict,
-        description="What-if runs of the waterlevel policy: name -> overrides (`cost.kv_handoff=true`; "
-        "keys starting with `scenario.` apply to each scenario, e.g. `scenario.cluster.placement=least_loaded`).",
+        description="What-if runs of the gyre row's policy on each scenario's first seed: name -> overrides "
+        "(`cost.kv_handoff=true`; keys starting with `scenario.` apply to each scenario, e.g. "
+        "`scenario.cluster.placement=least_loaded`).",
     )
+    targets: HygieneTargets = Field(default_factory=HygieneTargets, description="Hygiene limits.")
+    suites: dict[str, SuiteConfig] = Field(default_factory=dict, description="Named subsets (`--suite`).")
     scenarios: list[ScenarioConfig] = Field(
         default_factory=lambda: [ScenarioConfig(name="A64")], description="Scenarios to run."
     )
 
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _bare_names(cls, v: Any) -> Any:
+        return [_entry(x) for x in v] if isinstance(v, list) else v
+
     @model_validator(mode="after")
-    def _profiles_exist(self) -> "SimConfig":
+    def _profiles_exist(self) -> SimConfig:
         for s in self.scenarios:
             for key in [s.profile, *s.mix]:
                 if key not in self.profiles:
                     raise ValueError(f"scenario {s.name}: unknown profile {key!r}")
             if any(w <= 0 for w in s.mix.values()):
                 raise ValueError(f"scenario {s.name}: mix weights must be positive")
+        roles = [p.role for p in self.policies]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"policies: duplicate roles in {roles}")
         return self
 
     def scenario(self, name: str) -> ScenarioConfig:
@@ -273,6 +343,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping")
+        # Top-level keys starting with "_" hold YAML anchors (building blocks), not settings.
+        data = {k: v for k, v in data.items() if not str(k).startswith("_")}
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep:

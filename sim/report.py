@@ -1,39 +1,61 @@
-"""The cluster benchmark's report: results tables in Markdown and the allocation/waterlevel
-plots (matplotlib, Agg)."""
+"""The cluster benchmark's report: the summary across seeds, per-scenario tables in Markdown,
+and the allocation / waterlevel plots (matplotlib, Agg)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
-from sim.bench import ScenarioResult
+from sim.bench import SUMMARY_ROLES, ScenarioResult
+from sim.config import SimConfig
 from sim.metrics import RunResult
 
+ROLE_NAMES = {
+    "gyre": "Gyre",
+    "oracle_async_static": "oracle async static",
+    "oracle_bursty_static": "oracle bursty static",
+    "colocated": "colocated sync",
+}
 
-def _f(x: float, nd: int = 0) -> str:
+
+def _f(x: float | None, nd: int = 0) -> str:
     if x is None or (isinstance(x, float) and (math.isinf(x) or math.isnan(x))):
         return "—"
     return f"{x:,.{nd}f}"
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def _spread_x(s: list[float | None]) -> str:
+    lo, med, hi = s
+    if med is None:
+        return "—"
+    return f"**{med:.2f}×** ({lo:.2f}–{hi:.2f})"
+
+
+def role_name(role: str) -> str:
+    return ROLE_NAMES.get(role, role.replace("_", " "))
 
 
 def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     """Allocation (cells in rollout / training / switching) and waterlevel vs capacity over
-    time, one panel per policy: waterlevel, colocated, oracle static."""
+    time, one panel per row of the summary (Gyre and its baselines) that ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in (res.main, res.oracle_async_static, res.oracle_static) if r is not None]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.1 * len(runs)), sharex=False, squeeze=False)
-    for ax, r in zip(axes[:, 0], runs):
+    runs = [(role, r) for role in ("gyre", *SUMMARY_ROLES) if (r := res.run(role)) is not None and r.timeseries]
+    fig, axes = plt.subplots(max(1, len(runs)), 1, figsize=(10, 3.1 * max(1, len(runs))), squeeze=False)
+    for ax, (role, r) in zip(axes[:, 0], runs):
         ts = r.timeseries
-        if not ts:
-            continue
         t = [s["t"] / 60 for s in ts]
         ax.stackplot(
             t, [s["training"] for s in ts], [s["switching"] for s in ts], [s["rollout"] for s in ts],
@@ -48,8 +70,9 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
         ax2.set_ylabel("executions")
         for u in r.update_times_s:
             ax.axvline(u / 60, color="k", lw=0.4, alpha=0.4)
-        ax.set_title(f"{res.scenario.name}: {r.label}  (time to {res.scenario.training.updates} updates "
-                     f"{r.time_to_n_s / 60:.0f} min; thin lines: updates)", fontsize=9, loc="right")
+        ax.set_title(f"{res.scenario.name} seed {res.scenario.seed}: {role_name(role)} = {r.label} (time to "
+                     f"{res.scenario.training.updates} updates {r.time_to_n_s / 60:.0f} min; thin lines: updates)",
+                     fontsize=9, loc="right")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, loc="lower left", bbox_to_anchor=(0.0, 1.12), fontsize=7, ncol=5,
@@ -63,77 +86,168 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     return path
 
 
-def _row(res: ScenarioResult, r: RunResult) -> str:
-    wl = res.main
-    sp = (r.time_to_n_s / wl.time_to_n_s) if (wl is not None and r.reached and wl.reached) else float("nan")
-    eff = res.bound.t_star_s / r.time_to_n_s if r.reached else 0.0
+def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
+    """The headline table (medians over seeds, min–max in brackets) and the hygiene table."""
+    lines = [
+        "### Summary (median over seeds; min–max in brackets; ratios = baseline time / Gyre time)",
+        "",
+        ("| scenario | η | seeds | Gyre (s) | vs oracle async static | vs oracle bursty static | vs colocated | "
+        "efficiency T\\*_η/T | target | met |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for name, s in summary.items():
+        sp = s["spread"]
+        tgt = s.get("target")
+        want = "—"
+        met = "—"
+        if tgt is not None:
+            want = f"≥ {tgt['ratio']:.2f}× vs {role_name(tgt['baseline'])}"
+            if tgt.get("min_efficiency"):
+                want += f", efficiency ≥ {tgt['min_efficiency']:.2f}"
+            met = "**yes**" if tgt["met"] else "no"
+        lines.append(
+            f"| {name} | {s['eta']} | {','.join(map(str, s['seeds']))} | {_f(s['gyre_s'])} | "
+            f"{_spread_x(sp['vs_oracle_async_static'])} | {_spread_x(sp['vs_oracle_bursty_static'])} | "
+            f"{_spread_x(sp['vs_colocated'])} | {_f(s['efficiency_t_star_eta'], 2)} | {want} | {met} |"
+        )
+    ran = sorted({label for s in summary.values() for label in s["ran"].get("gyre", [])})
+    if ran:
+        lines += ["", "The Gyre row ran " + ", ".join(f"`{x}`" for x in ran) + "."]
+    missing = {(role, why) for s in summary.values() for role, why in s["missing"].items()}
+    if missing:
+        lines += ["", "Missing rows: " + "; ".join(f"**{role_name(r)}**: {why}" for r, why in sorted(missing)) + "."]
+    t = cfg.targets
+    lines += [
+        "",
+        (f"Hygiene of Gyre's run (median over seeds; limits: dropped ≤ {_pct(t.dropped_share)}, role switch + "
+        f"reroute GPU-s ≤ {100 * t.switch_reroute_share:.0f}%, trainer and rollout idle ≤ {_pct(t.trainer_idle)}):"),
+        "",
+        ("| scenario | dropped or cancelled groups / dispatched | switch + reroute GPU-s share | trainer idle | "
+        "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | one-burst T\\* (s) |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        h, ok = s["hygiene"], s["hygiene_met"]
+
+        def cell(key: str, pct: bool = True, h=h, ok=ok) -> str:
+            v = h.get(key)
+            txt = _pct(v) if pct else _f(v, 2)
+            if key == "switch_reroute_gpu_share" and v is not None:
+                txt = f"{100 * v:.2f}%"
+            return txt + ("" if ok.get(key) in (None, True) else " ✗")
+
+        lines.append(
+            f"| {name} | {cell('dropped_share')} | {cell('switch_reroute_gpu_share')} | {cell('trainer_idle')} | "
+            f"{cell('rollout_idle')} | {cell('length_bias', pct=False)} | {_f(s['t_star_eta_s'])} | "
+            f"{_f(s['t_star_one_burst_s'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _row(res: ScenarioResult, role: str, r: RunResult) -> str:
     lat = r.episode_latency_s
+    eff = res.bound_eta.t_star_eta_s / r.time_to_n_s if r.reached else 0.0
     return (
-        f"| {r.label} | {_f(r.time_to_n_s)} | {_f(sp, 2)}× | {eff:.2f} | {_pct(r.trainer_idle_ratio)} | "
+        f"| {role_name(role)}: {r.label} | {_f(r.time_to_n_s)} | {eff:.2f} | {_pct(r.trainer_idle_ratio)} | "
         f"{_pct(r.rollout_idle_ratio)} | {r.role_switches} ({_f(r.role_switch_gpu_s)}) | "
-        f"{r.reroutes} | {r.staleness_mean:.2f} / {_pct(r.stale_token_fraction)} / {r.dropped_groups} | "
-        f"{_f(lat.get('p50', 0))} / {_f(lat.get('p90', 0))} / {_f(lat.get('p99', 0))} |"
+        f"{r.reroutes} ({_f(r.reroute_gpu_s)}) | {r.staleness_mean:.2f} / {_pct(r.stale_token_fraction)} / "
+        f"{r.dropped_groups} | {_f(lat.get('p50', 0))} / {_f(lat.get('p90', 0))} / {_f(lat.get('p99', 0))} |"
     )
 
 
-def _gpu_row(r: RunResult) -> str:
+def _gpu_row(label: str, r: RunResult) -> str:
     g = r.gpu_s
     tot = r.cell_seconds or 1.0
     idle = g["idle_rollout"] + g["idle_train"]
     return (
-        f"| {r.label} | {_pct(g['decode'] / tot)} | {_pct(g['prefill'] / tot)} | {_pct(g['train'] / tot)} | "
+        f"| {label} | {_pct(g['decode'] / tot)} | {_pct(g['prefill'] / tot)} | {_pct(g['train'] / tot)} | "
         f"{g['weight_sync'] / tot * 100:.2f}% | {g['role_switch'] / tot * 100:.2f}% | {_pct(idle / tot)} "
         f"({_pct(g['idle_rollout'] / tot)} / {_pct(g['idle_train'] / tot)}) | {_f(tot)} |"
     )
 
 
-def scenario_markdown(res: ScenarioResult, img_rel: str) -> str:
-    sc = res.scenario
-    b = res.bound
-    h = res.headline()
+def _sweep_line(res: ScenarioResult) -> list[str]:
+    out = []
+    for role, rr in res.roles.items():
+        if not rr.sweep:
+            continue
+        pts = ", ".join(
+            f"T={p.training_cells}{'' if p.placement == res.scenario.cluster.placement else ' ' + p.placement}: "
+            + (_f(p.time_to_n_s) + " s" if p.time_to_n_s is not None else f"> {_f(p.cut_at_s)} s (cut)")
+            for p in rr.sweep
+        )
+        out.append(f"- {role_name(role)} sweep (seed {res.scenario.seed}): {pts}.")
+    return out
+
+
+def scenario_markdown(cfg: SimConfig, results: list[ScenarioResult], summary: dict[str, Any], img_rel: str) -> str:
+    """One scenario: setup, every row per seed (times), the first seed's detailed tables,
+    the sweeps and the plot."""
+    first = results[0]
+    sc = first.scenario
     tr = sc.training
+    drift = sc.drift
+    setup = (
+        f"Profile {sc.profile}" + (f" mixed with {', '.join(f'{k} ×{w:g}' for k, w in sc.mix.items())}" if sc.mix else "")
+        + f", {sc.cluster.cells} cells × {sc.cluster.slots_per_cell} slots, batch {tr.batch_groups} groups "
+        f"(over-provision {tr.overprovision:.0%}), η = {tr.max_staleness}, N = {tr.updates} updates, placement "
+        f"`{sc.cluster.placement}`"
+        + (f", drift +{drift.growth_per_version:.1%}/version{' (turns too)' if drift.turns_too else ''}"
+           + (f" and ×{drift.jump_factor} from v{drift.jump_at_version}" if drift.jump_at_version >= 0 else "")
+           if drift.growth_per_version or drift.jump_at_version >= 0 else "")
+        + "."
+    )
+    roles = [p.role for p in cfg.policies]
     lines = [
-        f"### {sc.name}: profile {sc.profile}, {sc.cluster.cells} cells, {tr.updates} updates",
+        f"### {sc.name}",
         "",
-        f"Batch {tr.batch_groups} groups (over-provision {tr.overprovision:.0%} for waterlevel and static; "
-        f"none for colocated), {sc.cluster.slots_per_cell} slots per cell, placement `{sc.cluster.placement}`, "
-        f"staleness bound {tr.max_staleness}, seed {sc.seed}"
-        + (f", drift +{sc.drift.growth_per_version:.1%}/version and ×{sc.drift.jump_factor} from v{sc.drift.jump_at_version}"
-           if sc.drift.growth_per_version or sc.drift.jump_at_version >= 0 else "")
-        + ".",
+        setup,
         "",
-        *([f"**Gyre: {h.get('gyre_vs_oracle_async_static', float('nan')):.2f}× vs oracle async static "
-           f"({h.get('oracle_async_static', '—')}), {h.get('gyre_vs_oracle_bursty_static', float('nan')):.2f}× vs "
-           f"oracle bursty static, {h.get('gyre_vs_colocated', float('nan')):.2f}× vs colocated, "
-           f"efficiency T*/T = {h.get('gyre_efficiency_t_star', 0):.2f}, dropped {h.get('gyre_dropped_share', 0):.0%} "
-           "of dispatched groups.**", ""] if "gyre_s" in h else []),
-        f"**Waterlevel: {h.get('speedup_vs_colocated', float('nan')):.2f}× vs colocated synchronous, "
-        f"{h.get('speedup_vs_oracle_static', float('nan')):.2f}× vs oracle static ({h.get('oracle_static', '—')}), "
-        f"efficiency T*/T = {h.get('efficiency', 0):.2f}** "
-        f"(T* = {_f(b.t_star_s)} s = max(work bound {_f(b.work_bound_s)} s, critical path {_f(b.critical_path_s)} s)).",
-        "",
-        "| policy | time to N (s) | its time / the main policy's | T*/T | trainer idle | rollout idle | "
-        "role switches (GPU-s) | reroutes | version lag per token (mean / stale share) / groups dropped as too stale | "
-        "episode p50 / p90 / p99 (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | " + " | ".join(f"seed {r.scenario.seed}" for r in results) + " |",
+        "|---|" + "---:|" * len(results),
     ]
-    order = [res.gyre, res.waterlevel, res.colocated, res.oracle_static, res.oracle_async_static, res.async_lend]
-    shown = [r for r in order if r is not None]
-    lines += [_row(res, r) for r in shown]
-    lines += [_row(res, r) for r in res.variants.values()]
+    for role in roles:
+        cells = []
+        for r in results:
+            run = r.run(role)
+            rr = r.roles.get(role)
+            if run is None:
+                cells.append("missing" if rr is None or rr.policy is None else "—")
+            else:
+                cells.append(f"{_f(run.time_to_n_s)} s ({run.label})" if role != "gyre" else f"{_f(run.time_to_n_s)} s")
+        lines.append(f"| {role_name(role)} | " + " | ".join(cells) + " |")
+    lines.append("| T\\*_η (one-burst T\\*) | " + " | ".join(
+        f"{_f(r.bound_eta.t_star_eta_s)} s ({_f(r.bound.t_star_s)} s)" for r in results) + " |")
+    lines += [
+        "",
+        (f"Seed {sc.seed} in detail (T\\*_η = {_f(first.bound_eta.t_star_eta_s)} s; publish times bound by "
+        f"{_binding(first)}):"),
+        "",
+        ("| row | time to N (s) | T\\*_η/T | trainer idle | rollout idle | role switches (GPU-s) | reroutes (GPU-s) | "
+        "version lag per token (mean / stale share) / groups dropped | episode p50 / p90 / p99 (s) |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    shown = [(role, run) for role in roles if (run := first.run(role)) is not None]
+    lines += [_row(first, role, run) for role, run in shown]
+    lines += [_row(first, "gyre", run) for run in first.variants.values()]
     lines += [
         "",
         "GPU-seconds by category (share of cells × time to N; idle split rollout / training side):",
         "",
-        "| policy | decode | prefill | train | weight sync | role switch | idle (rollout / train) | cell-seconds |",
+        "| row | decode | prefill | train | weight sync | role switch | idle (rollout / train) | cell-seconds |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += [_gpu_row(r) for r in shown + list(res.variants.values())]
-    if res.sweep:
-        lines += ["", "Static split sweep (T training cells of " f"{sc.cluster.cells}): "
-                  + ", ".join(f"T={t}: {_f(s)} s" for t, s in res.sweep) + "."]
-    if res.async_sweep:
-        lines += ["", "Async static sweep (T, placement): "
-                  + ", ".join(f"T={t} {p}: {_f(s)} s" for t, p, s in res.async_sweep) + "."]
+    lines += [_gpu_row(f"{role_name(role)}: {run.label}", run) for role, run in shown]
+    lines += [_gpu_row(run.label, run) for run in first.variants.values()]
+    sweeps = [line for r in results for line in _sweep_line(r)]
+    if sweeps:
+        lines += ["", ("Sweeps (training cells T of " f"{sc.cluster.cells}):"), "", *sweeps]
     lines += ["", f"![allocation and waterlevel, {sc.name}]({img_rel})", ""]
     return "\n".join(lines)
+
+
+def _binding(res: ScenarioResult) -> str:
+    counts: dict[str, int] = {}
+    for b in res.bound_eta.binding:
+        counts[b] = counts.get(b, 0) + 1
+    return ", ".join(f"{k} ×{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))

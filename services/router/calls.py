@@ -10,8 +10,10 @@ come from a :class:`~services.router.routes.RouteTable`. The loop is:
 2. wait for the pump to end or for a move;
 3. on a move: optionally export the KV blocks at the source, cancel the pump, abort the
    source request, and go to 1 (a move costs no retry budget);
-4. on an engine failure: spend one unit of retry budget, give the scheduler
-   ``failover_wait_s`` to move the route, then go to 1; past the budget, fail cleanly.
+4. on an engine failure: spend one unit of retry budget, report the engine to the scheduler
+   (which probes it and, if it is dead, moves the route within about a second), hold the
+   call open up to ``failover_wait_s`` for the move (no longer once the scheduler answered
+   that the engine lives), then go to 1; past the budget, fail cleanly.
 
 Tokens are appended to the call's output by the pump only, on the one event loop, so the
 continuation prompt is exactly prompt + what the harness has been (or will be) given: no
@@ -49,7 +51,7 @@ class CallPolicy:
     """How a call reacts to moves and failures (from RouterConfig)."""
 
     retry_budget: int = 2
-    failover_wait_s: float = 2.0
+    failover_wait_s: float = 12.0
     engine_idle_timeout_s: float = 30.0
     abort_timeout_s: float = 0.5
     kv_handoff: bool = False
@@ -99,6 +101,7 @@ class ModelCall:
         deadline: float,
         background: Callable[[Any], None],
         output_text: OutputText | None = None,
+        report: Callable[[str, str, str], asyncio.Future[bool | None]] | None = None,
     ) -> None:
         self.call_id = call_id
         self.execution_id = execution_id
@@ -121,6 +124,7 @@ class ModelCall:
         self._stats = stats
         self._deadline = deadline
         self._background = background
+        self._report = report
         self._stops = frozenset(sampling.stop_token_ids)
         self.output_text = output_text
         self.trajectory: Any = None
@@ -419,16 +423,25 @@ class ModelCall:
             raise Unavailable(
                 f"model call failed after {self.failures} engine failure(s) (retry budget {self._policy.retry_budget}): {reason}"
             )
-        await self._wait_route_change(route, self._policy.failover_wait_s)
+        verdict = None
+        if self._report is not None and exc is not None:
+            verdict = self._report(route.cell_id, route.target, reason)
+            verdict.add_done_callback(lambda _f: self._route_changed.set())
+        await self._wait_route_change(route, self._policy.failover_wait_s, verdict)
         self.reroutes += 1
         self._stats.reroutes += 1
 
-    async def _wait_route_change(self, old: Route, timeout_s: float) -> None:
+    async def _wait_route_change(self, old: Route, timeout_s: float,
+                                 verdict: asyncio.Future[bool | None] | None = None) -> None:
+        """Until the execution's route changes, ``timeout_s`` passes, or the scheduler
+        answers that the engine is not dead (retry there at once)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout_s
         while loop.time() < until:
             current = self._routes.get(self.execution_id)
             if current is None or current.epoch != old.epoch or current.created_revision != old.created_revision:
+                return
+            if verdict is not None and verdict.done() and not verdict.cancelled() and verdict.result() is False:
                 return
             self._route_changed.clear()
             with contextlib.suppress(TimeoutError):

@@ -17,6 +17,7 @@ from typing import Any
 from gyre.telemetry import execution_id_var
 from services.router.calls import CallPolicy, ModelCall, RouterStats
 from services.router.engine import Chunk, EngineClient, Finish, Sampling
+from services.router.failures import FailureReporter
 from services.router.routes import Route, RouteTable
 from services.router.stops import OutputText
 from services.router.trajectory import TrajectoryStore
@@ -35,8 +36,10 @@ class CallManager:
         policy: CallPolicy,
         turns: TurnRecorder,
         stats: RouterStats | None = None,
+        reporter: FailureReporter | None = None,
     ) -> None:
         self.routes = routes
+        self._reporter = reporter
         self.stats = stats or RouterStats()
         self._engines = engines
         self._policy = policy
@@ -93,6 +96,7 @@ class CallManager:
             deadline=loop.time() + timeout_s,
             background=self.spawn,
             output_text=output_text,
+            report=self._reporter.report if self._reporter is not None else None,
         )
         if call_box is not None:
             call_box.append(call)

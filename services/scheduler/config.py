@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -100,6 +99,10 @@ class SchedulerConfig(ServiceConfig):
     packer_target: str = Field("", description="Packer gRPC target; empty: no finish reports, no supply.")
     orphan_grace_s: float = Field(
         3.0, ge=0.0, description="Reroute the executions of a cell whose registration has been gone this long."
+    )
+    engine_probe_timeout_s: float = Field(
+        1.0, gt=0.0, description="A cell reported failed by a router is dead when it does not answer a probe "
+        "within this long; its executions are then rerouted at once.",
     )
     drain_timeout_s: float = Field(30.0, gt=0.0, description="Longest wait for a draining cell to empty.")
     command_timeout_s: float = Field(30.0, gt=0.0,

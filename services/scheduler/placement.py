@@ -94,12 +94,15 @@ def parse_state(raw: bytes | None) -> CellState:
 
 
 class CellTable:
-    """Registrations + states + the scheduler's own in-flight overlays."""
+    """Registrations + states + the scheduler's own in-flight overlays + cells found dead."""
 
     def __init__(self) -> None:
         self.records: dict[str, CellRecord] = {}
         self.states: dict[str, CellState] = {}
         self.overlay: dict[str, CellState] = {}
+        self.down: set[str] = set()
+        """Cells whose engine a router reported failed and a probe confirmed dead, while
+        their registration (lease) still lingers: FAILED to placement and the policy."""
 
     def refresh(self, registrations: Iterable[bytes], states: Mapping[str, bytes]) -> None:
         recs: dict[str, CellRecord] = {}
@@ -113,6 +116,8 @@ class CellTable:
         self.states = {cid: parse_state(states.get(cid)) for cid in recs}
 
     def state(self, cell_id: str) -> CellState:
+        if cell_id in self.down:
+            return CellState.FAILED
         return self.overlay.get(cell_id) or self.states.get(cell_id, CellState.STARTING)
 
     def views(self) -> tuple[CellView, ...]:

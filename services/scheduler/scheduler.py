@@ -11,6 +11,7 @@ Where each concern lives (every part has a typed interface; none reaches into an
 * :mod:`supply` - the packer's supply signal;
 * :mod:`publication` - the newest policy version and loading it on rollout engines;
 * :mod:`transitions` - moving cells between roles, reroutes, rescues;
+* :mod:`failures` - engine failures reported by routers (probe, mark down, reroute at once);
 * :mod:`commands` - the policy's actions carried out (``match`` over the action union);
 * :mod:`control` - the control loop and the policy's snapshot;
 * :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
@@ -35,6 +36,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.control import ControlLoop
 from services.scheduler.events import EventLog, Metrics
 from services.scheduler.executions import Acquired, Executions, Launched
+from services.scheduler.failures import EngineFailures
 from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
@@ -108,6 +110,8 @@ class Scheduler:
                 self.telemetry, self.history, self.changes, self.executions.reload_routes, clock)
         self.commands = Commands(self.lead, peers, self.bursts, self.transitions, self.publication,
                 self.telemetry)
+        self.failures = EngineFailures(self.lead, self.fleet, peers, self.transitions, self.telemetry,
+                cfg.engine_probe_timeout_s)
         self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
                 self.executions, self.supply, self.publication, self.transitions, self.commands,
                 self.telemetry, self.changes, clock)
@@ -239,6 +243,10 @@ class Scheduler:
     async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
             key: str, harness: str | None = None) -> FinishOutcome:
         return await self.executions.finish(execution_id, token, status, reward, key, harness)
+
+    async def engine_failed(self, cell_id: str, target: str, reason: str) -> tuple[bool, int]:
+        """A router's engine-failure report: (dead, executions on the cell)."""
+        return await self.failures.report(cell_id, target, reason)
 
     # Loops --------------------------------------------------------------------------------
 

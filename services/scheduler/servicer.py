@@ -173,6 +173,7 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
     ACCESS = AccessTable("gyre.v1.SchedulerControl", {
         "GetStatus": allow(Role.DASHBOARD, Role.OPERATOR),
         "WatchEvents": allow(Role.DASHBOARD, Role.OPERATOR),
+        "ReportEngineFailure": allow(Role.ROUTER),
     })
 
     def __init__(self, scheduler: Scheduler) -> None:
@@ -191,6 +192,12 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
             versions=[_ledger(0, c, policy_version=v) for v, c in st.versions.items()],
             migrations=st.migrations, open_bursts=st.open_bursts,
         )
+
+    @rpc
+    async def ReportEngineFailure(self, request: scheduler_pb2.ReportEngineFailureRequest,
+            context: grpc.aio.ServicerContext) -> scheduler_pb2.ReportEngineFailureResponse:
+        dead, executions = await self.s.engine_failed(request.cell_id, request.target, request.reason)
+        return scheduler_pb2.ReportEngineFailureResponse(dead=dead, executions=executions)
 
     @rpc_stream
     async def WatchEvents(self, request: scheduler_pb2.WatchEventsRequest,

@@ -64,8 +64,9 @@ def test_small_scenario_bound_is_below_every_policy_and_loosens_with_eta() -> No
     old, eta1 = limits(cfg, sc)
     assert old == physical_limit(cfg, sc)
     assert eta1.t_star_eta_s == pytest.approx(bounds[1])
-    assert eta1.t_star_eta_s >= old.work_bound_s * (1 - 1e-9)
+    assert eta1.t_star_eta_s >= eta1.work_bound_s * (1 - 1e-9)
     assert len(eta1.publish_times_s) == sc.training.updates
-    for spec in (PolicySpec("waterlevel"), PolicySpec("colocated"), PolicySpec("static", training_cells=3)):
+    for spec in (PolicySpec("waterlevel"), PolicySpec("colocated"), PolicySpec("static", training_cells=3),
+                 PolicySpec("gyre"), PolicySpec("async-static", training_cells=2)):
         r = run_policy(cfg, sc, spec)
         assert r.reached and r.time_to_n_s >= eta1.t_star_eta_s, spec.label

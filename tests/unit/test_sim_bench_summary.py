@@ -1,0 +1,88 @@
+"""The cluster benchmark's output contract on a tiny config: ``bench/cluster.py --config FILE
+--out FILE --doc FILE --img DIR`` writes a JSON whose top-level ``summary`` holds, per
+scenario, the medians over seeds other tools read; rows whose policy the registry does not
+know are reported missing (never replaced); sweeps keep the best point as the oracle."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import statistics
+from pathlib import Path
+
+import yaml
+
+from sim.bench import run_scenario
+from sim.config import PolicyEntry, SimConfig, TargetConfig
+from tests.unit.test_sim_conservation import small_config
+
+KEYS = {"gyre_s", "oracle_async_static_s", "oracle_bursty_static_s", "colocated_s", "vs_oracle_async_static",
+        "vs_oracle_bursty_static", "vs_colocated", "efficiency_t_star_eta", "dropped_share", "seeds"}
+
+
+def tiny() -> SimConfig:
+    cfg, sc = small_config()
+    sc = sc.model_copy(update={"seeds": [3, 4], "target": TargetConfig(baseline="oracle_bursty_static", ratio=0.5)})
+    return cfg.model_copy(update={
+        "scenarios": [sc],
+        "policies": [
+            PolicyEntry(role="gyre", policy=["gyre", "waterlevel"]),
+            PolicyEntry(role="colocated", policy=["colocated"]),
+            PolicyEntry(role="oracle_bursty_static", policy=["static"], sweep=True),
+            PolicyEntry(role="oracle_async_static", policy=["no-such-policy"], sweep=True),
+        ],
+        "static_training_cells": [2, 4],
+        "sweep_cutoff": 1.05,
+        "variants": {"KV handoff": ["cost.kv_handoff=true"]},
+    })
+
+
+def test_summary_schema_through_the_cli(tmp_path: Path) -> None:
+    cfg = tiny()
+    conf = tmp_path / "tiny.yaml"
+    conf.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    out, doc, img = tmp_path / "cluster.json", tmp_path / "cluster.md", tmp_path / "img"
+    mod = runpy.run_path("bench/cluster.py", run_name="bench_cluster")
+    assert mod["main"](["--config", str(conf), "--out", str(out), "--doc", str(doc), "--img", str(img),
+                        "--jobs", "2"]) == 0
+    data = json.loads(out.read_text())
+    s = data["summary"]["small"]
+    assert KEYS <= set(s)
+    assert s["seeds"] == [3, 4]
+    assert s["gyre_s"] > 0 and s["colocated_s"] > 0 and s["oracle_bursty_static_s"] > 0
+    # The missing row is reported as missing, with nulls where it would count.
+    assert s["oracle_async_static_s"] is None and s["vs_oracle_async_static"] is None
+    assert "oracle_async_static" in s["missing"]
+    # Ratios are medians over seeds of baseline time / Gyre time.
+    per_seed = data["scenarios"]["small"]
+    assert set(per_seed) == {"3", "4"}
+    ratios = []
+    for seed in ("3", "4"):
+        roles, runs = per_seed[seed]["roles"], per_seed[seed]["runs"]
+        gyre = runs[roles["gyre"]["label"]]["time_to_n_s"]
+        colo = runs[roles["colocated"]["label"]]["time_to_n_s"]
+        ratios.append(colo / gyre)
+        # The oracle is the best sweep point that reached N.
+        sweep = roles["oracle_bursty_static"]["sweep"]
+        best = min(p["time_to_n_s"] for p in sweep if p["time_to_n_s"] is not None)
+        assert runs[roles["oracle_bursty_static"]["label"]]["time_to_n_s"] == best
+    assert s["vs_colocated"] == statistics.median(ratios)
+    assert 0 < s["efficiency_t_star_eta"] <= 1
+    assert 0 <= s["dropped_share"] <= 1
+    assert set(s["hygiene"]) >= {"dropped_share", "switch_reroute_gpu_share", "trainer_idle", "rollout_idle"}
+    assert s["target"]["baseline"] == "oracle_bursty_static" and isinstance(s["target"]["met"], bool)
+    # Variants run on the first seed only.
+    assert per_seed["3"]["variants"] and not per_seed["4"]["variants"]
+    text = doc.read_text()
+    assert "### Summary" in text and "### small" in text and "Missing rows" in text
+    assert (img / "cluster_small.png").exists()
+
+
+def test_a_cut_sweep_point_never_hides_the_oracle() -> None:
+    cfg = tiny().model_copy(update={"variants": {}, "static_training_cells": [1, 2, 3, 4, 6],
+                                    "sweep_cutoff": 1.01})
+    full = run_scenario(cfg.model_copy(update={"sweep_cutoff": None}), cfg.scenarios[0], log=lambda m: None)
+    cut = run_scenario(cfg, cfg.scenarios[0], log=lambda m: None)
+    assert cut.run("oracle_bursty_static").time_to_n_s == full.run("oracle_bursty_static").time_to_n_s
+    sweep = cut.roles["oracle_bursty_static"].sweep
+    assert any(p.time_to_n_s is None and p.cut_at_s for p in sweep)  # something was cut
