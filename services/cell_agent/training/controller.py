@@ -52,8 +52,8 @@ from services.cell_agent.training.ports import (
     PolicyPublisher,
     Puller,
 )
-from services.cell_agent.training.trainer import Trainer
 from services.cell_agent.training.retry import keep_claims, retrying
+from services.cell_agent.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
