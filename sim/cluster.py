@@ -588,9 +588,10 @@ class Cluster:
         dst.execs[ex.xid] = ex
         dst.account(t)
         if self.cc.kv_handoff and ex.ctx > 0:
-            dst.engine.add_stall("prefill", self.cost.kv_handoff_s(ex.ctx))
+            handoff_s = self.cost.kv_handoff_s(ex.ctx)
+            dst.engine.add_stall("prefill", handoff_s)
             self.kv_handoffs += 1
-            self.reroute_gpu_s += self.cc.kv_handoff_s
+            self.reroute_gpu_s += handoff_s
         elif ex.ctx > 0:
             ex.recompute = True
         if ex.state is ExecState.GPU:

@@ -113,7 +113,7 @@ class CostConfig(_Frozen):
     switch_to_rollout_s: float = Field(1.5, ge=0, description="Train -> rollout (wake).")
     weight_sync_s: float = Field(0.1, ge=0, description="Pushing/pulling one weight version.")
     kv_handoff_s: float = Field(
-        0.03, ge=0, description="Fixed latency of one KV handoff on a reroute (pin, seal, read set-up, "
+        0.04, ge=0, description="Fixed latency of one KV handoff on a reroute (pin, seal, read set-up, "
         "the destination's asynchronous load): measured by bench/engine_vllm.py.")
     kv_handoff_bytes_per_s: float = Field(
         50e9, gt=0, description="Bandwidth of the KV transfer between two cells (NVLink / CUDA IPC / "

@@ -56,6 +56,8 @@ class _Batch:
     acked: set[str] = dataclasses.field(default_factory=set)
     reserved: dict[int, str] = dataclasses.field(default_factory=dict)  # position -> cell
     claimed_by: dict[str, str] = dataclasses.field(default_factory=dict)
+    attempts: int = 0  # OpenBatch calls (a reopen hands every micro-step out again)
+    committed: bool = False
 
 
 class FakePacker:
@@ -125,6 +127,32 @@ class FakePacker:
         with self._cond:
             self._batches[batch_id].acked.add(micro_step_id)
 
+    def open_sync(self, batch_id: int) -> None:
+        """The core opens an attempt: an earlier attempt's claims and acks are void, every
+        micro-step is handed out again (the packer's OpenBatch)."""
+        with self._cond:
+            b = self._batches.get(batch_id)
+            if b is None:
+                raise FailedPrecondition(f"unknown batch {batch_id}")
+            if b.committed:
+                raise FailedPrecondition(f"batch {batch_id} is committed")
+            b.attempts += 1
+            b.next, b.acked, b.claimed_by = 0, set(), {}
+            self._cond.notify_all()
+
+    def commit_sync(self, batch_id: int) -> None:
+        with self._cond:
+            b = self._batches[batch_id]
+            if not b.committed and len(b.acked) != len(b.steps):
+                raise FailedPrecondition(f"batch {batch_id}: {len(b.acked)} of {len(b.steps)} acknowledged")
+            b.committed = True
+
+    def status(self, batch_id: int) -> tuple[int, int, bool]:
+        """(attempts, acked, committed) of a batch."""
+        with self._cond:
+            b = self._batches[batch_id]
+            return b.attempts, len(b.acked), b.committed
+
 
 class FakePackerServicer(ppb_grpc.PackerServicer):
     """The claim RPCs of the Packer service over a :class:`FakePacker` (other RPCs:
@@ -150,6 +178,16 @@ class FakePackerServicer(ppb_grpc.PackerServicer):
     async def AckMicroStep(self, request: ppb.AckMicroStepRequest, context: grpc.aio.ServicerContext) -> ppb.AckMicroStepResponse:  # noqa: N802
         self.packer.ack_sync(request.batch_id, request.micro_step_id)
         return ppb.AckMicroStepResponse()
+
+    @rpc
+    async def OpenBatch(self, request: ppb.OpenBatchRequest, context: grpc.aio.ServicerContext) -> ppb.BatchStatus:  # noqa: N802
+        await asyncio.to_thread(self.packer.open_sync, request.batch_id)
+        return ppb.BatchStatus(batch_id=request.batch_id)
+
+    @rpc
+    async def CommitBatch(self, request: ppb.CommitBatchRequest, context: grpc.aio.ServicerContext) -> ppb.BatchStatus:  # noqa: N802
+        await asyncio.to_thread(self.packer.commit_sync, request.batch_id)
+        return ppb.BatchStatus(batch_id=request.batch_id, committed=True)
 
     @rpc
     async def KeepClaims(self, request: ppb.KeepClaimsRequest, context: grpc.aio.ServicerContext) -> ppb.KeepClaimsResponse:  # noqa: N802

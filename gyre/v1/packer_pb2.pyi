@@ -68,16 +68,18 @@ class ReportFinishResponse(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
 class ClaimMicroStepRequest(_message.Message):
-    __slots__ = ("cell_id", "batch_id", "policy_version", "wait_s")
+    __slots__ = ("cell_id", "batch_id", "policy_version", "wait_s", "claim_id")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     batch_id: int
     policy_version: int
     wait_s: float
-    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    claim_id: str
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., claim_id: _Optional[str] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("micro_step_id", "batch_id", "sequences", "num_tokens", "policy_version", "packed_tokens")
@@ -149,6 +151,22 @@ class AckMicroStepResponse(_message.Message):
     duplicate: bool
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
+class CommitBatchRequest(_message.Message):
+    __slots__ = ("cell_id", "batch_id")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    batch_id: int
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ...) -> None: ...
+
+class OpenBatchRequest(_message.Message):
+    __slots__ = ("cell_id", "batch_id")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    batch_id: int
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ...) -> None: ...
+
 class KeepClaimsRequest(_message.Message):
     __slots__ = ("cell_id",)
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -168,7 +186,7 @@ class GetBatchRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
 
 class BatchStatus(_message.Message):
-    __slots__ = ("batch_id", "policy_version", "batch_size", "groups_packed", "micro_steps", "claimed", "acked", "sealed", "total_tokens", "closed", "done", "active", "unclaimed", "participants", "counters")
+    __slots__ = ("batch_id", "policy_version", "batch_size", "groups_packed", "micro_steps", "claimed", "acked", "sealed", "total_tokens", "closed", "done", "active", "unclaimed", "participants", "counters", "committed", "attempt")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +202,8 @@ class BatchStatus(_message.Message):
     UNCLAIMED_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     policy_version: int
     batch_size: int
@@ -199,7 +219,9 @@ class BatchStatus(_message.Message):
     unclaimed: int
     participants: _containers.RepeatedScalarFieldContainer[str]
     counters: PackerCounters
-    def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ..., done: _Optional[bool] = ..., active: _Optional[bool] = ..., unclaimed: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ...) -> None: ...
+    committed: bool
+    attempt: int
+    def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ..., done: _Optional[bool] = ..., active: _Optional[bool] = ..., unclaimed: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ..., committed: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PackerCounters(_message.Message):
     __slots__ = ("produced", "consumed", "buffered", "dropped", "pending", "ready", "assigned", "packed", "claims_expired", "policy_version", "late_turns")

@@ -54,6 +54,16 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.FromString,
                 _registered_method=True)
+        self.CommitBatch = channel.unary_unary(
+                '/gyre.v1.Packer/CommitBatch',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.CommitBatchRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.BatchStatus.FromString,
+                _registered_method=True)
+        self.OpenBatch = channel.unary_unary(
+                '/gyre.v1.Packer/OpenBatch',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.OpenBatchRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.BatchStatus.FromString,
+                _registered_method=True)
         self.KeepClaims = channel.unary_unary(
                 '/gyre.v1.Packer/KeepClaims',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.KeepClaimsRequest.SerializeToString,
@@ -105,15 +115,39 @@ class PackerServicer:
         its weight version (and activates it: ready groups are assigned to it from then on); a
         claim with another version is FAILED_PRECONDITION. After CLOSED, only cells that already
         claimed in the batch may still take a micro-step returned by an expired claim.
+        Idempotent on (cell_id, claim_id): a retry answers the micro-step the first call claimed
+        while the cell still holds it, instead of claiming another.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AckMicroStep(self, request, context):
-        """A cell reports a claimed micro-step trained. Idempotent. NOT_FOUND for an unknown
-        micro-step; FAILED_PRECONDITION when another cell holds or acknowledged it, or this cell
-        never held it. A cell whose claim lapsed may still ack while nobody retook the micro-step.
+        """A cell reports a claimed micro-step's gradient computed (accumulated). In a batch the
+        core opened with OpenBatch the micro-step stays leased to the batch until CommitBatch
+        (an attempt that fails, a core crash or a broken collective, gets it back with the next
+        OpenBatch); otherwise the ack is final. Idempotent. NOT_FOUND for an
+        unknown micro-step; FAILED_PRECONDITION when another cell holds or acknowledged it, or
+        this cell never held it. A cell whose claim lapsed may still ack while nobody retook it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBatch(self, request, context):
+        """The core's optimizer step of a batch is durable: its acknowledged micro-steps are
+        trained for good (counted consumed, their tokens freed). Idempotent. FAILED_PRECONDITION
+        while a micro-step of the batch is not acknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenBatch(self, request, context):
+        """The core opens an attempt at a batch it has not committed: from now on the batch's acks
+        are leases until CommitBatch, and every micro-step held or acknowledged in an earlier
+        attempt returns to the pool (its gradient was lost with that attempt; the joining
+        window opens again). FAILED_PRECONDITION once committed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,6 +205,16 @@ def add_PackerServicer_to_server(servicer, server):
                     servicer.AckMicroStep,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.SerializeToString,
+            ),
+            'CommitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBatch,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.CommitBatchRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.BatchStatus.SerializeToString,
+            ),
+            'OpenBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBatch,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.OpenBatchRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.BatchStatus.SerializeToString,
             ),
             'KeepClaims': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepClaims,
@@ -301,6 +345,60 @@ class Packer:
             '/gyre.v1.Packer/AckMicroStep',
             gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Packer/CommitBatch',
+            gyre_dot_v1_dot_packer__pb2.CommitBatchRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.BatchStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Packer/OpenBatch',
+            gyre_dot_v1_dot_packer__pb2.OpenBatchRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.BatchStatus.FromString,
             options,
             channel_credentials,
             insecure,

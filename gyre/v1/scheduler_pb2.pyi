@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReportEngineFailureRequest(_message.Message):
+    __slots__ = ("cell_id", "target", "reason")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    target: str
+    reason: str
+    def __init__(self, cell_id: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportEngineFailureResponse(_message.Message):
+    __slots__ = ("dead", "executions")
+    DEAD_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
+    dead: bool
+    executions: int
+    def __init__(self, dead: _Optional[bool] = ..., executions: _Optional[int] = ...) -> None: ...
+
 class AcquireExecutionRequest(_message.Message):
     __slots__ = ("harness_id", "wait_s", "idempotency_key")
     HARNESS_ID_FIELD_NUMBER: _ClassVar[int]

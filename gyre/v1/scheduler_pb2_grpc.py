@@ -235,6 +235,11 @@ class SchedulerControlStub:
                 request_serializer=gyre_dot_v1_dot_scheduler__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_scheduler__pb2.SchedulerEvent.FromString,
                 _registered_method=True)
+        self.ReportEngineFailure = channel.unary_unary(
+                '/gyre.v1.SchedulerControl/ReportEngineFailure',
+                request_serializer=gyre_dot_v1_dot_scheduler__pb2.ReportEngineFailureRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_scheduler__pb2.ReportEngineFailureResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerControlServicer:
@@ -255,6 +260,14 @@ class SchedulerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEngineFailure(self, request, context):
+        """A router saw an engine fail (its stream broke, its connection was refused): the leader
+        probes the cell and, if it is dead, reroutes its live executions at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +280,11 @@ def add_SchedulerControlServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=gyre_dot_v1_dot_scheduler__pb2.WatchEventsRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_scheduler__pb2.SchedulerEvent.SerializeToString,
+            ),
+            'ReportEngineFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEngineFailure,
+                    request_deserializer=gyre_dot_v1_dot_scheduler__pb2.ReportEngineFailureRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_scheduler__pb2.ReportEngineFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -324,6 +342,33 @@ class SchedulerControl:
             '/gyre.v1.SchedulerControl/WatchEvents',
             gyre_dot_v1_dot_scheduler__pb2.WatchEventsRequest.SerializeToString,
             gyre_dot_v1_dot_scheduler__pb2.SchedulerEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEngineFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.SchedulerControl/ReportEngineFailure',
+            gyre_dot_v1_dot_scheduler__pb2.ReportEngineFailureRequest.SerializeToString,
+            gyre_dot_v1_dot_scheduler__pb2.ReportEngineFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

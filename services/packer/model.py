@@ -55,12 +55,12 @@ class ClaimOutcome(enum.Enum):
     CLOSED = "closed"
 
 
-def check_id(value: str, what: str) -> str:
+def check_id(value: str, what: str, max_chars: int = MAX_ID_CHARS) -> str:
     """A non-empty id of bounded length without control characters."""
     if not value:
         raise InvalidArgument(f"{what} is required")
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidArgument(f"{what} longer than {MAX_ID_CHARS} characters")
+    if len(value) > max_chars:
+        raise InvalidArgument(f"{what} longer than {max_chars} characters")
     if any(ord(c) < 32 for c in value):
         raise InvalidArgument(f"{what} contains control characters")
     return value

@@ -33,6 +33,7 @@ from services.packer.model import (
     PackedSequence,
     Turn,
     check_cell,
+    check_id,
 )
 from services.packer.packing import first_fit_decreasing
 from services.packer.segments import split_segments
@@ -40,6 +41,8 @@ from services.packer.state import Batch, Event, Group, GroupState, MicroStep, Pa
 from services.packer.wal import EventLog
 
 log = logging.getLogger(__name__)
+
+MAX_CLAIM_ID_CHARS = 128
 
 
 class Packer:
@@ -159,9 +162,13 @@ class Packer:
         await self.log.sync()
         return False
 
-    async def claim(self, cell_id: str, batch_id: int, version: int, wait_s: float) -> ClaimResult:
-        """Claims the next free micro-step of a batch, waiting up to ``wait_s`` for one."""
+    async def claim(self, cell_id: str, batch_id: int, version: int, wait_s: float, claim_id: str = "") -> ClaimResult:
+        """Claims the next free micro-step of a batch, waiting up to ``wait_s`` for one.
+        Idempotent on ``claim_id``: a retry answers the micro-step the first call claimed
+        while the cell still holds it."""
         cell = check_cell(cell_id)
+        if claim_id:
+            check_id(claim_id, "claim_id", MAX_CLAIM_ID_CHARS)
         if batch_id < 0:
             raise InvalidArgument(f"batch_id must be >= 0, got {batch_id}")
         if version < 0:
@@ -171,13 +178,13 @@ class Packer:
         wait_s = min(wait_s, self.cfg.max_claim_wait_s)
         loop = asyncio.get_running_loop()
         until = loop.time() + wait_s
-        result = self._try_claim(cell, batch_id, version)
+        result = self._try_claim(cell, batch_id, version, claim_id)
         while result.outcome is ClaimOutcome.WAIT and loop.time() < until:
             waiting_on = result.batch_id
             self._waiting[waiting_on] += 1  # a waiting claimer is demand: partial bins go out
             try:
                 await self.wait_changed(until - loop.time())
-                result = self._try_claim(cell, batch_id, version)
+                result = self._try_claim(cell, batch_id, version, claim_id)
             finally:
                 self._waiting[waiting_on] -= 1
                 if self._waiting[waiting_on] <= 0:
@@ -185,11 +192,15 @@ class Packer:
         await self.log.sync()
         return result
 
-    def _try_claim(self, cell: CellId, batch_id: int, version: int) -> ClaimResult:
+    def _try_claim(self, cell: CellId, batch_id: int, version: int, claim_id: str = "") -> ClaimResult:
         st = self.state
         if self._reap():
             self._after()
         batch = self._batch(batch_id)
+        earlier = st.micro_steps.get(batch.claim_keys.get((cell, claim_id), "")) if claim_id else None
+        if earlier is not None and earlier.holder == cell:  # a retry of a claim that went through
+            self._touch(cell)
+            return self._result(ClaimOutcome.CLAIMED, batch, self._view(earlier, batch))
         if batch.done or (batch.closed and cell not in batch.participants):
             return self._result(ClaimOutcome.CLOSED, batch)
         if batch.version is None:
@@ -207,7 +218,7 @@ class Packer:
         if ms is None:
             self._after()
             return self._result(ClaimOutcome.CLOSED if batch.closed else ClaimOutcome.WAIT, batch)
-        self._commit({"t": "claim", "ms": ms.id, "cell": cell})
+        self._commit({"t": "claim", "ms": ms.id, "cell": cell, **({"key": claim_id} if claim_id else {})})
         ms.deadline = self.clock() + self.cfg.claim_ttl_s
         self._after()
         return self._result(ClaimOutcome.CLAIMED, batch, self._view(ms, batch))
@@ -238,6 +249,44 @@ class Packer:
         self._after()
         await self.log.sync()
         return False
+
+    async def open_batch(self, cell_id: str, batch_id: int) -> Batch:
+        """The core opens an attempt at ``batch_id``: its acks become leases until
+        :meth:`commit`, and what an earlier attempt held or acked returns to the pool."""
+        check_cell(cell_id)
+        if batch_id <= 0:
+            raise InvalidArgument(f"batch_id must be > 0, got {batch_id}")
+        batch = self._batch(batch_id)
+        if batch.committed:
+            raise FailedPrecondition(f"batch {batch.id} is committed")
+        returned = sum(1 for m in batch.micro_steps if not m.committed and not m.free)
+        self._commit({"t": "open", "b": batch.id, "cell": cell_id})
+        if returned:
+            log.warning("batch reopened: micro-steps of a failed attempt return to the pool",
+                        extra={"batch_id": batch.id, "attempt": batch.attempt, "returned": returned})
+        self._after()
+        await self.log.sync()
+        return batch
+
+    async def commit(self, cell_id: str, batch_id: int) -> tuple[Batch, bool]:
+        """The core's step of ``batch_id`` is durable: its micro-steps are trained for good.
+        Returns (batch, duplicate)."""
+        check_cell(cell_id)
+        if batch_id <= 0:
+            raise InvalidArgument(f"batch_id must be > 0, got {batch_id}")
+        batch = self._batch(batch_id)
+        if batch.committed:
+            await self.log.sync()
+            return batch, True
+        if not batch.sealed or batch.acked != len(batch.micro_steps):
+            raise FailedPrecondition(
+                f"batch {batch.id} has {batch.acked} of {len(batch.micro_steps)} micro-steps acknowledged"
+                + ("" if batch.sealed else " and is not sealed")
+            )
+        self._commit({"t": "commit", "b": batch.id, "cell": cell_id})
+        self._after()
+        await self.log.sync()
+        return batch, False
 
     async def keep(self, cell_id: str) -> int:
         """Renews a cell's claims; returns how many it holds."""
@@ -313,6 +362,7 @@ class Packer:
             "claimed": b.claimed, "acked": b.acked, "sealed": b.sealed,
             "total_tokens": b.total_loss_tokens, "closed": b.closed, "done": b.done,
             "active": b.active, "unclaimed": b.unclaimed, "participants": sorted(b.participants),
+            "committed": b.committed, "attempt": b.attempt,
             "counters": self.counters(),
         }
 

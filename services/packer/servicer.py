@@ -48,6 +48,8 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
         "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
         "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
+        "CommitBatch": allow(Role.CELL_AGENT, own="cell_id"),
+        "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
         "GetBatch": allow(Role.SCHEDULER, Role.CELL_AGENT, Role.DASHBOARD, Role.OPERATOR),
         "WatchSupply": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
         "SealBatch": allow(Role.SCHEDULER),
@@ -78,8 +80,20 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         if remaining is not None:
             # Answer WAIT before the caller's deadline rather than let the call fail.
             wait_s = max(0.0, min(wait_s, remaining - 0.2))
-        result = await self._packer.claim(request.cell_id, request.batch_id, request.policy_version, wait_s)
+        result = await self._packer.claim(
+            request.cell_id, request.batch_id, request.policy_version, wait_s, request.claim_id
+        )
         return result.to_proto()
+
+    @rpc
+    async def CommitBatch(self, request: packer_pb2.CommitBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+        batch, _ = await self._packer.commit(request.cell_id, request.batch_id)
+        return batch_to_proto(self._packer.batch_status(batch.id))
+
+    @rpc
+    async def OpenBatch(self, request: packer_pb2.OpenBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+        batch = await self._packer.open_batch(request.cell_id, request.batch_id)
+        return batch_to_proto(self._packer.batch_status(batch.id))
 
     @rpc
     async def AckMicroStep(self, request: packer_pb2.AckMicroStepRequest, context: grpc.aio.ServicerContext) -> Any:

@@ -35,11 +35,12 @@ def to_event(st: PackerState) -> Event:
             "pending": [list(r) for r in bt.pending], "free": list(bt.free),
             "participants": sorted(bt.participants), "sealed": bt.sealed, "closed": bt.closed,
             "done": bt.done, "total": bt.total_loss_tokens, "acked": bt.acked,
-            "packed_seqs": bt.packed_seqs,
+            "packed_seqs": bt.packed_seqs, "attempt": bt.attempt, "committed": bt.committed,
+            "claim_keys": [[c, k, m] for (c, k), m in bt.claim_keys.items()],
             "micro_steps": [
                 {"id": m.id, "index": m.index, "seqs": [list(r) for r in m.seqs], "n": m.n_seqs,
                  "loss": m.loss_tokens, "packed": m.packed_tokens, "holder": m.holder,
-                 "acked_by": m.acked_by, "released_from": m.released_from}
+                 "acked_by": m.acked_by, "released_from": m.released_from, "committed": m.committed}
                 for m in bt.micro_steps
             ],
         }
@@ -90,14 +91,18 @@ def restore(st: PackerState, ev: Event) -> None:
                    pending=[(str(x), int(i)) for x, i in bd["pending"]],
                    participants=set(bd["participants"]), sealed=bd["sealed"], closed=bd["closed"],
                    done=bd["done"], total_loss_tokens=int(bd["total"]), acked=int(bd["acked"]),
-                   packed_seqs=int(bd["packed_seqs"]))
+                   packed_seqs=int(bd["packed_seqs"]), attempt=int(bd.get("attempt", 0)),
+                   committed=bool(bd.get("committed", bd["done"])),
+                   claim_keys={(str(c), str(k)): str(m) for c, k, m in bd.get("claim_keys", [])})
         for md in bd["micro_steps"]:
             m = MicroStep(id=md["id"], batch_id=bt.id, index=int(md["index"]),
                           seqs=[(str(x), int(i)) for x, i in md["seqs"]], n_seqs=int(md["n"]),
                           loss_tokens=int(md["loss"]), packed_tokens=int(md["packed"]),
                           holder=CellId(md["holder"]) if md["holder"] else None,
                           acked_by=CellId(md["acked_by"]) if md["acked_by"] else None,
-                          released_from=CellId(md["released_from"]) if md.get("released_from") else None)
+                          released_from=CellId(md["released_from"]) if md.get("released_from") else None,
+                          # Snapshots from before leases: an ack was final.
+                          committed=bool(md.get("committed", md["acked_by"] is not None)))
             bt.micro_steps.append(m)
             st.micro_steps[m.id] = m
             if m.holder is not None:

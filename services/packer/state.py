@@ -104,6 +104,7 @@ class MicroStep:
     deadline: float = 0.0  # runtime only: when the holder's claim lapses
     acked_by: CellId | None = None
     released_from: CellId | None = None  # whose claim lapsed last (may still ack late)
+    committed: bool = False  # trained for good (its batch's step is durable)
 
     @property
     def free(self) -> bool:
@@ -127,7 +128,15 @@ class Batch:
     done: bool = False
     total_loss_tokens: int = 0
     acked: int = 0
-    packed_seqs: int = 0  # turns in emitted, unacknowledged micro-steps
+    packed_seqs: int = 0  # turns in emitted, uncommitted micro-steps
+    attempt: int = 0  # OpenBatch calls: > 0 makes acks leases until the commit
+    committed: bool = False  # the core's step is durable: trained for good
+    claim_keys: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # (cell, key) -> ms
+
+    @property
+    def leased(self) -> bool:
+        """Acks are leases (the core opened the batch and will commit it)."""
+        return self.attempt > 0
 
     @property
     def active(self) -> bool:
@@ -417,6 +426,8 @@ class PackerState:
         self.held[ms.id] = ms
         batch = self.batches[ms.batch_id]
         del batch.free[ms.id]
+        if ev.get("key"):
+            batch.claim_keys[(ms.holder, str(ev["key"]))] = ms.id
         batch.participants.add(ms.holder)
         self._maybe_close(batch)
 
@@ -435,16 +446,55 @@ class PackerState:
         ms.acked_by = CellId(ev["cell"])
         ms.holder = None
         self.held.pop(ms.id, None)
-        self.consumed += ms.n_seqs
-        self.tokens_trained += ms.packed_tokens
         batch = self.batches[ms.batch_id]
         batch.free.pop(ms.id, None)  # a late ack of a returned, untaken micro-step
-        batch.packed_seqs -= ms.n_seqs
         batch.participants.add(ms.acked_by)
         batch.acked += 1
+        if not batch.leased:  # final at once; a leased batch's acks wait for its commit
+            self._consume(batch, ms)
         self._maybe_close(batch)
         if batch.sealed and batch.acked == len(batch.micro_steps):
-            self._finish_batch(batch)
+            if batch.leased:
+                batch.done = True  # every gradient is computed: the core may step
+            else:
+                self._finish_batch(batch)
+
+    def _consume(self, batch: Batch, ms: MicroStep) -> None:
+        ms.committed = True
+        self.consumed += ms.n_seqs
+        self.tokens_trained += ms.packed_tokens
+        batch.packed_seqs -= ms.n_seqs
+
+    def _on_open(self, ev: Event) -> None:
+        """The core opens an attempt: what an earlier attempt held or acked returns."""
+        batch = self.batches[int(ev["b"])]
+        if batch.committed:
+            raise FatalError(f"batch {batch.id} opened after its commit")
+        for ms in batch.micro_steps:
+            if ms.committed:
+                continue
+            if ms.acked_by is not None:
+                ms.acked_by = None
+                batch.acked -= 1
+            if ms.holder is not None:
+                self.held.pop(ms.id, None)
+                ms.holder = None
+            ms.released_from = None
+        batch.free = {ms.id: None for ms in batch.micro_steps if not ms.committed}
+        batch.participants.clear()
+        batch.claim_keys.clear()
+        batch.closed = batch.done = False
+        batch.attempt += 1
+        self._maybe_close(batch)
+
+    def _on_commit(self, ev: Event) -> None:
+        batch = self.batches[int(ev["b"])]
+        if batch.acked != len(batch.micro_steps) or not batch.sealed:
+            raise FatalError(f"batch {batch.id} committed before every micro-step was acknowledged")
+        for ms in batch.micro_steps:
+            if not ms.committed:
+                self._consume(batch, ms)
+        self._finish_batch(batch)
 
     def _on_snapshot(self, ev: Event) -> None:
         from services.packer.snapshot import restore  # the checkpoint codec lives beside
@@ -463,7 +513,8 @@ class PackerState:
 
     def _finish_batch(self, batch: Batch) -> None:
         # Trained: free the tokens; ids stay for idempotent answers.
-        batch.done = True
+        batch.done = batch.committed = True
+        batch.claim_keys.clear()
         for m in batch.micro_steps:
             m.seqs = []
         for gid in batch.groups:

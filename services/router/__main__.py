@@ -14,10 +14,12 @@ from gyre.v1 import router_pb2_grpc
 from services.router.calls import CallPolicy
 from services.router.config import RouterConfig
 from services.router.engine_client import GrpcEngineClient, PackerTurnSink
+from services.router.failures import FailureReporter, SchedulerReports
 from services.router.http_api import OpenAIApi
 from services.router.limits import model_context
 from services.router.manager import CallManager
-from services.router.metrics import RouterCollector, serve as serve_metrics
+from services.router.metrics import RouterCollector
+from services.router.metrics import serve as serve_metrics
 from services.router.routes import RouteTable
 from services.router.servicer import RouterServicer
 from services.router.store import RouteStore
@@ -48,7 +50,9 @@ async def build(rt: Runtime) -> Services:
         kv_timeout_s=cfg.kv_timeout_s,
         coalesce_s=cfg.coalesce_ms / 1000.0,
     )
-    manager = CallManager(table, engines, policy, turns)
+    reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
+    reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
+    manager = CallManager(table, engines, policy, turns, reporter=reporter)
     limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
                   request_timeout_s=cfg.request_timeout_s, turn_tokens=cfg.max_turn_tokens,
                   context_tokens=cfg.max_model_len or model_context(cfg.model_dir))
@@ -92,6 +96,7 @@ async def build(rt: Runtime) -> Services:
         await turns.flush(cfg.grace_s)
         await manager.close()
         await engines.close()
+        await reports.close()
         if sink is not None:
             await sink.close()
 

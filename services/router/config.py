@@ -64,11 +64,18 @@ class RouterConfig(ServiceConfig):
         ),
     )
     failover_wait_s: float = Field(
-        2.0, ge=0,
+        12.0, ge=0,
         description=(
-            "After an engine failure, how long to wait for the scheduler to move the route before "
-            "retrying at the current one."
+            "After an engine failure, how long the call is held open for the scheduler to move the "
+            "route before retrying at the current one. The router reports the failure, so a dead "
+            "engine's routes move within about a second; this covers the case where no report gets "
+            "through (the move then comes when the cell's lease lapses). A scheduler answer that "
+            "the engine lives ends the wait at once."
         ),
+    )
+    report_engine_failures: bool = Field(
+        True,
+        description="Report engine failures to the scheduler leader (SchedulerControl.ReportEngineFailure).",
     )
     engine_idle_timeout_s: float = Field(
         30.0, gt=0,

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gyre.telemetry import execution_id_var
+from gyre.tokens import Chunk, FinishReason
 from services.router.calls import CallPolicy, ModelCall, RouterStats
-from services.router.engine import Chunk, EngineClient, Finish, Sampling
+from services.router.engine import EngineClient, Sampling
+from services.router.failures import FailureReporter
 from services.router.routes import Route, RouteTable
 from services.router.stops import OutputText
 from services.router.trajectory import TrajectoryStore
@@ -35,8 +37,10 @@ class CallManager:
         policy: CallPolicy,
         turns: TurnRecorder,
         stats: RouterStats | None = None,
+        reporter: FailureReporter | None = None,
     ) -> None:
         self.routes = routes
+        self._reporter = reporter
         self.stats = stats or RouterStats()
         self._engines = engines
         self._policy = policy
@@ -93,6 +97,7 @@ class CallManager:
             deadline=loop.time() + timeout_s,
             background=self.spawn,
             output_text=output_text,
+            report=self._reporter.report if self._reporter is not None else None,
         )
         if call_box is not None:
             call_box.append(call)
@@ -101,7 +106,7 @@ class CallManager:
         try:
             async for chunk in call.stream():
                 yield chunk
-            if call.finish in (Finish.STOP, Finish.LENGTH):
+            if call.finish in (FinishReason.STOP, FinishReason.LENGTH):
                 call.trajectory = self.trajectories.record(
                     execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
                 )

@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
+from gyre.etcd.values import Route
 from services.scheduler.leadership import Leadership
-from services.scheduler.placement import CellRecord, CellTable, RouteRecord, RouteTable
+from services.scheduler.placement import CellRecord, CellTable, RouteTable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,17 +41,37 @@ class Fleet:
         self.router_targets: list[str] = []
         self.placement_lock = asyncio.Lock()
         """Held while picking a slot and reserving it (launches, reroutes)."""
+        self.planned: tuple[str, ...] = ()
+        """Cells the policy plans to move to training next (PlanMoves): placement avoids them."""
+        self.spread = False
+        """Placement fills the least loaded rollout cell first (else packs by index)."""
         self._router_target = router_target
         self._registrations: list[bytes] = []
         self._states: dict[str, bytes] = {}
         self._loaded: dict[str, int] = {}
         self._missing_since: dict[str, float] = {}
+        self._reg_revisions: dict[str, int] = {}
+        self._down_at: dict[str, int] = {}
 
     # Inputs from watches ------------------------------------------------------------------
 
     def on_cells(self, items: Mapping[bytes, Any]) -> None:
         self._registrations = [kv.value for kv in items.values()]
+        self._reg_revisions = {kv.key.decode(errors="replace").rsplit("/", 1)[-1]: getattr(kv, "mod_revision", 0)
+                for kv in items.values()}
+        # A dead cell's mark holds while its old registration lingers; a new put (the cell
+        # restarted and registered again) or its removal (the lease lapsed) clears it.
+        for cid, rev in list(self._down_at.items()):
+            if self._reg_revisions.get(cid) != rev:
+                del self._down_at[cid]
+                self.cells.down.discard(cid)
         self.cells.refresh(self._registrations, self._states)
+
+    def mark_down(self, cell_id: str) -> None:
+        """The cell's engine is dead (reported by a router, confirmed by a probe): no new
+        work goes there, even before its registration lapses."""
+        self._down_at[cell_id] = self._reg_revisions.get(cell_id, 0)
+        self.cells.down.add(cell_id)
 
     def on_cell_states(self, items: Mapping[bytes, Any]) -> None:
         self._states = {kv.key.decode().rsplit("/", 1)[-1]: kv.value for kv in items.values()}
@@ -79,7 +100,7 @@ class Fleet:
 
     # Routes -------------------------------------------------------------------------------
 
-    def reset_routes(self, routes: Iterable[RouteRecord], is_open: Callable[[str], bool],
+    def reset_routes(self, routes: Iterable[Route], is_open: Callable[[str], bool],
             keep_pending: bool = False) -> None:
         """Replaces the route table with ``routes`` of open executions; with ``keep_pending``,
         launches still in flight (mod_revision 0, not in etcd yet) keep their slots."""

@@ -11,6 +11,7 @@ Where each concern lives (every part has a typed interface; none reaches into an
 * :mod:`supply` - the packer's supply signal;
 * :mod:`publication` - the newest policy version and loading it on rollout engines;
 * :mod:`transitions` - moving cells between roles, reroutes, rescues;
+* :mod:`failures` - engine failures reported by routers (probe, mark down, reroute at once);
 * :mod:`commands` - the policy's actions carried out (``match`` over the action union);
 * :mod:`control` - the control loop and the policy's snapshot;
 * :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
@@ -35,6 +36,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.control import ControlLoop
 from services.scheduler.events import EventLog, Metrics
 from services.scheduler.executions import Acquired, Executions, Launched
+from services.scheduler.failures import EngineFailures
 from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
@@ -42,7 +44,7 @@ from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
-from services.scheduler.policy import Policy, capacity, make_policy
+from services.scheduler.policy import GyreConfig, Policy, capacity, make_policy
 from services.scheduler.publication import Publication
 from services.scheduler.relay import FinishRelay
 from services.scheduler.status import SchedulerStatus, cell_statuses
@@ -84,6 +86,9 @@ class Scheduler:
         self.policy = self._policy_given or make_policy(
             cfg.policy, fraction=cfg.fraction, interval_s=cfg.interval_s,
             training_cells=cfg.static_training_cells, drain_grace_s=cfg.drain_grace_s,
+            gyre=GyreConfig(min_horizon_s=cfg.gyre_min_horizon_s, hysteresis=cfg.gyre_hysteresis,
+                            plan_ahead=cfg.gyre_plan_ahead, rates=cfg.gyre_rates, keep=cfg.gyre_keep,
+                            plan=cfg.gyre_plan, migrate=cfg.gyre_migrate, drain_grace_s=cfg.drain_grace_s),
         )
         self.lead = Leadership(store)
         self.ledger = Ledger()
@@ -91,7 +96,7 @@ class Scheduler:
         self.changes = Changes()
         if not hasattr(self, "history"):
             self.history = History(cfg.history_file)
-        self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes)
+        self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s)
         self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
             KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
@@ -107,10 +112,12 @@ class Scheduler:
         self.transitions = TransitionRunner(cfg, self.lead, self.fleet, peers, self.publication, self.supply,
                 self.telemetry, self.history, self.changes, self.executions.reload_routes, clock)
         self.commands = Commands(self.lead, peers, self.bursts, self.transitions, self.publication,
-                self.telemetry)
+                self.telemetry, self.fleet)
+        self.failures = EngineFailures(self.lead, self.fleet, peers, self.transitions, self.telemetry,
+                cfg.engine_probe_timeout_s)
         self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
                 self.executions, self.supply, self.publication, self.transitions, self.commands,
-                self.telemetry, self.changes, clock)
+                self.telemetry, self.changes, clock, wall)
 
     async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:
         """Stops acting and forgets everything the leadership held (its lease is gone, or a
@@ -239,6 +246,10 @@ class Scheduler:
     async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
             key: str, harness: str | None = None) -> FinishOutcome:
         return await self.executions.finish(execution_id, token, status, reward, key, harness)
+
+    async def engine_failed(self, cell_id: str, target: str, reason: str) -> tuple[bool, int]:
+        """A router's engine-failure report: (dead, executions on the cell)."""
+        return await self.failures.report(cell_id, target, reason)
 
     # Loops --------------------------------------------------------------------------------
 

@@ -154,7 +154,7 @@ def _scheduler_config(tmp: Path, etcd_endpoint: str, cluster: str) -> Path:
         "scheduler": {**common, "policy": "rollout_only", "batch_size": 4, "group_size": 2, "over_provision": 0.0,
                       "max_bursts": 1, "reconcile_s": 0.1, "heartbeat_deadline_s": 120.0},
         "cell_agent": {**common, "cell_id": "sa-0", "kind": "standalone", "index": -1, "slots": 8,
-                       "engine": "mock", "mock_fixed_decode_step_s": 0.002, "probe_interval_s": 0.5},
+                       "engine": "mock", "mock": {"fixed_decode_step_s": 0.002}, "probe_interval_s": 0.5},
     }))
     return path
 

@@ -78,6 +78,8 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await hb.acquire(wait_s=0)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and a.target in err.value.details()
+        trailing = dict(err.value.trailing_metadata() or ())
+        assert trailing.get("x-gyre-leader") == a.target and trailing.get("retry-after-ms")  # the client follows it
         execs = [await ha.acquire() for _ in range(5)]
         for e in execs[:2]:
             await ha.finish(e)

@@ -112,8 +112,9 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(env):
     # The destination read the context instead of recomputing it: all but the last block.
     received = [r for r in _log_records(env["logs"]["vb"]) if r.get("message") == "kv handoff received"]
     assert len(received) == 1, received
-    assert received[0]["prompt_tokens"] == len(PROMPT) + 8
-    assert received[0]["cached_tokens"] >= len(PROMPT) + 8 - 128
+    context = received[0]["prompt_tokens"]  # the prompt + the tokens generated at the source
+    assert len(PROMPT) + 8 <= context < len(PROMPT) + MAX_TOKENS
+    assert received[0]["cached_tokens"] >= context - 128
     load = None
     for _ in range(200):  # the pin is released after the destination's first token
         load = await env["engines"]["va"].GetLoad(cell_agent_pb2.GetLoadRequest(), timeout=5)

@@ -126,6 +126,9 @@ async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[st
             assert kv is not None and json.loads(kv.value)["version"] == 1
             st = await stub.GetBatch(ppb.GetBatchRequest(batch_id=batch), timeout=10)
             assert st.sealed and st.closed and st.acked == st.micro_steps
+            # The core opened one attempt and committed it after its durable step.
+            assert st.committed and st.attempt == 1
+            assert st.counters.consumed == st.counters.produced - sum(st.counters.dropped.values())
         _, state = await pull_snapshot(targets[-1], 1)
         return state
     finally:

@@ -22,11 +22,17 @@ class FakeSource:
         self.packer = packer
         self.cell_id = cell_id
 
-    async def claim(self, batch_id: int, policy_version: int, wait_s: float) -> Claim:
+    async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim:
         return await asyncio.to_thread(self.packer.claim_sync, self.cell_id, batch_id, policy_version, wait_s)
 
     async def ack(self, batch_id: int, micro_step_id: str) -> None:
         self.packer.ack_sync(batch_id, micro_step_id)
+
+    async def open_batch(self, batch_id: int) -> None:
+        self.packer.open_sync(batch_id)
+
+    async def commit(self, batch_id: int) -> None:
+        self.packer.commit_sync(batch_id)
 
     async def keep(self) -> None:
         return None

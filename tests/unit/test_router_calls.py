@@ -15,8 +15,10 @@ import pytest
 
 from bench.support.fake_engine import context_state, next_state, reference, token_for
 from gyre.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from gyre.tokens import Chunk, FinishReason
 from services.router.calls import CallPolicy, RouterStats
-from services.router.engine import Chunk, EngineRequest, Finish, KvHandle, Sampling
+from services.router.engine import EngineRequest, KvHandle, Sampling
+from services.router.failures import FailureReporter
 from services.router.manager import CallManager
 from services.router.routes import Route, RouteTable
 from services.router.turns import Turn, TurnRecorder
@@ -64,10 +66,10 @@ class FakeEngines:
                     ids.append(tok)
                     lps.append(lp)
                     if tok in request.sampling.stop_token_ids:
-                        finish = Finish.STOP
+                        finish = FinishReason.STOP
                         break
                     if sent + len(ids) >= request.sampling.max_tokens:
-                        finish = Finish.LENGTH
+                        finish = FinishReason.LENGTH
                         break
                 await asyncio.sleep(s.delay_s)
                 yield Chunk(ids, lps, s.policy_version, finish)
@@ -139,7 +141,7 @@ async def test_unmoved_call_matches_reference_and_records_turn():
     task = asyncio.create_task(turns.run())
     out, chunks = await run_call(mgr, 20)
     assert out == reference(1, PROMPT, 20)
-    assert chunks[-1].finish is Finish.LENGTH
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
     assert await turns.flush(2.0)
     assert len(sink.turns) == 1 and list(sink.turns[0].output_token_ids) == out
     assert sink.turns[0].output_policy_versions == (1,) * 20 and sink.turns[0].turn_index == 0
@@ -299,7 +301,7 @@ async def test_stop_token_ends_call_and_nothing_follows():
     mgr, _, _, _, _ = setup({"a": Script(per_chunk=4)})
     out, chunks = await run_call(mgr, 50, stop=[stop])
     assert out == ref[: ref.index(stop) + 1]
-    assert chunks[-1].finish is Finish.STOP
+    assert chunks[-1].finish_reason is FinishReason.STOP
 
 
 async def test_kv_handoff_exports_imports_and_releases():
@@ -377,7 +379,7 @@ async def test_coalescing_window_merges_tokens_without_changing_them():
     out, chunks = await run_call(mgr, 30)
     assert out == reference(1, PROMPT, 30)
     assert len(chunks) < 15  # ~10 tokens per message instead of 1
-    assert chunks[-1].finish is Finish.LENGTH
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_sampled_calls_without_seed_get_distinct_reproducible_seeds():
@@ -391,3 +393,66 @@ def test_sampled_calls_without_seed_get_distinct_reproducible_seeds():
     assert a == call_seed("b1-t0-0", prompt)
     assert call_seed("b1-t0-0", prompt + [9]) != a
     assert 0 < a < 2**31
+
+
+class _Scheduler:
+    """Stands in for the scheduler leader behind FailureReporter: answers each report."""
+
+    def __init__(self, table: RouteTable, dead: bool) -> None:
+        self.table = table
+        self.dead = dead
+        self.reports: list[tuple[str, str, str]] = []
+
+    async def send(self, cell_id: str, target: str, reason: str) -> bool:
+        self.reports.append((cell_id, target, reason))
+        await asyncio.sleep(0.01)
+        if self.dead:  # the leader found it dead and rerouted at once
+            self.table.apply(route("b", 2))
+        return self.dead
+
+
+def _with_reporter(scripts: dict[str, Script], dead: bool, **policy: object):
+    mgr, table, engines, _, _ = setup(scripts, **policy)
+    sched = _Scheduler(table, dead)
+    mgr._reporter = FailureReporter(sched.send)
+    return mgr, table, engines, sched
+
+
+async def test_a_failed_engine_is_reported_and_the_call_continues_at_the_reroute():
+    mgr, _, engines, sched = _with_reporter({"a": Script(fail_after=4), "b": Script()}, dead=True,
+                                            retry_budget=1, failover_wait_s=30.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out, _ = await run_call(mgr, 12)
+    assert out == reference(1, PROMPT, 12)  # one unbroken response
+    assert loop.time() - t0 < 2.0  # the reroute, not failover_wait_s
+    assert [r[:2] for r in sched.reports] == [("a", "a")]
+    assert [t for t, _ in engines.requests] == ["a", "b"]
+
+
+async def test_an_engine_the_scheduler_finds_alive_is_retried_at_once():
+    mgr, _, engines, sched = _with_reporter({"a": Script(fail_after=4)}, dead=False,
+                                            retry_budget=1, failover_wait_s=30.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out, _ = await run_call(mgr, 12)
+    assert out == reference(1, PROMPT, 12)
+    assert loop.time() - t0 < 2.0
+    assert len(sched.reports) == 1 and [t for t, _ in engines.requests] == ["a", "a"]
+
+
+async def test_one_report_per_engine_while_it_is_in_flight():
+    calls: list[str] = []
+    gate = asyncio.Event()
+
+    async def send(cell_id: str, target: str, reason: str) -> bool:
+        calls.append(cell_id)
+        await gate.wait()
+        return True
+
+    reporter = FailureReporter(send, reuse_s=10.0)
+    futs = [reporter.report("a", "t", "x") for _ in range(5)]
+    gate.set()
+    assert await asyncio.gather(*futs) == [True] * 5
+    assert await reporter.report("a", "t", "x") is True  # reused within reuse_s
+    assert calls == ["a"]

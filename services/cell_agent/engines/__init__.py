@@ -15,6 +15,7 @@ __all__ = ["Chunk", "Engine", "EngineDead", "FinishReason", "KvHandle", "Samplin
 def build_engine(cfg: CellAgentConfig) -> Engine:
     """The engine the config names (not started)."""
     if cfg.engine == "vllm":
+        from gyre.grpcx.tls import process_tls
         from services.cell_agent.engines.vllm_engine import VllmEngine
 
         if not cfg.model_dir:
@@ -33,6 +34,7 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
             kv_host=cfg.kv_host,
             kv_pin_ttl_s=cfg.kv_pin_ttl_s,
             kv_read_timeout_s=cfg.kv_read_timeout_s,
+            kv_tls=process_tls(),
         )
     from services.cell_agent.engines.mock import MockEngine, MockFaults, MockTiming
 

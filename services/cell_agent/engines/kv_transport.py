@@ -16,6 +16,10 @@ blocks it can serve); only the bulk data path differs:
 * ``cuda_ipc``: same node: the source shares its KV-cache tensors once as CUDA IPC handles;
   the destination maps them and copies the pinned blocks device to device.
 
+With TLS files (the cell agent passes its own identity), the TCP stream is mutual TLS and
+both ends must hold a ``cell-agent`` certificate of the cluster's CA; the handle id (128
+random bits, passed only over mTLS gRPC) is the capability that names a pin.
+
 The source answers a read only after the request's writes stopped (the pin is *sealed*),
 serves at most the longest block-aligned prefix its tokens share with the destination's,
 and counts the read in the pin so the blocks cannot be released mid-copy. A missing or
@@ -31,6 +35,7 @@ import json
 import logging
 import socket
 import socketserver
+import ssl
 import struct
 import threading
 import time
@@ -228,6 +233,41 @@ def common_blocks(mine: list[int], theirs: list[int], available: int, block_size
     return n // block_size
 
 
+# Mutual TLS -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KvTls:
+    """The PEM files of this engine's identity and the CA it trusts."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def context(self, server: bool) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        ctx.load_verify_locations(self.ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.check_hostname = False  # peers are checked by the role their certificate names
+        return ctx
+
+
+def _check_peer(sock: socket.socket) -> None:
+    """Only cell agents may read or serve KV blocks."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return
+    from cryptography import x509
+
+    from gyre.certs import identity_of
+    from gyre.identity import Role
+
+    der = sock.getpeercert(binary_form=True)
+    if der is None or identity_of(x509.load_der_x509_certificate(der)).role is not Role.CELL_AGENT:
+        raise KvReadError("the KV peer is not a cell agent")
+
+
 # Framing ----------------------------------------------------------------------------------
 
 
@@ -279,10 +319,13 @@ _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, tor
 class KvServer:
     """Serves the pinned blocks of one engine to destinations (thread per connection)."""
 
-    def __init__(self, table: PinTable, caches: PagedCaches, block_size: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, table: PinTable, caches: PagedCaches, block_size: int, host: str = "127.0.0.1", tls: KvTls | None = None
+    ) -> None:
         self.table = table
         self.caches = caches
         self.block_size = block_size
+        self._tls = tls.context(server=True) if tls is not None else None
         self._ipc_handles: dict[str, Any] | None = None
         server = self
 
@@ -305,6 +348,10 @@ class KvServer:
 
     def _serve(self, sock: socket.socket) -> None:
         try:
+            if self._tls is not None:
+                sock.settimeout(10.0)
+                sock = self._tls.wrap_socket(sock, server_side=True)
+                _check_peer(sock)
             req = _recv_msg(sock)
             timeout_s = float(req["timeout_s"])
             sock.settimeout(timeout_s)
@@ -393,15 +440,17 @@ class ReadSpec:
     timeout_s: float
 
 
-def read(spec: ReadSpec, caches: PagedCaches) -> int:
+def read(spec: ReadSpec, caches: PagedCaches, tls: KvTls | None = None) -> int:
     """Fills ``spec.dst_blocks`` from the source; returns how many leading blocks were
     filled (all of them, or the prefix the source could serve). Raises KvReadError."""
     if spec.medium not in MEDIUMS:
         raise KvReadError(f"medium {spec.medium!r} is not supported here")
     host, _, port = spec.locator.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=spec.timeout_s) as sock:
+        with socket.create_connection((host, int(port)), timeout=spec.timeout_s) as raw:
+            sock = tls.context(server=False).wrap_socket(raw) if tls is not None else raw
             sock.settimeout(spec.timeout_s)
+            _check_peer(sock)
             names = list(caches.tensors)
             _send_msg(sock, {
                 "handle": spec.handle_id, "tokens": spec.token_ids, "first_block": spec.first_block,

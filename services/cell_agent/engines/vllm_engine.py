@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument
+from gyre.grpcx.tls import TlsFiles
 from services.cell_agent.engines.base import (
     Chunk,
     Engine,
@@ -88,6 +89,7 @@ class VllmEngine(Engine):
         kv_host: str = "127.0.0.1",
         kv_pin_ttl_s: float = 30.0,
         kv_read_timeout_s: float = 10.0,
+        kv_tls: TlsFiles | None = None,
     ) -> None:
         super().__init__(policy_version)
         self.model_dir = model_dir
@@ -98,6 +100,9 @@ class VllmEngine(Engine):
         self.kv_pin_ttl_s = kv_pin_ttl_s
         """How long a pin holds its blocks without a release (then they are freed)."""
         self.kv_read_timeout_s = kv_read_timeout_s
+        self.kv_tls = kv_tls
+        """The cell's identity for the KV stream (mutual TLS between cell agents); None (or
+        insecure files): plain TCP, for library use on one machine."""
         self._args: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=model_dir,
@@ -155,6 +160,7 @@ class VllmEngine(Engine):
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config={
                     "medium": self.kv_medium, "host": self.kv_host, "read_timeout_s": self.kv_read_timeout_s,
+                    "tls": _tls_files(self.kv_tls),
                 },
             )
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args, **extra))
@@ -380,6 +386,12 @@ class VllmEngine(Engine):
                     await self._llm.abort(ids)
             except (TimeoutError, Exception) as err:  # the engine may be wedged; the process exits next
                 log.warning("abort on engine death failed", extra={"error": repr(err)})
+
+
+def _tls_files(tls: TlsFiles | None) -> dict[str, str] | None:
+    if tls is None or tls.insecure:
+        return None
+    return {"cert_file": tls.cert_file, "key_file": tls.key_file, "ca_file": tls.ca_file}
 
 
 def _logprob(entry: Any, token: int) -> float:

@@ -51,6 +51,7 @@ from services.cell_agent.engines.kv_transport import (
     MEDIUMS,
     KvReadError,
     KvServer,
+    KvTls,
     PagedCaches,
     PinTable,
     ReadSpec,
@@ -136,6 +137,8 @@ class GyreKvConnector(KVConnectorBase_V1):
         self._medium = str(extra.get("medium", "tcp"))
         self._host = str(extra.get("host", "127.0.0.1"))
         self._read_timeout_s = float(extra.get("read_timeout_s", 10.0))
+        tls = extra.get("tls")
+        self._tls = KvTls(str(tls["cert_file"]), str(tls["key_file"]), str(tls["ca_file"])) if tls else None
         if self._medium not in MEDIUMS:
             raise ValueError(f"unknown KV medium {self._medium!r}")
         # Scheduler side.
@@ -206,7 +209,7 @@ class GyreKvConnector(KVConnectorBase_V1):
         self._caches = PagedCaches(dict(kv_caches), int(self._kv_cache_config.num_blocks))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gyre-kv-read")
         if _SERVER.server is None:
-            _SERVER.server = KvServer(TABLE, self._caches, self._block, self._host)
+            _SERVER.server = KvServer(TABLE, self._caches, self._block, self._host, self._tls)
             _SERVER.medium = self._medium
             log.info("kv server listening", extra={"locator": _SERVER.server.locator, "medium": self._medium})
 
@@ -215,7 +218,8 @@ class GyreKvConnector(KVConnectorBase_V1):
         assert isinstance(meta, GyreKvMetadata)
         for load in meta.loads:
             assert self._pool is not None and self._caches is not None
-            self._reads[load.request_id] = (self._pool.submit(read, load.spec, self._caches), len(load.spec.dst_blocks))
+            fut = self._pool.submit(read, load.spec, self._caches, self._tls)
+            self._reads[load.request_id] = (fut, len(load.spec.dst_blocks))
         if meta.idle and not meta.loads:
             time.sleep(IDLE_STEP_S)
 

@@ -16,9 +16,16 @@ One batch, on every participant (core = index 0, satellites 1..):
      the membership (the joining window closes), everyone learns the prefix size ``k``;
   4. reduce: gradient sums and [tokens, stale] over the prefix group of size ``k`` to the
      core; the core normalizes by the total tokens, clips, steps once (idempotent per
-     batch id, durable before it is announced);
+     batch id, durable before it is announced), then commits the batch at the packer;
   5. share: the core broadcasts [version] and the new weights to the prefix, exposes
      snapshot ``v+1`` and publishes the policy version in etcd.
+
+No training data is lost: the core opens every attempt at a batch at the packer
+(``OpenBatch``), which makes the batch's acks leases; they become final only when the core
+commits (``CommitBatch``) after its step is durable. An attempt that fails before that (the
+core crashed, a collective broke) leaves its micro-steps uncommitted, and the core's next
+attempt (it reopens the batch when it is joined to it again) gets every one of them back.
+Claims carry an idempotency key, so a retried claim never takes a second micro-step.
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import torch
 
-from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, Unavailable
+from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, Unavailable
 from services.cell_agent.snapshots import SnapshotStore
-from services.cell_agent.training.core import CoreOptimizer
+from services.cell_agent.training.core import CoreOptimizer, failpoint
 from services.cell_agent.training.microstep import Claim, Outcome
 from services.cell_agent.training.ports import (
     Collective,
@@ -44,8 +52,8 @@ from services.cell_agent.training.ports import (
     PolicyPublisher,
     Puller,
 )
-from services.cell_agent.training.trainer import Trainer
 from services.cell_agent.training.retry import keep_claims, retrying
+from services.cell_agent.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +144,9 @@ class TrainingController:
             return
         restored = await asyncio.to_thread(self.core.restore)
         await asyncio.to_thread(self.snapshots.publish, self.version, self.trainer.state_dict())
+        if restored and self.core.last_batch_id:
+            # A crash between the step's record and its commit: commit again (idempotent).
+            await self._commit(self.core.last_batch_id)
         if restored and self.publisher is not None and self.core.last_batch_id:
             await self.publisher.publish(self.version, self.core.last_batch_id)
 
@@ -234,6 +245,13 @@ class TrainingController:
         if named > version:
             log.warning("JoinBatch names a version the core does not hold", extra={"named": named, "have": version})
             return None
+        # A new attempt: the packer makes this batch's acks leases until our commit, and hands
+        # out again whatever an earlier attempt (lost with a crash or a broken collective) held.
+        try:
+            await retrying(lambda: self.source.open_batch(batch_id))
+        except FailedPrecondition as exc:
+            log.warning("the packer refuses to open the batch", extra={"batch_id": batch_id, "error": str(exc)})
+            return None
         # Expose v before training on it (a no-op when it is exposed already).
         await asyncio.to_thread(self.snapshots.publish, version, self.trainer.state_dict())
         await asyncio.to_thread(self.membership.open, batch_id, version)
@@ -282,6 +300,7 @@ class TrainingController:
         out = BatchOutcome(batch_id, version)
         self.trainer.open_window(version)
         await self._consume(batch_id, version, out, started)
+        failpoint("training.before_reduce")  # every micro-step acked, nothing durable yet
         # 3. Close the joining window.
         k = await asyncio.to_thread(self.membership.freeze, batch_id)
         out.prefix_size = k
@@ -295,6 +314,8 @@ class TrainingController:
         result = await asyncio.to_thread(self.core.step, batch_id, grad, out.total_tokens)
         self.trainer.close_window()
         out.new_version, out.applied = result.version, result.applied
+        failpoint("training.before_commit")
+        await self._commit(batch_id)  # the step is durable: the micro-steps are trained for good
         # 5. Share: broadcast to the prefix, expose, publish.
         if k > 1:
             # The step is committed: a satellite lost now does not stop its publication.
@@ -394,7 +415,15 @@ class TrainingController:
             await asyncio.gather(keeper, *( [pending] if pending else []), return_exceptions=True)
 
     async def _claim(self, batch_id: int, version: int) -> Claim:
-        return await retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s))
+        key = uuid.uuid4().hex  # one key for every retry of this claim
+        return await retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s, key))
+
+    async def _commit(self, batch_id: int) -> None:
+        try:
+            await retrying(lambda: self.source.commit(batch_id))
+        except (FailedPrecondition, NotFound) as exc:
+            # A packer that forgot the batch (a new WAL) or never leased it: nothing to redeliver.
+            log.warning("the packer did not commit the batch", extra={"batch_id": batch_id, "error": str(exc)})
 
 
 def _log_failure(task: asyncio.Task[BatchOutcome]) -> None:

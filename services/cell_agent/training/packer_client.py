@@ -24,11 +24,12 @@ class PackerSource:
         self._channel = channel or dial(target, process_tls(), Role.PACKER, channel_options(max_message_bytes))
         self._stub = ppb_grpc.PackerStub(self._channel)
 
-    async def claim(self, batch_id: int, policy_version: int, wait_s: float) -> Claim:
+    async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim:
         resp = await unary(
             self._stub.ClaimMicroStep,
             ppb.ClaimMicroStepRequest(
-                cell_id=self.cell_id, batch_id=batch_id, policy_version=policy_version, wait_s=wait_s
+                cell_id=self.cell_id, batch_id=batch_id, policy_version=policy_version, wait_s=wait_s,
+                claim_id=claim_id,
             ),
             timeout_s=wait_s + self.rpc_timeout_s,
         )
@@ -42,6 +43,14 @@ class PackerSource:
             ppb.AckMicroStepRequest(cell_id=self.cell_id, batch_id=batch_id, micro_step_id=micro_step_id),
             timeout_s=self.rpc_timeout_s,
         )
+
+    async def open_batch(self, batch_id: int) -> None:
+        await unary(self._stub.OpenBatch, ppb.OpenBatchRequest(cell_id=self.cell_id, batch_id=batch_id),
+                    timeout_s=self.rpc_timeout_s)
+
+    async def commit(self, batch_id: int) -> None:
+        await unary(self._stub.CommitBatch, ppb.CommitBatchRequest(cell_id=self.cell_id, batch_id=batch_id),
+                    timeout_s=self.rpc_timeout_s)
 
     async def keep(self) -> None:
         await unary(self._stub.KeepClaims, ppb.KeepClaimsRequest(cell_id=self.cell_id), timeout_s=self.rpc_timeout_s)

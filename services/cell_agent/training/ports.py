@@ -14,11 +14,18 @@ from services.cell_agent.training.microstep import Claim
 
 
 class MicroStepSource(Protocol):
-    """The packer's claim API for one cell."""
+    """The packer's claim API for one cell. A claim retried with the same ``claim_id``
+    answers the same micro-step. In a batch the core opened (``open_batch``), an ack is a
+    lease until the core's ``commit``; opening the batch again (a new attempt after a
+    failed one) returns every uncommitted micro-step to the pool."""
 
-    async def claim(self, batch_id: int, policy_version: int, wait_s: float) -> Claim: ...
+    async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim: ...
 
     async def ack(self, batch_id: int, micro_step_id: str) -> None: ...
+
+    async def open_batch(self, batch_id: int) -> None: ...
+
+    async def commit(self, batch_id: int) -> None: ...
 
     async def keep(self) -> None: ...
 
