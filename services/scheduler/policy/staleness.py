@@ -56,7 +56,12 @@ def gate(version: int, max_staleness: int, batch_groups: int, extra_groups: int 
 
 
 def dispatch_room(p: Pipeline, version: int) -> int:
-    """Groups that may be dispatched now without breaking the gate (>= 0)."""
+    """Groups that may be dispatched now without breaking the gate (>= 0). None while a group
+    stamped ``version`` would be unconsumable at once (eta = 0 and the batch in progress
+    full: wait for the update), else cancelling would free room for groups cancelled next."""
+    full = p.optimizing or p.batch_assigned >= p.batch_groups
+    if unconsumable(version, version, full, p.max_staleness):
+        return 0
     return max(0, gate(version, p.max_staleness, p.batch_groups, p.extra_groups) - p.usable_dispatched)
 
 
