@@ -10,8 +10,8 @@ certificate in ``tls_dir`` (an identity directory: tls.crt, tls.key, ca.crt; def
 Failover is invisible to the harness. ``scheduler_target`` may name several scheduler
 replicas ("host:a,host:b", or a list); only the leader serves harness calls, a standby
 answers UNAVAILABLE naming the leader, and the client follows it. Every call is retried on
-UNAVAILABLE and DEADLINE_EXCEEDED (capped exponential back-off with jitter, gyre.backoff) until ``retry_s`` has passed
-since its first attempt (default 30 s, or ``$GYRE_HARNESS_RETRY_S``): long enough for a
+UNAVAILABLE and DEADLINE_EXCEEDED (capped exponential back-off with jitter, gyre.backoff)
+until ``retry_s`` has passed since its first attempt (default 30 s, or ``$GYRE_HARNESS_RETRY_S``): long enough for a
 leader failover (the old leader's lease TTL, 10 s by default, plus the election and the
 rebuild). Retries are safe: AcquireExecution and FinishExecution carry idempotency keys (a
 retried acquire returns the same execution and token, also from the new leader), and a
@@ -171,6 +171,7 @@ class HarnessClient:
         last error as a GyreError). Only for calls that are safe to repeat."""
         started = time.monotonic()
         backoff = Backoff(0.1, 2.0)
+        followed = False
         while True:
             try:
                 return await attempt_fn(self.stub, timeout_s)
@@ -178,11 +179,14 @@ class HarnessClient:
                 left = started + self.retry_s - time.monotonic()
                 if err.code() not in _RETRYABLE or left <= 0:
                     raise from_rpc_error(err) from err
-                now_at_leader = self._follow(err)
+                # A leader named by a standby is tried at once, but not twice in a row (two
+                # replicas naming each other mid-election must not be spun on).
+                at_once = self._follow(err) and not followed
+                followed = at_once
                 self.retries += 1
                 log.info("%s: %s from the scheduler; retrying at %s (%.1f s left)", what, err.code().name,
                          self.target, left)
-                if not now_at_leader:
+                if not at_once:
                     await asyncio.sleep(min(backoff.next(), max(left, 0.0)))
 
     async def acquire(self, wait_s: float = 10.0) -> ExecutionHandle | None:
