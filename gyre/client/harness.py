@@ -52,6 +52,12 @@ _STATUS = {
     "failed": common_pb2.EXECUTION_STATUS_FAILED,
     "cancelled": common_pb2.EXECUTION_STATUS_CANCELLED,
 }
+_FINAL_NAMES = {
+    common_pb2.EXECUTION_STATUS_COMPLETED: "COMPLETED",
+    common_pb2.EXECUTION_STATUS_FAILED: "FAILED",
+    common_pb2.EXECUTION_STATUS_TIMED_OUT: "TIMED_OUT",
+    common_pb2.EXECUTION_STATUS_CANCELLED: "CANCELLED",
+}
 
 
 LEADER_METADATA = "x-gyre-leader"
@@ -238,6 +244,13 @@ class ExecutionHandle:
         self._idempotency_key = uuid.uuid4().hex
         self._heartbeat: asyncio.Task[None] | None = None
         self.finished = False
+        self._reported_cancel = False
+        self.closed_as: str = ""
+        """The final status the scheduler holds for this execution once it is closed
+        ("COMPLETED", "FAILED", "TIMED_OUT", "CANCELLED"; "" while it runs). "CANCELLED"
+        without a cancel from this harness means the scheduler cancelled it (its group could
+        no longer be trained within the staleness bound): its model calls end with HTTP 409,
+        heartbeats stop, and a finish report is answered as a duplicate."""
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -270,9 +283,27 @@ class ExecutionHandle:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.heartbeat()
+                reply = await self.heartbeat()
             except GyreError as exc:
                 log.warning("heartbeat failed", extra={"execution_id": self.execution_id, "error": str(exc)})
+                continue
+            if self._closed(reply.status):
+                log.info("execution closed by the scheduler", extra={"execution_id": self.execution_id,
+                         "status": self.closed_as})
+                return
+
+    @property
+    def cancelled_by_scheduler(self) -> bool:
+        """True when the scheduler closed this execution as CANCELLED before this harness
+        reported an end (see ``closed_as``)."""
+        return self.closed_as == "CANCELLED" and not self._reported_cancel
+
+    def _closed(self, status: int) -> bool:
+        """Records a final status the scheduler reports; True when the execution is closed."""
+        if status in _FINAL_NAMES:
+            self.closed_as = _FINAL_NAMES[status]
+            return True
+        return False
 
     async def heartbeat(self) -> scheduler_pb2.HeartbeatResponse:
         """Keeps the execution alive; retried across a failover (it only pushes a deadline)."""
@@ -300,6 +331,8 @@ class ExecutionHandle:
             self._timeout_s,
         )
         self.finished = True
+        self._reported_cancel = status == "cancelled" and not reply.duplicate
+        self._closed(reply.status)
         if asyncio.current_task() is not self._heartbeat:
             await self.stop_heartbeats()
         return reply
