@@ -241,7 +241,7 @@ class _Runner:
         for where in placements[1:]:  # the best coarse point and its coarse neighbours
             for t in _neighbours(coarse, best.training_cells) if best is not None else coarse:
                 run_point(t, where)
-        if best is not None:
+        if best is not None and self.cfg.sweep_refine:
             for t in _refine(coarse, best.training_cells, cells):
                 run_point(t, best.placement)
         points.sort(key=lambda p: (p.placement, p.training_cells))
