@@ -402,7 +402,7 @@ class Packer:
         wake = self._wake
         try:
             await asyncio.wait_for(wake.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     # Decisions ---------------------------------------------------------------------------
