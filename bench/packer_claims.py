@@ -240,6 +240,18 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         etcd.cleanup()
 
 
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The output contract other tools read: claim + ack pairs/s over gRPC with the run's claimers
+    (``claim_ack_per_s_16`` when there are 16 of them, as by default), and its baseline."""
+    grpc_ = result["grpc"]
+    return {
+        "claim_ack_per_s_16": round(grpc_["claims_per_s"], 1) if result["params"]["claimers"] == 16 else None,
+        "claimers": result["params"]["claimers"],
+        "baseline_roundtrip_per_s": round(grpc_["baseline_getbatch_per_s"], 1),
+        "ratio_vs_roundtrip": round(grpc_["claim_vs_roundtrip"], 3),
+    }
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", type=int, default=48, help="groups per batch")
@@ -276,6 +288,7 @@ async def main() -> None:
         "claims_in_process": claims,
         "grpc": over_grpc,
     }
+    result["summary"] = summarize(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({
