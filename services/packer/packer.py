@@ -243,13 +243,13 @@ class Packer:
         if not 1 <= max_n <= MAX_CLAIMS_PER_CALL:
             raise InvalidArgument(f"max_micro_steps must be in 1..{MAX_CLAIMS_PER_CALL}, got {max_n}")
         first = await self.claim(cell_id, batch_id, version, wait_s, _nth_key(claim_id, 0))
-        if first.outcome is not ClaimOutcome.CLAIMED:
+        if first.micro_step is None:
             return first, []
         views = [first.micro_step]
         cell = CellId(cell_id)
         for k in range(1, max_n):
             more = self._try_claim(cell, first.batch_id, version, _nth_key(claim_id, k))
-            if more.outcome is not ClaimOutcome.CLAIMED:
+            if more.micro_step is None:
                 break
             views.append(more.micro_step)
         await self.log.sync()
