@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-fast bench bench-full protos lock clean up wheelhouse base-image images compose-up compose-smoke
+.PHONY: install demo test test-fast lint bench bench-full protos lock clean up wheelhouse base-image images compose-up compose-smoke
 
 install:  ## etcd (apt) when missing, .venv with the pinned packages
 	@./scripts/install.sh
@@ -18,9 +18,14 @@ up: install  ## start etcd + every service from one config (Ctrl-C stops all)
 	GYRE_ROUTER__MODEL_DIR=$(MODEL_DIR) GYRE_CELL_AGENT__MODEL_DIR=$(MODEL_DIR) \
 		$(PY) -m apps.launch --config $(or $(CONFIG),deploy/local/cluster.yaml) --certs-dir $(CURDIR)/.gyre/certs/local
 
-test: install  ## the whole suite (unit, integration, fault; gpu tests skip without CUDA)
+test: install lint  ## lint, types, then the whole suite (unit, integration, fault; gpu tests skip without CUDA)
 	@./scripts/install_browser.sh
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: install  ## ruff (rules + formatting) and mypy (strict on gyre/ and the policy), as configured in pyproject.toml
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
