@@ -11,7 +11,9 @@ merges them, and verifies the promises of RELIABILITY.md:
   in the committed attempt (none lost); every claim of a batch on the batch's one policy
   version (no mixed weight versions); no micro-step claimed again after its acknowledgement
   without its batch reopened (an ack lost); no micro-step acknowledged twice in one attempt;
-- across both, with ``complete`` (the run ended quiet): every execution the scheduler closed
+- router (services/router/turns.py): no turn record dropped (a full buffer loses training
+  data); turns recorded and refused are counted;
+- across scheduler and packer, with ``complete`` (the run ended quiet): every execution the scheduler closed
   reached the packer (or was refused by it, recorded), and the packer accepted no finish of
   an execution the scheduler never closed.
 
@@ -158,6 +160,14 @@ def _check_commit(n: int, b: int, batch: _Batch, bad: list[str]) -> None:
         bad.append(f"packer #{n}: batch {b} committed without acknowledgements of {missing} (micro-steps lost)")
 
 
+def check_router(ops: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
+    """A dropped turn record is training data lost; recorded and refused ones are counted."""
+    bad = [f"router #{n}: turn {op.get('turn_index')} of {op.get('execution_id')} dropped (turn buffer full)"
+           for n, op in enumerate(ops) if op.get("op") == "turn_dropped"]
+    counts = {f"turns_{k}": sum(1 for op in ops if op.get("op") == f"turn_{k}") for k in ("recorded", "refused", "dropped")}
+    return bad, counts
+
+
 def check_cross(sched: list[dict[str, Any]], packer: list[dict[str, Any]]) -> list[str]:
     """With both histories of a run that ended quiet: every close reached the packer, and
     the packer trained nothing the scheduler did not close."""
@@ -191,8 +201,13 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> Verdict:
         verdict.counts |= counts
     if complete and sched and packer:
         verdict.violations += check_cross(sched, packer)
+    router = by_svc.get("router", [])
+    if router:
+        bad, counts = check_router(router)
+        verdict.violations += bad
+        verdict.counts |= counts
     for svc, svc_ops in by_svc.items():
-        if svc not in ("scheduler", "packer"):
+        if svc not in ("scheduler", "packer", "router"):
             verdict.counts[f"{svc}_ops"] = len(svc_ops)
     return verdict
 

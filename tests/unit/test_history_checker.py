@@ -92,6 +92,8 @@ BAD = {
     "acknowledged twice in one attempt": lambda h: _mutate(h, len(h) - 1, _p("ack", ms="m1", cell="core")),
     "never reported to the packer": lambda h: _mutate(h, _index(h, op="finish", execution_id="b1-e1"), delete=True),
     "never closed by the scheduler": lambda h: h + [_p("finish", execution_id="b9-e0", group_id="g9", status="COMPLETED")],
+    "dropped \\(turn buffer full\\)": lambda h: h + [{"op": "turn_dropped", "t": 0, "epoch": 0, "svc": "router",
+                                                         "execution_id": "b1-e0", "turn_index": 3}],
     "reopened after its commit": lambda h: h + [_p("open", b=1, cell="core")],
     "after epoch 2 was elected": lambda h: _mutate(h, 6, _s("leader", rev=6, epoch=2)),
 }
