@@ -37,6 +37,7 @@ from apps.demo.chaos import Chaos
 from apps.harness.env import EnvConfig
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
+from services.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORIES = ("scheduler", "packer", "router")
@@ -205,6 +206,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     model_dir = build_model(console)
     template = render_config(opts, model_dir)
     cluster = Cluster(template, opts.run_dir, free_ports=True)
+    planned = planned_executions(cluster.section("scheduler"))
     console.print(f"run folder: {opts.run_dir}")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, lambda: cluster.start(progress=lambda name, target: console.print(f"[green]started[/] {name:<10} {target}")))
@@ -239,8 +241,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                     outcome = f"process given up on: {', '.join(cluster.dead())}"
                     break
                 faults_pending = opts.chaos is not None and during is not None and not during.done()
-                if (status is not None and status["bursts_completed"] >= opts.bursts and status["ledger"]["waterlevel"] == 0
-                        and not faults_pending):
+                if status is not None and _all_done(status, opts.bursts, planned) and not faults_pending:
                     break
                 if time.monotonic() - started > opts.timeout_s:
                     outcome = f"timed out after {opts.timeout_s:.0f} s"
@@ -305,6 +306,23 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     plot_timeline(timeline, opts.run_dir / "timeline.png", title=f"Gyre demo ({opts.engine} engines): roles, waterlevel and capacity")
     _print_summary(console, summary, opts.run_dir)
     return summary
+
+
+def planned_executions(section: dict[str, Any]) -> int:
+    """Executions the scheduler's task supply holds (``max_bursts`` bursts' worth of groups),
+    0 when unbounded."""
+    cfg = SchedulerConfig(**{k: v for k, v in section.items() if k in SchedulerConfig.model_fields})
+    return cfg.max_bursts * cfg.groups_per_burst() * cfg.group_size
+
+
+def _all_done(status: dict[str, Any], bursts: int, planned: int) -> bool:
+    """The run is over: the bursts completed, or every task was dispatched (the
+    asynchronous policies may dispatch several bursts' worth at once) and all finished."""
+    if status["ledger"]["waterlevel"] != 0:
+        return False
+    total = status.get("total") or {}
+    drained = planned > 0 and int(total.get("dispatched", 0)) >= planned and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
+    return status["bursts_completed"] >= bursts or drained
 
 
 def _check_histories(run_dir: Path, complete: bool) -> Verdict:
