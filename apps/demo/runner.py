@@ -218,7 +218,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
     inject = opts.chaos.run if opts.chaos is not None else opts.during
-    during = asyncio.create_task(inject(cluster)) if inject is not None else None
+    during: asyncio.Future[None] | None = asyncio.ensure_future(inject(cluster)) if inject is not None else None
     outcome = "completed"
     try:
         harness = asyncio.create_task(
