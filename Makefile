@@ -30,6 +30,7 @@ bench: install  ## benchmarks (~30 min on 2 cores); JSON in bench/results/, summ
 	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/scheduler_takeover.py
 	$(PY) bench/router_latency.py
+	$(PY) bench/engine_reroute.py
 	$(PY) bench/packer_claims.py
 	$(PY) bench/training_elastic.py
 	$(PY) bench/engine_mock.py

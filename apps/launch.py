@@ -13,9 +13,15 @@ The config file is the cluster config every service reads, plus a ``launch:`` se
 ``--free-ports`` remaps every loopback port of the file to a free one (tests, parallel
 runs). TLS is on by default: certificates are made on first start under ``--certs-dir``
 (default ``<run-dir>/certs``; ``{certs_dir}`` in the file stands for it) and the private
-etcd runs with TLS and a user per identity (see :mod:`apps.pki`). Logs go to ``<run-dir>/logs/<name>.log``. The launcher shows each process's status,
-restarts nothing (crash-only services are restarted by a real supervisor in production),
-and stops everything in reverse order on Ctrl-C or when a process dies.
+etcd runs with TLS and a user per identity (see :mod:`apps.pki`). Logs go to ``<run-dir>/logs/<name>.log``.
+
+The launcher supervises what it started like an orchestrator (:mod:`apps.supervise`): a
+process that exits is restarted with back-off and jitter and rejoins (etcd too, on its
+data); ``launch.restart`` tunes the policy (``enabled: false`` turns restarts off) and
+``restart: false`` on a process exempts it. Events go to ``<run-dir>/supervisor.jsonl``.
+Everything it started dies with it, however it dies (:mod:`gyre.lifeline`). It stops
+everything in reverse order on Ctrl-C, SIGTERM, or when a process is given up on
+(restarted too often: ``launch.restart.max_restarts`` within ``window_s``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import yaml
 from apps.limits import check_sequence_limits, check_shared_settings
 from apps.pki import LaunchPki
 from apps.procs import ServiceProcess
+from apps.supervise import RestartPolicy, Supervisor, SupervisorEvent
 from gyre.etcd.server import EtcdServer, free_port
 
 _PORT_RE = re.compile(r"(?P<pre>(?:127\.0\.0\.1|localhost):|port: )(?P<port>\d{2,5})\b")
@@ -70,12 +77,24 @@ class Cluster:
         self.config_path = self.run_dir / "cluster.yaml"
         self.config: dict[str, Any] = yaml.safe_load(text)
         self.pki = LaunchPki(self.config, certs_dir)
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False) if self.pki.changed else text)
+        # Cell incarnation records (services/cell_agent/incarnation.py) per run, never shared
+        # with another launcher's cells of the same name on this machine.
+        changed = self.pki.changed
+        if self._has_cells() and not (self.config.get("cell_agent") or {}).get("pid_dir"):
+            self.config["cell_agent"] = {**(self.config.get("cell_agent") or {}),
+                                         "pid_dir": str((self.run_dir / "pids").resolve())}
+            changed = True
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False) if changed else text)
         check_sequence_limits(self.config_path)  # before anything starts
         check_shared_settings(self.config_path)
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
         self.procs: dict[str, ServiceProcess] = {}
+        self.supervisor = Supervisor(RestartPolicy.from_config(self.launch.get("restart")),
+                                     journal=self.run_dir / "supervisor.jsonl")
+
+    def _has_cells(self) -> bool:
+        return any(p.get("service") == "cell_agent" for p in (self.launch.get("processes") or []))
 
     @property
     def launch(self) -> dict[str, Any]:
@@ -139,14 +158,41 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+        self.supervise()
         return self
 
+    def supervise(self) -> None:
+        """Puts etcd and every process whose spec does not say ``restart: false`` under the
+        supervisor (restart with back-off when it exits) and starts it."""
+        if self.etcd is not None:
+            self.supervisor.add(_EtcdChild(self.etcd))
+        exempt = {spec.get("name") or spec["service"] for spec in self.process_specs() if spec.get("restart") is False}
+        for name, proc in self.procs.items():
+            if name not in exempt:
+                self.supervisor.add(proc)
+        self.supervisor.start()
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far, by process name (``etcd`` included)."""
+        return self.supervisor.restarts()
+
+    def events(self) -> list[SupervisorEvent]:
+        """The supervisor's events so far (exits, back-offs, restarts, give-ups)."""
+        return self.supervisor.events()
+
     def dead(self) -> list[str]:
-        return [name for name, p in self.procs.items() if p.proc is not None and not p.alive()]
+        """Processes the run cannot go on without: given up on by the supervisor, or exited
+        where restarts are off (or the process is exempt)."""
+        supervised = {s["name"] for s in self.supervisor.status()} if self.supervisor.policy.enabled else set()
+        gone = [name for name, p in self.procs.items() if name not in supervised and p.proc is not None and not p.alive()]
+        return self.supervisor.failed() + gone
 
     def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            proc.stop()
+        self.supervisor.stop()
+        for _ in range(2):  # again for a restart that was still starting during the first pass
+            for proc in reversed(list(self.procs.values())):
+                proc.stop()
+            self.supervisor.join_restarts(30.0)
         if self.etcd is not None:
             self.etcd.stop()
 
@@ -158,6 +204,31 @@ class Cluster:
 
     def section(self, name: str) -> dict[str, Any]:
         return dict(self.config.get(name) or {})
+
+
+class _EtcdChild:
+    """The private etcd as a supervised child (restarted on its data and ports)."""
+
+    name = "etcd"
+
+    def __init__(self, server: EtcdServer) -> None:
+        self.server = server
+
+    @property
+    def pid(self) -> int:
+        return self.server.pid
+
+    def alive(self) -> bool:
+        return self.server.running()
+
+    def start(self) -> None:
+        self.server.start()
+
+    def after_exit(self) -> None:
+        """etcd starts nothing of its own."""
+
+    def returncode(self) -> int | None:
+        return self.server.returncode
 
 
 def _batches(specs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -174,13 +245,18 @@ def _status_table(cluster: Cluster) -> Any:
     from rich.table import Table
 
     table = Table(title=f"gyre cluster ({cluster.run_dir})")
-    for col in ("process", "pid", "target", "state"):
+    for col in ("process", "pid", "target", "state", "restarts"):
         table.add_column(col)
+    restarts = cluster.restarts()
+    states = {s["name"]: s["state"] for s in cluster.supervisor.status()}
     if cluster.etcd is not None:
-        table.add_row("etcd", "-", cluster.etcd.endpoint, "[green]up" if cluster.etcd.running() else "[red]down")
+        up = cluster.etcd.running()
+        table.add_row("etcd", str(cluster.etcd.pid if up else "-"), cluster.etcd.endpoint,
+                      "[green]up" if up else f"[red]{states.get('etcd', 'down')}", str(restarts.get("etcd", 0)))
     for name, p in cluster.procs.items():
         alive = p.alive()
-        table.add_row(name, str(p.pid if p.proc else "-"), p.target, "[green]up" if alive else f"[red]exited {p.proc.returncode if p.proc else ''}")
+        state = "[green]up" if alive else f"[red]{states.get(name, 'exited')} {p.returncode() if p.proc else ''}"
+        table.add_row(name, str(p.pid if alive else "-"), p.target, state, str(restarts.get(name, 0)))
     return table
 
 
@@ -202,12 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         cluster.start(progress=lambda name, target: console.print(f"[bold green]started[/] {name} {target}"))
+        cluster.supervisor.subscribe(lambda e: console.print(f"[yellow]supervisor[/] {e.name} {e.kind} {e.detail}"))
         console.print(f"config: {cluster.config_path}; logs: {cluster.run_dir / 'logs'}; Ctrl-C stops everything")
         with Live(_status_table(cluster), console=console, refresh_per_second=1) as live:
             while not stop.wait(1.0):
                 live.update(_status_table(cluster))
                 if cluster.dead():
-                    console.print(f"[red]process exited: {', '.join(cluster.dead())}; stopping")
+                    console.print(f"[red]given up on: {', '.join(cluster.dead())} (see {cluster.run_dir / 'supervisor.jsonl'}); stopping")
                     return 1
         return 0
     finally:

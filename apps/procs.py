@@ -66,6 +66,9 @@ class ServiceProcess:
             else:
                 env[key] = value
         # First start with a local CA (make up, the demo, tests): issue this identity's certificate.
+        self._ready.clear()  # a restart (apps.supervise) starts the same object again
+        self._lines = []
+        self.ready_info = {}
         config = read_file(self.config_path) if self.config_path else {}
         ensure_process_identity(self.service, config, self.overrides, env)
         stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -75,7 +78,7 @@ class ServiceProcess:
             self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
             start_new_session=True,
         )
-        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stdout, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.1):
             if self.proc.poll() is not None:
@@ -85,9 +88,9 @@ class ServiceProcess:
                 raise RuntimeError(f"{self.name} not ready after {timeout_s}s; log: {self.log_path}")
         return self
 
-    def _read_stdout(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def _read_stdout(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             self._lines.append(line)
             if not self._ready.is_set() and line.startswith("{"):
                 try:
@@ -110,6 +113,13 @@ class ServiceProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def after_exit(self) -> None:
+        """What the supervisor does once the process has exited (apps.supervise.Child)."""
+        self.reap_group()
 
     def signal(self, sig: int) -> None:
         if self.alive():

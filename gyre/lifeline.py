@@ -4,9 +4,9 @@ started so that its next incarnation can end what a crash left behind.
 Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere the parent-death parts do nothing.
 
 - **Children we start** (:func:`spawn`: the launcher's services and etcd, test processes):
-  the child arms the parent-death signal (SIGKILL) between fork and exec, then checks that
-  its parent is still the one that forked it (a parent that died before the signal was
-  armed would never send it) and exits at once if not. The kernel sends the signal when the
+  the child starts as this module, arms the parent-death signal (SIGKILL), checks that its
+  parent is still the one that forked it (a parent that died before the signal was armed
+  would never send it; it exits at once if not), then execs the program. The kernel sends the signal when the
   *thread* that forked the child exits, so every child is forked by one thread that lives
   as long as the process (:class:`_Spawner`), never by a short-lived worker thread.
 - **Children a library starts** (vLLM's engine core): the parent puts its pid in the
@@ -55,7 +55,7 @@ def _libc_prctl() -> Any:
     return prctl
 
 
-_PRCTL = _libc_prctl()  # resolved once, here: a forked child only calls it
+_PRCTL = _libc_prctl()
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -141,10 +141,26 @@ _SPAWNER = _Spawner()
 
 def spawn(args: list[str], **popen: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(args, **popen)``, forked by the spawner thread, whose child dies
-    (SIGKILL) when this process dies, however it dies."""
-    parent = os.getpid()
-    popen["preexec_fn"] = lambda: _arm(parent)
-    return _SPAWNER.run(lambda: subprocess.Popen(args, **popen))
+    (SIGKILL) when this process dies, however it dies.
+
+    The child starts as this module (``python -P lifeline.py -- args``), which arms the
+    signal, checks its parent and then ``exec``s ``args`` (the signal survives the exec).
+    Not ``preexec_fn``: that makes Popen ``fork()`` a multi-threaded parent and run its
+    fork handlers (gRPC's abort the child: "Check failed: next_worker->state == KICKED")."""
+    env = dict(popen.pop("env", None) or os.environ)
+    env[PARENT_ENV] = str(os.getpid())
+    shim = [sys.executable, "-P", str(Path(__file__).resolve()), "--", *args]
+    return _SPAWNER.run(lambda: subprocess.Popen(shim, env=env, **popen))
+
+
+def _exec_main(argv: list[str]) -> None:
+    """``python -P lifeline.py -- PROGRAM ARGS...``: die with the parent, then exec."""
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: lifeline.py -- PROGRAM [ARGS...]")
+    die_with_parent()
+    os.execvp(argv[0], argv)
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -257,3 +273,7 @@ class PidFile:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    _exec_main(sys.argv[1:])

@@ -160,6 +160,9 @@ class PolicyParams(_Frozen):
     gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
     gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells).")
     gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
+    gyre_migrate_max: int = Field(4, ge=0, description="Gyre: migrations per decision.")
+    gyre_migrate_min_load: float = Field(
+        0.5, ge=0, le=1, description="Gyre: engines above this fraction of their slots give tail executions away.")
 
 
 class TargetConfig(_Frozen):

@@ -94,6 +94,7 @@ class Driver:
         gyre = P.GyreConfig(
             min_horizon_s=pp.gyre_min_horizon_s, hysteresis=pp.gyre_hysteresis, plan_ahead=pp.gyre_plan_ahead,
             rates=pp.gyre_rates, keep=pp.gyre_keep, plan=pp.gyre_plan, migrate=pp.gyre_migrate,
+            migrate_max=pp.gyre_migrate_max, migrate_min_load=pp.gyre_migrate_min_load,
             drain_grace_s=pp.drain_grace_s,
         )
         self.policy = P.make_policy(
@@ -213,8 +214,9 @@ class Driver:
         tr = cl.trainer
         lo = P.staleness.oldest_usable(tr.version, tr.needs == 0, tr.max_staleness)
         live = cl.live.get(lo)
-        if not live:
-            return ()
+        vl = cl.versions.get(lo)
+        if not live or vl is None or vl.dispatched - vl.finished > limit:
+            return ()  # not the tail yet (or nothing left of it)
         now = self.loop.now
         out = []
         for g in live.values():

@@ -20,6 +20,7 @@ import json
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ class DemoOptions:
     env: EnvConfig = field(default_factory=EnvConfig)
     config_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     live: bool = True
+    during: Callable[[Cluster], Awaitable[None]] | None = None
+    """Runs alongside the harness once the cluster is up (fault injection: kill or pause
+    ``cluster.procs[name]``; the supervisor restarts what dies). Cancelled at the end."""
 
 
 @dataclass
@@ -201,6 +205,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     dashboard = DashboardReader(url)
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
+    during = asyncio.create_task(opts.during(cluster)) if opts.during is not None else None
     outcome = "completed"
     try:
         harness = asyncio.create_task(
@@ -219,8 +224,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 if harness.done():
                     harness.result()  # re-raise a harness failure
                     break
-                if cluster.dead():
-                    outcome = f"process exited: {', '.join(cluster.dead())}"
+                if cluster.dead():  # restarted too often: the supervisor gave up
+                    outcome = f"process given up on: {', '.join(cluster.dead())}"
                     break
                 if status is not None and status["bursts_completed"] >= opts.bursts and status["ledger"]["waterlevel"] == 0:
                     break
@@ -237,6 +242,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         stop.set()
         if harness is not None and not harness.done():
             harness.cancel()
+        if during is not None and not during.done():
+            during.cancel()
         await dashboard.close()
         await loop.run_in_executor(None, cluster.stop)
 
@@ -269,6 +276,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "reward_first_version": rewards[versions[0]]["mean"] if versions else None,
         "reward_last_version": rewards[versions[-1]]["mean"] if versions else None,
         "trajectories": trajectories,
+        "restarts": {name: n for name, n in cluster.restarts().items() if n},
+        "process_events": [e.to_json() for e in cluster.events()],
     }
     (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (opts.run_dir / "timeline.json").write_text(json.dumps(timeline))
@@ -309,6 +318,7 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ("policy versions published", summary["policy_versions_published"]),
         ("transitions rollout→training / training→rollout", f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}"),
         ("reroutes", summary["reroutes"]),
+        ("processes restarted (supervisor)", ", ".join(f"{k} x{v}" for k, v in summary["restarts"].items()) or "none"),
         ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
         ("episodes completed / failed (harness)", f"{ex['harness_completed']} / {ex['harness_failed']}"),
         ("reward by policy version", ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items())),

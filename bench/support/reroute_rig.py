@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -151,14 +152,14 @@ class RerouteRig:
                 tokens += n
                 reroutes = msg.reroutes
                 if not t_kill and tokens >= kill_after:
-                    self._cells[source].kill()
                     t_kill = time.monotonic()
+                    self._cells[source].signal(signal.SIGKILL)  # no wait: the loop keeps reading
                     at_kill = msg.reroutes
         except grpc.aio.AioRpcError as err:
             error = f"{err.code().name}: {err.details()}"
         destination = await self.cell_of(ex.execution_id) if not error else ""
         await self._finish(ex)
-        del self._cells[source]
+        self._cells.pop(source).kill()  # reap it
         self.add_cell()
         await self._wait_cells(len(self._cells))
         return Trial(tokens, error, (first_after - t_kill) if first_after else float("nan"), source, destination,

@@ -39,7 +39,7 @@ import grpc
 
 from gyre.apikeys import METADATA_KEY
 from gyre.backoff import Backoff
-from gyre.errors import GyreError, InvalidArgument, from_http_status, from_rpc_error
+from gyre.errors import GyreError, InvalidArgument, Unavailable, from_http_status, from_rpc_error
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
 from gyre.identity import Role
@@ -59,6 +59,8 @@ LEADER_METADATA = "x-gyre-leader"
 _LEADER_IN_DETAILS = re.compile(r"the leader is at (\S+?)[;,)]?(?:\s|$)")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 DEFAULT_RETRY_S = 30.0
+ROUTER_CONNECT_RETRY_S = 30.0
+"""How long a model call keeps reconnecting to a router that refuses connections (restarting)."""
 T = TypeVar("T")
 
 
@@ -335,11 +337,24 @@ class ExecutionHandle:
         # (it waits for the watch) from a token of another execution (403).
         headers = {"Authorization": f"Bearer {self.token}", "x-gyre-execution-id": self.execution_id}
         _inject_trace_context(headers)
-        async with self._http.post(url, json=body, headers=headers) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise _http_error(resp.status, text)
-            return json.loads(text)
+        backoff = Backoff(0.2, 2.0)
+        deadline = time.monotonic() + ROUTER_CONNECT_RETRY_S
+        while True:
+            try:
+                async with self._http.post(url, json=body, headers=headers) as resp:
+                    text = await resp.text()
+                    if resp.status >= 400:
+                        raise _http_error(resp.status, text)
+                    return json.loads(text)
+            except aiohttp.ClientConnectorError as exc:
+                # Not connected: the request never left, so it is safe to send again (the
+                # router restarting under a supervisor comes back on the same address).
+                if time.monotonic() + backoff.ceiling_s > deadline:
+                    raise Unavailable(f"router {url} unreachable for {ROUTER_CONNECT_RETRY_S:g} s: {exc}") from exc
+                await backoff.sleep()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Sent, then lost: the router may have acted on it; the caller decides.
+                raise Unavailable(f"router {url}: {type(exc).__name__}: {exc}") from exc
 
 
 def _key_from_env() -> str | None:

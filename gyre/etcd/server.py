@@ -125,6 +125,14 @@ class EtcdServer:
         if self._proc is not None:
             self._proc.send_signal(signal.SIGCONT)
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -74,7 +74,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: GyreError) -> None:
     hint = retry_after_for(exc)
     if hint is not None:
         ms = str(max(0, round(hint * 1000)))
-        context.set_trailing_metadata(((RETRY_AFTER_MS, ms), ("grpc-retry-pushback-ms", ms)))
+        kept = tuple(context.trailing_metadata() or ())  # e.g. a standby's x-gyre-leader
+        context.set_trailing_metadata((*kept, (RETRY_AFTER_MS, ms), ("grpc-retry-pushback-ms", ms)))
     await context.abort(code, msg)
 
 

@@ -16,55 +16,11 @@ no etcd; persistence is :mod:`services.cell_agent.store`, side effects are
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 
 from gyre.errors import FailedPrecondition, InvalidArgument, StaleEpoch
+from gyre.etcd.values import CellKind, CellState
 from gyre.fencing import FenceGuard
-from gyre.v1 import common_pb2
-
-
-class CellState(enum.Enum):
-    """Lifecycle states (mirrors ``gyre.v1.CellState``; values are the proto numbers)."""
-
-    STARTING = common_pb2.CELL_STATE_STARTING
-    ROLLOUT = common_pb2.CELL_STATE_ROLLOUT
-    DRAINING = common_pb2.CELL_STATE_DRAINING
-    TRAINING = common_pb2.CELL_STATE_TRAINING
-    RETURNING = common_pb2.CELL_STATE_RETURNING
-    FAILED = common_pb2.CELL_STATE_FAILED
-
-    @classmethod
-    def from_proto(cls, value: int) -> CellState:
-        try:
-            return cls(value)
-        except ValueError:
-            raise InvalidArgument(f"unknown cell state {value}") from None
-
-    def to_proto(self) -> int:
-        return self.value
-
-    @classmethod
-    def from_name(cls, name: str) -> CellState:
-        try:
-            return cls[name]
-        except KeyError:
-            raise InvalidArgument(f"unknown cell state {name!r}") from None
-
-
-class CellKind(enum.Enum):
-    """Standalone cells always serve; elastic cells change role (mirrors ``gyre.v1.CellKind``)."""
-
-    STANDALONE = common_pb2.CELL_KIND_STANDALONE
-    ELASTIC = common_pb2.CELL_KIND_ELASTIC
-
-    @classmethod
-    def from_name(cls, name: str) -> CellKind:
-        return cls[name.upper()]
-
-    def to_proto(self) -> int:
-        return self.value
-
 
 S = CellState
 TRANSITIONS: dict[CellState, frozenset[CellState]] = {

@@ -19,7 +19,7 @@ import json
 from gyre.errors import StaleEpoch
 from gyre.etcd import Etcd, Keys, LeaseKeeper, Op
 from gyre.etcd.client import LeaseNotFound, create_revision_is
-from services.cell_agent.lifecycle import CellState
+from gyre.etcd.values import CellState, encode_cell_state
 
 
 class EtcdCellStore:
@@ -55,7 +55,7 @@ class EtcdCellStore:
 
     async def write_state(self, state: CellState, epoch: int, updated_s: float) -> None:
         key = self._keys.cell_state(self._cell_id)
-        value = json.dumps({"state": state.name, "epoch": epoch, "updated_s": updated_s}).encode()
+        value = encode_cell_state(state, epoch, updated_s)
         if epoch <= 0:
             self._written[key] = value
             await self._put(key, value)

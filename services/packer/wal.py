@@ -29,8 +29,8 @@ import logging
 import os
 import time
 import zlib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from gyre.errors import FatalError

@@ -39,7 +39,8 @@ from gyre.errors import (
     InvalidArgument,
     Unavailable,
 )
-from services.router.engine import Chunk, EngineClient, EngineRequest, Finish, KvHandle, Sampling
+from gyre.tokens import Chunk, FinishReason
+from services.router.engine import EngineClient, EngineRequest, KvHandle, Sampling
 from services.router.routes import Route, RouteTable
 from services.router.stops import OutputText
 
@@ -113,7 +114,7 @@ class ModelCall:
         self.reroutes = 0
         self.failures = 0
         self.attempts = 0
-        self.finish: Finish | None = None
+        self.finish: FinishReason | None = None
         self.route: Route | None = None
         """The route of the attempt running now (None between attempts)."""
         self.cells_visited: list[str] = []
@@ -198,7 +199,7 @@ class ModelCall:
                             merged.token_ids.extend(item.token_ids)
                             merged.logprobs.extend(item.logprobs)
                             merged.text += item.text
-                            merged.finish = item.finish
+                            merged.finish_reason = item.finish_reason
                     else:
                         end = item
                         break
@@ -267,7 +268,7 @@ class ModelCall:
                 moved.cancel()
             if pump.done():
                 exc = pump.exception()
-                if exc is None and pump.result() in (Finish.STOP, Finish.LENGTH):
+                if exc is None and pump.result() in (FinishReason.STOP, FinishReason.LENGTH):
                     return
                 self.route = None
                 if self._closed:
@@ -297,9 +298,9 @@ class ModelCall:
     def _complete(self) -> bool:
         """True (and emits the final chunk) when the output is already complete."""
         if self.output_ids and self.output_ids[-1] in self.sampling.stop_token_ids:
-            self.finish = Finish.STOP
+            self.finish = FinishReason.STOP
         elif len(self.output_ids) >= self.sampling.max_tokens:
-            self.finish = Finish.LENGTH
+            self.finish = FinishReason.LENGTH
         else:
             return False
         version = self.policy_versions[-1] if self.policy_versions else 0
@@ -320,7 +321,7 @@ class ModelCall:
             kv_handle=kv_handle,
         )
 
-    async def _pump(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> Finish | None:
+    async def _pump(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> FinishReason | None:
         """Streams one attempt into the call; returns the engine's finish reason (None when
         the stream ended without one). An engine silent for ``engine_idle_timeout_s`` is a
         failure: a watchdog timer (re-armed lazily, not per chunk) cancels the attempt."""
@@ -364,32 +365,32 @@ class ModelCall:
                 self._background(self._release(kv))  # the destination never took over
         return None
 
-    def _take(self, chunk: Chunk) -> Finish | None:
+    def _take(self, chunk: Chunk) -> FinishReason | None:
         """Appends an engine chunk to the output and hands it to the consumer."""
         room = self.sampling.max_tokens - len(self.output_ids)
         ids, logprobs = chunk.token_ids, chunk.logprobs
         if len(ids) > room:
             ids, logprobs = ids[:room], logprobs[:room]
-        finish = chunk.finish
+        finish = chunk.finish_reason
         if self._stops and not self._stops.isdisjoint(ids):
             for i, tok in enumerate(ids):
                 if tok in self._stops:  # nothing after a stop token
-                    ids, logprobs, finish = ids[: i + 1], logprobs[: i + 1], Finish.STOP
+                    ids, logprobs, finish = ids[: i + 1], logprobs[: i + 1], FinishReason.STOP
                     break
         elif len(self.output_ids) + len(ids) >= self.sampling.max_tokens:
-            finish = Finish.LENGTH
+            finish = FinishReason.LENGTH
         if self.output_text is not None and ids:
             kept = self.output_text.push(ids)
             if self.output_text.stop_reason is not None:  # a stop string completed
-                ids, logprobs, finish = ids[:kept], logprobs[:kept], Finish.STOP
-        if finish is Finish.ABORT:
+                ids, logprobs, finish = ids[:kept], logprobs[:kept], FinishReason.STOP
+        if finish is FinishReason.ABORT:
             # The engine gave the request up (draining): keep its tokens, continue elsewhere.
             self._commit(ids, logprobs, chunk.policy_version, None)
-            return Finish.ABORT
+            return FinishReason.ABORT
         self._commit(ids, logprobs, chunk.policy_version, finish)
         return finish
 
-    def _commit(self, ids: list[int], logprobs: list[float], version: int, finish: Finish | None) -> None:
+    def _commit(self, ids: list[int], logprobs: list[float], version: int, finish: FinishReason | None) -> None:
         if not ids and finish is None:
             return
         self.output_ids.extend(ids)
@@ -488,7 +489,7 @@ class ModelCall:
 
 def _open_ended(item: Any) -> bool:
     """True for a chunk that more tokens may follow."""
-    return isinstance(item, Chunk) and item.finish is None
+    return isinstance(item, Chunk) and item.finish_reason is None
 
 
 async def _aclose(stream: AsyncIterator[Chunk]) -> None:

@@ -4,59 +4,13 @@ interface every engine client implements (the gRPC client, and fakes in unit tes
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 from gyre.kv import KvHandle  # noqa: F401  (re-exported)
 from gyre.sampling import Sampling  # noqa: F401  (re-exported)
-from gyre.v1 import cell_agent_pb2, common_pb2
-
-
-class Finish(enum.Enum):
-    """Why a stream ended (mirrors gyre.v1.FinishReason)."""
-
-    LENGTH = common_pb2.FINISH_REASON_LENGTH
-    STOP = common_pb2.FINISH_REASON_STOP
-    ABORT = common_pb2.FINISH_REASON_ABORT
-
-    @classmethod
-    def from_proto(cls, value: int) -> Finish | None:
-        return None if value == common_pb2.FINISH_REASON_UNSPECIFIED else cls(value)
-
-    @property
-    def openai(self) -> str:
-        """The OpenAI ``finish_reason`` string."""
-        return {Finish.LENGTH: "length", Finish.STOP: "stop", Finish.ABORT: "abort"}[self]
-
-
-@dataclasses.dataclass
-class Chunk:
-    """Generated tokens of one engine step (or several, once coalesced)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_version: int
-    finish: Finish | None = None
-    text: str = ""
-    """The text these tokens add (HTTP calls only; the router detokenizes, see stops.py)."""
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.TokenChunk) -> Chunk:
-        ids = list(msg.token_ids)
-        logprobs = list(msg.logprobs)
-        if len(logprobs) != len(ids):
-            # An engine that sends no log-probs still produces a well-formed record.
-            logprobs = (logprobs + [0.0] * len(ids))[: len(ids)]
-        return cls(ids, logprobs, int(msg.policy_version), Finish.from_proto(msg.finish_reason))
-
-    def to_proto(self) -> common_pb2.TokenChunk:
-        return common_pb2.TokenChunk(
-            token_ids=self.token_ids,
-            logprobs=self.logprobs,
-            policy_version=self.policy_version,
-            finish_reason=self.finish.value if self.finish else common_pb2.FINISH_REASON_UNSPECIFIED,
-        )
+from gyre.tokens import Chunk, FinishReason  # noqa: F401  (re-exported)
+from gyre.v1 import cell_agent_pb2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,9 @@ from gyre.config import ServiceConfig
 from gyre.errors import from_rpc_error
 from gyre.grpcx.channel import open_channel, unary
 from gyre.identity import Role
+from gyre.tokens import Chunk
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, packer_pb2_grpc
-from services.router.engine import Chunk, EngineRequest, KvHandle
+from services.router.engine import EngineRequest, KvHandle
 from services.router.turns import Turn
 
 

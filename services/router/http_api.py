@@ -42,8 +42,9 @@ from gyre.errors import (
     retry_after_for,
 )
 from gyre.telemetry import tag_execution
+from gyre.tokens import Chunk, FinishReason
 from services.router.calls import ModelCall
-from services.router.engine import Chunk, Finish, Sampling
+from services.router.engine import Sampling
 from services.router.limits import CallLimits
 from services.router.manager import CallManager
 from services.router.routes import Route
@@ -260,14 +261,14 @@ class OpenAIApi:
                 ids.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs)
                 text += chunk.text
-                finish = chunk.finish or finish
+                finish = chunk.finish_reason or finish
         except GyreError as exc:
             return _error_response(exc)
         parser: ToolCallParser | None = opts["parser"]
         content, tool_calls = parser.parse(text) if parser is not None else (text, [])
         self._remember_chat(opts, content, tool_calls)
         reason = finish.openai if finish else None
-        if tool_calls and finish is Finish.STOP:
+        if tool_calls and finish is FinishReason.STOP:
             reason = "tool_calls"
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "stop_reason": opts["text"].stop_reason}
         if chat:
@@ -312,26 +313,26 @@ class OpenAIApi:
             while chunk is not None:
                 completion += len(chunk.token_ids)
                 text = chunk.text
-                if chunk.finish is not None:
+                if chunk.finish_reason is not None:
                     # Complete the call first (its turn is recorded, the trajectory updated),
                     # so a harness that acts on the finish reason finds it continued.
                     await anext(gen, None)
                     whole = opts["box"][0].text if opts["box"] else text
                     self._remember_chat(opts, *(parser.parse(whole) if parser is not None else (whole, [])))
-                reason = chunk.finish.openai if chunk.finish else None
+                reason = chunk.finish_reason.openai if chunk.finish_reason else None
                 choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
                 if chat and parser is not None:
                     content, calls = parser.stream(text, chunk.token_ids)
-                    if chunk.finish is not None:
+                    if chunk.finish_reason is not None:
                         calls += parser.finish()
-                        if parser.called and chunk.finish is Finish.STOP:
+                        if parser.called and chunk.finish_reason is FinishReason.STOP:
                             choice["finish_reason"] = "tool_calls"
                     delta: dict[str, Any] = {}
                     if content:
                         delta["content"] = content
                     if calls:
                         delta["tool_calls"] = calls
-                    if not delta and chunk.finish is None and not (opts["token_ids"] or opts["logprobs"]):
+                    if not delta and chunk.finish_reason is None and not (opts["token_ids"] or opts["logprobs"]):
                         chunk = await anext(gen, None)
                         continue  # nothing to say yet (a tool call's JSON is forming)
                     choice["delta"] = delta
@@ -339,7 +340,7 @@ class OpenAIApi:
                     choice["delta"] = {"content": text}
                 else:
                     choice["text"] = text
-                if chunk.finish is not None:
+                if chunk.finish_reason is not None:
                     choice["stop_reason"] = opts["text"].stop_reason
                 if opts["token_ids"]:
                     choice["token_ids"] = chunk.token_ids
@@ -347,7 +348,7 @@ class OpenAIApi:
                     choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]}
                 await _send(resp, head, choice)
                 head = envelope
-                chunk = await anext(gen, None) if chunk.finish is None else None
+                chunk = await anext(gen, None) if chunk.finish_reason is None else None
             if opts["usage"]:
                 usage = {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
                 await resp.write(_sse({**envelope, "choices": [], "usage": usage}))

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gyre.telemetry import execution_id_var
+from gyre.tokens import Chunk, FinishReason
 from services.router.calls import CallPolicy, ModelCall, RouterStats
-from services.router.engine import Chunk, EngineClient, Finish, Sampling
+from services.router.engine import EngineClient, Sampling
 from services.router.failures import FailureReporter
 from services.router.routes import Route, RouteTable
 from services.router.stops import OutputText
@@ -105,7 +106,7 @@ class CallManager:
         try:
             async for chunk in call.stream():
                 yield chunk
-            if call.finish in (Finish.STOP, Finish.LENGTH):
+            if call.finish in (FinishReason.STOP, FinishReason.LENGTH):
                 call.trajectory = self.trajectories.record(
                     execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
                 )

@@ -10,59 +10,12 @@ the route, which revokes the token.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import hmac
-import json
 import time
 from collections.abc import Callable, Iterable
 
-from gyre.errors import InvalidArgument, PermissionDenied, Unauthenticated
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """Where one execution's model calls go, at one epoch."""
-
-    execution_id: str
-    cell_id: str
-    target: str
-    token_sha256: str
-    group_id: str
-    burst_id: int
-    policy_version: int
-    epoch: int
-    created_revision: int = 0
-    """The route key's create revision: tells a re-created route from a newer epoch."""
-    expires_s: float = 0.0
-    """Wall-clock time (unix seconds) the token expires; 0: never."""
-
-    @classmethod
-    def from_json(cls, value: bytes, epoch: int, created_revision: int = 0) -> Route:
-        """Parses a route key's JSON value; ``epoch`` is the key's version."""
-        try:
-            raw = json.loads(value)
-            return cls(
-                execution_id=str(raw["execution_id"]),
-                cell_id=str(raw["cell_id"]),
-                target=str(raw["target"]),
-                token_sha256=str(raw["token_sha256"]).lower(),
-                group_id=str(raw.get("group_id", "")),
-                burst_id=int(raw.get("burst_id", 0) or 0),
-                policy_version=int(raw.get("policy_version", 0) or 0),
-                epoch=int(epoch),
-                created_revision=int(created_revision),
-                expires_s=float(raw.get("expires_s", 0.0) or 0.0),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidArgument(f"malformed route: {exc!r}") from exc
-
-    def to_json(self) -> bytes:
-        """The key's value (the epoch lives in the key's version, not the value)."""
-        body = dataclasses.asdict(self)
-        body.pop("epoch")
-        body.pop("created_revision")
-        return json.dumps(body).encode()
+from gyre.errors import PermissionDenied, Unauthenticated
+from gyre.etcd.values import Route, token_sha256
 
 
 class ExpiredToken(Unauthenticated):
@@ -73,11 +26,6 @@ def _newer(new: Route, old: Route) -> bool:
     if new.created_revision != old.created_revision:
         return new.created_revision > old.created_revision
     return new.epoch > old.epoch
-
-
-def token_sha256(token: str) -> str:
-    """The hex digest routes store instead of the token."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 RouteListener = Callable[[Route], None]

@@ -42,7 +42,7 @@ class RouteStore:
         if cached is not None and cached[0] == kv.mod_revision:
             return cached[1]
         try:
-            route: Route | None = Route.from_json(kv.value, kv.version, kv.create_revision)
+            route: Route | None = Route.from_json(kv.value, kv.version, created_revision=kv.create_revision)
         except InvalidArgument as exc:
             log.error("skipping malformed route", extra={"key": kv.key.decode(errors="replace"), "error": str(exc)})
             route = None

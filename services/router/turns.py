@@ -21,7 +21,14 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from gyre.backoff import Backoff
-from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from gyre.errors import (
+    FailedPrecondition,
+    GyreError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from gyre.v1 import packer_pb2
 
 log = logging.getLogger(__name__)

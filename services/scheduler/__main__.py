@@ -17,6 +17,7 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
+from gyre.errors import GyreError
 from gyre.etcd import LeaderElection, PrefixMirror
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import scheduler_pb2_grpc
@@ -111,10 +112,14 @@ async def after_start(rt: Runtime) -> None:
     async def lead() -> None:
         while True:
             epoch = await election.campaign(poll_s=0.25)
-            await sched.take_over(int(epoch))
-            await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
-            log.info("leading", extra={"epoch": int(epoch)})
-            await _lead_until_lost(sched, rt)
+            try:
+                await sched.take_over(int(epoch))
+            except GyreError as exc:  # etcd went away (or the lease lapsed) mid-rebuild
+                log.warning("take-over failed; campaigning again", extra={"error": repr(exc)})
+            else:
+                await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
+                log.info("leading", extra={"epoch": int(epoch)})
+                await _lead_until_lost(sched, rt)
             await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
             election.step_down()
             tasks = make_task_source(cfg.tasks_file, cfg.task_seed, cfg.loop_tasks)

@@ -41,20 +41,29 @@ class Bursts:
         b = self.ledger.current_burst
         return None if b is None else BurstView(b.burst_id, b.quota, b.policy_version, b.target_version)
 
-    def next_quota(self) -> int:
+    def next_quota(self, continuous: bool = False) -> int:
         """Executions the next burst would dispatch (0: the task source or ``max_bursts`` is
-        exhausted)."""
+        exhausted). ``continuous`` (the asynchronous policies, whose staleness gate bounds
+        each dispatch): as many as any gate could allow, ``(max_staleness + 2)`` bursts'
+        worth, and ``max_bursts`` caps the tasks (``max_bursts x`` a burst's groups), not
+        the dispatches."""
+        if continuous:
+            return len(self._next_tasks((self.cfg.max_staleness + 2) * self.cfg.groups_per_burst())) * self.cfg.group_size
         if self.cfg.max_bursts and self.ledger.bursts_total >= self.cfg.max_bursts:
             return 0
-        return len(self._next_tasks()) * self.cfg.group_size
+        return len(self._next_tasks(self.cfg.groups_per_burst())) * self.cfg.group_size
 
-    def _next_tasks(self) -> list[Task]:
-        return self.tasks.take(self.ledger.tasks_taken, self.cfg.groups_per_burst())
+    def _next_tasks(self, groups: int) -> list[Task]:
+        taken = self.ledger.tasks_taken
+        if self.cfg.max_bursts:
+            groups = min(groups, self.cfg.max_bursts * self.cfg.groups_per_burst() - taken)
+        return self.tasks.take(taken, groups) if groups > 0 else []
 
-    async def dispatch(self, policy_version: int, kind: str, gauges: dict[str, int]) -> Burst | None:
-        """Dispatches the next burst at ``policy_version``; None when there is nothing to
-        dispatch or an earlier attempt already did (the next rebuild or tick picks it up)."""
-        tasks = self._next_tasks()
+    async def dispatch(self, policy_version: int, quota: int, kind: str, gauges: dict[str, int]) -> Burst | None:
+        """Dispatches the next burst at ``policy_version``: ``quota`` executions, in whole
+        groups; None when there is nothing to dispatch or an earlier attempt already did
+        (the next rebuild or tick picks it up)."""
+        tasks = self._next_tasks(quota // self.cfg.group_size)
         if not tasks:
             return None
         burst = self.ledger.plan_burst(tasks, self.cfg.group_size, policy_version,

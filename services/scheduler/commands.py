@@ -11,6 +11,7 @@ import logging
 
 from gyre.errors import GyreError
 from services.scheduler.bursts import Bursts
+from services.scheduler.fleet import Fleet
 from services.scheduler.leadership import Leadership
 from services.scheduler.peers import Peers
 from services.scheduler.policy import (
@@ -19,7 +20,9 @@ from services.scheduler.policy import (
     DispatchBurst,
     Hold,
     KeepInTraining,
+    Migrate,
     MoveToTraining,
+    PlanMoves,
     PublishPolicy,
     ReturnToRollout,
     SealBatch,
@@ -37,8 +40,9 @@ class Commands:
     """Applies actions to the cluster; counts role switches."""
 
     def __init__(self, lead: Leadership, peers: Peers, bursts: Bursts, transitions: TransitionRunner,
-            publication: Publication, telemetry: Telemetry) -> None:
+            publication: Publication, telemetry: Telemetry, fleet: Fleet) -> None:
         self.lead = lead
+        self.fleet = fleet
         self.peers = peers
         self.bursts = bursts
         self.transitions = transitions
@@ -57,7 +61,7 @@ class Commands:
             case Hold(reason=reason, cell_id=cell_id):
                 emit(action.kind, reason, cell_id=cell_id, **gauges)
             case DispatchBurst():
-                await self.bursts.dispatch(action.policy_version, action.kind, gauges)
+                await self.bursts.dispatch(action.policy_version, action.quota, action.kind, gauges)
             case MoveToTraining(cell_id=cell_id, reason=reason):
                 if self._move(cell_id, CellState.TRAINING, action.kind, reason, gauges):
                     self.to_training += 1
@@ -69,9 +73,20 @@ class Commands:
                 self.transitions.rejoin(cell_id)
             case SealBatch(batch_id=batch_id):
                 await self._seal(batch_id, action.kind, action.reason, gauges)
+            case Migrate(execution_id=execution_id, cell_id=cell_id, reason=reason):
+                self.transitions.migrate(execution_id, cell_id, reason)
+            case PlanMoves(cell_ids=cell_ids):
+                self._plan(cell_ids, action.kind, action.reason, gauges)
             case PublishPolicy(version=version):
                 if self.publication.publish(version, self.transitions.running):
                     emit(action.kind, action.reason, cell_id=action.source_cell_id, **gauges)
+
+    def _plan(self, cell_ids: tuple[str, ...], kind: str, reason: str, gauges: dict[str, int]) -> None:
+        """Placement avoids the planned cells from now on (a repeated plan changes nothing)."""
+        if tuple(cell_ids) == self.fleet.planned:
+            return
+        self.fleet.planned = tuple(cell_ids)
+        self.telemetry.emit(kind, reason, **gauges)
 
     def _move(self, cell_id: str, target: CellState, kind: str, reason: str, gauges: dict[str, int]) -> bool:
         """Starts a transition unless one runs for the cell; True when started."""

@@ -41,9 +41,23 @@ class SchedulerConfig(ServiceConfig):
     loop_tasks: bool = Field(True, description="Start the tasks file over when it runs out.")
 
     # The role policy.
-    policy: Literal["waterlevel", "colocated", "static", "rollout_only"] = Field(
-        "waterlevel", description="Role policy; rollout_only never trains (bursts back to back)."
+    policy: Literal["gyre", "waterlevel-sync", "waterlevel", "colocated", "static", "async-static",
+                    "async-static-lend", "rollout_only"] = Field(
+        "waterlevel", description="Role policy (services/scheduler/policy): gyre (overlapping bursts under the "
+        "staleness bound, cells sized from rates; the shipped configs run it), waterlevel / waterlevel-sync (the "
+        "seed's burst-synchronous policy), the baselines colocated, static, async-static, async-static-lend; "
+        "rollout_only never trains (bursts back to back).",
     )
+    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
+    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
+    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
+    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
+    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells, spreads "
+            "the rest).")
+    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
+    rate_window_s: float = Field(120.0, gt=0, le=86_400,
+            description="Window over which the asynchronous policies' rates (ready groups, training) are measured.")
     fraction: float = Field(0.5, gt=0.0, le=1.0,
             description="Ready groups needed, as a fraction of batch_size.")
     interval_s: float = Field(5.0, ge=0.0, le=3600.0, description="How long supply must hold before a move.")

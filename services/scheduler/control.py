@@ -6,11 +6,12 @@ bursts, builds the policy's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
 from gyre.errors import StaleEpoch
-from gyre.staleness import unconsumable
+from gyre.staleness import oldest_usable, unconsumable
 from services.scheduler.bursts import Bursts
 from services.scheduler.commands import Commands
 from services.scheduler.config import SchedulerConfig
@@ -18,7 +19,16 @@ from services.scheduler.executions import Executions
 from services.scheduler.fleet import Fleet
 from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import Ledger
-from services.scheduler.policy import CellState, Policy, Snapshot
+from services.scheduler.policy import (
+    ASYNC_POLICIES,
+    CellState,
+    ExecView,
+    Pipeline,
+    Policy,
+    Snapshot,
+    VersionCounts,
+    training_set,
+)
 from services.scheduler.publication import Publication
 from services.scheduler.supply import SupplyFollower
 from services.scheduler.telemetry import Changes, Telemetry
@@ -33,7 +43,7 @@ class ControlLoop:
     def __init__(self, cfg: SchedulerConfig, policy: Policy, lead: Leadership, ledger: Ledger, fleet: Fleet,
             bursts: Bursts, executions: Executions, supply: SupplyFollower, publication: Publication,
             transitions: TransitionRunner, commands: Commands, telemetry: Telemetry, changes: Changes,
-            clock: Callable[[], float]) -> None:
+            clock: Callable[[], float], wall: Callable[[], float]) -> None:
         self.cfg = cfg
         self.policy = policy
         self.lead = lead
@@ -48,6 +58,10 @@ class ControlLoop:
         self.telemetry = telemetry
         self.changes = changes
         self.clock = clock
+        self.wall = wall
+        self.continuous = cfg.policy in ASYNC_POLICIES
+        """The policy dispatches continuously under the staleness gate (bursts overlap)."""
+        fleet.spread = cfg.policy == "gyre" and cfg.gyre_plan
         self._drained_since: float | None = None
 
     async def run(self) -> None:
@@ -87,8 +101,7 @@ class ControlLoop:
         members of groups that no batch within eta can take are cancelled (running ones lose
         their route, queued ones are withdrawn); the packer drops their ready copies by the
         same rule. Returns the executions cancelled."""
-        version, raw, eta = self.publication.version, self.supply.raw, self.cfg.max_staleness
-        full = raw.optimizing or raw.batch_assigned >= self.cfg.batch_size
+        version, eta, full = self.publication.version, self.cfg.max_staleness, self._batch_full()
         doomed = [(u, g, left) for u, g, left in self.ledger.open_groups() if unconsumable(u, version, full, eta)]
         if not doomed:
             return []
@@ -110,12 +123,65 @@ class ControlLoop:
                 self.transitions.start(cid, CellState.ROLLOUT, f"stranded in {state.value}")
 
     def snapshot(self) -> Snapshot:
-        """What the policy decides on, now."""
-        supply = self.supply.observe()
+        """What the policy decides on, now; for the asynchronous policies also the pipeline
+        (staleness bound, per-version ledger, trainer backlog, rates), the load of each cell
+        and the tail executions."""
+        views = self.fleet.cells.views()
+        supply = self.supply.observe(len(training_set(views)))
         counts = self.ledger.counts()
         if counts.waterlevel > 0:
             self._drained_since = None
         elif self._drained_since is None:
             self._drained_since = self.clock()
-        return Snapshot(self.clock(), counts, self.fleet.cells.views(), supply, self.bursts.current(),
-                        self.publication.version, self.bursts.next_quota(), self._drained_since)
+        if not self.continuous:
+            return Snapshot(self.clock(), counts, views, supply, self.bursts.current(),
+                            self.publication.version, self.bursts.next_quota(), self._drained_since)
+        load = self.fleet.routes.counts()
+        views = tuple(dataclasses.replace(v, load=load.get(v.cell_id, 0)) for v in views)
+        return Snapshot(self.clock(), counts, views, supply, self.bursts.current(), self.publication.version,
+                        self.bursts.next_quota(continuous=True), self._drained_since, self.pipeline(),
+                        self.tail())
+
+    def _batch_full(self) -> bool:
+        raw = self.supply.raw
+        return raw.optimizing or raw.batch_assigned >= self.cfg.batch_size
+
+    def pipeline(self) -> Pipeline:
+        """The asynchronous view of the cluster (see policy.snapshot.Pipeline)."""
+        cfg, ledger, raw, rates = self.cfg, self.ledger, self.supply.raw, self.supply.rates
+        eta, version = cfg.max_staleness, self.publication.version
+        groups: dict[int, int] = {}
+        for burst in ledger.bursts.values():
+            groups[burst.policy_version] = groups.get(burst.policy_version, 0) + len(burst.tasks)
+        cancelled: dict[int, int] = {}
+        for stamp in ledger.cancelled_groups.values():
+            cancelled[stamp] = cancelled.get(stamp, 0) + 1
+        lo = version - eta - 1
+        versions = tuple(
+            VersionCounts(u, groups.get(u, 0), c.dispatched, c.launched, c.finished, cancelled=cancelled.get(u, 0))
+            for u, c in ledger.counts_by_version().items() if u >= lo or c.waterlevel > 0
+        )
+        return Pipeline(
+            max_staleness=eta, group_size=cfg.group_size, batch_groups=cfg.batch_size,
+            extra_groups=cfg.groups_per_burst() - cfg.batch_size * cfg.batches_per_burst,
+            published_version=self.publication.published, groups_dispatched=ledger.tasks_taken,
+            groups_cancelled=len(ledger.cancelled_groups), ready_groups=raw.ready_unassigned,
+            batch_assigned=raw.batch_assigned, backlog_tokens=raw.backlog_tokens, ready_tokens=raw.ready_tokens,
+            optimizing=raw.optimizing, train_rate_per_cell=rates.train_rate_per_cell, ready_rate=rates.ready_rate,
+            tokens_per_group=rates.tokens_per_group, versions=versions, planned=self.fleet.planned,
+        )
+
+    def tail(self, limit: int = 256) -> tuple[ExecView, ...]:
+        """Running executions of the oldest version still consumable (the tail the batch
+        waits on), for the policy's Migrate."""
+        lo = oldest_usable(self.publication.version, self._batch_full(), self.cfg.max_staleness)
+        now, out = self.wall(), []
+        for route in self.fleet.routes.routes.values():
+            rec = self.ledger.records.get(route.execution_id)
+            if route.policy_version != lo or rec is None or route.mod_revision == 0:
+                continue
+            out.append(ExecView(route.execution_id, route.cell_id, lo, max(0.0, now - rec.launched_s),
+                                max(0, route.epoch - 1)))
+            if len(out) >= limit:
+                break
+        return tuple(out)

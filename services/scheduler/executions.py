@@ -22,6 +22,7 @@ import secrets
 from collections.abc import Callable, Iterable
 
 from gyre.errors import Conflict, FailedPrecondition, Unauthenticated, Unavailable
+from gyre.etcd.values import Route, token_sha256
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
@@ -34,11 +35,10 @@ from services.scheduler.ledger import (
     FinishOutcome,
     Ledger,
     derive_token,
-    sha256_hex,
     validate_acquire_key,
     validate_finish,
 )
-from services.scheduler.placement import RouteRecord, pick_launch_cell
+from services.scheduler.placement import pick_launch_cell
 from services.scheduler.relay import FinishRelay
 from services.scheduler.telemetry import Changes, Telemetry
 
@@ -50,7 +50,7 @@ class Launched:
     record: ExecutionRecord
     token: str
     task_json: str
-    route: RouteRecord
+    route: Route
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Executions:
 
     # Rebuild ------------------------------------------------------------------------------
 
-    def rebuild(self, execs: Iterable[ExecutionRecord], routes: Iterable[RouteRecord]) -> None:
+    def rebuild(self, execs: Iterable[ExecutionRecord], routes: Iterable[Route]) -> None:
         """Loads the records and routes a new leader read (running ones get a full deadline
         from now: heartbeats that went to the old leader, or nowhere during the gap, time
         nothing out; records of archived bursts are skipped).
@@ -124,7 +124,7 @@ class Executions:
         self.harnesses.admit_acquire(harness_id)
         if not key:
             return await self._acquire(harness_id, wait_s, "")
-        key_sha = sha256_hex(key)
+        key_sha = token_sha256(key)
         lock = self._acquiring.setdefault(key_sha, asyncio.Lock())
         try:
             async with lock:
@@ -147,7 +147,7 @@ class Executions:
                                      f"({rec.state.value})")
         token = derive_token(key, rec.execution_id)
         route = self.fleet.routes.routes.get(rec.execution_id)
-        if sha256_hex(token) != rec.token_sha256 or route is None:
+        if token_sha256(token) != rec.token_sha256 or route is None:
             raise FailedPrecondition(f"{rec.execution_id} cannot be handed out again")
         burst = self.ledger.bursts[rec.burst_id]
         return Launched(rec, token, burst.member(rec.seq)[2].task_json, route)
@@ -173,15 +173,15 @@ class Executions:
             nxt = self.ledger.next_queued()
             if nxt is None:
                 return None
-            cell = pick_launch_cell(fleet.cells, fleet.routes)
+            cell = pick_launch_cell(fleet.cells, fleet.routes, fleet.planned, fleet.spread)
             if cell is None:
                 return None
             burst, seq = nxt
             self.harnesses.check_inflight(harness_id)
             token = derive_token(key, burst.member(seq)[0]) if key else secrets.token_urlsafe(32)
-            rec = self.ledger.plan_launch(burst, seq, sha256_hex(token), harness_id[:128], self.wall(),
-                                          sha256_hex(key) if key else "")
-            route = RouteRecord(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
+            rec = self.ledger.plan_launch(burst, seq, token_sha256(token), harness_id[:128], self.wall(),
+                                          token_sha256(key) if key else "")
+            route = Route(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
                                 burst.burst_id, burst.policy_version,
                                 expires_s=rec.launched_s + self.cfg.execution_token_ttl_s)
             self.harnesses.launched(rec.harness_id)  # counted from the reservation on
@@ -195,7 +195,7 @@ class Executions:
         return Launched(self.ledger.records[rec.execution_id], token, burst.member(seq)[2].task_json,
                         fleet.routes.routes[rec.execution_id])
 
-    async def _land_launch(self, rec: ExecutionRecord, route: RouteRecord, burst: Burst, seq: int) -> bool:
+    async def _land_launch(self, rec: ExecutionRecord, route: Route, burst: Burst, seq: int) -> bool:
         try:
             rev = await self.lead.fenced(self.lead.store.launch(rec, route))
         except BaseException as exc:

@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
+from gyre.etcd.values import Route
 from services.scheduler.leadership import Leadership
-from services.scheduler.placement import CellRecord, CellTable, RouteRecord, RouteTable
+from services.scheduler.placement import CellRecord, CellTable, RouteTable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +41,10 @@ class Fleet:
         self.router_targets: list[str] = []
         self.placement_lock = asyncio.Lock()
         """Held while picking a slot and reserving it (launches, reroutes)."""
+        self.planned: tuple[str, ...] = ()
+        """Cells the policy plans to move to training next (PlanMoves): placement avoids them."""
+        self.spread = False
+        """Placement fills the least loaded rollout cell first (else packs by index)."""
         self._router_target = router_target
         self._registrations: list[bytes] = []
         self._states: dict[str, bytes] = {}
@@ -95,7 +100,7 @@ class Fleet:
 
     # Routes -------------------------------------------------------------------------------
 
-    def reset_routes(self, routes: Iterable[RouteRecord], is_open: Callable[[str], bool],
+    def reset_routes(self, routes: Iterable[Route], is_open: Callable[[str], bool],
             keep_pending: bool = False) -> None:
         """Replaces the route table with ``routes`` of open executions; with ``keep_pending``,
         launches still in flight (mod_revision 0, not in etcd yet) keep their slots."""

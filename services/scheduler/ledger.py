@@ -44,6 +44,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from gyre.etcd.values import token_sha256
 from services.scheduler.policy import LedgerCounts
 
 
@@ -76,10 +77,6 @@ trained within the staleness bound): the record is created closed, so L counts e
 that left the queue (launched, or withdrawn before launch)."""
 CANCEL_KEY = "scheduler-cancel"
 """The idempotency key of a close the scheduler made (cancel rule, or a withdrawal)."""
-
-
-def sha256_hex(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 ACQUIRE_KEY_MIN = 16
@@ -197,6 +194,8 @@ class ArchiveSummary:
     by_status: tuple[tuple[str, int], ...] = ()
     revision: int = 0
     """etcd mod revision of the stored summary (0: none stored); not serialized."""
+    by_version: tuple[tuple[int, int], ...] = ()
+    """Executions per policy version the bursts were dispatched with."""
 
     def status_counts(self) -> dict[str, int]:
         return dict(self.by_status)
@@ -206,18 +205,23 @@ class ArchiveSummary:
         merged = self.status_counts()
         for k, v in by_status.items():
             merged[k] = merged.get(k, 0) + v
+        versions = dict(self.by_version)
+        versions[burst.policy_version] = versions.get(burst.policy_version, 0) + burst.quota
         return ArchiveSummary(burst.burst_id, self.bursts + 1, self.tasks + len(burst.tasks),
-                              self.executions + burst.quota, tuple(sorted(merged.items())), self.revision)
+                              self.executions + burst.quota, tuple(sorted(merged.items())), self.revision,
+                              tuple(sorted(versions.items())))
 
     def to_json(self) -> bytes:
         return json.dumps({"through": self.through, "bursts": self.bursts, "tasks": self.tasks,
-                           "executions": self.executions, "by_status": dict(self.by_status)}).encode()
+                           "executions": self.executions, "by_status": dict(self.by_status),
+                           "by_version": {str(v): n for v, n in self.by_version}}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int = 0) -> ArchiveSummary:
         d = json.loads(raw)
         return cls(int(d["through"]), int(d["bursts"]), int(d["tasks"]), int(d["executions"]),
-                   tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())), revision)
+                   tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())), revision,
+                   tuple(sorted((int(k), int(v)) for k, v in d.get("by_version", {}).items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +285,9 @@ class Ledger:
         self._reserved: set[str] = set()  # launches whose write is in flight
         self._by_acquire_key: dict[str, str] = {}  # sha256(acquire key) -> execution
         self._last_close: dict[int, float] = {}  # burst -> latest finished_s of its records
+        self.cancelled_groups: dict[str, int] = {}
+        """Groups the scheduler cancelled (cancel early) -> their stamp version; kept when
+        their burst is archived (a new leader rebuilds it from the unarchived records)."""
         self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
@@ -297,8 +304,9 @@ class Ledger:
         return LedgerCounts(d, lc, f)
 
     def counts_by_version(self) -> dict[int, LedgerCounts]:
-        """D / L / F per policy version (the version each burst was dispatched with)."""
-        out: dict[int, tuple[int, int, int]] = {}
+        """D / L / F per policy version (the version each burst was dispatched with),
+        archived bursts included."""
+        out: dict[int, tuple[int, int, int]] = {v: (n, n, n) for v, n in self.archived.by_version}
         for b, burst in self.bursts.items():
             d, lc, f = out.get(burst.policy_version, (0, 0, 0))
             out[burst.policy_version] = (d + burst.quota, lc + self._launched.get(b, 0), f + self._finished.get(b, 0))
@@ -420,7 +428,7 @@ class Ledger:
             if self.is_queued(execution_id):
                 raise FailedPrecondition(f"{execution_id} is queued, not launched")
             raise NotFound(f"unknown execution {execution_id!r}")
-        digest = sha256_hex(token)
+        digest = token_sha256(token)
         if digest != rec.token_sha256:
             if digest in self._by_token:
                 raise PermissionDenied(f"the token does not hold {execution_id}")
@@ -523,6 +531,8 @@ class Ledger:
             self._last_close[rec.burst_id] = max(self._last_close.get(rec.burst_id, 0.0), rec.finished_s)
             self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
             self._deadline.pop(rec.execution_id, None)
+            if rec.idempotency_key == CANCEL_KEY:
+                self.cancelled_groups[rec.group_id] = self.bursts[rec.burst_id].policy_version
 
     def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
         """Rebuild: applies a record read back from etcd (any state); a record of an

@@ -21,7 +21,8 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping
 
-from services.scheduler.policy import CellKind, CellState, CellView
+from gyre.etcd.values import CellKind, CellState, Route, decode_cell_state
+from services.scheduler.policy import CellView
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class CellRecord:
     @classmethod
     def from_json(cls, raw: bytes) -> CellRecord:
         d = json.loads(raw)
-        kind = CellKind(str(d.get("kind", "standalone")).lower())
+        kind = CellKind.from_name(str(d.get("kind", "standalone")))
         index = int(d.get("index", -1))
         if kind is CellKind.STANDALONE:
             index = -1
@@ -47,50 +48,6 @@ class CellRecord:
             str(d["cell_id"]), kind, index, max(0, int(d.get("slots", 0))), str(d.get("target", "")),
             str(d.get("engine", "mock")), int(d.get("policy_version", 0)),
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class RouteRecord:
-    """One route (``keys.route``); ``epoch`` is the key's version, ``mod_revision`` guards CAS."""
-
-    execution_id: str
-    cell_id: str
-    target: str
-    token_sha256: str
-    group_id: str
-    burst_id: int
-    policy_version: int
-    epoch: int = 0
-    mod_revision: int = 0
-    expires_s: float = 0.0
-    """Wall-clock time (unix seconds) the execution's token expires; 0: never."""
-
-    def to_json(self) -> bytes:
-        return json.dumps({
-            "execution_id": self.execution_id, "cell_id": self.cell_id, "target": self.target,
-            "token_sha256": self.token_sha256, "group_id": self.group_id, "burst_id": self.burst_id,
-            "policy_version": self.policy_version, "expires_s": self.expires_s,
-        }).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes, epoch: int, mod_revision: int) -> RouteRecord:
-        d = json.loads(raw)
-        return cls(
-            str(d["execution_id"]), str(d["cell_id"]), str(d.get("target", "")), str(d.get("token_sha256",
-                    "")),
-            str(d.get("group_id", "")), int(d.get("burst_id", 0)), int(d.get("policy_version",
-                    0)), epoch, mod_revision, float(d.get("expires_s", 0.0) or 0.0),
-        )
-
-
-def parse_state(raw: bytes | None) -> CellState:
-    """A ``keys.cell_state`` value; a cell with no state yet is STARTING."""
-    if raw is None:
-        return CellState.STARTING
-    try:
-        return CellState(str(json.loads(raw)["state"]).upper())
-    except (ValueError, KeyError, TypeError):
-        return CellState.STARTING
 
 
 class CellTable:
@@ -113,7 +70,7 @@ class CellTable:
                 continue  # a malformed registration is ignored, not fatal
             recs[rec.cell_id] = rec
         self.records = recs
-        self.states = {cid: parse_state(states.get(cid)) for cid in recs}
+        self.states = {cid: decode_cell_state(states.get(cid)) for cid in recs}
 
     def state(self, cell_id: str) -> CellState:
         if cell_id in self.down:
@@ -135,15 +92,15 @@ class RouteTable:
     """Routes by execution, with per-cell counts (reservations included)."""
 
     def __init__(self) -> None:
-        self.routes: dict[str, RouteRecord] = {}
+        self.routes: dict[str, Route] = {}
 
-    def put(self, route: RouteRecord) -> None:
+    def put(self, route: Route) -> None:
         self.routes[route.execution_id] = route
 
     def drop(self, execution_id: str) -> None:
         self.routes.pop(execution_id, None)
 
-    def on_cell(self, cell_id: str) -> list[RouteRecord]:
+    def on_cell(self, cell_id: str) -> list[Route]:
         return sorted((r for r in self.routes.values() if r.cell_id == cell_id), key=lambda r: r.execution_id)
 
     def counts(self) -> dict[str, int]:
@@ -182,21 +139,23 @@ def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterab
     return order
 
 
-def pick_launch_cell(cells: CellTable, routes: RouteTable) -> CellRecord | None:
+def pick_launch_cell(cells: CellTable, routes: RouteTable, avoid: Iterable[str] = (),
+        spread: bool = False) -> CellRecord | None:
     """The engine for a new execution, or None when no rollout slot is free."""
-    order = placement_order(cells, routes.counts())
+    order = placement_order(cells, routes.counts(), avoid=avoid, spread=spread)
     return order[0][0] if order else None
 
 
 def pick_destinations(
-    cells: CellTable, routes: RouteTable, source: str, n: int, version_of: Callable[[str], int] | None = None
+    cells: CellTable, routes: RouteTable, source: str, n: int, version_of: Callable[[str], int] | None = None,
+    avoid: Iterable[str] = (), spread: bool = False,
 ) -> list[CellRecord]:
     """Destinations for ``n`` executions leaving ``source`` (fewer if slots run out). With
     ``version_of``, engines serving the source's policy version come first (a continuation
     should run on the same weights); the placement order holds within each group."""
     counts = routes.counts()
     out: list[CellRecord] = []
-    order = placement_order(cells, counts, exclude=[source])
+    order = placement_order(cells, counts, exclude=[source], avoid=avoid, spread=spread)
     if version_of is not None:
         want = version_of(source)
         order = sorted(order, key=lambda x: version_of(x[0].cell_id) != want)  # stable

@@ -44,7 +44,7 @@ from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
-from services.scheduler.policy import Policy, capacity, make_policy
+from services.scheduler.policy import GyreConfig, Policy, capacity, make_policy
 from services.scheduler.publication import Publication
 from services.scheduler.relay import FinishRelay
 from services.scheduler.status import SchedulerStatus, cell_statuses
@@ -86,6 +86,9 @@ class Scheduler:
         self.policy = self._policy_given or make_policy(
             cfg.policy, fraction=cfg.fraction, interval_s=cfg.interval_s,
             training_cells=cfg.static_training_cells, drain_grace_s=cfg.drain_grace_s,
+            gyre=GyreConfig(min_horizon_s=cfg.gyre_min_horizon_s, hysteresis=cfg.gyre_hysteresis,
+                            plan_ahead=cfg.gyre_plan_ahead, rates=cfg.gyre_rates, keep=cfg.gyre_keep,
+                            plan=cfg.gyre_plan, migrate=cfg.gyre_migrate, drain_grace_s=cfg.drain_grace_s),
         )
         self.lead = Leadership(store)
         self.ledger = Ledger()
@@ -93,7 +96,7 @@ class Scheduler:
         self.changes = Changes()
         if not hasattr(self, "history"):
             self.history = History(cfg.history_file)
-        self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes)
+        self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s)
         self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
             KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
@@ -109,12 +112,12 @@ class Scheduler:
         self.transitions = TransitionRunner(cfg, self.lead, self.fleet, peers, self.publication, self.supply,
                 self.telemetry, self.history, self.changes, self.executions.reload_routes, clock)
         self.commands = Commands(self.lead, peers, self.bursts, self.transitions, self.publication,
-                self.telemetry)
+                self.telemetry, self.fleet)
         self.failures = EngineFailures(self.lead, self.fleet, peers, self.transitions, self.telemetry,
                 cfg.engine_probe_timeout_s)
         self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
                 self.executions, self.supply, self.publication, self.transitions, self.commands,
-                self.telemetry, self.changes, clock)
+                self.telemetry, self.changes, clock, wall)
 
     async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:
         """Stops acting and forgets everything the leadership held (its lease is gone, or a

@@ -29,7 +29,7 @@ from gyre.identity import Role
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.events import Event
 from services.scheduler.ledger import ExecState
-from services.scheduler.policy import CellKind, CellState, LedgerCounts
+from services.scheduler.policy import LedgerCounts
 from services.scheduler.scheduler import Launched, Scheduler
 from services.scheduler.status import CellStatus
 
@@ -42,9 +42,6 @@ _STATUS_FROM = {
     common_pb2.EXECUTION_STATUS_QUEUED: ExecState.QUEUED,
 }
 _STATUS_TO = {v: k for k, v in _STATUS_FROM.items()}
-_CELL_STATE_TO = {s: getattr(common_pb2, f"CELL_STATE_{s.value}") for s in CellState}
-_KIND_TO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE,
-        CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
 MAX_ID = 256
 HARNESS_SERVICE = "gyre.v1.HarnessService"
 T = TypeVar("T")
@@ -108,7 +105,7 @@ def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int] | None 
 
 def _cell(c: CellStatus) -> scheduler_pb2.CellInfo:
     return scheduler_pb2.CellInfo(
-        cell_id=c.cell_id, kind=_KIND_TO[c.kind], index=c.index, state=_CELL_STATE_TO[c.state], slots=c.slots,
+        cell_id=c.cell_id, kind=c.kind.to_proto(), index=c.index, state=c.state.to_proto(), slots=c.slots,
         routed=c.routed, target=c.target, policy_version=c.policy_version,
     )
 

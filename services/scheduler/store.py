@@ -28,8 +28,8 @@ from typing import Any, NamedTuple, Protocol
 from gyre.errors import Conflict
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
 from gyre.etcd.client import create_revision_is, mod_revision_is, prefix_end
+from gyre.etcd.values import Route
 from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
-from services.scheduler.placement import RouteRecord
 
 MAX_TXN_OPS = 120
 """etcd refuses transactions with more than 128 operations (its default --max-txn-ops)."""
@@ -44,7 +44,7 @@ class Stored(NamedTuple):
 
     bursts: list[Burst]
     executions: list[ExecutionRecord]
-    routes: list[RouteRecord]
+    routes: list[Route]
     transitions: dict[str, dict[str, Any]]
     summary: ArchiveSummary = ArchiveSummary()
 
@@ -64,7 +64,7 @@ class Store(Protocol):
 
     async def load(self) -> Stored: ...
 
-    async def read_routes(self) -> list[RouteRecord]: ...
+    async def read_routes(self) -> list[Route]: ...
 
     async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None: ...
 
@@ -72,11 +72,11 @@ class Store(Protocol):
 
     async def dispatch(self, burst: Burst) -> int: ...
 
-    async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int: ...
+    async def launch(self, rec: ExecutionRecord, route: Route) -> int: ...
 
     async def close(self, rec: ExecutionRecord, expected_revision: int) -> int: ...
 
-    async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]: ...
+    async def move_routes(self, routes: Sequence[tuple[Route, Route]]) -> list[int]: ...
 
     async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int: ...
 
@@ -108,16 +108,16 @@ class SchedulerStore:
         bursts = sorted((b for b in map(Burst.from_json, (kv.value for kv in burst_kvs))
                          if b.burst_id > summary.through), key=lambda b: b.burst_id)
         execs = [ExecutionRecord.from_json(kv.value, kv.mod_revision) for kv in exec_kvs]
-        routes = [RouteRecord.from_json(kv.value, kv.version, kv.mod_revision) for kv in route_kvs]
+        routes = [Route.from_json(kv.value, kv.version, mod_revision=kv.mod_revision) for kv in route_kvs]
         transitions = {}
         for kv in trans_kvs:
             body = json.loads(kv.value)
             transitions[str(body["cell_id"])] = body
         return Stored(bursts, [r for r in execs if r.burst_id > summary.through], routes, transitions, summary)
 
-    async def read_routes(self) -> list[RouteRecord]:
+    async def read_routes(self) -> list[Route]:
         _, kvs = await self.etcd.get_prefix_paged(self.keys.routes(), READ_PAGE)
-        return [RouteRecord.from_json(kv.value, kv.version, kv.mod_revision) for kv in kvs]
+        return [Route.from_json(kv.value, kv.version, mod_revision=kv.mod_revision) for kv in kvs]
 
     async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None:
         kv = await self.etcd.get(self.keys.execution(burst_id, execution_id))
@@ -137,7 +137,7 @@ class SchedulerStore:
             raise Conflict(f"burst {burst.burst_id} already dispatched")
         return rev
 
-    async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int:
+    async def launch(self, rec: ExecutionRecord, route: Route) -> int:
         """Creates the execution record and its route in one transaction; returns the revision."""
         key = self.keys.execution(rec.burst_id, rec.execution_id)
         rkey = self.keys.route(rec.execution_id)
@@ -174,7 +174,7 @@ class SchedulerStore:
             raise Conflict(f"the ledger summary changed since revision {expected_revision}")
         return rev
 
-    async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]:
+    async def move_routes(self, routes: Sequence[tuple[Route, Route]]) -> list[int]:
         """Rewrites routes (old -> new), each guarded by the old one's revision, in chunks of
         at most MAX_TXN_OPS; returns each new route's revision. A chunk is all-or-nothing."""
         revs: list[int] = []

@@ -27,13 +27,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gyre.backoff import Backoff
-from gyre.errors import Conflict, GyreError, StaleEpoch
+from gyre.errors import Conflict, GyreError, InvalidArgument, StaleEpoch
+from gyre.etcd.values import Route
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import CellGone, Fleet
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
 from services.scheduler.peers import MoveOrder, Peers
-from services.scheduler.placement import RouteRecord, pick_destinations
+from services.scheduler.placement import pick_destinations
 from services.scheduler.policy import CellState, training_set
 from services.scheduler.publication import Publication
 from services.scheduler.supply import SupplyFollower
@@ -86,8 +87,8 @@ class TransitionRunner:
     def resume(self, cell_id: str, body: dict[str, Any]) -> None:
         """A transition recorded by an earlier leader: run it again from the top."""
         try:
-            target = CellState(str(body.get("target", "")))
-        except ValueError:
+            target = CellState.from_name(str(body.get("target", "")))
+        except InvalidArgument:
             target = CellState.ROLLOUT
         self.telemetry.emit("transition_resumed",
                 f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})", cell_id=cell_id)
@@ -195,7 +196,8 @@ class TransitionRunner:
                     continue
                 if not leaving:
                     return 0
-                dests = pick_destinations(fleet.cells, fleet.routes, cell_id, len(leaving), fleet.version)
+                dests = pick_destinations(fleet.cells, fleet.routes, cell_id, len(leaving), fleet.version,
+                        fleet.planned, fleet.spread)
                 if len(dests) < len(leaving):
                     return None
                 pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old,
@@ -251,7 +253,7 @@ class TransitionRunner:
         await self._tell_routers([MoveOrder(execution_id, old.cell_id, cell_id, old.epoch + 1)])
         return True
 
-    def _migration_refused(self, route: RouteRecord | None, cell_id: str) -> str:
+    def _migration_refused(self, route: Route | None, cell_id: str) -> str:
         """Why a migration cannot happen now ("" when it can)."""
         fleet = self.fleet
         if route is None:

@@ -78,6 +78,8 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await hb.acquire(wait_s=0)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and a.target in err.value.details()
+        trailing = dict(err.value.trailing_metadata() or ())
+        assert trailing.get("x-gyre-leader") == a.target and trailing.get("retry-after-ms")  # the client follows it
         execs = [await ha.acquire() for _ in range(5)]
         for e in execs[:2]:
             await ha.finish(e)
@@ -210,7 +212,8 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await ha.acquire(wait_s=0)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and b.target in err.value.details()
-        assert dict(err.value.trailing_metadata() or ()).get("retry-after-ms")
+        trailing = dict(err.value.trailing_metadata() or ())
+        assert trailing.get("retry-after-ms") and trailing.get("x-gyre-leader") == b.target
         assert await _ledger_keys(etcd, keys) == before
         out = await hb.finish(e1)
         assert not out.duplicate

@@ -47,13 +47,21 @@ def model_dir(tmp_path_factory):
 
 
 async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
+    """JoinBatch as the scheduler sends it: retried while the trainer is still starting."""
     async with channel(target, "scheduler") as ch:
-        r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
-                                prefix_size=1, core_target=target),
-            timeout=60,
-        )
-    return r.joined
+        for attempt in range(60):
+            try:
+                r = await pb_grpc.CellControlStub(ch).JoinBatch(
+                    pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
+                                        prefix_size=1, core_target=target),
+                    timeout=60,
+                )
+                return r.joined
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == 59:
+                    raise
+                await asyncio.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 @pytest.mark.parametrize("point", ["training.after_step", "training.after_checkpoint", "training.before_reduce",

@@ -1,7 +1,12 @@
 """A satellite killed mid-batch (SIGKILL) neither hangs the core nor leaves a partial
 update: the core's reduce fails promptly, no optimizer step is taken and nothing is
-published, the core keeps serving its weights (unchanged, version 0), and later JoinBatch
-commands get a clear UNAVAILABLE (the prefix groups are broken) instead of a hang."""
+published, the core keeps serving its weights (unchanged, version 0), and JoinBatch
+commands get a clear UNAVAILABLE (the prefix groups are broken) instead of a hang.
+
+Then, without an operator: the satellite is restarted (as its supervisor would), the prefix
+groups re-form (a new generation), and the batch is attempted again by both cells with
+every micro-step redelivered (the first attempt's acks were leases): one step, published,
+committed at the packer."""
 
 from __future__ import annotations
 
@@ -96,6 +101,40 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
         version, after = await pull_snapshot(core, 0)
         assert version == 0
         assert all(torch.equal(after[n], t) for n, t in before.items())  # no partial update
+        # The supervisor restarts the satellite; the groups re-form by themselves.
+        procs.append(ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": "c1", "index": 1},
+                                    env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path / "c1-restarted.log"))
+        await asyncio.to_thread(procs[-1].start, 90)
+        joined = False
+        for _ in range(300):
+            try:
+                joined = await _join(epoch, core, 1, 1, core)
+                break
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                await asyncio.sleep(0.3)
+        assert joined, "the prefix groups never re-formed"
+        for _ in range(100):
+            try:
+                if await _join(epoch, procs[-1].target, 1, 2, core):
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+        kv = None
+        for _ in range(600):
+            kv = await etcd.get(Keys(cluster_name).policy())
+            if kv is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None, "the batch never completed after the re-formation"
+        for _ in range(100):
+            if packer.status(1)[2]:
+                break
+            await asyncio.sleep(0.1)
+        assert packer.status(1) == (2, 6, True)  # a second attempt; all six trained, committed
+        version, _ = await pull_snapshot(core, 1)
+        assert version == 1
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)

@@ -20,9 +20,6 @@ import pytest_asyncio
 
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from services.router.servicer import RouterServicer
-from tests.leader import leader_epoch, new_leader
-from tests.tls import RoleStubs, tls
 from bench.support.router_rig import (
     FakePacker,
     build_tokenizer_dir,
@@ -36,6 +33,9 @@ from bench.support.router_rig import (
 )
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.servicer import RouterServicer
+from tests.leader import leader_epoch, new_leader
+from tests.tls import RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

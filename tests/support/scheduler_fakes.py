@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gyre.errors import Conflict, StaleEpoch, Unavailable
+from gyre.etcd.values import Route
 from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
-from services.scheduler.placement import RouteRecord
 from services.scheduler.store import Stored
 
 
@@ -81,7 +81,7 @@ class FakeStore:
             self.summary.value, self.summary.mod_revision)
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
-        routes = [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
+        routes = [Route.from_json(v.value, v.version, mod_revision=v.mod_revision) for v in self.routes.values()]
         return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()}, summary)
 
     async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int:
@@ -94,8 +94,8 @@ class FakeStore:
             del self.execs[eid]
         return rev
 
-    async def read_routes(self) -> list[RouteRecord]:
-        return [RouteRecord.from_json(v.value, v.version, v.mod_revision) for v in self.routes.values()]
+    async def read_routes(self) -> list[Route]:
+        return [Route.from_json(v.value, v.version, mod_revision=v.mod_revision) for v in self.routes.values()]
 
     async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None:
         v = self.execs.get(execution_id)
@@ -112,7 +112,7 @@ class FakeStore:
         self.bursts[burst.burst_id] = _Val(burst.to_json(), rev, 1)
         return rev
 
-    async def launch(self, rec: ExecutionRecord, route: RouteRecord) -> int:
+    async def launch(self, rec: ExecutionRecord, route: Route) -> int:
         if self.launch_delay_s:
             await asyncio.sleep(self.launch_delay_s)  # a slow etcd: launches overlap
         rev = self._write()
@@ -131,7 +131,7 @@ class FakeStore:
         self.routes.pop(rec.execution_id, None)
         return rev
 
-    async def move_routes(self, routes: Sequence[tuple[RouteRecord, RouteRecord]]) -> list[int]:
+    async def move_routes(self, routes: Sequence[tuple[Route, Route]]) -> list[int]:
         rev = self._write()
         for old, _ in routes:
             cur = self.routes.get(old.execution_id)

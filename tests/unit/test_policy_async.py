@@ -46,6 +46,11 @@ def test_gate_is_areal_plus_overprovision():
                  groups_cancelled=3)
     assert staleness.dispatch_room(p, 0) == 22 - 22
     assert staleness.dispatch_room(p, 1) == 32 - 22
+    # eta = 0 and the batch full: a group stamped now could never be consumed; no dispatch
+    # (else each cancellation would free room for a group cancelled next).
+    p0 = Pipeline(max_staleness=0, group_size=4, batch_groups=10, batch_assigned=10, groups_dispatched=5)
+    assert staleness.dispatch_room(p0, 0) == 0
+    assert staleness.dispatch_room(Pipeline(**{**p0.__dict__, "batch_assigned": 9}), 0) == 5
 
 
 @given(u=st.integers(0, 20), v=st.integers(0, 25), eta=st.integers(0, 4), full=st.booleans())
@@ -314,3 +319,17 @@ def test_make_policy_names():
     assert make_policy("waterlevel-sync").name == "waterlevel-sync"
     assert make_policy("async-static", training_cells=3).name == "async-static"
     assert make_policy("async-static-lend", training_cells=3).name == "async-static-lend"
+
+
+def test_placement_spreads_and_keeps_planned_cells_last():
+    from services.scheduler.placement import CellRecord, CellTable, placement_order
+
+    table = CellTable()
+    table.records = {f"c{i}": CellRecord(f"c{i}", CellKind.ELASTIC, i, 4, f"t{i}") for i in range(4)}
+    table.states = {cid: CellState.ROLLOUT for cid in table.records}
+    counts = {"c0": 0, "c1": 3, "c2": 1, "c3": 2}
+    order = lambda **kw: [r.cell_id for r, _ in placement_order(table, counts, **kw)]
+    assert order() == ["c3", "c2", "c1", "c0"]  # packing: descending index
+    assert order(spread=True) == ["c0", "c2", "c3", "c1"]  # least loaded first
+    assert order(spread=True, avoid=["c0"]) == ["c2", "c3", "c1", "c0"]  # planned cells last
+    assert order(avoid=["c3", "c2"]) == ["c1", "c0", "c3", "c2"]

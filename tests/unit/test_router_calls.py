@@ -15,8 +15,9 @@ import pytest
 
 from bench.support.fake_engine import context_state, next_state, reference, token_for
 from gyre.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from gyre.tokens import Chunk, FinishReason
 from services.router.calls import CallPolicy, RouterStats
-from services.router.engine import Chunk, EngineRequest, Finish, KvHandle, Sampling
+from services.router.engine import EngineRequest, KvHandle, Sampling
 from services.router.failures import FailureReporter
 from services.router.manager import CallManager
 from services.router.routes import Route, RouteTable
@@ -65,10 +66,10 @@ class FakeEngines:
                     ids.append(tok)
                     lps.append(lp)
                     if tok in request.sampling.stop_token_ids:
-                        finish = Finish.STOP
+                        finish = FinishReason.STOP
                         break
                     if sent + len(ids) >= request.sampling.max_tokens:
-                        finish = Finish.LENGTH
+                        finish = FinishReason.LENGTH
                         break
                 await asyncio.sleep(s.delay_s)
                 yield Chunk(ids, lps, s.policy_version, finish)
@@ -140,7 +141,7 @@ async def test_unmoved_call_matches_reference_and_records_turn():
     task = asyncio.create_task(turns.run())
     out, chunks = await run_call(mgr, 20)
     assert out == reference(1, PROMPT, 20)
-    assert chunks[-1].finish is Finish.LENGTH
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
     assert await turns.flush(2.0)
     assert len(sink.turns) == 1 and list(sink.turns[0].output_token_ids) == out
     assert sink.turns[0].output_policy_versions == (1,) * 20 and sink.turns[0].turn_index == 0
@@ -300,7 +301,7 @@ async def test_stop_token_ends_call_and_nothing_follows():
     mgr, _, _, _, _ = setup({"a": Script(per_chunk=4)})
     out, chunks = await run_call(mgr, 50, stop=[stop])
     assert out == ref[: ref.index(stop) + 1]
-    assert chunks[-1].finish is Finish.STOP
+    assert chunks[-1].finish_reason is FinishReason.STOP
 
 
 async def test_kv_handoff_exports_imports_and_releases():
@@ -378,7 +379,7 @@ async def test_coalescing_window_merges_tokens_without_changing_them():
     out, chunks = await run_call(mgr, 30)
     assert out == reference(1, PROMPT, 30)
     assert len(chunks) < 15  # ~10 tokens per message instead of 1
-    assert chunks[-1].finish is Finish.LENGTH
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_sampled_calls_without_seed_get_distinct_reproducible_seeds():

@@ -64,7 +64,7 @@ def test_relist_drops_closed_executions_and_their_tokens():
 
 def test_route_json_round_trip_and_malformed():
     route = r("e1", "a", 3, "t", created=7)
-    back = Route.from_json(route.to_json(), 3, 7)
+    back = Route.from_json(route.to_json(), 3, created_revision=7)
     assert back == route
     with pytest.raises(InvalidArgument):
         Route.from_json(b"{not json", 1)

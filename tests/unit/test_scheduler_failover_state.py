@@ -22,8 +22,9 @@ from test_scheduler_service import lead, make  # same test folder
 
 from bench.support.recording_peers import RecordingPeers
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from gyre.etcd.values import token_sha256
 from services.packer.model import ExecStatus, Finish
-from services.scheduler.ledger import ExecState, derive_token, sha256_hex
+from services.scheduler.ledger import ExecState, derive_token
 from services.scheduler.peers import FinishReport
 from tests.support import packer_kit as tk
 
@@ -221,6 +222,7 @@ async def test_closed_bursts_are_archived_and_a_new_leader_rebuilds_the_same_tot
         totals = s.ledger.counts()
         assert (totals.dispatched, totals.finished) == (16, 8)
         assert s.ledger.finished_by_status()["COMPLETED"] == 8
+        assert sum(c.dispatched for c in s.ledger.counts_by_version().values()) == 16
         with pytest.raises(NotFound):
             await s.finish(first[0].record.execution_id, first[0].token, ExecState.COMPLETED, 1.0, "k")
         s.ledger.check_invariants()
@@ -234,6 +236,7 @@ async def test_closed_bursts_are_archived_and_a_new_leader_rebuilds_the_same_tot
     s2, _, _ = await _failover(s, store, clock, peers=peers2, archive_grace_s=5.0)
     assert s2.ledger.counts() == s.ledger.counts()
     assert s2.ledger.finished_by_status() == s.ledger.finished_by_status()
+    assert s2.ledger.counts_by_version() == s.ledger.counts_by_version()
     assert {r.execution_id for r in s2.ledger.records.values()}.isdisjoint(g.record.execution_id for g in first)
     assert not [e for e in s2.relay.unsettled if e.startswith("b1-")]  # archived: not resent
     assert s2.status().bursts_completed >= 1
@@ -257,7 +260,7 @@ async def test_an_unsettled_report_holds_its_burst_back_from_the_archive():
 
 
 def test_acquire_key_hash_is_what_the_record_keeps():
-    assert sha256_hex(KEY) != KEY and len(derive_token(KEY, "b1-t0-0")) == 43
+    assert token_sha256(KEY) != KEY and len(derive_token(KEY, "b1-t0-0")) == 43
     assert derive_token(KEY, "b1-t0-0") != derive_token(KEY, "b1-t0-1")
 
 

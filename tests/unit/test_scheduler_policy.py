@@ -16,7 +16,8 @@ import dataclasses
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.ledger import ExecState, Ledger, Task, sha256_hex, validate_finish
+from gyre.etcd.values import token_sha256
+from services.scheduler.ledger import ExecState, Ledger, Task, validate_finish
 from services.scheduler.policy import (
     BurstView,
     CellKind,
@@ -96,7 +97,7 @@ class World:
                 nxt = led.next_queued()
                 if nxt is None:
                     break
-                rec = led.plan_launch(nxt[0], nxt[1], sha256_hex(f"tok{nxt[1]}-{nxt[0].burst_id}"), "h", self.now)
+                rec = led.plan_launch(nxt[0], nxt[1], token_sha256(f"tok{nxt[1]}-{nxt[0].burst_id}"), "h", self.now)
                 led.apply(rec, self.now + 10.0)
         elif op in ("finish", "dup_finish"):
             running = led.running_ids() if op == "finish" else [e for e, r in led.records.items() if r.state.final]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import enum
 import itertools
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -19,7 +18,7 @@ from typing import Any
 from gyre.errors import FailedPrecondition, InvalidArgument, Unavailable
 from gyre.kv import KvHandle  # noqa: F401  (re-exported)
 from gyre.sampling import Sampling  # noqa: F401  (re-exported)
-from gyre.v1 import cell_agent_pb2, common_pb2
+from gyre.tokens import Chunk, FinishReason  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -30,41 +29,6 @@ Weights = Mapping[str, Any] | bytes
 class EngineDead(Unavailable):
     """The engine died or hung. Every waiter gets this; the process then exits non-zero so
     its lease lapses (crash-only). Maps to UNAVAILABLE, so a router retries elsewhere."""
-
-
-class FinishReason(enum.Enum):
-    """Why a stream ended (mirrors ``gyre.v1.FinishReason``)."""
-
-    LENGTH = common_pb2.FINISH_REASON_LENGTH
-    STOP = common_pb2.FINISH_REASON_STOP
-    ABORT = common_pb2.FINISH_REASON_ABORT
-
-
-@dataclasses.dataclass
-class Chunk:
-    """Tokens produced by one engine step for one request."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_version: int
-    finish_reason: FinishReason | None = None
-
-    def to_proto(self) -> common_pb2.TokenChunk:
-        return common_pb2.TokenChunk(
-            token_ids=self.token_ids,
-            logprobs=self.logprobs,
-            policy_version=self.policy_version,
-            finish_reason=self.finish_reason.value if self.finish_reason else 0,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.TokenChunk) -> Chunk:
-        return cls(
-            token_ids=list(msg.token_ids),
-            logprobs=list(msg.logprobs),
-            policy_version=int(msg.policy_version),
-            finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,8 +52,8 @@ from services.cell_agent.training.ports import (
     PolicyPublisher,
     Puller,
 )
-from services.cell_agent.training.trainer import Trainer
 from services.cell_agent.training.retry import keep_claims, retrying
+from services.cell_agent.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,24 @@ class TrainingController:
             "broken": self._broken,
         }
 
+    @property
+    def broken(self) -> str | None:
+        """Why the prefix groups are unusable (a failed collective), or None."""
+        return self._broken
+
+    async def repair(self, reform: Callable[[], None]) -> None:
+        """Runs ``reform`` (blocking: tear the prefix groups down and form them again) in a
+        thread once no batch is in flight, refusing joins meanwhile; clears the broken
+        state when it succeeds (and keeps it, raising, when it fails)."""
+        async with self._lock:
+            cur = self._current
+            if cur is not None and not cur.done():
+                return  # the batch in flight finishes or fails first
+            self._broken = self._broken or "re-forming"
+            await asyncio.to_thread(reform)
+            log.info("prefix groups re-formed", extra={"cell_id": self.cell_id, "was": self._broken})
+            self._broken = None
+
     async def wait_batch(self, batch_id: int) -> BatchOutcome:
         """The outcome of a batch this cell joined (raises what the batch raised)."""
         task = self._tasks.get(batch_id)
@@ -199,12 +217,15 @@ class TrainingController:
         if self._closed:
             raise Unavailable("the trainer is shutting down")
         if self._broken is not None:
-            raise Unavailable(f"prefix groups broken ({self._broken}); restart the elastic cells to train again")
+            raise Unavailable(f"prefix groups broken ({self._broken}); re-forming them, retry")
         if not self.is_core and not core_target:
             raise InvalidArgument("a satellite needs core_target")
         async with self._lock:
             if batch_id in self._tasks:
-                return True
+                done = self._tasks[batch_id]
+                if not done.done() or (not done.cancelled() and done.exception() is None):
+                    return True
+                del self._tasks[batch_id]  # that attempt failed (its data went back): a new one
             prev = self._current
             if prev is not None and not prev.done():
                 # The previous batch is finishing (step, broadcast): joins follow it. Its
@@ -214,7 +235,7 @@ class TrainingController:
                 if not prev.done():
                     return False
                 if self._broken is not None:
-                    raise Unavailable(f"prefix groups broken ({self._broken}); restart the elastic cells")
+                    raise Unavailable(f"prefix groups broken ({self._broken}); re-forming them, retry")
             started = self.clock()
             if self.is_core:
                 version = await self._open_as_core(batch_id, policy_version)
@@ -291,7 +312,7 @@ class TrainingController:
             await asyncio.to_thread(op, k, tensor)
         except Exception as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
-            log.error("collective failed: the prefix groups are broken until the elastic cells restart",
+            log.error("collective failed: the prefix groups are broken until they are re-formed",
                       extra={"prefix": k, "error": self._broken})
             raise Unavailable(f"collective over the prefix of {k} failed: {exc}") from exc
 

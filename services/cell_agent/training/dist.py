@@ -1,14 +1,27 @@
-"""Prefix communication groups over torch.distributed, created once at start-up, and the
-batch membership kept in the same rendezvous store.
+"""Prefix communication groups over torch.distributed, formed at start-up and re-formed
+after a failure without an operator, and the batch membership kept in the same rendezvous
+store.
 
-Every elastic cell is one rank (its elastic index). At start-up all of them rendezvous at
-the core's TCPStore, form the default group (gloo on CPU, NCCL on CUDA) and create one
-subgroup for every prefix [0..k-1], k = 2..world (``new_group`` is collective over the
-default group, so it happens once, together, and the groups then stay alive across role
-changes). A batch's participants always form a prefix, so its reduce and broadcast use the
-prefix's group. Membership keys live in the store under ``gyre/b<id>/``: ``v`` (the
-batch's version), ``m`` ("open:<n>" then "closed:<n>", changed only by compare-and-set, so
-registration and the core's freeze are atomic), ``k`` (the frozen size, for waiters).
+Every elastic cell is one rank (its elastic index). All of them rendezvous at the core's
+TCPStore, form the default group (gloo on CPU, NCCL on CUDA) and create one subgroup for
+every prefix [0..k-1], k = 2..world (``new_group`` is collective over the default group, so
+it happens together, and the groups then stay alive across role changes). A batch's
+participants always form a prefix, so its reduce and broadcast use the prefix's group.
+
+Generations: each formation has an id the core writes to ``gyre/gen``; its groups
+rendezvous under that prefix of the store, and the core marks it ``gyre/formed/<id>`` when
+done. A failed collective (a peer died or hung past the timeout) is repaired by
+:meth:`PrefixGroups.reform`: the core tears its groups down and starts a new generation;
+satellites follow a new id when they see one (:meth:`PrefixGroups.wants_reform`), and a
+satellite that finds its generation already formed (it was restarted) or whose collective
+failed asks the core for one (``gyre/reform``, a counter). A restarted core starts a new
+store and generation, to which satellites reconnect. Every formation waits for every rank,
+so the groups come back once the dead cell is restarted (its supervisor's job).
+
+Membership keys live in the store under ``gyre/<generation>/b<id>/``: ``v`` (the batch's
+version), ``m`` ("open:<n>" then "closed:<n>", changed only by compare-and-set, so
+registration and the core's freeze are atomic), ``k`` (the frozen size, for waiters). A new
+generation starts them afresh: an attempt at a batch after a failure opens its window again.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -46,28 +60,110 @@ class PrefixGroups:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store: dist.Store | None = None
         self.groups: dict[int, object] = {}
+        self.generation = ""
+        self.formations = 0
+        self._requests_seen = 0
 
     def setup(self) -> None:
         """Blocking rendezvous of every elastic cell (run it in a thread)."""
+        self.store = self._connect()
+        if self.rank == 0:
+            self._new_generation()
+        else:
+            gen = self._current_generation()
+            if self.world_size > 1 and self.store.check([f"gyre/formed/{gen}"]):
+                gen = self._ask_for_generation(gen)  # this cell was restarted: form anew
+            self.generation = gen
+        self._form()
+
+    def _connect(self) -> dist.Store:
         host, _, port = self.master.rpartition(":")
-        self.store = dist.TCPStore(
+        return dist.TCPStore(
             host, int(port), self.world_size, is_master=self.rank == 0, timeout=self.timeout,
             wait_for_workers=False, use_libuv=True,
         )
+
+    def _new_generation(self) -> None:
+        assert self.store is not None
+        self.generation = uuid.uuid4().hex[:12]
+        self._requests_seen = int(self.store.add("gyre/reform", 0))
+        self.store.set("gyre/gen", self.generation)
+
+    def _current_generation(self) -> str:
+        assert self.store is not None
+        self.store.wait(["gyre/gen"])
+        return self.store.get("gyre/gen").decode()
+
+    def _ask_for_generation(self, old: str) -> str:
+        """A satellite asks the core for a new generation; returns it once announced."""
+        assert self.store is not None
+        self.store.add("gyre/reform", 1)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while (gen := self.store.get("gyre/gen").decode()) == old:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the core announced no new generation of the prefix groups")
+            time.sleep(0.1)
+        return gen
+
+    def _form(self) -> None:
+        assert self.store is not None
         if self.world_size > 1:
             dist.init_process_group(
-                self.backend, store=dist.PrefixStore("pg", self.store), rank=self.rank,
+                self.backend, store=dist.PrefixStore(f"pg/{self.generation}", self.store), rank=self.rank,
                 world_size=self.world_size, timeout=self.timeout,
             )
+            self.groups = {}
             for k in range(2, self.world_size + 1):
-                group = dist.new_group(list(range(k)), timeout=self.timeout, backend=self.backend)
-                self.groups[k] = group
-        log.info("prefix groups ready", extra={"rank": self.rank, "world": self.world_size, "backend": self.backend})
+                self.groups[k] = dist.new_group(list(range(k)), timeout=self.timeout, backend=self.backend)
+            if self.rank == 0:
+                self.store.set(f"gyre/formed/{self.generation}", "1")
+        self.formations += 1
+        log.info("prefix groups ready", extra={"rank": self.rank, "world": self.world_size, "backend": self.backend,
+                                               "generation": self.generation, "formations": self.formations})
+
+    def wants_reform(self) -> bool:
+        """True when the groups must be formed again: (core) a satellite asked for it;
+        (satellite) the core announced another generation, or its store is gone."""
+        if self.world_size <= 1 or self.store is None:
+            return False
+        try:
+            if self.rank == 0:
+                return int(self.store.add("gyre/reform", 0)) > self._requests_seen
+            return self.store.get("gyre/gen").decode() != self.generation
+        except Exception:  # noqa: BLE001 (the core's store died with the core)
+            return self.rank != 0
+
+    def reform(self) -> None:
+        """Tears the groups down and forms them again (blocking; run it in a thread, never
+        while a collective is in flight). The core starts a new generation; a satellite
+        reconnects to the core's store if it died, and asks for a new generation unless
+        the core has announced one already."""
+        old = self.generation
+        self._destroy()
+        if self.rank == 0:
+            self._new_generation()
+        else:
+            try:
+                gen = self.store.get("gyre/gen").decode() if self.store is not None else old
+            except Exception:  # noqa: BLE001 (the core restarted: a new store)
+                self.store = self._connect()
+                gen = self._current_generation()
+            if gen == old or self.store.check([f"gyre/formed/{gen}"]):
+                gen = self._ask_for_generation(gen)
+            self.generation = gen
+        log.warning("re-forming the prefix groups", extra={"rank": self.rank, "from": old, "to": self.generation})
+        self._form()
+
+    def _destroy(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 (a broken group may fail to close cleanly)
+                log.warning("destroying the broken process group failed", extra={"error": repr(exc)})
+        self.groups = {}
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-        self.groups.clear()
+        self._destroy()
 
     # Collective ----------------------------------------------------------------------
 
@@ -86,15 +182,23 @@ class PrefixGroups:
 
 
 class StoreMembership:
-    """:class:`~services.cell_agent.training.ports.Membership` in the rendezvous store."""
+    """:class:`~services.cell_agent.training.ports.Membership` in the rendezvous store, under
+    the groups' current generation."""
 
-    def __init__(self, store: dist.Store, poll_s: float = 0.01) -> None:
-        self.store = store
+    def __init__(self, groups: PrefixGroups | dist.Store, poll_s: float = 0.01) -> None:
+        self._groups = groups if isinstance(groups, PrefixGroups) else None
+        self._store = None if isinstance(groups, PrefixGroups) else groups
         self.poll_s = poll_s
 
-    @staticmethod
-    def _k(batch_id: int, name: str) -> str:
-        return f"gyre/b{batch_id}/{name}"
+    @property
+    def store(self) -> dist.Store:
+        store = self._groups.store if self._groups is not None else self._store
+        assert store is not None
+        return store
+
+    def _k(self, batch_id: int, name: str) -> str:
+        gen = self._groups.generation if self._groups is not None else ""
+        return f"gyre/{gen}/b{batch_id}/{name}" if gen else f"gyre/b{batch_id}/{name}"
 
     def open(self, batch_id: int, version: int) -> None:
         # The version is written before the membership key exists: a satellite that sees
@@ -133,5 +237,7 @@ class StoreMembership:
         while not self.store.check([key]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"batch {batch_id} not frozen after {timeout_s}s")
+            if self._groups is not None and self._groups.wants_reform():
+                raise TimeoutError(f"batch {batch_id}: the prefix groups are being re-formed")
             time.sleep(self.poll_s)  # runs in a worker thread, never on the loop
         return int(self.store.get(key))

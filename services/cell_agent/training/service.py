@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from gyre.backoff import Backoff
 from gyre.errors import Unavailable
 from gyre.etcd import Etcd, Keys
 from services.cell_agent.snapshots import SnapshotStore, pull_snapshot
@@ -88,9 +89,32 @@ class TrainingService:
                 log.error("training failed to start; this cell will not train", extra={"error": repr(exc)})
             finally:
                 self._ready.set()
-            await asyncio.Event().wait()
+            if self.controller is None:
+                await asyncio.Event().wait()
+            await self.keep_groups()
         finally:
             await self.close()
+
+    async def keep_groups(self, every_s: float = 0.5) -> None:
+        """Re-forms the prefix groups after a failed collective, or when a peer asks (a
+        restarted satellite, the core's new generation), without an operator."""
+        assert self.controller is not None and self.groups is not None
+        ctl, groups = self.controller, self.groups
+        backoff = Backoff(1.0, 15.0)
+        while True:
+            await asyncio.sleep(every_s)
+            if groups.world_size <= 1:
+                continue
+            if ctl.broken is None and not await asyncio.to_thread(groups.wants_reform):
+                continue
+            try:
+                await ctl.repair(groups.reform)
+                backoff.reset()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (a peer not back yet: try again later)
+                log.warning("re-forming the prefix groups failed; retrying", extra={"error": repr(exc)})
+                await backoff.sleep()
 
     async def build(self) -> TrainingController:
         s = self.settings
@@ -119,7 +143,7 @@ class TrainingService:
         assert groups.store is not None
         self.controller = TrainingController(
             cell_id=self.cell_id, index=self.index, trainer=trainer, snapshots=self.snapshots,
-            source=self._source, membership=StoreMembership(groups.store), collective=groups,
+            source=self._source, membership=StoreMembership(groups), collective=groups,
             publisher=publisher,
             puller=functools.partial(
                 _pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s

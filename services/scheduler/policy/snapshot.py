@@ -11,26 +11,9 @@ backlog and the rates of supply and training. A caller that cannot fill ``pipeli
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Iterable, Sequence
 
-
-class CellKind(enum.Enum):
-    """Whether a cell can change role (values as in ``keys.cell`` JSON)."""
-
-    STANDALONE = "standalone"
-    ELASTIC = "elastic"
-
-
-class CellState(enum.Enum):
-    """The role lifecycle of a cell (values as in ``keys.cell_state`` JSON)."""
-
-    STARTING = "STARTING"
-    ROLLOUT = "ROLLOUT"
-    DRAINING = "DRAINING"
-    TRAINING = "TRAINING"
-    RETURNING = "RETURNING"
-    FAILED = "FAILED"
+from gyre.etcd.values import CellKind, CellState
 
 
 @dataclasses.dataclass(frozen=True)

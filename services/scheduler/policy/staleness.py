@@ -39,7 +39,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from gyre.staleness import consumable, oldest_usable, unconsumable
 from services.scheduler.policy.snapshot import Pipeline, VersionCounts
+
+__all__ = ["cells_to_cover", "consumable", "dispatch_room", "gate", "groups_needed", "oldest_usable", "unconsumable",
+           "usable_open", "waterlevel"]
+"""``consumable``, ``unconsumable`` and ``oldest_usable`` are :mod:`gyre.staleness`'s: the one
+rule, shared with the services that apply it (the scheduler cancels, the packer drops)."""
 
 
 def gate(version: int, max_staleness: int, batch_groups: int, extra_groups: int = 0) -> int:
@@ -50,26 +56,13 @@ def gate(version: int, max_staleness: int, batch_groups: int, extra_groups: int 
 
 
 def dispatch_room(p: Pipeline, version: int) -> int:
-    """Groups that may be dispatched now without breaking the gate (>= 0)."""
+    """Groups that may be dispatched now without breaking the gate (>= 0). None while a group
+    stamped ``version`` would be unconsumable at once (eta = 0 and the batch in progress
+    full: wait for the update), else cancelling would free room for groups cancelled next."""
+    full = p.optimizing or p.batch_assigned >= p.batch_groups
+    if unconsumable(version, version, full, p.max_staleness):
+        return 0
     return max(0, gate(version, p.max_staleness, p.batch_groups, p.extra_groups) - p.usable_dispatched)
-
-
-def consumable(group_version: int, batch: int, max_staleness: int) -> bool:
-    """Batch ``batch`` may train on a group stamped ``group_version``."""
-    return 0 <= batch - group_version <= max_staleness
-
-
-def unconsumable(group_version: int, trainer_version: int, batch_full: bool, max_staleness: int) -> bool:
-    """The cancel-early rule: True once no batch within eta can take an unassigned group
-    stamped ``group_version``: the trainer is past batch ``u + eta``, or at it with the
-    batch full (every group it needs assigned)."""
-    last = group_version + max_staleness
-    return trainer_version > last or (trainer_version == last and batch_full)
-
-
-def oldest_usable(trainer_version: int, batch_full: bool, max_staleness: int) -> int:
-    """The oldest version whose unassigned groups can still be consumed."""
-    return trainer_version - max_staleness + (1 if batch_full else 0)
 
 
 def usable_open(versions: Iterable[VersionCounts], trainer_version: int, max_staleness: int) -> int:

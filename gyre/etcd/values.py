@@ -1,0 +1,154 @@
+"""The values under the keys of :mod:`gyre.etcd.keys`: one definition each, used by every
+service that writes or reads them.
+
+- :class:`CellKind` and :class:`CellState`: a cell's kind (``keys.cell`` JSON) and role
+  state (``keys.cell_state`` JSON), with their ``gyre.v1`` proto numbers;
+- :func:`encode_cell_state` / :func:`decode_cell_state`: the ``keys.cell_state`` value;
+- :class:`Route`: one execution's route (``keys.route``), parsed with one strictness;
+- :func:`token_sha256`: the digest a route stores instead of the execution token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from typing import Any
+
+from gyre.errors import InvalidArgument
+from gyre.v1 import common_pb2
+
+
+class CellKind(enum.Enum):
+    """Whether a cell can change role; values as in ``keys.cell`` JSON."""
+
+    STANDALONE = "standalone"
+    ELASTIC = "elastic"
+
+    @classmethod
+    def from_name(cls, name: str) -> CellKind:
+        """``standalone`` / ``ELASTIC`` ... (any case); InvalidArgument otherwise."""
+        try:
+            return cls(str(name).lower())
+        except ValueError:
+            raise InvalidArgument(f"unknown cell kind {name!r}") from None
+
+    @classmethod
+    def from_proto(cls, value: int) -> CellKind:
+        try:
+            return _KIND_FROM_PROTO[value]
+        except KeyError:
+            raise InvalidArgument(f"unknown cell kind {value}") from None
+
+    def to_proto(self) -> int:
+        return _KIND_TO_PROTO[self]
+
+
+class CellState(enum.Enum):
+    """The role lifecycle of a cell; values as in ``keys.cell_state`` JSON (its names)."""
+
+    STARTING = "STARTING"
+    ROLLOUT = "ROLLOUT"
+    DRAINING = "DRAINING"
+    TRAINING = "TRAINING"
+    RETURNING = "RETURNING"
+    FAILED = "FAILED"
+
+    @classmethod
+    def from_name(cls, name: str) -> CellState:
+        """``ROLLOUT`` / ``rollout`` ...; InvalidArgument otherwise."""
+        try:
+            return cls(str(name).upper())
+        except ValueError:
+            raise InvalidArgument(f"unknown cell state {name!r}") from None
+
+    @classmethod
+    def from_proto(cls, value: int) -> CellState:
+        try:
+            return _STATE_FROM_PROTO[value]
+        except KeyError:
+            raise InvalidArgument(f"unknown cell state {value}") from None
+
+    def to_proto(self) -> int:
+        return _STATE_TO_PROTO[self]
+
+
+_KIND_TO_PROTO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE, CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
+_KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
+_STATE_TO_PROTO = {state: getattr(common_pb2, f"CELL_STATE_{state.value}") for state in CellState}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+
+
+def encode_cell_state(state: CellState, epoch: int, updated_s: float) -> bytes:
+    """The ``keys.cell_state`` value a cell agent writes under the leader's fence ``epoch``."""
+    return json.dumps({"state": state.value, "epoch": epoch, "updated_s": updated_s}).encode()
+
+
+def decode_cell_state(raw: bytes | None) -> CellState:
+    """A ``keys.cell_state`` value; no value (a cell with no state yet) or an unreadable one
+    is STARTING: the scheduler places nothing on it until the cell says more."""
+    if raw is None:
+        return CellState.STARTING
+    try:
+        return CellState.from_name(json.loads(raw)["state"])
+    except (ValueError, KeyError, TypeError, InvalidArgument):
+        return CellState.STARTING
+
+
+def token_sha256(token: str) -> str:
+    """The hex digest a route (and the ledger) stores instead of the execution token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where one execution's model calls go (``keys.route``).
+
+    ``epoch`` is the key's version (it is not in the value); ``created_revision`` tells a
+    re-created route from a newer epoch of the same one (the router's rule); ``mod_revision``
+    guards the scheduler's compare-and-swap moves. Both are 0 for a route not read from etcd.
+    """
+
+    execution_id: str
+    cell_id: str
+    target: str
+    token_sha256: str
+    group_id: str
+    burst_id: int
+    policy_version: int
+    epoch: int = 0
+    created_revision: int = 0
+    mod_revision: int = 0
+    expires_s: float = 0.0
+    """Wall-clock time (unix seconds) the execution's token expires; 0: never."""
+
+    @classmethod
+    def from_json(cls, value: bytes, epoch: int = 0, *, created_revision: int = 0, mod_revision: int = 0) -> Route:
+        """Parses a route key's value; InvalidArgument when a required field is missing or
+        a number is not one."""
+        try:
+            raw: Any = json.loads(value)
+            return cls(
+                execution_id=str(raw["execution_id"]),
+                cell_id=str(raw["cell_id"]),
+                target=str(raw["target"]),
+                token_sha256=str(raw["token_sha256"]).lower(),
+                group_id=str(raw.get("group_id", "")),
+                burst_id=int(raw.get("burst_id", 0) or 0),
+                policy_version=int(raw.get("policy_version", 0) or 0),
+                epoch=int(epoch),
+                created_revision=int(created_revision),
+                mod_revision=int(mod_revision),
+                expires_s=float(raw.get("expires_s", 0.0) or 0.0),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"malformed route: {exc!r}") from exc
+
+    def to_json(self) -> bytes:
+        """The key's value (epoch and revisions live in the key's metadata)."""
+        return json.dumps({
+            "execution_id": self.execution_id, "cell_id": self.cell_id, "target": self.target,
+            "token_sha256": self.token_sha256, "group_id": self.group_id, "burst_id": self.burst_id,
+            "policy_version": self.policy_version, "expires_s": self.expires_s,
+        }).encode()

@@ -1,0 +1,44 @@
+"""`make demo` goes on when a process is SIGKILLed (issue 13, part 1): the short mock demo
+of tests/integration/test_e2e_demo.py with one cell agent SIGKILLed mid-run; the launcher
+restarts it, it rejoins, and the run completes with nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from apps.demo.runner import DemoOptions, run_demo
+from apps.harness.env import EnvConfig
+from apps.launch import Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.mark.parametrize("victim", ["cell-1", "router", "packer", "scheduler"])
+async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, victim: str):
+    killed: list[int] = []
+
+    async def kill_once(cluster: Cluster) -> None:
+        await asyncio.sleep(8.0)  # into the first burst: executions are live on every cell
+        killed.append(cluster.procs[victim].pid)
+        os.kill(killed[0], signal.SIGKILL)
+
+    opts = DemoOptions(
+        engine="mock", bursts=2, run_dir=tmp_path / "demo", dashboard_port=0, concurrency=24,
+        timeout_s=400, live=False,
+        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
+        config_overrides={"cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6}, "scheduler": {"interval_s": 0.5}},
+        during=kill_once,
+    )
+    summary = await run_demo(opts)
+    print({k: summary[k] for k in ("outcome", "executions", "restarts", "bursts", "reroutes", "process_events")})
+    assert killed, "the fault was not injected"
+    assert summary["outcome"] == "completed", summary
+    ex = summary["executions"]
+    assert ex["lost"] == 0 and ex["dispatched"] == ex["finished"] > 0, ex
+    assert summary["restarts"].get(victim) == 1, summary["process_events"]
+    assert summary["bursts"] >= 2

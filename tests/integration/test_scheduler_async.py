@@ -1,0 +1,116 @@
+"""The asynchronous policy (gyre) through the real scheduler process, against a real etcd,
+with gRPC stand-ins for cells, router and packer.
+
+Invariants: bursts are dispatched whenever the staleness gate ``(v + eta + 1) x B + X`` has
+room, not only at a burst end, each stamped with the version it serves, so two bursts are
+open at once and the per-version ledger (GetStatus.versions) shows both; ``Migrate`` moves
+a tail execution off a crowded engine with the continuation reroute (fenced route CAS,
+route epoch + 1, Router.MoveExecutions); the cancel-early rule cancels the open members of
+groups no batch within eta can take: their routes disappear from etcd, their harness's
+heartbeat and finish answer CANCELLED, and the packer is told.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apps.procs import ServiceProcess
+from gyre.etcd import Keys
+from gyre.v1 import common_pb2, scheduler_pb2
+from tests.support.scheduler_peers import (
+    FakeCellAgent,
+    FakePacker,
+    FakeRouter,
+    Harness,
+    connect,
+    read_events,
+    wait_until,
+    write_config,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _route(etcd, keys, execution_id):
+    kv = await etcd.get(keys.route(execution_id))
+    return (json.loads(kv.value), kv.version) if kv is not None else (None, 0)
+
+
+async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, cluster_name, tmp_path):
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    crowded = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
+    router = await FakeRouter(etcd, keys).start()
+    packer = await FakePacker().start()
+    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="gyre", batch_size=2, group_size=2,
+                       max_staleness=1, packer_target=packer.target)
+    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
+    h = Harness(proc.target)
+    fresh = None
+    try:
+        st = await h.wait_leader()
+        # The gate at v0: (0 + 1 + 1) x 2 groups = 8 executions, all stamped v0.
+        assert st.policy == "gyre" and st.total.dispatched == 8 and st.open_bursts == 1
+        assert [(v.policy_version, v.dispatched) for v in st.versions] == [(0, 8)]
+        running = [await h.acquire() for _ in range(4)]  # sa-0's 4 slots
+        assert all(e is not None and e.policy_version == 0 for e in running)
+
+        # The core's step publishes v1 (no weights to load here): the gate grows to 6 groups
+        # and a burst stamped v1 goes out while burst 1 is still open.
+        await etcd.put(keys.policy(), json.dumps({"version": 1, "batch_id": 1}).encode())
+
+        async def overlapping():
+            s = await h.status()
+            return s.open_bursts == 2 and [(v.policy_version, v.dispatched) for v in s.versions] == [(0, 8), (1, 4)]
+        await wait_until(overlapping, what="a second burst at v1 while burst 1 is open")
+
+        # An engine joins: the tail of v0 (the oldest version batch v1 can use) runs crowded
+        # on sa-0 (4 of 4 slots): one execution migrates to the empty engine.
+        fresh = await FakeCellAgent(etcd, keys, "sa-1", "standalone", -1, 4).start()
+
+        async def migrated():
+            return (await h.status()).migrations == 1
+        await wait_until(migrated, what="a migration")
+        moved = [e for e in running if (await _route(etcd, keys, e.execution_id))[0]["cell_id"] == "sa-1"]
+        assert len(moved) == 1
+        assert (await _route(etcd, keys, moved[0].execution_id))[1] == 2  # route epoch + 1
+        assert [(m[1], m[2], m[3], m[4]) for m in router.moves] == [(moved[0].execution_id, "sa-0", "sa-1", 2)]
+        assert {m[0] for m in router.moves} == {st.epoch}
+
+        # The trainer reaches v2 (its batch still filling): no batch within eta 1 can take a
+        # group stamped v0 any more; v1's groups stay.
+        await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
+
+        async def cancelled():
+            s = await h.status()
+            v0 = next(v for v in s.versions if v.policy_version == 0) if s.versions else None
+            return v0 is None or v0.finished == v0.dispatched
+        await wait_until(cancelled, what="the v0 groups cancelled")
+        for e in running:
+            assert (await _route(etcd, keys, e.execution_id))[0] is None  # the token is revoked with the route
+        beat = await h.h.Heartbeat(scheduler_pb2.HeartbeatRequest(execution_id=running[0].execution_id),
+                                   metadata=(("authorization", f"Bearer {running[0].token}"),), timeout=5)
+        assert beat.status == common_pb2.EXECUTION_STATUS_CANCELLED
+        out = await h.finish(running[0])
+        assert out.duplicate and out.status == common_pb2.EXECUTION_STATUS_CANCELLED
+
+        async def reported():
+            return all(packer.reports.get(e.execution_id) is not None for e in running)
+        await wait_until(reported, what="the packer told of the cancellations")
+        assert {packer.reports[e.execution_id].status for e in running} == {common_pb2.EXECUTION_STATUS_CANCELLED}
+        events = await read_events(h)
+        assert any(ev.kind == "cancelled" and "max_staleness 1" in ev.message for ev in events)
+        assert any(ev.kind == "migrated" for ev in events)
+        st = await h.status()
+        assert st.total.finished_by_status["CANCELLED"] == 8  # burst 1: 4 running + 4 queued
+        v1 = next(v for v in st.versions if v.policy_version == 1)
+        assert v1.finished == 0 and v1.dispatched == 4
+    finally:
+        await h.close()
+        proc.stop()
+        for x in (crowded, fresh, router, packer):
+            if x is not None:
+                await x.stop()
+        await etcd.close()
