@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +164,3 @@ class ServiceProcess:
         return self.proc.wait(timeout_s)
 
 
-def stop_all(procs: Sequence[ServiceProcess]) -> None:
-    for p in reversed(list(procs)):
-        p.stop()

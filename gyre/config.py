@@ -114,11 +114,6 @@ class ServiceConfig(BaseSettings):
             return ""
         return service_identity(self.SECTION, str(getattr(self, "cell_id", ""))).name
 
-    @property
-    def advertised_target(self) -> str:
-        """host:port other services dial; valid once ``port`` is known (non-zero)."""
-        return f"{self.advertise_host or self.host}:{self.port}"
-
 
 def read_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     """The raw YAML mapping of a config file ({} for no file)."""

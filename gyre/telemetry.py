@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from opentelemetry import trace
 from pythonjsonlogger.json import JsonFormatter
 
 execution_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("execution_id", default="")
@@ -59,10 +60,6 @@ def tag_execution(execution_id: str, **attributes: str | int) -> None:
     ``gyre.<key>`` for each extra attribute), so one execution can be followed from the
     harness through the router to the engine. Free when tracing is off."""
     execution_id_var.set(execution_id)
-    try:
-        from opentelemetry import trace
-    except ImportError:  # pragma: no cover - opentelemetry-api is a pinned dependency
-        return
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute("gyre.execution_id", execution_id)

@@ -115,8 +115,37 @@ def _episode_costs(ep: Episode, cost: CostModel, best_batch: int) -> tuple[float
     return decode_gpu, prefill, alone
 
 
-def group_cost(eps: Sequence[Episode], cost: CostModel, best_batch: int) -> GroupCost:
-    parts = [_episode_costs(ep, cost, best_batch) for ep in eps]
+def _decode_time(cost: CostModel, batch: int, ctx: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """``DecodeRate.time(0, n)`` of ``cost.decode_rate(batch, batch * ctx)`` per element."""
+    c = cost.cfg
+    comp = 2.0 * c.n_params * batch / (c.decode_flops_eff * c.flops * c.gpus_per_cell)
+    bw = c.hbm_eff * c.hbm_bw * c.gpus_per_cell
+    m0 = (c.weight_bytes + c.kv_bytes_per_token * batch * ctx) / bw
+    m1 = c.kv_bytes_per_token * batch / bw
+    oh = c.decode_step_overhead_s
+    vc = (comp - m0) / m1  # memory overtakes compute at V = vc (m1 > 0)
+    seg = np.clip(vc, 0.0, n)  # the compute-bound stretch
+    return (comp + oh) * seg + (m0 + oh) * (n - seg) + 0.5 * m1 * (n * n - seg * seg)
+
+
+def _episode_costs_np(ep: Episode, cost: CostModel, best_batch: int) -> tuple[float, float, float]:
+    """``_episode_costs`` vectorized over the turns (the same formulas; floats may differ in
+    the last bits, which the bound does not care about)."""
+    p = np.asarray(ep.prompt_tokens, dtype=float)
+    n = np.asarray(ep.output_tokens, dtype=float)
+    before = np.concatenate(([0.0], np.cumsum(p + n)[:-1]))  # context before each turn's prompt
+    c = cost.cfg
+    pf = p * (2.0 * c.n_params + 4.0 * c.n_layers * c.d_model * (before + p / 2.0)) / (
+        c.prefill_flops_eff * c.flops * c.gpus_per_cell)
+    ctx = before + p
+    batched = _decode_time(cost, best_batch, ctx, n) / best_batch
+    single = _decode_time(cost, 1, ctx, n)
+    alone = ep.sandbox_s + ep.reward_s + float(pf.sum() + single.sum()) + sum(ep.tool_s)
+    return float(batched.sum()), float(pf.sum()), alone
+
+
+def group_cost(eps: Sequence[Episode], cost: CostModel, best_batch: int, fast: bool = False) -> GroupCost:
+    parts = [(_episode_costs_np if fast else _episode_costs)(ep, cost, best_batch) for ep in eps]
     tokens = sum(ep.total_tokens for ep in eps)
     train = tokens / cost.train_tokens_per_cell_s()
     return GroupCost(
@@ -145,16 +174,18 @@ class _Costs:
         self.best_batch = sc.cluster.slots_per_cell
         self.per_burst = quota_groups(sc)
         self._memo: dict[tuple[int, float], GroupCost] = {}
+        self._fast: dict[tuple[int, float], GroupCost] = {}
 
-    def tasks(self, tasks: range, version: int) -> list[GroupCost]:
-        """Group costs of ``tasks`` drawn at ``version``."""
+    def tasks(self, tasks: range, version: int, fast: bool = False) -> list[GroupCost]:
+        """Group costs of ``tasks`` drawn at ``version`` (``fast``: vectorized, for T*_eta)."""
         factor = self.drift.factor(version)
+        memo = self._fast if fast else self._memo
         out = []
         for task in tasks:
             key = (task, factor)
-            g = self._memo.get(key)
+            g = memo.get(key)
             if g is None:
-                g = self._memo[key] = group_cost(self.trace.group(task, version), self.cost, self.best_batch)
+                g = memo[key] = group_cost(self.trace.group(task, version), self.cost, self.best_batch, fast)
             out.append(g)
         return out
 
@@ -261,7 +292,7 @@ def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Stale
         """(rollout GPU-s, training GPU-s, alone latency) of tasks [first, end) at version."""
         key = (first, end, version)
         if key not in arrays:
-            gs = costs.tasks(range(first, end), version)
+            gs = costs.tasks(range(first, end), version, fast=True)
             arrays[key] = np.array([(g.decode_gpu_s + g.prefill_gpu_s, g.train_gpu_s, g.alone_s) for g in gs])
         return arrays[key]
 

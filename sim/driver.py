@@ -121,6 +121,7 @@ class Driver:
         self._drained_since: float | None = None
         self._drain_wake_at = -1.0
         self._views_epoch = -1
+        self._load_views: dict[tuple[str, Role, int], P.CellView] = {}
         self._in_boundary = False
         self._again = False
         self.cluster.on_boundary = self.boundary
@@ -140,14 +141,19 @@ class Driver:
     def snapshot(self) -> P.Snapshot:
         cl = self.cluster
         now = self.loop.now
-        if self.spec.is_async:  # with the per-cell load
-            cells = tuple(
-                P.CellView(
-                    c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
-                    -1 if c.standalone else c.index, _STATE[c.role], c.slots, len(c.execs),
-                )
-                for c in cl.cells
-            )
+        if self.spec.is_async:  # with the per-cell load (views are immutable: reuse them)
+            views = self._load_views
+            out = []
+            for c in cl.cells:
+                key = (c.cid, c.role, len(c.execs))
+                v = views.get(key)
+                if v is None:
+                    v = views[key] = P.CellView(
+                        c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
+                        -1 if c.standalone else c.index, _STATE[c.role], c.slots, key[2],
+                    )
+                out.append(v)
+            cells = tuple(out)
         else:
             if self._views_epoch != cl.role_epoch:
                 self._views = tuple(

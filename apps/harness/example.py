@@ -28,6 +28,9 @@ log = logging.getLogger("apps.harness")
 class HarnessStats:
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0
+    """Episodes the scheduler cancelled (their group could no longer be trained within the
+    staleness bound): the harness saw a CANCELLED status, not a failure of its own."""
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (policy version, reward)
     turns: int = 0
 
@@ -44,11 +47,18 @@ async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: Harne
         try:
             result = await episode.run(chat, asyncio.sleep)
         except GyreError as exc:
-            log.warning("episode failed: %s", exc, extra={"execution_id": execution.execution_id})
             await execution.finish(status="failed")
+            if execution.closed_as == "CANCELLED":  # the scheduler cancelled it under us
+                log.info("episode cancelled by the scheduler", extra={"execution_id": execution.execution_id})
+                stats.cancelled += 1
+                return
+            log.warning("episode failed: %s", exc, extra={"execution_id": execution.execution_id})
             stats.failed += 1
             return
-        await execution.finish(reward=result.reward)
+        reply = await execution.finish(reward=result.reward)
+        if reply.duplicate and execution.closed_as == "CANCELLED":
+            stats.cancelled += 1  # it ended just after the scheduler cancelled it: not trained
+            return
         stats.completed += 1
         stats.turns += result.turns
         stats.rewards.append((execution.policy_version, result.reward))

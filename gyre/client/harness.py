@@ -10,8 +10,8 @@ certificate in ``tls_dir`` (an identity directory: tls.crt, tls.key, ca.crt; def
 Failover is invisible to the harness. ``scheduler_target`` may name several scheduler
 replicas ("host:a,host:b", or a list); only the leader serves harness calls, a standby
 answers UNAVAILABLE naming the leader, and the client follows it. Every call is retried on
-UNAVAILABLE and DEADLINE_EXCEEDED (capped exponential back-off with jitter, gyre.backoff) until ``retry_s`` has passed
-since its first attempt (default 30 s, or ``$GYRE_HARNESS_RETRY_S``): long enough for a
+UNAVAILABLE and DEADLINE_EXCEEDED (capped exponential back-off with jitter, gyre.backoff)
+until ``retry_s`` has passed since its first attempt (default 30 s, or ``$GYRE_HARNESS_RETRY_S``): long enough for a
 leader failover (the old leader's lease TTL, 10 s by default, plus the election and the
 rebuild). Retries are safe: AcquireExecution and FinishExecution carry idempotency keys (a
 retried acquire returns the same execution and token, also from the new leader), and a
@@ -51,6 +51,12 @@ _STATUS = {
     "completed": common_pb2.EXECUTION_STATUS_COMPLETED,
     "failed": common_pb2.EXECUTION_STATUS_FAILED,
     "cancelled": common_pb2.EXECUTION_STATUS_CANCELLED,
+}
+_FINAL_NAMES = {
+    common_pb2.EXECUTION_STATUS_COMPLETED: "COMPLETED",
+    common_pb2.EXECUTION_STATUS_FAILED: "FAILED",
+    common_pb2.EXECUTION_STATUS_TIMED_OUT: "TIMED_OUT",
+    common_pb2.EXECUTION_STATUS_CANCELLED: "CANCELLED",
 }
 
 
@@ -171,6 +177,7 @@ class HarnessClient:
         last error as a GyreError). Only for calls that are safe to repeat."""
         started = time.monotonic()
         backoff = Backoff(0.1, 2.0)
+        followed = False
         while True:
             try:
                 return await attempt_fn(self.stub, timeout_s)
@@ -178,11 +185,14 @@ class HarnessClient:
                 left = started + self.retry_s - time.monotonic()
                 if err.code() not in _RETRYABLE or left <= 0:
                     raise from_rpc_error(err) from err
-                now_at_leader = self._follow(err)
+                # A leader named by a standby is tried at once, but not twice in a row (two
+                # replicas naming each other mid-election must not be spun on).
+                at_once = self._follow(err) and not followed
+                followed = at_once
                 self.retries += 1
                 log.info("%s: %s from the scheduler; retrying at %s (%.1f s left)", what, err.code().name,
                          self.target, left)
-                if not now_at_leader:
+                if not at_once:
                     await asyncio.sleep(min(backoff.next(), max(left, 0.0)))
 
     async def acquire(self, wait_s: float = 10.0) -> ExecutionHandle | None:
@@ -234,6 +244,13 @@ class ExecutionHandle:
         self._idempotency_key = uuid.uuid4().hex
         self._heartbeat: asyncio.Task[None] | None = None
         self.finished = False
+        self._reported_cancel = False
+        self.closed_as: str = ""
+        """The final status the scheduler holds for this execution once it is closed
+        ("COMPLETED", "FAILED", "TIMED_OUT", "CANCELLED"; "" while it runs). "CANCELLED"
+        without a cancel from this harness means the scheduler cancelled it (its group could
+        no longer be trained within the staleness bound): its model calls end with HTTP 409,
+        heartbeats stop, and a finish report is answered as a duplicate."""
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -266,9 +283,27 @@ class ExecutionHandle:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.heartbeat()
+                reply = await self.heartbeat()
             except GyreError as exc:
                 log.warning("heartbeat failed", extra={"execution_id": self.execution_id, "error": str(exc)})
+                continue
+            if self._closed(reply.status):
+                log.info("execution closed by the scheduler", extra={"execution_id": self.execution_id,
+                         "status": self.closed_as})
+                return
+
+    @property
+    def cancelled_by_scheduler(self) -> bool:
+        """True when the scheduler closed this execution as CANCELLED before this harness
+        reported an end (see ``closed_as``)."""
+        return self.closed_as == "CANCELLED" and not self._reported_cancel
+
+    def _closed(self, status: int) -> bool:
+        """Records a final status the scheduler reports; True when the execution is closed."""
+        if status in _FINAL_NAMES:
+            self.closed_as = _FINAL_NAMES[status]
+            return True
+        return False
 
     async def heartbeat(self) -> scheduler_pb2.HeartbeatResponse:
         """Keeps the execution alive; retried across a failover (it only pushes a deadline)."""
@@ -296,6 +331,8 @@ class ExecutionHandle:
             self._timeout_s,
         )
         self.finished = True
+        self._reported_cancel = status == "cancelled" and not reply.duplicate
+        self._closed(reply.status)
         if asyncio.current_task() is not self._heartbeat:
             await self.stop_heartbeats()
         return reply

@@ -98,11 +98,6 @@ def mod_revision_is(key: bytes, revision: int) -> Compare:
     return Compare(key, "mod", "==", revision)
 
 
-def value_is(key: bytes, value: bytes) -> Compare:
-    """Guard: the key holds exactly ``value``."""
-    return Compare(key, "value", "==", value)
-
-
 _TRANSPORT_ERRORS = (
     aetcd.exceptions.ConnectionFailedError,
     aetcd.exceptions.ConnectionTimeoutError,

@@ -248,6 +248,3 @@ def register_guarded(
     return table.service
 
 
-def open_table(service: str) -> AccessTable:
-    """A table admitting every role to every method (health checking, reflection)."""
-    return AccessTable(service, {m: Rule(EVERY_ROLE) for m in service_methods(service)})

@@ -65,6 +65,3 @@ async def unary(
         raise from_rpc_error(err) from err
 
 
-def bearer(token: str) -> tuple[tuple[str, str], ...]:
-    """Metadata carrying an execution token."""
-    return (("authorization", f"Bearer {token}"),)

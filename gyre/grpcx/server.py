@@ -77,7 +77,7 @@ class GrpcServer:
         self._interceptors = list(interceptors)
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else None
+        self._health = health.aio.HealthServicer()
         self.port = 0
         self.health_port = 0
 

@@ -9,12 +9,9 @@ nothing, and JoinBatch answers ``joined=False``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
-
-from gyre.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +67,8 @@ class SnapshotPuller(Protocol):
 
 
 async def default_pull(target: str, version: int) -> tuple[int, dict[str, Any]]:
-    """Pulls through ``services.cell_agent.snapshots.pull_snapshot`` (the trainer
-    engineer's client); UNAVAILABLE if that module is not there."""
-    try:
-        from services.cell_agent import snapshots  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise Unavailable(f"no snapshot client in this build: {exc}") from exc
-    pull = getattr(snapshots, "pull_snapshot", None)
-    if pull is None:
-        raise Unavailable("services.cell_agent.snapshots has no pull_snapshot")
-    got = pull(target, version)
-    if inspect.isawaitable(got):
-        got = await got
-    got_version, tensors = got
+    """Pulls through :func:`services.cell_agent.snapshots.pull_snapshot`."""
+    from services.cell_agent import snapshots  # imports torch: only when a pull happens
+
+    got_version, tensors = await snapshots.pull_snapshot(target, version)
     return int(got_version), dict(tensors)

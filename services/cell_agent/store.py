@@ -78,6 +78,3 @@ class EtcdCellStore:
         if kv is None or kv.create_revision != epoch:
             raise StaleEpoch(f"epoch {epoch} is not the current scheduler leader's")
 
-    async def read_state(self) -> dict[str, object] | None:
-        kv = await self._etcd.get(self._keys.cell_state(self._cell_id))
-        return None if kv is None else json.loads(kv.value)

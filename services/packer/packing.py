@@ -33,5 +33,3 @@ def first_fit_decreasing(items: Sequence[tuple[K, int]], budget: int) -> list[li
     return bins
 
 
-def bin_size(bin_keys: Sequence[K], sizes: dict[K, int]) -> int:
-    return sum(sizes[k] for k in bin_keys)

@@ -172,9 +172,6 @@ class CallManager:
         remaining = sum(1 for cs in self._calls.values() for c in cs if c.at_cell in from_cells)
         return moved, remaining
 
-    def calls_of(self, execution_id: str) -> list[ModelCall]:
-        return list(self._calls.get(execution_id, ()))
-
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()

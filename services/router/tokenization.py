@@ -79,9 +79,6 @@ class Tokenizer:
         """The wrapped ``transformers`` tokenizer (for vLLM's tool parsers)."""
         return self._hf
 
-    async def aencode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return await asyncio.to_thread(self.encode_chat, messages)
-
     async def aencode(self, text: str) -> list[int]:
         return await asyncio.to_thread(self.encode, text)
 

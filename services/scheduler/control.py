@@ -63,6 +63,7 @@ class ControlLoop:
         """The policy dispatches continuously under the staleness gate (bursts overlap)."""
         fleet.spread = cfg.policy == "gyre" and cfg.gyre_plan
         self._drained_since: float | None = None
+        self._joined_version = 0
 
     async def run(self) -> None:
         """Reconciles until deposed (then returns: the process steps down); survives any
@@ -91,6 +92,7 @@ class ControlLoop:
         self._finish_stranded_moves()
         await self.cancel_unconsumable()
         await self.bursts.archive_closed(self.executions.relay.unsettled)
+        self._rejoin_after_update()
         snap = self.snapshot()
         for action in self.policy.decide(snap):
             await self.commands.apply(action, snap)
@@ -109,6 +111,18 @@ class ControlLoop:
         why = (f"{len(doomed)} groups stamped v{', v'.join(map(str, stamps))} can no longer be trained within "
                f"max_staleness {eta} (trainer at v{version}{', batch full' if full else ''})")
         return await self.executions.cancel([e for _, _, left in doomed for e in left], why)
+
+    def _rejoin_after_update(self) -> None:
+        """With continuous dispatch there is no burst end: cells stay in training across
+        updates, so after each new version every training cell joins the next batch (the
+        core first; satellites retry until the core has joined)."""
+        version = self.publication.version
+        if not self.continuous or version <= self._joined_version:
+            return
+        self._joined_version = version
+        for v in training_set(self.fleet.cells.views()):
+            if v.state is CellState.TRAINING and not self.transitions.running(v.cell_id):
+                self.transitions.rejoin(v.cell_id)
 
     def _finish_stranded_moves(self) -> None:
         """A cell an agent reports DRAINING or RETURNING with no transition of ours running

@@ -41,10 +41,7 @@ class EventLog:
         self._clock = clock
         self._cond = asyncio.Condition()
         self._last_hold = ""
-
-    @property
-    def last_seq(self) -> int:
-        return self._seq
+        self._wakers: set[asyncio.Task[None]] = set()
 
     def emit(self, kind: str, message: str, *, cell_id: str = "", execution_id: str = "",
              waterlevel: int = 0, capacity: int = 0, ready_groups: int = 0) -> Event:
@@ -69,9 +66,11 @@ class EventLog:
                 self._cond.notify_all()
 
         try:
-            asyncio.get_running_loop().create_task(_notify())
+            task = asyncio.get_running_loop().create_task(_notify())
         except RuntimeError:
-            pass  # no loop (pure tests): nobody can be waiting
+            return  # no loop (pure tests): nobody can be waiting
+        self._wakers.add(task)  # kept until done: the loop holds only a weak reference
+        task.add_done_callback(self._wakers.discard)
 
     def after(self, seq: int) -> list[Event]:
         return [e for e in self._events if e.seq > seq]

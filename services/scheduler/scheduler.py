@@ -78,6 +78,7 @@ class Scheduler:
         self._wall = wall
         self._policy_given = policy
         self._tasks = tasks
+        self.history = History(config.history_file)  # one history across leaderships (_build runs again)
         self._build(store, events or EventLog(config.events_kept), metrics)
 
     def _build(self, store: Store | None, events: EventLog, metrics: Metrics | None) -> None:
@@ -94,8 +95,6 @@ class Scheduler:
         self.ledger = Ledger()
         self.fleet = Fleet(self.lead, cfg.router_target)
         self.changes = Changes()
-        if not hasattr(self, "history"):
-            self.history = History(cfg.history_file)
         self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s)
         self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(

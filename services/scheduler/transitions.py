@@ -67,6 +67,7 @@ class TransitionRunner:
         """Executions migrated one by one (the policy's Migrate)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._side: set[asyncio.Task[None]] = set()
+        self._joins: dict[str, asyncio.Task[None]] = {}
 
     def running(self, cell_id: str) -> bool:
         t = self._tasks.get(cell_id)
@@ -95,7 +96,17 @@ class TransitionRunner:
         self.start(cell_id, target, str(body.get("reason", "resumed")))
 
     def rejoin(self, cell_id: str) -> None:
-        self._spawn(self._join(cell_id))
+        """JoinBatch for a cell that stays in training (the next batch), unless its join is
+        already under way."""
+        joining = self._joins.get(cell_id)
+        if joining is None or joining.done():
+            self._start_join(cell_id)
+
+    def _start_join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(self._join(cell_id, after))
+        self._joins[cell_id] = task
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -178,7 +189,7 @@ class TransitionRunner:
         self.telemetry.emit("cell_in_training", f"{cell_id} is training ({moved} executions rerouted)",
                 cell_id=cell_id)
         # Outside the transition (a later return must not wait on it), after it.
-        self._spawn(self._join(cell_id, self._tasks.get(cell_id)))
+        self._start_join(cell_id, self._tasks.get(cell_id))
 
     async def reroute(self, cell_id: str) -> int | None:
         """Moves every route off ``cell_id``; None when destinations ran out."""

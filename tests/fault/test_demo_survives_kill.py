@@ -18,7 +18,7 @@ from apps.launch import Cluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("victim", ["cell-1", "router", "packer", "scheduler"])
+@pytest.mark.parametrize("victim", ["cell-0", "cell-1", "router", "packer", "scheduler"])
 async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, victim: str):
     killed: list[int] = []
 
@@ -35,7 +35,8 @@ async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, vic
         during=kill_once,
     )
     summary = await run_demo(opts)
-    print({k: summary[k] for k in ("outcome", "executions", "restarts", "bursts", "reroutes", "process_events")})
+    print({k: summary[k] for k in ("outcome", "executions", "restarts", "bursts", "reroutes", "policy_versions_published",
+                                   "transitions_to_training", "process_events")})
     assert killed, "the fault was not injected"
     assert summary["outcome"] == "completed", summary
     ex = summary["executions"]

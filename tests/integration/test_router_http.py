@@ -106,8 +106,18 @@ async def _snapshot(env: Env) -> tuple[int, int, int]:
     return len(env.engine.engine.requests), len(env.packer.turns), status.inflight
 
 
-async def _settle(env: Env) -> None:
-    await asyncio.sleep(0.2)  # turn records of earlier calls are sent in the background
+async def _settle(env: Env, timeout_s: float = 10.0) -> tuple[int, int, int]:
+    """Waits until earlier calls are done and their turn records (sent in the background)
+    reached the packer: nothing in flight and the counts still for 0.2 s. Returns them."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    last = await _snapshot(env)
+    while True:
+        await asyncio.sleep(0.2)
+        now = await _snapshot(env)
+        if now == last and now[2] == 0:
+            return now
+        assert asyncio.get_running_loop().time() < deadline, f"router never settled: {now}"
+        last = now
 
 
 async def test_models_and_completions(env):
@@ -193,15 +203,12 @@ async def test_grpc_deadline_propagates_to_engine(env):
 
 @pytest.mark.parametrize(
     "case",
-    ["settle", "no_token", "unknown_token", "foreign_token", "oversized", "malformed_json", "not_object", "bad_max_tokens",
+    ["no_token", "unknown_token", "foreign_token", "oversized", "malformed_json", "not_object", "bad_max_tokens",
      "too_many_tokens", "empty_messages", "bad_role", "wrong_model", "prompt_over_context", "prompt_fills_a_turn",
      "lone_surrogate", "lone_surrogate_key", "deep_json", "huge_seed", "huge_stop_id", "huge_max_tokens"],
 )
 async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case):
-    if case == "settle":
-        await _settle(env)
-        return
-    before = await _snapshot(env)
+    before = await _settle(env)  # each case starts from a settled router, whatever ran before
     headers = {"Authorization": f"Bearer {env.tok1}", "Content-Type": "application/json"}
     data: bytes | None = None
     body = chat_body()

@@ -17,6 +17,7 @@ import json
 import pytest
 
 from apps.procs import ServiceProcess
+from gyre.client import HarnessClient
 from gyre.etcd import Keys
 from gyre.v1 import common_pb2, scheduler_pb2
 from tests.support.scheduler_peers import (
@@ -29,6 +30,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
+from tests.tls import PKI
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +47,7 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
     router = await FakeRouter(etcd, keys).start()
     packer = await FakePacker().start()
     cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="gyre", batch_size=2, group_size=2,
-                       max_staleness=1, packer_target=packer.target)
+                       max_staleness=1, packer_target=packer.target, heartbeat_interval_s=0.2)
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
     h = Harness(proc.target)
     fresh = None
@@ -54,7 +56,12 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
         # The gate at v0: (0 + 1 + 1) x 2 groups = 8 executions, all stamped v0.
         assert st.policy == "gyre" and st.total.dispatched == 8 and st.open_bursts == 1
         assert [(v.policy_version, v.dispatched) for v in st.versions] == [(0, 8)]
-        running = [await h.acquire() for _ in range(4)]  # sa-0's 4 slots
+        client = HarnessClient([proc.target], harness_id="h-async", tls_dir=PKI / "harness")
+        await client.__aenter__()
+        held = await client.acquire(wait_s=5.0)  # a harness with the shipped client, heartbeating
+        assert held is not None
+        await held.__aenter__()
+        running = [held.proto, *[await h.acquire() for _ in range(3)]]  # sa-0's 4 slots
         assert all(e is not None and e.policy_version == 0 for e in running)
 
         # The core's step publishes v1 (no weights to load here): the gate grows to 6 groups
@@ -95,6 +102,13 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
         assert beat.status == common_pb2.EXECUTION_STATUS_CANCELLED
         out = await h.finish(running[0])
         assert out.duplicate and out.status == common_pb2.EXECUTION_STATUS_CANCELLED
+
+        async def told():  # the harness's own heartbeats learn it, no call of its own fails
+            return held.closed_as == "CANCELLED"
+        await wait_until(told, what="the harness client sees CANCELLED")
+        assert held.cancelled_by_scheduler
+        await held.__aexit__(None, None, None)
+        await client.__aexit__(None, None, None)
 
         async def reported():
             return all(packer.reports.get(e.execution_id) is not None for e in running)

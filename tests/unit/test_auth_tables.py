@@ -110,6 +110,36 @@ def test_the_guard_admits_the_tables_roles_and_own_ids_only():
     assert calls == ["cell-0"]
 
 
+def test_a_message_that_does_not_parse_is_invalid_argument_after_the_role_check():
+    """The guard parses requests itself: bytes protobuf refuses (invalid UTF-8 in a string,
+    a truncated field) are INVALID_ARGUMENT, not gRPC's INTERNAL; the role is checked first."""
+    got = []
+
+    async def finish(request, context):
+        got.append(request.execution_id)
+        return "ok"
+
+    guard = Guard(HarnessServicer.ACCESS)
+    handler = guard.wrap("FinishExecution", grpc.unary_unary_rpc_method_handler(
+        finish, request_deserializer=scheduler_pb2.FinishExecutionRequest.FromString))
+    assert handler.request_deserializer is None  # the guarded behavior takes the bytes
+
+    async def run(raw, subject=b"CN=harness-1,OU=harness,O=gyre"):
+        ctx = _Context(subject)
+        try:
+            return await handler.unary_unary(raw, ctx), ctx.code
+        except _Aborted:
+            return None, ctx.code
+
+    good = scheduler_pb2.FinishExecutionRequest(execution_id="ex-1").SerializeToString()
+    assert asyncio.run(run(good)) == ("ok", None)
+    for bad in (b"\x0a\x02\xff\xfe", b"\x0a\x09ex", b"\xff\xff\xff"):
+        assert asyncio.run(run(bad))[1] == grpc.StatusCode.INVALID_ARGUMENT
+    assert asyncio.run(run(b"\x0a\x02\xff\xfe", b"CN=cell-0,OU=cell-agent,O=gyre"))[1] == \
+        grpc.StatusCode.PERMISSION_DENIED
+    assert got == ["ex-1"]
+
+
 def test_registration_refuses_a_servicer_without_a_table():
     class Bare(packer_pb2_grpc.PackerServicer):
         pass

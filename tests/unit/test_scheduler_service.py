@@ -599,3 +599,23 @@ async def test_cancel_early_rule_cancels_groups_no_batch_within_eta_can_take():
     assert (await s.heartbeat(a.record.execution_id, a.token))[1] is ExecState.CANCELLED
     assert any(e.kind == "cancelled" and "max_staleness 1" in e.message for e in s.events.after(0))
     s.ledger.check_invariants()
+
+
+async def test_continuous_policy_rejoins_training_cells_after_each_update():
+    """No burst end with continuous dispatch: after each published version every cell still
+    training joins the next batch (once, however many ticks see the version)."""
+    s, store, peers, _ = make(policy="gyre", max_staleness=1)
+    await lead(s, store)
+    s.on_cell_states({b"/s/core": KV(b"/s/core", json.dumps({"state": "TRAINING"}).encode()),
+                      b"/s/sat1": KV(b"/s/sat1", json.dumps({"state": "ROLLOUT"}).encode()),
+                      b"/s/sa": KV(b"/s/sa", json.dumps({"state": "ROLLOUT"}).encode())})
+    peers.batch_id = 2
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    for _ in range(3):
+        await s.reconcile_once()
+    for _ in range(100):
+        if peers.commands("join_batch"):
+            break
+        await asyncio.sleep(0.01)
+    assert peers.commands("join_batch") == [("core:1", 7, 2, 1, 1, "core:1")]
+    assert s.status().total.dispatched == 2 * 4 * 2 + 4 * 2  # v1's gate: (1 + 1 + 1) x 4 groups of 2

@@ -70,3 +70,18 @@ def test_small_scenario_bound_is_below_every_policy_and_loosens_with_eta() -> No
                  PolicySpec("gyre"), PolicySpec("async-static", training_cells=2)):
         r = run_policy(cfg, sc, spec)
         assert r.reached and r.time_to_n_s >= eta1.t_star_eta_s, spec.label
+
+
+def test_vectorized_episode_costs_match_the_turn_by_turn_ones() -> None:
+    from sim.bounds import _episode_costs, _episode_costs_np
+    from sim.config import load_config
+    from sim.cost import CostModel
+    from sim.workload import Trace
+
+    cfg = load_config("bench/cluster.yaml")
+    cost = CostModel(cfg.cost)
+    for profile, batch in (("A", 48), ("B", 256), ("C", 64)):
+        trace = Trace(cfg.profiles[profile], seed=2)
+        for task in range(12):
+            ep = trace.episode(task, 0)
+            assert _episode_costs_np(ep, cost, batch) == pytest.approx(_episode_costs(ep, cost, batch), rel=1e-12)

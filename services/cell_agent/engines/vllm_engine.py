@@ -120,6 +120,7 @@ class VllmEngine(Engine):
             self._args.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         self._llm: Any = None
         self._pins: dict[str, asyncio.TimerHandle] = {}  # KV handle id -> its expiry
+        self._expiring: set[asyncio.Task[None]] = set()  # pin releases under way
         self.cached_tokens: dict[str, int] = {}
         """Prompt tokens served from a cache (local prefix cache or imported KV), by
         request id (the most recent requests only)."""
@@ -310,11 +311,6 @@ class VllmEngine(Engine):
         finally:
             await llm.resume_generation()
 
-    async def weight_checksum(self) -> float:
-        """Sum of every parameter (tests use it to see that weights changed)."""
-        got = await self.llm.collective_rpc("gyre_weight_checksum")
-        return float(got[0])
-
     # Pause / sleep -------------------------------------------------------------------------
 
     async def pause(self) -> None:
@@ -359,10 +355,14 @@ class VllmEngine(Engine):
             return None
         locator, medium, num_tokens = got[0]
         loop = asyncio.get_running_loop()
-        self._pins[handle_id] = loop.call_later(
-            self.kv_pin_ttl_s, lambda: asyncio.ensure_future(self.release_kv(handle_id))
-        )
+        self._pins[handle_id] = loop.call_later(self.kv_pin_ttl_s, self._expire_pin, handle_id)
         return KvHandle(handle_id, self.cell_id, int(num_tokens), locator, medium)
+
+    def _expire_pin(self, handle_id: str) -> None:
+        """A pin's TTL ran out: release it (the task is kept until done)."""
+        task = asyncio.ensure_future(self.release_kv(handle_id))
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)
 
     async def release_kv(self, handle_id: str) -> None:
         """Releases a pin (the acknowledgement after the destination took over, or its
