@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emulate-updates", type=int, default=3, help="N: updates to reach (emulated)")
     ap.add_argument("--emulate-scales", default="2", help="comma-separated time scales (speed-ups)")
     ap.add_argument("--emulate-tolerance", type=float, default=0.2, help="stated agreement tolerance")
+    ap.add_argument("--emulate-policy", default="gyre", help="the policy both the real scheduler and the simulator run")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster.json"))
     ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks" / "cluster.md"))
     ap.add_argument("--img", default=str(ROOT / "docs" / "img"))
@@ -160,13 +161,13 @@ def emulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     runs = []
     for scale in [float(x) for x in args.emulate_scales.split(",") if x.strip()]:
-        res = run_emulated(cfg_s, sc, time_scale=scale, tolerance=args.emulate_tolerance)
+        res = run_emulated(cfg_s, sc, time_scale=scale, tolerance=args.emulate_tolerance, policy=args.emulate_policy)
         runs.append(res)
         print(f"[emulate 1/{scale:g}] ran={res.ran} ({res.reason}): "
               f"emulated {res.emulated_time_to_n_s:.0f} s, "
               f"simulated {res.simulated_time_to_n_s:.0f} s, difference {res.relative_difference:+.1%} "
               f"(tolerance {res.tolerance:.0%}), wall {res.wall_s:.0f} s")
-    label = (f"{base.name} scaled down to {sc.cluster.cells} cells x {sc.cluster.slots_per_cell} slots, "
+    label = (f"{args.emulate_policy} on {base.name} scaled down to {sc.cluster.cells} cells x {sc.cluster.slots_per_cell} slots, "
              f"{sc.training.batch_groups} groups per batch, N = {sc.training.updates}, "
              f"turns median {cfg_s.profiles[sc.profile].turns.median:g}, "
              f"first prompt {cfg_s.profiles[sc.profile].initial_prompt_tokens} tokens")

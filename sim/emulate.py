@@ -59,6 +59,9 @@ class EmulationResult:
     simulated_update_times_s: list[float] = field(default_factory=list)
     replay: dict[str, Any] = field(default_factory=dict)
     scenario: dict[str, Any] = field(default_factory=dict)
+    policy: str = "waterlevel"
+    """The policy both ran (the live scheduler's and the simulator's)."""
+    simulated_reroutes: int = 0
 
     @property
     def within_tolerance(self) -> bool:
@@ -108,7 +111,7 @@ def max_context(cfg: SimConfig, sc: ScenarioConfig) -> int:
 
 
 def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, model_dir: str,
-                  tick_s: float = 0.05) -> dict[str, Any]:
+                  tick_s: float = 0.05, policy: str = "waterlevel") -> dict[str, Any]:
     """The cluster YAML (as a dict) of the emulated scenario; ports are placeholders that
     ``Cluster(free_ports=True)`` remaps."""
     c, pp, tr = cfg.cost, cfg.policy, sc.training
@@ -125,7 +128,10 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
             "port": 50151, "router_target": "127.0.0.1:50152", "router_http_url": "http://127.0.0.1:8100/v1",
             "packer_target": "127.0.0.1:50153",
             "batch_size": tr.batch_groups, "group_size": prof.group_size, "over_provision": tr.overprovision,
-            "batches_per_burst": 1, "max_bursts": 0, "policy": "waterlevel",
+            "batches_per_burst": 1, "max_bursts": 0, "policy": policy,
+            "gyre_min_horizon_s": pp.gyre_min_horizon_s * scale, "gyre_hysteresis": pp.gyre_hysteresis,
+            "gyre_plan_ahead": pp.gyre_plan_ahead, "gyre_rates": pp.gyre_rates, "gyre_keep": pp.gyre_keep,
+            "gyre_plan": pp.gyre_plan, "gyre_migrate": pp.gyre_migrate, "rate_window_s": 120.0 * scale,
             "fraction": pp.supply_fraction, "interval_s": pp.supply_interval_s * scale,
             "drain_grace_s": pp.drain_grace_s * scale, "reconcile_s": tick_s,
             "heartbeat_interval_s": 5.0, "heartbeat_deadline_s": 600.0, "max_wait_s": 10.0,
@@ -188,11 +194,11 @@ def ensure_model(model_dir: Path = TINY_MODEL) -> Path:
     return Path(build_tiny_model(model_dir, seed=0))
 
 
-def simulate(cfg: SimConfig, sc: ScenarioConfig) -> Any:
-    """The simulator's waterlevel run of the same scenario (sim.driver.RunResult)."""
+def simulate(cfg: SimConfig, sc: ScenarioConfig, policy: str = "waterlevel") -> Any:
+    """The simulator's run of ``policy`` on the same scenario (sim.driver.RunResult)."""
     from sim.driver import PolicySpec, run_policy
 
-    return run_policy(cfg, sc, PolicySpec("waterlevel"))
+    return run_policy(cfg, sc, PolicySpec(policy))
 
 
 async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale: float,
@@ -245,7 +251,7 @@ async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale:
 def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None = None,
                  time_scale: float = 10.0, tolerance: float = 0.2, run_dir: str | Path | None = None,
                  ready_timeout_s: float = 180.0, run_timeout_s: float = 600.0,
-                 keep_run_dir: bool = False) -> EmulationResult:
+                 keep_run_dir: bool = False, policy: str = "waterlevel") -> EmulationResult:
     """Runs ``scenario`` (at ``cells`` elastic cells, default the scenario's) on the real
     services, time-scaled by 1/``time_scale``, and the simulator on the identical scenario;
     ``ran=False`` with the reason when the services are missing or the run failed."""
@@ -263,12 +269,12 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
     base = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="gyre-emulate-"))
     base.mkdir(parents=True, exist_ok=True)
     template = base / "emulate.template.yaml"
-    template.write_text(yaml.safe_dump(render_config(cfg, sc, time_scale=time_scale, model_dir=str(model)),
-                                       sort_keys=False))
+    template.write_text(yaml.safe_dump(render_config(cfg, sc, time_scale=time_scale, model_dir=str(model),
+                                                     policy=policy), sort_keys=False))
     wall0 = time.monotonic()
     cluster = Cluster(template, base / "run", free_ports=True)
     common = dict(tolerance=tolerance, cells=sc.cluster.cells, updates=n, time_scale=time_scale,
-                  scenario=sc.model_dump())
+                  scenario=sc.model_dump(), policy=policy)
     try:
         cluster.start()
         conf = cluster.config
@@ -283,7 +289,7 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
         if own_dir and not keep_run_dir:
             shutil.rmtree(base, ignore_errors=True)
     wall = time.monotonic() - wall0
-    sim_res = simulate(cfg, sc)
+    sim_res = simulate(cfg, sc, policy)
     emu_times = [t * time_scale for t in times]
     if len(times) < n:
         return EmulationResult(False, f"reached {len(times)} of {n} updates within {run_timeout_s:g} s",
@@ -294,6 +300,7 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
     rel = (emu - simt) / simt if simt > 0 else float("nan")
     return EmulationResult(
         True, "ran", emulated_time_to_n_s=emu, simulated_time_to_n_s=simt, relative_difference=rel,
+        simulated_reroutes=int(sim_res.reroutes) + int(sim_res.migrations),
         wall_s=wall, emulated_update_times_s=emu_times, simulated_update_times_s=list(sim_res.update_times_s),
         replay=stats, **common,
     )

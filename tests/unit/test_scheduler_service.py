@@ -205,6 +205,10 @@ async def test_move_to_training_reroutes_with_fenced_commands():
     (routers, epoch, moves), = peers.commands("move_executions")
     assert epoch == 7 and {m.execution_id for m in moves} == {g.record.execution_id for g in moved}
     assert all(m.from_cell == "core" and m.to_cell == "sa" and m.route_epoch == 2 for m in moves)
+    for _ in range(500):  # the join runs in its own task, after the transition ended
+        if peers.commands("join_batch"):
+            break
+        await asyncio.sleep(0.01)
     (join,) = peers.commands("join_batch")
     assert join == ("core:1", 7, 1, 0, 1, "core:1")
     assert all(args[1] == 7 for name, args in peers.calls if name != "move_executions")
