@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-fast bench bench-full protos lock clean up
+.PHONY: install demo test test-fast bench bench-full protos lock clean up wheelhouse base-image images compose-up compose-smoke
 
 install:  ## etcd (apt) when missing, .venv with the pinned packages
 	@./scripts/install.sh
@@ -45,6 +45,27 @@ protos: install  ## regenerate gyre/v1 from protos/ (the output is committed)
 
 lock:  ## re-pin requirements.lock from the current .venv
 	$(PY) -m pip freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec|triton)==' > requirements.lock.new && mv requirements.lock.new requirements.lock
+
+# Containers (deploy/README.md): Docker, or podman's Docker API; offline with a wheelhouse.
+WHEELHOUSE ?= .gyre/wheelhouse
+BASE_IMAGE ?= python:3.11-slim-bookworm
+export GYRE_BASE_IMAGE := $(BASE_IMAGE)
+COMPOSE_SMOKE := $(PY) deploy/compose_smoke.py
+
+wheelhouse: install  ## every pinned package of requirements.lock into $(WHEELHOUSE), with this machine's pip and index
+	$(PY) -m pip download --no-deps --dest $(WHEELHOUSE) -r requirements.lock
+
+base-image:  ## a Python 3.11 base image from Debian's packages (root, debootstrap): BASE_IMAGE=localhost/gyre-python:3.11-bookworm
+	./scripts/base_image.sh $(if $(filter python:%,$(BASE_IMAGE)),,$(BASE_IMAGE))
+
+images: install  ## gyre and gyre-etcd images (offline when $(WHEELHOUSE) holds wheels)
+	GYRE_WHEELHOUSE=$(if $(wildcard $(WHEELHOUSE)/*.whl),$(WHEELHOUSE)) $(COMPOSE_SMOKE) build
+
+compose-up: images  ## the whole stack in containers, in the foreground (Ctrl-C stops it)
+	$(COMPOSE_SMOKE) up --no-build
+
+compose-smoke: images  ## build, up, >= 3 bursts, kill a cell, check the status, down (minutes; not in `make test`)
+	$(COMPOSE_SMOKE) smoke --no-build
 
 clean:
 	rm -rf runs .pytest_cache

