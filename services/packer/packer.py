@@ -448,7 +448,7 @@ class Packer:
         log.info("group dropped", extra={"group_id": group.id, "reason": reason, "turns": group.turns})
         self._commit({"t": "drop", "g": group.id, "reason": reason})
 
-    def _pump(self, demand: set[int] | None = None) -> None:
+    def _pump(self, demand: set[BatchId] | None = None) -> None:
         """Moves work forward: stale ready groups out, ready groups into the active batch,
         sequences into micro-steps, full batches sealed."""
         st, cfg = self.state, self.cfg

@@ -127,7 +127,7 @@ class GyreKvConnector(KVConnectorBase_V1):
     destination (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None on some paths
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block = int(vllm_config.cache_config.block_size)
         self._medium = str(extra.get("medium", "tcp"))
@@ -169,6 +169,7 @@ class GyreKvConnector(KVConnectorBase_V1):
         rid = request.request_id
         target = self._matched.pop(rid)
         self._tried.add(rid)
+        assert request.kv_transfer_params is not None  # matched above: it carried our params
         params = request.kv_transfer_params[PARAMS_KEY]
         first = (target - num_external_tokens) // self._block
         block_ids = blocks.get_block_ids()[0]
