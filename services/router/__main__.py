@@ -6,9 +6,11 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from gyre.history import History
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import router_pb2_grpc
 from services.router.calls import CallPolicy
@@ -40,7 +42,8 @@ async def build(rt: Runtime) -> Services:
                        miss_rate_per_s=cfg.unknown_token_rate_per_s, miss_burst=cfg.unknown_token_burst)
     engines = GrpcEngineClient(cfg)
     sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
-    turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s)
+    turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s,
+                         history=History(cfg.history_file, svc="router"))
     policy = CallPolicy(
         retry_budget=cfg.retry_budget,
         failover_wait_s=cfg.failover_wait_s,
@@ -53,7 +56,7 @@ async def build(rt: Runtime) -> Services:
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
     manager = CallManager(table, engines, policy, turns, reporter=reporter)
-    limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
+    limits: dict[str, Any] = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
                   request_timeout_s=cfg.request_timeout_s, turn_tokens=cfg.max_turn_tokens,
                   context_tokens=cfg.max_model_len or model_context(cfg.model_dir))
     servicer = RouterServicer(
