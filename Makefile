@@ -30,7 +30,7 @@ lint: install  ## ruff (rules + formatting) and mypy (strict on gyre/ and the po
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-bench: install  ## benchmarks (~30 min on 2 cores); JSON in bench/results/, summaries in docs/benchmarks*.md
+bench: install  ## benchmarks (~30 min on 2 idle cores); JSON in bench/results/, summaries in docs/benchmarks*.md
 	$(PY) bench/cluster.py --suite bench --emulate
 	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/scheduler_takeover.py
