@@ -510,7 +510,8 @@ class Cluster:
     def _generated(self, ex: Execution, n: int, version: int) -> None:
         gv = ex.group.gen_by_version
         gv[version] = gv.get(version, 0) + n
-        ex.cell.engine.tokens += n if ex.cell is not None else 0
+        if ex.cell is not None:
+            ex.cell.engine.tokens += n
 
     def _turn_done(self, ex: Execution) -> None:
         t = self.loop.now

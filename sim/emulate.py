@@ -273,7 +273,7 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
                                                      policy=policy), sort_keys=False))
     wall0 = time.monotonic()
     cluster = Cluster(template, base / "run", free_ports=True)
-    common = dict(tolerance=tolerance, cells=sc.cluster.cells, updates=n, time_scale=time_scale,
+    common: dict[str, Any] = dict(tolerance=tolerance, cells=sc.cluster.cells, updates=n, time_scale=time_scale,
                   scenario=sc.model_dump(), policy=policy)
     try:
         cluster.start()

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -72,7 +72,7 @@ class ReplayDriver:
 
     def __init__(self, trace: Trace, scheduler_target: str, router_target: str, *, time_scale: float,
                  workers: int, max_context: int = 1 << 17,
-                 sleep: Callable[[float], object] = asyncio.sleep,
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
                  tls_dir: str | None = None, insecure: bool = False) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")

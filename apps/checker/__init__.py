@@ -117,11 +117,11 @@ def check_packer(ops: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
             counts["claims_returned"] += 1
         elif kind == "ack":
             counts["acks"] += 1
-            ms, batch = str(op["ms"]), batch_of(str(op["ms"]))
-            if batch is not None:
-                if ms in batch.acked:
+            ms, acked_batch = str(op["ms"]), batch_of(str(op["ms"]))
+            if acked_batch is not None:
+                if ms in acked_batch.acked:
                     bad.append(f"packer #{n}: micro-step {ms} acknowledged twice in one attempt")
-                batch.acked[ms] = str(op.get("cell", ""))
+                acked_batch.acked[ms] = str(op.get("cell", ""))
         elif kind == "open":
             counts["attempts_reopened"] += 1
             batch = batches.setdefault(int(op["b"]), _Batch())
