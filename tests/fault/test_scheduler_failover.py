@@ -196,7 +196,7 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
     b = _start(cfg, tmp_path, "sched-b")
     hb = Harness(b.target)
     try:
-        e1, e2 = await ha.acquire(), await ha.acquire()
+        e1, _e2 = await ha.acquire(), await ha.acquire()
         epoch_a = (await ha.status()).epoch
         a.pause()
         st = await hb.wait_leader()

@@ -29,7 +29,7 @@ The scheduler-side and worker-side connectors share the process-wide :data:`TABL
 needs the worker in the engine-core process (vLLM's ``UniProcExecutor``: one GPU per
 engine, or the CPU engine); tensor-parallel engines would need the pin to travel to every
 worker (not built). Transports: :mod:`.kv_transport` (``tcp`` here, ``nccl`` / ``cuda_ipc``
-on GPUs).
+on GPUs), over mutual TLS between cell agents when the cell passes its identity.
 """
 
 from __future__ import annotations
@@ -106,10 +106,6 @@ def pin(request_ids: list[str], handle_id: str, ttl_s: float) -> tuple[str, str,
 def release(handle_id: str) -> None:
     """Releases a pin (idempotent); held blocks are freed at the engine's next step."""
     TABLE.release(handle_id)
-
-
-def pinned_count() -> int:
-    return len(TABLE)
 
 
 @dataclasses.dataclass(frozen=True)
