@@ -65,7 +65,14 @@ RUN set -eux; \
     chown -R 10001:10001 /models /var/lib/gyre
 COPY --from=venv /opt/gyre /opt/gyre
 WORKDIR /app
-COPY . .
+# The code, not the whole context: the context may also carry the wheelhouse folder.
+COPY pyproject.toml requirements.lock ./
+COPY gyre gyre
+COPY services services
+COPY apps apps
+COPY sim sim
+COPY protos protos
+COPY deploy deploy
 # gRPC (scheduler 50051, router 50052, packer 50053, cell agents 50060), router HTTP 8000,
 # dashboard 8080, Prometheus metrics 9100.
 EXPOSE 50051 50052 50053 50060 8000 8080 9100

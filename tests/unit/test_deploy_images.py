@@ -73,6 +73,7 @@ def test_runtime_images_are_lean_and_run_as_10001() -> None:
     for name in RUNTIME_STAGES:
         body = all_stages[name]
         assert "/wheelhouse" not in body, f"{name} must not carry the wheelhouse"
+        assert not re.search(r"^COPY \.\s", body, flags=re.MULTILINE), f"{name} copies the whole context (wheelhouse)"
         assert not re.search(r"build-essential|\bgcc\b|\bg\+\+", body), f"{name} installs a compiler"
         if "apt-get install" in body:
             assert "rm -rf /var/lib/apt/lists/*" in body, f"{name} keeps apt's lists"
