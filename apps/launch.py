@@ -140,7 +140,7 @@ class Cluster:
             for batch in _batches(self.process_specs()):
                 errors: list[BaseException] = []
 
-                def start_one(spec: dict[str, Any]) -> None:
+                def start_one(spec: dict[str, Any], errors: list[BaseException] = errors) -> None:
                     try:
                         proc = self.start_process(spec)
                         if progress:

@@ -17,7 +17,7 @@ engine B in etcd and calls Router.MoveExecutions; we measure from the start of t
 to B's first token (B runs in this process so its clock is ours) and to the next token the
 harness receives.
 
-    PYTHONPATH=. .venv/bin/python bench/router_latency.py [--rounds 3] [--quick]
+    PYTHONPATH=. .venv/bin/python bench/router_latency.py [--rounds 3] [--streams 64,256] [--quick]
 
 Writes bench/results/router_latency.json.
 """
@@ -298,14 +298,47 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         etcd_server.cleanup()
 
 
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    """The output contract other tools read, for streamed calls through one router over
+    mutual TLS (``router_grpc``; the benchmark has no non-streaming rows yet):
+
+    - ``router_cpu_us_per_token``: the router process's CPU time over the tokens it relayed,
+      at the largest concurrency measured;
+    - ``ratio_256`` / ``ratio_1024``: median stream completion time through the router over
+      direct, at 256 / 1,024 streams (null when that concurrency was not run);
+    - ``routers_per_1000_streams``: router processes the run used per 1,000 streams (one router
+      carried the largest concurrency), and ``router_cores_per_1000_streams``: the CPU cores
+      1,000 streams at the benchmark's token rate would keep busy at the measured cost.
+    """
+    conc = out["concurrency"]
+    top = max(conc, key=int)
+    cpu = conc[top]["router_grpc"]["router_cpu_us_per_token"]
+    tokens_per_s_per_stream = 1.0 / out["setup"]["token_delay_s"]
+
+    def ratio(n: str) -> float | None:
+        return round(conc[n]["router_grpc"]["ratio_vs_direct"]["stream_p50"], 3) if n in conc else None
+
+    return {
+        "router_cpu_us_per_token": round(cpu, 1),
+        "ratio_256": ratio("256"),
+        "ratio_1024": ratio("1024"),
+        "routers_per_1000_streams": round(1000 / int(top), 2),
+        "router_cores_per_1000_streams": round(cpu * tokens_per_s_per_stream * 1000 / 1e6, 2),
+        "streams_measured": sorted(int(c) for c in conc),
+        "calls": "streamed (Router.Generate, mTLS); non-streaming calls are not measured",
+    }
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="one round at 64 streams, 5 reroutes (a smoke run)")
+    ap.add_argument("--streams", default="64,256", help="concurrencies, comma-separated (e.g. 64,256,1024)")
     a = ap.parse_args()
-    concs = [64] if a.quick else [64, 256]
+    concs = [64] if a.quick else [int(c) for c in a.streams.split(",")]
     out = asyncio.run(main(1 if a.quick else a.rounds, concs, 5 if a.quick else a.trials))
+    out["summary"] = summarize(out)
     dest = ROOT / "bench" / "results" / "router_latency.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=2))

@@ -269,7 +269,7 @@ def identities_of_launch(config: dict[str, object]) -> list[Identity]:
     out = list(BASE_IDENTITIES)
     for spec in launch.get("processes") or []:
         service = spec["service"]
-        cell_id = str((spec.get("set") or {}).get("cell_id") or (config.get(service) or {}).get("cell_id") or "")  # type: ignore[union-attr]
+        cell_id = str((spec.get("set") or {}).get("cell_id") or _section(config, service).get("cell_id") or "")
         out.append(service_identity(service, cell_id))
     return out
 
@@ -382,3 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _section(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """A section of a cluster config ({} when absent or not a mapping)."""
+    section = config.get(name)
+    return section if isinstance(section, dict) else {}

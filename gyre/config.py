@@ -14,7 +14,9 @@ orders the sources (env over file over defaults).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -147,6 +149,19 @@ def load(cls: type[T], path: str | os.PathLike[str] | None = None, **overrides: 
     _Bound.__name__ = cls.__name__
     built = _Bound(**merged)
     return cls.model_validate(built.model_dump())
+
+
+def parse_set(items: Sequence[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` arguments as overrides: a VALUE that parses as JSON is that
+    (numbers, booleans, lists), anything else the string itself."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -133,13 +133,7 @@ def main(
     parser.add_argument("--config", default=os.environ.get(config_mod.CONFIG_ENV), help="cluster config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
     args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+    overrides = config_mod.parse_set(args.set)
     cfg = config_mod.load(config_cls, args.config, **overrides)
     setup_logging(name, cfg.log_level, cfg.log_json)
     instance = str(getattr(cfg, instance_field)) if instance_field else f"{name}-{os.getpid()}"

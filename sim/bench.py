@@ -17,11 +17,16 @@ Scenario x seed units are independent: ``run_all`` spreads them over worker proc
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import json
 import math
+import os
+import pickle
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.scheduler import policy as P
@@ -34,6 +39,36 @@ SUMMARY_ROLES = ("oracle_async_static", "oracle_bursty_static", "colocated")
 """Baselines of the summary's ratios (baseline time / Gyre time)."""
 
 Log = Callable[[str], None]
+
+CACHE_ENV = "GYRE_SIM_CACHE"
+"""A directory where finished runs are kept, keyed by everything that determines them (the
+config minus the rows and suites, the scenario with its seed and horizon, the policy spec):
+runs are deterministic, so a rerun of the benchmark reuses them. Unset: no cache."""
+
+
+def _cache_path(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float) -> Path | None:
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        return None
+    top = cfg.model_dump(mode="json", exclude={"scenarios", "suites", "policies", "variants", "targets",
+                                               "static_training_cells", "sweep_cutoff"})
+    key = json.dumps({"cfg": top, "sc": sc.model_dump(mode="json"), "spec": vars(spec),
+                      "record": record_every_s}, sort_keys=True)
+    return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
+
+
+def cached_run(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float) -> RunResult:
+    """``run_policy``, through the cache of ``$GYRE_SIM_CACHE`` when it is set."""
+    path = _cache_path(cfg, sc, spec, record_every_s)
+    if path is not None and path.exists():
+        return pickle.loads(path.read_bytes())
+    r = run_policy(cfg, sc, spec, record_every_s=record_every_s)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(r))
+        tmp.replace(path)
+    return r
 
 
 def known_policy(name: str) -> bool:
@@ -143,7 +178,7 @@ class _Runner:
         self.cfg, self.sc, self.res, self.record_every_s, self.log = cfg, sc, res, record_every_s, log
 
     def one(self, spec: PolicySpec, sc: ScenarioConfig, label: str, cfg: SimConfig | None = None) -> RunResult:
-        r = run_policy(cfg or self.cfg, sc, spec, record_every_s=self.record_every_s)
+        r = cached_run(cfg or self.cfg, sc, spec, self.record_every_s)
         r.label = label
         shown = f"{r.time_to_n_s:9.0f} s" if r.reached else f"  > {sc.training.horizon_s:.0f} s (cut)"
         self.log(f"[{sc.name} seed {sc.seed}] {label:34s} time to {sc.training.updates} updates {shown}  "
@@ -206,7 +241,7 @@ class _Runner:
         for where in placements[1:]:  # the best coarse point and its coarse neighbours
             for t in _neighbours(coarse, best.training_cells) if best is not None else coarse:
                 run_point(t, where)
-        if best is not None:
+        if best is not None and self.cfg.sweep_refine:
             for t in _refine(coarse, best.training_cells, cells):
                 run_point(t, best.placement)
         points.sort(key=lambda p: (p.placement, p.training_cells))

@@ -62,7 +62,7 @@ class Group:
     ready_s: float = -1.0
     # tokens generated under each policy version (for per-token lag)
     gen_by_version: dict[int, int] = field(default_factory=dict)
-    members: list["Execution"] = field(default_factory=list)
+    members: list[Execution] = field(default_factory=list)
     consumed: bool = False  # assigned to a batch
     cancelled: bool = False  # unconsumable within the staleness bound (cancel early)
     length: int = 0  # generated tokens of its members at dispatch (for the length bias)
@@ -87,7 +87,7 @@ class Execution:
     group: Group
     ep: Episode
     state: ExecState = ExecState.QUEUED
-    cell: "Cell | None" = None
+    cell: Cell | None = None
     turn: int = 0
     ctx: int = 0  # tokens in context (prompts, observations, outputs so far)
     remaining: int = 0  # tokens still to generate in the current turn
@@ -106,7 +106,7 @@ class Execution:
 class Engine:
     """The inference engine of one cell: fluid decode with stalls for prefill and weight loads."""
 
-    def __init__(self, cell: "Cell", cost: CostModel) -> None:
+    def __init__(self, cell: Cell, cost: CostModel) -> None:
         self.cell = cell
         self.cost = cost
         self.active: dict[int, Execution] = {}

@@ -257,6 +257,7 @@ class SimConfig(_Frozen):
         default_factory=lambda: [8, 16, 24, 32, 48],
         description="Split sweep: training-cell counts T (refined around the best).",
     )
+    sweep_refine: bool = Field(True, description="Refine a sweep around its best coarse point.")
     sweep_cutoff: float | None = Field(
         None, gt=1,
         description="Stop a sweep point once it runs this factor past the best point so far (it cannot "

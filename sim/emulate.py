@@ -317,8 +317,9 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
         "",
         f"Scenario: {scenario_label}. The emulated cluster is the real services (etcd, scheduler, "
         "router, packer, elastic cell agents with mock engines and the cost-model trainer) playing the "
-        "same trace; the simulator runs the waterlevel policy on the identical scenario and cell count. "
-        "Emulated time = wall time x time scale.",
+        f"same trace; the real scheduler and the simulator run the same policy "
+        f"({', '.join(sorted({r.policy for r in results})) or 'waterlevel'}) on the identical scenario and cell "
+        "count. Emulated time = wall time x time scale.",
         "",
         "| cells | updates | time scale | emulated time to N | simulated time to N | difference | "
         "tolerance | within | wall |",
@@ -353,7 +354,9 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
             lines.append(f"Update times at 1/{r.time_scale:g} (s): emulated {emu}; simulated {sim}. "
                          f"Replay: {r.replay.get('finished', 0)} executions finished, "
                          f"{r.replay.get('failed', 0)} failed, {r.replay.get('turns', 0)} turns, "
-                         f"{r.replay.get('reroutes', 0)} reroutes.")
+                         f"{r.replay.get('reroutes', 0)} calls continued on another engine (reroutes and "
+                         f"migrations as the harnesses saw them); the simulator rerouted or migrated "
+                         f"{r.simulated_reroutes} executions.")
     return "\n".join(lines) + "\n"
 
 

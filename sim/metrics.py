@@ -71,7 +71,7 @@ class RunResult:
         return d
 
 
-def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
+def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
     cl = drv.cluster
     gpu = {c: 0.0 for c in CATEGORIES}
     for cell in cl.cells:
@@ -92,7 +92,6 @@ def collect(drv: "Driver", end_s: float, wall_s: float) -> RunResult:
     for ex in cl.executions:
         states[ex.state.name] = states.get(ex.state.name, 0) + 1
     led = cl.ledger
-    n = drv.scenario.training.updates
     reached = drv.done_s is not None
     return RunResult(
         policy=drv.spec.name,

@@ -205,7 +205,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     dashboard = DashboardReader(url)
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
-    during = asyncio.create_task(opts.during(cluster)) if opts.during is not None else None
+    during: asyncio.Future[None] | None = asyncio.ensure_future(opts.during(cluster)) if opts.during is not None else None
     outcome = "completed"
     try:
         harness = asyncio.create_task(

@@ -69,7 +69,7 @@ class Task:
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> Task:
-        return cls(str(data["task_id"]), int(data["secret"]), int(data["seed"]))  # type: ignore[arg-type]
+        return cls(str(data["task_id"]), int(str(data["secret"])), int(str(data["seed"])))
 
 
 def make_tasks(n: int, seed: int = 0, prefix: str = "task") -> list[Task]:
@@ -194,7 +194,7 @@ class Episode:
         workspace = Workspace(self.task, workspace_root)
         tool_time = 0.0
         try:
-            messages = [
+            messages: list[dict[str, Any]] = [
                 {"role": "system", "content": self.SYSTEM},
                 {"role": "user", "content": f"Task {self.task.task_id}: find the secret number and write it."},
             ]

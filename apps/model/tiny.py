@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 # ChatML with tools, in the layout Qwen2.5 (and vLLM's Hermes tool parser) use: the tools
 # are listed in the system turn, an assistant's tool calls are
@@ -125,7 +126,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides: object) ->
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_values = {**DEFAULT_CONFIG, **overrides}
+    cfg_values: dict[str, Any] = {**DEFAULT_CONFIG, **overrides}
     stamp = {"seed": seed, "config": cfg_values, "builder": 2}  # 2: tools in the template
     stamp_path = out / "gyre_tiny.json"
     if stamp_path.exists() and (out / "model.safetensors").exists():
@@ -135,7 +136,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides: object) ->
     tokenizer = build_tokenizer(out, vocab_size=int(cfg_values["vocab_size"]))
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
+    config = Qwen2Config(  # type: ignore[call-arg]  # torch_dtype: the key vLLM reads in config.json
         **cfg_values,
         bos_token_id=pad_id,
         eos_token_id=eos_id,
@@ -143,7 +144,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides: object) ->
         torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types `to` oddly
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False)
     model.save_pretrained(str(out), safe_serialization=True)
     stamp_path.write_text(json.dumps(stamp))

@@ -52,7 +52,7 @@ _STATUS = {
     "failed": common_pb2.EXECUTION_STATUS_FAILED,
     "cancelled": common_pb2.EXECUTION_STATUS_CANCELLED,
 }
-_FINAL_NAMES = {
+_FINAL_NAMES: dict[int, str] = {
     common_pb2.EXECUTION_STATUS_COMPLETED: "COMPLETED",
     common_pb2.EXECUTION_STATUS_FAILED: "FAILED",
     common_pb2.EXECUTION_STATUS_TIMED_OUT: "TIMED_OUT",
@@ -155,7 +155,7 @@ class HarnessClient:
         ch = self._channels.get(self.target)
         if ch is None:
             ch = self._channels[self.target] = dial(self.target, self._tls, Role.SCHEDULER)
-        return scheduler_pb2_grpc.HarnessServiceStub(ch)
+        return scheduler_pb2_grpc.HarnessServiceStub(ch)  # type: ignore[no-untyped-call]  # generated
 
     def _follow(self, err: grpc.aio.AioRpcError) -> bool:
         """After a retryable error: switch to the leader a standby named, or (none named)
@@ -326,7 +326,7 @@ class ExecutionHandle:
             reward=reward,
             idempotency_key=self._idempotency_key,
         )
-        reply = await self._client.call(
+        reply: scheduler_pb2.FinishExecutionResponse = await self._client.call(
             "finish", lambda stub, t: stub.FinishExecution(request, timeout=t, metadata=self._metadata),
             self._timeout_s,
         )
@@ -382,7 +382,8 @@ class ExecutionHandle:
                     text = await resp.text()
                     if resp.status >= 400:
                         raise _http_error(resp.status, text)
-                    return json.loads(text)
+                    answer: dict[str, Any] = json.loads(text)
+                    return answer
             except aiohttp.ClientConnectorError as exc:
                 # Not connected: the request never left, so it is safe to send again (the
                 # router restarting under a supervisor comes back on the same address).

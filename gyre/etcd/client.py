@@ -115,7 +115,7 @@ CHANNEL_OPTIONS = {
 """Options of the etcd channel."""
 
 
-class _TlsClient(aetcd.Client):
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type information
     """aetcd's client over a mutual-TLS channel (no password token: the certificate's CN is
     the etcd user)."""
 
@@ -265,7 +265,7 @@ class Etcd:
             raise Unavailable(f"etcd put: {exc!r}") from exc
         except aetcd.exceptions.ClientError as exc:
             raise _refused("put", key, exc) from exc
-        return got.header.revision
+        return int(got.header.revision)
 
     async def delete(self, key: bytes) -> bool:
         try:

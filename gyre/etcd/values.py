@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from typing import Any
+from typing import Any, cast
 
 from gyre.errors import InvalidArgument
 from gyre.v1 import common_pb2
@@ -41,8 +41,8 @@ class CellKind(enum.Enum):
         except KeyError:
             raise InvalidArgument(f"unknown cell kind {value}") from None
 
-    def to_proto(self) -> int:
-        return _KIND_TO_PROTO[self]
+    def to_proto(self) -> common_pb2.CellKind:
+        return cast(common_pb2.CellKind, _KIND_TO_PROTO[self])
 
 
 class CellState(enum.Enum):
@@ -70,14 +70,16 @@ class CellState(enum.Enum):
         except KeyError:
             raise InvalidArgument(f"unknown cell state {value}") from None
 
-    def to_proto(self) -> int:
-        return _STATE_TO_PROTO[self]
+    def to_proto(self) -> common_pb2.CellState:
+        return cast(common_pb2.CellState, _STATE_TO_PROTO[self])
 
 
-_KIND_TO_PROTO = {CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE, CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC}
-_KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
-_STATE_TO_PROTO = {state: getattr(common_pb2, f"CELL_STATE_{state.value}") for state in CellState}
-_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+_KIND_TO_PROTO: dict[CellKind, int] = {
+    CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE, CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC,
+}
+_KIND_FROM_PROTO: dict[int, CellKind] = {v: k for k, v in _KIND_TO_PROTO.items()}
+_STATE_TO_PROTO: dict[CellState, int] = {state: int(common_pb2.CellState.Value(f"CELL_STATE_{state.value}")) for state in CellState}
+_STATE_FROM_PROTO: dict[int, CellState] = {v: k for k, v in _STATE_TO_PROTO.items()}
 
 
 def encode_cell_state(state: CellState, epoch: int, updated_s: float) -> bytes:

@@ -48,7 +48,7 @@ class PrefixMirror:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def wait_for(self, predicate: Callable[[dict[bytes, KV]], bool], timeout_s: float) -> None:
@@ -86,7 +86,7 @@ class PrefixMirror:
                 await self._watch_until_resync()
             except asyncio.CancelledError:
                 raise
-            except (Unavailable, aetcd.exceptions.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, Unavailable, aetcd.exceptions.ClientError) as exc:
                 log.info("watch interrupted; relisting", extra={"prefix": self._prefix.decode(), "error": repr(exc)})
                 await backoff.sleep()
 

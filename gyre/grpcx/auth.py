@@ -171,9 +171,9 @@ class Guard:
             raise ValueError(f"{self.table.service}/{method}: client streaming is not guarded")
         parse = handler.request_deserializer
         if handler.response_streaming:
-            return handler._replace(  # type: ignore[attr-defined]
+            return handler._replace(
                 request_deserializer=None, unary_stream=self._stream(method, rule, parse, handler.unary_stream))
-        return handler._replace(  # type: ignore[attr-defined]
+        return handler._replace(
             request_deserializer=None, unary_unary=self._unary(method, rule, parse, handler.unary_unary))
 
     def _unary(self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]) -> Callable[..., Any]:

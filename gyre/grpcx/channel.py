@@ -29,7 +29,7 @@ def open_channel(target: str, config: ServiceConfig, expect: Role | str | None =
     if config.tracing != "off":
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-        interceptors = list(aio_client_interceptors())
+        interceptors = list(aio_client_interceptors())  # type: ignore[no-untyped-call]  # untyped in opentelemetry
     tls = TlsFiles.resolve(config.tls, config.identity_name())
     return dial(target, tls, expect, channel_options(config.max_message_bytes), interceptors)
 

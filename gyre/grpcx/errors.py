@@ -96,7 +96,7 @@ def bearer_token(context: grpc.aio.ServicerContext) -> str:
     """The execution token from ``authorization: Bearer <token>``; UNAUTHENTICATED if absent."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and value.startswith("Bearer "):
-            token = value[len("Bearer ") :].strip()
+            token = str(value)[len("Bearer ") :].strip()
             if token:
                 return token
     raise Unauthenticated("missing execution token (authorization: Bearer <token>)")

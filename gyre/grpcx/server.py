@@ -164,4 +164,4 @@ def _tracing_interceptors(cfg: ServiceConfig) -> list[grpc.aio.ServerInterceptor
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor()]
+    return [aio_server_interceptor()]  # type: ignore[no-untyped-call]  # untyped in opentelemetry

@@ -151,6 +151,52 @@ class AckMicroStepResponse(_message.Message):
     duplicate: bool
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
+class ClaimMicroStepsRequest(_message.Message):
+    __slots__ = ("cell_id", "batch_id", "policy_version", "wait_s", "claim_id", "max_micro_steps")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    batch_id: int
+    policy_version: int
+    wait_s: float
+    claim_id: str
+    max_micro_steps: int
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., claim_id: _Optional[str] = ..., max_micro_steps: _Optional[int] = ...) -> None: ...
+
+class ClaimMicroStepsResponse(_message.Message):
+    __slots__ = ("outcome", "micro_steps", "claim_ttl_s", "batch_id", "policy_version")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    outcome: ClaimOutcome
+    micro_steps: _containers.RepeatedCompositeFieldContainer[MicroStep]
+    claim_ttl_s: float
+    batch_id: int
+    policy_version: int
+    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., micro_steps: _Optional[_Iterable[_Union[MicroStep, _Mapping]]] = ..., claim_ttl_s: _Optional[float] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class AckMicroStepsRequest(_message.Message):
+    __slots__ = ("cell_id", "batch_id", "micro_step_ids")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    batch_id: int
+    micro_step_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., micro_step_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AckMicroStepsResponse(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, duplicate: _Optional[_Iterable[bool]] = ...) -> None: ...
+
 class CommitBatchRequest(_message.Message):
     __slots__ = ("cell_id", "batch_id")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]

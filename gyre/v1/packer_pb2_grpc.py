@@ -54,6 +54,16 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.FromString,
                 _registered_method=True)
+        self.ClaimMicroSteps = channel.unary_unary(
+                '/gyre.v1.Packer/ClaimMicroSteps',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsResponse.FromString,
+                _registered_method=True)
+        self.AckMicroSteps = channel.unary_unary(
+                '/gyre.v1.Packer/AckMicroSteps',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.FromString,
+                _registered_method=True)
         self.CommitBatch = channel.unary_unary(
                 '/gyre.v1.Packer/CommitBatch',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.CommitBatchRequest.SerializeToString,
@@ -134,6 +144,25 @@ class PackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimMicroSteps(self, request, context):
+        """ClaimMicroStep for up to max_micro_steps micro-steps of one batch in one call (waits
+        only while it has none). Idempotent on (cell_id, claim_id): a retry answers the
+        micro-steps the first call claimed that the cell still holds (and tops them up to
+        max_micro_steps from the free ones). Outcome CLAIMED when it has at least one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckMicroSteps(self, request, context):
+        """AckMicroStep for several micro-steps of one batch in one call, made durable by one WAL
+        flush. All or nothing: when any of them would be refused (the same statuses as
+        AckMicroStep), none is acknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitBatch(self, request, context):
         """The core's optimizer step of a batch is durable: its acknowledged micro-steps are
         trained for good (counted consumed, their tokens freed). Idempotent. FAILED_PRECONDITION
@@ -205,6 +234,16 @@ def add_PackerServicer_to_server(servicer, server):
                     servicer.AckMicroStep,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.SerializeToString,
+            ),
+            'ClaimMicroSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimMicroSteps,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsResponse.SerializeToString,
+            ),
+            'AckMicroSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckMicroSteps,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.SerializeToString,
             ),
             'CommitBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitBatch,
@@ -345,6 +384,60 @@ class Packer:
             '/gyre.v1.Packer/AckMicroStep',
             gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimMicroSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Packer/ClaimMicroSteps',
+            gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckMicroSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Packer/AckMicroSteps',
+            gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, Unavailable
 from services.cell_agent.engines.base import Chunk, Engine, EngineDead, KvHandle, Sampling
@@ -287,8 +287,9 @@ class Cell:
         self._fatal = asyncio.get_running_loop().create_future()
         while True:
             died = asyncio.ensure_future(self.engine.died.wait())
+            waiters: list[asyncio.Future[Any]] = [died, self._fatal]
             try:
-                await asyncio.wait([died, self._fatal], timeout=self._probe_interval_s,
+                await asyncio.wait(waiters, timeout=self._probe_interval_s,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 died.cancel()

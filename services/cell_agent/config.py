@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,7 +40,7 @@ class MockEngineSettings(BaseModel):
     hang_after_tokens: int = Field(
         -1, ge=-1, description="Fault: the mock hangs after this many tokens.")
 
-    def timing(self) -> dict[str, float]:
+    def timing(self) -> dict[str, Any]:
         """The :class:`~services.cell_agent.engines.mock.MockTiming` fields."""
         return {name: getattr(self, name) for name in TIMING_FIELDS}
 

@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from gyre import config as config_mod
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured, set_process_tls
@@ -39,13 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DashboardConfig:
     parser.add_argument("--port", type=int, help="HTTP port (http_port)")
     parser.add_argument("--host", help="address to bind (host)")
     args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+    overrides = config_mod.parse_set(args.set)
     if args.scheduler:
         overrides["scheduler_target"] = args.scheduler
     if args.port is not None:

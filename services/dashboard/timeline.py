@@ -87,7 +87,7 @@ def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
     ledger_raw = raw.get("ledger") or {}
     if not isinstance(ledger_raw, Mapping):
         raise ValueError("ledger must be a mapping")
-    ledger = {k: _int(ledger_raw, k) for k in LEDGER_FIELDS}
+    ledger: dict[str, Any] = {k: _int(ledger_raw, k) for k in LEDGER_FIELDS}
     by_status = ledger_raw.get("finished_by_status") or {}
     if not isinstance(by_status, Mapping):
         raise ValueError("ledger.finished_by_status must be a mapping")

@@ -331,6 +331,16 @@ class ClaimResult:
             resp.micro_step.CopyFrom(self.micro_step.to_proto())
         return resp
 
+    def to_proto_many(self, views: list[MicroStepView]) -> packer_pb2.ClaimMicroStepsResponse:
+        """The answer to a batched claim that took ``views`` (this result is its first claim's)."""
+        one = self.to_proto()
+        resp = packer_pb2.ClaimMicroStepsResponse(
+            outcome=one.outcome, claim_ttl_s=self.ttl_s, batch_id=self.batch_id,
+            policy_version=self.policy_version,
+        )
+        resp.micro_steps.extend(v.to_proto() for v in views)
+        return resp
+
 
 def check_cell(cell_id: str) -> CellId:
     return CellId(check_id(cell_id, "cell_id"))

@@ -43,6 +43,13 @@ from services.packer.wal import EventLog
 log = logging.getLogger(__name__)
 
 MAX_CLAIM_ID_CHARS = 128
+MAX_CLAIMS_PER_CALL = 64  # ClaimMicroSteps
+MAX_ACKS_PER_CALL = 256  # AckMicroSteps
+
+
+def _nth_key(claim_id: str, k: int) -> str:
+    """The idempotency key of the k-th micro-step of a batched claim (k = 0: the claim's own)."""
+    return f"{claim_id}#{k}" if claim_id and k else claim_id
 
 
 class Packer:
@@ -223,18 +230,65 @@ class Packer:
         self._after()
         return self._result(ClaimOutcome.CLAIMED, batch, self._view(ms, batch))
 
+    async def claim_many(
+        self, cell_id: str, batch_id: int, version: int, wait_s: float, claim_id: str, max_n: int
+    ) -> tuple[ClaimResult, list[MicroStepView]]:
+        """Claims up to ``max_n`` micro-steps of a batch in one go, waiting up to ``wait_s``
+        only for the first; one WAL flush makes them all durable. Idempotent on
+        ``claim_id``: the k-th micro-step is claimed under the key ``claim_id#k``, so a retry
+        answers what the first call claimed (and tops it up from the free micro-steps).
+        Returns the first claim's result (its outcome when none was claimed) and the views."""
+        if claim_id:
+            check_id(claim_id, "claim_id", MAX_CLAIM_ID_CHARS - 8)
+        if not 1 <= max_n <= MAX_CLAIMS_PER_CALL:
+            raise InvalidArgument(f"max_micro_steps must be in 1..{MAX_CLAIMS_PER_CALL}, got {max_n}")
+        first = await self.claim(cell_id, batch_id, version, wait_s, _nth_key(claim_id, 0))
+        if first.micro_step is None:
+            return first, []
+        views = [first.micro_step]
+        cell = CellId(cell_id)
+        for k in range(1, max_n):
+            more = self._try_claim(cell, first.batch_id, version, _nth_key(claim_id, k))
+            if more.micro_step is None:
+                break
+            views.append(more.micro_step)
+        await self.log.sync()
+        return first, views
+
     async def ack(self, cell_id: str, batch_id: int, micro_step_id: str) -> bool:
         """Records a micro-step trained; True when it had been acknowledged before."""
+        return (await self.ack_many(cell_id, batch_id, [micro_step_id]))[0]
+
+    async def ack_many(self, cell_id: str, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
+        """Records micro-steps trained, all or nothing, with one WAL flush; per micro-step,
+        True when it had been acknowledged before."""
         cell = check_cell(cell_id)
+        if not 1 <= len(micro_step_ids) <= MAX_ACKS_PER_CALL:
+            raise InvalidArgument(f"acknowledge 1..{MAX_ACKS_PER_CALL} micro-steps, got {len(micro_step_ids)}")
+        if len(set(micro_step_ids)) != len(micro_step_ids):
+            raise InvalidArgument("micro_step_ids repeat a micro-step")
         if self._reap():
             self._after()
+        dups = [self._check_ack(cell, batch_id, m) for m in micro_step_ids]  # refuses before any commit
+        if not all(dups):
+            for m, dup in zip(micro_step_ids, dups, strict=True):
+                if not dup:
+                    # Held by this cell, or this cell's claim lapsed and nobody retook it: either
+                    # way it is trained exactly once by accepting this ack.
+                    self._commit({"t": "ack", "ms": m, "cell": cell})
+            self._touch(cell)
+            self._after()
+        await self.log.sync()
+        return dups
+
+    def _check_ack(self, cell: CellId, batch_id: int, micro_step_id: str) -> bool:
+        """Raises when ``cell`` may not acknowledge the micro-step; True when it already did."""
         ms = self.state.micro_steps.get(micro_step_id)
         if ms is None or (batch_id and ms.batch_id != batch_id):
             raise NotFound(f"no micro-step {micro_step_id!r} in batch {batch_id or 'any'}")
         if ms.acked_by is not None:
             if ms.acked_by != cell:
                 raise FailedPrecondition(f"micro-step {ms.id} was trained by {ms.acked_by}")
-            await self.log.sync()
             return True
         if ms.holder is not None and ms.holder != cell:
             raise FailedPrecondition(
@@ -242,12 +296,6 @@ class Packer:
             )
         if ms.holder is None and ms.released_from != cell:
             raise FailedPrecondition(f"micro-step {ms.id} is not claimed by {cell}")
-        # Held by this cell, or this cell's claim lapsed and nobody retook it: either way it
-        # is trained exactly once by accepting this ack.
-        self._commit({"t": "ack", "ms": ms.id, "cell": cell})
-        self._touch(cell)
-        self._after()
-        await self.log.sync()
         return False
 
     async def open_batch(self, cell_id: str, batch_id: int) -> Batch:
@@ -402,7 +450,7 @@ class Packer:
         wake = self._wake
         try:
             await asyncio.wait_for(wake.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     # Decisions ---------------------------------------------------------------------------
@@ -448,7 +496,7 @@ class Packer:
         log.info("group dropped", extra={"group_id": group.id, "reason": reason, "turns": group.turns})
         self._commit({"t": "drop", "g": group.id, "reason": reason})
 
-    def _pump(self, demand: set[int] | None = None) -> None:
+    def _pump(self, demand: set[BatchId] | None = None) -> None:
         """Moves work forward: stale ready groups out, ready groups into the active batch,
         sequences into micro-steps, full batches sealed."""
         st, cfg = self.state, self.cfg

@@ -74,15 +74,16 @@ class Segment:
         log-probs and versions are 0 outside generated tokens."""
         last = self.last
         ids = list(last.prompt) + list(last.output)
-        mask = [0] * len(ids)
-        logprobs = [0.0] * len(ids)
-        versions = [0] * len(ids)
-        for t in self.turns:
-            start = len(t.prompt)
-            for j, (m, lp) in enumerate(zip(t.mask, t.logprobs, strict=True)):
-                mask[start + j] = m
-                logprobs[start + j] = lp if m else 0.0
-                versions[start + j] = t.versions[j] if t.versions else 0
+        n = len(ids)
+        mask, logprobs, versions = [0] * n, [0.0] * n, [0] * n
+        for t in self.turns:  # slice assignments: no per-token Python loop on the claim path
+            start, k = len(t.prompt), len(t.mask)
+            mask[start:start + k] = t.mask
+            logprobs[start:start + k] = t.logprobs if all(t.mask) else [
+                lp if m else 0.0 for m, lp in zip(t.mask, t.logprobs, strict=True)
+            ]
+            if t.versions:
+                versions[start:start + k] = t.versions
         return ids, mask, logprobs, versions
 
 

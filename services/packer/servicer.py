@@ -47,6 +47,8 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         "ReportFinish": allow(Role.SCHEDULER),
         "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
         "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+        "ClaimMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
+        "AckMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
         "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
         "CommitBatch": allow(Role.CELL_AGENT, own="cell_id"),
         "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
@@ -84,6 +86,25 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
             request.cell_id, request.batch_id, request.policy_version, wait_s, request.claim_id
         )
         return result.to_proto()
+
+    @rpc
+    async def ClaimMicroSteps(
+        self, request: packer_pb2.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        wait_s = request.wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait_s = max(0.0, min(wait_s, remaining - 0.2))
+        first, views = await self._packer.claim_many(
+            request.cell_id, request.batch_id, request.policy_version, wait_s, request.claim_id,
+            request.max_micro_steps,
+        )
+        return first.to_proto_many(views)
+
+    @rpc
+    async def AckMicroSteps(self, request: packer_pb2.AckMicroStepsRequest, context: grpc.aio.ServicerContext) -> Any:
+        dups = await self._packer.ack_many(request.cell_id, request.batch_id, list(request.micro_step_ids))
+        return packer_pb2.AckMicroStepsResponse(duplicate=dups)
 
     @rpc
     async def CommitBatch(self, request: packer_pb2.CommitBatchRequest, context: grpc.aio.ServicerContext) -> Any:

@@ -203,7 +203,7 @@ class PackerState:
         The batch being filled is never closed, so there always is one."""
         return self.batches[min(b for b, batch in self.batches.items() if not batch.closed)]
 
-    def groups_with_unclaimed_work(self, batch: Batch) -> set[str]:
+    def groups_with_unclaimed_work(self, batch: Batch) -> set[GroupId]:
         """Groups of ``batch`` with a turn not yet claimed (unpacked, or in a free micro-step)."""
         out = {self.execs[x].group_id for x, _ in batch.pending}
         for mid in batch.free:

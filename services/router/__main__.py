@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -53,7 +54,7 @@ async def build(rt: Runtime) -> Services:
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
     manager = CallManager(table, engines, policy, turns, reporter=reporter)
-    limits = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
+    limits: dict[str, Any] = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
                   request_timeout_s=cfg.request_timeout_s, turn_tokens=cfg.max_turn_tokens,
                   context_tokens=cfg.max_model_len or model_context(cfg.model_dir))
     servicer = RouterServicer(

@@ -331,6 +331,7 @@ class ModelCall:
         assert task is not None
         last = loop.time()
         expired = False
+        handle: asyncio.TimerHandle | None = None
 
         def watchdog() -> None:
             nonlocal handle, expired
@@ -359,7 +360,8 @@ class ModelCall:
                 raise Unavailable(f"engine at {route.target} sent nothing for {idle}s") from exc
             raise
         finally:
-            handle.cancel()
+            if handle is not None:
+                handle.cancel()
             await _aclose(stream)
             if first and kv is not None:
                 self._background(self._release(kv))  # the destination never took over

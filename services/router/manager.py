@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from gyre.telemetry import execution_id_var
@@ -71,7 +71,7 @@ class CallManager:
         call_box: list[ModelCall] | None = None,
         output_text: OutputText | None = None,
         break_reason: str | None = None,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Runs one model call of ``route``'s execution (the caller already authorized it).
 
         Yields coalesced chunks; raises a GyreError on failure. A completed call becomes the

@@ -57,5 +57,5 @@ def serve(host: str, port: int, collector: RouterCollector) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(collector)  # type: ignore[arg-type]
+    registry.register(collector)
     start_http_server(port, addr=host, registry=registry)

@@ -106,8 +106,9 @@ async def after_start(rt: Runtime) -> None:
 
     # Readiness: HarnessService is NOT_SERVING on a standby (a load balancer or Kubernetes
     # Service sends harnesses to the leader); SchedulerControl serves on every replica.
-    assert rt.server is not None
-    await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = rt.server
+    assert server is not None
+    await server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def lead() -> None:
         while True:
@@ -117,10 +118,10 @@ async def after_start(rt: Runtime) -> None:
             except GyreError as exc:  # etcd went away (or the lease lapsed) mid-rebuild
                 log.warning("take-over failed; campaigning again", extra={"error": repr(exc)})
             else:
-                await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
+                await server.health.set(HARNESS, health_pb2.HealthCheckResponse.SERVING)
                 log.info("leading", extra={"epoch": int(epoch)})
                 await _lead_until_lost(sched, rt)
-            await rt.server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await server.health.set(HARNESS, health_pb2.HealthCheckResponse.NOT_SERVING)
             election.step_down()
             tasks = make_task_source(cfg.tasks_file, cfg.task_seed, cfg.loop_tasks)
             await sched.step_down(tasks, {name: dict(m.items) for name, m in _mirrors.items()})

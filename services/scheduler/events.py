@@ -83,7 +83,7 @@ class EventLog:
         async with self._cond:
             try:
                 await asyncio.wait_for(self._cond.wait_for(lambda: self._seq > seq), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return []
         return self.after(seq)
 
@@ -95,8 +95,9 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
-        g = lambda name, doc, labels=(): Gauge(f"gyre_scheduler_{name}", doc, labels,
-                registry=self.registry)  # noqa: E731
+        def g(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"gyre_scheduler_{name}", doc, labels, registry=self.registry)
+
         self.waterlevel = g("waterlevel", "W = D - F: dispatched executions not yet finished.")
         self.queued = g("queued", "Q = D - L.")
         self.running = g("running", "R = L - F.")

@@ -135,7 +135,7 @@ class GrpcPeers:
         )
         await unary(self._packer().ReportFinish, req, self._timeout_s)
 
-    async def watch_supply(self) -> AsyncIterator[SupplyUpdate]:  # type: ignore[override]
+    async def watch_supply(self) -> AsyncIterator[SupplyUpdate]:
         if not self._packer_target:
             return
         call = self._packer().WatchSupply(packer_pb2.WatchSupplyRequest())

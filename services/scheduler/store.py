@@ -60,7 +60,8 @@ class Store(Protocol):
     :class:`~gyre.errors.Conflict` for a lost guard and :class:`~gyre.errors.StaleEpoch`
     for a lost leadership. :class:`SchedulerStore` is the etcd one."""
 
-    election: Election
+    @property
+    def election(self) -> Election: ...
 
     async def load(self) -> Stored: ...
 

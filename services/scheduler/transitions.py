@@ -66,7 +66,7 @@ class TransitionRunner:
         self.migrations = 0
         """Executions migrated one by one (the policy's Migrate)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._side: set[asyncio.Task[None]] = set()
+        self._side: set[asyncio.Future[Any]] = set()
         self._joins: dict[str, asyncio.Task[None]] = {}
 
     def running(self, cell_id: str) -> bool:
@@ -108,8 +108,8 @@ class TransitionRunner:
         self._side.add(task)
         task.add_done_callback(self._side.discard)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task: asyncio.Future[Any] = asyncio.ensure_future(coro)
         self._side.add(task)
         task.add_done_callback(self._side.discard)
 

@@ -196,7 +196,7 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
     b = _start(cfg, tmp_path, "sched-b")
     hb = Harness(b.target)
     try:
-        e1, e2 = await ha.acquire(), await ha.acquire()
+        e1, _e2 = await ha.acquire(), await ha.acquire()
         epoch_a = (await ha.status()).epoch
         a.pause()
         st = await hb.wait_leader()
@@ -341,10 +341,9 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
     done: list[str] = []
     errors: list[str] = []
     try:
-        await wait_until(lambda: asyncio.sleep(0, b.target and True), what="standby up")
         async with HarnessClient([a.target, b.target], harness_id="h-fault", tls_dir=PKI / "harness") as client:
             workers = [asyncio.create_task(_harness_worker(client, done, errors, random.Random(i))) for i in range(6)]
-            await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), what="work under way")
+            await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), timeout_s=60, what="work under way")
             a.kill()
             await asyncio.wait_for(asyncio.gather(*workers), 90)
             assert client.retries > 0  # the failover happened under the harnesses' calls

@@ -1,7 +1,8 @@
 """The packer as a real process over real gRPC and a real etcd: 16 claimers racing over the
 network each get disjoint micro-steps and every turn is trained exactly once; malformed and
 oversized records get precise statuses (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND,
-FAILED_PRECONDITION) and change no counter; the policy version follows etcd's policy key;
+FAILED_PRECONDITION) and change no counter; batched claims (retried with their claim_id)
+and batched acks train every micro-step exactly once too; the policy version follows etcd's policy key;
 WatchSupply streams the supply as groups become ready."""
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import pytest
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
+from gyre.identity import Role
+from services.cell_agent.training.microstep import Outcome
+from services.cell_agent.training.packer_client import PackerSource
 from services.packer.servicer import PackerServicer
 from tests.support import packer_kit as tk
-from tests.tls import RoleStubs
+from tests.tls import RoleStubs, channel
 
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
 CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
@@ -86,6 +90,85 @@ async def test_sixteen_claimers_race_over_grpc(packer_proc):
     finally:
         for stub in stubs:
             await stub.close()
+
+
+async def drain_batched(stub, cell, batch_id, trained, n):
+    """Claims up to ``n`` micro-steps per ClaimMicroSteps call (retrying each call once with
+    its claim_id, as a client whose answer was lost would) and acks them with AckMicroSteps."""
+    mine = []
+    while True:
+        req = packer_pb2.ClaimMicroStepsRequest(
+            cell_id=cell, batch_id=batch_id, wait_s=0.5, claim_id=f"{cell}-{len(mine)}", max_micro_steps=n)
+        r = await stub.ClaimMicroSteps(req, timeout=10)
+        if r.outcome == CLOSED:
+            return mine
+        if r.outcome != CLAIMED:
+            continue
+        retry = await stub.ClaimMicroSteps(req, timeout=10)  # idempotent: the same micro-steps
+        ids = [m.micro_step_id for m in r.micro_steps]
+        assert [m.micro_step_id for m in retry.micro_steps][:len(ids)] == ids
+        ids = [m.micro_step_id for m in retry.micro_steps]
+        mine.extend(ids)
+        trained.extend((s.execution_id, s.turn_index) for m in retry.micro_steps for s in m.sequences)
+        await asyncio.sleep(random.random() * 0.01)
+        ack = await stub.AckMicroSteps(packer_pb2.AckMicroStepsRequest(
+            cell_id=cell, batch_id=batch_id, micro_step_ids=ids), timeout=10)
+        assert list(ack.duplicate) == [False] * len(ids)
+        again = await stub.AckMicroSteps(packer_pb2.AckMicroStepsRequest(
+            cell_id=cell, batch_id=batch_id, micro_step_ids=ids), timeout=10)
+        assert list(again.duplicate) == [True] * len(ids)
+
+
+async def test_batched_claims_and_acks_over_grpc(packer_proc):
+    proc = packer_proc(batch_size=8)
+    stubs = [RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) for _ in range(4)]
+    try:
+        trained: list[tuple[str, int]] = []
+        results = await asyncio.gather(
+            feed(stubs[0], 8),
+            *(drain_batched(stubs[i % 4], f"cell{i}", 1, trained, 1 + i % 4) for i in range(8)),
+        )
+        claimed = [m for ids in results[1:] for m in ids]
+        status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+        assert status.done and len(claimed) == len(set(claimed)) == status.micro_steps == status.acked
+        assert len(trained) == len(set(trained)) == 8 * 3 * 2
+        bad = packer_pb2.ClaimMicroStepsRequest(cell_id="cell0", batch_id=0, max_micro_steps=0)
+        assert await _code(stubs[0].ClaimMicroSteps(bad, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        unknown = packer_pb2.AckMicroStepsRequest(cell_id="cell0", batch_id=1, micro_step_ids=[claimed[0], "nope"])
+        assert await _code(stubs[0].AckMicroSteps(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
+        theirs = next(ids for ids in results[2:] if ids)  # trained by another cell
+        other = packer_pb2.AckMicroStepsRequest(cell_id="cell0", batch_id=1, micro_step_ids=theirs[:1])
+        assert await _code(stubs[0].AckMicroSteps(other, timeout=5)) == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        for stub in stubs:
+            await stub.close()
+
+
+async def test_the_trainers_packer_client_claims_and_acks_in_batches(packer_proc):
+    proc = packer_proc(batch_size=2)
+    ch = channel(proc.target, "cell7", Role.CELL_AGENT)
+    source = PackerSource(proc.target, "cell7", channel=ch)
+    stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
+    try:
+        await feed(stub, 2, size=3, turns=2)
+        claims = await source.claim_many(1, 0, 1.0, 64, "k")
+        assert all(c.outcome is Outcome.CLAIMED for c in claims) and claims
+        ids = [c.micro_step.micro_step_id for c in claims]
+        retry = [c.micro_step.micro_step_id for c in await source.claim_many(1, 0, 0.0, 64, "k")]
+        assert retry[:len(ids)] == ids  # the same claim (topped up if more were packed since)
+        while True:
+            assert await source.ack_many(1, retry) == [False] * len(retry)
+            assert await source.ack_many(1, retry) == [True] * len(retry)
+            more = await source.claim_many(1, 0, 0.5, 4)
+            if more[0].outcome is Outcome.CLOSED:
+                break
+            retry = [c.micro_step.micro_step_id for c in more if c.micro_step is not None]
+        status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+        assert status.done and status.acked == status.micro_steps
+    finally:
+        await stub.close()
+        await source.close()
+        await ch.close()
 
 
 async def _code(call):

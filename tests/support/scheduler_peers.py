@@ -296,7 +296,7 @@ async def read_events(h: Harness, idle_s: float = 0.5) -> list[scheduler_pb2.Sch
     try:
         while True:
             events.append(await asyncio.wait_for(it.__anext__(), idle_s))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     finally:
         call.cancel()

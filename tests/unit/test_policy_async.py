@@ -4,6 +4,8 @@ snapshots (hypothesis), and the async static baselines."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -328,7 +330,9 @@ def test_placement_spreads_and_keeps_planned_cells_last():
     table.records = {f"c{i}": CellRecord(f"c{i}", CellKind.ELASTIC, i, 4, f"t{i}") for i in range(4)}
     table.states = {cid: CellState.ROLLOUT for cid in table.records}
     counts = {"c0": 0, "c1": 3, "c2": 1, "c3": 2}
-    order = lambda **kw: [r.cell_id for r, _ in placement_order(table, counts, **kw)]
+    def order(**kw: Any) -> list[str]:
+        return [r.cell_id for r, _ in placement_order(table, counts, **kw)]
+
     assert order() == ["c3", "c2", "c1", "c0"]  # packing: descending index
     assert order(spread=True) == ["c0", "c2", "c3", "c1"]  # least loaded first
     assert order(spread=True, avoid=["c0"]) == ["c2", "c3", "c1", "c0"]  # planned cells last

@@ -28,7 +28,7 @@ def test_bad_bodies_are_invalid_argument(raw):
 
 
 def test_good_bodies_pass():
-    body = parse_body('{"messages": [{"role": "user", "content": "h\\u00e9 \\ud83d\\ude00"}]}'.encode())
+    body = parse_body(b'{"messages": [{"role": "user", "content": "h\\u00e9 \\ud83d\\ude00"}]}')
     assert body["messages"][0]["content"] == "hé 😀"
     check_json({"a": [[[[{"b": "ok"}]]]]})
 

@@ -29,6 +29,7 @@ from gyre.errors import (
     PermissionDenied,
     StaleEpoch,
     Unauthenticated,
+    Unavailable,
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.ledger import ExecState
@@ -422,7 +423,7 @@ async def test_overlapping_launches_never_overfill_a_cell():
     g = launched[0]
     await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
     store.fail_next = 1
-    with pytest.raises(Exception):
+    with pytest.raises(Unavailable):
         await s.acquire("h", 0)
     assert s.routes.counts() == {"sa": 2, "sb": 2} and s.ledger.counts().launched == 5
     again, _, _ = await s.acquire("h", 0)

@@ -86,3 +86,17 @@ def test_a_cut_sweep_point_never_hides_the_oracle() -> None:
     assert cut.run("oracle_bursty_static").time_to_n_s == full.run("oracle_bursty_static").time_to_n_s
     sweep = cut.roles["oracle_bursty_static"].sweep
     assert any(p.time_to_n_s is None and p.cut_at_s for p in sweep)  # something was cut
+
+
+def test_the_run_cache_returns_the_same_runs(tmp_path: Path, monkeypatch) -> None:
+    from sim.bench import CACHE_ENV
+
+    cfg = tiny().model_copy(update={"variants": {}, "static_training_cells": [2]})
+    sc = cfg.scenarios[0]
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    first = run_scenario(cfg, sc, log=lambda m: None)
+    files = sorted((tmp_path / "cache").glob("*.pkl"))
+    assert len(files) == len(first.runs)
+    again = run_scenario(cfg, sc, log=lambda m: None)
+    assert {k: r.update_times_s for k, r in again.runs.items()} == {k: r.update_times_s for k, r in first.runs.items()}
+    assert sorted((tmp_path / "cache").glob("*.pkl")) == files

@@ -170,8 +170,8 @@ class Engine(abc.ABC):
         cannot export (the destination recomputes the prefix)."""
         return None
 
-    async def release_kv(self, handle_id: str) -> None:
-        """Releases pinned blocks (idempotent)."""
+    async def release_kv(self, handle_id: str) -> None:  # noqa: B027 (an engine without handoff pins nothing)
+        """Releases pinned blocks (idempotent); engines that pin nothing keep this no-op."""
 
     # Failure -------------------------------------------------------------------------------
 

@@ -298,7 +298,7 @@ def _recv_msg(sock: socket.socket) -> dict[str, Any]:
 
 def _send_tensor(sock: socket.socket, t: torch.Tensor) -> None:
     flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    sock.sendall(memoryview(flat.numpy()))
+    sock.sendall(flat.numpy().data)
 
 
 def _recv_tensor(sock: socket.socket, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -306,7 +306,7 @@ def _recv_tensor(sock: socket.socket, shape: list[int], dtype: torch.dtype) -> t
     for s in shape:
         n *= s
     buf = torch.empty(n * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
-    _recv_exact(sock, memoryview(buf.numpy()))
+    _recv_exact(sock, buf.numpy().data)
     return buf.view(dtype).reshape(shape)
 
 

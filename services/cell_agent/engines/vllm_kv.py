@@ -29,7 +29,7 @@ The scheduler-side and worker-side connectors share the process-wide :data:`TABL
 needs the worker in the engine-core process (vLLM's ``UniProcExecutor``: one GPU per
 engine, or the CPU engine); tensor-parallel engines would need the pin to travel to every
 worker (not built). Transports: :mod:`.kv_transport` (``tcp`` here, ``nccl`` / ``cuda_ipc``
-on GPUs).
+on GPUs), over mutual TLS between cell agents when the cell passes its identity.
 """
 
 from __future__ import annotations
@@ -108,10 +108,6 @@ def release(handle_id: str) -> None:
     TABLE.release(handle_id)
 
 
-def pinned_count() -> int:
-    return len(TABLE)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Load:
     request_id: str
@@ -131,7 +127,7 @@ class GyreKvConnector(KVConnectorBase_V1):
     destination (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None on some paths
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block = int(vllm_config.cache_config.block_size)
         self._medium = str(extra.get("medium", "tcp"))
@@ -173,6 +169,7 @@ class GyreKvConnector(KVConnectorBase_V1):
         rid = request.request_id
         target = self._matched.pop(rid)
         self._tried.add(rid)
+        assert request.kv_transfer_params is not None  # matched above: it carried our params
         params = request.kv_transfer_params[PARAMS_KEY]
         first = (target - num_external_tokens) // self._block
         block_ids = blocks.get_block_ids()[0]

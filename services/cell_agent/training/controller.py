@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -426,7 +427,7 @@ class TrainingController:
                     out.first_micro_step_s = self.clock() - started
                 out.local_tokens += n
                 out.local_micro_steps += 1
-                await retrying(lambda s=step: self.source.ack(batch_id, s.micro_step_id))
+                await retrying(functools.partial(self.source.ack, batch_id, step.micro_step_id))
                 if pending is None:
                     pending = asyncio.create_task(self._claim(batch_id, version))
         finally:

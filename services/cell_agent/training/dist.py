@@ -30,6 +30,7 @@ import datetime
 import logging
 import time
 import uuid
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ class PrefixGroups:
         self.backend = pick_backend(backend, self.device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store: dist.Store | None = None
-        self.groups: dict[int, object] = {}
+        self.groups: dict[int, Any] = {}  # prefix size -> torch.distributed ProcessGroup
         self.generation = ""
         self.formations = 0
         self._requests_seen = 0
@@ -148,7 +149,7 @@ class PrefixGroups:
             except Exception:  # noqa: BLE001 (the core restarted: a new store)
                 self.store = self._connect()
                 gen = self._current_generation()
-            if gen == old or self.store.check([f"gyre/formed/{gen}"]):
+            if gen == old or (self.store is not None and self.store.check([f"gyre/formed/{gen}"])):
                 gen = self._ask_for_generation(gen)
             self.generation = gen
         log.warning("re-forming the prefix groups", extra={"rank": self.rank, "from": old, "to": self.generation})
@@ -167,7 +168,7 @@ class PrefixGroups:
 
     # Collective ----------------------------------------------------------------------
 
-    def _group(self, k: int) -> object:
+    def _group(self, k: int) -> Any:
         if k not in self.groups:
             raise ValueError(f"no prefix group of size {k} (world {self.world_size})")
         if self.rank >= k:

@@ -100,7 +100,7 @@ class Outcome(enum.Enum):
 
     @classmethod
     def from_proto(cls, value: int) -> Outcome:
-        table = {
+        table: dict[int, Outcome] = {
             ppb.CLAIM_OUTCOME_CLAIMED: cls.CLAIMED,
             ppb.CLAIM_OUTCOME_WAIT: cls.WAIT,
             ppb.CLAIM_OUTCOME_CLOSED: cls.CLOSED,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -208,8 +209,7 @@ class MockTrainingHook:
                 await self._sleep(self.settings.micro_step_s(tokens))
                 self.trained_tokens += tokens
                 self.micro_steps += 1
-                step_id = claim.micro_step.micro_step_id
-                await retrying(lambda: self._source.ack(batch_id, step_id))
+                await retrying(functools.partial(self._source.ack, batch_id, claim.micro_step.micro_step_id))
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)

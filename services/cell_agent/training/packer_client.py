@@ -37,6 +37,35 @@ class PackerSource:
         step = MicroStep.from_proto(resp.micro_step) if outcome is Outcome.CLAIMED else None
         return Claim(outcome, step, resp.claim_ttl_s)
 
+    async def claim_many(
+        self, batch_id: int, policy_version: int, wait_s: float, max_micro_steps: int, claim_id: str = ""
+    ) -> list[Claim]:
+        """Claims up to ``max_micro_steps`` in one ClaimMicroSteps call: one CLAIMED claim per
+        micro-step, or a single WAIT / CLOSED claim. Idempotent on ``claim_id`` like
+        :meth:`claim`."""
+        resp = await unary(
+            self._stub.ClaimMicroSteps,
+            ppb.ClaimMicroStepsRequest(
+                cell_id=self.cell_id, batch_id=batch_id, policy_version=policy_version, wait_s=wait_s,
+                claim_id=claim_id, max_micro_steps=max_micro_steps,
+            ),
+            timeout_s=wait_s + self.rpc_timeout_s,
+        )
+        outcome = Outcome.from_proto(resp.outcome)
+        if outcome is not Outcome.CLAIMED:
+            return [Claim(outcome, None, resp.claim_ttl_s)]
+        return [Claim(outcome, MicroStep.from_proto(m), resp.claim_ttl_s) for m in resp.micro_steps]
+
+    async def ack_many(self, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
+        """Acknowledges several micro-steps in one AckMicroSteps call (all or nothing, one
+        WAL flush at the packer); per micro-step, True when it had been acknowledged before."""
+        resp = await unary(
+            self._stub.AckMicroSteps,
+            ppb.AckMicroStepsRequest(cell_id=self.cell_id, batch_id=batch_id, micro_step_ids=micro_step_ids),
+            timeout_s=self.rpc_timeout_s,
+        )
+        return list(resp.duplicate)
+
     async def ack(self, batch_id: int, micro_step_id: str) -> None:
         await unary(
             self._stub.AckMicroStep,

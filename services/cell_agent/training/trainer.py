@@ -90,7 +90,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' decorator types `to` oddly
         # Dropout off: gradients must not depend on which cell computes a micro-step.
         model.config.attention_dropout = 0.0
         return cls(model, version, loss)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from gyre.etcd.values import CellKind, CellState
+from gyre.etcd.values import CellKind as CellKind  # re-exported: the policy speaks of cells in these
+from gyre.etcd.values import CellState as CellState
 
 
 @dataclasses.dataclass(frozen=True)
