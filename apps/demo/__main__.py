@@ -1,4 +1,4 @@
-"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--run-dir DIR] [--dashboard-port P]"""
+"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--chaos] [--run-dir DIR] [--dashboard-port P]"""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from apps.demo.chaos import Chaos
 from apps.demo.runner import DemoOptions, run_demo
 from apps.harness.env import EnvConfig
 
@@ -22,16 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="executions the harness runs at once")
     parser.add_argument("--timeout-s", type=float, default=540.0)
     parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
+    parser.add_argument("--chaos", action="store_true",
+                        help="kill (SIGKILL) and pause (SIGSTOP) processes on a schedule while the demo runs (apps/demo/chaos.py)")
     parser.add_argument("--no-live", action="store_true", help="plain output (no live panel)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     opts = DemoOptions(engine=args.engine, bursts=args.bursts, dashboard_port=args.dashboard_port,
                        concurrency=args.concurrency, timeout_s=args.timeout_s, env=EnvConfig(**json.loads(args.env)),
-                       live=not args.no_live)
+                       live=not args.no_live, chaos=Chaos() if args.chaos else None)
     if args.run_dir is not None:
         opts.run_dir = args.run_dir
     summary = asyncio.run(run_demo(opts))
-    ok = summary["outcome"] == "completed" and summary["executions"]["lost"] == 0
+    ok = summary["outcome"] == "completed" and summary["executions"]["lost"] == 0 and summary["checker"]["ok"]
     return 0 if ok else 1
 
 

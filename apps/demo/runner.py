@@ -32,11 +32,15 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from apps.checker import Verdict, check_files
+from apps.demo.chaos import Chaos
 from apps.harness.env import EnvConfig
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
+from services.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+HISTORIES = ("scheduler", "packer", "router")
 
 
 @dataclass
@@ -54,6 +58,9 @@ class DemoOptions:
     during: Callable[[Cluster], Awaitable[None]] | None = None
     """Runs alongside the harness once the cluster is up (fault injection: kill or pause
     ``cluster.procs[name]``; the supervisor restarts what dies). Cancelled at the end."""
+    chaos: Chaos | None = None
+    """``--chaos``: its schedule of faults runs as ``during``, the run ends only once every
+    fault was injected and survived (or the timeout), and summary.json reports them."""
 
 
 @dataclass
@@ -87,9 +94,13 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
             spec["env"] = {**(spec.get("env") or {}), "GYRE_DASHBOARD__HTTP_PORT": str(port)}
     if not any(spec["service"] == "dashboard" for spec in data["launch"]["processes"]):
         data["launch"]["processes"].append({"service": "dashboard", "env": {"GYRE_DASHBOARD__HTTP_PORT": str(port)}})
+    # Operation histories for the checker (python -m apps.checker), one file per service.
+    for section in HISTORIES:
+        data[section]["history_file"] = f"{{run_dir}}/history/{section}.jsonl"
     for section, values in opts.config_overrides.items():
         data.setdefault(section, {}).update(values)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
+    (opts.run_dir / "history").mkdir(exist_ok=True)
     out = opts.run_dir / "cluster.template.yaml"
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
@@ -195,6 +206,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     model_dir = build_model(console)
     template = render_config(opts, model_dir)
     cluster = Cluster(template, opts.run_dir, free_ports=True)
+    planned = planned_executions(cluster.section("scheduler"))
     console.print(f"run folder: {opts.run_dir}")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, lambda: cluster.start(progress=lambda name, target: console.print(f"[green]started[/] {name:<10} {target}")))
@@ -205,7 +217,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     dashboard = DashboardReader(url)
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
-    during: asyncio.Future[None] | None = asyncio.ensure_future(opts.during(cluster)) if opts.during is not None else None
+    inject = opts.chaos.run if opts.chaos is not None else opts.during
+    during: asyncio.Future[None] | None = asyncio.ensure_future(inject(cluster)) if inject is not None else None
     outcome = "completed"
     try:
         harness = asyncio.create_task(
@@ -227,7 +240,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 if cluster.dead():  # restarted too often: the supervisor gave up
                     outcome = f"process given up on: {', '.join(cluster.dead())}"
                     break
-                if status is not None and status["bursts_completed"] >= opts.bursts and status["ledger"]["waterlevel"] == 0:
+                faults_pending = opts.chaos is not None and during is not None and not during.done()
+                if status is not None and _all_done(status, opts.bursts, planned) and not faults_pending:
                     break
                 if time.monotonic() - started > opts.timeout_s:
                     outcome = f"timed out after {opts.timeout_s:.0f} s"
@@ -260,6 +274,12 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         dispatched, finished = int(total["dispatched"]), int(total["finished"])
     rewards = reward_by_version(stats)
     versions = sorted(rewards)
+    verdict = _check_histories(opts.run_dir, complete=outcome == "completed")
+    chaos = opts.chaos.summary() if opts.chaos is not None else None
+    if chaos is not None and outcome == "completed" and chaos["survived"] < chaos["scheduled"]:
+        outcome = f"faults survived {chaos['survived']} of {chaos['scheduled']} scheduled"
+    if outcome == "completed" and not verdict.ok:
+        outcome = f"history checker: {len(verdict.violations)} violations"
     trajectories = _trajectories(opts.run_dir / "packer-wal")
     summary = {
         "outcome": outcome,
@@ -277,6 +297,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "reward_last_version": rewards[versions[-1]]["mean"] if versions else None,
         "trajectories": trajectories,
         "restarts": {name: n for name, n in cluster.restarts().items() if n},
+        "checker": verdict.to_json(),
+        **({"chaos": chaos} if chaos is not None else {}),
         "process_events": [e.to_json() for e in cluster.events()],
     }
     (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -284,6 +306,36 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     plot_timeline(timeline, opts.run_dir / "timeline.png", title=f"Gyre demo ({opts.engine} engines): roles, waterlevel and capacity")
     _print_summary(console, summary, opts.run_dir)
     return summary
+
+
+def planned_executions(section: dict[str, Any]) -> int:
+    """Executions the scheduler's task supply holds (``max_bursts`` bursts' worth of groups),
+    0 when unbounded."""
+    cfg = SchedulerConfig(**{k: v for k, v in section.items() if k in SchedulerConfig.model_fields})
+    return cfg.max_bursts * cfg.groups_per_burst() * cfg.group_size
+
+
+def _all_done(status: dict[str, Any], bursts: int, planned: int) -> bool:
+    """The run is over: the bursts completed, or every task was dispatched (the
+    asynchronous policies may dispatch several bursts' worth at once) and all finished."""
+    if status["ledger"]["waterlevel"] != 0:
+        return False
+    total = status.get("total") or {}
+    drained = planned > 0 and int(total.get("dispatched", 0)) >= planned and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
+    return status["bursts_completed"] >= bursts or drained
+
+
+def _check_histories(run_dir: Path, complete: bool) -> Verdict:
+    """The history checker (apps/checker) over the services' histories of this run."""
+    paths = [p for p in (run_dir / "history" / f"{s}.jsonl" for s in HISTORIES) if p.exists()]
+    return check_files(paths, complete=complete)
+
+
+def _chaos_row(chaos: dict[str, Any] | None) -> str:
+    if chaos is None:
+        return "none (--chaos injects them)"
+    faults = ", ".join(f"{f['kind']} {f['target']}{' ok' if f['survived'] else ' NOT SURVIVED'}" for f in chaos["faults"])
+    return f"{chaos['survived']} survived of {chaos['injected']} injected ({chaos['scheduled']} scheduled): {faults}"
 
 
 def _consistency(t: dict[str, Any]) -> str:
@@ -319,6 +371,8 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ("transitions rollout→training / training→rollout", f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}"),
         ("reroutes", summary["reroutes"]),
         ("processes restarted (supervisor)", ", ".join(f"{k} x{v}" for k, v in summary["restarts"].items()) or "none"),
+        ("faults injected", _chaos_row(summary.get("chaos"))),
+        ("history checker", "ok" if summary["checker"]["ok"] else "; ".join(summary["checker"]["violations"][:5])),
         ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
         ("episodes completed / failed (harness)", f"{ex['harness_completed']} / {ex['harness_failed']}"),
         ("reward by policy version", ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items())),

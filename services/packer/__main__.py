@@ -6,9 +6,11 @@ import asyncio
 import logging
 
 from gyre.etcd.election import verified_fence
+from gyre.history import History
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import packer_pb2_grpc
 from services.packer.config import PackerConfig
+from services.packer.history import HistoryLog
 from services.packer.metrics import PackerMetrics
 from services.packer.packer import Packer
 from services.packer.servicer import SERVICE_NAME, PackerServicer
@@ -25,7 +27,7 @@ async def build(rt: Runtime) -> Services:
     wal = Wal(cfg.wal_dir, fsync=cfg.wal_fsync)
     events = await asyncio.to_thread(wal.open)
     events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, events)
-    packer = Packer(cfg, wal)
+    packer = Packer(cfg, HistoryLog(wal, History(cfg.history_file, svc="packer")) if cfg.history_file else wal)
     replayed = packer.recover(events)
     await wal.sync()
     log.info("packer recovered", extra={"events": replayed, "counters": packer.counters()})

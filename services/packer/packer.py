@@ -225,7 +225,7 @@ class Packer:
         if ms is None:
             self._after()
             return self._result(ClaimOutcome.CLOSED if batch.closed else ClaimOutcome.WAIT, batch)
-        self._commit({"t": "claim", "ms": ms.id, "cell": cell, **({"key": claim_id} if claim_id else {})})
+        self._commit({"t": "claim", "ms": ms.id, "cell": cell, "v": version, **({"key": claim_id} if claim_id else {})})
         ms.deadline = self.clock() + self.cfg.claim_ttl_s
         self._after()
         return self._result(ClaimOutcome.CLAIMED, batch, self._view(ms, batch))

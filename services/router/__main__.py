@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre.history import History
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import router_pb2_grpc
 from services.router.calls import CallPolicy
@@ -41,7 +42,8 @@ async def build(rt: Runtime) -> Services:
                        miss_rate_per_s=cfg.unknown_token_rate_per_s, miss_burst=cfg.unknown_token_burst)
     engines = GrpcEngineClient(cfg)
     sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
-    turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s)
+    turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s,
+                         history=History(cfg.history_file, svc="router"))
     policy = CallPolicy(
         retry_budget=cfg.retry_budget,
         failover_wait_s=cfg.failover_wait_s,

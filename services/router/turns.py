@@ -29,6 +29,7 @@ from gyre.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from gyre.history import History
 from gyre.v1 import packer_pb2
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,10 @@ class TurnRecorder:
         retry_max_s: float = 5.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         renumber: Callable[[Turn], Turn] | None = None,
+        history: History | None = None,
     ) -> None:
         self._sink = sink
+        self._history = history or History()
         self.renumber = renumber
         self._capacity = capacity
         self._senders = senders
@@ -109,6 +112,7 @@ class TurnRecorder:
         if len(self._queue) >= self._capacity:
             lost = self._queue.popleft()
             self.dropped += 1
+            self._history.append("turn_dropped", 0, execution_id=lost.execution_id, turn_index=lost.turn_index)
             log.error("turn buffer full; dropped a turn record", extra={"execution_id": lost.execution_id, "turn_index": lost.turn_index})
         self._queue.append(turn)
         self._idle.clear()
@@ -151,6 +155,8 @@ class TurnRecorder:
             try:
                 await self._sink.record(turn)
                 self.sent += 1
+                self._history.append("turn_recorded", 0, execution_id=turn.execution_id, turn_index=turn.turn_index,
+                                     versions=sorted(set(turn.output_policy_versions)))
                 return
             except FailedPrecondition as exc:
                 if "other content" in str(exc) and self.renumber is not None and self.renumbered < 1_000_000:
@@ -161,10 +167,14 @@ class TurnRecorder:
                                 extra={"execution_id": turn.execution_id, "from": old, "to": turn.turn_index})
                     continue
                 self.rejected += 1
+                self._history.append("turn_refused", 0, execution_id=turn.execution_id, turn_index=turn.turn_index,
+                                     error=str(exc)[:200])
                 log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
                 return
             except _PERMANENT as exc:
                 self.rejected += 1
+                self._history.append("turn_refused", 0, execution_id=turn.execution_id, turn_index=turn.turn_index,
+                                     error=str(exc)[:200])
                 log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
                 return
             except GyreError as exc:

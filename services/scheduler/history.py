@@ -11,31 +11,12 @@ closed; and of promise 4: a write at a revision after a newer leader was elected
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterable
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from gyre.history import History, read
 
-class History:
-    """Appends operations to a JSONL file (line-buffered; a no-op without a path)."""
-
-    def __init__(self, path: str = "") -> None:
-        self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
-
-    def append(self, op: str, epoch: int, **fields: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"op": op, "t": round(time.time(), 6), "epoch": epoch, **fields}) + "\n")
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def read(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+__all__ = ["History", "check", "read"]
 
 
 def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> list[str]:

@@ -42,4 +42,6 @@ async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, vic
     ex = summary["executions"]
     assert ex["lost"] == 0 and ex["dispatched"] == ex["finished"] > 0, ex
     assert summary["restarts"].get(victim) == 1, summary["process_events"]
-    assert summary["bursts"] >= 2
+    # Every planned task ran: 2 bursts' worth, which the asynchronous policy may dispatch as
+    # one burst (the demo then ends on its work, not on the burst count).
+    assert summary["bursts"] >= 1 and ex["dispatched"] == 40, summary

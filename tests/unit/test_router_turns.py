@@ -122,3 +122,25 @@ async def test_taken_index_is_renumbered_not_lost():
     assert sink.held == {0: "old", 1: "old", 2: "new"} and rec.renumbered == 2 and rec.sent == 1
     assert mgr._turn_index["e1"] == 3  # the next turn of e1 goes after it
     task.cancel()
+
+
+async def test_history_records_turns_recorded_refused_and_dropped(tmp_path):
+    """With history_file set, the recorder's outcomes go to its history; the checker
+    (apps/checker) flags the dropped ones as training data lost."""
+    from apps.checker import check
+    from gyre.history import History, read
+
+    path = tmp_path / "router.jsonl"
+    sink = FlakySink(failures=1)
+    rec = TurnRecorder(sink, capacity=2, senders=1, sleep=_no_sleep, history=History(str(path), svc="router"))
+    for i in (0, 1, -1):  # the third overflows the buffer: turn 0 is dropped
+        rec.submit(turn(i))
+    task = asyncio.create_task(rec.run())
+    assert await rec.flush(2.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    ops = [op["op"] for op in read(path)]
+    assert ops == ["start", "turn_dropped", "turn_recorded", "turn_refused"]
+    v = check(read(path))
+    assert v.counts == {"turns_recorded": 1, "turns_refused": 1, "turns_dropped": 1}
+    assert len(v.violations) == 1 and "dropped" in v.violations[0]

@@ -1,0 +1,130 @@
+"""`make demo DEMO_ARGS=--chaos`: the demo while processes are killed and paused on a schedule.
+
+:func:`injector` runs alongside the harness (``DemoOptions.during``). It works through a
+schedule of faults: SIGKILL of a process (the launcher's supervisor restarts it; the fault
+is survived when the process is running again), or SIGSTOP for ``pause_s`` then SIGCONT (a
+stalled process; etcd paused is an outage of the control plane). Faults follow one another:
+each starts ``gap_s`` after the previous one was survived, so every one meets a running
+system. Each fault's record (what, when, how long until survived) goes to summary.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from apps.launch import Cluster
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``kill`` (SIGKILL) or ``pause`` (SIGSTOP, then SIGCONT after ``pause_s``)."""
+
+    kind: str
+    target: str
+    pause_s: float = 0.0
+
+
+# Each service kind at least once, etcd paused once. A cell agent (a satellite: the core's
+# death fails its attempt, which is redelivered, but is slower to recover), the router (live
+# streams of the moment fail over to a retry), the packer (its WAL recovers), the scheduler
+# (a new term takes over the ledger), a stalled cell agent, and etcd (~5 s).
+DEFAULT_SCHEDULE: tuple[Fault, ...] = (
+    Fault("kill", "cell-1"),
+    Fault("kill", "router"),
+    Fault("pause", "etcd", 5.0),
+    Fault("kill", "packer"),
+    Fault("kill", "scheduler"),
+    Fault("pause", "cell-2", 3.0),
+    Fault("kill", "cell-3"),
+)
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    at_s: float
+    pid: int
+    pause_s: float = 0.0
+    survived: bool = False
+    recovered_s: float | None = None
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Chaos:
+    """A schedule and what happened to it."""
+
+    schedule: tuple[Fault, ...] = DEFAULT_SCHEDULE
+    first_s: float = 8.0
+    gap_s: float = 6.0
+    recover_timeout_s: float = 120.0
+    records: list[FaultRecord] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    async def run(self, cluster: Cluster) -> None:
+        """Injects every fault in turn (the demo cancels it when the run ends)."""
+        self.started = time.monotonic()
+        await asyncio.sleep(self.first_s)
+        for fault in self.schedule:
+            rec = await self.inject(cluster, fault)
+            self.records.append(rec)
+            await self.await_recovery(cluster, fault, rec)
+            await asyncio.sleep(self.gap_s)
+
+    async def inject(self, cluster: Cluster, fault: Fault) -> FaultRecord:
+        pid = _pid(cluster, fault.target)
+        rec = FaultRecord(fault.kind, fault.target, round(time.monotonic() - self.started, 1), pid, fault.pause_s)
+        if fault.kind == "kill":
+            os.kill(pid, signal.SIGKILL)
+        elif fault.kind == "pause":
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(fault.pause_s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        else:
+            raise ValueError(f"unknown fault kind {fault.kind!r}")
+        return rec
+
+    async def await_recovery(self, cluster: Cluster, fault: Fault, rec: FaultRecord) -> None:
+        """Survived: a killed process is running again (restarted by the supervisor, a new
+        pid), a paused one is running on."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.recover_timeout_s:
+            if _running(cluster, fault.target) and (fault.kind == "pause" or _pid(cluster, fault.target) != rec.pid):
+                rec.survived = True
+                rec.recovered_s = round(time.monotonic() - t0 + fault.pause_s, 1)
+                return
+            await asyncio.sleep(0.25)
+        rec.detail = f"not running again after {self.recover_timeout_s:.0f} s"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "injected": len(self.records),
+            "survived": sum(1 for r in self.records if r.survived),
+            "scheduled": len(self.schedule),
+            "faults": [r.to_json() for r in self.records],
+        }
+
+
+def _pid(cluster: Cluster, target: str) -> int:
+    if target == "etcd":
+        assert cluster.etcd is not None, "the demo runs a private etcd"
+        return cluster.etcd.pid
+    return cluster.procs[target].pid
+
+
+def _running(cluster: Cluster, target: str) -> bool:
+    states = {s["name"]: s["state"] for s in cluster.supervisor.status()}
+    if target == "etcd":
+        return cluster.etcd is not None and cluster.etcd.running() and states.get("etcd", "running") == "running"
+    return cluster.procs[target].alive() and states.get(target, "running") == "running"

@@ -1,0 +1,180 @@
+"""The offline history checker (apps/checker): a good history passes, and each violation of
+RELIABILITY.md's promises, put by hand into a history, is detected. The packer's history
+(services/packer/history.py) written by a real packer through a crash-free run and a reopened
+attempt checks clean."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apps.checker import check, check_files
+from apps.checker.__main__ import main
+from gyre.history import History, read
+from services.packer.history import HistoryLog
+from services.packer.model import ClaimOutcome
+from tests.support import packer_kit as tk
+
+
+def _p(op: str, **f: Any) -> dict[str, Any]:
+    return {"op": op, "t": 0, "epoch": 0, "svc": "packer", **f}
+
+
+def _s(op: str, **f: Any) -> dict[str, Any]:
+    return {"op": op, "t": 0, "epoch": 1, **f}
+
+
+def good() -> list[dict[str, Any]]:
+    """One burst of two executions (one group), one batch of two micro-steps, trained once
+    through a reopened attempt (a core crash before its step)."""
+    return [
+        _s("leader", rev=1, epoch=1),
+        _s("dispatch", rev=2, burst_id=1, quota=2),
+        _s("launch", rev=3, execution_id="b1-e0", burst_id=1),
+        _s("launch", rev=4, execution_id="b1-e1", burst_id=1),
+        _s("close", rev=5, execution_id="b1-e0", status="COMPLETED"),
+        _s("close", rev=6, execution_id="b1-e1", status="COMPLETED"),
+        _p("start", pid=1),
+        _p("finish", execution_id="b1-e0", group_id="g1", status="COMPLETED"),
+        _p("finish", execution_id="b1-e1", group_id="g1", status="COMPLETED"),
+        _p("assign", b=1, g="g1"),
+        _p("emit", ms="m0", b=1, executions=["b1-e0"]),
+        _p("emit", ms="m1", b=1, executions=["b1-e1"]),
+        _p("seal", b=1),
+        _p("open", b=1, cell="core"),
+        _p("activate", b=1, v=0),
+        _p("claim", ms="m0", cell="core", v=0),
+        _p("claim", ms="m1", cell="sat", v=0),
+        _p("ack", ms="m0", cell="core"),
+        _p("open", b=1, cell="core"),  # the core crashed: a new attempt, acks return
+        _p("claim", ms="m0", cell="core", v=0),
+        _p("claim", ms="m1", cell="core", v=0),
+        _p("ack", ms="m0", cell="core"),
+        _p("ack", ms="m1", cell="core"),
+        _p("commit", b=1, cell="core"),
+    ]
+
+
+def test_a_good_history_passes_with_counts():
+    v = check(good(), complete=True)
+    assert v.ok, v.violations
+    assert v.counts["executions_dispatched"] == 2 and v.counts["executions_closed"] == 2
+    assert v.counts["batches_committed"] == 1 and v.counts["groups_trained"] == 1 and v.counts["micro_steps"] == 2
+
+
+def _mutate(ops: list[dict[str, Any]], where: int, new: dict[str, Any] | None = None, delete: bool = False):
+    ops = list(ops)
+    if delete:
+        del ops[where]
+    else:
+        assert new is not None
+        ops.insert(where, new)
+    return ops
+
+
+def _index(ops: list[dict[str, Any]], **match: Any) -> int:
+    return next(i for i, op in enumerate(ops) if all(op.get(k) == v for k, v in match.items()))
+
+
+BAD = {
+    "closed twice": lambda h: _mutate(h, 6, _s("close", rev=7, execution_id="b1-e1", status="FAILED")),
+    "never closed": lambda h: _mutate(h, _index(h, op="close", execution_id="b1-e1"), delete=True),
+    "finish .* accepted twice": lambda h: _mutate(h, 9, _p("finish", execution_id="b1-e0", group_id="g1", status="COMPLETED")),
+    "trained twice": lambda h: h + [_p("assign", b=2, g="g1")],
+    "committed 2 times": lambda h: h + [_p("commit", b=1, cell="core")],
+    "micro-steps lost": lambda h: _mutate(h, len(h) - 2, delete=True),  # the last ack of m1
+    "mixed weight versions": lambda h: _mixed(h),
+    "claimed again after its acknowledgement": lambda h: _mutate(h, len(h) - 1, _p("claim", ms="m0", cell="sat", v=0)),
+    "acknowledged twice in one attempt": lambda h: _mutate(h, len(h) - 1, _p("ack", ms="m1", cell="core")),
+    "never reported to the packer": lambda h: _mutate(h, _index(h, op="finish", execution_id="b1-e1"), delete=True),
+    "never closed by the scheduler": lambda h: h + [_p("finish", execution_id="b9-e0", group_id="g9", status="COMPLETED")],
+    "dropped \\(turn buffer full\\)": lambda h: h + [{"op": "turn_dropped", "t": 0, "epoch": 0, "svc": "router",
+                                                         "execution_id": "b1-e0", "turn_index": 3}],
+    "reopened after its commit": lambda h: h + [_p("open", b=1, cell="core")],
+    "after epoch 2 was elected": lambda h: _mutate(h, 6, _s("leader", rev=6, epoch=2)),
+}
+
+
+def _mixed(h: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The second attempt's claims on two weight versions (the batch activated on none)."""
+    out = [op for op in h if op.get("op") != "activate"]
+    last = max(i for i, op in enumerate(out) if op.get("op") == "claim")
+    out[last] = {**out[last], "v": 1}
+    return out
+
+
+@pytest.mark.parametrize("what", sorted(BAD))
+def test_each_violation_is_detected(what: str):
+    v = check(BAD[what](good()), complete=True)
+    assert not v.ok
+    assert any(re.search(what, msg) for msg in v.violations), v.violations
+
+
+def test_a_claim_on_another_version_than_the_batch_is_detected():
+    h = good()
+    i = _index(h, op="claim", ms="m1", cell="sat")
+    h[i] = {**h[i], "v": 3}
+    assert any("its batch trains on v0" in m for m in check(h).violations)
+
+
+def test_missing_context_is_unknown_not_a_violation():
+    """A packer killed between its WAL fsync and its history write loses an emit line: the
+    claims and acks of that micro-step are then not judged."""
+    h = [op for op in good() if not (op.get("op") == "emit" and op.get("ms") == "m1")]
+    assert check(h).ok
+
+
+def test_incomplete_runs_are_judged_only_on_what_happened():
+    h = good()[:5]  # executions launched, one closed; no packer yet
+    assert check(h).ok
+    assert not check(h, complete=True).ok
+
+
+def test_files_and_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    sched, pack = tmp_path / "scheduler.jsonl", tmp_path / "packer.jsonl"
+    ops = good()
+    sched.write_text("".join(json.dumps(op) + "\n" for op in ops if "svc" not in op))
+    pack.write_text("".join(json.dumps(op) + "\n" for op in ops if "svc" in op) + '{"op": "ack", "ms"')  # torn last line
+    assert check_files([sched, pack], complete=True).ok
+    assert main(["--complete", str(sched), str(pack)]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    pack.write_text(pack.read_text() + "\n" + json.dumps(_p("commit", b=1, cell="core")) + "\n")
+    assert main([str(sched), str(pack)]) == 1
+
+
+async def _claim_all(p, cell: str) -> list[str]:
+    got = []
+    while (r := await p.claim(cell, 1, 0, 0)).outcome is ClaimOutcome.CLAIMED:
+        got.append(r.micro_step.micro_step_id)
+    return got
+
+
+async def test_a_real_packers_history_checks_clean(tmp_path: Path):
+    path = tmp_path / "packer.jsonl"
+    p, log, _ = tk.make_packer(micro_step_token_budget=16)
+    history = History(str(path), svc="packer")
+    p.log = HistoryLog(log, history)
+    await p.open_batch("core", 1)
+    await tk.feed_group(p, "g1", size=2, turns=2)
+    await tk.feed_group(p, "g2", size=2, turns=1)
+    first = await _claim_all(p, "core")
+    await p.ack("core", 1, first[0])
+    await p.open_batch("core", 1)  # a failed attempt
+    for ms in await _claim_all(p, "core"):
+        await p.ack("core", 1, ms)
+    await p.commit("core", 1)
+    await p.commit("core", 1)  # a retried commit is not a second step
+    history.close()
+    ops = read(path)
+    kinds = {op["op"] for op in ops}
+    assert {"start", "finish", "assign", "emit", "claim", "ack", "open", "commit", "activate"} <= kinds
+    v = check(ops)
+    assert v.ok, v.violations
+    assert v.counts["batches_committed"] == 1 and v.counts["groups_trained"] == 2 and v.counts["finishes"] == 4
+    # The same history with the second attempt's last ack dropped: a micro-step lost.
+    last_ack = max(i for i, op in enumerate(ops) if op["op"] == "ack")
+    assert not check(ops[:last_ack] + ops[last_ack + 1:]).ok
