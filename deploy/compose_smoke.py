@@ -231,6 +231,19 @@ def harness_exit(engine: Engine, project: str) -> int | None:
     return int(row.get("ExitCode", 1))
 
 
+def first_burst(engine: Engine, project: str, url: str) -> dict[str, Any] | None:
+    """The status once a burst completed; SmokeFailure if the harness already gave up."""
+    status = scheduler_status(url)
+    if status and status.get("bursts_completed", 0) >= 1:
+        return status
+    code = harness_exit(engine, project)
+    if code is not None:
+        logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness",
+                       capture=True, check=False).stdout
+        raise SmokeFailure(f"the harness exited {code} before the first burst completed:\n{logs}")
+    return None
+
+
 def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[str, Any]:
     """Up, healthy, kill a cell after the first burst, the harness finishes, the status checks."""
     env = engine.env
@@ -245,8 +258,7 @@ def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[s
     engine.timings["healthy_s"] = round(time.monotonic() - started, 1)
     log(f"every service healthy after {engine.timings['healthy_s']} s")
     url = dashboard_url(engine, project)
-    first = wait_until("the first burst", timeout_s,
-                       lambda: (s := scheduler_status(url)) and s.get("bursts_completed", 0) >= 1 and s)
+    first = wait_until("the first burst", timeout_s, lambda: first_burst(engine, project, url))
     log(f"burst 1 completed (policy v{first.get('policy_version')}): killing {KILLED_CELL}")
     compose(engine, project, "kill", "-s", "SIGKILL", KILLED_CELL)
     killed_at = time.monotonic()
