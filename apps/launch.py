@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             while not stop.wait(1.0):
                 live.update(_status_table(cluster))
                 if cluster.dead():
-                    console.print(f"[red]given up on: {', '.join(cluster.dead())} (see {cluster.run_dir / 'supervisor.jsonl'}); stopping")
+                    console.print(f"[red]given up on: {', '.join(cluster.dead())} "
+                        f"(see {cluster.run_dir / 'supervisor.jsonl'}); stopping")
                     return 1
         return 0
     finally:

@@ -167,7 +167,8 @@ def emulate(args: argparse.Namespace) -> int:
               f"emulated {res.emulated_time_to_n_s:.0f} s, "
               f"simulated {res.simulated_time_to_n_s:.0f} s, difference {res.relative_difference:+.1%} "
               f"(tolerance {res.tolerance:.0%}), wall {res.wall_s:.0f} s")
-    label = (f"{args.emulate_policy} on {base.name} scaled down to {sc.cluster.cells} cells x {sc.cluster.slots_per_cell} slots, "
+    label = (f"{args.emulate_policy} on {base.name} scaled down to {sc.cluster.cells} cells x "
+        f"{sc.cluster.slots_per_cell} slots, "
              f"{sc.training.batch_groups} groups per batch, N = {sc.training.updates}, "
              f"turns median {cfg_s.profiles[sc.profile].turns.median:g}, "
              f"first prompt {cfg_s.profiles[sc.profile].initial_prompt_tokens} tokens")

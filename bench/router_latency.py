@@ -6,7 +6,8 @@ a deterministic token-level engine with a fixed per-token delay, standing in for
 engine), the router (``python -m services.router`` against a private etcd), and this client.
 In the same run, at each concurrency (64 and 256 streams of 32 tokens), rounds alternate
 between calling Engine.Generate directly, Router.Generate (gRPC) and the router's OpenAI
-SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the time to first token and to the last token.
+SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the
+time to first token and to the last token.
 Every gRPC hop runs with mutual TLS, as Gyre does by default (a bench CA issues the
 identities); the same run also measures plaintext twins (``tls.insecure``: a second engine
 and a third router, on their own routes) so ``tls_cost`` is TLS against plaintext on the
@@ -263,11 +264,15 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             print(f"[{conc} streams]")
             for kind in kinds:
                 p = per[kind]
-                print(f"  {kind:20s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | stream p50 {p['stream']['p50_ms']:7.1f} "
-                      f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} engine {p['engine_cpu_us_per_token']:5.0f} us")
+                print(f"  {kind:20s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | "
+                    f"stream p50 {p['stream']['p50_ms']:7.1f} "
+                      f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} "
+                    f"engine {p['engine_cpu_us_per_token']:5.0f} us")
             for kind, c in per["tls_cost"].items():
-                print(f"  TLS cost ({kind} vs plaintext): stream p50 x{c['ratio_stream_p50']:.2f} p99 x{c['ratio_stream_p99']:.2f}; "
-                      f"router CPU {c['router_cpu_us_per_token_added']:+.1f} us/token, engine {c['engine_cpu_us_per_token_added']:+.1f} us/token")
+                print(f"  TLS cost ({kind} vs plaintext): stream p50 x{c['ratio_stream_p50']:.2f} "
+                    f"p99 x{c['ratio_stream_p99']:.2f}; "
+                      f"router CPU {c['router_cpu_us_per_token_added']:+.1f} us/token, "
+                    f"engine {c['engine_cpu_us_per_token_added']:+.1f} us/token")
         reroute = await reroute_trials(ctx, trials)
         r = reroute["move_to_first_token_at_destination"]
         print(f"reroute: move -> first token at destination p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms; "

@@ -180,7 +180,8 @@ class ScenarioConfig(_Frozen):
     profile: str = Field("A", description="Key of `profiles` (with `mix`: the one whose group size every task takes).")
     mix: dict[str, float] = Field(
         default_factory=dict,
-        description="Mixed tasks: profile key -> weight; each task's profile is drawn by (seed, task). Empty: `profile` only.",
+        description="Mixed tasks: profile key -> weight; each task's profile is drawn by (seed, task). "
+        "Empty: `profile` only.",
     )
     seed: int = Field(1, description="Seed of the trace (same trace for every policy).")
     seeds: list[int] = Field(

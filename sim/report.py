@@ -223,7 +223,8 @@ def scenario_markdown(cfg: SimConfig, results: list[ScenarioResult], summary: di
         (f"Seed {sc.seed} in detail (T\\*_η = {_f(first.bound_eta.t_star_eta_s)} s; publish times bound by "
         f"{_binding(first)}):"),
         "",
-        ("| row | time to N (s) | T\\*_η/T | trainer idle | rollout idle | role switches (GPU-s) | reroutes (GPU-s) | "
+        ("| row | time to N (s) | T\\*_η/T | trainer idle | rollout idle | role switches (GPU-s) | "
+            "reroutes (GPU-s) | "
         "version lag per token (mean / stale share) / groups dropped | episode p50 / p90 / p99 (s) |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

@@ -147,7 +147,8 @@ def _check_claim(n: int, op: dict[str, Any], batch: _Batch | None, bad: list[str
         if batch.version is not None and v != batch.version:
             bad.append(f"packer #{n}: micro-step {ms} claimed on v{v}, its batch trains on v{batch.version}")
         if batch.claim_versions and v not in batch.claim_versions:
-            bad.append(f"packer #{n}: micro-step {ms} claimed on v{v} in an attempt on v{sorted(batch.claim_versions)} (mixed weight versions)")
+            bad.append(f"packer #{n}: micro-step {ms} claimed on v{v} in an attempt on "
+                f"v{sorted(batch.claim_versions)} (mixed weight versions)")
         batch.claim_versions.add(v)
 
 

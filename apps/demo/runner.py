@@ -187,7 +187,11 @@ def _progress_view(status: dict[str, Any] | None, stats: HarnessStats, tally: Bu
         cells.add_row(cell["cell_id"], role, f"[{colors.get(state, 'white')}]{state.lower()}", str(cell["slots"]), str(cell["routed"]), f"v{cell['policy_version']}")
     rewards = reward_by_version(stats)
     rew = "  ".join(f"v{v}: {r['mean']:.3f} (n={r['n']})" for v, r in sorted(rewards.items())) or "-"
-    foot = f"executions: dispatched {sum(tally.dispatched.values())}, finished {sum(tally.finished.values())}; harness completed {stats.completed}, failed {stats.failed}\nreward by policy version: {rew}\ndashboard: {dashboard_url}"
+    foot = (
+        f"executions: dispatched {sum(tally.dispatched.values())}, finished {sum(tally.finished.values())}; "
+        f"harness completed {stats.completed}, failed {stats.failed}\n"
+        f"reward by policy version: {rew}\ndashboard: {dashboard_url}"
+    )
     return Panel(Group(head, cells, foot), title="gyre demo")
 
 

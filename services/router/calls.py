@@ -424,7 +424,8 @@ class ModelCall:
         )
         if self.failures > self._policy.retry_budget:
             raise Unavailable(
-                f"model call failed after {self.failures} engine failure(s) (retry budget {self._policy.retry_budget}): {reason}"
+                f"model call failed after {self.failures} engine failure(s) "
+                f"(retry budget {self._policy.retry_budget}): {reason}"
             )
         verdict = None
         if self._report is not None and exc is not None:

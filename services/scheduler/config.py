@@ -63,7 +63,8 @@ class SchedulerConfig(ServiceConfig):
     interval_s: float = Field(5.0, ge=0.0, le=3600.0, description="How long supply must hold before a move.")
     drain_grace_s: float = Field(
         2.0, ge=0.0, le=600.0,
-        description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst with nothing trainable).",
+        description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst "
+        "with nothing trainable).",
     )
     max_staleness: int = Field(
         1, ge=0, le=1000,

@@ -66,7 +66,8 @@ def test_tool_call_and_tool_result_continue(tok):
     p2, why = _turn(tok, store, m2, tok.encode("42") + [end], TOOLS)
     assert why is None and p2[: len(p1) + len(out1)] == p1 + out1
     assert tok.decode(p2[len(p1) + len(out1):], skip_special_tokens=False) == (
-        "\n<|im_start|>user\n<tool_response>\nThe secret number is 42.\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>user\n<tool_response>\nThe secret number is 42.\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
 
 
 def test_output_cut_by_a_stop_string_gets_the_whole_closing(tok):
