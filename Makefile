@@ -25,7 +25,7 @@ test: install  ## the whole suite (unit, integration, fault; gpu tests skip with
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-bench: install  ## benchmarks (~30 min on 2 cores); JSON in bench/results/, summaries in docs/benchmarks*.md
+bench: install  ## benchmarks (~30 min on 2 idle cores); JSON in bench/results/, summaries in docs/benchmarks*.md
 	$(PY) bench/cluster.py --suite bench --emulate
 	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/scheduler_takeover.py

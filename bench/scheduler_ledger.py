@@ -55,7 +55,9 @@ class _KV:
         self.key, self.value = key, value
 
 
-async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
+async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[float, int]:
+    """Lifecycles/s through the real Scheduler, and the launch + close transactions it sent
+    (group commit: fewer than 2 per lifecycle when writes were in flight together)."""
     keys = Keys(cluster)
     lease = LeaseKeeper(etcd, 10)
     await lease.grant()
@@ -64,7 +66,8 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
     epoch = await election.campaign()
     cfg = config_mod.load(SchedulerConfig, None, cluster_name=cluster, policy="rollout_only", batch_size=n // 2,
                           group_size=2, over_provision=0.0, max_bursts=1)
-    s = Scheduler(cfg, SchedulerStore(etcd, keys, election), RecordingPeers(), GeneratedTasks())
+    store = SchedulerStore(etcd, keys, election)
+    s = Scheduler(cfg, store, RecordingPeers(), GeneratedTasks())
     cell = {"cell_id": "sa", "kind": "standalone", "index": -1, "slots": n, "target": "sa:1"}
     s.on_cells({b"c": _KV(b"c", json.dumps(cell).encode())})
     s.on_cell_states({b"s/sa": _KV(b"s/sa", b'{"state": "ROLLOUT"}')})
@@ -81,14 +84,16 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
             await s.finish(got.record.execution_id, got.token, ExecState.COMPLETED, 1.0, "k")
             done += 1
 
+    txns = store.group.transactions
     start = time.perf_counter()
     await asyncio.gather(*(harness(i) for i in range(conc)))
     elapsed = time.perf_counter() - start
+    txns = store.group.transactions - txns
     assert done == n and s.ledger.counts().finished == n, (done, s.ledger.counts())
     keeper.cancel()
     await asyncio.gather(keeper, return_exceptions=True)
     await lease.revoke()
-    return n / elapsed
+    return n / elapsed, txns
 
 
 async def _baseline_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
@@ -143,13 +148,15 @@ async def main() -> None:
         await etcd.connect()
         for conc in (1, 32, 64):
             base = await _baseline_run(etcd, f"base{conc}", n, conc)
-            sched = await _scheduler_run(etcd, f"sched{conc}", n, conc)
+            sched, txns = await _scheduler_run(etcd, f"sched{conc}", n, conc)
             results["concurrency"][str(conc)] = {
                 "scheduler_lifecycles_per_s": round(sched, 1),
                 "baseline_lifecycles_per_s": round(base, 1),
                 "ratio": round(sched / base, 3),
+                "ledger_txns_per_lifecycle": round(txns / n, 3),
             }
-            print(f"C={conc:3d}: scheduler {sched:8.1f}/s  raw etcd txns {base:8.1f}/s  ratio {sched / base:.2f}")
+            print(f"C={conc:3d}: scheduler {sched:8.1f}/s  raw etcd txns {base:8.1f}/s  ratio {sched / base:.2f}  "
+                  f"txns/lifecycle {txns / n:.2f}")
         await etcd.close()
     us = _decide_us()
     results["waterlevel_decide_us_64_cells"] = round(us, 1)

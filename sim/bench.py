@@ -40,6 +40,12 @@ SUMMARY_ROLES = ("oracle_async_static", "oracle_bursty_static", "colocated")
 
 Log = Callable[[str], None]
 
+NOT_RUN = "not run in this report (regenerated from the runs that finished in time)"
+
+CACHE_ONLY_ENV = "GYRE_SIM_CACHE_ONLY"
+"""Set (to anything but "" or "0") with ``GYRE_SIM_CACHE``: report only the runs already in
+the cache and list the others as not run (regenerating a report from a partial run)."""
+
 CACHE_ENV = "GYRE_SIM_CACHE"
 """A directory where finished runs are kept, keyed by everything that determines them (the
 config minus the rows and suites, the scenario with its seed and horizon, the policy spec):
@@ -57,11 +63,14 @@ def _cache_path(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_eve
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
 
 
-def cached_run(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float) -> RunResult:
-    """``run_policy``, through the cache of ``$GYRE_SIM_CACHE`` when it is set."""
+def cached_run(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float) -> RunResult | None:
+    """``run_policy``, through the cache of ``$GYRE_SIM_CACHE`` when it is set (None: not in
+    the cache and ``$GYRE_SIM_CACHE_ONLY`` is set)."""
     path = _cache_path(cfg, sc, spec, record_every_s)
     if path is not None and path.exists():
         return pickle.loads(path.read_bytes())
+    if path is not None and os.environ.get(CACHE_ONLY_ENV, "") not in ("", "0"):
+        return None
     r = run_policy(cfg, sc, spec, record_every_s=record_every_s)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,8 +186,11 @@ class _Runner:
                  log: Log) -> None:
         self.cfg, self.sc, self.res, self.record_every_s, self.log = cfg, sc, res, record_every_s, log
 
-    def one(self, spec: PolicySpec, sc: ScenarioConfig, label: str, cfg: SimConfig | None = None) -> RunResult:
+    def one(self, spec: PolicySpec, sc: ScenarioConfig, label: str, cfg: SimConfig | None = None) -> RunResult | None:
         r = cached_run(cfg or self.cfg, sc, spec, self.record_every_s)
+        if r is None:
+            self.log(f"[{sc.name} seed {sc.seed}] {label:34s} not run (not in the cache)")
+            return None
         r.label = label
         shown = f"{r.time_to_n_s:9.0f} s" if r.reached else f"  > {sc.training.horizon_s:.0f} s (cut)"
         self.log(f"[{sc.name} seed {sc.seed}] {label:34s} time to {sc.training.updates} updates {shown}  "
@@ -195,6 +207,8 @@ class _Runner:
             return self.at(entry, name)
         if not entry.sweep:
             r = self.one(PolicySpec(name), self.sc, name)
+            if r is None:
+                return RoleResult(entry.role, None, None, missing=NOT_RUN)
             self.res.runs[name] = r
             return RoleResult(entry.role, name, name)
         return self.sweep(entry, name)
@@ -207,6 +221,8 @@ class _Runner:
             return RoleResult(entry.role, None, None, missing=f"row {entry.at!r} has no oracle to run at")
         label = point_label(name, best.training_cells, best.placement)
         r = self.one(PolicySpec(name, training_cells=best.training_cells), _with(self.sc, best.placement), label)
+        if r is None:
+            return RoleResult(entry.role, None, None, missing=NOT_RUN)
         self.res.runs[label] = r
         return RoleResult(entry.role, name, label if r.reached else None,
                           missing="" if r.reached else "did not reach N")
@@ -227,6 +243,8 @@ class _Runner:
             cutoff = self.cfg.sweep_cutoff
             horizon = best.time_to_n_s * cutoff if (cutoff and best is not None) else None
             r = self.one(PolicySpec(name, training_cells=t), _with(sc, where, horizon), label)
+            if r is None:
+                return
             if r.reached:
                 p = SweepPoint(name, t, where, r.time_to_n_s)
                 self.res.runs[label] = r
@@ -245,8 +263,9 @@ class _Runner:
             for t in _refine(coarse, best.training_cells, cells):
                 run_point(t, best.placement)
         points.sort(key=lambda p: (p.placement, p.training_cells))
-        return RoleResult(entry.role, name, best.label if best else None,
-                          missing="" if best else "no sweep point reached N", sweep=points)
+        return RoleResult(entry.role, name if points else None, best.label if best else None,
+                          missing="" if best else (NOT_RUN if not points else "no sweep point reached N"),
+                          sweep=points)
 
 
 def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: bool = True, record_every_s: float = 5.0,
@@ -265,7 +284,9 @@ def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: bool = True, r
     if variants and gyre is not None and gyre.policy is not None:
         for vname, overrides in cfg.variants.items():
             vcfg, vsc = apply_variant(cfg, sc, overrides)
-            res.variants[vname] = runner.one(PolicySpec(gyre.policy), vsc, f"{gyre.policy} ({vname})", vcfg)
+            r = runner.one(PolicySpec(gyre.policy), vsc, f"{gyre.policy} ({vname})", vcfg)
+            if r is not None:
+                res.variants[vname] = r
     res.wall_s = time.perf_counter() - t0
     return res
 

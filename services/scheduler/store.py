@@ -15,7 +15,9 @@ request for the whole ledger would pass gRPC's message limit near 10k executions
 Every write is one :meth:`LeaderElection.fenced_txn`: it also compares the leader key's
 create revision with our epoch, so a deposed (e.g. paused) leader changes nothing. A launch
 is guarded by "the record does not exist", a close by "the record is at the revision we
-read", a reroute by "the route is at the revision we wrote". A lost guard raises
+read", a reroute by "the route is at the revision we wrote". Launches and closes in flight
+at the same time share one transaction (:mod:`services.scheduler.group_commit`: each keeps
+its own guards; a lost guard sends them one by one). A lost guard raises
 :class:`~gyre.errors.Conflict`; a lost leadership raises :class:`~gyre.errors.StaleEpoch`.
 """
 
@@ -29,6 +31,7 @@ from gyre.errors import Conflict
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
 from gyre.etcd.client import create_revision_is, mod_revision_is, prefix_end
 from gyre.etcd.values import Route
+from services.scheduler.group_commit import GroupCommit
 from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
 
 MAX_TXN_OPS = 120
@@ -93,6 +96,8 @@ class SchedulerStore:
         self.etcd = etcd
         self.keys = keys
         self.election = election
+        # Launches and closes in flight together share fenced transactions (group commit).
+        self.group = GroupCommit(election.fenced_txn, MAX_TXN_OPS)
 
     # Rebuild ------------------------------------------------------------------------------
 
@@ -142,7 +147,7 @@ class SchedulerStore:
         """Creates the execution record and its route in one transaction; returns the revision."""
         key = self.keys.execution(rec.burst_id, rec.execution_id)
         rkey = self.keys.route(rec.execution_id)
-        ok, rev = await self.election.fenced_txn(
+        ok, rev = await self.group.write(
             [create_revision_is(key, 0)], [Op(key, rec.to_json()), Op(rkey, route.to_json())]
         )
         if not ok:
@@ -153,7 +158,7 @@ class SchedulerStore:
         """Writes the final record (if unchanged since ``expected_revision``; 0: if absent, a
         queued execution withdrawn) and deletes the route, in one transaction."""
         key = self.keys.execution(rec.burst_id, rec.execution_id)
-        ok, rev = await self.election.fenced_txn(
+        ok, rev = await self.group.write(
             [mod_revision_is(key, expected_revision)],
             [Op(key, rec.to_json()), Op(self.keys.route(rec.execution_id), None)],
         )

@@ -10,11 +10,15 @@ reads the summary and the live bursts only.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import pytest
 
 from gyre.errors import Conflict, StaleEpoch
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
 from gyre.etcd.lease import LeaseKeeper
+from gyre.etcd.values import Route
 from services.scheduler.ledger import ArchiveSummary, Burst, ExecState, ExecutionRecord, Task
 from services.scheduler.store import MAX_TXN_OPS, SchedulerStore
 
@@ -115,6 +119,41 @@ async def test_archive_folds_a_burst_into_the_summary_in_one_fenced_transaction(
             await store.archive(loaded.summary.add(b2, {"COMPLETED": 40}), rev)
         assert await etcd.count_prefix(keys.executions(2)) == 40
         del election
+    finally:
+        await keeper.revoke()
+        await etcd.close()
+
+
+async def test_grouped_launches_and_closes_keep_their_guards_and_the_fence(etcd_server, cluster_name):
+    """Launches and closes in flight together share transactions (group commit) on a real
+    etcd: each lands once at its own guard, a close whose record moved alone hears Conflict,
+    and after the leader key is gone every write of a group is refused and writes nothing."""
+    etcd = await _connect(etcd_server)
+    keys = Keys(cluster_name)
+    store, _, keeper = await _leader_store(etcd, keys)
+    try:
+        _, recs = _closed_burst(1, 16)  # 64 executions
+        running = [dataclasses.replace(r, state=ExecState.RUNNING) for r in recs]
+        routes = [Route(r.execution_id, "cell-a", "a:1", "ab" * 32, r.group_id, 1, 0) for r in recs]
+        sent = store.group.transactions
+        revs = await asyncio.gather(*(store.launch(r, rt) for r, rt in zip(running, routes, strict=True)))
+        assert store.group.transactions - sent < len(recs)  # shared transactions
+        revs[0] = revs[0] - 1  # this close expects a revision its record is not at
+        results = await asyncio.gather(*(store.close(r, rev) for r, rev in zip(recs, revs, strict=True)),
+                                       return_exceptions=True)
+        assert isinstance(results[0], Conflict)
+        assert all(isinstance(x, int) for x in results[1:])
+        kv = await etcd.get(keys.execution(1, recs[1].execution_id))
+        assert ExecutionRecord.from_json(kv.value, kv.mod_revision).state is ExecState.COMPLETED
+        assert await etcd.get(keys.route(recs[1].execution_id)) is None
+        assert await etcd.get(keys.route(recs[0].execution_id)) is not None  # its close did not apply
+
+        await etcd.delete(keys.leader())
+        _, more = _closed_burst(2, 4)
+        results = await asyncio.gather(*(store.launch(r, routes[0]) for r in more), return_exceptions=True)
+        assert all(isinstance(x, StaleEpoch) for x in results)
+        for r in more:
+            assert await etcd.get(keys.execution(2, r.execution_id)) is None
     finally:
         await keeper.revoke()
         await etcd.close()
