@@ -38,6 +38,12 @@ RUN set -eu; \
     /opt/gyre/bin/pip install --no-deps $src -r /tmp/runtime.lock; \
     /opt/gyre/bin/pip uninstall -y pip setuptools wheel >/dev/null 2>&1 || true; \
     /opt/gyre/bin/python -c "import grpc, aetcd, aiohttp, torch, pydantic, yaml"
+# setuptools is a runtime need after all (vLLM's tool-call parsers import it, so the router
+# answered 503 without it, found by `make compose-smoke`): put ensurepip's copy back, then pip
+# goes again. (A separate step keeps the cached install above; fold it in at the next rebuild.)
+RUN /opt/gyre/bin/python -m ensurepip >/dev/null \
+ && /opt/gyre/bin/python -m pip uninstall -y pip >/dev/null \
+ && /opt/gyre/bin/python -c "import setuptools"
 
 # --- base: Python, the runtime libraries, the virtualenv, the repository -------------------
 FROM ${PYTHON_IMAGE} AS base
@@ -65,7 +71,14 @@ RUN set -eux; \
     chown -R 10001:10001 /models /var/lib/gyre
 COPY --from=venv /opt/gyre /opt/gyre
 WORKDIR /app
-COPY . .
+# The code, not the whole context: the context may also carry the wheelhouse folder.
+COPY pyproject.toml requirements.lock ./
+COPY gyre gyre
+COPY services services
+COPY apps apps
+COPY sim sim
+COPY protos protos
+COPY deploy deploy
 # gRPC (scheduler 50051, router 50052, packer 50053, cell agents 50060), router HTTP 8000,
 # dashboard 8080, Prometheus metrics 9100.
 EXPOSE 50051 50052 50053 50060 8000 8080 9100

