@@ -64,8 +64,14 @@ def remap_ports(text: str) -> str:
 class Cluster:
     """etcd + service processes described by one config file."""
 
-    def __init__(self, config_path: str | Path, run_dir: str | Path, free_ports: bool = False, env: dict[str, str] | None = None,
-                 certs_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        config_path: str | Path,
+        run_dir: str | Path,
+        free_ports: bool = False,
+        env: dict[str, str] | None = None,
+        certs_dir: str | Path | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # "{run_dir}" in the file stands for this run's folder (WAL, checkpoints, ...).
@@ -81,8 +87,10 @@ class Cluster:
         # with another launcher's cells of the same name on this machine.
         changed = self.pki.changed
         if self._has_cells() and not (self.config.get("cell_agent") or {}).get("pid_dir"):
-            self.config["cell_agent"] = {**(self.config.get("cell_agent") or {}),
-                                         "pid_dir": str((self.run_dir / "pids").resolve())}
+            self.config["cell_agent"] = {
+                **(self.config.get("cell_agent") or {}),
+                "pid_dir": str((self.run_dir / "pids").resolve()),
+            }
             changed = True
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False) if changed else text)
         check_sequence_limits(self.config_path)  # before anything starts
@@ -90,8 +98,9 @@ class Cluster:
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
         self.procs: dict[str, ServiceProcess] = {}
-        self.supervisor = Supervisor(RestartPolicy.from_config(self.launch.get("restart")),
-                                     journal=self.run_dir / "supervisor.jsonl")
+        self.supervisor = Supervisor(
+            RestartPolicy.from_config(self.launch.get("restart")), journal=self.run_dir / "supervisor.jsonl"
+        )
 
     def _has_cells(self) -> bool:
         return any(p.get("service") == "cell_agent" for p in (self.launch.get("processes") or []))
@@ -105,8 +114,12 @@ class Cluster:
             return
         endpoint = (self.config.get("cluster") or {}).get("etcd_endpoints", ["127.0.0.1:23790"])[0]
         port = int(endpoint.rpartition(":")[2])
-        self.etcd = EtcdServer(data_dir=str(self.run_dir / "etcd"), client_port=port, log_path=str(self.run_dir / "logs" / "etcd.log"),
-                               tls_dir=self.pki.etcd_tls_dir)
+        self.etcd = EtcdServer(
+            data_dir=str(self.run_dir / "etcd"),
+            client_port=port,
+            log_path=str(self.run_dir / "logs" / "etcd.log"),
+            tls_dir=self.pki.etcd_tls_dir,
+        )
         self.etcd.start()
         self.pki.provision_etcd(self.etcd.endpoint)
 
@@ -119,7 +132,11 @@ class Cluster:
             spec["service"],
             self.config_path,
             overrides=spec.get("set") or {},
-            env={**self.pki.child_env(), **self.env, **{k: str(v) for k, v in (spec.get("env") or {}).items()}},
+            env={
+                **self.pki.child_env(),
+                **self.env,
+                **{k: str(v) for k, v in (spec.get("env") or {}).items()},
+            },
             log_path=self.run_dir / "logs" / f"{name}.log",
             name=name,
         )
@@ -166,7 +183,11 @@ class Cluster:
         supervisor (restart with back-off when it exits) and starts it."""
         if self.etcd is not None:
             self.supervisor.add(_EtcdChild(self.etcd))
-        exempt = {spec.get("name") or spec["service"] for spec in self.process_specs() if spec.get("restart") is False}
+        exempt = {
+            spec.get("name") or spec["service"]
+            for spec in self.process_specs()
+            if spec.get("restart") is False
+        }
         for name, proc in self.procs.items():
             if name not in exempt:
                 self.supervisor.add(proc)
@@ -183,8 +204,14 @@ class Cluster:
     def dead(self) -> list[str]:
         """Processes the run cannot go on without: given up on by the supervisor, or exited
         where restarts are off (or the process is exempt)."""
-        supervised = {s["name"] for s in self.supervisor.status()} if self.supervisor.policy.enabled else set()
-        gone = [name for name, p in self.procs.items() if name not in supervised and p.proc is not None and not p.alive()]
+        supervised = (
+            {s["name"] for s in self.supervisor.status()} if self.supervisor.policy.enabled else set()
+        )
+        gone = [
+            name
+            for name, p in self.procs.items()
+            if name not in supervised and p.proc is not None and not p.alive()
+        ]
         return self.supervisor.failed() + gone
 
     def stop(self) -> None:
@@ -251,21 +278,34 @@ def _status_table(cluster: Cluster) -> Any:
     states = {s["name"]: s["state"] for s in cluster.supervisor.status()}
     if cluster.etcd is not None:
         up = cluster.etcd.running()
-        table.add_row("etcd", str(cluster.etcd.pid if up else "-"), cluster.etcd.endpoint,
-                      "[green]up" if up else f"[red]{states.get('etcd', 'down')}", str(restarts.get("etcd", 0)))
+        table.add_row(
+            "etcd",
+            str(cluster.etcd.pid if up else "-"),
+            cluster.etcd.endpoint,
+            "[green]up" if up else f"[red]{states.get('etcd', 'down')}",
+            str(restarts.get("etcd", 0)),
+        )
     for name, p in cluster.procs.items():
         alive = p.alive()
-        state = "[green]up" if alive else f"[red]{states.get(name, 'exited')} {p.returncode() if p.proc else ''}"
+        state = (
+            "[green]up" if alive else f"[red]{states.get(name, 'exited')} {p.returncode() if p.proc else ''}"
+        )
         table.add_row(name, str(p.pid if alive else "-"), p.target, state, str(restarts.get(name, 0)))
     return table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m apps.launch", description="Start etcd and every Gyre service locally.")
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.launch", description="Start etcd and every Gyre service locally."
+    )
     parser.add_argument("--config", default="deploy/local/cluster.yaml")
     parser.add_argument("--run-dir", default=f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--free-ports", action="store_true", help="remap every loopback port to a free one")
-    parser.add_argument("--certs-dir", default=None, help="identity directories (made on first start; default <run-dir>/certs)")
+    parser.add_argument(
+        "--certs-dir",
+        default=None,
+        help="identity directories (made on first start; default <run-dir>/certs)",
+    )
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -278,14 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         cluster.start(progress=lambda name, target: console.print(f"[bold green]started[/] {name} {target}"))
-        cluster.supervisor.subscribe(lambda e: console.print(f"[yellow]supervisor[/] {e.name} {e.kind} {e.detail}"))
-        console.print(f"config: {cluster.config_path}; logs: {cluster.run_dir / 'logs'}; Ctrl-C stops everything")
+        cluster.supervisor.subscribe(
+            lambda e: console.print(f"[yellow]supervisor[/] {e.name} {e.kind} {e.detail}")
+        )
+        console.print(
+            f"config: {cluster.config_path}; logs: {cluster.run_dir / 'logs'}; Ctrl-C stops everything"
+        )
         with Live(_status_table(cluster), console=console, refresh_per_second=1) as live:
             while not stop.wait(1.0):
                 live.update(_status_table(cluster))
                 if cluster.dead():
-                    console.print(f"[red]given up on: {', '.join(cluster.dead())} "
-                        f"(see {cluster.run_dir / 'supervisor.jsonl'}); stopping")
+                    console.print(
+                        f"[red]given up on: {', '.join(cluster.dead())} "
+                        f"(see {cluster.run_dir / 'supervisor.jsonl'}); stopping"
+                    )
                     return 1
         return 0
     finally:

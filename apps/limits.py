@@ -68,5 +68,7 @@ def check_shared_settings(path: str | os.PathLike[str]) -> None:
     for name in SHARED:
         a, b = getattr(scheduler, name), getattr(packer, name)
         if a != b:
-            raise ValueError(f"{path}: scheduler.{name} is {a} but packer.{name} is {b}: set it once, in the "
-                             f"cluster: section")
+            raise ValueError(
+                f"{path}: scheduler.{name} is {a} but packer.{name} is {b}: set it once, in the "
+                f"cluster: section"
+            )

@@ -80,14 +80,21 @@ class ServiceProcess:
         # Its own process group (a dead service's leftovers are ended with it, reap_group),
         # and it dies with this process however this one dies (lifeline.spawn).
         self.proc = spawn(
-            self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            self.command(),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
             start_new_session=True,
         )
         threading.Thread(target=self._read_stdout, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.1):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before ready; log: {self.log_path}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} before ready; log: {self.log_path}"
+                )
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"{self.name} not ready after {timeout_s}s; log: {self.log_path}")
@@ -168,5 +175,3 @@ class ServiceProcess:
     def wait(self, timeout_s: float) -> int:
         assert self.proc is not None
         return self.proc.wait(timeout_s)
-
-

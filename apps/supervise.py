@@ -56,8 +56,14 @@ class RestartPolicy:
     window_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not (0 <= self.jitter <= 1 and self.backoff_initial_s >= 0 and self.multiplier >= 1
-                and self.backoff_max_s >= self.backoff_initial_s and self.max_restarts >= 0 and self.window_s > 0):
+        if not (
+            0 <= self.jitter <= 1
+            and self.backoff_initial_s >= 0
+            and self.multiplier >= 1
+            and self.backoff_max_s >= self.backoff_initial_s
+            and self.max_restarts >= 0
+            and self.window_s > 0
+        ):
             raise ValueError(f"invalid restart policy: {self}")
 
     @classmethod
@@ -120,9 +126,15 @@ class _Slot:
 class Supervisor:
     """Restarts the processes added to it (see the module docstring)."""
 
-    def __init__(self, policy: RestartPolicy | None = None, on_event: Callable[[SupervisorEvent], None] | None = None,
-                 journal: str | Path | None = None, poll_s: float = 0.2, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: RestartPolicy | None = None,
+        on_event: Callable[[SupervisorEvent], None] | None = None,
+        journal: str | Path | None = None,
+        poll_s: float = 0.2,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.policy = policy or RestartPolicy()
         self._on_event = [on_event] if on_event else []
         self._journal = Path(journal) if journal else None
@@ -189,8 +201,15 @@ class Supervisor:
             out = []
             for name, s in self._slots.items():
                 alive = s.child.alive()
-                out.append({"name": name, "state": s.state if s.state != "running" or alive else "exited",
-                            "pid": s.child.pid if alive else None, "restarts": s.restarts, "last_exit": s.last_exit})
+                out.append(
+                    {
+                        "name": name,
+                        "state": s.state if s.state != "running" or alive else "exited",
+                        "pid": s.child.pid if alive else None,
+                        "restarts": s.restarts,
+                        "last_exit": s.last_exit,
+                    }
+                )
             return out
 
     # Monitor ---------------------------------------------------------------------------------
@@ -203,7 +222,8 @@ class Supervisor:
             with self._journal.open("a") as f:
                 f.write(json.dumps(event.to_json()) + "\n")
         (log.warning if kind in ("exited", "restart_failed", "gave_up") else log.info)(
-            "supervisor: %s %s %s", name, kind, detail)
+            "supervisor: %s %s %s", name, kind, detail
+        )
         for cb in self._on_event:
             cb(event)
 
@@ -221,7 +241,9 @@ class Supervisor:
                     if not (slot.state == "backoff" and now >= slot.restart_at):
                         continue
                     slot.state = "starting"
-                    t = threading.Thread(target=self._restart, args=(name, slot), name=f"restart-{name}", daemon=True)
+                    t = threading.Thread(
+                        target=self._restart, args=(name, slot), name=f"restart-{name}", daemon=True
+                    )
                     self._restarting = [r for r in self._restarting if r.is_alive()] + [t]
                     t.start()
 
@@ -261,4 +283,10 @@ class Supervisor:
             slot.restarts += 1
             slot.up_since = now
             slot.state = "running"
-        self._emit(name, "restarted", pid=slot.child.pid, down_s=round(now - slot.down_since, 3), restarts=slot.restarts)
+        self._emit(
+            name,
+            "restarted",
+            pid=slot.child.pid,
+            down_s=round(now - slot.down_since, 3),
+            restarts=slot.restarts,
+        )

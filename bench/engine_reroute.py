@@ -51,9 +51,12 @@ async def run(tmp: Path, report: bool, trials: int) -> list[Trial]:
         out = []
         for i in range(trials):
             trial = await rig.trial(max_tokens=300, kill_after=40)
-            print(f"{'reported' if report else 'lease-only'} trial {i + 1}/{trials}: gap {trial.gap_s:.3f} s, "
-                  f"{trial.tokens} tokens, {trial.source} -> {trial.destination}"
-                  + (f", error {trial.error}" if trial.error else ""), flush=True)
+            print(
+                f"{'reported' if report else 'lease-only'} trial {i + 1}/{trials}: gap {trial.gap_s:.3f} s, "
+                f"{trial.tokens} tokens, {trial.source} -> {trial.destination}"
+                + (f", error {trial.error}" if trial.error else ""),
+                flush=True,
+            )
             out.append(trial)
         return out
     finally:
@@ -67,8 +70,14 @@ def summary(trials: list[Trial]) -> dict[str, object]:
         "trials": len(trials),
         "errors": sum(1 for t in trials if t.error),
         "incomplete": sum(1 for t in trials if t.tokens != 300),
-        "gap_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99), "max": max(gaps),
-                  "min": min(gaps)} if gaps else {},
+        "gap_s": {
+            "p50": percentile(gaps, 50),
+            "p99": percentile(gaps, 99),
+            "max": max(gaps),
+            "min": min(gaps),
+        }
+        if gaps
+        else {},
         "samples_s": [round(g, 4) for g in gaps],
     }
 
@@ -86,9 +95,9 @@ async def main() -> None:
         wall = time.monotonic() - t0
     result = {
         "what": "SIGKILL of the cell agent serving a live 300-token stream (after 40 tokens): seconds from "
-                "the kill to the first token at the destination, as the harness receives it",
+        "the kill to the first token at the destination, as the harness receives it",
         "setup": "scheduler, router, 2 cell agents (mock engine, 10 ms/token) as processes, private etcd, "
-                 "mutual TLS, lease TTL 10 s, orphan grace 3 s; a fresh cell replaces each killed one",
+        "mutual TLS, lease TTL 10 s, orphan grace 3 s; a fresh cell replaces each killed one",
         "reported": summary(reported),
         "baseline_lease_only": summary(baseline),
         "trials_detail": [dataclasses.asdict(t) for t in reported],

@@ -81,7 +81,8 @@ async def main(model_dir: str) -> None:
         "kv_handoff": handoff,
         "role_switch": switch,
         "summary": {
-            f"handoff_vs_recompute_{k}": v["ttft_handoff_s"] / v["ttft_recompute_s"] for k, v in handoff.items()
+            f"handoff_vs_recompute_{k}": v["ttft_handoff_s"] / v["ttft_recompute_s"]
+            for k, v in handoff.items()
         },
         "ratios": {
             "concurrent16_vs_single_tok_s": batch_tok_s / single_tok_s,
@@ -120,8 +121,11 @@ async def role_switch(engine) -> dict[str, float]:
     await cell.set_state(CellState.RETURNING, 1)
     await cell.set_state(CellState.ROLLOUT, 1)
     to_rollout = time.perf_counter() - t0
-    return {"rollout_to_training_s": to_training, "training_to_rollout_s": to_rollout,
-            "released_memory": bool(engine.can_sleep)}
+    return {
+        "rollout_to_training_s": to_training,
+        "training_to_rollout_s": to_rollout,
+        "released_memory": bool(engine.can_sleep),
+    }
 
 
 async def _move(src, dst, rid, prompt, export):

@@ -58,11 +58,19 @@ def workload(
             x = f"{gid}-x{k}"
             for i in range(turns):
                 n_p, n_o = rng.randint(60, 400), rng.randint(40, 300)
-                ts.append(Turn.validated(
-                    x, gid, i, [rng.randrange(50_000) for _ in range(n_p)],
-                    [rng.randrange(50_000) for _ in range(n_o)], [-rng.random() for _ in range(n_o)],
-                    [0] * n_o, [], 1 << 20,
-                ))
+                ts.append(
+                    Turn.validated(
+                        x,
+                        gid,
+                        i,
+                        [rng.randrange(50_000) for _ in range(n_p)],
+                        [rng.randrange(50_000) for _ in range(n_o)],
+                        [-rng.random() for _ in range(n_o)],
+                        [0] * n_o,
+                        [],
+                        1 << 20,
+                    )
+                )
             fs.append(Finish.validated(x, gid, group_size, ExecStatus.COMPLETED, float(k), 0, 1 << 16))
         out.append((ts, fs))
     return out
@@ -80,8 +88,12 @@ class NullLog:
 
 def _config(args: argparse.Namespace, **extra: Any) -> PackerConfig:
     return PackerConfig(
-        batch_size=args.groups, micro_step_token_budget=args.budget, policy_from_etcd=False,
-        ready_grace_s=0.0, emit_fill_fraction=0.75, **extra,
+        batch_size=args.groups,
+        micro_step_token_budget=args.budget,
+        policy_from_etcd=False,
+        ready_grace_s=0.0,
+        emit_fill_fraction=0.75,
+        **extra,
     )
 
 
@@ -100,8 +112,11 @@ async def bench_packing(args: argparse.Namespace, data: list, log: EventLog) -> 
     status = packer.batch_status(1)
     assert status["sealed"], status
     return {
-        "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-        "turns_per_s": sum(len(ts) for ts, _ in data) / elapsed, "micro_steps": status["micro_steps"],
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "turns_per_s": sum(len(ts) for ts, _ in data) / elapsed,
+        "micro_steps": status["micro_steps"],
         "mean_fill": tokens / (status["micro_steps"] * args.budget),
     }
 
@@ -138,8 +153,13 @@ async def bench_claims_in_process(args: argparse.Namespace, wal_dir: str) -> dic
         assert packer.batch_status(batch)["done"]
     assert len(claimed) == len(set(claimed))
     await wal.close()
-    return {"claims": len(claimed), "seconds": elapsed, "claims_per_s": len(claimed) / elapsed,
-            "wal_flushes": wal.flushes, "rounds": args.rounds}
+    return {
+        "claims": len(claimed),
+        "seconds": elapsed,
+        "claims_per_s": len(claimed) / elapsed,
+        "wal_flushes": wal.flushes,
+        "rounds": args.rounds,
+    }
 
 
 async def _claimer(
@@ -150,25 +170,32 @@ async def _claimer(
     one AckMicroSteps call. ``calls[0]`` counts the RPCs."""
     while True:
         if claim_n == 1:
-            r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-                cell_id=cell, batch_id=batch, wait_s=0.05), timeout=10)
+            r = await stub.ClaimMicroStep(
+                packer_pb2.ClaimMicroStepRequest(cell_id=cell, batch_id=batch, wait_s=0.05), timeout=10
+            )
             ids = [r.micro_step.micro_step_id] if r.outcome == packer_pb2.CLAIM_OUTCOME_CLAIMED else []
         else:
-            r = await stub.ClaimMicroSteps(packer_pb2.ClaimMicroStepsRequest(
-                cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n), timeout=10)
+            r = await stub.ClaimMicroSteps(
+                packer_pb2.ClaimMicroStepsRequest(
+                    cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
+                ),
+                timeout=10,
+            )
             ids = [m.micro_step_id for m in r.micro_steps]
         calls[0] += 1
         if r.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
             return
         claimed.extend(ids)
         if ids and ack_batched:
-            await stub.AckMicroSteps(packer_pb2.AckMicroStepsRequest(
-                cell_id=cell, batch_id=batch, micro_step_ids=ids), timeout=10)
+            await stub.AckMicroSteps(
+                packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch, micro_step_ids=ids), timeout=10
+            )
             calls[0] += 1
             continue
         for m in ids:
-            await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
-                cell_id=cell, batch_id=batch, micro_step_id=m), timeout=10)
+            await stub.AckMicroStep(
+                packer_pb2.AckMicroStepRequest(cell_id=cell, batch_id=batch, micro_step_id=m), timeout=10
+            )
             calls[0] += 1
 
 
@@ -179,11 +206,20 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
     import yaml
 
     pki = BenchPki(Path(workdir) / "certs")  # mTLS on every call, as Gyre runs by default
-    cfg_path.write_text(yaml.safe_dump({
-        "cluster": {"name": "bench", "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
-        "packer": {"wal_dir": str(Path(workdir) / "wal-grpc"), "batch_size": args.groups,
-                   "micro_step_token_budget": args.budget, "ready_grace_s": 0.0, "log_level": "WARNING"},
-    }))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": {"name": "bench", "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
+                "packer": {
+                    "wal_dir": str(Path(workdir) / "wal-grpc"),
+                    "batch_size": args.groups,
+                    "micro_step_token_budget": args.budget,
+                    "ready_grace_s": 0.0,
+                    "log_level": "WARNING",
+                },
+            }
+        )
+    )
     proc = ServiceProcess("packer", cfg_path, log_path=Path(workdir) / "packer.log").start()
     # Each caller presents its role: the router records turns, the scheduler reports
     # finishes, and every claimer is a cell of its own (a cell claims only for itself).
@@ -217,25 +253,43 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             while queue:
                 ts, fs = queue.pop()
                 for t in ts:
-                    await turn_stubs[i % 4].RecordTurn(packer_pb2.TurnRecord(
-                        execution_id=t.execution_id, group_id=t.group_id, turn_index=t.turn_index,
-                        prompt_token_ids=t.prompt, output_token_ids=t.output, output_logprobs=t.logprobs,
-                        output_policy_versions=t.versions), timeout=10)
+                    await turn_stubs[i % 4].RecordTurn(
+                        packer_pb2.TurnRecord(
+                            execution_id=t.execution_id,
+                            group_id=t.group_id,
+                            turn_index=t.turn_index,
+                            prompt_token_ids=t.prompt,
+                            output_token_ids=t.output,
+                            output_logprobs=t.logprobs,
+                            output_policy_versions=t.versions,
+                        ),
+                        timeout=10,
+                    )
                 for f in fs:
-                    await finish_stubs[i % 4].ReportFinish(packer_pb2.FinishReport(
-                        execution_id=f.execution_id, group_id=f.group_id, group_size=f.group_size,
-                        status=common_pb2.EXECUTION_STATUS_COMPLETED, reward=f.reward), timeout=10)
+                    await finish_stubs[i % 4].ReportFinish(
+                        packer_pb2.FinishReport(
+                            execution_id=f.execution_id,
+                            group_id=f.group_id,
+                            group_size=f.group_size,
+                            status=common_pb2.EXECUTION_STATUS_COMPLETED,
+                            reward=f.reward,
+                        ),
+                        timeout=10,
+                    )
 
         claimed: list[str] = []
         ingest_elapsed = 0.0
         micro_steps = total_tokens = 0
-        modes = {"one_by_one": (1, False), f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False),
-                 f"claim_{args.claim_batch}_ack_batched": (args.claim_batch, True)}
+        modes = {
+            "one_by_one": (1, False),
+            f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False),
+            f"claim_{args.claim_batch}_ack_batched": (args.claim_batch, True),
+        }
         per_mode: dict[str, dict[str, Any]] = {}
         batch = 0
         for name, (claim_n, ack_batched) in modes.items():
             mode_claims, mode_elapsed, calls = 0, 0.0, [0]
-            for rnd in range(args.rounds):
+            for _ in range(args.rounds):
                 batch += 1
                 queue = workload(args.groups, args.group_size, args.turns, seed=batch, prefix=f"r{batch}g")
                 start = time.perf_counter()
@@ -243,10 +297,12 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                 ingest_elapsed += time.perf_counter() - start
                 got: list[str] = []
                 start = time.perf_counter()
-                await asyncio.gather(*(
-                    _claimer(stubs[i], f"cell{i}", batch, claim_n, ack_batched, got, calls)
-                    for i in range(args.claimers)
-                ))
+                await asyncio.gather(
+                    *(
+                        _claimer(stubs[i], f"cell{i}", batch, claim_n, ack_batched, got, calls)
+                        for i in range(args.claimers)
+                    )
+                )
                 mode_elapsed += time.perf_counter() - start
                 status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=batch), timeout=10)
                 assert status.done, status
@@ -255,8 +311,12 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                 mode_claims += len(got)
                 claimed += got
             per_mode[name] = {
-                "claim_micro_steps_per_call": claim_n, "ack_batched": ack_batched, "claims": mode_claims,
-                "seconds": mode_elapsed, "claims_per_s": mode_claims / mode_elapsed, "rpcs": calls[0],
+                "claim_micro_steps_per_call": claim_n,
+                "ack_batched": ack_batched,
+                "claims": mode_claims,
+                "seconds": mode_elapsed,
+                "claims_per_s": mode_claims / mode_elapsed,
+                "rpcs": calls[0],
                 "rpcs_per_pair": calls[0] / mode_claims,
                 "claim_vs_roundtrip": (mode_claims / mode_elapsed) / (n_base / base_elapsed),
             }
@@ -265,12 +325,17 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         best = per_mode[f"claim_{args.claim_batch}_ack_batched"]
         return {
             "baseline_getbatch_per_s": n_base / base_elapsed,
-            "claims": one["claims"], "claims_per_s": one["claims_per_s"],
+            "claims": one["claims"],
+            "claims_per_s": one["claims_per_s"],
             "claim_vs_roundtrip": one["claim_vs_roundtrip"],
-            "batched_claims_per_s": best["claims_per_s"], "batched_vs_roundtrip": best["claim_vs_roundtrip"],
+            "batched_claims_per_s": best["claims_per_s"],
+            "batched_vs_roundtrip": best["claim_vs_roundtrip"],
             "modes": per_mode,
-            "ingest_tokens_per_s": tokens * batch / ingest_elapsed, "ingest_seconds": ingest_elapsed,
-            "micro_steps": micro_steps, "total_loss_tokens": total_tokens, "rounds": args.rounds,
+            "ingest_tokens_per_s": tokens * batch / ingest_elapsed,
+            "ingest_seconds": ingest_elapsed,
+            "micro_steps": micro_steps,
+            "total_loss_tokens": total_tokens,
+            "rounds": args.rounds,
         }
     finally:
         for c in channels:
@@ -321,10 +386,16 @@ async def main() -> None:
     result = {
         "benchmark": "packer_claims",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "params": vars(args) | {"out": None},
         "packing_in_process": {
-            "wal_fsync": durable, "wal_no_fsync": packing[False], "null_log_baseline": null,
+            "wal_fsync": durable,
+            "wal_no_fsync": packing[False],
+            "null_log_baseline": null,
             "ratio_fsync_vs_baseline": durable["tokens_per_s"] / null["tokens_per_s"],
             "ratio_no_fsync_vs_baseline": packing[False]["tokens_per_s"] / null["tokens_per_s"],
         },
@@ -334,16 +405,21 @@ async def main() -> None:
     result["summary"] = summarize(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({
-        "packing_tokens_per_s (fsync WAL)": round(durable["tokens_per_s"]),
-        "packing_tokens_per_s (WAL, no fsync)": round(packing[False]["tokens_per_s"]),
-        "packing_tokens_per_s (no log: baseline)": round(null["tokens_per_s"]),
-        "claims_per_s in process (16 claimers)": round(claims["claims_per_s"]),
-        "claims_per_s gRPC (16 claimers)": round(over_grpc["claims_per_s"]),
-        **{f"claims_per_s gRPC {k}": round(v["claims_per_s"]) for k, v in over_grpc["modes"].items()},
-        "GetBatch/s gRPC baseline (16 callers)": round(over_grpc["baseline_getbatch_per_s"]),
-        "ingest tokens/s gRPC (8 senders)": round(over_grpc["ingest_tokens_per_s"]),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "packing_tokens_per_s (fsync WAL)": round(durable["tokens_per_s"]),
+                "packing_tokens_per_s (WAL, no fsync)": round(packing[False]["tokens_per_s"]),
+                "packing_tokens_per_s (no log: baseline)": round(null["tokens_per_s"]),
+                "claims_per_s in process (16 claimers)": round(claims["claims_per_s"]),
+                "claims_per_s gRPC (16 claimers)": round(over_grpc["claims_per_s"]),
+                **{f"claims_per_s gRPC {k}": round(v["claims_per_s"]) for k, v in over_grpc["modes"].items()},
+                "GetBatch/s gRPC baseline (16 callers)": round(over_grpc["baseline_getbatch_per_s"]),
+                "ingest tokens/s gRPC (8 senders)": round(over_grpc["ingest_tokens_per_s"]),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

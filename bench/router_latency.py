@@ -71,14 +71,23 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def summary(xs: list[float]) -> dict[str, float]:
-    return {"p50_ms": pct(xs, 50) * 1e3, "p99_ms": pct(xs, 99) * 1e3, "mean_ms": statistics.fmean(xs) * 1e3, "n": len(xs)}
+    return {
+        "p50_ms": pct(xs, 50) * 1e3,
+        "p99_ms": pct(xs, 99) * 1e3,
+        "mean_ms": statistics.fmean(xs) * 1e3,
+        "n": len(xs),
+    }
 
 
 async def one_direct(stub: Any, i: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = 0.0
-    req = cell_agent_pb2.EngineGenerateRequest(request_id=f"d{i}-{secrets.token_hex(3)}", execution_id="bench", prompt_token_ids=PROMPT,
-                                               sampling=common_pb2.SamplingParams(max_tokens=TOKENS))
+    req = cell_agent_pb2.EngineGenerateRequest(
+        request_id=f"d{i}-{secrets.token_hex(3)}",
+        execution_id="bench",
+        prompt_token_ids=PROMPT,
+        sampling=common_pb2.SamplingParams(max_tokens=TOKENS),
+    )
     n = 0
     async for chunk in stub.Generate(req, timeout=60):
         if not first:
@@ -91,7 +100,9 @@ async def one_direct(stub: Any, i: int) -> tuple[float, float]:
 async def one_router(stub: Any, ex: str, token: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = 0.0
-    req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=TOKENS))
+    req = router_pb2.GenerateRequest(
+        execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=TOKENS)
+    )
     n = 0
     async for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {token}"),), timeout=60):
         if not first:
@@ -106,7 +117,9 @@ async def one_sse(session: aiohttp.ClientSession, url: str, token: str) -> tuple
     first = 0.0
     body = {"prompt": PROMPT, "max_tokens": TOKENS, "stream": True, "return_token_ids": True}
     n = 0
-    async with session.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+    async with session.post(
+        f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+    ) as r:
         async for raw in r.content:
             if raw.startswith(b"data: {"):
                 got = len(json.loads(raw[6:])["choices"][0].get("token_ids", []))
@@ -142,7 +155,9 @@ async def reroute_trials(ctx: dict[str, Any], trials: int) -> dict[str, Any]:
         ex, tok = f"rr-{t}-{secrets.token_hex(3)}", secrets.token_hex(8)
         await put_route(etcd, keys, ex, "a", ctx["engine_target"], tok)
         await asyncio.sleep(0.15)
-        req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=60))
+        req = router_pb2.GenerateRequest(
+            execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=60)
+        )
         call = ctx["router_stub"].Generate(req, metadata=(("authorization", f"Bearer {tok}"),), timeout=60)
         got = 0
         t_move = 0.0
@@ -152,8 +167,15 @@ async def reroute_trials(ctx: dict[str, Any], trials: int) -> dict[str, Any]:
             if got >= 10 and not t_move:
                 t_move = time.monotonic()
                 epoch = await put_route(etcd, keys, ex, "b", dest.target, tok)
-                await ctx["mover_stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
-                    fence=common_pb2.Fence(epoch=ctx["epoch"]), moves=[router_pb2.Move(execution_id=ex, from_cell="a", to_cell="b", route_epoch=epoch)]), timeout=10)
+                await ctx["mover_stub"].MoveExecutions(
+                    router_pb2.MoveExecutionsRequest(
+                        fence=common_pb2.Fence(epoch=ctx["epoch"]),
+                        moves=[
+                            router_pb2.Move(execution_id=ex, from_cell="a", to_cell="b", route_epoch=epoch)
+                        ],
+                    ),
+                    timeout=10,
+                )
             elif t_move and not after_move and [r for r in dest.engine.requests if r.execution_id == ex]:
                 after_move = time.monotonic()
         rids = [r.request_id for r in dest.engine.requests if r.execution_id == ex]
@@ -161,19 +183,41 @@ async def reroute_trials(ctx: dict[str, Any], trials: int) -> dict[str, Any]:
         first = [ts for k, r, ts in dest.engine.events if r == rids[0] and k == "first_token"][0]
         to_engine.append(first - t_move)
         to_harness.append(after_move - t_move)
-    return {"move_to_first_token_at_destination": summary(to_engine), "move_to_next_token_at_harness": summary(to_harness), "trials": trials}
+    return {
+        "move_to_first_token_at_destination": summary(to_engine),
+        "move_to_next_token_at_harness": summary(to_harness),
+        "trials": trials,
+    }
 
 
 def _engine(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"),
-                             "--token-delay-s", str(TOKEN_DELAY_S), *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "support" / "fake_engine.py"),
+            "--token-delay-s",
+            str(TOKEN_DELAY_S),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-router-"))
     pki = tmp / "certs"  # the bench's own CA: every TLS hop authenticates both ends
-    certs.ensure(pki, [Identity(Role.CELL_AGENT, "a"), Identity(Role.CELL_AGENT, "b"), Identity(Role.ROUTER, "router"),
-                       Identity(Role.HARNESS, "harness"), Identity(Role.SCHEDULER, "scheduler")])
+    certs.ensure(
+        pki,
+        [
+            Identity(Role.CELL_AGENT, "a"),
+            Identity(Role.CELL_AGENT, "b"),
+            Identity(Role.ROUTER, "router"),
+            Identity(Role.HARNESS, "harness"),
+            Identity(Role.SCHEDULER, "scheduler"),
+        ],
+    )
     set_process_tls(TlsFiles.from_dir(pki / "b"))  # the in-process destination engine is cell b
     etcd_server = EtcdServer()
     etcd_server.start()
@@ -186,10 +230,24 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         plain_target = json.loads(engine_plain.stdout.readline())["target"]
         tok_dir = build_tokenizer_dir(tmp / "model")
         cluster = "bench" + secrets.token_hex(3)
-        cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir), http_port=0,
-                           log_level="WARNING", tls={"dir": str(pki / "router")})
-        cfg_plain = write_config(tmp / "plain.yaml", cluster + "p", etcd_server.endpoint, model_dir=str(tok_dir), http_port=0,
-                                 log_level="WARNING", tls={"insecure": True})
+        cfg = write_config(
+            tmp / "cluster.yaml",
+            cluster,
+            etcd_server.endpoint,
+            model_dir=str(tok_dir),
+            http_port=0,
+            log_level="WARNING",
+            tls={"dir": str(pki / "router")},
+        )
+        cfg_plain = write_config(
+            tmp / "plain.yaml",
+            cluster + "p",
+            etcd_server.endpoint,
+            model_dir=str(tok_dir),
+            http_port=0,
+            log_level="WARNING",
+            tls={"insecure": True},
+        )
         router, url = start_router(cfg, tmp / "router.log")
         router2, _ = start_router(cfg, tmp / "router2.log", coalesce_ms=COALESCE_MS)
         router_plain, _ = start_router(cfg_plain, tmp / "router_plain.log")
@@ -205,7 +263,9 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         await asyncio.sleep(0.5)
         opts = [("grpc.max_concurrent_streams", 1000)]
         insecure = TlsFiles(insecure=True)
-        ech = dial(engine_target, TlsFiles.from_dir(pki / "router"), Role.CELL_AGENT, opts)  # as the router does
+        ech = dial(
+            engine_target, TlsFiles.from_dir(pki / "router"), Role.CELL_AGENT, opts
+        )  # as the router does
         ech_plain = dial(plain_target, insecure, None, opts)
         harness = TlsFiles.from_dir(pki / "harness")
         rch = dial(router.target, harness, Role.ROUTER, opts)
@@ -214,13 +274,30 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         mover = dial(router.target, TlsFiles.from_dir(pki / "scheduler"), Role.ROUTER, opts)
         dest = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=TOKEN_DELAY_S)).start()
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        ctx = {"engine_stub": cell_agent_pb2_grpc.EngineStub(ech), "router_stub": router_pb2_grpc.RouterStub(rch), "execs": execs,
-               "engine_plain_stub": cell_agent_pb2_grpc.EngineStub(ech_plain),
-               "router_plain_stub": router_pb2_grpc.RouterStub(rch_plain),
-               "router2_stub": router_pb2_grpc.RouterStub(rch2), "mover_stub": router_pb2_grpc.RouterStub(mover),
-               "epoch": epoch,
-               "session": session, "url": url, "etcd": etcd, "keys": keys, "engine_target": engine_target, "dest": dest}
-        kinds = ["direct", "router_grpc", "router_sse", "router_grpc_coalesce", "direct_plain", "router_grpc_plain"]
+        ctx = {
+            "engine_stub": cell_agent_pb2_grpc.EngineStub(ech),
+            "router_stub": router_pb2_grpc.RouterStub(rch),
+            "execs": execs,
+            "engine_plain_stub": cell_agent_pb2_grpc.EngineStub(ech_plain),
+            "router_plain_stub": router_pb2_grpc.RouterStub(rch_plain),
+            "router2_stub": router_pb2_grpc.RouterStub(rch2),
+            "mover_stub": router_pb2_grpc.RouterStub(mover),
+            "epoch": epoch,
+            "session": session,
+            "url": url,
+            "etcd": etcd,
+            "keys": keys,
+            "engine_target": engine_target,
+            "dest": dest,
+        }
+        kinds = [
+            "direct",
+            "router_grpc",
+            "router_sse",
+            "router_grpc_coalesce",
+            "direct_plain",
+            "router_grpc_plain",
+        ]
         for kind in kinds:  # warm-up: channels, connections, TLS sessions
             await run_round(kind, 8, ctx)
         results: dict[str, Any] = {}
@@ -229,7 +306,9 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             cpu = {k: {"router": 0.0, "engine": 0.0} for k in kinds}
             for _ in range(rounds):
                 for kind in kinds:  # alternate so drift hits every kind alike
-                    rpid = {"router_grpc_coalesce": router2.pid, "router_grpc_plain": router_plain.pid}.get(kind, router.pid)
+                    rpid = {"router_grpc_coalesce": router2.pid, "router_grpc_plain": router_plain.pid}.get(
+                        kind, router.pid
+                    )
                     epid = engine_plain.pid if kind.endswith("_plain") else engine.pid
                     r0, e0 = cpu_s(rpid), cpu_s(epid)
                     samples[kind] += await run_round(kind, conc, ctx)
@@ -246,17 +325,26 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
                 }
             for kind in kinds[1:]:
                 per[kind]["added_ms"] = {
-                    f"{m}_{q}": per[kind][m][f"{q}_ms"] - per["direct"][m][f"{q}_ms"] for m in ("ttft", "stream") for q in ("p50", "p99")
+                    f"{m}_{q}": per[kind][m][f"{q}_ms"] - per["direct"][m][f"{q}_ms"]
+                    for m in ("ttft", "stream")
+                    for q in ("p50", "p99")
                 }
                 per[kind]["ratio_vs_direct"] = {
-                    f"{m}_{q}": per[kind][m][f"{q}_ms"] / per["direct"][m][f"{q}_ms"] for m in ("ttft", "stream") for q in ("p50", "p99")
+                    f"{m}_{q}": per[kind][m][f"{q}_ms"] / per["direct"][m][f"{q}_ms"]
+                    for m in ("ttft", "stream")
+                    for q in ("p50", "p99")
                 }
             per["tls_cost"] = {
                 kind: {
-                    "router_cpu_us_per_token_added": per[kind]["router_cpu_us_per_token"] - per[plain]["router_cpu_us_per_token"],
-                    "engine_cpu_us_per_token_added": per[kind]["engine_cpu_us_per_token"] - per[plain]["engine_cpu_us_per_token"],
-                    **{f"ratio_{m}_{q}": per[kind][m][f"{q}_ms"] / per[plain][m][f"{q}_ms"]
-                       for m in ("ttft", "stream") for q in ("p50", "p99")},
+                    "router_cpu_us_per_token_added": per[kind]["router_cpu_us_per_token"]
+                    - per[plain]["router_cpu_us_per_token"],
+                    "engine_cpu_us_per_token_added": per[kind]["engine_cpu_us_per_token"]
+                    - per[plain]["engine_cpu_us_per_token"],
+                    **{
+                        f"ratio_{m}_{q}": per[kind][m][f"{q}_ms"] / per[plain][m][f"{q}_ms"]
+                        for m in ("ttft", "stream")
+                        for q in ("p50", "p99")
+                    },
                 }
                 for kind, plain in (("direct", "direct_plain"), ("router_grpc", "router_grpc_plain"))
             }
@@ -264,19 +352,25 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             print(f"[{conc} streams]")
             for kind in kinds:
                 p = per[kind]
-                print(f"  {kind:20s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | "
+                print(
+                    f"  {kind:20s} ttft p50 {p['ttft']['p50_ms']:7.1f} p99 {p['ttft']['p99_ms']:7.1f} | "
                     f"stream p50 {p['stream']['p50_ms']:7.1f} "
-                      f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} "
-                    f"engine {p['engine_cpu_us_per_token']:5.0f} us")
+                    f"p99 {p['stream']['p99_ms']:7.1f} ms | cpu/token router {p['router_cpu_us_per_token']:5.0f} "
+                    f"engine {p['engine_cpu_us_per_token']:5.0f} us"
+                )
             for kind, c in per["tls_cost"].items():
-                print(f"  TLS cost ({kind} vs plaintext): stream p50 x{c['ratio_stream_p50']:.2f} "
+                print(
+                    f"  TLS cost ({kind} vs plaintext): stream p50 x{c['ratio_stream_p50']:.2f} "
                     f"p99 x{c['ratio_stream_p99']:.2f}; "
-                      f"router CPU {c['router_cpu_us_per_token_added']:+.1f} us/token, "
-                    f"engine {c['engine_cpu_us_per_token_added']:+.1f} us/token")
+                    f"router CPU {c['router_cpu_us_per_token_added']:+.1f} us/token, "
+                    f"engine {c['engine_cpu_us_per_token_added']:+.1f} us/token"
+                )
         reroute = await reroute_trials(ctx, trials)
         r = reroute["move_to_first_token_at_destination"]
-        print(f"reroute: move -> first token at destination p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms; "
-              f"-> next token at harness p50 {reroute['move_to_next_token_at_harness']['p50_ms']:.1f} ms")
+        print(
+            f"reroute: move -> first token at destination p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms; "
+            f"-> next token at harness p50 {reroute['move_to_next_token_at_harness']['p50_ms']:.1f} ms"
+        )
         await session.close()
         for ch in (ech, ech_plain, rch, rch2, rch_plain, mover):
             await ch.close()
@@ -284,10 +378,18 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         await etcd.close()
         return {
             "benchmark": "router_latency",
-            "setup": {"tokens_per_stream": TOKENS, "token_delay_s": TOKEN_DELAY_S, "prompt_tokens": len(PROMPT), "rounds": rounds,
-                      "engine": "bench/support/fake_engine.py (one message per token)", "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS, "processes": "engine, router, client on loopback",
-                      "tls": "mutual TLS (ECDSA P-256, TLS 1.3) on every gRPC hop; *_plain: tls.insecure",
-                      "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+            "setup": {
+                "tokens_per_stream": TOKENS,
+                "token_delay_s": TOKEN_DELAY_S,
+                "prompt_tokens": len(PROMPT),
+                "rounds": rounds,
+                "engine": "bench/support/fake_engine.py (one message per token)",
+                "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS,
+                "processes": "engine, router, client on loopback",
+                "tls": "mutual TLS (ECDSA P-256, TLS 1.3) on every gRPC hop; *_plain: tls.insecure",
+                "cpus": __import__("os").cpu_count(),
+                "python": platform.python_version(),
+            },
             "concurrency": results,
             "reroute": reroute,
             "load_average_1m": __import__("os").getloadavg()[0],

@@ -64,8 +64,16 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[f
     keeper = asyncio.create_task(lease.run())
     election = LeaderElection(etcd, keys.leader(), "bench", lease)
     epoch = await election.campaign()
-    cfg = config_mod.load(SchedulerConfig, None, cluster_name=cluster, policy="rollout_only", batch_size=n // 2,
-                          group_size=2, over_provision=0.0, max_bursts=1)
+    cfg = config_mod.load(
+        SchedulerConfig,
+        None,
+        cluster_name=cluster,
+        policy="rollout_only",
+        batch_size=n // 2,
+        group_size=2,
+        over_provision=0.0,
+        max_bursts=1,
+    )
     store = SchedulerStore(etcd, keys, election)
     s = Scheduler(cfg, store, RecordingPeers(), GeneratedTasks())
     cell = {"cell_id": "sa", "kind": "standalone", "index": -1, "slots": n, "target": "sa:1"}
@@ -104,9 +112,13 @@ async def _baseline_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
         while queue:
             i = queue.pop()
             rec, route = keys.execution(1, f"e{i}"), keys.route(f"e{i}")
-            ok, rev = await etcd.txn([create_revision_is(rec, 0)], [Op(rec, b'{"state":"RUNNING"}'), Op(route, b"{}")])
+            ok, rev = await etcd.txn(
+                [create_revision_is(rec, 0)], [Op(rec, b'{"state":"RUNNING"}'), Op(route, b"{}")]
+            )
             assert ok
-            ok, _ = await etcd.txn([mod_revision_is(rec, rev)], [Op(rec, b'{"state":"COMPLETED"}'), Op(route, None)])
+            ok, _ = await etcd.txn(
+                [mod_revision_is(rec, rev)], [Op(rec, b'{"state":"COMPLETED"}'), Op(route, None)]
+            )
             assert ok
 
     start = time.perf_counter()
@@ -115,10 +127,14 @@ async def _baseline_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
 
 
 def _decide_us(cells: int = 64, calls: int = 2000) -> float:
-    views = tuple(CellView(f"cell-{i}", CellKind.ELASTIC, i, CellState.TRAINING if i < 8 else CellState.ROLLOUT, 8)
-                  for i in range(cells))
+    views = tuple(
+        CellView(f"cell-{i}", CellKind.ELASTIC, i, CellState.TRAINING if i < 8 else CellState.ROLLOUT, 8)
+        for i in range(cells)
+    )
     supply = SupplyTracker(0.5).observe(0.0, 40, 64, 64, 1)
-    snap = Snapshot(10.0, LedgerCounts(4096, 3800, 3700), views, supply, BurstView(3, 4096, 2, 3), 2, 4096, None)
+    snap = Snapshot(
+        10.0, LedgerCounts(4096, 3800, 3700), views, supply, BurstView(3, 4096, 2, 3), 2, 4096, None
+    )
     policy = WaterlevelPolicy()
     start = time.perf_counter()
     for _ in range(calls):
@@ -155,8 +171,10 @@ async def main() -> None:
                 "ratio": round(sched / base, 3),
                 "ledger_txns_per_lifecycle": round(txns / n, 3),
             }
-            print(f"C={conc:3d}: scheduler {sched:8.1f}/s  raw etcd txns {base:8.1f}/s  ratio {sched / base:.2f}  "
-                  f"txns/lifecycle {txns / n:.2f}")
+            print(
+                f"C={conc:3d}: scheduler {sched:8.1f}/s  raw etcd txns {base:8.1f}/s  ratio {sched / base:.2f}  "
+                f"txns/lifecycle {txns / n:.2f}"
+            )
         await etcd.close()
     us = _decide_us()
     results["waterlevel_decide_us_64_cells"] = round(us, 1)

@@ -54,13 +54,32 @@ CLUSTER = "bench"
 
 def _burst(burst_id: int, executions: int) -> tuple[Burst, list[bytes]]:
     """A closed burst and its execution records, serialized."""
-    burst = Burst(burst_id, burst_id - 1, burst_id, GROUP,
-                  tuple(Task(f"task-{burst_id}-{t}", '{"prompt": "p"}') for t in range(executions // GROUP)))
+    burst = Burst(
+        burst_id,
+        burst_id - 1,
+        burst_id,
+        GROUP,
+        tuple(Task(f"task-{burst_id}-{t}", '{"prompt": "p"}') for t in range(executions // GROUP)),
+    )
     recs = []
     for seq in range(burst.quota):
         eid, gid, task = burst.member(seq)
-        rec = ExecutionRecord(eid, burst_id, seq, gid, task.task_id, burst.policy_version, ExecState.COMPLETED,
-                              "ab" * 32, "harness-0042", 1.7e9, 1.7e9 + 90.0, 0.5, "f" * 32, "cd" * 32)
+        rec = ExecutionRecord(
+            eid,
+            burst_id,
+            seq,
+            gid,
+            task.task_id,
+            burst.policy_version,
+            ExecState.COMPLETED,
+            "ab" * 32,
+            "harness-0042",
+            1.7e9,
+            1.7e9 + 90.0,
+            0.5,
+            "f" * 32,
+            "cd" * 32,
+        )
         recs.append(rec.to_json())
     return burst, recs
 
@@ -82,9 +101,12 @@ async def _db(etcd: Etcd) -> tuple[int, int]:
 async def _compact_defrag(etcd: Etcd) -> None:
     client = etcd.client
     rev, _ = await etcd.get_prefix(b"/nothing/")
-    await client.kvstub.Compact(aetcd.rpc.CompactionRequest(revision=rev, physical=True), timeout=600,
-                                metadata=client.metadata)
-    await client.maintenancestub.Defragment(aetcd.rpc.DefragmentRequest(), timeout=600, metadata=client.metadata)
+    await client.kvstub.Compact(
+        aetcd.rpc.CompactionRequest(revision=rev, physical=True), timeout=600, metadata=client.metadata
+    )
+    await client.maintenancestub.Defragment(
+        aetcd.rpc.DefragmentRequest(), timeout=600, metadata=client.metadata
+    )
 
 
 async def _one(n: int, burst_size: int, archive: bool) -> dict[str, object]:
@@ -119,7 +141,9 @@ async def _one(n: int, burst_size: int, archive: bool) -> dict[str, object]:
                 one_request = f"ok: {len(kvs)} records in {time.perf_counter() - t0:.2f} s"
             except Exception as exc:  # noqa: BLE001 -- the failure is the finding
                 one_request = f"fails: {str(exc).splitlines()[0][:160]}"
-        cfg = config_mod.load(SchedulerConfig, None, cluster_name=CLUSTER, policy="rollout_only", group_size=GROUP)
+        cfg = config_mod.load(
+            SchedulerConfig, None, cluster_name=CLUSTER, policy="rollout_only", group_size=GROUP
+        )
         s = Scheduler(cfg, store, RecordingPeers(), GeneratedTasks())
         t0 = time.perf_counter()
         await s.take_over(int(epoch))
@@ -133,17 +157,25 @@ async def _one(n: int, burst_size: int, archive: bool) -> dict[str, object]:
         await asyncio.gather(keeper, return_exceptions=True)
         await etcd.close()
     out = {
-        "executions_closed": bursts * burst_size, "bursts": bursts, "archived": archive,
-        "takeover_s": round(takeover_s, 3), "records_read": live_records,
-        "etcd_db_bytes_as_written": db_written, "etcd_db_bytes_compacted": db_compacted,
-        "etcd_db_bytes_in_use": in_use, "write_s": round(write_s, 1),
+        "executions_closed": bursts * burst_size,
+        "bursts": bursts,
+        "archived": archive,
+        "takeover_s": round(takeover_s, 3),
+        "records_read": live_records,
+        "etcd_db_bytes_as_written": db_written,
+        "etcd_db_bytes_compacted": db_compacted,
+        "etcd_db_bytes_in_use": in_use,
+        "write_s": round(write_s, 1),
     }
     if not archive:
         out["one_unpaged_read"] = one_request
-    print(f"{'archived' if archive else 'kept    '} {bursts * burst_size:>9,} closed: takeover {takeover_s:7.3f} s "
-          f"({live_records:,} records read), etcd {db_written / 2**20:7.1f} MiB written, "
-          f"{db_compacted / 2**20:7.1f} MiB compacted" + (f"; one unpaged read {one_request}" if not archive else ""),
-          flush=True)
+    print(
+        f"{'archived' if archive else 'kept    '} {bursts * burst_size:>9,} closed: takeover {takeover_s:7.3f} s "
+        f"({live_records:,} records read), etcd {db_written / 2**20:7.1f} MiB written, "
+        f"{db_compacted / 2**20:7.1f} MiB compacted"
+        + (f"; one unpaged read {one_request}" if not archive else ""),
+        flush=True,
+    )
     return out
 
 
@@ -156,8 +188,13 @@ async def main() -> None:
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
     base = [int(x) for x in args.baseline_sizes.split(",") if x]
-    results: dict[str, object] = {"machine": platform.platform(), "burst_executions": args.burst,
-                                  "live_bursts": LIVE_BURSTS, "archived": [], "baseline_kept": []}
+    results: dict[str, object] = {
+        "machine": platform.platform(),
+        "burst_executions": args.burst,
+        "live_bursts": LIVE_BURSTS,
+        "archived": [],
+        "baseline_kept": [],
+    }
     for n in base:
         results["baseline_kept"].append(await _one(n, args.burst, archive=False))  # type: ignore[union-attr]
     for n in sizes:
@@ -168,12 +205,16 @@ async def main() -> None:
         if a:
             ratios[str(b["executions_closed"])] = {
                 "takeover_ratio_archived_vs_kept": round(a["takeover_s"] / b["takeover_s"], 4),
-                "db_ratio_archived_vs_kept": round(a["etcd_db_bytes_compacted"] / b["etcd_db_bytes_compacted"], 4),
+                "db_ratio_archived_vs_kept": round(
+                    a["etcd_db_bytes_compacted"] / b["etcd_db_bytes_compacted"], 4
+                ),
             }
     results["ratios"] = ratios
     for k, v in ratios.items():
-        print(f"{int(k):>9,} closed: takeover archived/kept {v['takeover_ratio_archived_vs_kept']:.3f}, "
-              f"etcd (compacted) archived/kept {v['db_ratio_archived_vs_kept']:.3f}")
+        print(
+            f"{int(k):>9,} closed: takeover archived/kept {v['takeover_ratio_archived_vs_kept']:.3f}, "
+            f"etcd (compacted) archived/kept {v['db_ratio_archived_vs_kept']:.3f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -52,13 +52,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _join(lead: tuple[BenchPki, int], target: str, batch: int, version: int, prefix: int, core: str) -> bool:
+async def _join(
+    lead: tuple[BenchPki, int], target: str, batch: int, version: int, prefix: int, core: str
+) -> bool:
     """JoinBatch as the scheduler would send it: its identity, its (etcd-verified) epoch."""
     pki, epoch = lead
     async with pki.channel(target, "scheduler", Role.SCHEDULER, Role.CELL_AGENT) as ch:
         r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
-                                prefix_size=prefix, core_target=core), timeout=120)
+            pb.JoinBatchRequest(
+                fence=cpb.Fence(epoch=epoch),
+                batch_id=batch,
+                policy_version=version,
+                prefix_size=prefix,
+                core_target=core,
+            ),
+            timeout=120,
+        )
     return r.joined
 
 
@@ -81,8 +90,9 @@ def _outcomes(log: Path) -> dict[int, dict]:
     return out
 
 
-async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str,
-                repeats: int) -> dict:
+async def run_k(
+    k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str, repeats: int
+) -> dict:
     cluster = f"bench{k}"
     packer = FakePacker()
     server = grpc.aio.server()
@@ -92,16 +102,31 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
     await server.start()
     cfg = {
         "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
-        "trainer_cell": {"training": {
-            "model_dir": str(model_dir), "dtype": dtype, "lr": 1e-4, "world_size": k,
-            "dist_master": f"127.0.0.1:{_free_port()}", "packer_target": f"127.0.0.1:{port}",
-            "claim_wait_s": 0.5, "snapshot_chunk_bytes": 1 << 20,
-        }},
+        "trainer_cell": {
+            "training": {
+                "model_dir": str(model_dir),
+                "dtype": dtype,
+                "lr": 1e-4,
+                "world_size": k,
+                "dist_master": f"127.0.0.1:{_free_port()}",
+                "packer_target": f"127.0.0.1:{port}",
+                "claim_wait_s": 0.5,
+                "snapshot_chunk_bytes": 1 << 20,
+            }
+        },
     }
     path = work / f"k{k}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    procs = [ServiceProcess("cell_agent.training.worker", path, {"cell_id": f"c{i}", "index": i},
-                            env={"OMP_NUM_THREADS": "1"}, log_path=work / f"k{k}-c{i}.log") for i in range(k)]
+    procs = [
+        ServiceProcess(
+            "cell_agent.training.worker",
+            path,
+            {"cell_id": f"c{i}", "index": i},
+            env={"OMP_NUM_THREADS": "1"},
+            log_path=work / f"k{k}-c{i}.log",
+        )
+        for i in range(k)
+    ]
     client = Etcd([etcd.endpoint])
     await client.connect()
     key = Keys(cluster).policy()
@@ -144,16 +169,27 @@ async def run_k(k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: in
         await client.close()
     outs = [_outcomes(work / f"k{k}-c{i}.log") for i in range(k)]
     joins = [
-        {"cell": f"c{i}", "pull_s": o[2]["joined_s"], "first_micro_step_s": o[2]["first_micro_step_s"],
-         "micro_steps_trained": o[2]["local_micro_steps"]}
-        for i, o in enumerate(outs) if i > 0
+        {
+            "cell": f"c{i}",
+            "pull_s": o[2]["joined_s"],
+            "first_micro_step_s": o[2]["first_micro_step_s"],
+            "micro_steps_trained": o[2]["local_micro_steps"],
+        }
+        for i, o in enumerate(outs)
+        if i > 0
     ]
     last = 2 + repeats
     share = [o[last]["local_micro_steps"] for o in outs]
-    return {"cells": k, "batch_tokens": round(tokens), "batch_seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tokens_per_s_all": rates,
-            "micro_steps_per_cell": share, "satellite_joins": joins,
-            "core_step_tokens": outs[0][last]["total_tokens"]}
+    return {
+        "cells": k,
+        "batch_tokens": round(tokens),
+        "batch_seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_all": rates,
+        "micro_steps_per_cell": share,
+        "satellite_joins": joins,
+        "core_step_tokens": outs[0][last]["total_tokens"],
+    }
 
 
 async def main() -> None:
@@ -165,8 +201,12 @@ async def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-train-"))
     model_dir = build_tiny_model(work / "tiny", seed=0)
-    n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"]).load_file(
-        str(model_dir / "model.safetensors")).values())
+    n_params = sum(
+        t.numel()
+        for t in __import__("safetensors.torch", fromlist=["load_file"])
+        .load_file(str(model_dir / "model.safetensors"))
+        .values()
+    )
     etcd = EtcdServer()
     etcd.start()
     try:
@@ -185,8 +225,12 @@ async def main() -> None:
         "model": {"dir": "apps.model.tiny seed 0", "params": n_params, "dtype": args.dtype},
         "micro_steps_per_batch": args.micro_steps,
         "repeats": args.repeats,
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cuda": torch.cuda.is_available()},
+        "machine": {
+            "cpus": __import__("os").cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(),
+        },
         "runs": runs,
         "logs": str(work),
     }

@@ -32,7 +32,9 @@ OUT = Path(__file__).resolve().parent / "results" / "trajectory_vllm.json"
 SYSTEM = "You are a coding agent. Use tools: list_files, read_file, write_file. Answer with the number."
 
 
-async def episode(engine: Any, tok: Any, method: str, k: int, turns: int, max_tokens: int) -> list[dict[str, int]]:
+async def episode(
+    engine: Any, tok: Any, method: str, k: int, turns: int, max_tokens: int
+) -> list[dict[str, int]]:
     from apps.harness.env import TOOLS
     from services.cell_agent.engines.base import Sampling
     from services.router.tokenization import normalize_messages
@@ -51,14 +53,30 @@ async def episode(engine: Any, tok: Any, method: str, k: int, turns: int, max_to
         else:
             prompt = (await asyncio.to_thread(chat_prompt, tok, store.get("x"), norm, TOOLS)).token_ids
         rid = f"{method}-{k}-{turn}"
-        sampling = Sampling(max_tokens=max_tokens, temperature=1.0, seed=1 + k * 1000 + turn, stop_token_ids=tok.stop_token_ids)
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=1 + k * 1000 + turn,
+            stop_token_ids=tok.stop_token_ids,
+        )
         out = [t async for c in engine.generate(rid, prompt, sampling) for t in c.token_ids]
         text = tok.decode(out)
         traj = store.record("x", prompt, out)
         store.attach_chat("x", traj, ChatState(tuple(norm), canonical_tools(TOOLS), reply_key(text, [])))
-        rows.append({"prompt": len(prompt), "cached": engine.cached_tokens.get(rid, 0), "output": len(out),
-                     "prompt_ids": prompt, "output_ids": out})
-        observation = ("files: answer.txt notes.txt", f"notes.txt: The secret number is {10 + k}.", "write_file answer.txt: ok")[turn % 3]
+        rows.append(
+            {
+                "prompt": len(prompt),
+                "cached": engine.cached_tokens.get(rid, 0),
+                "output": len(out),
+                "prompt_ids": prompt,
+                "output_ids": out,
+            }
+        )
+        observation = (
+            "files: answer.txt notes.txt",
+            f"notes.txt: The secret number is {10 + k}.",
+            "write_file answer.txt: ok",
+        )[turn % 3]
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": observation}]
     return rows
 
@@ -71,8 +89,12 @@ def summarize(episodes: list[list[dict[str, Any]]]) -> dict[str, Any]:
     segs, seg_tokens, turn_tokens = [], [], []
     prompt_later = cached_later = 0
     for rows in episodes:
-        turns = {i: Turn.validated("x", "g", i, r["prompt_ids"], r["output_ids"], [-0.1] * len(r["output_ids"]), [], [], 1 << 30)
-                 for i, r in enumerate(rows)}
+        turns = {
+            i: Turn.validated(
+                "x", "g", i, r["prompt_ids"], r["output_ids"], [-0.1] * len(r["output_ids"]), [], [], 1 << 30
+            )
+            for i, r in enumerate(rows)
+        }
         for i in range(1, len(rows)):
             pairs += 1
             consistent += continues(turns[i - 1], turns[i])
@@ -105,15 +127,21 @@ async def main(episodes: int, turns: int, max_tokens: int, model_dir: str) -> di
         for method in ("before", "after"):
             await engine.llm.reset_prefix_cache()
             t0 = time.perf_counter()
-            runs = await asyncio.gather(*[episode(engine, tok, method, k, turns, max_tokens) for k in range(episodes)])
+            runs = await asyncio.gather(
+                *[episode(engine, tok, method, k, turns, max_tokens) for k in range(episodes)]
+            )
             results[method] = {**summarize(runs), "wall_s": round(time.perf_counter() - t0, 2)}
             print(method, json.dumps(results[method]))
     finally:
         await engine.shutdown()
     b, a = results["before"], results["after"]
     results["ratios"] = {
-        "prefill_tokens_after_vs_before": round(a["prefill_tokens_turns_2plus"] / b["prefill_tokens_turns_2plus"], 3),
-        "training_tokens_segments_vs_per_turn": round(a["training_tokens_per_episode_segments"] / a["training_tokens_per_episode_per_turn"], 3),
+        "prefill_tokens_after_vs_before": round(
+            a["prefill_tokens_turns_2plus"] / b["prefill_tokens_turns_2plus"], 3
+        ),
+        "training_tokens_segments_vs_per_turn": round(
+            a["training_tokens_per_episode_segments"] / a["training_tokens_per_episode_per_turn"], 3
+        ),
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=2))

@@ -42,8 +42,9 @@ IMAGES = {"gyre": "gyre:0.1.0", "etcd": "gyre-etcd:0.1.0"}
 ONE_SHOTS = ("certs", "etcd-auth", "model")
 HEALTHY = ("etcd", "scheduler", "router", "packer", "cell-0", "cell-1", "cell-2", "rollout-0", "dashboard")
 KILLED_CELL = "cell-2"
-PODMAN_CONF = ('[containers]\ndefault_ulimits = []\n\n'
-               '[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n')
+PODMAN_CONF = (
+    '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
+)
 
 
 class SmokeFailure(RuntimeError):
@@ -72,12 +73,27 @@ class Engine:
     def _health_ticker(self, project: str) -> None:
         while not self.stop.is_set():
             names = subprocess.run(
-                ["podman", "ps", "--filter", f"label=com.docker.compose.project={project}",
-                 "--format", "{{.Names}}"],
-                env=self.env, capture_output=True, text=True, check=False).stdout.split()
+                [
+                    "podman",
+                    "ps",
+                    "--filter",
+                    f"label=com.docker.compose.project={project}",
+                    "--format",
+                    "{{.Names}}",
+                ],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.split()
             for name in names:
-                subprocess.run(["podman", "healthcheck", "run", name], env=self.env, capture_output=True,
-                               timeout=60, check=False)
+                subprocess.run(
+                    ["podman", "healthcheck", "run", name],
+                    env=self.env,
+                    capture_output=True,
+                    timeout=60,
+                    check=False,
+                )
             self.stop.wait(2.0)
 
     def close(self) -> None:
@@ -116,8 +132,9 @@ def _compose_command(env: dict[str, str]) -> list[str]:
 
 def _start_podman(env: dict[str, str]) -> tuple[dict[str, str], subprocess.Popen[bytes]]:
     if shutil.which("podman") is None:
-        raise SmokeFailure("no Docker engine answers and podman is not installed "
-                           "(apt-get install podman runc)")
+        raise SmokeFailure(
+            "no Docker engine answers and podman is not installed (apt-get install podman runc)"
+        )
     STATE.mkdir(parents=True, exist_ok=True)
     conf = STATE / "containers.conf"
     conf.write_text(PODMAN_CONF)
@@ -126,7 +143,10 @@ def _start_podman(env: dict[str, str]) -> tuple[dict[str, str], subprocess.Popen
     env = {**env, "CONTAINERS_CONF": str(conf), "DOCKER_HOST": f"unix://{sock}"}
     service = subprocess.Popen(
         ["podman", "--runtime", "runc", "system", "service", "--time=0", f"unix://{sock}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=(STATE / "service.log").open("wb"))
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(STATE / "service.log").open("wb"),
+    )
     for _ in range(100):
         if sock.exists():
             return env, service
@@ -144,10 +164,12 @@ def connect() -> Engine:
     return Engine("podman", env, _compose_command(env), service=service)
 
 
-def run(cmd: list[str], engine: Engine, *, check: bool = True, capture: bool = False,
-        timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run(cmd, env=engine.env, cwd=ROOT, text=True, capture_output=capture,
-                         timeout=timeout, check=False)
+def run(
+    cmd: list[str], engine: Engine, *, check: bool = True, capture: bool = False, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(
+        cmd, env=engine.env, cwd=ROOT, text=True, capture_output=capture, timeout=timeout, check=False
+    )
     if check and res.returncode != 0:
         detail = (res.stderr or "")[-2000:] if capture else ""
         raise SmokeFailure(f"`{' '.join(cmd)}` exited {res.returncode} {detail}")
@@ -238,8 +260,9 @@ def first_burst(engine: Engine, project: str, url: str) -> dict[str, Any] | None
         return status
     code = harness_exit(engine, project)
     if code is not None:
-        logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness",
-                       capture=True, check=False).stdout
+        logs = compose(
+            engine, project, "logs", "--no-color", "--tail", "5", "harness", capture=True, check=False
+        ).stdout
         raise SmokeFailure(f"the harness exited {code} before the first burst completed:\n{logs}")
     return None
 
@@ -262,11 +285,13 @@ def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[s
     log(f"burst 1 completed (policy v{first.get('policy_version')}): killing {KILLED_CELL}")
     compose(engine, project, "kill", "-s", "SIGKILL", KILLED_CELL)
     killed_at = time.monotonic()
-    code = wait_until("the harness to finish", timeout_s, lambda: harness_exit(engine, project),
-                      interval_s=5.0)
+    code = wait_until(
+        "the harness to finish", timeout_s, lambda: harness_exit(engine, project), interval_s=5.0
+    )
     engine.timings["after_kill_to_harness_done_s"] = round(time.monotonic() - killed_at, 1)
-    logs = compose(engine, project, "logs", "--no-color", "--tail", "5", "harness",
-                   capture=True, check=False).stdout
+    logs = compose(
+        engine, project, "logs", "--no-color", "--tail", "5", "harness", capture=True, check=False
+    ).stdout
     if code != 0:
         raise SmokeFailure(f"the harness exited {code}:\n{logs}")
     status = wait_until("the final status", 60, lambda: scheduler_status(url))

@@ -89,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = new_key()
         path = Path(args.file)
         existing = path.read_text() if path.exists() else "# harness API keys: NAME SHA256(key)\n"
-        path.write_text(existing + ("" if existing.endswith("\n") else "\n") + f"{args.name} {hash_key(key)}\n")
+        path.write_text(
+            existing + ("" if existing.endswith("\n") else "\n") + f"{args.name} {hash_key(key)}\n"
+        )
         if args.key_out:
             fd = os.open(args.key_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:

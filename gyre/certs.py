@@ -107,10 +107,12 @@ class CertificateAuthority:
         if self.exists():
             raise FileExistsError(f"a CA already exists at {self.cert_path}")
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gyre"),
-            x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA"),
-        ])
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gyre"),
+                x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA"),
+            ]
+        )
         now = _now()
         cert = (
             x509.CertificateBuilder()
@@ -123,9 +125,15 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=False, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -150,11 +158,13 @@ class CertificateAuthority:
         """Issues (or replaces) the certificate of ``identity`` under ``root/<name>/``."""
         ca_cert, ca_key = self._load()
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gyre"),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.role.value),
-            x509.NameAttribute(NameOID.COMMON_NAME, identity.name),
-        ])
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gyre"),
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.role.value),
+                x509.NameAttribute(NameOID.COMMON_NAME, identity.name),
+            ]
+        )
         now = _now()
         cert = (
             x509.CertificateBuilder()
@@ -167,9 +177,15 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=True, key_cert_sign=False, crl_sign=False,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=True,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -237,7 +253,9 @@ def identity_of_pem(pem: bytes) -> Identity:
     return identity_of(x509.load_pem_x509_certificate(pem))
 
 
-def ensure(root: str | os.PathLike[str], identities: Iterable[Identity], sans: Sequence[str] = ()) -> list[IssuedCert]:
+def ensure(
+    root: str | os.PathLike[str], identities: Iterable[Identity], sans: Sequence[str] = ()
+) -> list[IssuedCert]:
     """Creates the CA if there is none and issues every identity that lacks a valid
     certificate (first start of a local cluster); returns what it issued."""
     ca = CertificateAuthority(root)
@@ -269,7 +287,9 @@ def identities_of_launch(config: dict[str, object]) -> list[Identity]:
     out = list(BASE_IDENTITIES)
     for spec in launch.get("processes") or []:
         service = spec["service"]
-        cell_id = str((spec.get("set") or {}).get("cell_id") or _section(config, service).get("cell_id") or "")
+        cell_id = str(
+            (spec.get("set") or {}).get("cell_id") or _section(config, service).get("cell_id") or ""
+        )
         out.append(service_identity(service, cell_id))
     return out
 
@@ -286,8 +306,9 @@ _MODULE_SECTIONS = {"cell_agent.training.worker": "trainer_cell"}
 """Service modules whose config section is not their name."""
 
 
-def ensure_process_identity(service: str, config: Mapping[str, Any], overrides: Mapping[str, Any],
-                            env: Mapping[str, str]) -> IssuedCert | None:
+def ensure_process_identity(
+    service: str, config: Mapping[str, Any], overrides: Mapping[str, Any], env: Mapping[str, str]
+) -> IssuedCert | None:
     """Issues the certificate a service process is about to need, when its ``tls.dir`` is
     ``ROOT/{identity}`` and ROOT holds a local CA with its key (``make up``, the demo, the
     emulator, tests). A cluster whose CA key is elsewhere (an external CA, Kubernetes
@@ -301,7 +322,11 @@ def ensure_process_identity(service: str, config: Mapping[str, Any], overrides: 
     section = dict(config.get(service) or {})
     cluster = dict(config.get("cluster") or {})
     prefix = f"GYRE_{service.upper()}__"
-    tls = {**dict(cluster.get("tls") or {}), **dict(section.get("tls") or {}), **dict(overrides.get("tls") or {})}
+    tls = {
+        **dict(cluster.get("tls") or {}),
+        **dict(section.get("tls") or {}),
+        **dict(overrides.get("tls") or {}),
+    }
     for key in ("dir", "insecure"):
         if prefix + "TLS__" + key.upper() in env:
             tls[key] = env[prefix + "TLS__" + key.upper()]
@@ -310,7 +335,9 @@ def ensure_process_identity(service: str, config: Mapping[str, Any], overrides: 
     root = identity_root(str(tls.get("dir") or ""))
     if root is None or not CertificateAuthority(root).exists():
         return None
-    cell_id = str(env.get(prefix + "CELL_ID") or overrides.get("cell_id") or section.get("cell_id") or "cell-0")
+    cell_id = str(
+        env.get(prefix + "CELL_ID") or overrides.get("cell_id") or section.get("cell_id") or "cell-0"
+    )
     identity = service_identity(service, cell_id)
     ca = CertificateAuthority(root)
     return ca.issue(identity) if ca.needs_issue(identity) else None
@@ -321,8 +348,10 @@ def _describe(path: Path) -> str:
     who = identity_of(cert)
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     names = ", ".join(str(getattr(n, "value", n)) for n in sans)
-    return (f"{who.role.value} {who.name}: valid {cert.not_valid_before_utc:%Y-%m-%d} .. "
-            f"{cert.not_valid_after_utc:%Y-%m-%d}; names {names}; issuer {cert.issuer.rfc4514_string()}")
+    return (
+        f"{who.role.value} {who.name}: valid {cert.not_valid_before_utc:%Y-%m-%d} .. "
+        f"{cert.not_valid_after_utc:%Y-%m-%d}; names {names}; issuer {cert.issuer.rfc4514_string()}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -361,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out = ca.issue(identity, args.san, args.days)
                 print(f"issued {identity}: {out.dir}")
             else:
-                print(f"{identity}: a valid certificate exists in {Path(args.dir) / identity.name} (--force reissues)")
+                print(
+                    f"{identity}: a valid certificate exists in {Path(args.dir) / identity.name} (--force reissues)"
+                )
         elif args.cmd == "ensure":
             from gyre.config import read_file
 

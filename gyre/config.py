@@ -39,11 +39,13 @@ class TlsConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     insecure: bool = Field(
-        False, description="Plaintext, no identities, every RPC admitted: an explicit opt-out for "
+        False,
+        description="Plaintext, no identities, every RPC admitted: an explicit opt-out for "
         "local debugging, logged as a warning.",
     )
     dir: str = Field(
-        "", description="Identity directory holding tls.crt, tls.key and ca.crt; '{identity}' stands for "
+        "",
+        description="Identity directory holding tls.crt, tls.key and ca.crt; '{identity}' stands for "
         "this process's identity name (scheduler, router, packer, dashboard, or the cell id).",
     )
     cert_file: str = Field("", description="PEM certificate of this process (overrides dir/tls.crt).")
@@ -69,7 +71,9 @@ class ServiceConfig(BaseSettings):
     )
     etcd_timeout_s: float = Field(5.0, gt=0, description="Deadline of each etcd call.")
     lease_ttl_s: int = Field(
-        10, ge=2, le=60,
+        10,
+        ge=2,
+        le=60,
         description="TTL of this process's etcd lease: how long a stalled or dead process keeps its "
         "registrations, claims and leadership. 10 s survives CPU starvation on a 2-core machine.",
     )
@@ -90,7 +94,9 @@ class ServiceConfig(BaseSettings):
     otlp_endpoint: str = Field("127.0.0.1:4317", description="OTLP gRPC collector, if tracing=otlp.")
     tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS (on by default).")
     health_port: int = Field(
-        0, ge=0, le=65535,
+        0,
+        ge=0,
+        le=65535,
         description="Plaintext port serving only grpc.health.v1 (Kubernetes' gRPC probes cannot "
         "do TLS); 0: none. Health is also served on the main (mTLS) port.",
     )
@@ -135,7 +141,9 @@ def load(cls: type[T], path: str | os.PathLike[str] | None = None, **overrides: 
     section = cls.SECTION
     for old, new in cls.MOVED_SECTIONS.items():
         if old in data:
-            raise ValueError(f"{path or os.environ.get(CONFIG_ENV)}: the top-level '{old}:' section is now '{new}'; move it there")
+            raise ValueError(
+                f"{path or os.environ.get(CONFIG_ENV)}: the top-level '{old}:' section is now '{new}'; move it there"
+            )
     merged: dict[str, Any] = {}
     merged.update(_shared_fields(cls, data.get("cluster") or {}))
     merged.update(data.get(section) or {})

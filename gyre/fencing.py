@@ -71,7 +71,9 @@ class FenceGuard:
             return self._highest
         if epoch < current:
             raise StaleEpoch(f"stale fencing epoch {epoch} < {current} (the current leader's)")
-        raise UnverifiedEpoch(f"fencing epoch {epoch} is not the current leader's (etcd says {current or 'none'})")
+        raise UnverifiedEpoch(
+            f"fencing epoch {epoch} is not the current leader's (etcd says {current or 'none'})"
+        )
 
     async def _read_leader(self) -> int:
         """A fresh read per command (a shared one might predate the election that made the

@@ -61,9 +61,7 @@ def check_name(name: str, role: Role) -> str:
     """A DNS-label-like name (it also becomes a DNS SAN and an etcd user); a role's name is
     reserved for that role."""
     if not _NAME_RE.match(name):
-        raise ValueError(
-            f"bad identity name {name!r}: letters, digits, '.', '_' or '-', 1..63 characters"
-        )
+        raise ValueError(f"bad identity name {name!r}: letters, digits, '.', '_' or '-', 1..63 characters")
     for other in Role:
         if name == other.value and other is not role:
             raise ValueError(f"the name {name!r} is reserved for the {other.value} role")

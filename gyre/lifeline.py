@@ -109,7 +109,9 @@ class _Spawner:
     timer) would take its children with it when it ends."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]] = (
+            queue.SimpleQueue()
+        )
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -227,8 +229,11 @@ class PidFile:
                 entries.append({"pid": p.pid, "start": p.create_time(), "name": p.name()})
             except psutil.NoSuchProcess:
                 continue
-        record = {"owner": {"pid": owner, "start": _start_time(owner)}, "processes": entries,
-                  "written": time.time()}
+        record = {
+            "owner": {"pid": owner, "start": _start_time(owner)},
+            "processes": entries,
+            "written": time.time(),
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record))

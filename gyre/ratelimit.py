@@ -14,8 +14,13 @@ from collections.abc import Callable
 class KeyedLimiter:
     """One token bucket per key; :meth:`take` spends a token or says how long to wait."""
 
-    def __init__(self, rate_per_s: float, burst: int, max_keys: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rate_per_s: float,
+        burst: int,
+        max_keys: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if rate_per_s < 0 or burst < 1:
             raise ValueError("rate_per_s must be >= 0 and burst >= 1")
         self.rate = rate_per_s

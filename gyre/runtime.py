@@ -63,7 +63,9 @@ AfterStart = Callable[[Runtime], Awaitable[None]]
 Prepare = Callable[[ServiceConfig], None]
 
 
-async def serve(name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None) -> None:
+async def serve(
+    name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None
+) -> None:
     """Runs one service until a signal or a fatal error."""
     tracer_provider = setup_tracing(name, cfg.tracing, cfg.otlp_endpoint)
     tls = TlsFiles.resolve(cfg.tls, cfg.identity_name())
@@ -131,7 +133,9 @@ def main(
     made before it lapsed are put again only if the service registered a session hook)."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
     parser.add_argument("--config", default=os.environ.get(config_mod.CONFIG_ENV), help="cluster config YAML")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field"
+    )
     args = parser.parse_args(argv)
     overrides = config_mod.parse_set(args.set)
     cfg = config_mod.load(config_cls, args.config, **overrides)

@@ -38,7 +38,10 @@ class Sampling:
 
     @classmethod
     def from_proto(
-        cls, msg: common_pb2.SamplingParams, max_tokens_limit: int = 1 << 20, default_stop: tuple[int, ...] = ()
+        cls,
+        msg: common_pb2.SamplingParams,
+        max_tokens_limit: int = 1 << 20,
+        default_stop: tuple[int, ...] = (),
     ) -> Sampling:
         """Validated; an unset top_p (0) means 1, unset stop ids mean ``default_stop``."""
         return cls(

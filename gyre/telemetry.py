@@ -82,7 +82,9 @@ def setup_tracing(service: str, exporter: str, otlp_endpoint: str = "") -> Any:
     elif exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
+        )
     else:
         raise ValueError(f"tracing must be off, console or otlp, not {exporter!r}")
     trace.set_tracer_provider(provider)

@@ -54,5 +54,7 @@ class Chunk:
             token_ids=self.token_ids,
             logprobs=self.logprobs,
             policy_version=self.policy_version,
-            finish_reason=self.finish_reason.value if self.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED,
+            finish_reason=self.finish_reason.value
+            if self.finish_reason
+            else common_pb2.FINISH_REASON_UNSPECIFIED,
         )

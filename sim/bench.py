@@ -24,7 +24,7 @@ import os
 import pickle
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,14 +56,33 @@ def _cache_path(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_eve
     root = os.environ.get(CACHE_ENV)
     if not root:
         return None
-    top = cfg.model_dump(mode="json", exclude={"scenarios", "suites", "policies", "variants", "targets",
-                                               "static_training_cells", "sweep_cutoff"})
-    key = json.dumps({"cfg": top, "sc": sc.model_dump(mode="json", exclude={"seeds"}), "spec": vars(spec),
-                      "record": record_every_s}, sort_keys=True)
+    top = cfg.model_dump(
+        mode="json",
+        exclude={
+            "scenarios",
+            "suites",
+            "policies",
+            "variants",
+            "targets",
+            "static_training_cells",
+            "sweep_cutoff",
+        },
+    )
+    key = json.dumps(
+        {
+            "cfg": top,
+            "sc": sc.model_dump(mode="json", exclude={"seeds"}),
+            "spec": vars(spec),
+            "record": record_every_s,
+        },
+        sort_keys=True,
+    )
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".pkl")
 
 
-def cached_run(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float) -> RunResult | None:
+def cached_run(
+    cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float
+) -> RunResult | None:
     """``run_policy``, through the cache of ``$GYRE_SIM_CACHE`` when it is set (None: not in
     the cache and ``$GYRE_SIM_CACHE_ONLY`` is set)."""
     path = _cache_path(cfg, sc, spec, record_every_s)
@@ -169,7 +188,7 @@ def _neighbours(coarse: list[int], t: int) -> list[int]:
     """``t`` and the coarse points on either side of it."""
     pts = sorted(set(coarse) | {t})
     i = pts.index(t)
-    return pts[max(0, i - 1): i + 2]
+    return pts[max(0, i - 1) : i + 2]
 
 
 def _middle_out(points: list[int]) -> list[int]:
@@ -182,19 +201,24 @@ def _middle_out(points: list[int]) -> list[int]:
 class _Runner:
     """Runs the rows of one scenario x seed."""
 
-    def __init__(self, cfg: SimConfig, sc: ScenarioConfig, res: ScenarioResult, record_every_s: float,
-                 log: Log) -> None:
+    def __init__(
+        self, cfg: SimConfig, sc: ScenarioConfig, res: ScenarioResult, record_every_s: float, log: Log
+    ) -> None:
         self.cfg, self.sc, self.res, self.record_every_s, self.log = cfg, sc, res, record_every_s, log
 
-    def one(self, spec: PolicySpec, sc: ScenarioConfig, label: str, cfg: SimConfig | None = None) -> RunResult | None:
+    def one(
+        self, spec: PolicySpec, sc: ScenarioConfig, label: str, cfg: SimConfig | None = None
+    ) -> RunResult | None:
         r = cached_run(cfg or self.cfg, sc, spec, self.record_every_s)
         if r is None:
             self.log(f"[{sc.name} seed {sc.seed}] {label:34s} not run (not in the cache)")
             return None
         r.label = label
         shown = f"{r.time_to_n_s:9.0f} s" if r.reached else f"  > {sc.training.horizon_s:.0f} s (cut)"
-        self.log(f"[{sc.name} seed {sc.seed}] {label:34s} time to {sc.training.updates} updates {shown}  "
-                 f"({r.events_processed} events, {r.sim_wall_s:.1f} s wall)")
+        self.log(
+            f"[{sc.name} seed {sc.seed}] {label:34s} time to {sc.training.updates} updates {shown}  "
+            f"({r.events_processed} events, {r.sim_wall_s:.1f} s wall)"
+        )
         return r
 
     def row(self, entry: PolicyEntry) -> RoleResult:
@@ -215,17 +239,20 @@ class _Runner:
 
     def at(self, entry: PolicyEntry, name: str) -> RoleResult:
         """One run at the split of another row's oracle."""
-        ref = self.res.roles.get(entry.at)
+        ref = self.res.roles.get(entry.at) if entry.at is not None else None
         best = next((p for p in ref.sweep if p.label == ref.label), None) if ref is not None else None
         if best is None:
             return RoleResult(entry.role, None, None, missing=f"row {entry.at!r} has no oracle to run at")
         label = point_label(name, best.training_cells, best.placement)
-        r = self.one(PolicySpec(name, training_cells=best.training_cells), _with(self.sc, best.placement), label)
+        r = self.one(
+            PolicySpec(name, training_cells=best.training_cells), _with(self.sc, best.placement), label
+        )
         if r is None:
             return RoleResult(entry.role, None, None, missing=NOT_RUN)
         self.res.runs[label] = r
-        return RoleResult(entry.role, name, label if r.reached else None,
-                          missing="" if r.reached else "did not reach N")
+        return RoleResult(
+            entry.role, name, label if r.reached else None, missing="" if r.reached else "did not reach N"
+        )
 
     def sweep(self, entry: PolicyEntry, name: str) -> RoleResult:
         sc = self.sc
@@ -241,14 +268,18 @@ class _Runner:
             if label in self.res.runs or any(p.label == label for p in points):
                 return
             cutoff = self.cfg.sweep_cutoff
-            horizon = best.time_to_n_s * cutoff if (cutoff and best is not None) else None
+            horizon = (
+                best.time_to_n_s * cutoff
+                if (cutoff and best is not None and best.time_to_n_s is not None)
+                else None
+            )
             r = self.one(PolicySpec(name, training_cells=t), _with(sc, where, horizon), label)
             if r is None:
                 return
             if r.reached:
                 p = SweepPoint(name, t, where, r.time_to_n_s)
                 self.res.runs[label] = r
-                if best is None or r.time_to_n_s < best.time_to_n_s:
+                if best is None or best.time_to_n_s is None or r.time_to_n_s < best.time_to_n_s:
                     best = p
             else:
                 p = SweepPoint(name, t, where, None, cut_at_s=horizon)
@@ -263,20 +294,32 @@ class _Runner:
             for t in _refine(coarse, best.training_cells, cells):
                 run_point(t, best.placement)
         points.sort(key=lambda p: (p.placement, p.training_cells))
-        return RoleResult(entry.role, name if points else None, best.label if best else None,
-                          missing="" if best else (NOT_RUN if not points else "no sweep point reached N"),
-                          sweep=points)
+        return RoleResult(
+            entry.role,
+            name if points else None,
+            best.label if best else None,
+            missing="" if best else (NOT_RUN if not points else "no sweep point reached N"),
+            sweep=points,
+        )
 
 
-def run_scenario(cfg: SimConfig, sc: ScenarioConfig, *, variants: bool = True, record_every_s: float = 5.0,
-                 log: Log = print) -> ScenarioResult:
+def run_scenario(
+    cfg: SimConfig,
+    sc: ScenarioConfig,
+    *,
+    variants: bool = True,
+    record_every_s: float = 5.0,
+    log: Log = print,
+) -> ScenarioResult:
     """Every row of ``cfg.policies`` (and, with ``variants``, the what-ifs of the gyre row's
     policy) on scenario ``sc`` at its ``seed``."""
     t0 = time.perf_counter()
     bound, bound_eta = limits(cfg, sc)
     res = ScenarioResult(sc, bound, bound_eta)
-    log(f"[{sc.name} seed {sc.seed}] T*_eta = {bound_eta.t_star_eta_s:.0f} s (eta {bound_eta.eta}); "
-        f"one-burst T* = {bound.t_star_s:.0f} s")
+    log(
+        f"[{sc.name} seed {sc.seed}] T*_eta = {bound_eta.t_star_eta_s:.0f} s (eta {bound_eta.eta}); "
+        f"one-burst T* = {bound.t_star_s:.0f} s"
+    )
     runner = _Runner(cfg, sc, res, record_every_s, log)
     for entry in cfg.policies:
         res.roles[entry.role] = runner.row(entry)
@@ -300,12 +343,16 @@ def _unit(args: tuple[SimConfig, ScenarioConfig, bool]) -> ScenarioResult:
     return run_scenario(cfg, sc, variants=variants, log=lambda m: print(m, flush=True))
 
 
-def run_all(cfg: SimConfig, scenarios: list[ScenarioConfig], *, jobs: int = 1,
-            log: Log = print) -> list[ScenarioResult]:
+def run_all(
+    cfg: SimConfig, scenarios: list[ScenarioConfig], *, jobs: int = 1, log: Log = print
+) -> list[ScenarioResult]:
     """Every scenario on each of its seeds (variants on the first seed only), over ``jobs``
     worker processes; results in scenario, then seed order."""
-    units = [(cfg, sc.model_copy(update={"seed": seed}), i == 0)
-             for sc in scenarios for i, seed in enumerate(seeds_of(sc))]
+    units = [
+        (cfg, sc.model_copy(update={"seed": seed}), i == 0)
+        for sc in scenarios
+        for i, seed in enumerate(seeds_of(sc))
+    ]
     if jobs <= 1 or len(units) <= 1:
         return [run_scenario(c, s, variants=v, log=log) for c, s, v in units]
     with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -315,9 +362,9 @@ def run_all(cfg: SimConfig, scenarios: list[ScenarioConfig], *, jobs: int = 1,
 # -- the summary across seeds ------------------------------------------------------------------
 
 
-def _median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(xs) if xs else None
+def _median(xs: Sequence[float | None]) -> float | None:
+    ok = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(ok) if ok else None
 
 
 def _spread(xs: list[float | None]) -> list[float | None]:
@@ -357,8 +404,10 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
     sc = rs[0].scenario
     gyre = [_time(r.run("gyre")) for r in rs]
     base = {role: [_time(r.run(role)) for r in rs] for role in SUMMARY_ROLES}
-    ratios = {role: [b / g if (b is not None and g) else None for b, g in zip(ts, gyre)]
-              for role, ts in base.items()}
+    ratios = {
+        role: [b / g if (b is not None and g) else None for b, g in zip(ts, gyre)]
+        for role, ts in base.items()
+    }
     eff = [r.bound_eta.t_star_eta_s / g if g else None for r, g in zip(rs, gyre)]
     eff_old = [r.bound.t_star_s / g if g else None for r, g in zip(rs, gyre)]
     hyg = [hygiene(run) for r in rs if (run := r.run("gyre")) is not None]
@@ -384,9 +433,13 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
             **{f"vs_{role}": _spread(x) for role, x in ratios.items()},
             "efficiency_t_star_eta": _spread(eff),
         },
-        "ran": {role: sorted({rr.label or "" for r in rs if (rr := r.roles.get(role)) is not None and rr.label})
-                for role in [p.role for p in cfg.policies]},
-        "missing": {role: rr.missing for role, rr in rs[0].roles.items() if rr.policy is None or not rr.label},
+        "ran": {
+            role: sorted({rr.label or "" for r in rs if (rr := r.roles.get(role)) is not None and rr.label})
+            for role in [p.role for p in cfg.policies]
+        },
+        "missing": {
+            role: rr.missing for role, rr in rs[0].roles.items() if rr.policy is None or not rr.label
+        },
         "hygiene": hyg_med,
         "hygiene_met": _hygiene_met(cfg, hyg_med),
     }
@@ -403,5 +456,8 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
 def _hygiene_met(cfg: SimConfig, h: dict[str, float | None]) -> dict[str, bool | None]:
     limits_ = cfg.targets.model_dump()
     key = {"switch_reroute_gpu_share": "switch_reroute_share"}
-    return {k: (None if v is None else v <= limits_[key.get(k, k)]) for k, v in h.items()
-            if key.get(k, k) in limits_}
+    return {
+        k: (None if v is None else v <= limits_[key.get(k, k)])
+        for k, v in h.items()
+        if key.get(k, k) in limits_
+    }

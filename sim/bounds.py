@@ -135,8 +135,11 @@ def _episode_costs_np(ep: Episode, cost: CostModel, best_batch: int) -> tuple[fl
     n = np.asarray(ep.output_tokens, dtype=float)
     before = np.concatenate(([0.0], np.cumsum(p + n)[:-1]))  # context before each turn's prompt
     c = cost.cfg
-    pf = p * (2.0 * c.n_params + 4.0 * c.n_layers * c.d_model * (before + p / 2.0)) / (
-        c.prefill_flops_eff * c.flops * c.gpus_per_cell)
+    pf = (
+        p
+        * (2.0 * c.n_params + 4.0 * c.n_layers * c.d_model * (before + p / 2.0))
+        / (c.prefill_flops_eff * c.flops * c.gpus_per_cell)
+    )
     ctx = before + p
     batched = _decode_time(cost, best_batch, ctx, n) / best_batch
     single = _decode_time(cost, 1, ctx, n)
@@ -229,9 +232,16 @@ def _physical_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Bound:
     )
 
 
-def publish_times(latency: Sequence[float], tail: Sequence[float], rollout: Sequence[float],
-                  train: Sequence[float], cells: int, eta: int, tau_opt: float,
-                  work: Callable[[int, int], float] | None = None) -> tuple[list[float], list[str]]:
+def publish_times(
+    latency: Sequence[float],
+    tail: Sequence[float],
+    rollout: Sequence[float],
+    train: Sequence[float],
+    cells: int,
+    eta: int,
+    tau_opt: float,
+    work: Callable[[int, int], float] | None = None,
+) -> tuple[list[float], list[str]]:
     """The recursion of T*_eta (module docstring): the earliest publish times t_1..t_N and,
     per update, the constraint that set it. ``latency[k]`` = L_k, ``tail[k]`` = tail_k,
     ``rollout[k]`` / ``train[k]`` = batch k's GPU-s (``train`` with its optimizer step);
@@ -257,7 +267,7 @@ def publish_times(latency: Sequence[float], tail: Sequence[float], rollout: Sequ
                 w = work(m, k)
             else:
                 first_rollout = 0 if m == 0 else m + eta
-                w = sum(rollout[first_rollout: k + 1]) + sum(train[m: k + 1])
+                w = sum(rollout[first_rollout : k + 1]) + sum(train[m : k + 1])
             best = max(best, t[m] + w / cells)
         cands["work"] = best
         why = max(cands, key=cands.__getitem__)
@@ -315,8 +325,8 @@ def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Stale
         groups of the tasks they may come from."""
         first = 0 if m == 0 else m + eta
         every = costs_of(0, hi(n - 1), 0)  # version 0: the shortest under growing drift
-        r = cheapest(every[lo(first):hi(k), 0], (k - first + 1) * b)
-        t = cheapest(every[lo(m):hi(k), 1], (k - m + 1) * b)
+        r = cheapest(every[lo(first) : hi(k), 0], (k - first + 1) * b)
+        t = cheapest(every[lo(m) : hi(k), 1], (k - m + 1) * b)
         return r + t + (k - m + 1) * tau_opt
 
     times, binding = publish_times(latency, tail, rollout, train, cells, eta, tau_opt, work=work)

@@ -335,7 +335,9 @@ class Trainer:
         """Moves groups from the pool into the batch while members exist and it needs them.
         One group is in progress at a time (the next is claimed when its work is done), so
         the pool keeps showing the unassigned supply."""
-        while self.members and self.needs > 0 and self.work <= _EPS and self.optimizing_until < 0 and self.pool:
+        while (
+            self.members and self.needs > 0 and self.work <= _EPS and self.optimizing_until < 0 and self.pool
+        ):
             g = self.pool.popleft()
             self.pool_tokens -= g.tokens
             if self.version - g.version > self.max_staleness:
@@ -370,8 +372,17 @@ class Ledger:
 class Cluster:
     """The world the policy acts on. Public methods are the mechanism behind each action."""
 
-    def __init__(self, loop: EventLoop, cost_cfg: CostConfig, cells: int, standalone: int, slots: int,
-                 batch_groups: int, max_staleness: int, placement: str = "scheduler") -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        cost_cfg: CostConfig,
+        cells: int,
+        standalone: int,
+        slots: int,
+        batch_groups: int,
+        max_staleness: int,
+        placement: str = "scheduler",
+    ) -> None:
         self.loop = loop
         self.cost = CostModel(cost_cfg)
         self.cc = cost_cfg
@@ -862,8 +873,14 @@ class Cluster:
         ex = self.executions[xid]
         src = ex.cell
         dst = self._by_id.get(cid)
-        if (ex.state is ExecState.CLOSED or src is None or dst is None or dst is src
-                or dst.role is not Role.ROLLOUT or dst.free <= 0):
+        if (
+            ex.state is ExecState.CLOSED
+            or src is None
+            or dst is None
+            or dst is src
+            or dst.role is not Role.ROLLOUT
+            or dst.free <= 0
+        ):
             return False
         t = self.loop.now
         src.account(t)

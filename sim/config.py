@@ -113,11 +113,17 @@ class CostConfig(_Frozen):
     switch_to_rollout_s: float = Field(1.5, ge=0, description="Train -> rollout (wake).")
     weight_sync_s: float = Field(0.1, ge=0, description="Pushing/pulling one weight version.")
     kv_handoff_s: float = Field(
-        0.04, ge=0, description="Fixed latency of one KV handoff on a reroute (pin, seal, read set-up, "
-        "the destination's asynchronous load): measured by bench/engine_vllm.py.")
+        0.04,
+        ge=0,
+        description="Fixed latency of one KV handoff on a reroute (pin, seal, read set-up, "
+        "the destination's asynchronous load): measured by bench/engine_vllm.py.",
+    )
     kv_handoff_bytes_per_s: float = Field(
-        50e9, gt=0, description="Bandwidth of the KV transfer between two cells (NVLink / CUDA IPC / "
-        "NCCL point to point); a handoff of ctx tokens adds ctx * kv_bytes_per_token / this.")
+        50e9,
+        gt=0,
+        description="Bandwidth of the KV transfer between two cells (NVLink / CUDA IPC / "
+        "NCCL point to point); a handoff of ctx tokens adds ctx * kv_bytes_per_token / this.",
+    )
     kv_handoff: bool = Field(False, description="Reroutes move KV (else the prefix is recomputed).")
 
 
@@ -149,12 +155,18 @@ class PolicyParams(_Frozen):
 
     supply_fraction: float = Field(0.5, gt=0, le=1, description="Ready groups needed / batch_size.")
     supply_interval_s: float = Field(5.0, ge=0, description="How long the supply must hold.")
-    drain_grace_s: float = Field(2.0, ge=0, description="How long W must stay 0 before a burst counts as drained.")
+    drain_grace_s: float = Field(
+        2.0, ge=0, description="How long W must stay 0 before a burst counts as drained."
+    )
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
-    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
-    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_min_horizon_s: float = Field(
+        30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for."
+    )
+    gyre_hysteresis: float = Field(
+        0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
+    )
     gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
     gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
     gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
@@ -162,7 +174,11 @@ class PolicyParams(_Frozen):
     gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
     gyre_migrate_max: int = Field(4, ge=0, description="Gyre: migrations per decision.")
     gyre_migrate_min_load: float = Field(
-        0.5, ge=0, le=1, description="Gyre: engines above this fraction of their slots give tail executions away.")
+        0.5,
+        ge=0,
+        le=1,
+        description="Gyre: engines above this fraction of their slots give tail executions away.",
+    )
 
 
 class TargetConfig(_Frozen):
@@ -177,7 +193,9 @@ class ScenarioConfig(_Frozen):
     """One benchmark scenario: a profile, a cluster and a seed."""
 
     name: str = Field(..., description="Scenario name (used in file names and tables).")
-    profile: str = Field("A", description="Key of `profiles` (with `mix`: the one whose group size every task takes).")
+    profile: str = Field(
+        "A", description="Key of `profiles` (with `mix`: the one whose group size every task takes)."
+    )
     mix: dict[str, float] = Field(
         default_factory=dict,
         description="Mixed tasks: profile key -> weight; each task's profile is drawn by (seed, task). "
@@ -201,20 +219,28 @@ SPLIT_POLICIES = ("static", "async-static", "async-static-lend")
 class PolicyEntry(_Frozen):
     """One row of the comparison: a role, and the policies that may fill it."""
 
-    role: str = Field(..., description="Row name in reports and the summary (gyre, colocated, oracle_async_static, ...).")
+    role: str = Field(
+        ..., description="Row name in reports and the summary (gyre, colocated, oracle_async_static, ...)."
+    )
     policy: list[str] = Field(
-        ..., min_length=1,
+        ...,
+        min_length=1,
         description="Candidates from the scheduler's policy registry (services.scheduler.policy.make_policy); "
         "the first one it knows runs, so a policy plugs in as it lands. None known: the row is reported missing.",
     )
-    sweep: bool = Field(False, description="Sweep the training cells T over `static_training_cells`: the best is the oracle.")
+    sweep: bool = Field(
+        False, description="Sweep the training cells T over `static_training_cells`: the best is the oracle."
+    )
     at: str | None = Field(
-        None, description="Run once at the training cells and placement of this (swept) row's oracle "
-        "instead of sweeping (e.g. lending at the oracle async static split).")
+        None,
+        description="Run once at the training cells and placement of this (swept) row's oracle "
+        "instead of sweeping (e.g. lending at the oracle async static split).",
+    )
     placements: list[Literal["scheduler", "least_loaded"]] = Field(
         default_factory=list,
         description="Placements of the sweep: every T on the first, the best T and its neighbours on the others "
-        "(empty: the scenario's).")
+        "(empty: the scenario's).",
+    )
 
 
 def _entry(x: Any) -> Any:
@@ -237,7 +263,9 @@ class SuiteConfig(_Frozen):
     """A named subset of the benchmark (``bench/cluster.py --suite NAME``)."""
 
     scenarios: list[str] = Field(default_factory=list, description="Scenario names (empty: all).")
-    overrides: list[str] = Field(default_factory=list, description="Dotted `key=value` overrides for the suite.")
+    overrides: list[str] = Field(
+        default_factory=list, description="Dotted `key=value` overrides for the suite."
+    )
 
 
 class SimConfig(_Frozen):
@@ -249,9 +277,11 @@ class SimConfig(_Frozen):
     cost: CostConfig = Field(default_factory=CostConfig, description="GPU cost model.")
     policy: PolicyParams = Field(default_factory=PolicyParams, description="Policy parameters.")
     policies: list[PolicyEntry] = Field(
-        default_factory=lambda: [PolicyEntry(role="gyre", policy=["gyre", "waterlevel"]),
-                                 PolicyEntry(role="colocated", policy=["colocated"]),
-                                 PolicyEntry(role="oracle_bursty_static", policy=["static"], sweep=True)],
+        default_factory=lambda: [
+            PolicyEntry(role="gyre", policy=["gyre", "waterlevel"]),
+            PolicyEntry(role="colocated", policy=["colocated"]),
+            PolicyEntry(role="oracle_bursty_static", policy=["static"], sweep=True),
+        ],
         description="Compared rows (a bare name is a row of its own name).",
     )
     static_training_cells: list[int] = Field(
@@ -260,7 +290,8 @@ class SimConfig(_Frozen):
     )
     sweep_refine: bool = Field(True, description="Refine a sweep around its best coarse point.")
     sweep_cutoff: float | None = Field(
-        None, gt=1,
+        None,
+        gt=1,
         description="Stop a sweep point once it runs this factor past the best point so far (it cannot "
         "be the oracle; reported as cut). None: run every point to N.",
     )
@@ -309,7 +340,9 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(node, list):
-            idx = next((j for j, it in enumerate(node) if isinstance(it, dict) and it.get("name") == part), None)
+            idx = next(
+                (j for j, it in enumerate(node) if isinstance(it, dict) and it.get("name") == part), None
+            )
             if idx is None:
                 idx = int(part)
             if last:
@@ -323,7 +356,9 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             node = node.setdefault(part, {})
 
 
-def apply_variant(cfg: SimConfig, sc: ScenarioConfig, overrides: list[str]) -> tuple[SimConfig, ScenarioConfig]:
+def apply_variant(
+    cfg: SimConfig, sc: ScenarioConfig, overrides: list[str]
+) -> tuple[SimConfig, ScenarioConfig]:
     """``cfg`` and ``sc`` with a variant's overrides applied (see ``SimConfig.variants``)."""
     top = cfg.model_dump()
     scen = sc.model_dump()
@@ -333,7 +368,7 @@ def apply_variant(cfg: SimConfig, sc: ScenarioConfig, overrides: list[str]) -> t
             raise ValueError(f"override {item!r}: expected key=value")
         key = key.strip()
         if key.startswith("scenario."):
-            _set_dotted(scen, key[len("scenario."):], yaml.safe_load(raw))
+            _set_dotted(scen, key[len("scenario.") :], yaml.safe_load(raw))
         else:
             _set_dotted(top, key, yaml.safe_load(raw))
     top["scenarios"] = [scen]

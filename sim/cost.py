@@ -101,8 +101,12 @@ class CostModel:
         """Rate for ``batch`` sequences whose total context at V is ctx_offset + batch*V."""
         bw = self._bw
         kv = self._kv
-        return DecodeRate(self._two_n * batch / self._decode_flops, (self._wb + kv * ctx_offset) / bw,
-                          kv * batch / bw, self._oh)
+        return DecodeRate(
+            self._two_n * batch / self._decode_flops,
+            (self._wb + kv * ctx_offset) / bw,
+            kv * batch / bw,
+            self._oh,
+        )
 
     def decode_step_s(self, batch: int, total_ctx: float) -> float:
         """One decode step of ``batch`` sequences holding ``total_ctx`` context tokens."""

@@ -87,19 +87,34 @@ class Driver:
         self.profile = self.cfg.profiles[sc.profile]
         self.trace = make_trace(self.cfg, sc)
         self.cluster = Cluster(
-            self.loop, self.cfg.cost, sc.cluster.cells, sc.cluster.standalone_cells,
-            sc.cluster.slots_per_cell, sc.training.batch_groups, sc.training.max_staleness,
+            self.loop,
+            self.cfg.cost,
+            sc.cluster.cells,
+            sc.cluster.standalone_cells,
+            sc.cluster.slots_per_cell,
+            sc.training.batch_groups,
+            sc.training.max_staleness,
             self._placement(),
         )
         gyre = P.GyreConfig(
-            min_horizon_s=pp.gyre_min_horizon_s, hysteresis=pp.gyre_hysteresis, plan_ahead=pp.gyre_plan_ahead,
-            rates=pp.gyre_rates, keep=pp.gyre_keep, plan=pp.gyre_plan, migrate=pp.gyre_migrate,
-            migrate_max=pp.gyre_migrate_max, migrate_min_load=pp.gyre_migrate_min_load,
+            min_horizon_s=pp.gyre_min_horizon_s,
+            hysteresis=pp.gyre_hysteresis,
+            plan_ahead=pp.gyre_plan_ahead,
+            rates=pp.gyre_rates,
+            keep=pp.gyre_keep,
+            plan=pp.gyre_plan,
+            migrate=pp.gyre_migrate,
+            migrate_max=pp.gyre_migrate_max,
+            migrate_min_load=pp.gyre_migrate_min_load,
             drain_grace_s=pp.drain_grace_s,
         )
         self.policy = P.make_policy(
-            self.spec.name, fraction=pp.supply_fraction, interval_s=pp.supply_interval_s,
-            training_cells=self.spec.training_cells, drain_grace_s=pp.drain_grace_s, gyre=gyre,
+            self.spec.name,
+            fraction=pp.supply_fraction,
+            interval_s=pp.supply_interval_s,
+            training_cells=self.spec.training_cells,
+            drain_grace_s=pp.drain_grace_s,
+            gyre=gyre,
         )
         self.tracker = P.SupplyTracker(pp.supply_fraction)
         op = self.spec.overprovision
@@ -149,8 +164,12 @@ class Driver:
                 v = views.get(key)
                 if v is None:
                     v = views[key] = P.CellView(
-                        c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
-                        -1 if c.standalone else c.index, _STATE[c.role], c.slots, key[2],
+                        c.cid,
+                        P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
+                        -1 if c.standalone else c.index,
+                        _STATE[c.role],
+                        c.slots,
+                        key[2],
                     )
                 out.append(v)
             cells = tuple(out)
@@ -158,8 +177,11 @@ class Driver:
             if self._views_epoch != cl.role_epoch:
                 self._views = tuple(
                     P.CellView(
-                        c.cid, P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
-                        -1 if c.standalone else c.index, _STATE[c.role], c.slots,
+                        c.cid,
+                        P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
+                        -1 if c.standalone else c.index,
+                        _STATE[c.role],
+                        c.slots,
                     )
                     for c in cl.cells
                 )
@@ -198,19 +220,31 @@ class Driver:
         eta = tr.max_staleness
         lo = tr.version - eta - 1
         versions = tuple(
-            P.VersionCounts(u, vl.groups, vl.dispatched, vl.launched, vl.finished, vl.ready, vl.consumed,
-                            vl.cancelled)
-            for u, vl in cl.versions.items() if u >= lo or vl.dispatched > vl.finished
+            P.VersionCounts(
+                u, vl.groups, vl.dispatched, vl.launched, vl.finished, vl.ready, vl.consumed, vl.cancelled
+            )
+            for u, vl in cl.versions.items()
+            if u >= lo or vl.dispatched > vl.finished
         )
         rate, per_group = cl.ready_rate()
         return P.Pipeline(
-            max_staleness=eta, group_size=self.profile.group_size, batch_groups=tr.batch_groups,
-            extra_groups=self.extra_groups, published_version=cl.published,
-            groups_dispatched=len(cl.groups), groups_cancelled=cl.cancelled_groups,
-            groups_consumed=tr.consumed_groups, ready_groups=len(tr.pool),
-            batch_assigned=tr.batch_groups - tr.needs, backlog_tokens=tr.work, ready_tokens=tr.pool_tokens,
-            optimizing=tr.optimizing_until >= 0, train_rate_per_cell=tr.per_cell_rate,
-            ready_rate=rate, tokens_per_group=per_group, versions=versions,
+            max_staleness=eta,
+            group_size=self.profile.group_size,
+            batch_groups=tr.batch_groups,
+            extra_groups=self.extra_groups,
+            published_version=cl.published,
+            groups_dispatched=len(cl.groups),
+            groups_cancelled=cl.cancelled_groups,
+            groups_consumed=tr.consumed_groups,
+            ready_groups=len(tr.pool),
+            batch_assigned=tr.batch_groups - tr.needs,
+            backlog_tokens=tr.work,
+            ready_tokens=tr.pool_tokens,
+            optimizing=tr.optimizing_until >= 0,
+            train_rate_per_cell=tr.per_cell_rate,
+            ready_rate=rate,
+            tokens_per_group=per_group,
+            versions=versions,
             planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
         )
 
@@ -228,7 +262,9 @@ class Driver:
         for g in live.values():
             for ex in g.members:
                 if ex.cell is not None and ex.state is not ExecState.CLOSED:
-                    out.append(P.ExecView(str(ex.xid), ex.cell.cid, g.version, now - ex.launched_s, ex.reroutes))
+                    out.append(
+                        P.ExecView(str(ex.xid), ex.cell.cid, g.version, now - ex.launched_s, ex.reroutes)
+                    )
                     if len(out) >= limit:
                         return tuple(out)
         return tuple(out)
@@ -324,16 +360,18 @@ class Driver:
         if self.samples and self.record_every_s > 0 and t - self.samples[-1].t < self.record_every_s:
             return
         roles = [c.role for c in cl.elastic]
-        self.samples.append(Sample(
-            t=t,
-            rollout=sum(r is Role.ROLLOUT for r in roles),
-            training=sum(r is Role.TRAINING for r in roles),
-            switching=sum(r in (Role.DRAINING, Role.RETURNING) for r in roles),
-            waterlevel=snap.ledger.waterlevel,
-            capacity=cl.capacity(),
-            ready=len(cl.trainer.pool),
-            version=cl.trainer.version,
-        ))
+        self.samples.append(
+            Sample(
+                t=t,
+                rollout=sum(r is Role.ROLLOUT for r in roles),
+                training=sum(r is Role.TRAINING for r in roles),
+                switching=sum(r in (Role.DRAINING, Role.RETURNING) for r in roles),
+                waterlevel=snap.ledger.waterlevel,
+                capacity=cl.capacity(),
+                ready=len(cl.trainer.pool),
+                version=cl.trainer.version,
+            )
+        )
 
     def _updated(self, version: int) -> None:
         self.update_times.append(self.loop.now)
@@ -352,7 +390,8 @@ class Driver:
         return collect(self, end, time.perf_counter() - wall)
 
 
-def run_policy(cfg: SimConfig, scenario: ScenarioConfig, spec: PolicySpec,
-               record_every_s: float = 0.0) -> RunResult:
+def run_policy(
+    cfg: SimConfig, scenario: ScenarioConfig, spec: PolicySpec, record_every_s: float = 0.0
+) -> RunResult:
     """Runs one policy on one scenario."""
     return Driver(cfg, scenario, spec, record_every_s=record_every_s).run()

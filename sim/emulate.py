@@ -78,19 +78,33 @@ def missing_services() -> list[str]:
     return [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
 
 
-def small_scenario(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int, slots: int,
-                   batch_groups: int, updates: int, turns_median: float = 4, turns_hi: int = 10,
-                   initial_prompt_tokens: int = 1000, sandbox_median_s: float = 5.0,
-                   reward_median_s: float = 10.0) -> tuple[SimConfig, ScenarioConfig]:
+def small_scenario(
+    cfg: SimConfig,
+    scenario: ScenarioConfig,
+    *,
+    cells: int,
+    slots: int,
+    batch_groups: int,
+    updates: int,
+    turns_median: float = 4,
+    turns_hi: int = 10,
+    initial_prompt_tokens: int = 1000,
+    sandbox_median_s: float = 5.0,
+    reward_median_s: float = 10.0,
+) -> tuple[SimConfig, ScenarioConfig]:
     """``scenario`` scaled down to run on this machine: fewer cells, slots, groups and
     turns, shorter prompts (the same scaled scenario then runs in both the emulator and the
     simulator). Everything else (token and tool distributions, cost model) is kept."""
     p = scenario.profile
     overrides = [
-        f"scenario.cluster.cells={cells}", "scenario.cluster.standalone_cells=0",
-        f"scenario.cluster.slots_per_cell={slots}", f"scenario.training.batch_groups={batch_groups}",
-        f"scenario.training.updates={updates}", "scenario.training.horizon_s=100000",
-        f"profiles.{p}.turns.median={turns_median}", f"profiles.{p}.turns.hi={turns_hi}",
+        f"scenario.cluster.cells={cells}",
+        "scenario.cluster.standalone_cells=0",
+        f"scenario.cluster.slots_per_cell={slots}",
+        f"scenario.training.batch_groups={batch_groups}",
+        f"scenario.training.updates={updates}",
+        "scenario.training.horizon_s=100000",
+        f"profiles.{p}.turns.median={turns_median}",
+        f"profiles.{p}.turns.hi={turns_hi}",
         f"profiles.{p}.initial_prompt_tokens={initial_prompt_tokens}",
     ]
     prof = cfg.profiles[p]
@@ -110,8 +124,15 @@ def max_context(cfg: SimConfig, sc: ScenarioConfig) -> int:
     return int(p.initial_prompt_tokens + min(turns * out_hi, p.max_total_output_tokens) + turns * obs_hi)
 
 
-def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, model_dir: str,
-                  tick_s: float = 0.05, policy: str = "waterlevel") -> dict[str, Any]:
+def render_config(
+    cfg: SimConfig,
+    sc: ScenarioConfig,
+    *,
+    time_scale: float,
+    model_dir: str,
+    tick_s: float = 0.05,
+    policy: str = "waterlevel",
+) -> dict[str, Any]:
     """The cluster YAML (as a dict) of the emulated scenario; ports are placeholders that
     ``Cluster(free_ports=True)`` remaps."""
     c, pp, tr = cfg.cost, cfg.policy, sc.training
@@ -122,62 +143,110 @@ def render_config(cfg: SimConfig, sc: ScenarioConfig, *, time_scale: float, mode
     slots = sc.cluster.slots_per_cell
     cells = sc.cluster.cells
     return {
-        "cluster": {"name": "emulate", "etcd_endpoints": ["127.0.0.1:23890"], "lease_ttl_s": 10,
-                    "max_staleness": tr.max_staleness},
+        "cluster": {
+            "name": "emulate",
+            "etcd_endpoints": ["127.0.0.1:23890"],
+            "lease_ttl_s": 10,
+            "max_staleness": tr.max_staleness,
+        },
         "scheduler": {
-            "port": 50151, "router_target": "127.0.0.1:50152", "router_http_url": "http://127.0.0.1:8100/v1",
+            "port": 50151,
+            "router_target": "127.0.0.1:50152",
+            "router_http_url": "http://127.0.0.1:8100/v1",
             "packer_target": "127.0.0.1:50153",
-            "batch_size": tr.batch_groups, "group_size": prof.group_size, "over_provision": tr.overprovision,
-            "batches_per_burst": 1, "max_bursts": 0, "policy": policy,
-            "gyre_min_horizon_s": pp.gyre_min_horizon_s * scale, "gyre_hysteresis": pp.gyre_hysteresis,
-            "gyre_plan_ahead": pp.gyre_plan_ahead, "gyre_rates": pp.gyre_rates, "gyre_keep": pp.gyre_keep,
-            "gyre_plan": pp.gyre_plan, "gyre_migrate": pp.gyre_migrate, "rate_window_s": 120.0 * scale,
-            "fraction": pp.supply_fraction, "interval_s": pp.supply_interval_s * scale,
-            "drain_grace_s": pp.drain_grace_s * scale, "reconcile_s": tick_s,
-            "heartbeat_interval_s": 5.0, "heartbeat_deadline_s": 600.0, "max_wait_s": 10.0,
-            "model": "emulate", "orphan_grace_s": 3.0,
+            "batch_size": tr.batch_groups,
+            "group_size": prof.group_size,
+            "over_provision": tr.overprovision,
+            "batches_per_burst": 1,
+            "max_bursts": 0,
+            "policy": policy,
+            "gyre_min_horizon_s": pp.gyre_min_horizon_s * scale,
+            "gyre_hysteresis": pp.gyre_hysteresis,
+            "gyre_plan_ahead": pp.gyre_plan_ahead,
+            "gyre_rates": pp.gyre_rates,
+            "gyre_keep": pp.gyre_keep,
+            "gyre_plan": pp.gyre_plan,
+            "gyre_migrate": pp.gyre_migrate,
+            "rate_window_s": 120.0 * scale,
+            "fraction": pp.supply_fraction,
+            "interval_s": pp.supply_interval_s * scale,
+            "drain_grace_s": pp.drain_grace_s * scale,
+            "reconcile_s": tick_s,
+            "heartbeat_interval_s": 5.0,
+            "heartbeat_deadline_s": 600.0,
+            "max_wait_s": 10.0,
+            "model": "emulate",
+            "orphan_grace_s": 3.0,
             # One driver stands for every harness of the emulated cluster: no per-harness caps.
-            "harness_max_inflight": 0, "harness_acquire_rate_per_s": 0.0,
+            "harness_max_inflight": 0,
+            "harness_acquire_rate_per_s": 0.0,
         },
         "router": {
-            "port": 50152, "http_port": 8100, "packer_target": "127.0.0.1:50153",
+            "port": 50152,
+            "http_port": 8100,
+            "packer_target": "127.0.0.1:50153",
             "served_model_name": "emulate",
-            "model_dir": model_dir, "max_prompt_tokens": max(131072, budget), "max_tokens_limit": 32768,
+            "model_dir": model_dir,
+            "max_prompt_tokens": max(131072, budget),
+            "max_tokens_limit": 32768,
             # The tiny model only tokenizes here; the mock engines serve contexts of any length.
             "max_model_len": max(131072, budget),
         },
         "packer": {
-            "port": 50153, "wal_dir": "{run_dir}/packer-wal", "wal_fsync": False,
-            "batch_size": tr.batch_groups, "micro_step_token_budget": budget,
+            "port": 50153,
+            "wal_dir": "{run_dir}/packer-wal",
+            "wal_fsync": False,
+            "batch_size": tr.batch_groups,
+            "micro_step_token_budget": budget,
             "ready_grace_s": min(0.25, 0.1 + tick_s),
         },
         "cell_agent": {
-            "engine": "mock", "slots": slots,
+            "engine": "mock",
+            "slots": slots,
             "mock": {
-                "time_scale": scale, "step_overhead_s": c.decode_step_overhead_s, "n_params": c.n_params,
-                "weight_bytes": c.weight_bytes, "n_layers": c.n_layers, "d_model": c.d_model,
+                "time_scale": scale,
+                "step_overhead_s": c.decode_step_overhead_s,
+                "n_params": c.n_params,
+                "weight_bytes": c.weight_bytes,
+                "n_layers": c.n_layers,
+                "d_model": c.d_model,
                 "kv_bytes_per_token": c.kv_bytes_per_token,
                 # The mock's efficiencies are fixed (0.8 of HBM, 0.5 of FLOPs): fold the scenario's in.
                 "hbm_bytes_per_s": c.hbm_bw * c.gpus_per_cell * c.hbm_eff / 0.8,
                 "flops": c.flops * c.gpus_per_cell * c.decode_flops_eff / 0.5,
-                "weight_load_s": c.weight_sync_s, "sleep_s": c.switch_to_train_s,
-                "wake_s": c.switch_to_rollout_s, "max_batch": max(slots, 1),
+                "weight_load_s": c.weight_sync_s,
+                "sleep_s": c.switch_to_train_s,
+                "wake_s": c.switch_to_rollout_s,
+                "max_batch": max(slots, 1),
             },
-            "max_prompt_tokens": max(131072, budget), "drain_wait_s": 10.0,
+            "max_prompt_tokens": max(131072, budget),
+            "drain_wait_s": 10.0,
             "training": {
-                "mode": "mock", "packer_target": "127.0.0.1:50153", "time_scale": scale,
-                "n_params": c.n_params, "flops": c.flops, "train_flops_eff": c.train_flops_eff,
-                "gpus_per_cell": c.gpus_per_cell, "train_step_fixed_s": c.train_step_fixed_s,
-                "weight_sync_s": c.weight_sync_s, "claim_wait_s": 0.5, "done_poll_s": 0.02,
+                "mode": "mock",
+                "packer_target": "127.0.0.1:50153",
+                "time_scale": scale,
+                "n_params": c.n_params,
+                "flops": c.flops,
+                "train_flops_eff": c.train_flops_eff,
+                "gpus_per_cell": c.gpus_per_cell,
+                "train_step_fixed_s": c.train_step_fixed_s,
+                "weight_sync_s": c.weight_sync_s,
+                "claim_wait_s": 0.5,
+                "done_poll_s": 0.02,
             },
         },
         "launch": {
             "etcd": {},
             "processes": [
-                {"service": "packer"}, {"service": "scheduler"}, {"service": "router"},
+                {"service": "packer"},
+                {"service": "scheduler"},
+                {"service": "router"},
                 *[
-                    {"service": "cell_agent", "name": f"cell-{i}",
-                     "set": {"cell_id": f"cell-{i}", "kind": "elastic", "index": i, "port": 50200 + i}}
+                    {
+                        "service": "cell_agent",
+                        "name": f"cell-{i}",
+                        "set": {"cell_id": f"cell-{i}", "kind": "elastic", "index": i, "port": 50200 + i},
+                    }
                     for i in range(cells)
                 ],
             ],
@@ -201,8 +270,14 @@ def simulate(cfg: SimConfig, sc: ScenarioConfig, policy: str = "waterlevel") -> 
     return run_policy(cfg, sc, PolicySpec(policy))
 
 
-async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale: float,
-                   ready_timeout_s: float, run_timeout_s: float) -> tuple[list[float], dict[str, Any]]:
+async def _emulate(
+    cluster: Any,
+    cfg: SimConfig,
+    sc: ScenarioConfig,
+    time_scale: float,
+    ready_timeout_s: float,
+    run_timeout_s: float,
+) -> tuple[list[float], dict[str, Any]]:
     from gyre.etcd import Etcd, Keys
     from sim.emulate_driver import ReplayDriver, watch_updates
     from sim.workload import Trace
@@ -227,7 +302,10 @@ async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale:
 
         trace = Trace(cfg.profiles[sc.profile], sc.seed, sc.drift)
         driver = ReplayDriver(
-            trace, conf["scheduler"]["_target"], conf["router"]["_target"], time_scale=time_scale,
+            trace,
+            conf["scheduler"]["_target"],
+            conf["router"]["_target"],
+            time_scale=time_scale,
             workers=cells * sc.cluster.slots_per_cell + 8,
             tls_dir=None if cluster.pki.insecure else str(cluster.pki.identity_dir("harness")),
             insecure=cluster.pki.insecure,
@@ -248,10 +326,19 @@ async def _emulate(cluster: Any, cfg: SimConfig, sc: ScenarioConfig, time_scale:
         await etcd.close()
 
 
-def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None = None,
-                 time_scale: float = 10.0, tolerance: float = 0.2, run_dir: str | Path | None = None,
-                 ready_timeout_s: float = 180.0, run_timeout_s: float = 600.0,
-                 keep_run_dir: bool = False, policy: str = "waterlevel") -> EmulationResult:
+def run_emulated(
+    cfg: SimConfig,
+    scenario: ScenarioConfig,
+    *,
+    cells: int | None = None,
+    time_scale: float = 10.0,
+    tolerance: float = 0.2,
+    run_dir: str | Path | None = None,
+    ready_timeout_s: float = 180.0,
+    run_timeout_s: float = 600.0,
+    keep_run_dir: bool = False,
+    policy: str = "waterlevel",
+) -> EmulationResult:
     """Runs ``scenario`` (at ``cells`` elastic cells, default the scenario's) on the real
     services, time-scaled by 1/``time_scale``, and the simulator on the identical scenario;
     ``ran=False`` with the reason when the services are missing or the run failed."""
@@ -269,12 +356,22 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
     base = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="gyre-emulate-"))
     base.mkdir(parents=True, exist_ok=True)
     template = base / "emulate.template.yaml"
-    template.write_text(yaml.safe_dump(render_config(cfg, sc, time_scale=time_scale, model_dir=str(model),
-                                                     policy=policy), sort_keys=False))
+    template.write_text(
+        yaml.safe_dump(
+            render_config(cfg, sc, time_scale=time_scale, model_dir=str(model), policy=policy),
+            sort_keys=False,
+        )
+    )
     wall0 = time.monotonic()
     cluster = Cluster(template, base / "run", free_ports=True)
-    common: dict[str, Any] = dict(tolerance=tolerance, cells=sc.cluster.cells, updates=n, time_scale=time_scale,
-                  scenario=sc.model_dump(), policy=policy)
+    common: dict[str, Any] = dict(
+        tolerance=tolerance,
+        cells=sc.cluster.cells,
+        updates=n,
+        time_scale=time_scale,
+        scenario=sc.model_dump(),
+        policy=policy,
+    )
     try:
         cluster.start()
         conf = cluster.config
@@ -282,8 +379,9 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
         conf["router"]["_target"] = cluster.procs["router"].target
         times, stats = asyncio.run(_emulate(cluster, cfg, sc, time_scale, ready_timeout_s, run_timeout_s))
     except Exception as exc:  # the reason is the result: a failed run is reported, not raised
-        return EmulationResult(False, f"emulation failed: {type(exc).__name__}: {exc}",
-                               wall_s=time.monotonic() - wall0, **common)
+        return EmulationResult(
+            False, f"emulation failed: {type(exc).__name__}: {exc}", wall_s=time.monotonic() - wall0, **common
+        )
     finally:
         cluster.stop()
         if own_dir and not keep_run_dir:
@@ -292,17 +390,30 @@ def run_emulated(cfg: SimConfig, scenario: ScenarioConfig, *, cells: int | None 
     sim_res = simulate(cfg, sc, policy)
     emu_times = [t * time_scale for t in times]
     if len(times) < n:
-        return EmulationResult(False, f"reached {len(times)} of {n} updates within {run_timeout_s:g} s",
-                               simulated_time_to_n_s=sim_res.time_to_n_s, wall_s=wall,
-                               emulated_update_times_s=emu_times,
-                               simulated_update_times_s=list(sim_res.update_times_s), replay=stats, **common)
+        return EmulationResult(
+            False,
+            f"reached {len(times)} of {n} updates within {run_timeout_s:g} s",
+            simulated_time_to_n_s=sim_res.time_to_n_s,
+            wall_s=wall,
+            emulated_update_times_s=emu_times,
+            simulated_update_times_s=list(sim_res.update_times_s),
+            replay=stats,
+            **common,
+        )
     emu, simt = emu_times[-1], float(sim_res.time_to_n_s)
     rel = (emu - simt) / simt if simt > 0 else float("nan")
     return EmulationResult(
-        True, "ran", emulated_time_to_n_s=emu, simulated_time_to_n_s=simt, relative_difference=rel,
+        True,
+        "ran",
+        emulated_time_to_n_s=emu,
+        simulated_time_to_n_s=simt,
+        relative_difference=rel,
         simulated_reroutes=int(sim_res.reroutes) + int(sim_res.migrations),
-        wall_s=wall, emulated_update_times_s=emu_times, simulated_update_times_s=list(sim_res.update_times_s),
-        replay=stats, **common,
+        wall_s=wall,
+        emulated_update_times_s=emu_times,
+        simulated_update_times_s=list(sim_res.update_times_s),
+        replay=stats,
+        **common,
     )
 
 
@@ -351,12 +462,14 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
             emu = ", ".join(f"{t:.0f}" for t in r.emulated_update_times_s)
             sim = ", ".join(f"{t:.0f}" for t in r.simulated_update_times_s)
             lines.append("")
-            lines.append(f"Update times at 1/{r.time_scale:g} (s): emulated {emu}; simulated {sim}. "
-                         f"Replay: {r.replay.get('finished', 0)} executions finished, "
-                         f"{r.replay.get('failed', 0)} failed, {r.replay.get('turns', 0)} turns, "
-                         f"{r.replay.get('reroutes', 0)} calls continued on another engine (reroutes and "
-                         f"migrations as the harnesses saw them); the simulator rerouted or migrated "
-                         f"{r.simulated_reroutes} executions.")
+            lines.append(
+                f"Update times at 1/{r.time_scale:g} (s): emulated {emu}; simulated {sim}. "
+                f"Replay: {r.replay.get('finished', 0)} executions finished, "
+                f"{r.replay.get('failed', 0)} failed, {r.replay.get('turns', 0)} turns, "
+                f"{r.replay.get('reroutes', 0)} calls continued on another engine (reroutes and "
+                f"migrations as the harnesses saw them); the simulator rerouted or migrated "
+                f"{r.simulated_reroutes} executions."
+            )
     return "\n".join(lines) + "\n"
 
 

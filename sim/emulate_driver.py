@@ -70,10 +70,19 @@ class ReplayStats:
 class ReplayDriver:
     """Plays a trace through the real services until ``stop`` is set."""
 
-    def __init__(self, trace: Trace, scheduler_target: str, router_target: str, *, time_scale: float,
-                 workers: int, max_context: int = 1 << 17,
-                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-                 tls_dir: str | None = None, insecure: bool = False) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        scheduler_target: str,
+        router_target: str,
+        *,
+        time_scale: float,
+        workers: int,
+        max_context: int = 1 << 17,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        tls_dir: str | None = None,
+        insecure: bool = False,
+    ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.trace = trace
@@ -101,8 +110,9 @@ class ReplayDriver:
         self._channel = dial(self.router_target, tls, Role.ROUTER)
         self._router = router_pb2_grpc.RouterStub(self._channel)
         try:
-            async with HarnessClient(self.scheduler_target, harness_id="emulate", tls_dir=self.tls_dir,
-                                     insecure=self.insecure) as client:
+            async with HarnessClient(
+                self.scheduler_target, harness_id="emulate", tls_dir=self.tls_dir, insecure=self.insecure
+            ) as client:
                 tasks = [asyncio.create_task(self._worker(client, stop)) for _ in range(self.workers)]
                 await stop.wait()
                 for t in tasks:
@@ -128,8 +138,9 @@ class ReplayDriver:
             async with handle:
                 ok = await self._play(handle.execution_id, handle.token, ep)
                 try:
-                    await handle.finish(reward=float(ep.member % 2) + 0.01 * ep.task,
-                                        status="completed" if ok else "failed")
+                    await handle.finish(
+                        reward=float(ep.member % 2) + 0.01 * ep.task, status="completed" if ok else "failed"
+                    )
                     if ok:
                         self.stats.finished += 1
                     else:
@@ -145,11 +156,13 @@ class ReplayDriver:
         for k in range(ep.turns):
             context += segment(ep.prompt_tokens[k], ep.task * 1000 + ep.member * 100 + k)
             if len(context) > self.max_context:
-                context = context[-self.max_context:]
+                context = context[-self.max_context :]
             req = router_pb2.GenerateRequest(
-                execution_id=execution_id, prompt_token_ids=context,
-                sampling=common_pb2.SamplingParams(max_tokens=ep.output_tokens[k], temperature=1.0,
-                                                   seed=ep.task * 7919 + ep.member * 31 + k),
+                execution_id=execution_id,
+                prompt_token_ids=context,
+                sampling=common_pb2.SamplingParams(
+                    max_tokens=ep.output_tokens[k], temperature=1.0, seed=ep.task * 7919 + ep.member * 31 + k
+                ),
             )
             out: list[int] = []
             moved = 0
@@ -176,8 +189,14 @@ class ReplayDriver:
             self.stats.errors.append(msg)
 
 
-async def watch_updates(get_version: Callable[[], object], n: int, stop: asyncio.Event, t0: float,
-                        poll_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> list[float]:
+async def watch_updates(
+    get_version: Callable[[], object],
+    n: int,
+    stop: asyncio.Event,
+    t0: float,
+    poll_s: float = 0.05,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[float]:
     """Polls the published policy version until it reaches ``n``; returns the wall seconds
     (since ``t0``) at which each version 1..n was first seen, then sets ``stop``."""
     times: list[float] = []

@@ -85,7 +85,11 @@ def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
     n_tok = sum(lag_tokens.values())
     mean_lag = sum(k * v for k, v in lag_tokens.items()) / n_tok if n_tok else 0.0
     stale = sum(v for k, v in lag_tokens.items() if k > 0) / n_tok if n_tok else 0.0
-    lat = [ex.closed_s - ex.launched_s for ex in cl.executions if ex.state is ExecState.CLOSED and not ex.cancelled]
+    lat = [
+        ex.closed_s - ex.launched_s
+        for ex in cl.executions
+        if ex.state is ExecState.CLOSED and not ex.cancelled
+    ]
     pct = {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat else {}
     pct["max"] = float(max(lat)) if lat else 0.0
     states: dict[str, int] = {}
@@ -130,8 +134,11 @@ def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
         train_tokens_per_cell_s=tr.consumed_tokens / (end_s * len(cl.cells)) if end_s > 0 else 0.0,
         episode_latency_s=pct,
         ledger={
-            "dispatched": led.dispatched, "launched": led.launched, "finished": led.finished,
-            "queued": led.dispatched - led.launched, "running": led.launched - led.finished,
+            "dispatched": led.dispatched,
+            "launched": led.launched,
+            "finished": led.finished,
+            "queued": led.dispatched - led.launched,
+            "running": led.launched - led.finished,
             "waterlevel": led.dispatched - led.finished,
         },
         exec_states=states,

@@ -41,8 +41,11 @@ class SchedulerPlacement:
         self._table = SP.CellTable()
         self._table.records = {
             c.cid: SP.CellRecord(
-                c.cid, CellKind.STANDALONE if c.standalone else CellKind.ELASTIC,
-                -1 if c.standalone else c.index, c.slots, target=f"sim:{c.cid}",
+                c.cid,
+                CellKind.STANDALONE if c.standalone else CellKind.ELASTIC,
+                -1 if c.standalone else c.index,
+                c.slots,
+                target=f"sim:{c.cid}",
             )
             for c in cells
         }
@@ -53,8 +56,9 @@ class SchedulerPlacement:
 
     def pick(self, exclude: Cell | None = None) -> Cell | None:
         counts = {cid: len(c.execs) for cid, c in self._cells.items()}
-        order = SP.placement_order(self._table, counts, exclude=[exclude.cid] if exclude else [],
-                avoid=self.avoid)
+        order = SP.placement_order(
+            self._table, counts, exclude=[exclude.cid] if exclude else [], avoid=self.avoid
+        )
         return self._cells[order[0][0].cell_id] if order else None
 
     def picks(self) -> Iterator[Cell]:

@@ -52,31 +52,46 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(role, r) for role in ("gyre", *SUMMARY_ROLES) if (r := res.run(role)) is not None and r.timeseries]
+    runs = [
+        (role, r) for role in ("gyre", *SUMMARY_ROLES) if (r := res.run(role)) is not None and r.timeseries
+    ]
     fig, axes = plt.subplots(max(1, len(runs)), 1, figsize=(10, 3.1 * max(1, len(runs))), squeeze=False)
     for ax, (role, r) in zip(axes[:, 0], runs):
         ts = r.timeseries
         t = [s["t"] / 60 for s in ts]
         ax.stackplot(
-            t, [s["training"] for s in ts], [s["switching"] for s in ts], [s["rollout"] for s in ts],
-            labels=["training", "switching", "rollout"], colors=["#d95f02", "#999999", "#1b9e77"],
-            step="post", alpha=0.85,
+            t,
+            [s["training"] for s in ts],
+            [s["switching"] for s in ts],
+            [s["rollout"] for s in ts],
+            labels=["training", "switching", "rollout"],
+            colors=["#d95f02", "#999999", "#1b9e77"],
+            step="post",
+            alpha=0.85,
         )
         ax.set_ylabel("cells")
         ax.set_ylim(0, r.cells)
         ax2 = ax.twinx()
-        ax2.step(t, [s["waterlevel"] for s in ts], where="post", color="#1f3a93", lw=1.2, label="waterlevel W")
-        ax2.step(t, [s["capacity"] for s in ts], where="post", color="#7570b3", lw=0.8, ls="--", label="capacity")
+        ax2.step(
+            t, [s["waterlevel"] for s in ts], where="post", color="#1f3a93", lw=1.2, label="waterlevel W"
+        )
+        ax2.step(
+            t, [s["capacity"] for s in ts], where="post", color="#7570b3", lw=0.8, ls="--", label="capacity"
+        )
         ax2.set_ylabel("executions")
         for u in r.update_times_s:
             ax.axvline(u / 60, color="k", lw=0.4, alpha=0.4)
-        ax.set_title(f"{res.scenario.name} seed {res.scenario.seed}: {role_name(role)} = {r.label} (time to "
-                     f"{res.scenario.training.updates} updates {r.time_to_n_s / 60:.0f} min; thin lines: updates)",
-                     fontsize=9, loc="right")
+        ax.set_title(
+            f"{res.scenario.name} seed {res.scenario.seed}: {role_name(role)} = {r.label} (time to "
+            f"{res.scenario.training.updates} updates {r.time_to_n_s / 60:.0f} min; thin lines: updates)",
+            fontsize=9,
+            loc="right",
+        )
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, loc="lower left", bbox_to_anchor=(0.0, 1.12), fontsize=7, ncol=5,
-                  frameon=False)
+        ax.legend(
+            h1 + h2, l1 + l2, loc="lower left", bbox_to_anchor=(0.0, 1.12), fontsize=7, ncol=5, frameon=False
+        )
     axes[-1, 0].set_xlabel("simulated time (min)")
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,8 +106,10 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
     lines = [
         "### Summary (median over seeds; min–max in brackets; ratios = baseline time / Gyre time)",
         "",
-        ("| scenario | η | seeds | Gyre (s) | vs oracle async static | vs oracle bursty static | vs colocated | "
-        "efficiency T\\*_η/T | target | met |"),
+        (
+            "| scenario | η | seeds | Gyre (s) | vs oracle async static | vs oracle bursty static | vs colocated | "
+            "efficiency T\\*_η/T | target | met |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, s in summary.items():
@@ -115,15 +132,22 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         lines += ["", "The Gyre row ran " + ", ".join(f"`{x}`" for x in ran) + "."]
     missing = {(role, why) for s in summary.values() for role, why in s["missing"].items()}
     if missing:
-        lines += ["", "Missing rows: " + "; ".join(f"**{role_name(r)}**: {why}" for r, why in sorted(missing)) + "."]
+        lines += [
+            "",
+            "Missing rows: " + "; ".join(f"**{role_name(r)}**: {why}" for r, why in sorted(missing)) + ".",
+        ]
     t = cfg.targets
     lines += [
         "",
-        (f"Hygiene of Gyre's run (median over seeds; limits: dropped ≤ {_pct(t.dropped_share)}, role switch + "
-        f"reroute GPU-s ≤ {100 * t.switch_reroute_share:.0f}%, trainer and rollout idle ≤ {_pct(t.trainer_idle)}):"),
+        (
+            f"Hygiene of Gyre's run (median over seeds; limits: dropped ≤ {_pct(t.dropped_share)}, role switch + "
+            f"reroute GPU-s ≤ {100 * t.switch_reroute_share:.0f}%, trainer and rollout idle ≤ {_pct(t.trainer_idle)}):"
+        ),
         "",
-        ("| scenario | dropped or cancelled groups / dispatched | switch + reroute GPU-s share | trainer idle | "
-        "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | one-burst T\\* (s) |"),
+        (
+            "| scenario | dropped or cancelled groups / dispatched | switch + reroute GPU-s share | trainer idle | "
+            "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | one-burst T\\* (s) |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
@@ -180,7 +204,9 @@ def _sweep_line(res: ScenarioResult) -> list[str]:
     return out
 
 
-def scenario_markdown(cfg: SimConfig, results: list[ScenarioResult], summary: dict[str, Any], img_rel: str) -> str:
+def scenario_markdown(
+    cfg: SimConfig, results: list[ScenarioResult], summary: dict[str, Any], img_rel: str
+) -> str:
     """One scenario: setup, every row per seed (times), the first seed's detailed tables,
     the sweeps and the plot."""
     first = results[0]
@@ -188,13 +214,21 @@ def scenario_markdown(cfg: SimConfig, results: list[ScenarioResult], summary: di
     tr = sc.training
     drift = sc.drift
     setup = (
-        f"Profile {sc.profile}" + (f" mixed with {', '.join(f'{k} ×{w:g}' for k, w in sc.mix.items())}" if sc.mix else "")
+        f"Profile {sc.profile}"
+        + (f" mixed with {', '.join(f'{k} ×{w:g}' for k, w in sc.mix.items())}" if sc.mix else "")
         + f", {sc.cluster.cells} cells × {sc.cluster.slots_per_cell} slots, batch {tr.batch_groups} groups "
         f"(over-provision {tr.overprovision:.0%}), η = {tr.max_staleness}, N = {tr.updates} updates, placement "
         f"`{sc.cluster.placement}`"
-        + (f", drift +{drift.growth_per_version:.1%}/version{' (turns too)' if drift.turns_too else ''}"
-           + (f" and ×{drift.jump_factor} from v{drift.jump_at_version}" if drift.jump_at_version >= 0 else "")
-           if drift.growth_per_version or drift.jump_at_version >= 0 else "")
+        + (
+            f", drift +{drift.growth_per_version:.1%}/version{' (turns too)' if drift.turns_too else ''}"
+            + (
+                f" and ×{drift.jump_factor} from v{drift.jump_at_version}"
+                if drift.jump_at_version >= 0
+                else ""
+            )
+            if drift.growth_per_version or drift.jump_at_version >= 0
+            else ""
+        )
         + "."
     )
     roles = [p.role for p in cfg.policies]
@@ -214,18 +248,27 @@ def scenario_markdown(cfg: SimConfig, results: list[ScenarioResult], summary: di
             if run is None:
                 cells.append("missing" if rr is None or rr.policy is None else "—")
             else:
-                cells.append(f"{_f(run.time_to_n_s)} s ({run.label})" if role != "gyre" else f"{_f(run.time_to_n_s)} s")
+                cells.append(
+                    f"{_f(run.time_to_n_s)} s ({run.label})" if role != "gyre" else f"{_f(run.time_to_n_s)} s"
+                )
         lines.append(f"| {role_name(role)} | " + " | ".join(cells) + " |")
-    lines.append("| T\\*_η (one-burst T\\*) | " + " | ".join(
-        f"{_f(r.bound_eta.t_star_eta_s)} s ({_f(r.bound.t_star_s)} s)" for r in results) + " |")
+    lines.append(
+        "| T\\*_η (one-burst T\\*) | "
+        + " | ".join(f"{_f(r.bound_eta.t_star_eta_s)} s ({_f(r.bound.t_star_s)} s)" for r in results)
+        + " |"
+    )
     lines += [
         "",
-        (f"Seed {sc.seed} in detail (T\\*_η = {_f(first.bound_eta.t_star_eta_s)} s; publish times bound by "
-        f"{_binding(first)}):"),
+        (
+            f"Seed {sc.seed} in detail (T\\*_η = {_f(first.bound_eta.t_star_eta_s)} s; publish times bound by "
+            f"{_binding(first)}):"
+        ),
         "",
-        ("| row | time to N (s) | T\\*_η/T | trainer idle | rollout idle | role switches (GPU-s) | "
+        (
+            "| row | time to N (s) | T\\*_η/T | trainer idle | rollout idle | role switches (GPU-s) | "
             "reroutes (GPU-s) | "
-        "version lag per token (mean / stale share) / groups dropped | episode p50 / p90 / p99 (s) |"),
+            "version lag per token (mean / stale share) / groups dropped | episode p50 / p90 / p99 (s) |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     shown = [(role, run) for role in roles if (run := first.run(role)) is not None]
@@ -242,7 +285,7 @@ def scenario_markdown(cfg: SimConfig, results: list[ScenarioResult], summary: di
     lines += [_gpu_row(run.label, run) for run in first.variants.values()]
     sweeps = [line for r in results for line in _sweep_line(r)]
     if sweeps:
-        lines += ["", ("Sweeps (training cells T of " f"{sc.cluster.cells}):"), "", *sweeps]
+        lines += ["", (f"Sweeps (training cells T of {sc.cluster.cells}):"), "", *sweeps]
     lines += ["", f"![allocation and waterlevel, {sc.name}]({img_rel})", ""]
     return "\n".join(lines)
 

@@ -157,8 +157,13 @@ class MixedTrace:
     profile takes the group size of the scenario's own profile (a burst is whole groups of
     one size)."""
 
-    def __init__(self, profiles: list[tuple[ProfileConfig, float]], seed: int, drift: DriftConfig | None = None,
-                 group_size: int | None = None) -> None:
+    def __init__(
+        self,
+        profiles: list[tuple[ProfileConfig, float]],
+        seed: int,
+        drift: DriftConfig | None = None,
+        group_size: int | None = None,
+    ) -> None:
         if not profiles:
             raise ValueError("a mixed trace needs at least one profile")
         size = group_size or profiles[0][0].group_size
@@ -189,8 +194,12 @@ def make_trace(cfg: SimConfig, sc: ScenarioConfig) -> Trace | MixedTrace:
     """The trace of a scenario: its profile, or the weighted mix of ``sc.mix``."""
     if not sc.mix:
         return Trace(cfg.profiles[sc.profile], sc.seed, sc.drift)
-    return MixedTrace([(cfg.profiles[k], w) for k, w in sc.mix.items()], sc.seed, sc.drift,
-                      group_size=cfg.profiles[sc.profile].group_size)
+    return MixedTrace(
+        [(cfg.profiles[k], w) for k, w in sc.mix.items()],
+        sc.seed,
+        sc.drift,
+        group_size=cfg.profiles[sc.profile].group_size,
+    )
 
 
 def _clip_total(out: np.ndarray, cap: int) -> np.ndarray:

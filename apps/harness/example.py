@@ -36,12 +36,20 @@ class HarnessStats:
 
 
 async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: HarnessStats) -> None:
-    task = Task.from_json(execution.task) if execution.task else Task(execution.task_id, 42, hash(execution.task_id) & 0xFFFF)
+    task = (
+        Task.from_json(execution.task)
+        if execution.task
+        else Task(execution.task_id, 42, hash(execution.task_id) & 0xFFFF)
+    )
     member = int(execution.execution_id.rsplit("-", 1)[-1]) if execution.execution_id[-1:].isdigit() else 0
     episode = Episode(task, env, member)
 
-    async def chat(messages: list[dict[str, Any]], max_tokens: int, temperature: float, tools: list[dict[str, Any]]) -> dict[str, Any]:
-        return await execution.chat_message(messages, max_tokens=max_tokens, temperature=temperature, tools=tools)
+    async def chat(
+        messages: list[dict[str, Any]], max_tokens: int, temperature: float, tools: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        return await execution.chat_message(
+            messages, max_tokens=max_tokens, temperature=temperature, tools=tools
+        )
 
     async with execution:
         try:
@@ -80,7 +88,9 @@ async def run_harness(
     ``max_executions``, or ``stop`` is set). ``stats`` is updated live if given."""
     stats = stats if stats is not None else HarnessStats()
     started = 0
-    async with HarnessClient(scheduler_target, harness_id=harness_id, tls_dir=tls_dir, insecure=insecure) as client:
+    async with HarnessClient(
+        scheduler_target, harness_id=harness_id, tls_dir=tls_dir, insecure=insecure
+    ) as client:
         running: set[asyncio.Task[None]] = set()
         while stop is None or not stop.is_set():
             if max_executions is not None and started >= max_executions:
@@ -93,10 +103,14 @@ async def run_harness(
                 if client.last_burst_exhausted and stop_when_exhausted and not running:
                     break
                 if running:
-                    done, running = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+                    done, running = await asyncio.wait(
+                        running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED
+                    )
                 continue
             started += 1
-            running.add(asyncio.create_task(run_execution(execution, env, stats), name=execution.execution_id))
+            running.add(
+                asyncio.create_task(run_execution(execution, env, stats), name=execution.execution_id)
+            )
         if running:
             await asyncio.gather(*running, return_exceptions=True)
     return stats
@@ -108,14 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-executions", type=int, default=None)
     parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
-    parser.add_argument("--tls-dir", default=None, help="harness identity directory (default $GYRE_HARNESS_TLS_DIR); "
-                        "an API key comes from $GYRE_HARNESS_API_KEY_FILE or $GYRE_HARNESS_API_KEY")
-    parser.add_argument("--insecure", action="store_true", help="plaintext (a scheduler run with tls.insecure)")
+    parser.add_argument(
+        "--tls-dir",
+        default=None,
+        help="harness identity directory (default $GYRE_HARNESS_TLS_DIR); "
+        "an API key comes from $GYRE_HARNESS_API_KEY_FILE or $GYRE_HARNESS_API_KEY",
+    )
+    parser.add_argument(
+        "--insecure", action="store_true", help="plaintext (a scheduler run with tls.insecure)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     env = EnvConfig(**json.loads(args.env))
-    stats = asyncio.run(run_harness(args.scheduler, env, args.concurrency, args.max_executions,
-                                    tls_dir=args.tls_dir, insecure=args.insecure))
+    stats = asyncio.run(
+        run_harness(
+            args.scheduler,
+            env,
+            args.concurrency,
+            args.max_executions,
+            tls_dir=args.tls_dir,
+            insecure=args.insecure,
+        )
+    )
     print(json.dumps({"completed": stats.completed, "failed": stats.failed, "turns": stats.turns}))
     return 0 if stats.failed == 0 else 1
 

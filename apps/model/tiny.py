@@ -31,7 +31,7 @@ CHATML_TEMPLATE = (
     "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
     "{%- endif %}"
@@ -61,7 +61,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Text the tokenizer's merges are learned from: chat roles, tool-call words, digits and file
 # names, so agent transcripts tokenize into a reasonable number of tokens.
-_CORPUS = """
+_CORPUS = (
+    """
 system user assistant tool You are a helpful coding agent working in a repository.
 Use the tools to read, write and list files, then answer. The task is done when the file
 contains the answer. call read_file write_file list_files run_tests submit done ok error
@@ -75,7 +76,9 @@ Action: read_file path=notes.txt Answer: the value is 7. reward step turn episod
 function signatures within <tools></tools> XML tags: {"type": "function", "function": {"name":
 "description": "parameters": {"type": "object", "properties": {"path": {"type": "string"}}
 For each function call, return a json object with function name and arguments
-""" * 4
+"""
+    * 4
+)
 
 DEFAULT_CONFIG = {
     "vocab_size": 512,

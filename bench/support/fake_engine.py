@@ -51,7 +51,9 @@ def token_for(state: int, vocab: int) -> tuple[int, float]:
     return tok, -((state >> 3) % 1000) / 1000.0
 
 
-def reference(policy_version: int, prompt: list[int], max_tokens: int, vocab: int = 512, stop: tuple[int, ...] = ()) -> list[int]:
+def reference(
+    policy_version: int, prompt: list[int], max_tokens: int, vocab: int = 512, stop: tuple[int, ...] = ()
+) -> list[int]:
     """What one uninterrupted fake produces for ``prompt``."""
     state = context_state(policy_version, prompt)
     out: list[int] = []
@@ -99,10 +101,15 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
     def kinds(self, kind: str) -> list[str]:
         return [rid for k, rid, _ in self.events if k == kind]
 
-    async def Generate(self, request: cell_agent_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+    async def Generate(
+        self, request: cell_agent_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
         o = self.opts
         if request.required_policy_version and request.required_policy_version != o.policy_version:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"serving policy {o.policy_version}, not {request.required_policy_version}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"serving policy {o.policy_version}, not {request.required_policy_version}",
+            )
         if not self.accepting:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draining")
         rid = request.request_id
@@ -143,7 +150,9 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
                     self._event("first_token", rid)
                 if finish:
                     self._event("finish", rid)  # before the yield: the caller may close right after it
-                yield common_pb2.TokenChunk(token_ids=ids, logprobs=lps, policy_version=o.policy_version, finish_reason=finish)
+                yield common_pb2.TokenChunk(
+                    token_ids=ids, logprobs=lps, policy_version=o.policy_version, finish_reason=finish
+                )
                 sent += len(ids)
                 self.progress[rid] = sent
                 if o.die_after_tokens and sent >= o.die_after_tokens:
@@ -160,29 +169,44 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
         finally:
             self.running.pop(rid, None)
 
-    async def Abort(self, request: cell_agent_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> cell_agent_pb2.AbortResponse:
+    async def Abort(
+        self, request: cell_agent_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> cell_agent_pb2.AbortResponse:
         self._event("abort_rpc", request.request_id)
         task = self.running.pop(request.request_id, None)
         return cell_agent_pb2.AbortResponse(aborted=task is not None)
 
-    async def GetLoad(self, request: cell_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> cell_agent_pb2.EngineLoad:
+    async def GetLoad(
+        self, request: cell_agent_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> cell_agent_pb2.EngineLoad:
         return cell_agent_pb2.EngineLoad(
-            cell_id=self.opts.cell_id, slots=self.opts.slots, running_requests=len(self.running),
-            policy_version=self.opts.policy_version, accepting=self.accepting, engine="fake",
+            cell_id=self.opts.cell_id,
+            slots=self.opts.slots,
+            running_requests=len(self.running),
+            policy_version=self.opts.policy_version,
+            accepting=self.accepting,
+            engine="fake",
         )
 
-    async def ExportKv(self, request: cell_agent_pb2.ExportKvRequest, context: grpc.aio.ServicerContext) -> cell_agent_pb2.ExportKvResponse:
+    async def ExportKv(
+        self, request: cell_agent_pb2.ExportKvRequest, context: grpc.aio.ServicerContext
+    ) -> cell_agent_pb2.ExportKvResponse:
         self._event("kv_export", request.request_id)
         if not self.opts.export_kv or request.request_id not in self.running:
             return cell_agent_pb2.ExportKvResponse()
         handle = cell_agent_pb2.KvHandle(
-            handle_id=uuid.uuid4().hex, source_cell=self.opts.cell_id,
-            num_tokens=self.progress.get(request.request_id, 0), locator=f"shm://fake/{request.request_id}", medium="shm",
+            handle_id=uuid.uuid4().hex,
+            source_cell=self.opts.cell_id,
+            num_tokens=self.progress.get(request.request_id, 0),
+            locator=f"shm://fake/{request.request_id}",
+            medium="shm",
         )
         self.exports[handle.handle_id] = handle
         return cell_agent_pb2.ExportKvResponse(handle=handle)
 
-    async def ReleaseKv(self, request: cell_agent_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext) -> cell_agent_pb2.ReleaseKvResponse:
+    async def ReleaseKv(
+        self, request: cell_agent_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> cell_agent_pb2.ReleaseKvResponse:
         self._event("kv_release", request.handle_id)
         self.released.append(request.handle_id)
         return cell_agent_pb2.ReleaseKvResponse()
@@ -205,8 +229,11 @@ class FakeEngineServer:
         # process's, or the one given), and require the caller's, as a cell agent does.
         tls = self._tls or process_tls()
         address = f"127.0.0.1:{self._port}"
-        port = (self.server.add_insecure_port(address) if tls.insecure
-                else self.server.add_secure_port(address, tls.server_credentials()))
+        port = (
+            self.server.add_insecure_port(address)
+            if tls.insecure
+            else self.server.add_secure_port(address, tls.server_credentials())
+        )
         await self.server.start()
         self._port = port
         self.target = f"127.0.0.1:{port}"
@@ -233,8 +260,12 @@ async def _main() -> None:
     set_process_tls(TlsFiles(insecure=True) if a.insecure else TlsFiles.from_dir(a.tls_dir))
     server = await FakeEngineServer(
         FakeOptions(
-            cell_id=a.cell_id, policy_version=a.policy_version, token_delay_s=a.token_delay_s,
-            tokens_per_chunk=a.tokens_per_chunk, die_after_tokens=a.die_after_tokens, hang_after_tokens=a.hang_after_tokens,
+            cell_id=a.cell_id,
+            policy_version=a.policy_version,
+            token_delay_s=a.token_delay_s,
+            tokens_per_chunk=a.tokens_per_chunk,
+            die_after_tokens=a.die_after_tokens,
+            hang_after_tokens=a.hang_after_tokens,
         ),
         a.port,
     ).start()

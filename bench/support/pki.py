@@ -30,6 +30,12 @@ class BenchPki:
         certs.ensure(self.root, [Identity(role, name)])
         return TlsFiles.from_dir(self.root / name)
 
-    def channel(self, target: str, name: str, role: Role, expect: Role,
-                options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
+    def channel(
+        self,
+        target: str,
+        name: str,
+        role: Role,
+        expect: Role,
+        options: list[tuple[str, object]] | None = None,
+    ) -> grpc.aio.Channel:
         return dial(target, self.tls(name, role), expect, options)

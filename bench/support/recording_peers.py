@@ -62,16 +62,18 @@ class RecordingPeers:
         self.calls.append(("load_policy", (target, epoch, version, source_target)))
         return version
 
-    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
-            core_target: str) -> bool:
+    async def join_batch(
+        self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int, core_target: str
+    ) -> bool:
         self.calls.append(("join_batch", (target, epoch, batch_id, policy_version, prefix_size, core_target)))
         return True
 
     async def running_requests(self, target: str) -> int:
         return self.running.get(target, 0)
 
-    async def move_executions(self, router_targets: Sequence[str], epoch: int,
-            moves: Sequence[MoveOrder]) -> int:
+    async def move_executions(
+        self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]
+    ) -> int:
         self.calls.append(("move_executions", (tuple(router_targets), epoch, tuple(moves))))
         return 0
 

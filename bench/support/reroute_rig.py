@@ -49,8 +49,18 @@ class Trial:
 class RerouteRig:
     """Scheduler + router + cell agents; ``report`` turns the router's failure reports on."""
 
-    def __init__(self, tmp: Path, etcd_endpoint: str, pki_root: Path, cluster: str, *, report: bool = True,
-                 lease_ttl_s: int = 10, decode_step_s: float = 0.01, slots: int = 8) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        etcd_endpoint: str,
+        pki_root: Path,
+        cluster: str,
+        *,
+        report: bool = True,
+        lease_ttl_s: int = 10,
+        decode_step_s: float = 0.01,
+        slots: int = 8,
+    ) -> None:
         self.tmp = tmp
         self.keys = Keys(cluster)
         self.pki = BenchPki(pki_root)
@@ -61,12 +71,32 @@ class RerouteRig:
         common = {"lease_ttl_s": lease_ttl_s, "log_json": False, "log_level": "INFO"}
         config = {
             "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint], "tls": {"dir": self.pki.tls_dir}},
-            "scheduler": {**common, "policy": "rollout_only", "batch_size": 64, "group_size": 2,
-                          "over_provision": 0.0, "reconcile_s": 0.1, "heartbeat_deadline_s": 600.0},
-            "router": {**common, "model_dir": str(build_tokenizer_dir(tmp / "model")), "http_port": 0,
-                       "report_engine_failures": report, "failover_wait_s": 30.0, "retry_budget": 3},
-            "cell_agent": {**common, "kind": "standalone", "index": -1, "slots": slots, "engine": "mock",
-                           "mock": {"fixed_decode_step_s": decode_step_s}, "probe_interval_s": 0.5},
+            "scheduler": {
+                **common,
+                "policy": "rollout_only",
+                "batch_size": 64,
+                "group_size": 2,
+                "over_provision": 0.0,
+                "reconcile_s": 0.1,
+                "heartbeat_deadline_s": 600.0,
+            },
+            "router": {
+                **common,
+                "model_dir": str(build_tokenizer_dir(tmp / "model")),
+                "http_port": 0,
+                "report_engine_failures": report,
+                "failover_wait_s": 30.0,
+                "retry_budget": 3,
+            },
+            "cell_agent": {
+                **common,
+                "kind": "standalone",
+                "index": -1,
+                "slots": slots,
+                "engine": "mock",
+                "mock": {"fixed_decode_step_s": decode_step_s},
+                "probe_interval_s": 0.5,
+            },
         }
         self.config = tmp / "reroute.yaml"
         self.config.write_text(yaml.safe_dump(config))
@@ -74,8 +104,9 @@ class RerouteRig:
         self._channels: list[grpc.aio.Channel] = []
 
     def _start(self, service: str, name: str, **overrides: Any) -> ServiceProcess:
-        proc = ServiceProcess(service, self.config, overrides=overrides, log_path=self.tmp / f"{name}.log",
-                              name=name).start(timeout_s=90)
+        proc = ServiceProcess(
+            service, self.config, overrides=overrides, log_path=self.tmp / f"{name}.log", name=name
+        ).start(timeout_s=90)
         self.procs.append(proc)
         return proc
 
@@ -115,7 +146,8 @@ class RerouteRig:
         for _ in range(300):
             try:
                 got = await self.harness.AcquireExecution(
-                    scheduler_pb2.AcquireExecutionRequest(harness_id="reroute", wait_s=5.0), timeout=10)
+                    scheduler_pb2.AcquireExecutionRequest(harness_id="reroute", wait_s=5.0), timeout=10
+                )
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -136,9 +168,13 @@ class RerouteRig:
         ex = await self.acquire()
         source = await self.cell_of(ex.execution_id)
         call = self.router_stub.Generate(
-            router_pb2.GenerateRequest(execution_id=ex.execution_id, prompt_token_ids=PROMPT,
-                                       sampling=common_pb2.SamplingParams(max_tokens=max_tokens)),
-            metadata=(("authorization", f"Bearer {ex.token}"),), timeout=120,
+            router_pb2.GenerateRequest(
+                execution_id=ex.execution_id,
+                prompt_token_ids=PROMPT,
+                sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+            ),
+            metadata=(("authorization", f"Bearer {ex.token}"),),
+            timeout=120,
         )
         tokens, error, t_kill, first_after, reroutes, at_kill = 0, "", 0.0, 0.0, 0, -1
         try:
@@ -162,14 +198,26 @@ class RerouteRig:
         self._cells.pop(source).kill()  # reap it
         self.add_cell()
         await self._wait_cells(len(self._cells))
-        return Trial(tokens, error, (first_after - t_kill) if first_after else float("nan"), source, destination,
-                     reroutes)
+        return Trial(
+            tokens,
+            error,
+            (first_after - t_kill) if first_after else float("nan"),
+            source,
+            destination,
+            reroutes,
+        )
 
     async def _finish(self, ex: scheduler_pb2.Execution) -> None:
-        req = scheduler_pb2.FinishExecutionRequest(execution_id=ex.execution_id, reward=1.0, idempotency_key="f",
-                                                   status=common_pb2.EXECUTION_STATUS_COMPLETED)
+        req = scheduler_pb2.FinishExecutionRequest(
+            execution_id=ex.execution_id,
+            reward=1.0,
+            idempotency_key="f",
+            status=common_pb2.EXECUTION_STATUS_COMPLETED,
+        )
         try:
-            await self.harness.FinishExecution(req, metadata=(("authorization", f"Bearer {ex.token}"),), timeout=10)
+            await self.harness.FinishExecution(
+                req, metadata=(("authorization", f"Bearer {ex.token}"),), timeout=10
+            )
         except grpc.aio.AioRpcError:
             pass  # a trial's verdict does not depend on it
 

@@ -29,7 +29,9 @@ def build_tokenizer_dir(path: Path) -> Path:
 
 
 def write_config(path: Path, cluster: str, etcd_endpoint: str, **router: Any) -> Path:
-    path.write_text(yaml.safe_dump({"cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]}, "router": router}))
+    path.write_text(
+        yaml.safe_dump({"cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]}, "router": router})
+    )
     return path
 
 
@@ -49,11 +51,25 @@ def new_execution() -> tuple[str, str]:
     return f"ex-{n:x}", f"tok-{n:x}-{random.randrange(1 << 40):x}"
 
 
-async def put_route(etcd: Etcd, keys: Keys, execution_id: str, cell_id: str, target: str, token: str, policy_version: int = 1, group_id: str = "g1") -> int:
+async def put_route(
+    etcd: Etcd,
+    keys: Keys,
+    execution_id: str,
+    cell_id: str,
+    target: str,
+    token: str,
+    policy_version: int = 1,
+    group_id: str = "g1",
+) -> int:
     """Writes the route as the scheduler does; returns the route epoch (the key's version)."""
     value = {
-        "execution_id": execution_id, "cell_id": cell_id, "target": target, "token_sha256": token_sha256(token),
-        "group_id": group_id, "burst_id": 1, "policy_version": policy_version,
+        "execution_id": execution_id,
+        "cell_id": cell_id,
+        "target": target,
+        "token_sha256": token_sha256(token),
+        "group_id": group_id,
+        "burst_id": 1,
+        "policy_version": policy_version,
     }
     await etcd.put(keys.route(execution_id), json.dumps(value).encode())
     kv = await etcd.get(keys.route(execution_id))
@@ -67,7 +83,9 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
     def __init__(self) -> None:
         self.turns: dict[tuple[str, int], packer_pb2.TurnRecord] = {}
 
-    async def RecordTurn(self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext) -> packer_pb2.RecordTurnResponse:
+    async def RecordTurn(
+        self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext
+    ) -> packer_pb2.RecordTurnResponse:
         key = (request.execution_id, request.turn_index)
         dup = key in self.turns
         self.turns.setdefault(key, request)
@@ -80,7 +98,11 @@ async def start_fake_packer(tls: TlsFiles) -> tuple[FakePacker, grpc.aio.Server,
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     packer_pb2_grpc.add_PackerServicer_to_server(packer, server)
     address = "127.0.0.1:0"
-    port = server.add_insecure_port(address) if tls.insecure else server.add_secure_port(address, tls.server_credentials())
+    port = (
+        server.add_insecure_port(address)
+        if tls.insecure
+        else server.add_secure_port(address, tls.server_credentials())
+    )
     await server.start()
     return packer, server, f"127.0.0.1:{port}"
 

@@ -68,9 +68,13 @@ class FakePacker:
         self._batches: dict[int, _Batch] = {}
         self._cond = threading.Condition()
 
-    def add_batch(self, batch_id: int, version: int, steps: list[MicroStep], released: int | None = None) -> None:
+    def add_batch(
+        self, batch_id: int, version: int, steps: list[MicroStep], released: int | None = None
+    ) -> None:
         with self._cond:
-            self._batches[batch_id] = _Batch(version, list(steps), len(steps) if released is None else released)
+            self._batches[batch_id] = _Batch(
+                version, list(steps), len(steps) if released is None else released
+            )
             self._cond.notify_all()
 
     def release(self, batch_id: int, n: int | None = None, for_cell: str | None = None) -> None:
@@ -162,7 +166,9 @@ class FakePackerServicer(ppb_grpc.PackerServicer):
         self.packer = packer
 
     @rpc
-    async def ClaimMicroStep(self, request: ppb.ClaimMicroStepRequest, context: grpc.aio.ServicerContext) -> ppb.ClaimMicroStepResponse:  # noqa: N802
+    async def ClaimMicroStep(
+        self, request: ppb.ClaimMicroStepRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.ClaimMicroStepResponse:  # noqa: N802
         if not 0 <= request.wait_s <= 30:
             raise InvalidArgument("wait_s out of range")
         c = await asyncio.to_thread(
@@ -175,22 +181,28 @@ class FakePackerServicer(ppb_grpc.PackerServicer):
         )
 
     @rpc
-    async def AckMicroStep(self, request: ppb.AckMicroStepRequest, context: grpc.aio.ServicerContext) -> ppb.AckMicroStepResponse:  # noqa: N802
+    async def AckMicroStep(
+        self, request: ppb.AckMicroStepRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.AckMicroStepResponse:  # noqa: N802
         self.packer.ack_sync(request.batch_id, request.micro_step_id)
         return ppb.AckMicroStepResponse()
 
     @rpc
-    async def OpenBatch(self, request: ppb.OpenBatchRequest, context: grpc.aio.ServicerContext) -> ppb.BatchStatus:  # noqa: N802
+    async def OpenBatch(
+        self, request: ppb.OpenBatchRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.BatchStatus:  # noqa: N802
         await asyncio.to_thread(self.packer.open_sync, request.batch_id)
         return ppb.BatchStatus(batch_id=request.batch_id)
 
     @rpc
-    async def CommitBatch(self, request: ppb.CommitBatchRequest, context: grpc.aio.ServicerContext) -> ppb.BatchStatus:  # noqa: N802
+    async def CommitBatch(
+        self, request: ppb.CommitBatchRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.BatchStatus:  # noqa: N802
         await asyncio.to_thread(self.packer.commit_sync, request.batch_id)
         return ppb.BatchStatus(batch_id=request.batch_id, committed=True)
 
     @rpc
-    async def KeepClaims(self, request: ppb.KeepClaimsRequest, context: grpc.aio.ServicerContext) -> ppb.KeepClaimsResponse:  # noqa: N802
+    async def KeepClaims(
+        self, request: ppb.KeepClaimsRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.KeepClaimsResponse:  # noqa: N802
         return ppb.KeepClaimsResponse()
-
-

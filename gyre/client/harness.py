@@ -99,14 +99,24 @@ class HarnessClient:
     how long one call keeps retrying through UNAVAILABLE / DEADLINE_EXCEEDED (a leader
     failover); None reads ``$GYRE_HARNESS_RETRY_S`` (default 30 s)."""
 
-    def __init__(self, scheduler_target: str | Sequence[str], harness_id: str = "", timeout_s: float = 10.0, *,
-                 tls_dir: str | os.PathLike[str] | None = None, api_key: str | None = None,
-                 insecure: bool = False, retry_s: float | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_target: str | Sequence[str],
+        harness_id: str = "",
+        timeout_s: float = 10.0,
+        *,
+        tls_dir: str | os.PathLike[str] | None = None,
+        api_key: str | None = None,
+        insecure: bool = False,
+        retry_s: float | None = None,
+    ) -> None:
         self._targets = _targets(scheduler_target)
         self._current = 0
         self.harness_id = harness_id or f"harness-{uuid.uuid4().hex[:8]}"
         self._timeout_s = timeout_s
-        self.retry_s = float(os.environ.get("GYRE_HARNESS_RETRY_S", DEFAULT_RETRY_S)) if retry_s is None else retry_s
+        self.retry_s = (
+            float(os.environ.get("GYRE_HARNESS_RETRY_S", DEFAULT_RETRY_S)) if retry_s is None else retry_s
+        )
         self._tls_dir = tls_dir or os.environ.get("GYRE_HARNESS_TLS_DIR", "")
         self._insecure = insecure
         key = api_key or _key_from_env()
@@ -170,8 +180,12 @@ class HarnessClient:
             self._current = (self._current + 1) % len(self._targets)
         return False
 
-    async def call(self, what: str, attempt_fn: Callable[[scheduler_pb2_grpc.HarnessServiceStub, float],
-                                                       Awaitable[T]], timeout_s: float) -> T:
+    async def call(
+        self,
+        what: str,
+        attempt_fn: Callable[[scheduler_pb2_grpc.HarnessServiceStub, float], Awaitable[T]],
+        timeout_s: float,
+    ) -> T:
         """Runs ``attempt_fn(stub, timeout)`` until it succeeds, fails with a status other
         than UNAVAILABLE / DEADLINE_EXCEEDED, or ``retry_s`` has passed (then raises the
         last error as a GyreError). Only for calls that are safe to repeat."""
@@ -190,8 +204,13 @@ class HarnessClient:
                 at_once = self._follow(err) and not followed
                 followed = at_once
                 self.retries += 1
-                log.info("%s: %s from the scheduler; retrying at %s (%.1f s left)", what, err.code().name,
-                         self.target, left)
+                log.info(
+                    "%s: %s from the scheduler; retrying at %s (%.1f s left)",
+                    what,
+                    err.code().name,
+                    self.target,
+                    left,
+                )
                 if not at_once:
                     await asyncio.sleep(min(backoff.next(), max(left, 0.0)))
 
@@ -201,10 +220,12 @@ class HarnessClient:
         Retried across a failover with one idempotency key: a retry never launches a second
         execution. Check :attr:`last_burst_exhausted` to tell "wait and retry" from "burst
         done"."""
-        request = scheduler_pb2.AcquireExecutionRequest(harness_id=self.harness_id, wait_s=wait_s,
-                                                        idempotency_key=secrets.token_urlsafe(24))
+        request = scheduler_pb2.AcquireExecutionRequest(
+            harness_id=self.harness_id, wait_s=wait_s, idempotency_key=secrets.token_urlsafe(24)
+        )
         reply = await self.call(
-            "acquire", lambda stub, t: stub.AcquireExecution(request, timeout=t, metadata=self.metadata),
+            "acquire",
+            lambda stub, t: stub.AcquireExecution(request, timeout=t, metadata=self.metadata),
             wait_s + self._timeout_s,
         )
         self.last_burst_exhausted = reply.burst_exhausted
@@ -258,7 +279,9 @@ class ExecutionHandle:
         self.start_heartbeats()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         try:
             if not self.finished:
                 # Leaving the block without a report: an exception is a failure, anything
@@ -288,8 +311,10 @@ class ExecutionHandle:
                 log.warning("heartbeat failed", extra={"execution_id": self.execution_id, "error": str(exc)})
                 continue
             if self._closed(reply.status):
-                log.info("execution closed by the scheduler", extra={"execution_id": self.execution_id,
-                         "status": self.closed_as})
+                log.info(
+                    "execution closed by the scheduler",
+                    extra={"execution_id": self.execution_id, "status": self.closed_as},
+                )
                 return
 
     @property
@@ -309,11 +334,14 @@ class ExecutionHandle:
         """Keeps the execution alive; retried across a failover (it only pushes a deadline)."""
         request = scheduler_pb2.HeartbeatRequest(execution_id=self.execution_id)
         return await self._client.call(
-            "heartbeat", lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata),
+            "heartbeat",
+            lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata),
             self._timeout_s,
         )
 
-    async def finish(self, reward: float = 0.0, status: str = "completed") -> scheduler_pb2.FinishExecutionResponse:
+    async def finish(
+        self, reward: float = 0.0, status: str = "completed"
+    ) -> scheduler_pb2.FinishExecutionResponse:
         """Reports the end, retried across a failover (up to the client's ``retry_s``).
         Safe to retry: the idempotency key makes repeats no-ops."""
         if status not in _STATUS:
@@ -327,7 +355,8 @@ class ExecutionHandle:
             idempotency_key=self._idempotency_key,
         )
         reply: scheduler_pb2.FinishExecutionResponse = await self._client.call(
-            "finish", lambda stub, t: stub.FinishExecution(request, timeout=t, metadata=self._metadata),
+            "finish",
+            lambda stub, t: stub.FinishExecution(request, timeout=t, metadata=self._metadata),
             self._timeout_s,
         )
         self.finished = True
@@ -361,7 +390,13 @@ class ExecutionHandle:
         """One non-streaming chat completion; returns the assistant message (``content``,
         and ``tool_calls`` when the model called one of ``tools``). Append it to the history
         as it is: the router then continues the execution's tokens exactly."""
-        body = {"model": self.model, "messages": list(messages), "max_tokens": max_tokens, "temperature": temperature, **extra}
+        body = {
+            "model": self.model,
+            "messages": list(messages),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            **extra,
+        }
         if tools:
             body["tools"] = list(tools)
         data = await self.post("/chat/completions", body)
@@ -388,7 +423,9 @@ class ExecutionHandle:
                 # Not connected: the request never left, so it is safe to send again (the
                 # router restarting under a supervisor comes back on the same address).
                 if time.monotonic() + backoff.ceiling_s > deadline:
-                    raise Unavailable(f"router {url} unreachable for {ROUTER_CONNECT_RETRY_S:g} s: {exc}") from exc
+                    raise Unavailable(
+                        f"router {url} unreachable for {ROUTER_CONNECT_RETRY_S:g} s: {exc}"
+                    ) from exc
                 await backoff.sleep()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # Sent, then lost: the router may have acted on it; the caller decides.

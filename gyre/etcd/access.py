@@ -105,7 +105,9 @@ async def _ignore_exists(call: object) -> None:
             raise
 
 
-async def provision(etcd: Etcd, cluster: str, identities: Iterable[Identity], timeout_s: float = 10.0) -> None:
+async def provision(
+    etcd: Etcd, cluster: str, identities: Iterable[Identity], timeout_s: float = 10.0
+) -> None:
     """Creates a user per identity and its role in ``cluster``, then enables auth.
 
     ``etcd`` must be connected as root (CN ``root``) or to an etcd without auth yet.
@@ -115,8 +117,12 @@ async def provision(etcd: Etcd, cluster: str, identities: Iterable[Identity], ti
     kw = {"timeout": timeout_s}
     users = {"root": None} | {i.name: i for i in identities}
     for name in users:
-        await _ignore_exists(stub.UserAdd(
-            aetcd.rpc.AuthUserAddRequest(name=name, options=aetcd.rpc.UserAddOptions(no_password=True)), **kw))
+        await _ignore_exists(
+            stub.UserAdd(
+                aetcd.rpc.AuthUserAddRequest(name=name, options=aetcd.rpc.UserAddOptions(no_password=True)),
+                **kw,
+            )
+        )
     await _ignore_exists(stub.RoleAdd(aetcd.rpc.AuthRoleAddRequest(name="root"), **kw))
     await stub.UserGrantRole(aetcd.rpc.AuthUserGrantRoleRequest(user="root", role="root"), **kw)
     for name, identity in users.items():
@@ -128,7 +134,9 @@ async def provision(etcd: Etcd, cluster: str, identities: Iterable[Identity], ti
             perm = aetcd.rpc.Permission(
                 permType=int(g.perm), key=g.key, range_end=_range_end(g.key) if g.prefix else b""
             )
-            await stub.RoleGrantPermission(aetcd.rpc.AuthRoleGrantPermissionRequest(name=role, perm=perm), **kw)
+            await stub.RoleGrantPermission(
+                aetcd.rpc.AuthRoleGrantPermissionRequest(name=role, perm=perm), **kw
+            )
         await stub.UserGrantRole(aetcd.rpc.AuthUserGrantRoleRequest(user=name, role=role), **kw)
     await stub.AuthEnable(aetcd.rpc.AuthEnableRequest(), **kw)
     log.info("etcd auth provisioned", extra={"cluster": cluster, "users": sorted(users)})

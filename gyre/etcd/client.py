@@ -127,13 +127,17 @@ class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
         if self._connected.is_set():
             return
         target = f"{self._host}:{self._port}"
-        self.channel = aetcd.rpc.secure_channel(target, self._credentials, options=list(self._options.items()))
+        self.channel = aetcd.rpc.secure_channel(
+            target, self._credentials, options=list(self._options.items())
+        )
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
         self.leasestub = aetcd.rpc.LeaseStub(self.channel)
         self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
         self.auth_stub = aetcd.rpc.AuthStub(self.channel)
-        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=None)
+        self._watcher = aetcd.watcher.Watcher(
+            aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=None
+        )
         self._connected.set()
 
 
@@ -143,7 +147,7 @@ def parse_endpoint(endpoint: str, has_tls: bool) -> tuple[str, int, bool]:
     tls = has_tls
     for scheme, secure in (("https://", True), ("http://", False)):
         if endpoint.startswith(scheme):
-            endpoint, tls = endpoint[len(scheme):], secure
+            endpoint, tls = endpoint[len(scheme) :], secure
     host, _, port = endpoint.rstrip("/").rpartition(":")
     return host or "127.0.0.1", int(port), tls
 
@@ -173,10 +177,14 @@ class Etcd:
             client: aetcd.Client
             if secure:
                 if self._tls is None:
-                    raise ValueError(f"etcd endpoint {endpoint} needs TLS but this process has no certificate")
+                    raise ValueError(
+                        f"etcd endpoint {endpoint} needs TLS but this process has no certificate"
+                    )
                 client = _TlsClient(host, port, self._timeout_s, self._tls.channel_credentials())
             else:
-                client = aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=dict(CHANNEL_OPTIONS))
+                client = aetcd.Client(
+                    host=host, port=port, timeout=self._timeout_s, options=dict(CHANNEL_OPTIONS)
+                )
             try:
                 await client.connect()
                 await asyncio.wait_for(client.status(), self._timeout_s)
@@ -231,16 +239,23 @@ class Etcd:
         end = prefix_end(prefix)
         start, revision, out = prefix, 0, []
         while True:
-            request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=page, revision=revision,
-                                             sort_order=aetcd.rpc.RangeRequest.ASCEND,
-                                             sort_target=aetcd.rpc.RangeRequest.KEY)
+            request = aetcd.rpc.RangeRequest(
+                key=start,
+                range_end=end,
+                limit=page,
+                revision=revision,
+                sort_order=aetcd.rpc.RangeRequest.ASCEND,
+                sort_target=aetcd.rpc.RangeRequest.KEY,
+            )
             try:
                 got = await client.kvstub.Range(request, timeout=self._timeout_s, metadata=client.metadata)
             except _TRANSPORT_ERRORS as exc:
                 raise Unavailable(f"etcd range: {exc!r}") from exc
             except aetcd.rpc.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    raise PermissionDenied(f"etcd refused get {prefix.decode(errors='replace')}: {exc.details()}") from exc
+                    raise PermissionDenied(
+                        f"etcd refused get {prefix.decode(errors='replace')}: {exc.details()}"
+                    ) from exc
                 raise Unavailable(f"etcd range: {exc.code().name} {exc.details()}") from exc
             revision = revision or got.header.revision
             out += [KV.from_raw(kv) for kv in got.kvs]
@@ -287,7 +302,9 @@ class Etcd:
         t = client.transactions
         built = []
         for c in compares:
-            target = {"create": t.create, "mod": t.mod, "version": t.version, "value": t.value}[c.target](c.key)
+            target = {"create": t.create, "mod": t.mod, "version": t.version, "value": t.value}[c.target](
+                c.key
+            )
             built.append(_apply_op(target, c.op, c.value))
         try:
             # aetcd returns only (succeeded, responses); read the header revision from the
@@ -308,7 +325,9 @@ class Etcd:
             raise Unavailable(f"etcd txn: {exc.code().name} {exc.details()}") from exc
         return resp.succeeded, resp.header.revision
 
-    async def cas(self, key: bytes, value: bytes, expected_mod_revision: int, lease: int | None = None) -> tuple[bool, int]:
+    async def cas(
+        self, key: bytes, value: bytes, expected_mod_revision: int, lease: int | None = None
+    ) -> tuple[bool, int]:
         """Writes ``value`` only if the key still has ``expected_mod_revision`` (0: absent)."""
         return await self.txn([mod_revision_is(key, expected_mod_revision)], [Op(key, value, lease)])
 

@@ -40,8 +40,10 @@ class Keys:
 
     # The execution ledger: one key per execution (independent records, see TOOLING.md).
     def executions(self, burst_id: int | None = None) -> bytes:
-        return self._k("ledger", "exec", "") if burst_id is None else self._k(
-            "ledger", "exec", f"{burst_id:08d}", ""
+        return (
+            self._k("ledger", "exec", "")
+            if burst_id is None
+            else self._k("ledger", "exec", f"{burst_id:08d}", "")
         )
 
     def execution(self, burst_id: int, execution_id: str) -> bytes:

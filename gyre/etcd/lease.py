@@ -38,8 +38,9 @@ _ETCD_DOWN = (Unavailable, asyncio.TimeoutError, aetcd.exceptions.ClientError)
 class LeaseKeeper:
     """Grants a lease, keeps it alive, and replaces it by a new session when it is lost."""
 
-    def __init__(self, etcd: Etcd, ttl_s: int, clock: Callable[[], float] = time.monotonic,
-                 max_backoff_s: float = 1.0) -> None:
+    def __init__(
+        self, etcd: Etcd, ttl_s: int, clock: Callable[[], float] = time.monotonic, max_backoff_s: float = 1.0
+    ) -> None:
         self._etcd = etcd
         self._ttl_s = ttl_s
         self._clock = clock
@@ -107,9 +108,14 @@ class LeaseKeeper:
                 await self._revoke_quietly(old)
                 self.lost.clear()
                 self._renewed.set()
-                log.warning("lease re-established as a new session", extra={
-                    "lease": f"{self.lease_id:x}", "session": self.session,
-                    "outage_s": round(self._clock() - since, 3)})
+                log.warning(
+                    "lease re-established as a new session",
+                    extra={
+                        "lease": f"{self.lease_id:x}",
+                        "session": self.session,
+                        "outage_s": round(self._clock() - since, 3),
+                    },
+                )
                 self._hooks_task = asyncio.create_task(self._run_hooks(self.session), name="lease.hooks")
         finally:
             if self._hooks_task is not None:

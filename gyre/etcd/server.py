@@ -32,8 +32,14 @@ def free_port() -> int:
 class EtcdServer:
     """Starts, restarts, pauses and stops one etcd member on loopback."""
 
-    def __init__(self, data_dir: str | None = None, client_port: int = 0, peer_port: int = 0, log_path: str | None = None,
-                 tls_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        client_port: int = 0,
+        peer_port: int = 0,
+        log_path: str | None = None,
+        tls_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.tls_dir = Path(tls_dir) if tls_dir else None
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="gyre-etcd-"))
@@ -55,25 +61,39 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"  # one member on loopback: no peer traffic
         args = [
             binary,
-            "--name", "gyre",
-            "--data-dir", str(self.data_dir / "data"),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"gyre={peer}",
-            "--log-level", "error",
-            "--logger", "zap",
+            "--name",
+            "gyre",
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"gyre={peer}",
+            "--log-level",
+            "error",
+            "--logger",
+            "zap",
             # As docker-compose.yml and the Kubernetes manifest: old revisions are dropped
             # hourly, so the scheduler's archived bursts stop taking space (issue 13 part 5).
-            "--auto-compaction-mode", "periodic",
-            "--auto-compaction-retention", "1h",
+            "--auto-compaction-mode",
+            "periodic",
+            "--auto-compaction-retention",
+            "1h",
         ]
         if self.tls_dir is not None:
             args += [
-                "--cert-file", str(self.tls_dir / "tls.crt"),
-                "--key-file", str(self.tls_dir / "tls.key"),
-                "--trusted-ca-file", str(self.tls_dir / "ca.crt"),
+                "--cert-file",
+                str(self.tls_dir / "tls.crt"),
+                "--key-file",
+                str(self.tls_dir / "tls.key"),
+                "--trusted-ca-file",
+                str(self.tls_dir / "ca.crt"),
                 "--client-cert-auth",
             ]
         log = open(self._log_path, "ab")

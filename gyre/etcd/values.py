@@ -75,10 +75,13 @@ class CellState(enum.Enum):
 
 
 _KIND_TO_PROTO: dict[CellKind, int] = {
-    CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE, CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC,
+    CellKind.STANDALONE: common_pb2.CELL_KIND_STANDALONE,
+    CellKind.ELASTIC: common_pb2.CELL_KIND_ELASTIC,
 }
 _KIND_FROM_PROTO: dict[int, CellKind] = {v: k for k, v in _KIND_TO_PROTO.items()}
-_STATE_TO_PROTO: dict[CellState, int] = {state: int(common_pb2.CellState.Value(f"CELL_STATE_{state.value}")) for state in CellState}
+_STATE_TO_PROTO: dict[CellState, int] = {
+    state: int(common_pb2.CellState.Value(f"CELL_STATE_{state.value}")) for state in CellState
+}
 _STATE_FROM_PROTO: dict[int, CellState] = {v: k for k, v in _STATE_TO_PROTO.items()}
 
 
@@ -126,7 +129,9 @@ class Route:
     """Wall-clock time (unix seconds) the execution's token expires; 0: never."""
 
     @classmethod
-    def from_json(cls, value: bytes, epoch: int = 0, *, created_revision: int = 0, mod_revision: int = 0) -> Route:
+    def from_json(
+        cls, value: bytes, epoch: int = 0, *, created_revision: int = 0, mod_revision: int = 0
+    ) -> Route:
         """Parses a route key's value; InvalidArgument when a required field is missing or
         a number is not one."""
         try:
@@ -149,8 +154,15 @@ class Route:
 
     def to_json(self) -> bytes:
         """The key's value (epoch and revisions live in the key's metadata)."""
-        return json.dumps({
-            "execution_id": self.execution_id, "cell_id": self.cell_id, "target": self.target,
-            "token_sha256": self.token_sha256, "group_id": self.group_id, "burst_id": self.burst_id,
-            "policy_version": self.policy_version, "expires_s": self.expires_s,
-        }).encode()
+        return json.dumps(
+            {
+                "execution_id": self.execution_id,
+                "cell_id": self.cell_id,
+                "target": self.target,
+                "token_sha256": self.token_sha256,
+                "group_id": self.group_id,
+                "burst_id": self.burst_id,
+                "policy_version": self.policy_version,
+                "expires_s": self.expires_s,
+            }
+        ).encode()

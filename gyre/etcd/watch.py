@@ -53,6 +53,7 @@ class PrefixMirror:
 
     async def wait_for(self, predicate: Callable[[dict[bytes, KV]], bool], timeout_s: float) -> None:
         """Waits until ``predicate(items)`` holds; raises TimeoutError after ``timeout_s``."""
+
         async def _wait() -> None:
             while not predicate(self.items):
                 await self.changed(0.5)
@@ -87,7 +88,10 @@ class PrefixMirror:
             except asyncio.CancelledError:
                 raise
             except (TimeoutError, Unavailable, aetcd.exceptions.ClientError) as exc:
-                log.info("watch interrupted; relisting", extra={"prefix": self._prefix.decode(), "error": repr(exc)})
+                log.info(
+                    "watch interrupted; relisting",
+                    extra={"prefix": self._prefix.decode(), "error": repr(exc)},
+                )
                 await backoff.sleep()
 
     async def _watch_until_resync(self) -> None:

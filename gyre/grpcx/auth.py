@@ -143,8 +143,9 @@ class Guard:
         self.table = table
         self.enforce = enforce
 
-    async def _admit(self, method: str, rule: Rule, raw: Any, parse: Parse,
-                     context: grpc.aio.ServicerContext) -> Any:
+    async def _admit(
+        self, method: str, rule: Rule, raw: Any, parse: Parse, context: grpc.aio.ServicerContext
+    ) -> Any:
         """Checks the caller's role, parses the request, checks ``own``; sets the caller and
         returns the request. Aborts with PERMISSION_DENIED when the rule does not admit the
         caller, with INVALID_ARGUMENT when the message does not parse."""
@@ -152,7 +153,9 @@ class Guard:
         if self.enforce:
             who = peer_identity(context)
             if who is None:
-                await _deny(context, f"{self.table.service}/{method}: the client certificate names no Gyre role")
+                await _deny(
+                    context, f"{self.table.service}/{method}: the client certificate names no Gyre role"
+                )
             assert who is not None
             if who.role not in rule.roles:
                 await _deny(context, f"{self.table.service}/{method} admits {rule.describe()}, not {who}")
@@ -172,18 +175,25 @@ class Guard:
         parse = handler.request_deserializer
         if handler.response_streaming:
             return handler._replace(
-                request_deserializer=None, unary_stream=self._stream(method, rule, parse, handler.unary_stream))
+                request_deserializer=None,
+                unary_stream=self._stream(method, rule, parse, handler.unary_stream),
+            )
         return handler._replace(
-            request_deserializer=None, unary_unary=self._unary(method, rule, parse, handler.unary_unary))
+            request_deserializer=None, unary_unary=self._unary(method, rule, parse, handler.unary_unary)
+        )
 
-    def _unary(self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _unary(
+        self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]
+    ) -> Callable[..., Any]:
         async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             request = await self._admit(method, rule, raw, parse, context)
             return await behavior(request, context)
 
         return guarded
 
-    def _stream(self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _stream(
+        self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]
+    ) -> Callable[..., Any]:
         async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             request = await self._admit(method, rule, raw, parse, context)
             async for item in behavior(request, context):
@@ -221,10 +231,12 @@ class _Capture:
         for h in handlers:
             name = h.service_name()
             prefix = f"/{name}/"
-            methods = {k[len(prefix):]: v for k, v in h._method_handlers.items()}
+            methods = {k[len(prefix) :]: v for k, v in h._method_handlers.items()}
             self.handlers.setdefault(name, {}).update(methods)
 
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+    def add_registered_method_handlers(
+        self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]
+    ) -> None:
         self.handlers.setdefault(service, {}).update(handlers)
 
 
@@ -240,11 +252,11 @@ def register_guarded(
     capture = _Capture()
     register(servicer, capture)
     if set(capture.handlers) != {table.service}:
-        raise ValueError(f"{type(servicer).__name__}: registers {sorted(capture.handlers)}, its table is for {table.service}")
+        raise ValueError(
+            f"{type(servicer).__name__}: registers {sorted(capture.handlers)}, its table is for {table.service}"
+        )
     guard = Guard(table, enforce)
     wrapped = {m: guard.wrap(m, h) for m, h in capture.handlers[table.service].items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(table.service, wrapped),))
     server.add_registered_method_handlers(table.service, wrapped)
     return table.service
-
-

@@ -63,5 +63,3 @@ async def unary(
         return await method(request, timeout=timeout_s, metadata=metadata)
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err) from err
-
-

@@ -48,9 +48,7 @@ def rpc_stream(fn: F) -> F:
     """Decorates a server-streaming servicer method (an async generator)."""
 
     @functools.wraps(fn)
-    async def wrapper(
-        self: Any, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for item in fn(self, request, context):
                 yield item
@@ -100,4 +98,3 @@ def bearer_token(context: grpc.aio.ServicerContext) -> str:
             if token:
                 return token
     raise Unauthenticated("missing execution token (authorization: Bearer <token>)")
-

@@ -35,8 +35,9 @@ def _channel(target: str, tls_dir: str, server_name: str) -> grpc.Channel:
     return grpc.secure_channel(target, creds, options=options)
 
 
-def check(target: str, service: str = "", timeout_s: float = 2.0, tls_dir: str = "",
-          server_name: str = "") -> tuple[bool, str]:
+def check(
+    target: str, service: str = "", timeout_s: float = 2.0, tls_dir: str = "", server_name: str = ""
+) -> tuple[bool, str]:
     """(serving, what was seen) for ``service`` ("" = the whole server) at ``target``."""
     with _channel(target, tls_dir, server_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -44,20 +45,31 @@ def check(target: str, service: str = "", timeout_s: float = 2.0, tls_dir: str =
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None
-            return False, f"{getattr(code, 'name', code)}: {err.details() if hasattr(err, 'details') else err}"
+            return (
+                False,
+                f"{getattr(code, 'name', code)}: {err.details() if hasattr(err, 'details') else err}",
+            )
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     return resp.status == health_pb2.HealthCheckResponse.SERVING, name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.grpcx.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gyre.grpcx.healthcheck", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("target", help="host:port of the gRPC server")
-    parser.add_argument("--service", default="", help='service name, e.g. "gyre.v1.Router" (default: the server)')
+    parser.add_argument(
+        "--service", default="", help='service name, e.g. "gyre.v1.Router" (default: the server)'
+    )
     parser.add_argument("--timeout-s", type=float, default=2.0, help="deadline of the check, seconds")
-    parser.add_argument("--tls-dir", default=os.environ.get("GYRE_HEALTHCHECK_TLS_DIR", ""),
-                        help="identity directory (tls.crt, tls.key, ca.crt) to dial with mutual TLS")
-    parser.add_argument("--server-name", default="", help="name the server certificate must carry "
-                        "(default: the dialed host)")
+    parser.add_argument(
+        "--tls-dir",
+        default=os.environ.get("GYRE_HEALTHCHECK_TLS_DIR", ""),
+        help="identity directory (tls.crt, tls.key, ca.crt) to dial with mutual TLS",
+    )
+    parser.add_argument(
+        "--server-name", default="", help="name the server certificate must carry (default: the dialed host)"
+    )
     args = parser.parse_args(argv)
     if args.timeout_s <= 0:
         parser.error("--timeout-s must be > 0")

@@ -134,9 +134,7 @@ class GrpcServer:
     async def set_serving(self, serving: bool) -> None:
         """Flips every service's health status (NOT_SERVING while draining)."""
         status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         await self._health.set("", status)
         for _, _, name in self._services:

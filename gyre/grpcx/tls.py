@@ -73,7 +73,9 @@ class TlsFiles:
             )
         for path in (files.cert_file, files.key_file, files.ca_file):
             if not os.path.exists(path):
-                raise TlsNotConfigured(f"TLS file {path} does not exist (issue it with `python -m gyre.certs`)")
+                raise TlsNotConfigured(
+                    f"TLS file {path} does not exist (issue it with `python -m gyre.certs`)"
+                )
         return files
 
     @classmethod

@@ -77,8 +77,9 @@ class _App:
         self.cell = cell
         # One incarnation at a time: end what a previous agent of this cell left running,
         # and make the engine processes started from here on die with this agent.
-        incarnation = Incarnation(cfg.pid_dir or default_pid_dir(cfg.cluster_name), cfg.cell_id,
-                                  cuda_available())
+        incarnation = Incarnation(
+            cfg.pid_dir or default_pid_dir(cfg.cluster_name), cfg.cell_id, cuda_available()
+        )
         await asyncio.to_thread(incarnation.begin)
         await cell.start()
         incarnation.record()
@@ -96,8 +97,11 @@ class _App:
             metrics.serve(cfg.host, cfg.metrics_port)
             rt.supervisor.spawn("metrics", metrics.run(cell))
         return [
-            (EngineServicer(cell, cfg.max_prompt_tokens, cfg.max_tokens_limit),
-             pb_grpc.add_EngineServicer_to_server, "gyre.v1.Engine"),
+            (
+                EngineServicer(cell, cfg.max_prompt_tokens, cfg.max_tokens_limit),
+                pb_grpc.add_EngineServicer_to_server,
+                "gyre.v1.Engine",
+            ),
             (CellControlServicer(cell), pb_grpc.add_CellControlServicer_to_server, "gyre.v1.CellControl"),
             *cell.hook.services(),
         ]

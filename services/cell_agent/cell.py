@@ -289,8 +289,9 @@ class Cell:
             died = asyncio.ensure_future(self.engine.died.wait())
             waiters: list[asyncio.Future[Any]] = [died, self._fatal]
             try:
-                await asyncio.wait(waiters, timeout=self._probe_interval_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    waiters, timeout=self._probe_interval_s, return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 died.cancel()
             if self._fatal.done():

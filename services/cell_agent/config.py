@@ -17,10 +17,10 @@ class MockEngineSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    time_scale: float = Field(
-        1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
+    time_scale: float = Field(1.0, ge=0, description="Multiplier of every mock duration (0: no waiting).")
     fixed_decode_step_s: float = Field(
-        0.0, ge=0, description="If > 0, each decode step costs this instead of the roofline term.")
+        0.0, ge=0, description="If > 0, each decode step costs this instead of the roofline term."
+    )
     step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of every engine step.")
     n_params: float = Field(7.0e9, gt=0, description="Model parameters (compute terms).")
     weight_bytes: float = Field(14.0e9, ge=0, description="Bytes of weights read per decode step.")
@@ -34,11 +34,9 @@ class MockEngineSettings(BaseModel):
     wake_s: float = Field(0.5, ge=0, description="Cost of restoring rollout memory (wake).")
     vocab_size: int = Field(512, ge=8, description="Mock token ids are drawn from [3, vocab).")
     max_batch: int = Field(256, ge=1, description="Most requests the mock runs in one step.")
-    kv_dir: str = Field(
-        "", description="Directory for exported KV handles (file medium); memory if empty.")
+    kv_dir: str = Field("", description="Directory for exported KV handles (file medium); memory if empty.")
     die_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock dies after this many tokens.")
-    hang_after_tokens: int = Field(
-        -1, ge=-1, description="Fault: the mock hangs after this many tokens.")
+    hang_after_tokens: int = Field(-1, ge=-1, description="Fault: the mock hangs after this many tokens.")
 
     def timing(self) -> dict[str, Any]:
         """The :class:`~services.cell_agent.engines.mock.MockTiming` fields."""
@@ -46,8 +44,19 @@ class MockEngineSettings(BaseModel):
 
 
 TIMING_FIELDS = (
-    "n_params", "weight_bytes", "n_layers", "d_model", "kv_bytes_per_token", "hbm_bytes_per_s", "flops",
-    "step_overhead_s", "fixed_decode_step_s", "weight_load_s", "sleep_s", "wake_s", "time_scale",
+    "n_params",
+    "weight_bytes",
+    "n_layers",
+    "d_model",
+    "kv_bytes_per_token",
+    "hbm_bytes_per_s",
+    "flops",
+    "step_overhead_s",
+    "fixed_decode_step_s",
+    "weight_load_s",
+    "sleep_s",
+    "wake_s",
+    "time_scale",
 )
 
 
@@ -58,17 +67,24 @@ class CellAgentConfig(ServiceConfig):
     MOVED_SECTIONS: ClassVar[dict[str, str]] = {"training": "cell_agent.training"}
 
     # Identity -------------------------------------------------------------------------------
-    cell_id: str = Field("cell-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
-                         description="Unique cell id; the key of its registration in etcd.")
+    cell_id: str = Field(
+        "cell-0",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Unique cell id; the key of its registration in etcd.",
+    )
     kind: Literal["standalone", "elastic"] = Field(
-        "elastic", description="standalone cells always serve; elastic cells also train.")
+        "elastic", description="standalone cells always serve; elastic cells also train."
+    )
     index: int = Field(0, ge=-1, description="Elastic index (0 = core, 1.. satellites); -1 for standalone.")
     slots: int = Field(8, ge=1, le=4096, description="Concurrent executions the engine serves in rollout.")
 
     # Engine ---------------------------------------------------------------------------------
     engine: Literal["mock", "vllm"] = Field("mock", description="Engine implementation.")
     model_dir: str = Field(
-        "", description="Local model directory (required for vllm; mock hashes its weights).")
+        "", description="Local model directory (required for vllm; mock hashes its weights)."
+    )
     policy_version: int = Field(0, ge=0, description="Policy version the initial weights are served as.")
     max_model_len: int = Field(4096, ge=16, description="vLLM: longest context (prompt + output) in tokens.")
     max_num_seqs: int = Field(64, ge=1, description="vLLM: most sequences in one batch.")
@@ -76,41 +92,58 @@ class CellAgentConfig(ServiceConfig):
     seed: int = Field(0, ge=0, description="Engine seed (vLLM sampling seed; mock token hash seed).")
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description="vLLM on GPU: memory fraction.")
     kv_handoff: bool = Field(
-        True, description="vLLM: pin, serve and read KV blocks for handoffs engine to engine "
-        "(off: ExportKv answers nothing and a moved call recomputes its prefix).")
+        True,
+        description="vLLM: pin, serve and read KV blocks for handoffs engine to engine "
+        "(off: ExportKv answers nothing and a moved call recomputes its prefix).",
+    )
     kv_medium: Literal["", "tcp", "nccl", "cuda_ipc"] = Field(
-        "", description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
+        "",
+        description="vLLM: how KV blocks travel: tcp (CPU, any hosts), nccl (GPUs, point to "
         "point), cuda_ipc (GPUs on one node); empty: tcp (the GPU mediums are opt-in until "
-        "tests/gpu/test_kv_transfer.py has run on a GPU machine).")
+        "tests/gpu/test_kv_transfer.py has run on a GPU machine).",
+    )
     kv_host: str = Field(
-        "127.0.0.1", description="vLLM: address the engine serves pinned KV blocks on (an address "
-        "other cells reach when handoffs cross hosts).")
+        "127.0.0.1",
+        description="vLLM: address the engine serves pinned KV blocks on (an address "
+        "other cells reach when handoffs cross hosts).",
+    )
     kv_pin_ttl_s: float = Field(
-        30.0, gt=0, description="vLLM: a pin not released within this is released (its blocks freed).")
+        30.0, gt=0, description="vLLM: a pin not released within this is released (its blocks freed)."
+    )
     kv_read_timeout_s: float = Field(
-        10.0, gt=0, description="vLLM: deadline of a destination's read; past it the prefix is recomputed.")
+        10.0, gt=0, description="vLLM: deadline of a destination's read; past it the prefix is recomputed."
+    )
     kv_dir: str = Field(
-        "", description="Mock engine: directory for exported KV handles (file medium); memory if empty.")
+        "", description="Mock engine: directory for exported KV handles (file medium); memory if empty."
+    )
     max_prompt_tokens: int = Field(131072, ge=1, description="Longest prompt Generate accepts.")
     max_tokens_limit: int = Field(65536, ge=1, description="Largest max_tokens Generate accepts.")
 
     mock: MockEngineSettings = Field(
-        default_factory=MockEngineSettings, description="The mock engine's timing model and faults.")
+        default_factory=MockEngineSettings, description="The mock engine's timing model and faults."
+    )
 
     # Lifecycle and health -----------------------------------------------------------------------
     drain_wait_s: float = Field(
-        10.0, ge=0, description="How long SetState(TRAINING) waits for the engine to hold no request "
-        "before refusing (keep it under the scheduler's command deadline).")
+        10.0,
+        ge=0,
+        description="How long SetState(TRAINING) waits for the engine to hold no request "
+        "before refusing (keep it under the scheduler's command deadline).",
+    )
     probe_interval_s: float = Field(2.0, gt=0, description="Health probe period (a probe generates a token).")
     probe_timeout_s: float = Field(10.0, gt=0, description="A probe slower than this means the engine hung.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     pid_dir: str = Field(
-        "", description="Where the cell records the processes it started, so its next incarnation "
+        "",
+        description="Where the cell records the processes it started, so its next incarnation "
         "ends what a crash left running (services/cell_agent/incarnation.py); empty: "
-        "$XDG_RUNTIME_DIR/gyre/<cluster> or <tmp>/gyre-<uid>/<cluster>.")
+        "$XDG_RUNTIME_DIR/gyre/<cluster> or <tmp>/gyre-<uid>/<cluster>.",
+    )
     snapshot_timeout_s: float = Field(120.0, gt=0, description="Deadline of a LoadPolicy weight pull.")
 
     # Training ------------------------------------------------------------------------------------
     training: TrainerSettings | None = Field(
-        None, description="How this cell trains (services/cell_agent/training/config.py): mode torch "
-        "(the real trainer) or mock (the cost model); absent: this cluster does not train.")
+        None,
+        description="How this cell trains (services/cell_agent/training/config.py): mode torch "
+        "(the real trainer) or mock (the cost model); absent: this cluster does not train.",
+    )

@@ -53,9 +53,18 @@ class Incarnation:
         ended: list[dict[str, object]] = []
         for f in self.files:
             for proc in f.end_stale():
-                log.warning("ended %s (pid %s), left running by a previous incarnation of cell %s",
-                            proc["name"], proc["pid"], self.cell_id, extra={"cell_id": self.cell_id, "pid": proc["pid"], "process_name": proc["name"],
-                                   "record": str(f.path)})
+                log.warning(
+                    "ended %s (pid %s), left running by a previous incarnation of cell %s",
+                    proc["name"],
+                    proc["pid"],
+                    self.cell_id,
+                    extra={
+                        "cell_id": self.cell_id,
+                        "pid": proc["pid"],
+                        "process_name": proc["name"],
+                        "record": str(f.path),
+                    },
+                )
                 ended.append(proc)
         mark_parent()
         return ended

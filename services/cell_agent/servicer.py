@@ -66,13 +66,16 @@ def status_to_proto(s: CellStatus) -> pb.CellStatus:
 class EngineServicer(pb_grpc.EngineServicer):
     """The token-level engine API; only the router calls it (the scheduler reads loads)."""
 
-    ACCESS = AccessTable("gyre.v1.Engine", {
-        "Generate": allow(Role.ROUTER),
-        "Abort": allow(Role.ROUTER),
-        "GetLoad": allow(Role.ROUTER, Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
-        "ExportKv": allow(Role.ROUTER),
-        "ReleaseKv": allow(Role.ROUTER),
-    })
+    ACCESS = AccessTable(
+        "gyre.v1.Engine",
+        {
+            "Generate": allow(Role.ROUTER),
+            "Abort": allow(Role.ROUTER),
+            "GetLoad": allow(Role.ROUTER, Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+            "ExportKv": allow(Role.ROUTER),
+            "ReleaseKv": allow(Role.ROUTER),
+        },
+    )
 
     def __init__(
         self, cell: Cell, max_prompt_tokens: int, max_tokens_limit: int, vocab_limit: int = 1 << 24
@@ -132,12 +135,15 @@ class EngineServicer(pb_grpc.EngineServicer):
 class CellControlServicer(pb_grpc.CellControlServicer):
     """Role control; only the scheduler leader calls it, every call fenced."""
 
-    ACCESS = AccessTable("gyre.v1.CellControl", {
-        "SetState": allow(Role.SCHEDULER),
-        "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
-        "LoadPolicy": allow(Role.SCHEDULER),
-        "JoinBatch": allow(Role.SCHEDULER),
-    })
+    ACCESS = AccessTable(
+        "gyre.v1.CellControl",
+        {
+            "SetState": allow(Role.SCHEDULER),
+            "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+            "LoadPolicy": allow(Role.SCHEDULER),
+            "JoinBatch": allow(Role.SCHEDULER),
+        },
+    )
 
     def __init__(self, cell: Cell) -> None:
         self._cell = cell
@@ -178,6 +184,11 @@ class CellControlServicer(pb_grpc.CellControlServicer):
         epoch = _fence(request.fence, request.HasField("fence"))
         if request.prefix_size < 1:
             raise InvalidArgument("prefix_size must be >= 1")
-        cmd = JoinBatch(epoch, int(request.batch_id), int(request.policy_version), int(request.prefix_size),
-                        request.core_target)
+        cmd = JoinBatch(
+            epoch,
+            int(request.batch_id),
+            int(request.policy_version),
+            int(request.prefix_size),
+            request.core_target,
+        )
         return pb.JoinBatchResponse(joined=await self._cell.join_batch(cmd))

@@ -101,9 +101,7 @@ class SnapshotStore:
             newest = next(reversed(self._versions), 0)
             if version < newest:
                 raise InvalidArgument(f"snapshot version {version} < newest {newest}")
-        frozen = tuple(
-            (name, t.detach().to("cpu", copy=True).contiguous()) for name, t in state.items()
-        )
+        frozen = tuple((name, t.detach().to("cpu", copy=True).contiguous()) for name, t in state.items())
         snap = Snapshot(version, frozen)
         with self._lock:
             self._versions[version] = snap

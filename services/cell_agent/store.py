@@ -77,4 +77,3 @@ class EtcdCellStore:
         kv = await self._etcd.get(self._keys.leader())
         if kv is None or kv.create_revision != epoch:
             raise StaleEpoch(f"epoch {epoch} is not the current scheduler leader's")
-

@@ -33,7 +33,9 @@ log = logging.getLogger("services.dashboard")
 def parse_args(argv: Sequence[str] | None = None) -> DashboardConfig:
     parser = argparse.ArgumentParser(prog="python -m services.dashboard", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get(config_mod.CONFIG_ENV), help="cluster config YAML")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field"
+    )
     parser.add_argument("--scheduler", help="scheduler gRPC target (scheduler_target)")
     parser.add_argument("--port", type=int, help="HTTP port (http_port)")
     parser.add_argument("--host", help="address to bind (host)")

@@ -187,19 +187,23 @@ class DashboardApp:
         return web.json_response(body, headers={"Cache-Control": "no-store"})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(self._registry), headers={"Content-Type": metrics.CONTENT_TYPE})
+        return web.Response(
+            body=metrics.render(self._registry), headers={"Content-Type": metrics.CONTENT_TYPE}
+        )
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         stats = self.timeline.stats
         last_ok_age = None if stats.last_ok_s is None else round(self.now_s() - stats.last_ok_s, 3)
-        return web.json_response({
-            "ok": True,
-            "polls": stats.polls,
-            "polls_ok": stats.ok,
-            "poll_errors": stats.errors,
-            "last_ok_age_s": last_ok_age,
-            "last_error": stats.last_error,
-        })
+        return web.json_response(
+            {
+                "ok": True,
+                "polls": stats.polls,
+                "polls_ok": stats.ok,
+                "poll_errors": stats.errors,
+                "last_ok_age_s": last_ok_age,
+                "last_error": stats.last_error,
+            }
+        )
 
 
 def _html_escape(text: str) -> str:

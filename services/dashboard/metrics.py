@@ -62,8 +62,12 @@ class StatusCollector(Collector):
         state = GaugeMetricFamily(
             "gyre_status_cell_state", "1 for the state each cell is in", labels=["cell_id", "kind", "state"]
         )
-        slots = GaugeMetricFamily("gyre_status_cell_slots", "Rollout slots of each cell", labels=["cell_id", "kind"])
-        routed = GaugeMetricFamily("gyre_status_cell_routed", "Executions routed to each cell", labels=["cell_id", "kind"])
+        slots = GaugeMetricFamily(
+            "gyre_status_cell_slots", "Rollout slots of each cell", labels=["cell_id", "kind"]
+        )
+        routed = GaugeMetricFamily(
+            "gyre_status_cell_routed", "Executions routed to each cell", labels=["cell_id", "kind"]
+        )
         for cell in latest["cells"]:
             kind = cell["kind"].lower()
             for s in STATES:

@@ -89,7 +89,9 @@ class GrpcEventSource:
         channel = open_channel(self.target, self._config, Role.SCHEDULER)
         try:
             stub = scheduler_pb2_grpc.SchedulerControlStub(channel)
-            call = stub.WatchEvents(scheduler_pb2.WatchEventsRequest(after_seq=after_seq), timeout=self._stream_s)
+            call = stub.WatchEvents(
+                scheduler_pb2.WatchEventsRequest(after_seq=after_seq), timeout=self._stream_s
+            )
             try:
                 async for event in call:
                     yield event_to_dict(event)

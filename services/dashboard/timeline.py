@@ -36,12 +36,31 @@ _KIND_BY_NUMBER = {0: UNKNOWN, 1: "STANDALONE", 2: "ELASTIC"}
 
 LEDGER_FIELDS = ("burst_id", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
 STATUS_FIELDS = (
-    "epoch", "capacity", "ready_groups", "batch_size", "policy_version", "reroutes",
-    "bursts_completed", "transitions_to_training", "transitions_to_rollout", "open_bursts", "migrations",
+    "epoch",
+    "capacity",
+    "ready_groups",
+    "batch_size",
+    "policy_version",
+    "reroutes",
+    "bursts_completed",
+    "transitions_to_training",
+    "transitions_to_rollout",
+    "open_bursts",
+    "migrations",
 )
 SERIES_FIELDS = (
-    "waterlevel", "capacity", "ready_groups", "batch_size", "policy_version", "reroutes",
-    "dispatched", "finished", "running", "queued", "burst_id", "open_bursts",
+    "waterlevel",
+    "capacity",
+    "ready_groups",
+    "batch_size",
+    "policy_version",
+    "reroutes",
+    "dispatched",
+    "finished",
+    "running",
+    "queued",
+    "burst_id",
+    "open_bursts",
 )
 VERSION_FIELDS = ("policy_version", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
 """A per-version ledger (SchedulerStatus.versions): bursts overlap, each serving its version."""
@@ -59,7 +78,7 @@ def _enum(value: Any, prefix: str, by_number: Mapping[int, str], allowed: tuple[
         raise ValueError(f"bad enum value {value!r}")
     name = value.upper()
     if name.startswith(prefix):
-        name = name[len(prefix):]
+        name = name[len(prefix) :]
     if name == "UNSPECIFIED":
         return UNKNOWN
     if name not in allowed:
@@ -106,16 +125,18 @@ def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
         if cell_id in seen:
             raise ValueError(f"duplicate cell_id {cell_id!r}")
         seen.add(cell_id)
-        cells.append({
-            "cell_id": cell_id,
-            "kind": _enum(c.get("kind"), "CELL_KIND_", _KIND_BY_NUMBER, KINDS),
-            "index": _int(c, "index"),
-            "state": _enum(c.get("state"), "CELL_STATE_", _STATE_BY_NUMBER, STATES),
-            "slots": _int(c, "slots"),
-            "routed": _int(c, "routed"),
-            "target": str(c.get("target") or ""),
-            "policy_version": _int(c, "policy_version"),
-        })
+        cells.append(
+            {
+                "cell_id": cell_id,
+                "kind": _enum(c.get("kind"), "CELL_KIND_", _KIND_BY_NUMBER, KINDS),
+                "index": _int(c, "index"),
+                "state": _enum(c.get("state"), "CELL_STATE_", _STATE_BY_NUMBER, STATES),
+                "slots": _int(c, "slots"),
+                "routed": _int(c, "routed"),
+                "target": str(c.get("target") or ""),
+                "policy_version": _int(c, "policy_version"),
+            }
+        )
     out: dict[str, Any] = {k: _int(raw, k) for k in STATUS_FIELDS}
     out["ledger"] = ledger
     out["cells"] = cells
@@ -173,7 +194,7 @@ def cell_order(cell: Mapping[str, Any]) -> tuple[int, int, str]:
 
 
 def role_label(cell: Mapping[str, Any]) -> str:
-    """"core", "satellite 2", "standalone" (what the elastic index means)."""
+    """ "core", "satellite 2", "standalone" (what the elastic index means)."""
     if cell.get("kind") == "ELASTIC":
         index = int(cell.get("index", 0))
         return "core" if index == 0 else f"satellite {index}"
@@ -351,7 +372,9 @@ class Timeline:
         start = float("-inf") if window_s is None or not self._t else self._t[-1] - window_s
         first = bisect.bisect_left(self._t, start)
         bands = {
-            c["cell_id"]: [[max(b[0], start), b[1], b[2]] for b in self._bands.get(c["cell_id"], []) if b[1] >= start]
+            c["cell_id"]: [
+                [max(b[0], start), b[1], b[2]] for b in self._bands.get(c["cell_id"], []) if b[1] >= start
+            ]
             for c in cells
         }
         return {

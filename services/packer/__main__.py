@@ -27,7 +27,9 @@ async def build(rt: Runtime) -> Services:
     wal = Wal(cfg.wal_dir, fsync=cfg.wal_fsync)
     events = await asyncio.to_thread(wal.open)
     events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, events)
-    packer = Packer(cfg, HistoryLog(wal, History(cfg.history_file, svc="packer")) if cfg.history_file else wal)
+    packer = Packer(
+        cfg, HistoryLog(wal, History(cfg.history_file, svc="packer")) if cfg.history_file else wal
+    )
     replayed = packer.recover(events)
     await wal.sync()
     log.info("packer recovered", extra={"events": replayed, "counters": packer.counters()})
@@ -37,7 +39,9 @@ async def build(rt: Runtime) -> Services:
     if cfg.policy_from_etcd:
         rt.supervisor.spawn("policy", PolicyMirror(rt.etcd, rt.keys, packer).run())
     if cfg.release_on_cell_loss:
-        rt.supervisor.spawn("cells", CellMirror(rt.etcd, rt.keys, packer, grace_s=cfg.cell_loss_grace_s).run())
+        rt.supervisor.spawn(
+            "cells", CellMirror(rt.etcd, rt.keys, packer, grace_s=cfg.cell_loss_grace_s).run()
+        )
     if cfg.metrics_port:
         metrics = PackerMetrics()
         metrics.serve(cfg.host, cfg.metrics_port)

@@ -14,9 +14,7 @@ class PackerConfig(ServiceConfig):
 
     SECTION: ClassVar[str] = "packer"
 
-    wal_dir: str = Field(
-        ".gyre/packer", description="Directory of the write-ahead log (created if missing)."
-    )
+    wal_dir: str = Field(".gyre/packer", description="Directory of the write-ahead log (created if missing).")
     wal_fsync: bool = Field(
         True, description="fsync each group commit of the WAL (off only for throwaway runs)."
     )
@@ -43,7 +41,10 @@ class PackerConfig(ServiceConfig):
     )
     max_group_size: int = Field(256, ge=1, le=65_536, description="Largest accepted group_size.")
     max_abs_reward: float = Field(
-        1e9, gt=0, le=1e12, allow_inf_nan=False,
+        1e9,
+        gt=0,
+        le=1e12,
+        allow_inf_nan=False,
         description="A finish report whose |reward| exceeds this is INVALID_ARGUMENT, refused before "
         "anything is logged (group statistics of larger rewards overflow).",
     )
@@ -83,7 +84,8 @@ class PackerConfig(ServiceConfig):
         "not only after claim_ttl_s.",
     )
     cell_loss_grace_s: float = Field(
-        5.0, ge=0,
+        5.0,
+        ge=0,
         description="How long a cell's registration must stay gone before its claims are released: "
         "an etcd outage past the lease TTL removes every registration, and live cells put theirs "
         "back within about a second of etcd's return.",

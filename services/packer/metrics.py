@@ -19,8 +19,11 @@ class PackerMetrics:
         def g(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
             return Gauge(f"gyre_packer_{name}", doc, labels, registry=self.registry)
 
-        self.turns = g("turns", "Turns by where they are: produced, consumed, pending, ready, "
-                       "assigned, packed.", ("where",))
+        self.turns = g(
+            "turns",
+            "Turns by where they are: produced, consumed, pending, ready, assigned, packed.",
+            ("where",),
+        )
         self.dropped = g("turns_dropped", "Turns dropped, by reason.", ("reason",))
         self.late_turns = g("late_turns", "Turns refused because their group was already ready.")
         self.claims_expired = g("claims_expired", "Claims returned to the pool after their TTL.")

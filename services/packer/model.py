@@ -162,30 +162,53 @@ class Turn:
         else:
             mask_t = (1,) * len(output_t)
         return cls(
-            ExecutionId(execution_id), GroupId(group_id), turn_index, prompt_t, output_t,
-            tuple(float(x) for x in logprobs_t), versions_t, mask_t,
+            ExecutionId(execution_id),
+            GroupId(group_id),
+            turn_index,
+            prompt_t,
+            output_t,
+            tuple(float(x) for x in logprobs_t),
+            versions_t,
+            mask_t,
         )
 
     @classmethod
     def from_proto(cls, msg: packer_pb2.TurnRecord, max_tokens: int) -> Turn:
         return cls.validated(
-            msg.execution_id, msg.group_id, msg.turn_index, msg.prompt_token_ids,
-            msg.output_token_ids, msg.output_logprobs, msg.output_policy_versions,
-            msg.output_loss_mask, max_tokens,
+            msg.execution_id,
+            msg.group_id,
+            msg.turn_index,
+            msg.prompt_token_ids,
+            msg.output_token_ids,
+            msg.output_logprobs,
+            msg.output_policy_versions,
+            msg.output_loss_mask,
+            max_tokens,
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "x": self.execution_id, "g": self.group_id, "i": self.turn_index,
-            "p": list(self.prompt), "o": list(self.output), "lp": list(self.logprobs),
-            "v": list(self.versions), "m": list(self.mask),
+            "x": self.execution_id,
+            "g": self.group_id,
+            "i": self.turn_index,
+            "p": list(self.prompt),
+            "o": list(self.output),
+            "lp": list(self.logprobs),
+            "v": list(self.versions),
+            "m": list(self.mask),
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Turn:
         return cls(
-            ExecutionId(d["x"]), GroupId(d["g"]), int(d["i"]), tuple(d["p"]), tuple(d["o"]),
-            tuple(float(x) for x in d["lp"]), tuple(d["v"]), tuple(d["m"]),
+            ExecutionId(d["x"]),
+            GroupId(d["g"]),
+            int(d["i"]),
+            tuple(d["p"]),
+            tuple(d["o"]),
+            tuple(float(x) for x in d["lp"]),
+            tuple(d["v"]),
+            tuple(d["m"]),
         )
 
 
@@ -221,11 +244,17 @@ class Finish:
         if not math.isfinite(reward):
             raise InvalidArgument(f"reward must be finite, got {reward!r}")
         if abs(reward) > max_abs_reward:
-            raise InvalidArgument(f"reward must be in [-{max_abs_reward:g}, {max_abs_reward:g}], got {reward!r}")
+            raise InvalidArgument(
+                f"reward must be in [-{max_abs_reward:g}, {max_abs_reward:g}], got {reward!r}"
+            )
         if policy_version < 0:
             raise InvalidArgument(f"policy_version must be >= 0, got {policy_version}")
         return cls(
-            ExecutionId(execution_id), GroupId(group_id), group_size, status, float(reward),
+            ExecutionId(execution_id),
+            GroupId(group_id),
+            group_size,
+            status,
+            float(reward),
             PolicyVersion(policy_version),
         )
 
@@ -234,27 +263,44 @@ class Finish:
         cls, msg: packer_pb2.FinishReport, max_group_size: int, max_abs_reward: float = MAX_ABS_REWARD
     ) -> Finish:
         return cls.validated(
-            msg.execution_id, msg.group_id, msg.group_size, _STATUS_FROM_PROTO.get(msg.status),
-            msg.reward, msg.policy_version, max_group_size, max_abs_reward,
+            msg.execution_id,
+            msg.group_id,
+            msg.group_size,
+            _STATUS_FROM_PROTO.get(msg.status),
+            msg.reward,
+            msg.policy_version,
+            max_group_size,
+            max_abs_reward,
         )
 
     def to_proto(self) -> packer_pb2.FinishReport:
         return packer_pb2.FinishReport(
-            execution_id=self.execution_id, group_id=self.group_id, group_size=self.group_size,
-            status=_STATUS_TO_PROTO[self.status], reward=self.reward,
+            execution_id=self.execution_id,
+            group_id=self.group_id,
+            group_size=self.group_size,
+            status=_STATUS_TO_PROTO[self.status],
+            reward=self.reward,
             policy_version=self.policy_version,
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "x": self.execution_id, "g": self.group_id, "n": self.group_size,
-            "s": self.status.value, "r": self.reward, "v": self.policy_version,
+            "x": self.execution_id,
+            "g": self.group_id,
+            "n": self.group_size,
+            "s": self.status.value,
+            "r": self.reward,
+            "v": self.policy_version,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Finish:
         return cls(
-            ExecutionId(d["x"]), GroupId(d["g"]), int(d["n"]), ExecStatus(d["s"]), float(d["r"]),
+            ExecutionId(d["x"]),
+            GroupId(d["g"]),
+            int(d["n"]),
+            ExecStatus(d["s"]),
+            float(d["r"]),
             PolicyVersion(int(d["v"])),
         )
 
@@ -324,7 +370,9 @@ class ClaimResult:
             ClaimOutcome.CLOSED: packer_pb2.CLAIM_OUTCOME_CLOSED,
         }[self.outcome]
         resp = packer_pb2.ClaimMicroStepResponse(
-            outcome=outcome, claim_ttl_s=self.ttl_s, batch_id=self.batch_id,
+            outcome=outcome,
+            claim_ttl_s=self.ttl_s,
+            batch_id=self.batch_id,
             policy_version=self.policy_version,
         )
         if self.micro_step is not None:
@@ -335,7 +383,9 @@ class ClaimResult:
         """The answer to a batched claim that took ``views`` (this result is its first claim's)."""
         one = self.to_proto()
         resp = packer_pb2.ClaimMicroStepsResponse(
-            outcome=one.outcome, claim_ttl_s=self.ttl_s, batch_id=self.batch_id,
+            outcome=one.outcome,
+            claim_ttl_s=self.ttl_s,
+            batch_id=self.batch_id,
             policy_version=self.policy_version,
         )
         resp.micro_steps.extend(v.to_proto() for v in views)

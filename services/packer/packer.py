@@ -91,8 +91,10 @@ class Packer:
                 self.state.apply(ev)
             except (KeyError, ValueError, TypeError, FatalError) as exc:
                 self.skipped.append(k)
-                log.error("packer WAL: an event does not apply (a record it depends on was lost); set aside",
-                          extra={"event": k, "type": ev.get("t"), "error": repr(exc)})
+                log.error(
+                    "packer WAL: an event does not apply (a record it depends on was lost); set aside",
+                    extra={"event": k, "type": ev.get("t"), "error": repr(exc)},
+                )
                 continue
             n += 1
         if self.skipped:
@@ -169,7 +171,9 @@ class Packer:
         await self.log.sync()
         return False
 
-    async def claim(self, cell_id: str, batch_id: int, version: int, wait_s: float, claim_id: str = "") -> ClaimResult:
+    async def claim(
+        self, cell_id: str, batch_id: int, version: int, wait_s: float, claim_id: str = ""
+    ) -> ClaimResult:
         """Claims the next free micro-step of a batch, waiting up to ``wait_s`` for one.
         Idempotent on ``claim_id``: a retry answers the micro-step the first call claimed
         while the cell still holds it."""
@@ -225,7 +229,9 @@ class Packer:
         if ms is None:
             self._after()
             return self._result(ClaimOutcome.CLOSED if batch.closed else ClaimOutcome.WAIT, batch)
-        self._commit({"t": "claim", "ms": ms.id, "cell": cell, "v": version, **({"key": claim_id} if claim_id else {})})
+        self._commit(
+            {"t": "claim", "ms": ms.id, "cell": cell, "v": version, **({"key": claim_id} if claim_id else {})}
+        )
         ms.deadline = self.clock() + self.cfg.claim_ttl_s
         self._after()
         return self._result(ClaimOutcome.CLAIMED, batch, self._view(ms, batch))
@@ -264,7 +270,9 @@ class Packer:
         True when it had been acknowledged before."""
         cell = check_cell(cell_id)
         if not 1 <= len(micro_step_ids) <= MAX_ACKS_PER_CALL:
-            raise InvalidArgument(f"acknowledge 1..{MAX_ACKS_PER_CALL} micro-steps, got {len(micro_step_ids)}")
+            raise InvalidArgument(
+                f"acknowledge 1..{MAX_ACKS_PER_CALL} micro-steps, got {len(micro_step_ids)}"
+            )
         if len(set(micro_step_ids)) != len(micro_step_ids):
             raise InvalidArgument("micro_step_ids repeat a micro-step")
         if self._reap():
@@ -310,8 +318,10 @@ class Packer:
         returned = sum(1 for m in batch.micro_steps if not m.committed and not m.free)
         self._commit({"t": "open", "b": batch.id, "cell": cell_id})
         if returned:
-            log.warning("batch reopened: micro-steps of a failed attempt return to the pool",
-                        extra={"batch_id": batch.id, "attempt": batch.attempt, "returned": returned})
+            log.warning(
+                "batch reopened: micro-steps of a failed attempt return to the pool",
+                extra={"batch_id": batch.id, "attempt": batch.attempt, "returned": returned},
+            )
         self._after()
         await self.log.sync()
         return batch
@@ -405,12 +415,22 @@ class Packer:
     def batch_status(self, batch_id: int) -> dict[str, Any]:
         b = self._batch(batch_id)
         return {
-            "batch_id": b.id, "policy_version": b.version or 0, "batch_size": b.size,
-            "groups_packed": len(b.groups), "micro_steps": len(b.micro_steps),
-            "claimed": b.claimed, "acked": b.acked, "sealed": b.sealed,
-            "total_tokens": b.total_loss_tokens, "closed": b.closed, "done": b.done,
-            "active": b.active, "unclaimed": b.unclaimed, "participants": sorted(b.participants),
-            "committed": b.committed, "attempt": b.attempt,
+            "batch_id": b.id,
+            "policy_version": b.version or 0,
+            "batch_size": b.size,
+            "groups_packed": len(b.groups),
+            "micro_steps": len(b.micro_steps),
+            "claimed": b.claimed,
+            "acked": b.acked,
+            "sealed": b.sealed,
+            "total_tokens": b.total_loss_tokens,
+            "closed": b.closed,
+            "done": b.done,
+            "active": b.active,
+            "unclaimed": b.unclaimed,
+            "participants": sorted(b.participants),
+            "committed": b.committed,
+            "attempt": b.attempt,
             "counters": self.counters(),
         }
 
@@ -432,11 +452,14 @@ class Packer:
             needs = batch.size - (len(batch.groups) - open_groups)
         waiting = len(st.ready) if batch.id == st.filling and not batch.sealed else 0
         return {
-            "ready_groups": min(open_groups + waiting, needs), "batch_needs": needs,
-            "batch_id": batch.id, "dropped": dict(st.dropped),
+            "ready_groups": min(open_groups + waiting, needs),
+            "batch_needs": needs,
+            "batch_id": batch.id,
+            "dropped": dict(st.dropped),
             "batch_active": batch.active,
             "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
-            "ready_unassigned": len(st.ready), "counters": self.counters(),
+            "ready_unassigned": len(st.ready),
+            "counters": self.counters(),
             "ready_tokens": float(sum(st.group_tokens(st.groups[g]) for g in st.ready)),
             "backlog_tokens": float(st.backlog_tokens()),
             "tokens_trained": float(st.tokens_trained),
@@ -556,18 +579,28 @@ class Packer:
         emitted = len(batch.micro_steps)
         for refs in bins:
             if flush or sum(sizes[r] for r in refs) >= threshold:
-                self._commit({
-                    "t": "emit", "b": batch.id, "ms": f"b{batch.id}-m{emitted}",
-                    "seqs": [[x, i] for x, i in refs],
-                })
+                self._commit(
+                    {
+                        "t": "emit",
+                        "b": batch.id,
+                        "ms": f"b{batch.id}-m{emitted}",
+                        "seqs": [[x, i] for x, i in refs],
+                    }
+                )
                 emitted += 1
 
     def _seal(self, batch: Batch) -> None:
         self._commit({"t": "seal", "b": batch.id})
         self._commit({"t": "batch", "b": batch.id + 1, "size": self.cfg.batch_size})
-        log.info("batch sealed", extra={"batch_id": batch.id, "groups": len(batch.groups),
-                                        "micro_steps": len(batch.micro_steps),
-                                        "total_tokens": batch.total_loss_tokens})
+        log.info(
+            "batch sealed",
+            extra={
+                "batch_id": batch.id,
+                "groups": len(batch.groups),
+                "micro_steps": len(batch.micro_steps),
+                "total_tokens": batch.total_loss_tokens,
+            },
+        )
 
     def _reap(self) -> int:
         now = self.clock()

@@ -31,5 +31,3 @@ def first_fit_decreasing(items: Sequence[tuple[K, int]], budget: int) -> list[li
             bins.append([key])
             room.append(budget - size)
     return bins
-
-

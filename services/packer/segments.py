@@ -78,12 +78,14 @@ class Segment:
         mask, logprobs, versions = [0] * n, [0.0] * n, [0] * n
         for t in self.turns:  # slice assignments: no per-token Python loop on the claim path
             start, k = len(t.prompt), len(t.mask)
-            mask[start:start + k] = t.mask
-            logprobs[start:start + k] = t.logprobs if all(t.mask) else [
-                lp if m else 0.0 for m, lp in zip(t.mask, t.logprobs, strict=True)
-            ]
+            mask[start : start + k] = t.mask
+            logprobs[start : start + k] = (
+                t.logprobs
+                if all(t.mask)
+                else [lp if m else 0.0 for m, lp in zip(t.mask, t.logprobs, strict=True)]
+            )
             if t.versions:
-                versions[start:start + k] = t.versions
+                versions[start : start + k] = t.versions
         return ids, mask, logprobs, versions
 
 

@@ -22,9 +22,16 @@ SERVICE_NAME = "gyre.v1.Packer"
 
 def counters_to_proto(c: dict[str, Any]) -> packer_pb2.PackerCounters:
     return packer_pb2.PackerCounters(
-        produced=c["produced"], consumed=c["consumed"], buffered=c["buffered"],
-        dropped=c["dropped"], pending=c["pending"], ready=c["ready"], assigned=c["assigned"],
-        packed=c["packed"], claims_expired=c["claims_expired"], policy_version=c["policy_version"],
+        produced=c["produced"],
+        consumed=c["consumed"],
+        buffered=c["buffered"],
+        dropped=c["dropped"],
+        pending=c["pending"],
+        ready=c["ready"],
+        assigned=c["assigned"],
+        packed=c["packed"],
+        claims_expired=c["claims_expired"],
+        policy_version=c["policy_version"],
         late_turns=c.get("late_turns", 0),
     )
 
@@ -42,20 +49,23 @@ def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
 class PackerServicer(packer_pb2_grpc.PackerServicer):
     """Implements gyre.v1.Packer on a :class:`Packer`."""
 
-    ACCESS = AccessTable(SERVICE_NAME, {
-        "RecordTurn": allow(Role.ROUTER),
-        "ReportFinish": allow(Role.SCHEDULER),
-        "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
-        "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
-        "ClaimMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
-        "AckMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
-        "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
-        "CommitBatch": allow(Role.CELL_AGENT, own="cell_id"),
-        "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
-        "GetBatch": allow(Role.SCHEDULER, Role.CELL_AGENT, Role.DASHBOARD, Role.OPERATOR),
-        "WatchSupply": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
-        "SealBatch": allow(Role.SCHEDULER),
-    })
+    ACCESS = AccessTable(
+        SERVICE_NAME,
+        {
+            "RecordTurn": allow(Role.ROUTER),
+            "ReportFinish": allow(Role.SCHEDULER),
+            "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+            "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
+            "ClaimMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
+            "AckMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
+            "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
+            "CommitBatch": allow(Role.CELL_AGENT, own="cell_id"),
+            "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
+            "GetBatch": allow(Role.SCHEDULER, Role.CELL_AGENT, Role.DASHBOARD, Role.OPERATOR),
+            "WatchSupply": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+            "SealBatch": allow(Role.SCHEDULER),
+        },
+    )
 
     def __init__(self, packer: Packer, config: PackerConfig, fence: FenceGuard | None = None) -> None:
         self._packer = packer
@@ -96,18 +106,26 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         if remaining is not None:
             wait_s = max(0.0, min(wait_s, remaining - 0.2))
         first, views = await self._packer.claim_many(
-            request.cell_id, request.batch_id, request.policy_version, wait_s, request.claim_id,
+            request.cell_id,
+            request.batch_id,
+            request.policy_version,
+            wait_s,
+            request.claim_id,
             request.max_micro_steps,
         )
         return first.to_proto_many(views)
 
     @rpc
-    async def AckMicroSteps(self, request: packer_pb2.AckMicroStepsRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def AckMicroSteps(
+        self, request: packer_pb2.AckMicroStepsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         dups = await self._packer.ack_many(request.cell_id, request.batch_id, list(request.micro_step_ids))
         return packer_pb2.AckMicroStepsResponse(duplicate=dups)
 
     @rpc
-    async def CommitBatch(self, request: packer_pb2.CommitBatchRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def CommitBatch(
+        self, request: packer_pb2.CommitBatchRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         batch, _ = await self._packer.commit(request.cell_id, request.batch_id)
         return batch_to_proto(self._packer.batch_status(batch.id))
 
@@ -117,12 +135,16 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         return batch_to_proto(self._packer.batch_status(batch.id))
 
     @rpc
-    async def AckMicroStep(self, request: packer_pb2.AckMicroStepRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def AckMicroStep(
+        self, request: packer_pb2.AckMicroStepRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         dup = await self._packer.ack(request.cell_id, request.batch_id, request.micro_step_id)
         return packer_pb2.AckMicroStepResponse(duplicate=dup)
 
     @rpc
-    async def KeepClaims(self, request: packer_pb2.KeepClaimsRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def KeepClaims(
+        self, request: packer_pb2.KeepClaimsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         return packer_pb2.KeepClaimsResponse(claims=await self._packer.keep(request.cell_id))
 
     @rpc

@@ -227,7 +227,9 @@ class PackerState:
 
     def stamp(self, group: Group) -> int:
         """The policy version a group was dispatched with (its members' finish reports)."""
-        return min((ex.finish.policy_version for ex in group.execs.values() if ex.finish is not None), default=0)
+        return min(
+            (ex.finish.policy_version for ex in group.execs.values() if ex.finish is not None), default=0
+        )
 
     def optimizing(self) -> bool:
         """True while the optimizer step of a trained batch runs: every micro-step of it is
@@ -378,7 +380,9 @@ class PackerState:
         splits: dict[str, list[tuple[int, ...]]] = {}
         for x in sorted(group.execs):  # checked in full before anything changes
             ex = group.execs[x]
-            split = [tuple(int(i) for i in s) for s in segs[x]] if segs is not None else per_turn(list(ex.turns))
+            split = (
+                [tuple(int(i) for i in s) for s in segs[x]] if segs is not None else per_turn(list(ex.turns))
+            )
             if sorted(i for s in split for i in s) != sorted(ex.turns):
                 raise FatalError(f"assign {group.id}: segments of {x} do not cover its turns")
             splits[x] = split
@@ -400,8 +404,12 @@ class PackerState:
         batch.pending = [r for r in batch.pending if r not in taken]
         segments = [self.segment(r) for r in refs]
         ms = MicroStep(
-            id=ev["ms"], batch_id=batch.id, index=len(batch.micro_steps), seqs=refs,
-            n_seqs=sum(len(s.turns) for s in segments), loss_tokens=sum(s.loss_tokens for s in segments),
+            id=ev["ms"],
+            batch_id=batch.id,
+            index=len(batch.micro_steps),
+            seqs=refs,
+            n_seqs=sum(len(s.turns) for s in segments),
+            loss_tokens=sum(s.loss_tokens for s in segments),
             packed_tokens=sum(s.tokens for s in segments),
         )
         batch.micro_steps.append(ms)

@@ -65,8 +65,15 @@ class CellMirror:
     is still training them). One that comes back with a different registration is a new
     process: its old claims are released."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, packer: Packer, resync_s: float = 10.0, grace_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        packer: Packer,
+        resync_s: float = 10.0,
+        grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._prefix = keys.cells()
         self._packer = packer
         self._mirror = PrefixMirror(etcd, self._prefix, resync_s=resync_s)
@@ -131,8 +138,10 @@ async def open_incarnation(etcd: Etcd | None, keys: Keys, wal: Wal, events: list
             return events
         if events:
             moved = await asyncio.to_thread(wal.archive)
-            log.warning("packer WAL belongs to another cluster incarnation; archived",
-                        extra={"archived": str(moved), "wal_id": wal_id, "etcd_wal_id": current})
+            log.warning(
+                "packer WAL belongs to another cluster incarnation; archived",
+                extra={"archived": str(moved), "wal_id": wal_id, "etcd_wal_id": current},
+            )
     header: Event = {"t": "wal", "id": uuid.uuid4().hex}
     wal.append(header)
     await wal.sync()  # durable before etcd names it

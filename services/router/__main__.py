@@ -38,12 +38,24 @@ async def build(rt: Runtime) -> Services:
         raise SystemExit("router: model_dir is required (a local directory with the tokenizer)")
     tokenizer = await asyncio.to_thread(Tokenizer.load, cfg.model_dir)
     table = RouteTable()
-    store = RouteStore(rt.etcd, rt.keys, table, cfg.route_resync_s, miss_wait_s=cfg.unknown_token_wait_s,
-                       miss_rate_per_s=cfg.unknown_token_rate_per_s, miss_burst=cfg.unknown_token_burst)
+    store = RouteStore(
+        rt.etcd,
+        rt.keys,
+        table,
+        cfg.route_resync_s,
+        miss_wait_s=cfg.unknown_token_wait_s,
+        miss_rate_per_s=cfg.unknown_token_rate_per_s,
+        miss_burst=cfg.unknown_token_burst,
+    )
     engines = GrpcEngineClient(cfg)
     sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
-    turns = TurnRecorder(sink, cfg.turn_buffer, cfg.turn_senders, cfg.turn_retry_max_s,
-                         history=History(cfg.history_file, svc="router"))
+    turns = TurnRecorder(
+        sink,
+        cfg.turn_buffer,
+        cfg.turn_senders,
+        cfg.turn_retry_max_s,
+        history=History(cfg.history_file, svc="router"),
+    )
     policy = CallPolicy(
         retry_budget=cfg.retry_budget,
         failover_wait_s=cfg.failover_wait_s,
@@ -56,21 +68,39 @@ async def build(rt: Runtime) -> Services:
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
     manager = CallManager(table, engines, policy, turns, reporter=reporter)
-    limits: dict[str, Any] = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
-                  request_timeout_s=cfg.request_timeout_s, turn_tokens=cfg.max_turn_tokens,
-                  context_tokens=cfg.max_model_len or model_context(cfg.model_dir))
+    limits: dict[str, Any] = dict(
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_tokens_limit=cfg.max_tokens_limit,
+        request_timeout_s=cfg.request_timeout_s,
+        turn_tokens=cfg.max_turn_tokens,
+        context_tokens=cfg.max_model_len or model_context(cfg.model_dir),
+    )
     servicer = RouterServicer(
-        manager, store, turns, vocab_size=tokenizer.vocab_size, stop_token_ids=tokenizer.stop_token_ids,
-        move_route_wait_s=cfg.move_route_wait_s, **limits,
+        manager,
+        store,
+        turns,
+        vocab_size=tokenizer.vocab_size,
+        stop_token_ids=tokenizer.stop_token_ids,
+        move_route_wait_s=cfg.move_route_wait_s,
+        **limits,
     )
     api = OpenAIApi(
-        manager, tokenizer, model_name=cfg.served_model_name or Path(cfg.model_dir).name,
-        max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens, store=store,
-        tool_call_parser=cfg.tool_call_parser, **limits,
+        manager,
+        tokenizer,
+        model_name=cfg.served_model_name or Path(cfg.model_dir).name,
+        max_body_bytes=cfg.max_body_bytes,
+        default_max_tokens=cfg.default_max_tokens,
+        store=store,
+        tool_call_parser=cfg.tool_call_parser,
+        **limits,
     )
 
     if cfg.metrics_port:
-        serve_metrics(cfg.host, cfg.metrics_port, RouterCollector(manager.stats, turns, lambda: len(table), manager.trajectories))
+        serve_metrics(
+            cfg.host,
+            cfg.metrics_port,
+            RouterCollector(manager.stats, turns, lambda: len(table), manager.trajectories),
+        )
     rt.supervisor.spawn("routes", store.run())
     if servicer.leader_mirror is not None:
         rt.supervisor.spawn("leader", servicer.leader_mirror.run())

@@ -149,7 +149,11 @@ class ModelCall:
         """
         self._route_changed.set()
         route, current = self.route, self._routes.get(self.execution_id)
-        if route is None or current is None or (current.cell_id == route.cell_id and current.target == route.target):
+        if (
+            route is None
+            or current is None
+            or (current.cell_id == route.cell_id and current.target == route.target)
+        ):
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._move_waiters.append(fut)
@@ -248,7 +252,9 @@ class ModelCall:
             if self._closed:
                 raise self._closed_error()
             if route is None:
-                raise Unavailable(f"execution {self.execution_id} has no route (closed, or no engine can take it)")
+                raise Unavailable(
+                    f"execution {self.execution_id} has no route (closed, or no engine can take it)"
+                )
             request = self._next_request(kv[0] if kv else None)
             if self.attempts > 1 and kv is None:
                 self._stats.kv_recomputes += 1
@@ -292,8 +298,10 @@ class ModelCall:
 
     def _closed_error(self) -> FailedPrecondition:
         self._stats.closed_calls += 1
-        return FailedPrecondition(f"execution {self.execution_id} was closed by the scheduler (finished, timed "
-                "out, or cancelled because its group can no longer be trained): this call ends")
+        return FailedPrecondition(
+            f"execution {self.execution_id} was closed by the scheduler (finished, timed "
+            "out, or cancelled because its group can no longer be trained): this call ends"
+        )
 
     def _complete(self) -> bool:
         """True (and emits the final chunk) when the output is already complete."""
@@ -321,7 +329,9 @@ class ModelCall:
             kv_handle=kv_handle,
         )
 
-    async def _pump(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> FinishReason | None:
+    async def _pump(
+        self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None
+    ) -> FinishReason | None:
         """Streams one attempt into the call; returns the engine's finish reason (None when
         the stream ended without one). An engine silent for ``engine_idle_timeout_s`` is a
         failure: a watchdog timer (re-armed lazily, not per chunk) cancels the attempt."""
@@ -392,7 +402,9 @@ class ModelCall:
         self._commit(ids, logprobs, chunk.policy_version, finish)
         return finish
 
-    def _commit(self, ids: list[int], logprobs: list[float], version: int, finish: FinishReason | None) -> None:
+    def _commit(
+        self, ids: list[int], logprobs: list[float], version: int, finish: FinishReason | None
+    ) -> None:
         if not ids and finish is None:
             return
         self.output_ids.extend(ids)
@@ -420,7 +432,12 @@ class ModelCall:
         reason = f"{exc}" if exc is not None else "stream ended early"
         log.warning(
             "engine attempt failed",
-            extra={"execution_id": self.execution_id, "cell_id": route.cell_id, "error": reason, "failures": self.failures},
+            extra={
+                "execution_id": self.execution_id,
+                "cell_id": route.cell_id,
+                "error": reason,
+                "failures": self.failures,
+            },
         )
         if self.failures > self._policy.retry_budget:
             raise Unavailable(
@@ -435,17 +452,27 @@ class ModelCall:
         self.reroutes += 1
         self._stats.reroutes += 1
 
-    async def _wait_route_change(self, old: Route, timeout_s: float,
-                                 verdict: asyncio.Future[bool | None] | None = None) -> None:
+    async def _wait_route_change(
+        self, old: Route, timeout_s: float, verdict: asyncio.Future[bool | None] | None = None
+    ) -> None:
         """Until the execution's route changes, ``timeout_s`` passes, or the scheduler
         answers that the engine is not dead (retry there at once)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout_s
         while loop.time() < until:
             current = self._routes.get(self.execution_id)
-            if current is None or current.epoch != old.epoch or current.created_revision != old.created_revision:
+            if (
+                current is None
+                or current.epoch != old.epoch
+                or current.created_revision != old.created_revision
+            ):
                 return
-            if verdict is not None and verdict.done() and not verdict.cancelled() and verdict.result() is False:
+            if (
+                verdict is not None
+                and verdict.done()
+                and not verdict.cancelled()
+                and verdict.result() is False
+            ):
                 return
             self._route_changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -471,7 +498,9 @@ class ModelCall:
     async def _export(self, route: Route, request: EngineRequest) -> KvHandle | None:
         try:
             async with asyncio.timeout(self._policy.kv_timeout_s):
-                return await self._engines.export_kv(route.target, request.request_id, self._policy.kv_timeout_s)
+                return await self._engines.export_kv(
+                    route.target, request.request_id, self._policy.kv_timeout_s
+                )
         except (GyreError, TimeoutError) as exc:  # timeout or no support: the destination recomputes
             log.info("kv export failed; recomputing", extra={"target": route.target, "error": str(exc)})
             return None

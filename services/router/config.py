@@ -15,7 +15,9 @@ class RouterConfig(ServiceConfig):
     SECTION: ClassVar[str] = "router"
 
     http_port: int = Field(
-        8000, ge=0, le=65535,
+        8000,
+        ge=0,
+        le=65535,
         description="Port of the OpenAI-compatible HTTP API (0 picks a free one).",
     )
     model_dir: str = Field(
@@ -31,40 +33,47 @@ class RouterConfig(ServiceConfig):
         description="gRPC target of the packer (turn records); empty disables turn records.",
     )
     max_body_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024,
+        4 * 1024 * 1024,
+        ge=1024,
+        le=256 * 1024 * 1024,
         description="Largest HTTP request body; larger gets 413.",
     )
     max_prompt_tokens: int = Field(131072, ge=1, description="Largest prompt (in tokens) of one model call.")
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens a call may ask for.")
     max_model_len: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="The served model's context (prompt + output tokens), as the engines' "
         "cell_agent.max_model_len: a prompt that leaves no room is 400 / INVALID_ARGUMENT before any "
         "engine sees it, and max_tokens is cut to the room left. 0: the model's max_position_embeddings "
         "(model_dir/config.json), if any.",
     )
     max_turn_tokens: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="The packer's micro_step_token_budget: no call grows a turn past it (max_tokens is "
         "cut; a prompt that fills it is 400), so every turn recorded can be trained. 0: no limit.",
     )
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when an HTTP request gives none.")
     request_timeout_s: float = Field(
-        600.0, gt=0,
+        600.0,
+        gt=0,
         description=(
-            "Deadline of one HTTP model call (gRPC calls use the caller's deadline, capped by "
-            "this)."
+            "Deadline of one HTTP model call (gRPC calls use the caller's deadline, capped by this)."
         ),
     )
     retry_budget: int = Field(
-        2, ge=0, le=100,
+        2,
+        ge=0,
+        le=100,
         description=(
             "Engine failures one call survives (continuations at the same or a new route); moves by "
             "the scheduler do not count."
         ),
     )
     failover_wait_s: float = Field(
-        12.0, ge=0,
+        12.0,
+        ge=0,
         description=(
             "After an engine failure, how long the call is held open for the scheduler to move the "
             "route before retrying at the current one. The router reports the failure, so a dead "
@@ -78,7 +87,8 @@ class RouterConfig(ServiceConfig):
         description="Report engine failures to the scheduler leader (SchedulerControl.ReportEngineFailure).",
     )
     engine_idle_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description=(
             "An engine stream with no chunk for this long counts as a failed engine (a hang is "
             "never forwarded)."
@@ -90,33 +100,42 @@ class RouterConfig(ServiceConfig):
         description="On a scheduler move, export the source's KV blocks and import them at the destination.",
     )
     kv_timeout_s: float = Field(
-        1.0, gt=0,
+        1.0,
+        gt=0,
         description="Deadline of ExportKv; past it the destination recomputes the prefix.",
     )
     route_resync_s: float = Field(
-        10.0, gt=0,
+        10.0,
+        gt=0,
         description="Period of the route table's full relist (watches are hints).",
     )
     unknown_token_wait_s: float = Field(
-        1.0, ge=0,
+        1.0,
+        ge=0,
         description="How long a call with a token the router does not know waits for its route to arrive "
         "through the watch (a fresh execution's first call can beat the watch); never an etcd read.",
     )
     unknown_token_rate_per_s: float = Field(
-        20.0, ge=0, description="Unknown-token calls per second per peer address before RESOURCE_EXHAUSTED / 429.",
+        20.0,
+        ge=0,
+        description="Unknown-token calls per second per peer address before RESOURCE_EXHAUSTED / 429.",
     )
     unknown_token_burst: int = Field(40, ge=1, description="Burst of the unknown-token rate.")
     move_route_wait_s: float = Field(
-        2.0, gt=0,
+        2.0,
+        gt=0,
         description="How long MoveExecutions waits for a route at the announced epoch.",
     )
     turn_buffer: int = Field(
-        10000, ge=1,
+        10000,
+        ge=1,
         description="Turn records buffered for the packer before the oldest are dropped.",
     )
     turn_senders: int = Field(4, ge=1, le=64, description="Concurrent RecordTurn calls.")
     coalesce_ms: float = Field(
-        0.0, ge=0, le=1000,
+        0.0,
+        ge=0,
+        le=1000,
         description=(
             "Hold each harness-side message up to this long to merge more tokens into it "
             "(0: forward every engine chunk as soon as it arrives; queued chunks are merged anyway)."

@@ -51,10 +51,14 @@ class GrpcEngineClient:
         reply = await unary(
             self._stub(target).ExportKv, cell_agent_pb2.ExportKvRequest(request_id=request_id), timeout_s
         )
-        return KvHandle.from_proto(reply.handle) if reply.HasField("handle") and reply.handle.handle_id else None
+        return (
+            KvHandle.from_proto(reply.handle) if reply.HasField("handle") and reply.handle.handle_id else None
+        )
 
     async def release_kv(self, target: str, handle_id: str, timeout_s: float) -> None:
-        await unary(self._stub(target).ReleaseKv, cell_agent_pb2.ReleaseKvRequest(handle_id=handle_id), timeout_s)
+        await unary(
+            self._stub(target).ReleaseKv, cell_agent_pb2.ReleaseKvRequest(handle_id=handle_id), timeout_s
+        )
 
     async def close(self) -> None:
         for channel in self._channels.values():

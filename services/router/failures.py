@@ -73,8 +73,9 @@ class FailureReporter:
 class SchedulerReports:
     """``send`` over gRPC to whoever leads now (read from the leader key's mirror)."""
 
-    def __init__(self, config: ServiceConfig, leader_items: Callable[[], Mapping[bytes, Any]],
-                 timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, config: ServiceConfig, leader_items: Callable[[], Mapping[bytes, Any]], timeout_s: float = 2.0
+    ) -> None:
         self._config = config
         self._leader_items = leader_items
         self._timeout_s = timeout_s
@@ -96,7 +97,9 @@ class SchedulerReports:
         if channel is None:
             channel = self._channels[leader] = open_channel(leader, self._config, Role.SCHEDULER)
         stub = scheduler_pb2_grpc.SchedulerControlStub(channel)
-        request = scheduler_pb2.ReportEngineFailureRequest(cell_id=cell_id, target=target, reason=reason[:512])
+        request = scheduler_pb2.ReportEngineFailureRequest(
+            cell_id=cell_id, target=target, reason=reason[:512]
+        )
         try:
             reply = await unary(stub.ReportEngineFailure, request, self._timeout_s)
         except GyreError as exc:

@@ -112,7 +112,10 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "gyre"}]}
+            {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "gyre"}],
+            }
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -171,7 +174,9 @@ class OpenAIApi:
             raise InvalidArgument("x-gyre-timeout-s must be > 0")
         return min(value, self._request_timeout_s)
 
-    async def _parse(self, body: dict[str, Any], chat: bool, route: Route) -> tuple[list[int], Sampling, dict[str, Any]]:
+    async def _parse(
+        self, body: dict[str, Any], chat: bool, route: Route
+    ) -> tuple[list[int], Sampling, dict[str, Any]]:
         model = body.get("model")
         if model not in (None, "", self.model_name):
             raise NotFound(f"model {model!r} is not served here (serving {self.model_name!r})")
@@ -218,7 +223,9 @@ class OpenAIApi:
             "stream": stream,
             "token_ids": bool(body.get("return_token_ids", False)),
             "logprobs": bool(body.get("logprobs", False)),
-            "usage": bool((body.get("stream_options") or {}).get("include_usage", False)) if isinstance(body.get("stream_options"), dict) else False,
+            "usage": bool((body.get("stream_options") or {}).get("include_usage", False))
+            if isinstance(body.get("stream_options"), dict)
+            else False,
             "box": [],
             "text": OutputText(self._tok, stop_strings, include_stop),
             "break_reason": break_reason,
@@ -228,7 +235,9 @@ class OpenAIApi:
         }
         return prompt, sampling, opts
 
-    def _remember_chat(self, opts: dict[str, Any], content: str | None, tool_calls: list[dict[str, Any]]) -> None:
+    def _remember_chat(
+        self, opts: dict[str, Any], content: str | None, tool_calls: list[dict[str, Any]]
+    ) -> None:
         """The completed call's messages, tools and answer join the execution's trajectory,
         so that the next call can continue its tokens."""
         box: list[ModelCall] = opts["box"]
@@ -243,7 +252,11 @@ class OpenAIApi:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await self._tok.aencode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             if any(t < 0 or t >= self._tok.vocab_size for t in prompt):
                 raise InvalidArgument(f"prompt token ids must be in [0, {self._tok.vocab_size})")
             return list(prompt)
@@ -251,7 +264,9 @@ class OpenAIApi:
 
     # Responses ---------------------------------------------------------------------------
 
-    async def _unary(self, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool) -> web.Response:
+    async def _unary(
+        self, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool
+    ) -> web.Response:
         ids: list[int] = []
         logprobs: list[float] = []
         text = ""
@@ -270,7 +285,11 @@ class OpenAIApi:
         reason = finish.openai if finish else None
         if tool_calls and finish is FinishReason.STOP:
             reason = "tool_calls"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "stop_reason": opts["text"].stop_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": reason,
+            "stop_reason": opts["text"].stop_reason,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
             if tool_calls:
@@ -278,19 +297,30 @@ class OpenAIApi:
         else:
             choice["text"] = text
         if opts["logprobs"]:
-            choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs, strict=True)]}
+            choice["logprobs"] = {
+                "content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs, strict=True)]
+            }
         if opts["token_ids"]:
             choice["token_ids"] = ids
         body = self._envelope(chat, False)
         body["choices"] = [choice]
-        body["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+        body["usage"] = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(ids),
+            "total_tokens": len(prompt) + len(ids),
+        }
         if opts["token_ids"]:
             body["prompt_token_ids"] = prompt
         body["gyre"] = {"reroutes": _reroutes(opts)}
         return web.json_response(body)
 
     async def _stream(
-        self, request: web.Request, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool
+        self,
+        request: web.Request,
+        gen: AsyncIterator[Chunk],
+        prompt: list[int],
+        opts: dict[str, Any],
+        chat: bool,
     ) -> web.StreamResponse:
         # Wait for the first chunk before committing to 200, so an early failure is a 5xx.
         try:
@@ -306,7 +336,9 @@ class OpenAIApi:
         completion = 0
         head = {**envelope, "prompt_token_ids": prompt} if opts["token_ids"] else envelope
         if chat:
-            await _send(resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            await _send(
+                resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            )
             head = envelope
         try:
             chunk = first
@@ -332,7 +364,11 @@ class OpenAIApi:
                         delta["content"] = content
                     if calls:
                         delta["tool_calls"] = calls
-                    if not delta and chunk.finish_reason is None and not (opts["token_ids"] or opts["logprobs"]):
+                    if (
+                        not delta
+                        and chunk.finish_reason is None
+                        and not (opts["token_ids"] or opts["logprobs"])
+                    ):
                         chunk = await anext(gen, None)
                         continue  # nothing to say yet (a tool call's JSON is forming)
                     choice["delta"] = delta
@@ -345,16 +381,35 @@ class OpenAIApi:
                 if opts["token_ids"]:
                     choice["token_ids"] = chunk.token_ids
                 if opts["logprobs"]:
-                    choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]}
+                    choice["logprobs"] = {
+                        "content": [
+                            {"token_id": t, "logprob": lp}
+                            for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)
+                        ]
+                    }
                 await _send(resp, head, choice)
                 head = envelope
                 chunk = await anext(gen, None) if chunk.finish_reason is None else None
             if opts["usage"]:
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+                usage = {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": completion,
+                    "total_tokens": len(prompt) + completion,
+                }
                 await resp.write(_sse({**envelope, "choices": [], "usage": usage}))
         except GyreError as exc:
             status = http_status_for(exc)
-            await resp.write(_sse({"error": {"message": str(exc), "type": _ERROR_TYPES.get(status, "server_error"), "code": status}}))
+            await resp.write(
+                _sse(
+                    {
+                        "error": {
+                            "message": str(exc),
+                            "type": _ERROR_TYPES.get(status, "server_error"),
+                            "code": status,
+                        }
+                    }
+                )
+            )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -388,8 +443,15 @@ def _error_response(exc: GyreError) -> web.Response:
     hint = retry_after_for(exc)
     headers = {"Retry-After": str(max(1, math.ceil(hint)))} if hint is not None else None
     return web.json_response(
-        {"error": {"message": str(exc) or type(exc).__name__, "type": _ERROR_TYPES.get(status, "server_error"), "code": status}},
-        status=status, headers=headers,
+        {
+            "error": {
+                "message": str(exc) or type(exc).__name__,
+                "type": _ERROR_TYPES.get(status, "server_error"),
+                "code": status,
+            }
+        },
+        status=status,
+        headers=headers,
     )
 
 
@@ -437,7 +499,9 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"a string holds a lone surrogate at position {exc.start}: not valid text") from exc
+        raise InvalidArgument(
+            f"a string holds a lone surrogate at position {exc.start}: not valid text"
+        ) from exc
 
 
 def _int(value: Any, name: str) -> int:

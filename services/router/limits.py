@@ -32,7 +32,9 @@ class CallLimits:
         """``sampling`` with ``max_tokens`` cut to the room the prompt leaves; raises
         InvalidArgument when the prompt is empty, too long, or leaves no room."""
         if not 1 <= prompt_tokens <= self.max_prompt_tokens:
-            raise InvalidArgument(f"the prompt must hold 1..{self.max_prompt_tokens} tokens, got {prompt_tokens}")
+            raise InvalidArgument(
+                f"the prompt must hold 1..{self.max_prompt_tokens} tokens, got {prompt_tokens}"
+            )
         bounds = [
             (self.context_tokens, "the model's context (router.max_model_len)"),
             (self.turn_tokens, "a trainable turn (router.max_turn_tokens, the packer's micro-step budget)"),

@@ -166,7 +166,9 @@ class CallManager:
         if waits:
             await asyncio.gather(*waits)
         if from_cells:
-            moved = sum(1 for c in calls if from_cells.intersection(c.cells_visited) and c.at_cell not in from_cells)
+            moved = sum(
+                1 for c in calls if from_cells.intersection(c.cells_visited) and c.at_cell not in from_cells
+            )
         else:
             moved = len(waits)
         remaining = sum(1 for cs in self._calls.values() for c in cs if c.at_cell in from_cells)

@@ -25,7 +25,13 @@ _COUNTERS = {
 class RouterCollector:
     """A prometheus_client collector over live objects (no double bookkeeping)."""
 
-    def __init__(self, stats: RouterStats, turns: TurnRecorder, routes_len: Any, trajectories: TrajectoryStore | None = None) -> None:
+    def __init__(
+        self,
+        stats: RouterStats,
+        turns: TurnRecorder,
+        routes_len: Any,
+        trajectories: TrajectoryStore | None = None,
+    ) -> None:
         self._stats = stats
         self._turns = turns
         self._routes_len = routes_len
@@ -34,19 +40,37 @@ class RouterCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        yield GaugeMetricFamily("gyre_router_inflight_calls", "Model calls in flight.", value=self._stats.inflight)
+        yield GaugeMetricFamily(
+            "gyre_router_inflight_calls", "Model calls in flight.", value=self._stats.inflight
+        )
         yield GaugeMetricFamily("gyre_router_routes", "Routes in the route table.", value=self._routes_len())
-        yield GaugeMetricFamily("gyre_router_turns_pending", "Turn records not yet acknowledged by the packer.", value=self._turns.pending)
+        yield GaugeMetricFamily(
+            "gyre_router_turns_pending",
+            "Turn records not yet acknowledged by the packer.",
+            value=self._turns.pending,
+        )
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"gyre_router_{name}", doc, value=getattr(self._stats, name))
-        yield CounterMetricFamily("gyre_router_turn_records", "Turn records acknowledged by the packer.", value=self._turns.sent)
-        yield CounterMetricFamily("gyre_router_turn_records_dropped", "Turn records dropped (buffer full).", value=self._turns.dropped)
+        yield CounterMetricFamily(
+            "gyre_router_turn_records", "Turn records acknowledged by the packer.", value=self._turns.sent
+        )
+        yield CounterMetricFamily(
+            "gyre_router_turn_records_dropped",
+            "Turn records dropped (buffer full).",
+            value=self._turns.dropped,
+        )
         if self._trajectories is not None:
             t = self._trajectories
             yield CounterMetricFamily(
-                "gyre_router_turns_continued", "Completed calls whose prompt continued their execution's tokens.", value=t.continued)
+                "gyre_router_turns_continued",
+                "Completed calls whose prompt continued their execution's tokens.",
+                value=t.continued,
+            )
             breaks = CounterMetricFamily(
-                "gyre_router_segment_breaks", "Completed calls that started a new trajectory segment, by reason.", labels=["reason"])
+                "gyre_router_segment_breaks",
+                "Completed calls that started a new trajectory segment, by reason.",
+                labels=["reason"],
+            )
             for reason, n in sorted(t.breaks.items()):
                 breaks.add_metric([reason], n)
             yield breaks

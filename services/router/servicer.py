@@ -33,11 +33,14 @@ def _peer_host(context: grpc.aio.ServicerContext) -> str:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate (token level), MoveExecutions (fenced, from the scheduler), GetRouterStatus."""
 
-    ACCESS = AccessTable("gyre.v1.Router", {
-        "Generate": allow(Role.HARNESS),  # and the execution's token
-        "MoveExecutions": allow(Role.SCHEDULER),
-        "GetRouterStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
-    })
+    ACCESS = AccessTable(
+        "gyre.v1.Router",
+        {
+            "Generate": allow(Role.HARNESS),  # and the execution's token
+            "MoveExecutions": allow(Role.SCHEDULER),
+            "GetRouterStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+        },
+    )
 
     def __init__(
         self,

@@ -28,7 +28,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str], include_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: Sequence[str], include_in_output: bool
+) -> tuple[str, int] | None:
     """(matched stop string, length to cut the text to or -1) or None; vLLM's semantics."""
     if not new_char_count or not stop:
         return None
@@ -58,14 +60,18 @@ def parse_stop(stop: object) -> list[str]:
         raise InvalidArgument("stop must be a string or a list of strings")
     items = [s for s in items if s]
     if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in items):
-        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+        raise InvalidArgument(
+            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters"
+        )
     return list(dict.fromkeys(items))
 
 
 class OutputText:
     """Detokenizes one call's output and applies its stop strings; see the module docstring."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop_str_in_output: bool = False
+    ) -> None:
         self._detok = tokenizer.detokenizer()
         self.stop = list(stop)
         self.include = include_stop_str_in_output

@@ -19,9 +19,17 @@ log = logging.getLogger(__name__)
 class RouteStore:
     """Keeps a RouteTable equal to etcd's routes; malformed route values are skipped."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, table: RouteTable, resync_s: float = 10.0,
-                 miss_wait_s: float = 1.0, miss_rate_per_s: float = 20.0, miss_burst: int = 40,
-                 max_waiters: int = 256) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        table: RouteTable,
+        resync_s: float = 10.0,
+        miss_wait_s: float = 1.0,
+        miss_rate_per_s: float = 20.0,
+        miss_burst: int = 40,
+        max_waiters: int = 256,
+    ) -> None:
         self.etcd = self._etcd = etcd
         self.keys = self._keys = keys
         self._table = table
@@ -44,7 +52,9 @@ class RouteStore:
         try:
             route: Route | None = Route.from_json(kv.value, kv.version, created_revision=kv.create_revision)
         except InvalidArgument as exc:
-            log.error("skipping malformed route", extra={"key": kv.key.decode(errors="replace"), "error": str(exc)})
+            log.error(
+                "skipping malformed route", extra={"key": kv.key.decode(errors="replace"), "error": str(exc)}
+            )
             route = None
         self._parsed[kv.key] = (kv.mod_revision, route)
         return route

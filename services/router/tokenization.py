@@ -51,7 +51,9 @@ class Tokenizer:
 
     # Prompts -----------------------------------------------------------------------------
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Applies the chat template (with the assistant generation prompt) and tokenizes."""
         return self.encode(self.render(normalize_messages(messages), tools, add_generation_prompt=True))
 
@@ -62,9 +64,11 @@ class Tokenizer:
         if not self.has_chat_template:
             raise InvalidArgument("the served model has no chat template; use /v1/completions")
         try:
-            return str(self._hf.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
-            ))
+            return str(
+                self._hf.apply_chat_template(
+                    messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            )
         except Exception as exc:  # jinja raises anything from TemplateError to TypeError
             raise InvalidArgument(f"the chat template cannot render these messages: {exc}") from exc
 
@@ -126,7 +130,11 @@ def _text_content(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise InvalidArgument(f"{where}.content[{j}] must be a text part")
             parts.append(part["text"])
         return "".join(parts)
@@ -142,7 +150,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidArgument(f"{where}[{j}] must be {{id, type: function, function: {{name, arguments}}}}")
+            raise InvalidArgument(
+                f"{where}[{j}] must be {{id, type: function, function: {{name, arguments}}}}"
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
@@ -173,8 +183,14 @@ def normalize_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]],
     out = []
     for j, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise InvalidArgument(f"tools[{j}] must be {{type: function, function: {{name, description, parameters}}}}")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise InvalidArgument(
+                f"tools[{j}] must be {{type: function, function: {{name, description, parameters}}}}"
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidArgument(f"tools[{j}].function.name must be a non-empty string")
         if "parameters" in fn and not isinstance(fn["parameters"], dict):

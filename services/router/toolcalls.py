@@ -34,7 +34,9 @@ class ToolCallParsers:
             cls, request_type = await asyncio.shield(self._loading)
         except (ImportError, KeyError) as exc:
             raise Unavailable(f"tool-call parser {self.name!r} cannot be loaded: {exc}") from exc
-        request = request_type(model=model or "gyre", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice="auto")
+        request = request_type(
+            model=model or "gyre", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice="auto"
+        )
         return ToolCallParser(cls(self._tok.hf, request.tools), request)
 
 
@@ -62,8 +64,11 @@ class ToolCallParser:
         if not info.tools_called:
             return text, []
         calls = [
-            {"id": call.id or _call_id(), "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            {
+                "id": call.id or _call_id(),
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
             for call in info.tool_calls
         ]
         self.called = bool(calls)
@@ -108,4 +113,3 @@ def _delta_call(tc: Any) -> dict[str, Any]:
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-

@@ -75,7 +75,9 @@ def canonical_tools(tools: Sequence[dict[str, Any]]) -> str:
     return json.dumps(list(tools), sort_keys=True, separators=(",", ":"))
 
 
-def reply_key(content: str | None, tool_calls: Sequence[dict[str, Any]]) -> tuple[str, tuple[tuple[str, str], ...]]:
+def reply_key(
+    content: str | None, tool_calls: Sequence[dict[str, Any]]
+) -> tuple[str, tuple[tuple[str, str], ...]]:
     """An assistant message reduced to what the template renders: its text and its calls'
     names and arguments (ids and argument formatting do not matter)."""
     calls = []
@@ -91,7 +93,9 @@ def reply_key(content: str | None, tool_calls: Sequence[dict[str, Any]]) -> tupl
     return (content or "", tuple(calls))
 
 
-def chat_prompt(tok: Tokenizer, prev: Trajectory | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
+def chat_prompt(
+    tok: Tokenizer, prev: Trajectory | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> Prompt:
     """The prompt of a chat call given the execution's trajectory (blocking: run it off the
     event loop). ``messages`` are normalized (:func:`normalize_messages`)."""
     full = tok.render(messages, tools, add_generation_prompt=True)
@@ -113,7 +117,9 @@ def chat_prompt(tok: Tokenizer, prev: Trajectory | None, messages: list[dict[str
     return Prompt(list(prev.tokens) + tok.encode(delta), None)
 
 
-def _history_differs(prev: Trajectory, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str | None:
+def _history_differs(
+    prev: Trajectory, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> str | None:
     chat = prev.chat
     if chat is None:
         return "no_chat_state"  # the previous call was token-level
@@ -130,7 +136,9 @@ def _history_differs(prev: Trajectory, messages: list[dict[str, Any]], tools: li
 
 def _closing(tok: Tokenizer, history: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str | None:
     """What the template writes after an assistant message's content (ChatML: "<|im_end|>\\n")."""
-    text = tok.render([*history, {"role": "assistant", "content": _SENTINEL}], tools, add_generation_prompt=False)
+    text = tok.render(
+        [*history, {"role": "assistant", "content": _SENTINEL}], tools, add_generation_prompt=False
+    )
     at = text.rfind(_SENTINEL)
     return None if at < 0 else text[at + len(_SENTINEL) :]
 
@@ -178,7 +186,9 @@ class TrajectoryStore:
         else:
             self.breaks[break_reason or "prompt_differs"] += 1
             segment = prev.segment + 1
-        traj = Trajectory(tuple(prompt) + tuple(output), len(prompt), segment, (prev.turns if prev else 0) + 1, chat)
+        traj = Trajectory(
+            tuple(prompt) + tuple(output), len(prompt), segment, (prev.turns if prev else 0) + 1, chat
+        )
         self._by_execution[execution_id] = traj
         return traj
 

@@ -112,8 +112,13 @@ class TurnRecorder:
         if len(self._queue) >= self._capacity:
             lost = self._queue.popleft()
             self.dropped += 1
-            self._history.append("turn_dropped", 0, execution_id=lost.execution_id, turn_index=lost.turn_index)
-            log.error("turn buffer full; dropped a turn record", extra={"execution_id": lost.execution_id, "turn_index": lost.turn_index})
+            self._history.append(
+                "turn_dropped", 0, execution_id=lost.execution_id, turn_index=lost.turn_index
+            )
+            log.error(
+                "turn buffer full; dropped a turn record",
+                extra={"execution_id": lost.execution_id, "turn_index": lost.turn_index},
+            )
         self._queue.append(turn)
         self._idle.clear()
         self._wake.set()
@@ -155,27 +160,50 @@ class TurnRecorder:
             try:
                 await self._sink.record(turn)
                 self.sent += 1
-                self._history.append("turn_recorded", 0, execution_id=turn.execution_id, turn_index=turn.turn_index,
-                                     versions=sorted(set(turn.output_policy_versions)))
+                self._history.append(
+                    "turn_recorded",
+                    0,
+                    execution_id=turn.execution_id,
+                    turn_index=turn.turn_index,
+                    versions=sorted(set(turn.output_policy_versions)),
+                )
                 return
             except FailedPrecondition as exc:
                 if "other content" in str(exc) and self.renumber is not None and self.renumbered < 1_000_000:
                     old = turn.turn_index
                     turn = self.renumber(turn)
                     self.renumbered += 1
-                    log.warning("turn index taken at the packer; renumbered",
-                                extra={"execution_id": turn.execution_id, "from": old, "to": turn.turn_index})
+                    log.warning(
+                        "turn index taken at the packer; renumbered",
+                        extra={"execution_id": turn.execution_id, "from": old, "to": turn.turn_index},
+                    )
                     continue
                 self.rejected += 1
-                self._history.append("turn_refused", 0, execution_id=turn.execution_id, turn_index=turn.turn_index,
-                                     error=str(exc)[:200])
-                log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
+                self._history.append(
+                    "turn_refused",
+                    0,
+                    execution_id=turn.execution_id,
+                    turn_index=turn.turn_index,
+                    error=str(exc)[:200],
+                )
+                log.error(
+                    "packer refused a turn record",
+                    extra={"execution_id": turn.execution_id, "error": str(exc)},
+                )
                 return
             except _PERMANENT as exc:
                 self.rejected += 1
-                self._history.append("turn_refused", 0, execution_id=turn.execution_id, turn_index=turn.turn_index,
-                                     error=str(exc)[:200])
-                log.error("packer refused a turn record", extra={"execution_id": turn.execution_id, "error": str(exc)})
+                self._history.append(
+                    "turn_refused",
+                    0,
+                    execution_id=turn.execution_id,
+                    turn_index=turn.turn_index,
+                    error=str(exc)[:200],
+                )
+                log.error(
+                    "packer refused a turn record",
+                    extra={"execution_id": turn.execution_id, "error": str(exc)},
+                )
                 return
             except GyreError as exc:
                 delay = await backoff.sleep()

@@ -44,8 +44,12 @@ async def build(rt: Runtime) -> Services:
         metrics.serve(cfg.host, cfg.metrics_port)
     peers = GrpcPeers(cfg, cfg.packer_target, cfg.rpc_timeout_s, cfg.command_timeout_s)
     sched = Scheduler(
-        cfg, store=None, peers=peers, tasks=make_task_source(cfg.tasks_file, cfg.task_seed, cfg.loop_tasks),
-        events=EventLog(cfg.events_kept), metrics=metrics,
+        cfg,
+        store=None,
+        peers=peers,
+        tasks=make_task_source(cfg.tasks_file, cfg.task_seed, cfg.loop_tasks),
+        events=EventLog(cfg.events_kept),
+        metrics=metrics,
     )
     _state["scheduler"] = sched
     keys = rt.keys
@@ -68,8 +72,11 @@ async def build(rt: Runtime) -> Services:
     rt.supervisor.on_flush(_close_peers)
     return [
         (HarnessServicer(sched), scheduler_pb2_grpc.add_HarnessServiceServicer_to_server, HARNESS),
-        (ControlServicer(sched), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server,
-                "gyre.v1.SchedulerControl"),
+        (
+            ControlServicer(sched),
+            scheduler_pb2_grpc.add_SchedulerControlServicer_to_server,
+            "gyre.v1.SchedulerControl",
+        ),
     ]
 
 
@@ -85,7 +92,12 @@ async def _lead_until_lost(sched: Scheduler, rt: Runtime) -> None:
             task.cancel()
         await asyncio.gather(*loops, *lost, return_exceptions=True)
     for task in done:  # a loop that failed for any other reason is a bug: end the process
-        if task in loops and not task.cancelled() and task.exception() is not None and not sched.deposed.is_set():
+        if (
+            task in loops
+            and not task.cancelled()
+            and task.exception() is not None
+            and not sched.deposed.is_set()
+        ):
             raise task.exception()  # type: ignore[misc]
 
 

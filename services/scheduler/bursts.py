@@ -25,8 +25,17 @@ log = logging.getLogger(__name__)
 class Bursts:
     """Dispatches bursts of tasks from the task source into the ledger."""
 
-    def __init__(self, cfg: SchedulerConfig, ledger: Ledger, tasks: TaskSource, lead: Leadership,
-            history: History, telemetry: Telemetry, changes: Changes, wall: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        ledger: Ledger,
+        tasks: TaskSource,
+        lead: Leadership,
+        history: History,
+        telemetry: Telemetry,
+        changes: Changes,
+        wall: Callable[[], float],
+    ) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.tasks = tasks
@@ -48,7 +57,10 @@ class Bursts:
         worth, and ``max_bursts`` caps the tasks (``max_bursts x`` a burst's groups), not
         the dispatches."""
         if continuous:
-            return len(self._next_tasks((self.cfg.max_staleness + 2) * self.cfg.groups_per_burst())) * self.cfg.group_size
+            return (
+                len(self._next_tasks((self.cfg.max_staleness + 2) * self.cfg.groups_per_burst()))
+                * self.cfg.group_size
+            )
         if self.cfg.max_bursts and self.ledger.bursts_total >= self.cfg.max_bursts:
             return 0
         return len(self._next_tasks(self.cfg.groups_per_burst())) * self.cfg.group_size
@@ -59,25 +71,37 @@ class Bursts:
             groups = min(groups, self.cfg.max_bursts * self.cfg.groups_per_burst() - taken)
         return self.tasks.take(taken, groups) if groups > 0 else []
 
-    async def dispatch(self, policy_version: int, quota: int, kind: str, gauges: dict[str, int]) -> Burst | None:
+    async def dispatch(
+        self, policy_version: int, quota: int, kind: str, gauges: dict[str, int]
+    ) -> Burst | None:
         """Dispatches the next burst at ``policy_version``: ``quota`` executions, in whole
         groups; None when there is nothing to dispatch or an earlier attempt already did
         (the next rebuild or tick picks it up)."""
         tasks = self._next_tasks(quota // self.cfg.group_size)
         if not tasks:
             return None
-        burst = self.ledger.plan_burst(tasks, self.cfg.group_size, policy_version,
-                self.cfg.batches_per_burst, self.wall())
+        burst = self.ledger.plan_burst(
+            tasks, self.cfg.group_size, policy_version, self.cfg.batches_per_burst, self.wall()
+        )
         try:
             rev = await self.lead.fenced(self.lead.store.dispatch(burst))
         except Conflict:
             return None
         self.ledger.apply_burst(burst)
-        self.history.append("dispatch", self.lead.epoch, rev=rev, burst_id=burst.burst_id, quota=burst.quota,
-                            policy_version=burst.policy_version)
-        self.telemetry.emit(kind,
-                f"dispatched burst {burst.burst_id}: {burst.quota} executions "
-                f"({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}", **gauges)
+        self.history.append(
+            "dispatch",
+            self.lead.epoch,
+            rev=rev,
+            burst_id=burst.burst_id,
+            quota=burst.quota,
+            policy_version=burst.policy_version,
+        )
+        self.telemetry.emit(
+            kind,
+            f"dispatched burst {burst.burst_id}: {burst.quota} executions "
+            f"({len(tasks)} groups of {burst.group_size}) at policy v{burst.policy_version}",
+            **gauges,
+        )
         await self.changes.notify()
         return burst
 
@@ -94,6 +118,11 @@ class Bursts:
                 log.warning("archive refused: %s", exc)
                 return
             self.ledger.apply_archive(dataclasses.replace(summary, revision=rev))
-            self.history.append("archive", self.lead.epoch, rev=rev, burst_id=burst.burst_id, executions=burst.quota)
-            self.telemetry.emit("archive", f"archived burst {burst.burst_id} ({burst.quota} executions closed); "
-                                f"{summary.bursts} bursts, {summary.executions} executions archived in all")
+            self.history.append(
+                "archive", self.lead.epoch, rev=rev, burst_id=burst.burst_id, executions=burst.quota
+            )
+            self.telemetry.emit(
+                "archive",
+                f"archived burst {burst.burst_id} ({burst.quota} executions closed); "
+                f"{summary.bursts} bursts, {summary.executions} executions archived in all",
+            )

@@ -39,8 +39,16 @@ log = logging.getLogger(__name__)
 class Commands:
     """Applies actions to the cluster; counts role switches."""
 
-    def __init__(self, lead: Leadership, peers: Peers, bursts: Bursts, transitions: TransitionRunner,
-            publication: Publication, telemetry: Telemetry, fleet: Fleet) -> None:
+    def __init__(
+        self,
+        lead: Leadership,
+        peers: Peers,
+        bursts: Bursts,
+        transitions: TransitionRunner,
+        publication: Publication,
+        telemetry: Telemetry,
+        fleet: Fleet,
+    ) -> None:
         self.lead = lead
         self.fleet = fleet
         self.peers = peers
@@ -54,8 +62,11 @@ class Commands:
 
     async def apply(self, action: Action, snap: Snapshot) -> None:
         """Carries out one action decided on ``snap``."""
-        gauges = {"waterlevel": snap.ledger.waterlevel, "capacity": capacity(snap.cells),
-                "ready_groups": snap.supply.ready_groups}
+        gauges = {
+            "waterlevel": snap.ledger.waterlevel,
+            "capacity": capacity(snap.cells),
+            "ready_groups": snap.supply.ready_groups,
+        }
         emit = self.telemetry.emit
         match action:
             case Hold(reason=reason, cell_id=cell_id):

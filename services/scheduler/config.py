@@ -19,55 +19,85 @@ class SchedulerConfig(ServiceConfig):
     batch_size: int = Field(4, ge=1, le=100_000, description="Groups per training batch.")
     group_size: int = Field(2, ge=1, le=1024, description="Executions per group (one task).")
     over_provision: float = Field(
-        0.25, ge=0.0, le=10.0,
+        0.25,
+        ge=0.0,
+        le=10.0,
         description="Extra groups per burst, as a fraction of batch_size, so stragglers need not be waited for.",
     )
-    batches_per_burst: int = Field(1, ge=1, le=1000,
-            description="Optimizer updates per burst; the last publishes.")
-    max_bursts: int = Field(0, ge=0,
-            description="Stop dispatching after this many bursts (0: until tasks run out).")
+    batches_per_burst: int = Field(
+        1, ge=1, le=1000, description="Optimizer updates per burst; the last publishes."
+    )
+    max_bursts: int = Field(
+        0, ge=0, description="Stop dispatching after this many bursts (0: until tasks run out)."
+    )
 
     archive_grace_s: float = Field(
-        30.0, ge=0.0, le=86_400.0,
+        30.0,
+        ge=0.0,
+        le=86_400.0,
         description="A burst older than the newest, fully closed and reported to the packer, is archived "
         "(folded into the ledger summary, its records deleted from etcd) once its last close is this old; "
         "until then a harness's late finish retry is still answered as a duplicate.",
     )
 
     # Task source.
-    tasks_file: str = Field("",
-            description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator.")
+    tasks_file: str = Field(
+        "", description="JSONL of tasks ({'id': ..., ...} per line); empty: built-in generator."
+    )
     task_seed: int = Field(0, description="Seed of the built-in task generator.")
     loop_tasks: bool = Field(True, description="Start the tasks file over when it runs out.")
 
     # The role policy.
-    policy: Literal["gyre", "waterlevel-sync", "waterlevel", "colocated", "static", "async-static",
-                    "async-static-lend", "rollout_only"] = Field(
-        "waterlevel", description="Role policy (services/scheduler/policy): gyre (overlapping bursts under the "
+    policy: Literal[
+        "gyre",
+        "waterlevel-sync",
+        "waterlevel",
+        "colocated",
+        "static",
+        "async-static",
+        "async-static-lend",
+        "rollout_only",
+    ] = Field(
+        "waterlevel",
+        description="Role policy (services/scheduler/policy): gyre (overlapping bursts under the "
         "staleness bound, cells sized from rates; the shipped configs run it), waterlevel / waterlevel-sync (the "
         "seed's burst-synchronous policy), the baselines colocated, static, async-static, async-static-lend; "
         "rollout_only never trains (bursts back to back).",
     )
-    gyre_min_horizon_s: float = Field(30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for.")
-    gyre_hysteresis: float = Field(0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it.")
+    gyre_min_horizon_s: float = Field(
+        30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for."
+    )
+    gyre_hysteresis: float = Field(
+        0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
+    )
     gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
     gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
     gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
-    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells, spreads "
-            "the rest).")
+    gyre_plan: bool = Field(
+        True, description="Gyre lever: PlanMoves (placement avoids planned cells, spreads the rest)."
+    )
     gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
-    rate_window_s: float = Field(120.0, gt=0, le=86_400,
-            description="Window over which the asynchronous policies' rates (ready groups, training) are measured.")
-    fraction: float = Field(0.5, gt=0.0, le=1.0,
-            description="Ready groups needed, as a fraction of batch_size.")
+    rate_window_s: float = Field(
+        120.0,
+        gt=0,
+        le=86_400,
+        description="Window over which the asynchronous policies' rates (ready groups, training) are measured.",
+    )
+    fraction: float = Field(
+        0.5, gt=0.0, le=1.0, description="Ready groups needed, as a fraction of batch_size."
+    )
     interval_s: float = Field(5.0, ge=0.0, le=3600.0, description="How long supply must hold before a move.")
     drain_grace_s: float = Field(
-        2.0, ge=0.0, le=600.0,
+        2.0,
+        ge=0.0,
+        le=600.0,
         description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst "
         "with nothing trainable).",
     )
     max_staleness: int = Field(
-        1, ge=0, le=1000,
+        1,
+        ge=0,
+        le=1000,
         description="eta: the most policy versions a consumed group may lag the newest. One setting for the "
         "whole cluster (put it in the ``cluster:`` section: the packer's field has the same name, and the "
         "launcher refuses a config where they differ); the policy cancels groups that cannot be trained "
@@ -79,22 +109,34 @@ class SchedulerConfig(ServiceConfig):
     # Executions.
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="How often harnesses should heartbeat.")
     heartbeat_deadline_s: float = Field(30.0, gt=0.0, description="No heartbeat for this long: TIMED_OUT.")
-    reward_min: float = Field(0.0, ge=-1e9, le=1e9, allow_inf_nan=False,
-            description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT); finite, "
-            "within the packer's max_abs_reward.")
-    reward_max: float = Field(1e6, ge=-1e9, le=1e9, allow_inf_nan=False,
-            description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT); finite, "
-            "within the packer's max_abs_reward.")
+    reward_min: float = Field(
+        0.0,
+        ge=-1e9,
+        le=1e9,
+        allow_inf_nan=False,
+        description="Smallest reward accepted for COMPLETED (below: INVALID_ARGUMENT); finite, "
+        "within the packer's max_abs_reward.",
+    )
+    reward_max: float = Field(
+        1e6,
+        ge=-1e9,
+        le=1e9,
+        allow_inf_nan=False,
+        description="Largest reward accepted for COMPLETED (above: INVALID_ARGUMENT); finite, "
+        "within the packer's max_abs_reward.",
+    )
     max_wait_s: float = Field(60.0, ge=0.0, description="Cap on AcquireExecution's wait_s.")
     execution_token_ttl_s: float = Field(
-        86_400.0, gt=0.0,
+        86_400.0,
+        gt=0.0,
         description="An execution token expires this long after launch (the router and the scheduler "
         "refuse it; the execution then times out). Closing an execution revokes its token at once.",
     )
 
     # Harness credentials and limits (gyre.apikeys, services/scheduler/harness_gate.py).
     harness_keys_file: str = Field(
-        "", description="Hashed harness API keys ('NAME SHA256HEX' lines; python -m gyre.apikeys add). "
+        "",
+        description="Hashed harness API keys ('NAME SHA256HEX' lines; python -m gyre.apikeys add). "
         "Empty: harnesses authenticate with their certificate only.",
     )
     harness_require_key: bool = Field(False, description="Refuse harnesses that present no API key.")
@@ -108,20 +150,26 @@ class SchedulerConfig(ServiceConfig):
     model: str = Field("gyre-policy", description="Model name harnesses send in OpenAI requests.")
 
     # Peers.
-    router_http_url: str = Field("http://127.0.0.1:8000/v1",
-            description="Router's OpenAI base URL given to harnesses.")
+    router_http_url: str = Field(
+        "http://127.0.0.1:8000/v1", description="Router's OpenAI base URL given to harnesses."
+    )
     router_target: str = Field("", description="Router gRPC target (also used when no router is registered).")
     packer_target: str = Field("", description="Packer gRPC target; empty: no finish reports, no supply.")
     orphan_grace_s: float = Field(
-        3.0, ge=0.0, description="Reroute the executions of a cell whose registration has been gone this long."
+        3.0,
+        ge=0.0,
+        description="Reroute the executions of a cell whose registration has been gone this long.",
     )
     engine_probe_timeout_s: float = Field(
-        1.0, gt=0.0, description="A cell reported failed by a router is dead when it does not answer a probe "
+        1.0,
+        gt=0.0,
+        description="A cell reported failed by a router is dead when it does not answer a probe "
         "within this long; its executions are then rerouted at once.",
     )
     drain_timeout_s: float = Field(30.0, gt=0.0, description="Longest wait for a draining cell to empty.")
-    command_timeout_s: float = Field(30.0, gt=0.0,
-            description="Deadline of CellControl commands (LoadPolicy pulls weights).")
+    command_timeout_s: float = Field(
+        30.0, gt=0.0, description="Deadline of CellControl commands (LoadPolicy pulls weights)."
+    )
 
     # Observability.
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")

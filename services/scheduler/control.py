@@ -40,10 +40,24 @@ log = logging.getLogger(__name__)
 class ControlLoop:
     """Decides with the policy and applies its actions, every ``reconcile_s`` or sooner."""
 
-    def __init__(self, cfg: SchedulerConfig, policy: Policy, lead: Leadership, ledger: Ledger, fleet: Fleet,
-            bursts: Bursts, executions: Executions, supply: SupplyFollower, publication: Publication,
-            transitions: TransitionRunner, commands: Commands, telemetry: Telemetry, changes: Changes,
-            clock: Callable[[], float], wall: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        policy: Policy,
+        lead: Leadership,
+        ledger: Ledger,
+        fleet: Fleet,
+        bursts: Bursts,
+        executions: Executions,
+        supply: SupplyFollower,
+        publication: Publication,
+        transitions: TransitionRunner,
+        commands: Commands,
+        telemetry: Telemetry,
+        changes: Changes,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
         self.cfg = cfg
         self.policy = policy
         self.lead = lead
@@ -104,12 +118,16 @@ class ControlLoop:
         their route, queued ones are withdrawn); the packer drops their ready copies by the
         same rule. Returns the executions cancelled."""
         version, eta, full = self.publication.version, self.cfg.max_staleness, self._batch_full()
-        doomed = [(u, g, left) for u, g, left in self.ledger.open_groups() if unconsumable(u, version, full, eta)]
+        doomed = [
+            (u, g, left) for u, g, left in self.ledger.open_groups() if unconsumable(u, version, full, eta)
+        ]
         if not doomed:
             return []
         stamps = sorted({u for u, _, _ in doomed})
-        why = (f"{len(doomed)} groups stamped v{', v'.join(map(str, stamps))} can no longer be trained within "
-               f"max_staleness {eta} (trainer at v{version}{', batch full' if full else ''})")
+        why = (
+            f"{len(doomed)} groups stamped v{', v'.join(map(str, stamps))} can no longer be trained within "
+            f"max_staleness {eta} (trainer at v{version}{', batch full' if full else ''})"
+        )
         return await self.executions.cancel([e for _, _, left in doomed for e in left], why)
 
     def _rejoin_after_update(self) -> None:
@@ -132,8 +150,11 @@ class ControlLoop:
             # Overlay first: our last command's outcome beats a watch that has not caught up.
             state = self.fleet.cells.state(cid)
             if state in (CellState.DRAINING, CellState.RETURNING) and not self.transitions.running(cid):
-                self.telemetry.emit("stranded",
-                        f"{cid} was left {state.value} with no move in progress: back to rollout", cell_id=cid)
+                self.telemetry.emit(
+                    "stranded",
+                    f"{cid} was left {state.value} with no move in progress: back to rollout",
+                    cell_id=cid,
+                )
                 self.transitions.start(cid, CellState.ROLLOUT, f"stranded in {state.value}")
 
     def snapshot(self) -> Snapshot:
@@ -148,13 +169,30 @@ class ControlLoop:
         elif self._drained_since is None:
             self._drained_since = self.clock()
         if not self.continuous:
-            return Snapshot(self.clock(), counts, views, supply, self.bursts.current(),
-                            self.publication.version, self.bursts.next_quota(), self._drained_since)
+            return Snapshot(
+                self.clock(),
+                counts,
+                views,
+                supply,
+                self.bursts.current(),
+                self.publication.version,
+                self.bursts.next_quota(),
+                self._drained_since,
+            )
         load = self.fleet.routes.counts()
         views = tuple(dataclasses.replace(v, load=load.get(v.cell_id, 0)) for v in views)
-        return Snapshot(self.clock(), counts, views, supply, self.bursts.current(), self.publication.version,
-                        self.bursts.next_quota(continuous=True), self._drained_since, self.pipeline(),
-                        self.tail())
+        return Snapshot(
+            self.clock(),
+            counts,
+            views,
+            supply,
+            self.bursts.current(),
+            self.publication.version,
+            self.bursts.next_quota(continuous=True),
+            self._drained_since,
+            self.pipeline(),
+            self.tail(),
+        )
 
     def _batch_full(self) -> bool:
         raw = self.supply.raw
@@ -172,17 +210,30 @@ class ControlLoop:
             cancelled[stamp] = cancelled.get(stamp, 0) + 1
         lo = version - eta - 1
         versions = tuple(
-            VersionCounts(u, groups.get(u, 0), c.dispatched, c.launched, c.finished, cancelled=cancelled.get(u, 0))
-            for u, c in ledger.counts_by_version().items() if u >= lo or c.waterlevel > 0
+            VersionCounts(
+                u, groups.get(u, 0), c.dispatched, c.launched, c.finished, cancelled=cancelled.get(u, 0)
+            )
+            for u, c in ledger.counts_by_version().items()
+            if u >= lo or c.waterlevel > 0
         )
         return Pipeline(
-            max_staleness=eta, group_size=cfg.group_size, batch_groups=cfg.batch_size,
+            max_staleness=eta,
+            group_size=cfg.group_size,
+            batch_groups=cfg.batch_size,
             extra_groups=cfg.groups_per_burst() - cfg.batch_size * cfg.batches_per_burst,
-            published_version=self.publication.published, groups_dispatched=ledger.tasks_taken,
-            groups_cancelled=len(ledger.cancelled_groups), ready_groups=raw.ready_unassigned,
-            batch_assigned=raw.batch_assigned, backlog_tokens=raw.backlog_tokens, ready_tokens=raw.ready_tokens,
-            optimizing=raw.optimizing, train_rate_per_cell=rates.train_rate_per_cell, ready_rate=rates.ready_rate,
-            tokens_per_group=rates.tokens_per_group, versions=versions, planned=self.fleet.planned,
+            published_version=self.publication.published,
+            groups_dispatched=ledger.tasks_taken,
+            groups_cancelled=len(ledger.cancelled_groups),
+            ready_groups=raw.ready_unassigned,
+            batch_assigned=raw.batch_assigned,
+            backlog_tokens=raw.backlog_tokens,
+            ready_tokens=raw.ready_tokens,
+            optimizing=raw.optimizing,
+            train_rate_per_cell=rates.train_rate_per_cell,
+            ready_rate=rates.ready_rate,
+            tokens_per_group=rates.tokens_per_group,
+            versions=versions,
+            planned=self.fleet.planned,
         )
 
     def tail(self, limit: int = 256) -> tuple[ExecView, ...]:
@@ -194,8 +245,15 @@ class ControlLoop:
             rec = self.ledger.records.get(route.execution_id)
             if route.policy_version != lo or rec is None or route.mod_revision == 0:
                 continue
-            out.append(ExecView(route.execution_id, route.cell_id, lo, max(0.0, now - rec.launched_s),
-                                max(0, route.epoch - 1)))
+            out.append(
+                ExecView(
+                    route.execution_id,
+                    route.cell_id,
+                    lo,
+                    max(0.0, now - rec.launched_s),
+                    max(0, route.epoch - 1),
+                )
+            )
             if len(out) >= limit:
                 break
         return tuple(out)

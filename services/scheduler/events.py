@@ -43,20 +43,33 @@ class EventLog:
         self._last_hold = ""
         self._wakers: set[asyncio.Task[None]] = set()
 
-    def emit(self, kind: str, message: str, *, cell_id: str = "", execution_id: str = "",
-             waterlevel: int = 0, capacity: int = 0, ready_groups: int = 0) -> Event:
+    def emit(
+        self,
+        kind: str,
+        message: str,
+        *,
+        cell_id: str = "",
+        execution_id: str = "",
+        waterlevel: int = 0,
+        capacity: int = 0,
+        ready_groups: int = 0,
+    ) -> Event:
         if kind == "hold":
             # Holds repeat every control-loop tick: keep one per distinct reason.
             if message == self._last_hold:
                 return self._events[-1] if self._events else Event(0, 0.0, kind, message)
             self._last_hold = message
         self._seq += 1
-        ev = Event(self._seq, self._clock(), kind, message, cell_id, execution_id, waterlevel, capacity,
-                ready_groups)
+        ev = Event(
+            self._seq, self._clock(), kind, message, cell_id, execution_id, waterlevel, capacity, ready_groups
+        )
         self._events.append(ev)
         # Holds change with every close (their numbers move): kept in the stream, not the log.
-        log.log(logging.DEBUG if kind == "hold" else logging.INFO, message,
-                extra={"event": kind, "cell_id": cell_id, "execution_id": execution_id})
+        log.log(
+            logging.DEBUG if kind == "hold" else logging.INFO,
+            message,
+            extra={"event": kind, "cell_id": cell_id, "execution_id": execution_id},
+        )
         self._wake()
         return ev
 
@@ -95,6 +108,7 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
+
         def g(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(f"gyre_scheduler_{name}", doc, labels, registry=self.registry)
 

@@ -66,9 +66,20 @@ class Acquired:
 class Executions:
     """Launches, heartbeats and closes of executions."""
 
-    def __init__(self, cfg: SchedulerConfig, ledger: Ledger, fleet: Fleet, lead: Leadership,
-            harnesses: HarnessGate, relay: FinishRelay, history: History, telemetry: Telemetry,
-            changes: Changes, clock: Callable[[], float], wall: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        ledger: Ledger,
+        fleet: Fleet,
+        lead: Leadership,
+        harnesses: HarnessGate,
+        relay: FinishRelay,
+        history: History,
+        telemetry: Telemetry,
+        changes: Changes,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.fleet = fleet
@@ -143,8 +154,9 @@ class Executions:
             return None
         self.harnesses.check_owner(rec.harness_id, harness_id)
         if rec.state.final:
-            raise FailedPrecondition(f"{rec.execution_id}, acquired with this key, is already closed "
-                                     f"({rec.state.value})")
+            raise FailedPrecondition(
+                f"{rec.execution_id}, acquired with this key, is already closed ({rec.state.value})"
+            )
         token = derive_token(key, rec.execution_id)
         route = self.fleet.routes.routes.get(rec.execution_id)
         if token_sha256(token) != rec.token_sha256 or route is None:
@@ -179,11 +191,24 @@ class Executions:
             burst, seq = nxt
             self.harnesses.check_inflight(harness_id)
             token = derive_token(key, burst.member(seq)[0]) if key else secrets.token_urlsafe(32)
-            rec = self.ledger.plan_launch(burst, seq, token_sha256(token), harness_id[:128], self.wall(),
-                                          token_sha256(key) if key else "")
-            route = Route(rec.execution_id, cell.cell_id, cell.target, rec.token_sha256, rec.group_id,
-                                burst.burst_id, burst.policy_version,
-                                expires_s=rec.launched_s + self.cfg.execution_token_ttl_s)
+            rec = self.ledger.plan_launch(
+                burst,
+                seq,
+                token_sha256(token),
+                harness_id[:128],
+                self.wall(),
+                token_sha256(key) if key else "",
+            )
+            route = Route(
+                rec.execution_id,
+                cell.cell_id,
+                cell.target,
+                rec.token_sha256,
+                rec.group_id,
+                burst.burst_id,
+                burst.policy_version,
+                expires_s=rec.launched_s + self.cfg.execution_token_ttl_s,
+            )
             self.harnesses.launched(rec.harness_id)  # counted from the reservation on
             self.ledger.reserve(rec.execution_id)
             fleet.routes.put(route)
@@ -192,8 +217,12 @@ class Executions:
         ok = await asyncio.shield(self._land_launch(rec, route, burst, seq))
         if not ok:
             return None
-        return Launched(self.ledger.records[rec.execution_id], token, burst.member(seq)[2].task_json,
-                        fleet.routes.routes[rec.execution_id])
+        return Launched(
+            self.ledger.records[rec.execution_id],
+            token,
+            burst.member(seq)[2].task_json,
+            fleet.routes.routes[rec.execution_id],
+        )
 
     async def _land_launch(self, rec: ExecutionRecord, route: Route, burst: Burst, seq: int) -> bool:
         try:
@@ -214,8 +243,14 @@ class Executions:
             raise
         self.ledger.apply(dataclasses.replace(rec, revision=rev), self._deadline())
         self.fleet.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
-        self.history.append("launch", self.lead.epoch, rev=rev, execution_id=rec.execution_id,
-                            burst_id=rec.burst_id, cell_id=route.cell_id)
+        self.history.append(
+            "launch",
+            self.lead.epoch,
+            rev=rev,
+            execution_id=rec.execution_id,
+            burst_id=rec.burst_id,
+            cell_id=route.cell_id,
+        )
         self.telemetry.gauges()
         return True
 
@@ -243,15 +278,24 @@ class Executions:
             raise Unauthenticated(f"the token of {execution_id} expired")
         return rec
 
-    async def heartbeat(self, execution_id: str, token: str, harness: str | None = None) -> tuple[float, ExecState]:
+    async def heartbeat(
+        self, execution_id: str, token: str, harness: str | None = None
+    ) -> tuple[float, ExecState]:
         """Pushes the execution's deadline (memory only); returns seconds left and its state."""
         self.lead.require()
         rec = self._authorize(execution_id, token, harness)
         left = self.ledger.heartbeat(execution_id, self.clock(), self.cfg.heartbeat_deadline_s)
         return left, self.ledger.records[rec.execution_id].state
 
-    async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
-            key: str, harness: str | None = None) -> FinishOutcome:
+    async def finish(
+        self,
+        execution_id: str,
+        token: str,
+        status: ExecState,
+        reward: float,
+        key: str,
+        harness: str | None = None,
+    ) -> FinishOutcome:
         """Closes an execution once; a repeat returns the first outcome (duplicate=True)."""
         self.lead.require()
         self._authorize(execution_id, token, harness)
@@ -284,8 +328,11 @@ class Executions:
                 if rec is not None and await asyncio.shield(self._close(rec)):
                     done.append(eid)
         if done:
-            self.telemetry.emit("cancelled", f"cancelled {len(done)} executions: {reason}",
-                    execution_id=done[0] if len(done) == 1 else "")
+            self.telemetry.emit(
+                "cancelled",
+                f"cancelled {len(done)} executions: {reason}",
+                execution_id=done[0] if len(done) == 1 else "",
+            )
         return done
 
     def _lock_of(self, execution_id: str) -> asyncio.Lock:
@@ -313,16 +360,32 @@ class Executions:
         self.ledger.apply(dataclasses.replace(closed, revision=rev))
         self.fleet.routes.drop(closed.execution_id)  # the route is gone from etcd too: the token is revoked
         if old is None:  # withdrawn from the queue: it left the queue without a launch
-            self.history.append("launch", self.lead.epoch, rev=rev, execution_id=closed.execution_id,
-                                burst_id=closed.burst_id, cell_id="", withdrawn=True)
+            self.history.append(
+                "launch",
+                self.lead.epoch,
+                rev=rev,
+                execution_id=closed.execution_id,
+                burst_id=closed.burst_id,
+                cell_id="",
+                withdrawn=True,
+            )
         else:
             self.harnesses.closed(closed.harness_id)
-        self.history.append("close", self.lead.epoch, rev=rev, execution_id=closed.execution_id,
-                            status=closed.state.value, reward=closed.reward)
+        self.history.append(
+            "close",
+            self.lead.epoch,
+            rev=rev,
+            execution_id=closed.execution_id,
+            status=closed.state.value,
+            reward=closed.reward,
+        )
         self.relay.report(closed)
         if closed.state is ExecState.TIMED_OUT:
-            self.telemetry.emit("timed_out", f"{closed.execution_id} timed out: no heartbeat for "
-                    f"{self.cfg.heartbeat_deadline_s:.1f} s", execution_id=closed.execution_id)
+            self.telemetry.emit(
+                "timed_out",
+                f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",
+                execution_id=closed.execution_id,
+            )
         self._locks.pop(closed.execution_id, None)
         self.telemetry.gauges()
         await self.changes.notify()

@@ -28,8 +28,15 @@ log = logging.getLogger(__name__)
 class EngineFailures:
     """Probes reported engines; marks the dead ones down and reroutes their executions."""
 
-    def __init__(self, lead: Leadership, fleet: Fleet, peers: Peers, transitions: TransitionRunner,
-            telemetry: Telemetry, probe_timeout_s: float) -> None:
+    def __init__(
+        self,
+        lead: Leadership,
+        fleet: Fleet,
+        peers: Peers,
+        transitions: TransitionRunner,
+        telemetry: Telemetry,
+        probe_timeout_s: float,
+    ) -> None:
         self.lead = lead
         self.fleet = fleet
         self.peers = peers
@@ -58,8 +65,12 @@ class EngineFailures:
         if cell_id not in self.fleet.cells.down:
             self.found_dead += 1
             self.fleet.mark_down(cell_id)
-            self.telemetry.emit("engine_dead", f"{cell_id}: engine failure reported ({reason[:512]}) and the "
-                    f"cell does not answer: rerouting its {executions} executions now", cell_id=cell_id)
+            self.telemetry.emit(
+                "engine_dead",
+                f"{cell_id}: engine failure reported ({reason[:512]}) and the "
+                f"cell does not answer: rerouting its {executions} executions now",
+                cell_id=cell_id,
+            )
         if executions:
             self.transitions.rescue(cell_id)
         return True, executions

@@ -57,8 +57,10 @@ class Fleet:
 
     def on_cells(self, items: Mapping[bytes, Any]) -> None:
         self._registrations = [kv.value for kv in items.values()]
-        self._reg_revisions = {kv.key.decode(errors="replace").rsplit("/", 1)[-1]: getattr(kv, "mod_revision", 0)
-                for kv in items.values()}
+        self._reg_revisions = {
+            kv.key.decode(errors="replace").rsplit("/", 1)[-1]: getattr(kv, "mod_revision", 0)
+            for kv in items.values()
+        }
         # A dead cell's mark holds while its old registration lingers; a new put (the cell
         # restarted and registered again) or its removal (the lease lapsed) clears it.
         for cid, rev in list(self._down_at.items()):
@@ -100,8 +102,9 @@ class Fleet:
 
     # Routes -------------------------------------------------------------------------------
 
-    def reset_routes(self, routes: Iterable[Route], is_open: Callable[[str], bool],
-            keep_pending: bool = False) -> None:
+    def reset_routes(
+        self, routes: Iterable[Route], is_open: Callable[[str], bool], keep_pending: bool = False
+    ) -> None:
         """Replaces the route table with ``routes`` of open executions; with ``keep_pending``,
         launches still in flight (mod_revision 0, not in etcd yet) keep their slots."""
         table = RouteTable()

@@ -71,13 +71,15 @@ class GroupCommit:
             group.append(unit)
             seen |= keys
             ops += len(unit.ops)
-        del self._queue[:len(group)]
+        del self._queue[: len(group)]
         return group
 
     async def _commit(self, group: list[Unit]) -> None:
         if len(group) > 1:
             try:
-                ok, rev = await self._send([c for u in group for c in u.compares], [o for u in group for o in u.ops])
+                ok, rev = await self._send(
+                    [c for u in group for c in u.compares], [o for u in group for o in u.ops]
+                )
             except BaseException as exc:  # StaleEpoch, Unavailable: the same for every unit
                 for u in group:
                     _fail(u, exc)

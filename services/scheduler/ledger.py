@@ -130,18 +130,27 @@ class Burst:
         return f"{group}-{m}", group, self.tasks[t]
 
     def to_json(self) -> bytes:
-        return json.dumps({
-            "burst_id": self.burst_id, "policy_version": self.policy_version,
-            "target_version": self.target_version, "group_size": self.group_size,
-            "tasks": [[t.task_id, t.task_json] for t in self.tasks], "dispatched_s": self.dispatched_s,
-        }).encode()
+        return json.dumps(
+            {
+                "burst_id": self.burst_id,
+                "policy_version": self.policy_version,
+                "target_version": self.target_version,
+                "group_size": self.group_size,
+                "tasks": [[t.task_id, t.task_json] for t in self.tasks],
+                "dispatched_s": self.dispatched_s,
+            }
+        ).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Burst:
         d = json.loads(raw)
         return cls(
-            int(d["burst_id"]), int(d["policy_version"]), int(d["target_version"]), int(d["group_size"]),
-            tuple(Task(str(a), str(b)) for a, b in d["tasks"]), float(d.get("dispatched_s", 0.0)),
+            int(d["burst_id"]),
+            int(d["policy_version"]),
+            int(d["target_version"]),
+            int(d["group_size"]),
+            tuple(Task(str(a), str(b)) for a, b in d["tasks"]),
+            float(d.get("dispatched_s", 0.0)),
         )
 
 
@@ -207,21 +216,40 @@ class ArchiveSummary:
             merged[k] = merged.get(k, 0) + v
         versions = dict(self.by_version)
         versions[burst.policy_version] = versions.get(burst.policy_version, 0) + burst.quota
-        return ArchiveSummary(burst.burst_id, self.bursts + 1, self.tasks + len(burst.tasks),
-                              self.executions + burst.quota, tuple(sorted(merged.items())), self.revision,
-                              tuple(sorted(versions.items())))
+        return ArchiveSummary(
+            burst.burst_id,
+            self.bursts + 1,
+            self.tasks + len(burst.tasks),
+            self.executions + burst.quota,
+            tuple(sorted(merged.items())),
+            self.revision,
+            tuple(sorted(versions.items())),
+        )
 
     def to_json(self) -> bytes:
-        return json.dumps({"through": self.through, "bursts": self.bursts, "tasks": self.tasks,
-                           "executions": self.executions, "by_status": dict(self.by_status),
-                           "by_version": {str(v): n for v, n in self.by_version}}).encode()
+        return json.dumps(
+            {
+                "through": self.through,
+                "bursts": self.bursts,
+                "tasks": self.tasks,
+                "executions": self.executions,
+                "by_status": dict(self.by_status),
+                "by_version": {str(v): n for v, n in self.by_version},
+            }
+        ).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int = 0) -> ArchiveSummary:
         d = json.loads(raw)
-        return cls(int(d["through"]), int(d["bursts"]), int(d["tasks"]), int(d["executions"]),
-                   tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())), revision,
-                   tuple(sorted((int(k), int(v)) for k, v in d.get("by_version", {}).items())))
+        return cls(
+            int(d["through"]),
+            int(d["bursts"]),
+            int(d["tasks"]),
+            int(d["executions"]),
+            tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())),
+            revision,
+            tuple(sorted((int(k), int(v)) for k, v in d.get("by_version", {}).items())),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +269,9 @@ class FinishOutcome:
     duplicate: bool
 
 
-def validate_finish(status: ExecState, reward: float, key: str, reward_min: float,
-        reward_max: float) -> Finish:
+def validate_finish(
+    status: ExecState, reward: float, key: str, reward_min: float, reward_max: float
+) -> Finish:
     """Checks a harness's finish report; raises InvalidArgument with the reason.
 
     Rewards must be finite and within [reward_min, reward_max] for COMPLETED (a NaN, an
@@ -309,7 +338,11 @@ class Ledger:
         out: dict[int, tuple[int, int, int]] = {v: (n, n, n) for v, n in self.archived.by_version}
         for b, burst in self.bursts.items():
             d, lc, f = out.get(burst.policy_version, (0, 0, 0))
-            out[burst.policy_version] = (d + burst.quota, lc + self._launched.get(b, 0), f + self._finished.get(b, 0))
+            out[burst.policy_version] = (
+                d + burst.quota,
+                lc + self._launched.get(b, 0),
+                f + self._finished.get(b, 0),
+            )
         return {v: LedgerCounts(*c) for v, c in sorted(out.items())}
 
     def open_bursts(self) -> list[int]:
@@ -360,8 +393,9 @@ class Ledger:
 
     # Bursts -------------------------------------------------------------------------------
 
-    def plan_burst(self, tasks: Iterable[Task], group_size: int, policy_version: int, batches: int,
-            now_s: float) -> Burst:
+    def plan_burst(
+        self, tasks: Iterable[Task], group_size: int, policy_version: int, batches: int, now_s: float
+    ) -> Burst:
         """The next burst (not applied): id = newest + 1."""
         tasks = tuple(tasks)
         if not tasks or group_size < 1:
@@ -402,14 +436,30 @@ class Ledger:
         self._reserved.discard(burst.member(seq)[0])
         self._cursor[burst.burst_id] = min(self._cursor.get(burst.burst_id, 0), seq)
 
-    def plan_launch(self, burst: Burst, seq: int, token_sha256: str, harness_id: str,
-            now_s: float, acquire_key_sha256: str = "") -> ExecutionRecord:
+    def plan_launch(
+        self,
+        burst: Burst,
+        seq: int,
+        token_sha256: str,
+        harness_id: str,
+        now_s: float,
+        acquire_key_sha256: str = "",
+    ) -> ExecutionRecord:
         execution_id, group_id, task = burst.member(seq)
         if execution_id in self.records or execution_id in self._reserved:
             raise FailedPrecondition(f"{execution_id} already launched")
         return ExecutionRecord(
-            execution_id, burst.burst_id, seq, group_id, task.task_id, burst.policy_version,
-            ExecState.RUNNING, token_sha256, harness_id, now_s, acquire_key_sha256=acquire_key_sha256,
+            execution_id,
+            burst.burst_id,
+            seq,
+            group_id,
+            task.task_id,
+            burst.policy_version,
+            ExecState.RUNNING,
+            token_sha256,
+            harness_id,
+            now_s,
+            acquire_key_sha256=acquire_key_sha256,
         )
 
     def acquired_with(self, acquire_key_sha256: str) -> ExecutionRecord | None:
@@ -454,7 +504,11 @@ class Ledger:
         if rec.state.final:
             return FinishOutcome(rec, True)
         closed = dataclasses.replace(
-            rec, state=finish.status, reward=finish.reward, idempotency_key=finish.idempotency_key, finished_s=now_s
+            rec,
+            state=finish.status,
+            reward=finish.reward,
+            idempotency_key=finish.idempotency_key,
+            finished_s=now_s,
         )
         return FinishOutcome(closed, False)
 
@@ -466,16 +520,27 @@ class Ledger:
         if rec is not None:
             if rec.state.final:
                 return None
-            return dataclasses.replace(rec, state=ExecState.CANCELLED, idempotency_key=CANCEL_KEY,
-                    finished_s=now_s)
+            return dataclasses.replace(
+                rec, state=ExecState.CANCELLED, idempotency_key=CANCEL_KEY, finished_s=now_s
+            )
         if execution_id in self._reserved or not self.is_queued(execution_id):
             return None
         burst_id, t, m = _parse_member(execution_id)
         burst = self.bursts[burst_id]
         seq = t * burst.group_size + m
         _, group_id, task = burst.member(seq)
-        return ExecutionRecord(execution_id, burst_id, seq, group_id, task.task_id, burst.policy_version,
-                ExecState.CANCELLED, "", idempotency_key=CANCEL_KEY, finished_s=now_s)
+        return ExecutionRecord(
+            execution_id,
+            burst_id,
+            seq,
+            group_id,
+            task.task_id,
+            burst.policy_version,
+            ExecState.CANCELLED,
+            "",
+            idempotency_key=CANCEL_KEY,
+            finished_s=now_s,
+        )
 
     def members(self, group_id: str) -> list[str]:
         """The execution ids of a dispatched group ("b<burst>-t<task>"); [] if unknown."""
@@ -497,8 +562,11 @@ class Ledger:
         for eid, deadline in self._deadline.items():
             rec = self.records[eid]
             if now_s >= deadline and rec.state is ExecState.RUNNING:
-                out.append(dataclasses.replace(rec, state=ExecState.TIMED_OUT, finished_s=now_s,
-                        idempotency_key="timeout"))
+                out.append(
+                    dataclasses.replace(
+                        rec, state=ExecState.TIMED_OUT, finished_s=now_s, idempotency_key="timeout"
+                    )
+                )
         return out
 
     # Apply --------------------------------------------------------------------------------
@@ -514,7 +582,9 @@ class Ledger:
             self.records[rec.execution_id] = rec
             return
         if rec.state not in _ALLOWED.get(old_state, frozenset()):
-            raise FailedPrecondition(f"{rec.execution_id}: {old_state.value} -> {rec.state.value} not allowed")
+            raise FailedPrecondition(
+                f"{rec.execution_id}: {old_state.value} -> {rec.state.value} not allowed"
+            )
         self.records[rec.execution_id] = rec
         self._reserved.discard(rec.execution_id)
         if old is None:
@@ -549,8 +619,9 @@ class Ledger:
 
     # Archive ------------------------------------------------------------------------------
 
-    def archivable(self, unsettled: AbstractSet[str] = frozenset(),
-                   closed_before_s: float = math.inf) -> Burst | None:
+    def archivable(
+        self, unsettled: AbstractSet[str] = frozenset(), closed_before_s: float = math.inf
+    ) -> Burst | None:
         """The oldest burst, if it can be archived: not the newest, every execution launched
         and closed (the last close before ``closed_before_s``, wall clock), none in
         ``unsettled`` (e.g. finish reports not yet delivered)."""

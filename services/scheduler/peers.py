@@ -89,13 +89,15 @@ class Peers(Protocol):
 
     async def load_policy(self, target: str, epoch: int, version: int, source_target: str) -> int: ...
 
-    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
-            core_target: str) -> bool: ...
+    async def join_batch(
+        self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int, core_target: str
+    ) -> bool: ...
 
     async def running_requests(self, target: str) -> int: ...
 
-    async def move_executions(self, router_targets: Sequence[str], epoch: int,
-            moves: Sequence[MoveOrder]) -> int: ...
+    async def move_executions(
+        self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]
+    ) -> int: ...
 
     async def close(self) -> None: ...
 
@@ -108,8 +110,9 @@ _CELL_STATE_BACK = {v: k for k, v in _CELL_STATE.items()}
 class GrpcPeers:
     """The real peers over gRPC."""
 
-    def __init__(self, config: ServiceConfig, packer_target: str, timeout_s: float,
-            command_timeout_s: float) -> None:
+    def __init__(
+        self, config: ServiceConfig, packer_target: str, timeout_s: float, command_timeout_s: float
+    ) -> None:
         self._config = config
         self._packer_target = packer_target
         self._timeout_s = timeout_s
@@ -130,8 +133,12 @@ class GrpcPeers:
         if not self._packer_target:
             return
         req = packer_pb2.FinishReport(
-            execution_id=report.execution_id, group_id=report.group_id, group_size=report.group_size,
-            status=_STATUS[report.status], reward=report.reward, policy_version=report.policy_version,
+            execution_id=report.execution_id,
+            group_id=report.group_id,
+            group_size=report.group_size,
+            status=_STATUS[report.status],
+            reward=report.reward,
+            policy_version=report.policy_version,
         )
         await unary(self._packer().ReportFinish, req, self._timeout_s)
 
@@ -141,10 +148,18 @@ class GrpcPeers:
         call = self._packer().WatchSupply(packer_pb2.WatchSupplyRequest())
         try:
             async for sig in call:
-                yield SupplyUpdate(int(sig.ready_groups), int(sig.batch_needs), int(sig.batch_id),
-                        int(sig.ready_unassigned), float(sig.ready_tokens), float(sig.backlog_tokens),
-                        float(sig.tokens_trained), bool(sig.optimizing), int(sig.groups_ready_total),
-                        int(sig.batch_assigned))
+                yield SupplyUpdate(
+                    int(sig.ready_groups),
+                    int(sig.batch_needs),
+                    int(sig.batch_id),
+                    int(sig.ready_unassigned),
+                    float(sig.ready_tokens),
+                    float(sig.backlog_tokens),
+                    float(sig.tokens_trained),
+                    bool(sig.optimizing),
+                    int(sig.groups_ready_total),
+                    int(sig.batch_assigned),
+                )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
         finally:
@@ -164,24 +179,30 @@ class GrpcPeers:
 
     async def set_state(self, target: str, epoch: int, state: CellState, reason: str) -> CellState:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target, Role.CELL_AGENT))
-        req = cell_agent_pb2.SetStateRequest(fence=common_pb2.Fence(epoch=epoch), target=_CELL_STATE[state],
-                reason=reason)
+        req = cell_agent_pb2.SetStateRequest(
+            fence=common_pb2.Fence(epoch=epoch), target=_CELL_STATE[state], reason=reason
+        )
         got = await unary(stub.SetState, req, self._command_timeout_s)
         return _CELL_STATE_BACK.get(got.state, CellState.STARTING)
 
     async def load_policy(self, target: str, epoch: int, version: int, source_target: str) -> int:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target, Role.CELL_AGENT))
-        req = cell_agent_pb2.LoadPolicyRequest(fence=common_pb2.Fence(epoch=epoch), version=version,
-                source_target=source_target)
+        req = cell_agent_pb2.LoadPolicyRequest(
+            fence=common_pb2.Fence(epoch=epoch), version=version, source_target=source_target
+        )
         got = await unary(stub.LoadPolicy, req, self._command_timeout_s)
         return int(got.policy_version)
 
-    async def join_batch(self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int,
-            core_target: str) -> bool:
+    async def join_batch(
+        self, target: str, epoch: int, batch_id: int, policy_version: int, prefix_size: int, core_target: str
+    ) -> bool:
         stub = cell_agent_pb2_grpc.CellControlStub(self._channel(target, Role.CELL_AGENT))
         req = cell_agent_pb2.JoinBatchRequest(
-            fence=common_pb2.Fence(epoch=epoch), batch_id=batch_id, policy_version=policy_version,
-            prefix_size=prefix_size, core_target=core_target,
+            fence=common_pb2.Fence(epoch=epoch),
+            batch_id=batch_id,
+            policy_version=policy_version,
+            prefix_size=prefix_size,
+            core_target=core_target,
         )
         got = await unary(stub.JoinBatch, req, self._command_timeout_s)
         return bool(got.joined)
@@ -191,13 +212,21 @@ class GrpcPeers:
         got = await unary(stub.GetLoad, cell_agent_pb2.GetLoadRequest(), self._timeout_s)
         return int(got.running_requests)
 
-    async def move_executions(self, router_targets: Sequence[str], epoch: int,
-            moves: Sequence[MoveOrder]) -> int:
+    async def move_executions(
+        self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]
+    ) -> int:
         """Asks every router to move these executions; returns requests still at the sources."""
         req = router_pb2.MoveExecutionsRequest(
             fence=common_pb2.Fence(epoch=epoch),
-            moves=[router_pb2.Move(execution_id=m.execution_id, from_cell=m.from_cell, to_cell=m.to_cell,
-                    route_epoch=m.route_epoch) for m in moves],
+            moves=[
+                router_pb2.Move(
+                    execution_id=m.execution_id,
+                    from_cell=m.from_cell,
+                    to_cell=m.to_cell,
+                    route_epoch=m.route_epoch,
+                )
+                for m in moves
+            ],
         )
         remaining = 0
         for target in router_targets:

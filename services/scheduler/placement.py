@@ -45,8 +45,13 @@ class CellRecord:
         if kind is CellKind.STANDALONE:
             index = -1
         return cls(
-            str(d["cell_id"]), kind, index, max(0, int(d.get("slots", 0))), str(d.get("target", "")),
-            str(d.get("engine", "mock")), int(d.get("policy_version", 0)),
+            str(d["cell_id"]),
+            kind,
+            index,
+            max(0, int(d.get("slots", 0))),
+            str(d.get("target", "")),
+            str(d.get("engine", "mock")),
+            int(d.get("policy_version", 0)),
         )
 
 
@@ -80,8 +85,9 @@ class CellTable:
     def views(self) -> tuple[CellView, ...]:
         return tuple(
             CellView(r.cell_id, r.kind, r.index, self.state(r.cell_id), r.slots)
-            for r in sorted(self.records.values(), key=lambda r: (r.kind is CellKind.ELASTIC, r.index,
-                    r.cell_id))
+            for r in sorted(
+                self.records.values(), key=lambda r: (r.kind is CellKind.ELASTIC, r.index, r.cell_id)
+            )
         )
 
     def get(self, cell_id: str) -> CellRecord | None:
@@ -110,8 +116,13 @@ class RouteTable:
         return out
 
 
-def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterable[str] = (),
-        avoid: Iterable[str] = (), spread: bool = False) -> list[tuple[CellRecord, int]]:
+def placement_order(
+    cells: CellTable,
+    counts: Mapping[str, int],
+    exclude: Iterable[str] = (),
+    avoid: Iterable[str] = (),
+    spread: bool = False,
+) -> list[tuple[CellRecord, int]]:
     """Rollout cells with free slots, in preference order, with their free slot counts.
 
     Standalone engines first (most free slots first); then elastic cells by descending index
@@ -126,10 +137,13 @@ def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterab
         if r.cell_id not in skip and cells.state(r.cell_id) is CellState.ROLLOUT and r.target
     ]
     free = [(r, f) for r, f in free if f > 0]
-    standalone = sorted((x for x in free if x[0].kind is CellKind.STANDALONE), key=lambda x: (-x[1],
-            x[0].cell_id))
+    standalone = sorted(
+        (x for x in free if x[0].kind is CellKind.STANDALONE), key=lambda x: (-x[1], x[0].cell_id)
+    )
     if spread:
-        elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: (-x[1], -x[0].index))
+        elastic = sorted(
+            (x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: (-x[1], -x[0].index)
+        )
     else:
         elastic = sorted((x for x in free if x[0].kind is CellKind.ELASTIC), key=lambda x: -x[0].index)
     order = standalone + elastic
@@ -139,16 +153,22 @@ def placement_order(cells: CellTable, counts: Mapping[str, int], exclude: Iterab
     return order
 
 
-def pick_launch_cell(cells: CellTable, routes: RouteTable, avoid: Iterable[str] = (),
-        spread: bool = False) -> CellRecord | None:
+def pick_launch_cell(
+    cells: CellTable, routes: RouteTable, avoid: Iterable[str] = (), spread: bool = False
+) -> CellRecord | None:
     """The engine for a new execution, or None when no rollout slot is free."""
     order = placement_order(cells, routes.counts(), avoid=avoid, spread=spread)
     return order[0][0] if order else None
 
 
 def pick_destinations(
-    cells: CellTable, routes: RouteTable, source: str, n: int, version_of: Callable[[str], int] | None = None,
-    avoid: Iterable[str] = (), spread: bool = False,
+    cells: CellTable,
+    routes: RouteTable,
+    source: str,
+    n: int,
+    version_of: Callable[[str], int] | None = None,
+    avoid: Iterable[str] = (),
+    spread: bool = False,
 ) -> list[CellRecord]:
     """Destinations for ``n`` executions leaving ``source`` (fewer if slots run out). With
     ``version_of``, engines serving the source's policy version come first (a continuation

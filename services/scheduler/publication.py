@@ -80,8 +80,9 @@ class Publication:
         self._fleet.loaded(cell_id, max(int(got), v))
 
     def _loader(self, cell_id: str, version: int) -> Callable[[], Awaitable[int]]:
-        return lambda: self._peers.load_policy(self._fleet.target(cell_id), self._lead.epoch, version,
-                self.source)
+        return lambda: self._peers.load_policy(
+            self._fleet.target(cell_id), self._lead.epoch, version, self.source
+        )
 
     async def _load_all(self, version: int, moving: Callable[[str], bool]) -> None:
         if not self.source:
@@ -89,7 +90,8 @@ class Publication:
             return
         fleet = self._fleet
         cells = [
-            v.cell_id for v in fleet.cells.views()
+            v.cell_id
+            for v in fleet.cells.views()
             if v.state is CellState.ROLLOUT and not moving(v.cell_id) and fleet.version(v.cell_id) < version
         ]
 
@@ -98,8 +100,9 @@ class Publication:
                 got = await fleet.call(cell_id, self._loader(cell_id, version), attempts=5)
                 fleet.loaded(cell_id, max(int(got), version))
             except (GyreError, CellGone) as exc:
-                self._telemetry.emit("load_failed", f"{cell_id} could not load policy v{version}: {exc}",
-                        cell_id=cell_id)
+                self._telemetry.emit(
+                    "load_failed", f"{cell_id} could not load policy v{version}: {exc}", cell_id=cell_id
+                )
 
         await asyncio.gather(*(one(c) for c in cells))
         self._telemetry.emit("policy_loaded", f"policy v{version} loaded on {len(cells)} rollout engines")

@@ -46,8 +46,14 @@ class RelayCounts:
 class FinishRelay:
     """Delivers finish reports to the packer with ``workers`` concurrent calls."""
 
-    def __init__(self, ledger: Ledger, peers: Peers, workers: int = 4, max_backoff_s: float = 5.0,
-                 on_refused: Callable[[FinishReport, Exception], None] | None = None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        peers: Peers,
+        workers: int = 4,
+        max_backoff_s: float = 5.0,
+        on_refused: Callable[[FinishReport, Exception], None] | None = None,
+    ) -> None:
         self._ledger = ledger
         self._peers = peers
         self._workers = max(1, workers)
@@ -71,8 +77,11 @@ class FinishRelay:
     def report(self, rec: ExecutionRecord) -> None:
         """Queues the report of a closed execution."""
         burst = self._ledger.bursts[rec.burst_id]
-        self.submit(FinishReport(rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward,
-                                 rec.policy_version))
+        self.submit(
+            FinishReport(
+                rec.execution_id, rec.group_id, burst.group_size, rec.state, rec.reward, rec.policy_version
+            )
+        )
 
     def submit(self, report: FinishReport) -> None:
         """Queues a report (a report already pending is not queued twice)."""
@@ -106,8 +115,10 @@ class FinishRelay:
         except REFUSED as exc:
             self._settle(eid)
             self.counts.refused += 1
-            log.warning("finish report refused by the packer; settled, not retried",
-                        extra={"execution_id": eid, "group_id": report.group_id, "error": str(exc)})
+            log.warning(
+                "finish report refused by the packer; settled, not retried",
+                extra={"execution_id": eid, "group_id": report.group_id, "error": str(exc)},
+            )
             if self._on_refused is not None:
                 self._on_refused(report, exc)
             return
@@ -115,8 +126,11 @@ class FinishRelay:
             backoff = self._backoffs.setdefault(eid, Backoff(0.1, self._max_backoff_s))
             self.counts.retries += 1
             delay = backoff.next()
-            log.info("finish report not delivered; retrying in %.2f s", delay,
-                     extra={"execution_id": eid, "error": repr(exc)})
+            log.info(
+                "finish report not delivered; retrying in %.2f s",
+                delay,
+                extra={"execution_id": eid, "error": repr(exc)},
+            )
             asyncio.get_running_loop().call_later(delay, self._queue.put_nowait, report)
             return
         self._settle(eid)

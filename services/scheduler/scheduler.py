@@ -85,38 +85,93 @@ class Scheduler:
         """Builds every part from nothing (at start, and after a step-down)."""
         cfg, peers, clock, wall, tasks = self.cfg, self.peers, self.clock, self._wall, self._tasks
         self.policy = self._policy_given or make_policy(
-            cfg.policy, fraction=cfg.fraction, interval_s=cfg.interval_s,
-            training_cells=cfg.static_training_cells, drain_grace_s=cfg.drain_grace_s,
-            gyre=GyreConfig(min_horizon_s=cfg.gyre_min_horizon_s, hysteresis=cfg.gyre_hysteresis,
-                            plan_ahead=cfg.gyre_plan_ahead, rates=cfg.gyre_rates, keep=cfg.gyre_keep,
-                            plan=cfg.gyre_plan, migrate=cfg.gyre_migrate, drain_grace_s=cfg.drain_grace_s),
+            cfg.policy,
+            fraction=cfg.fraction,
+            interval_s=cfg.interval_s,
+            training_cells=cfg.static_training_cells,
+            drain_grace_s=cfg.drain_grace_s,
+            gyre=GyreConfig(
+                min_horizon_s=cfg.gyre_min_horizon_s,
+                hysteresis=cfg.gyre_hysteresis,
+                plan_ahead=cfg.gyre_plan_ahead,
+                rates=cfg.gyre_rates,
+                keep=cfg.gyre_keep,
+                plan=cfg.gyre_plan,
+                migrate=cfg.gyre_migrate,
+                drain_grace_s=cfg.drain_grace_s,
+            ),
         )
         self.lead = Leadership(store)
         self.ledger = Ledger()
         self.fleet = Fleet(self.lead, cfg.router_target)
         self.changes = Changes()
-        self.supply = SupplyFollower(peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s)
+        self.supply = SupplyFollower(
+            peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s
+        )
         self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
             KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
-            require_key=cfg.harness_require_key, max_inflight=cfg.harness_max_inflight,
-            rate_per_s=cfg.harness_acquire_rate_per_s, burst=cfg.harness_acquire_burst,
-            trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file, clock=clock,
+            require_key=cfg.harness_require_key,
+            max_inflight=cfg.harness_max_inflight,
+            rate_per_s=cfg.harness_acquire_rate_per_s,
+            burst=cfg.harness_acquire_burst,
+            trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file,
+            clock=clock,
         )
         self.relay = FinishRelay(self.ledger, peers, on_refused=self._report_refused)
         self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
-        self.bursts = Bursts(cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall)
-        self.executions = Executions(cfg, self.ledger, self.fleet, self.lead, self.harnesses, self.relay,
-                self.history, self.telemetry, self.changes, clock, wall)
-        self.transitions = TransitionRunner(cfg, self.lead, self.fleet, peers, self.publication, self.supply,
-                self.telemetry, self.history, self.changes, self.executions.reload_routes, clock)
-        self.commands = Commands(self.lead, peers, self.bursts, self.transitions, self.publication,
-                self.telemetry, self.fleet)
-        self.failures = EngineFailures(self.lead, self.fleet, peers, self.transitions, self.telemetry,
-                cfg.engine_probe_timeout_s)
-        self.control = ControlLoop(cfg, self.policy, self.lead, self.ledger, self.fleet, self.bursts,
-                self.executions, self.supply, self.publication, self.transitions, self.commands,
-                self.telemetry, self.changes, clock, wall)
+        self.bursts = Bursts(
+            cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall
+        )
+        self.executions = Executions(
+            cfg,
+            self.ledger,
+            self.fleet,
+            self.lead,
+            self.harnesses,
+            self.relay,
+            self.history,
+            self.telemetry,
+            self.changes,
+            clock,
+            wall,
+        )
+        self.transitions = TransitionRunner(
+            cfg,
+            self.lead,
+            self.fleet,
+            peers,
+            self.publication,
+            self.supply,
+            self.telemetry,
+            self.history,
+            self.changes,
+            self.executions.reload_routes,
+            clock,
+        )
+        self.commands = Commands(
+            self.lead, peers, self.bursts, self.transitions, self.publication, self.telemetry, self.fleet
+        )
+        self.failures = EngineFailures(
+            self.lead, self.fleet, peers, self.transitions, self.telemetry, cfg.engine_probe_timeout_s
+        )
+        self.control = ControlLoop(
+            cfg,
+            self.policy,
+            self.lead,
+            self.ledger,
+            self.fleet,
+            self.bursts,
+            self.executions,
+            self.supply,
+            self.publication,
+            self.transitions,
+            self.commands,
+            self.telemetry,
+            self.changes,
+            clock,
+            wall,
+        )
 
     async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:
         """Stops acting and forgets everything the leadership held (its lease is gone, or a
@@ -127,8 +182,13 @@ class Scheduler:
         await self.stop()
         self._tasks = tasks
         self._build(self.lead.store, self.telemetry.events, self.telemetry.metrics)
-        feeds = {"cells": self.on_cells, "cell_states": self.on_cell_states, "policy": self.on_policy,
-                 "routers": self.on_routers, "leader": self.on_leader}
+        feeds = {
+            "cells": self.on_cells,
+            "cell_states": self.on_cell_states,
+            "policy": self.on_policy,
+            "routers": self.on_routers,
+            "leader": self.on_leader,
+        }
         for name, items in inputs.items():
             feeds[name](items)
         self.telemetry.emit("leader", "stepped down: leadership lost; campaigning again")
@@ -194,13 +254,16 @@ class Scheduler:
             self.publication.observe(policy)
         self.lead.epoch = epoch
         c = self.ledger.counts()
-        self.history.append("leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched,
-                            finished=c.finished)
-        self.telemetry.emit("leader",
-                f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts "
-                f"({stored.summary.bursts} archived), "
-                f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
-                f"{len(stored.transitions)} transitions to resume")
+        self.history.append(
+            "leader", epoch, rev=epoch, dispatched=c.dispatched, launched=c.launched, finished=c.finished
+        )
+        self.telemetry.emit(
+            "leader",
+            f"elected leader at epoch {epoch}: rebuilt {len(stored.bursts)} bursts "
+            f"({stored.summary.bursts} archived), "
+            f"D {c.dispatched} L {c.launched} F {c.finished}, {len(self.routes.routes)} routes, "
+            f"{len(stored.transitions)} transitions to resume",
+        )
         for cell_id, body in stored.transitions.items():
             self.transitions.resume(cell_id, body)
         # The old leader may have died mid-publication: engines still behind catch up
@@ -234,16 +297,27 @@ class Scheduler:
 
     # Harness API --------------------------------------------------------------------------
 
-    async def acquire(self, harness_id: str, wait_s: float, key: str = "") -> tuple[Launched | None, bool, float]:
+    async def acquire(
+        self, harness_id: str, wait_s: float, key: str = ""
+    ) -> tuple[Launched | None, bool, float]:
         """(launched or None, burst exhausted, retry-after hint): see Executions.acquire."""
         got = await self.executions.acquire(harness_id, wait_s, key)
         return got.launched, got.exhausted, got.retry_after_s
 
-    async def heartbeat(self, execution_id: str, token: str, harness: str | None = None) -> tuple[float, ExecState]:
+    async def heartbeat(
+        self, execution_id: str, token: str, harness: str | None = None
+    ) -> tuple[float, ExecState]:
         return await self.executions.heartbeat(execution_id, token, harness)
 
-    async def finish(self, execution_id: str, token: str, status: ExecState, reward: float,
-            key: str, harness: str | None = None) -> FinishOutcome:
+    async def finish(
+        self,
+        execution_id: str,
+        token: str,
+        status: ExecState,
+        reward: float,
+        key: str,
+        harness: str | None = None,
+    ) -> FinishOutcome:
         return await self.executions.finish(execution_id, token, status, reward, key, harness)
 
     async def engine_failed(self, cell_id: str, target: str, reason: str) -> tuple[bool, int]:
@@ -260,10 +334,18 @@ class Scheduler:
 
     def _report_refused(self, report: FinishReport, exc: Exception) -> None:
         """The packer refused a finish report (settled, not retried): recorded."""
-        self.history.append("report_refused", self.lead.epoch, execution_id=report.execution_id,
-                            group_id=report.group_id, error=str(exc)[:200])
-        self.telemetry.emit("report_refused", f"the packer refused the finish report of "
-                            f"{report.execution_id}: {exc}", execution_id=report.execution_id)
+        self.history.append(
+            "report_refused",
+            self.lead.epoch,
+            execution_id=report.execution_id,
+            group_id=report.group_id,
+            error=str(exc)[:200],
+        )
+        self.telemetry.emit(
+            "report_refused",
+            f"the packer refused the finish report of {report.execution_id}: {exc}",
+            execution_id=report.execution_id,
+        )
 
     async def supply_loop(self) -> None:
         await self.supply.run(bool(self.cfg.packer_target))
@@ -279,8 +361,13 @@ class Scheduler:
     # Status -------------------------------------------------------------------------------
 
     def _reading(self) -> Reading:
-        return Reading(self.ledger.counts(), self.fleet.cells.views(), self.supply.current, self.lead.leading,
-                self.publication.version)
+        return Reading(
+            self.ledger.counts(),
+            self.fleet.cells.views(),
+            self.supply.current,
+            self.lead.leading,
+            self.publication.version,
+        )
 
     def status(self) -> SchedulerStatus:
         """GetStatus (the servicer converts it to the proto)."""
@@ -288,17 +375,25 @@ class Scheduler:
         b = ledger.current_burst
         cells = cell_statuses(self.fleet)
         return SchedulerStatus(
-            epoch=self.lead.epoch, leader=self.lead.leading, policy=self.policy.name,
+            epoch=self.lead.epoch,
+            leader=self.lead.leading,
+            policy=self.policy.name,
             burst_id=b.burst_id if b else 0,
             burst=ledger.counts(b.burst_id) if b else ledger.counts(),
             burst_by_status=ledger.finished_by_status(b.burst_id if b else None),
-            total=ledger.counts(), total_by_status=ledger.finished_by_status(),
-            capacity=capacity(self.fleet.cells.views()), ready_groups=self.supply.current.ready_groups,
-            batch_size=self.cfg.batch_size, policy_version=version, cells=cells,
+            total=ledger.counts(),
+            total_by_status=ledger.finished_by_status(),
+            capacity=capacity(self.fleet.cells.views()),
+            ready_groups=self.supply.current.ready_groups,
+            batch_size=self.cfg.batch_size,
+            policy_version=version,
+            cells=cells,
             reroutes=self.transitions.reroutes,
-            bursts_completed=ledger.archived.bursts + sum(1 for x in ledger.bursts.values()
-                                                          if x.target_version <= version),
-            to_training=self.commands.to_training, to_rollout=self.commands.to_rollout,
-            versions=ledger.counts_by_version(), migrations=self.transitions.migrations,
+            bursts_completed=ledger.archived.bursts
+            + sum(1 for x in ledger.bursts.values() if x.target_version <= version),
+            to_training=self.commands.to_training,
+            to_rollout=self.commands.to_rollout,
+            versions=ledger.counts_by_version(),
+            migrations=self.transitions.migrations,
             open_bursts=len(ledger.open_bursts()),
         )

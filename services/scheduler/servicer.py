@@ -57,17 +57,32 @@ def execution_to_proto(got: Launched, s: Scheduler) -> scheduler_pb2.Execution:
     rec = got.record
     cfg = s.cfg
     return scheduler_pb2.Execution(
-        execution_id=rec.execution_id, token=got.token, task_id=rec.task_id, group_id=rec.group_id,
-        burst_id=rec.burst_id, policy_version=rec.policy_version, task_json=got.task_json,
-        openai_base_url=cfg.router_http_url, router_target=cfg.router_target,
-        heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_deadline_s=cfg.heartbeat_deadline_s, model=cfg.model,
+        execution_id=rec.execution_id,
+        token=got.token,
+        task_id=rec.task_id,
+        group_id=rec.group_id,
+        burst_id=rec.burst_id,
+        policy_version=rec.policy_version,
+        task_json=got.task_json,
+        openai_base_url=cfg.router_http_url,
+        router_target=cfg.router_target,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        heartbeat_deadline_s=cfg.heartbeat_deadline_s,
+        model=cfg.model,
     )
 
 
 def event_to_proto(e: Event) -> scheduler_pb2.SchedulerEvent:
     return scheduler_pb2.SchedulerEvent(
-        seq=e.seq, time_s=e.time_s, kind=e.kind, message=e.message, cell_id=e.cell_id, execution_id=e.execution_id,
-        waterlevel=e.waterlevel, capacity=e.capacity, ready_groups=e.ready_groups,
+        seq=e.seq,
+        time_s=e.time_s,
+        kind=e.kind,
+        message=e.message,
+        cell_id=e.cell_id,
+        execution_id=e.execution_id,
+        waterlevel=e.waterlevel,
+        capacity=e.capacity,
+        ready_groups=e.ready_groups,
     )
 
 
@@ -94,33 +109,49 @@ def _name_leader(s: Scheduler, context: grpc.aio.ServicerContext) -> None:
         context.set_trailing_metadata(((LEADER_METADATA, s.lead.leader_target),))
 
 
-def _ledger(burst_id: int, c: LedgerCounts, by_status: Mapping[str, int] | None = None,
-        policy_version: int = 0) -> scheduler_pb2.Ledger:
+def _ledger(
+    burst_id: int, c: LedgerCounts, by_status: Mapping[str, int] | None = None, policy_version: int = 0
+) -> scheduler_pb2.Ledger:
     return scheduler_pb2.Ledger(
-        burst_id=burst_id, dispatched=c.dispatched, launched=c.launched, finished=c.finished, queued=c.queued,
-        running=c.running, waterlevel=c.waterlevel, finished_by_status=dict(by_status or {}),
+        burst_id=burst_id,
+        dispatched=c.dispatched,
+        launched=c.launched,
+        finished=c.finished,
+        queued=c.queued,
+        running=c.running,
+        waterlevel=c.waterlevel,
+        finished_by_status=dict(by_status or {}),
         policy_version=policy_version,
     )
 
 
 def _cell(c: CellStatus) -> scheduler_pb2.CellInfo:
     return scheduler_pb2.CellInfo(
-        cell_id=c.cell_id, kind=c.kind.to_proto(), index=c.index, state=c.state.to_proto(), slots=c.slots,
-        routed=c.routed, target=c.target, policy_version=c.policy_version,
+        cell_id=c.cell_id,
+        kind=c.kind.to_proto(),
+        index=c.index,
+        state=c.state.to_proto(),
+        slots=c.slots,
+        routed=c.routed,
+        target=c.target,
+        policy_version=c.policy_version,
     )
 
 
 class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
     """What harnesses call."""
 
-    ACCESS = AccessTable(HARNESS_SERVICE, {
-        # A harness certificate names the harness; where harnesses share one certificate, each
-        # also sends its API key (harness_gate). Heartbeats and finishes also need the
-        # execution's token, held by the harness that acquired it.
-        "AcquireExecution": allow(Role.HARNESS),
-        "Heartbeat": allow(Role.HARNESS),
-        "FinishExecution": allow(Role.HARNESS),
-    })
+    ACCESS = AccessTable(
+        HARNESS_SERVICE,
+        {
+            # A harness certificate names the harness; where harnesses share one certificate, each
+            # also sends its API key (harness_gate). Heartbeats and finishes also need the
+            # execution's token, held by the harness that acquired it.
+            "AcquireExecution": allow(Role.HARNESS),
+            "Heartbeat": allow(Role.HARNESS),
+            "FinishExecution": allow(Role.HARNESS),
+        },
+    )
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
@@ -129,76 +160,102 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         return self.s.harnesses.principal(caller(), metadata_value(context, apikeys.METADATA_KEY), claimed)
 
     @rpc
-    async def AcquireExecution(self, request: scheduler_pb2.AcquireExecutionRequest,
-            context: grpc.aio.ServicerContext) -> scheduler_pb2.AcquireExecutionResponse:
+    async def AcquireExecution(
+        self, request: scheduler_pb2.AcquireExecutionRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.AcquireExecutionResponse:
         if not 1 <= len(request.harness_id) <= 128:
             raise InvalidArgument("harness_id must have 1..128 characters")
         if not (math.isfinite(request.wait_s) and 0.0 <= request.wait_s <= 60.0):
             raise InvalidArgument("wait_s must be in [0, 60]")
         harness = self._harness(context, request.harness_id) or request.harness_id
-        got, exhausted, retry = await _at_leader(self.s, context, self.s.acquire(harness, request.wait_s,
-                                                                          request.idempotency_key))
+        got, exhausted, retry = await _at_leader(
+            self.s, context, self.s.acquire(harness, request.wait_s, request.idempotency_key)
+        )
         if got is None:
             return scheduler_pb2.AcquireExecutionResponse(burst_exhausted=exhausted, retry_after_s=retry)
         return scheduler_pb2.AcquireExecutionResponse(execution=execution_to_proto(got, self.s))
 
     @rpc
-    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
-            context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
+    async def Heartbeat(
+        self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.HeartbeatResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
         left, state = await _at_leader(self.s, context, self.s.heartbeat(eid, token, self._harness(context)))
         return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
 
     @rpc
-    async def FinishExecution(self, request: scheduler_pb2.FinishExecutionRequest,
-            context: grpc.aio.ServicerContext) -> scheduler_pb2.FinishExecutionResponse:
+    async def FinishExecution(
+        self, request: scheduler_pb2.FinishExecutionRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.FinishExecutionResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
         status = _STATUS_FROM.get(request.status)
         if status is None:
             raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
-        out = await _at_leader(self.s, context, self.s.finish(eid, token, status, request.reward, request.idempotency_key,
-                                                     self._harness(context)))
-        return scheduler_pb2.FinishExecutionResponse(status=_STATUS_TO[out.record.state],
-                duplicate=out.duplicate)
+        out = await _at_leader(
+            self.s,
+            context,
+            self.s.finish(
+                eid, token, status, request.reward, request.idempotency_key, self._harness(context)
+            ),
+        )
+        return scheduler_pb2.FinishExecutionResponse(
+            status=_STATUS_TO[out.record.state], duplicate=out.duplicate
+        )
 
 
 class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
     """What operators and dashboards call."""
 
-    ACCESS = AccessTable("gyre.v1.SchedulerControl", {
-        "GetStatus": allow(Role.DASHBOARD, Role.OPERATOR),
-        "WatchEvents": allow(Role.DASHBOARD, Role.OPERATOR),
-        "ReportEngineFailure": allow(Role.ROUTER),
-    })
+    ACCESS = AccessTable(
+        "gyre.v1.SchedulerControl",
+        {
+            "GetStatus": allow(Role.DASHBOARD, Role.OPERATOR),
+            "WatchEvents": allow(Role.DASHBOARD, Role.OPERATOR),
+            "ReportEngineFailure": allow(Role.ROUTER),
+        },
+    )
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
 
     @rpc
-    async def GetStatus(self, request: scheduler_pb2.GetStatusRequest,
-            context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStatus:
+    async def GetStatus(
+        self, request: scheduler_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerStatus:
         st = self.s.status()
         return scheduler_pb2.SchedulerStatus(
-            epoch=st.epoch, ledger=_ledger(st.burst_id, st.burst, st.burst_by_status), capacity=st.capacity,
-            ready_groups=st.ready_groups, batch_size=st.batch_size, cells=[_cell(c) for c in st.cells],
-            policy_version=st.policy_version, reroutes=st.reroutes, bursts_completed=st.bursts_completed,
-            transitions_to_training=st.to_training, transitions_to_rollout=st.to_rollout,
-            total=_ledger(st.burst_id, st.total, st.total_by_status), policy=st.policy, leader=st.leader,
+            epoch=st.epoch,
+            ledger=_ledger(st.burst_id, st.burst, st.burst_by_status),
+            capacity=st.capacity,
+            ready_groups=st.ready_groups,
+            batch_size=st.batch_size,
+            cells=[_cell(c) for c in st.cells],
+            policy_version=st.policy_version,
+            reroutes=st.reroutes,
+            bursts_completed=st.bursts_completed,
+            transitions_to_training=st.to_training,
+            transitions_to_rollout=st.to_rollout,
+            total=_ledger(st.burst_id, st.total, st.total_by_status),
+            policy=st.policy,
+            leader=st.leader,
             versions=[_ledger(0, c, policy_version=v) for v, c in st.versions.items()],
-            migrations=st.migrations, open_bursts=st.open_bursts,
+            migrations=st.migrations,
+            open_bursts=st.open_bursts,
         )
 
     @rpc
-    async def ReportEngineFailure(self, request: scheduler_pb2.ReportEngineFailureRequest,
-            context: grpc.aio.ServicerContext) -> scheduler_pb2.ReportEngineFailureResponse:
+    async def ReportEngineFailure(
+        self, request: scheduler_pb2.ReportEngineFailureRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReportEngineFailureResponse:
         dead, executions = await self.s.engine_failed(request.cell_id, request.target, request.reason)
         return scheduler_pb2.ReportEngineFailureResponse(dead=dead, executions=executions)
 
     @rpc_stream
-    async def WatchEvents(self, request: scheduler_pb2.WatchEventsRequest,
-            context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SchedulerEvent]:
+    async def WatchEvents(
+        self, request: scheduler_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SchedulerEvent]:
         if request.after_seq < 0:
             raise InvalidArgument("after_seq must be >= 0")
         seq = request.after_seq

@@ -63,7 +63,16 @@ def cell_statuses(fleet: Fleet) -> tuple[CellStatus, ...]:
     out = []
     for v in fleet.cells.views():
         rec = fleet.cells.get(v.cell_id)
-        out.append(CellStatus(v.cell_id, v.kind, v.index, v.state, v.slots, routed.get(v.cell_id, 0),
-                rec.target if rec else "", fleet.version(v.cell_id)))
+        out.append(
+            CellStatus(
+                v.cell_id,
+                v.kind,
+                v.index,
+                v.state,
+                v.slots,
+                routed.get(v.cell_id, 0),
+                rec.target if rec else "",
+                fleet.version(v.cell_id),
+            )
+        )
     return tuple(out)
-

@@ -111,15 +111,19 @@ class SchedulerStore:
         _, exec_kvs = await self.etcd.get_prefix_paged(self.keys.executions(), READ_PAGE)
         _, route_kvs = await self.etcd.get_prefix_paged(self.keys.routes(), READ_PAGE)
         _, trans_kvs = await self.etcd.get_prefix_paged(self.keys.transitions(), READ_PAGE)
-        bursts = sorted((b for b in map(Burst.from_json, (kv.value for kv in burst_kvs))
-                         if b.burst_id > summary.through), key=lambda b: b.burst_id)
+        bursts = sorted(
+            (b for b in map(Burst.from_json, (kv.value for kv in burst_kvs)) if b.burst_id > summary.through),
+            key=lambda b: b.burst_id,
+        )
         execs = [ExecutionRecord.from_json(kv.value, kv.mod_revision) for kv in exec_kvs]
         routes = [Route.from_json(kv.value, kv.version, mod_revision=kv.mod_revision) for kv in route_kvs]
         transitions = {}
         for kv in trans_kvs:
             body = json.loads(kv.value)
             transitions[str(body["cell_id"])] = body
-        return Stored(bursts, [r for r in execs if r.burst_id > summary.through], routes, transitions, summary)
+        return Stored(
+            bursts, [r for r in execs if r.burst_id > summary.through], routes, transitions, summary
+        )
 
     async def read_routes(self) -> list[Route]:
         _, kvs = await self.etcd.get_prefix_paged(self.keys.routes(), READ_PAGE)
@@ -173,8 +177,11 @@ class SchedulerStore:
         Returns the revision. Bursts are archived one at a time, oldest first."""
         skey = self.keys.ledger_summary()
         prefix = self.keys.executions(summary.through)
-        ops = [Op(skey, summary.to_json()), Op(self.keys.burst(summary.through)),
-               Op(prefix, range_end=prefix_end(prefix))]
+        ops = [
+            Op(skey, summary.to_json()),
+            Op(self.keys.burst(summary.through)),
+            Op(prefix, range_end=prefix_end(prefix)),
+        ]
         ok, rev = await self.election.fenced_txn([mod_revision_is(skey, expected_revision)], ops)
         if not ok:
             raise Conflict(f"the ledger summary changed since revision {expected_revision}")
@@ -186,8 +193,9 @@ class SchedulerStore:
         revs: list[int] = []
         for i in range(0, len(routes), MAX_TXN_OPS):
             chunk = routes[i : i + MAX_TXN_OPS]
-            compares = [mod_revision_is(self.keys.route(old.execution_id), old.mod_revision) for old,
-                    _ in chunk]
+            compares = [
+                mod_revision_is(self.keys.route(old.execution_id), old.mod_revision) for old, _ in chunk
+            ]
             ops = [Op(self.keys.route(new.execution_id), new.to_json()) for _, new in chunk]
             ok, rev = await self.election.fenced_txn(compares, ops)
             if not ok:
@@ -197,8 +205,9 @@ class SchedulerStore:
 
     async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int:
         key = self.keys.transition(cell_id)
-        _, rev = await self.election.fenced_txn([], [Op(key, json.dumps({"cell_id": cell_id,
-                **body}).encode())])
+        _, rev = await self.election.fenced_txn(
+            [], [Op(key, json.dumps({"cell_id": cell_id, **body}).encode())]
+        )
         return rev
 
     async def delete_transition(self, cell_id: str) -> int:

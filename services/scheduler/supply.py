@@ -43,8 +43,9 @@ class RateMeter:
 
     def observe(self, now_s: float, upd: SupplyUpdate, training_cells: int) -> Rates:
         last = self._last
-        if last is not None and (upd.groups_ready_total < last.groups_ready_total
-                                 or upd.tokens_trained < last.tokens_trained):
+        if last is not None and (
+            upd.groups_ready_total < last.groups_ready_total or upd.tokens_trained < last.tokens_trained
+        ):
             self._samples.clear()  # the packer restarted: its counters start over
             self._busy_s = 0.0
         elif self._samples and last is not None and last.backlog_tokens > 0 and not last.optimizing:
@@ -68,8 +69,15 @@ class RateMeter:
 class SupplyFollower:
     """The latest supply signal (``raw``) and the tracked :class:`Supply` (``current``)."""
 
-    def __init__(self, peers: Peers, batch_size: int, fraction: float, clock: Callable[[], float],
-            changes: Changes, rate_window_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        peers: Peers,
+        batch_size: int,
+        fraction: float,
+        clock: Callable[[], float],
+        changes: Changes,
+        rate_window_s: float = 120.0,
+    ) -> None:
         self._peers = peers
         self._batch_size = batch_size
         self._clock = clock
@@ -83,7 +91,9 @@ class SupplyFollower:
     def observe(self, training_cells: int = 0) -> Supply:
         """Folds the latest signal into the tracker and the rates (once per decision)."""
         raw, now = self.raw, self._clock()
-        self.current = self._tracker.observe(now, raw.ready_groups, self._batch_size, raw.batch_needs, raw.batch_id)
+        self.current = self._tracker.observe(
+            now, raw.ready_groups, self._batch_size, raw.batch_needs, raw.batch_id
+        )
         self.rates = self.meter.observe(now, raw, training_cells)
         return self.current
 

@@ -19,8 +19,7 @@ from services.scheduler.ledger import Task
 class TaskSource(Protocol):
     """Tasks by index; ``take`` returns fewer than asked (maybe none) when it runs out."""
 
-    def take(self, start: int, n: int) -> list[Task]:
-        ...
+    def take(self, start: int, n: int) -> list[Task]: ...
 
 
 class GeneratedTasks:

@@ -25,8 +25,11 @@ class Reading:
 
     def gauges(self) -> dict[str, int]:
         """The gauges every event carries."""
-        return {"waterlevel": self.ledger.waterlevel, "capacity": capacity(self.cells),
-                "ready_groups": self.supply.ready_groups}
+        return {
+            "waterlevel": self.ledger.waterlevel,
+            "capacity": capacity(self.cells),
+            "ready_groups": self.supply.ready_groups,
+        }
 
 
 class Changes:

@@ -46,9 +46,20 @@ log = logging.getLogger(__name__)
 class TransitionRunner:
     """Runs at most one transition per cell as a task; the policy runs one at a time."""
 
-    def __init__(self, cfg: SchedulerConfig, lead: Leadership, fleet: Fleet, peers: Peers,
-            publication: Publication, supply: SupplyFollower, telemetry: Telemetry, history: History,
-            changes: Changes, reload_routes: Callable[[], Awaitable[None]], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        lead: Leadership,
+        fleet: Fleet,
+        peers: Peers,
+        publication: Publication,
+        supply: SupplyFollower,
+        telemetry: Telemetry,
+        history: History,
+        changes: Changes,
+        reload_routes: Callable[[], Awaitable[None]],
+        clock: Callable[[], float],
+    ) -> None:
         self.cfg = cfg
         self.lead = lead
         self.fleet = fleet
@@ -82,8 +93,9 @@ class TransitionRunner:
             cells.overlay[cell_id] = CellState.DRAINING
         elif cur in (CellState.TRAINING, CellState.RETURNING):
             cells.overlay[cell_id] = CellState.RETURNING
-        self._tasks[cell_id] = asyncio.create_task(self._run(cell_id, target, reason),
-                name=f"transition.{cell_id}")
+        self._tasks[cell_id] = asyncio.create_task(
+            self._run(cell_id, target, reason), name=f"transition.{cell_id}"
+        )
 
     def resume(self, cell_id: str, body: dict[str, Any]) -> None:
         """A transition recorded by an earlier leader: run it again from the top."""
@@ -91,8 +103,11 @@ class TransitionRunner:
             target = CellState.from_name(str(body.get("target", "")))
         except InvalidArgument:
             target = CellState.ROLLOUT
-        self.telemetry.emit("transition_resumed",
-                f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})", cell_id=cell_id)
+        self.telemetry.emit(
+            "transition_resumed",
+            f"resuming {cell_id} -> {target.value} ({body.get('reason', '')})",
+            cell_id=cell_id,
+        )
         self.start(cell_id, target, str(body.get("reason", "resumed")))
 
     def rejoin(self, cell_id: str) -> None:
@@ -125,16 +140,22 @@ class TransitionRunner:
         self.changes.wake()
 
     async def _set_state(self, cell_id: str, state: CellState, reason: str, attempts: int = 0) -> None:
-        await self.fleet.call(cell_id, lambda: self.peers.set_state(self.fleet.target(cell_id), self.lead.epoch,
-                state, reason), attempts)
+        await self.fleet.call(
+            cell_id,
+            lambda: self.peers.set_state(self.fleet.target(cell_id), self.lead.epoch, state, reason),
+            attempts,
+        )
 
     # The runs -----------------------------------------------------------------------------
 
     async def _run(self, cell_id: str, target: CellState, reason: str) -> None:
         lead = self.lead
         try:
-            await lead.fenced(lead.store.put_transition(cell_id, {"target": target.value, "reason": reason,
-                    "epoch": lead.epoch}))
+            await lead.fenced(
+                lead.store.put_transition(
+                    cell_id, {"target": target.value, "reason": reason, "epoch": lead.epoch}
+                )
+            )
             if target is CellState.TRAINING:
                 await self._to_training(cell_id)
             else:
@@ -144,8 +165,11 @@ class TransitionRunner:
             lead.mark_deposed(exc)
         except CellGone:
             self.fleet.cells.overlay.pop(cell_id, None)
-            self.telemetry.emit("transition_abandoned",
-                    f"{cell_id} left the cluster during its move to {target.value}", cell_id=cell_id)
+            self.telemetry.emit(
+                "transition_abandoned",
+                f"{cell_id} left the cluster during its move to {target.value}",
+                cell_id=cell_id,
+            )
             try:
                 await lead.fenced(lead.store.delete_transition(cell_id))
             except StaleEpoch as exc:
@@ -155,8 +179,9 @@ class TransitionRunner:
         except Exception as exc:
             log.exception("transition failed", extra={"cell_id": cell_id})
             self.fleet.cells.overlay.pop(cell_id, None)
-            self.telemetry.emit("transition_failed", f"{cell_id} -> {target.value} failed: {exc!r}",
-                    cell_id=cell_id)
+            self.telemetry.emit(
+                "transition_failed", f"{cell_id} -> {target.value} failed: {exc!r}", cell_id=cell_id
+            )
             await self._call_off(cell_id, target)
         finally:
             self._done(cell_id)
@@ -180,14 +205,18 @@ class TransitionRunner:
         if moved is None:
             await self._set_state(cell_id, CellState.ROLLOUT, "move called off")
             self.fleet.cells.overlay[cell_id] = CellState.ROLLOUT
-            self.telemetry.emit("transition_called_off",
-                    f"called off {cell_id} -> TRAINING: no destination for its executions", cell_id=cell_id)
+            self.telemetry.emit(
+                "transition_called_off",
+                f"called off {cell_id} -> TRAINING: no destination for its executions",
+                cell_id=cell_id,
+            )
             return
         await self._wait_empty(cell_id)
         await self._set_state(cell_id, CellState.TRAINING, "training")
         self.fleet.cells.overlay[cell_id] = CellState.TRAINING
-        self.telemetry.emit("cell_in_training", f"{cell_id} is training ({moved} executions rerouted)",
-                cell_id=cell_id)
+        self.telemetry.emit(
+            "cell_in_training", f"{cell_id} is training ({moved} executions rerouted)", cell_id=cell_id
+        )
         # Outside the transition (a later return must not wait on it), after it.
         self._start_join(cell_id, self._tasks.get(cell_id))
 
@@ -207,12 +236,21 @@ class TransitionRunner:
                     continue
                 if not leaving:
                     return 0
-                dests = pick_destinations(fleet.cells, fleet.routes, cell_id, len(leaving), fleet.version,
-                        fleet.planned, fleet.spread)
+                dests = pick_destinations(
+                    fleet.cells,
+                    fleet.routes,
+                    cell_id,
+                    len(leaving),
+                    fleet.version,
+                    fleet.planned,
+                    fleet.spread,
+                )
                 if len(dests) < len(leaving):
                     return None
-                pairs = [(old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target)) for old,
-                        d in zip(leaving, dests)]
+                pairs = [
+                    (old, dataclasses.replace(old, cell_id=d.cell_id, target=d.target))
+                    for old, d in zip(leaving, dests)
+                ]
                 try:
                     revs = await lead.fenced(lead.store.move_routes(pairs))
                 except Conflict:
@@ -223,11 +261,22 @@ class TransitionRunner:
                 for (old, new), rev in zip(pairs, revs):
                     fleet.routes.put(dataclasses.replace(new, epoch=old.epoch + 1, mod_revision=rev))
                     moves.append(MoveOrder(old.execution_id, old.cell_id, new.cell_id, old.epoch + 1))
-                    self.history.append("reroute", lead.epoch, rev=rev, execution_id=old.execution_id,
-                                     from_cell=old.cell_id, to_cell=new.cell_id, route_epoch=old.epoch + 1)
+                    self.history.append(
+                        "reroute",
+                        lead.epoch,
+                        rev=rev,
+                        execution_id=old.execution_id,
+                        from_cell=old.cell_id,
+                        to_cell=new.cell_id,
+                        route_epoch=old.epoch + 1,
+                    )
             self.reroutes += len(moves)
-            self.telemetry.emit("reroute", f"rerouted {len(moves)} executions off {cell_id}: " + ", ".join(
-                sorted({f"{m.to_cell}" for m in moves})), cell_id=cell_id)
+            self.telemetry.emit(
+                "reroute",
+                f"rerouted {len(moves)} executions off {cell_id}: "
+                + ", ".join(sorted({f"{m.to_cell}" for m in moves})),
+                cell_id=cell_id,
+            )
             await self._tell_routers(moves)
             return len(moves)
         return None
@@ -255,12 +304,24 @@ class TransitionRunner:
                 await self.reload_routes()
                 return False
             fleet.routes.put(dataclasses.replace(new, epoch=old.epoch + 1, mod_revision=rev))
-            self.history.append("reroute", lead.epoch, rev=rev, execution_id=execution_id, from_cell=old.cell_id,
-                                to_cell=cell_id, route_epoch=old.epoch + 1, migration=True)
+            self.history.append(
+                "reroute",
+                lead.epoch,
+                rev=rev,
+                execution_id=execution_id,
+                from_cell=old.cell_id,
+                to_cell=cell_id,
+                route_epoch=old.epoch + 1,
+                migration=True,
+            )
         self.reroutes += 1
         self.migrations += 1
-        self.telemetry.emit("migrated", f"migrated {execution_id} from {old.cell_id} to {cell_id}: {reason}",
-                cell_id=cell_id, execution_id=execution_id)
+        self.telemetry.emit(
+            "migrated",
+            f"migrated {execution_id} from {old.cell_id} to {cell_id}: {reason}",
+            cell_id=cell_id,
+            execution_id=execution_id,
+        )
         await self._tell_routers([MoveOrder(execution_id, old.cell_id, cell_id, old.epoch + 1)])
         return True
 
@@ -309,11 +370,15 @@ class TransitionRunner:
             n = len(self.fleet.routes.on_cell(cell_id))
             moved = await self.reroute(cell_id)
             if moved is None:
-                self.telemetry.emit("rescue_failed", f"{cell_id} is gone; no free slot for its {n} executions yet",
-                        cell_id=cell_id)
+                self.telemetry.emit(
+                    "rescue_failed",
+                    f"{cell_id} is gone; no free slot for its {n} executions yet",
+                    cell_id=cell_id,
+                )
             else:
-                self.telemetry.emit("rescued", f"{cell_id} is gone: rerouted its {moved} executions",
-                        cell_id=cell_id)
+                self.telemetry.emit(
+                    "rescued", f"{cell_id} is gone: rerouted its {moved} executions", cell_id=cell_id
+                )
         except StaleEpoch as exc:
             self.lead.mark_deposed(exc)
         except asyncio.CancelledError:
@@ -333,9 +398,11 @@ class TransitionRunner:
             except GyreError:
                 pass
             await asyncio.sleep(0.1)
-        self.telemetry.emit("drain_timeout",
-                f"{cell_id} still had requests after {self.cfg.drain_timeout_s:.0f} s; switching anyway",
-                cell_id=cell_id)
+        self.telemetry.emit(
+            "drain_timeout",
+            f"{cell_id} still had requests after {self.cfg.drain_timeout_s:.0f} s; switching anyway",
+            cell_id=cell_id,
+        )
 
     async def _to_rollout(self, cell_id: str) -> None:
         state = self.fleet.cells.states.get(cell_id, CellState.STARTING)
@@ -346,12 +413,16 @@ class TransitionRunner:
             await self.publication.load(cell_id)
             await self._set_state(cell_id, CellState.ROLLOUT, "rollout")
         self.fleet.cells.overlay[cell_id] = CellState.ROLLOUT
-        self.telemetry.emit("cell_in_rollout",
-                f"{cell_id} is back in rollout at policy v{self.fleet.version(cell_id)}", cell_id=cell_id)
+        self.telemetry.emit(
+            "cell_in_rollout",
+            f"{cell_id} is back in rollout at policy v{self.fleet.version(cell_id)}",
+            cell_id=cell_id,
+        )
 
     async def _join_batch(self, cell_id: str, batch_id: int, version: int, prefix: int, core: str) -> bool:
-        return await self.peers.join_batch(self.fleet.target(cell_id), self.lead.epoch, batch_id, version, prefix,
-                core)
+        return await self.peers.join_batch(
+            self.fleet.target(cell_id), self.lead.epoch, batch_id, version, prefix, core
+        )
 
     async def _join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
         """JoinBatch(current batch) until the cell joins one, or leaves training, or a
@@ -376,17 +447,28 @@ class TransitionRunner:
             core_target = core.target if core is not None else ""
             version = self.publication.version
             try:
-                joined = await fleet.call(cell_id, functools.partial(self._join_batch, cell_id, batch_id, version,
-                        max(prefix, 1), core_target), attempts=5)
+                joined = await fleet.call(
+                    cell_id,
+                    functools.partial(
+                        self._join_batch, cell_id, batch_id, version, max(prefix, 1), core_target
+                    ),
+                    attempts=5,
+                )
             except (GyreError, CellGone) as exc:
                 emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
                 return
             if joined:
-                emit("joined_batch", f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{version})",
-                        cell_id=cell_id)
+                emit(
+                    "joined_batch",
+                    f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{version})",
+                    cell_id=cell_id,
+                )
                 return
             if batch_id not in missed:
                 missed.add(batch_id)
-                emit("join_missed",
-                        f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying", cell_id=cell_id)
+                emit(
+                    "join_missed",
+                    f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying",
+                    cell_id=cell_id,
+                )
             await backoff.sleep()

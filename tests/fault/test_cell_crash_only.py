@@ -26,8 +26,14 @@ def write_config(tmp_path, etcd_server, cluster_name, mock=None, **cell) -> str:
     mock = mock or {}
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"cell_id": "cell-p", "engine": "mock", "mock": {"fixed_decode_step_s": 0.002, **mock},
-                       "lease_ttl_s": 3, "log_json": False, **cell},
+        "cell_agent": {
+            "cell_id": "cell-p",
+            "engine": "mock",
+            "mock": {"fixed_decode_step_s": 0.002, **mock},
+            "lease_ttl_s": 3,
+            "log_json": False,
+            **cell,
+        },
     }
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -39,8 +45,11 @@ async def _waiters_fail(target: str, n: int = 3) -> list[grpc.StatusCode]:
         stub = pb_grpc.EngineStub(ch)
 
         async def one(i):
-            req = pb.EngineGenerateRequest(request_id=f"r{i}", prompt_token_ids=[3, i + 4],
-                                           sampling=common_pb2.SamplingParams(max_tokens=60000))
+            req = pb.EngineGenerateRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=[3, i + 4],
+                sampling=common_pb2.SamplingParams(max_tokens=60000),
+            )
             try:
                 async for _ in stub.Generate(req, timeout=30):
                     pass
@@ -53,8 +62,9 @@ async def _waiters_fail(target: str, n: int = 3) -> list[grpc.StatusCode]:
 
 @pytest.mark.parametrize("fault", ["die_after_tokens", "hang_after_tokens"])
 async def test_dead_or_hung_engine_fails_waiters_and_exits(tmp_path, etcd_server, cluster_name, fault):
-    path = write_config(tmp_path, etcd_server, cluster_name, probe_interval_s=0.3, probe_timeout_s=1.0,
-                        mock={fault: 200})
+    path = write_config(
+        tmp_path, etcd_server, cluster_name, probe_interval_s=0.3, probe_timeout_s=1.0, mock={fault: 200}
+    )
     proc = ServiceProcess("cell_agent", path, log_path=tmp_path / "cell.log").start(timeout_s=60)
     etcd = Etcd([etcd_server.endpoint], timeout_s=2.0)
     await etcd.connect()

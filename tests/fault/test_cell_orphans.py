@@ -24,9 +24,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 def _config(tmp_path, etcd_server, cluster_name, model) -> str:
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"cell_id": "cell-o", "kind": "standalone", "index": -1, "engine": "vllm",
-                       "model_dir": str(model), "max_model_len": 2048, "max_num_seqs": 8,
-                       "pid_dir": str(tmp_path / "pids"), "log_json": False},
+        "cell_agent": {
+            "cell_id": "cell-o",
+            "kind": "standalone",
+            "index": -1,
+            "engine": "vllm",
+            "model_dir": str(model),
+            "max_model_len": 2048,
+            "max_num_seqs": 8,
+            "pid_dir": str(tmp_path / "pids"),
+            "log_json": False,
+        },
     }
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -73,8 +81,11 @@ async def test_new_incarnation_ends_the_stale_engine_and_serves(tmp_path, etcd_s
         assert "previous incarnation" in log and str(cores[0].pid) in log, log[-2000:]
         assert _engine_cores(new.pid)
         async with channel(new.target, "router") as ch:
-            req = pb.EngineGenerateRequest(request_id="after", prompt_token_ids=list(range(5, 25)),
-                                           sampling=common_pb2.SamplingParams(max_tokens=8))
+            req = pb.EngineGenerateRequest(
+                request_id="after",
+                prompt_token_ids=list(range(5, 25)),
+                sampling=common_pb2.SamplingParams(max_tokens=8),
+            )
             got = [t async for c in pb_grpc.EngineStub(ch).Generate(req, timeout=60) for t in c.token_ids]
         assert len(got) == 8
     finally:

@@ -30,9 +30,17 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
     model = build_tiny_model(tmp_path / "tiny")
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"cell_id": "cell-v", "kind": "standalone", "index": -1, "engine": "vllm",
-                       "model_dir": str(model), "max_model_len": 2048,
-                       "max_num_seqs": 8, "probe_interval_s": 1.0, "log_json": False},
+        "cell_agent": {
+            "cell_id": "cell-v",
+            "kind": "standalone",
+            "index": -1,
+            "engine": "vllm",
+            "model_dir": str(model),
+            "max_model_len": 2048,
+            "max_num_seqs": 8,
+            "probe_interval_s": 1.0,
+            "log_json": False,
+        },
     }
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -48,8 +56,11 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
             stub = pb_grpc.EngineStub(ch)
 
             async def stream(i):
-                req = pb.EngineGenerateRequest(request_id=f"s{i}", prompt_token_ids=list(range(5, 25)),
-                                               sampling=common_pb2.SamplingParams(max_tokens=60000 - 100))
+                req = pb.EngineGenerateRequest(
+                    request_id=f"s{i}",
+                    prompt_token_ids=list(range(5, 25)),
+                    sampling=common_pb2.SamplingParams(max_tokens=60000 - 100),
+                )
                 got = 0
                 try:
                     async for c in stub.Generate(req, timeout=60):

@@ -28,15 +28,36 @@ async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, vic
         os.kill(killed[0], signal.SIGKILL)
 
     opts = DemoOptions(
-        engine="mock", bursts=2, run_dir=tmp_path / "demo", dashboard_port=0, concurrency=24,
-        timeout_s=400, live=False,
+        engine="mock",
+        bursts=2,
+        run_dir=tmp_path / "demo",
+        dashboard_port=0,
+        concurrency=24,
+        timeout_s=400,
+        live=False,
         env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
-        config_overrides={"cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6}, "scheduler": {"interval_s": 0.5}},
+        config_overrides={
+            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
+            "scheduler": {"interval_s": 0.5},
+        },
         during=kill_once,
     )
     summary = await run_demo(opts)
-    print({k: summary[k] for k in ("outcome", "executions", "restarts", "bursts", "reroutes", "policy_versions_published",
-                                   "transitions_to_training", "process_events")})
+    print(
+        {
+            k: summary[k]
+            for k in (
+                "outcome",
+                "executions",
+                "restarts",
+                "bursts",
+                "reroutes",
+                "policy_versions_published",
+                "transitions_to_training",
+                "process_events",
+            )
+        }
+    )
     assert killed, "the fault was not injected"
     assert summary["outcome"] == "completed", summary
     ex = summary["executions"]

@@ -34,12 +34,25 @@ TTL_S = 3
 def _config(tmp: Path, etcd_endpoint: str, cluster: str) -> Path:
     common = {"lease_ttl_s": TTL_S, "log_json": False, "log_level": "INFO"}
     path = tmp / "cluster.yaml"
-    path.write_text(yaml.safe_dump({
-        "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]},
-        "router": {**common, "model_dir": str(build_tokenizer_dir(tmp / "model")), "http_port": 0,
-                   "engine_idle_timeout_s": 5.0},
-        "packer": {**common, "wal_dir": str(tmp / "wal"), "batch_size": 4, "micro_step_token_budget": 48},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]},
+                "router": {
+                    **common,
+                    "model_dir": str(build_tokenizer_dir(tmp / "model")),
+                    "http_port": 0,
+                    "engine_idle_timeout_s": 5.0,
+                },
+                "packer": {
+                    **common,
+                    "wal_dir": str(tmp / "wal"),
+                    "batch_size": 4,
+                    "micro_step_token_budget": 48,
+                },
+            }
+        )
+    )
     return path
 
 
@@ -48,14 +61,16 @@ async def _stream(url: str, token: str, max_tokens: int, arrivals: list[float]) 
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "return_token_ids": True}
     out: list[int] = []
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as s, \
-            s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
         assert r.status == 200, await r.text()
         async for raw in r.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             assert "error" not in event, event
             for choice in event.get("choices", []):
                 if choice.get("token_ids"):
@@ -149,13 +164,33 @@ async def _true(value: bool) -> bool:
 def _scheduler_config(tmp: Path, etcd_endpoint: str, cluster: str) -> Path:
     common = {"lease_ttl_s": TTL_S, "log_json": False, "etcd_timeout_s": 1.0}
     path = tmp / "sched.yaml"
-    path.write_text(yaml.safe_dump({
-        "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]},
-        "scheduler": {**common, "policy": "rollout_only", "batch_size": 4, "group_size": 2, "over_provision": 0.0,
-                      "max_bursts": 1, "reconcile_s": 0.1, "heartbeat_deadline_s": 120.0},
-        "cell_agent": {**common, "cell_id": "sa-0", "kind": "standalone", "index": -1, "slots": 8,
-                       "engine": "mock", "mock": {"fixed_decode_step_s": 0.002}, "probe_interval_s": 0.5},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]},
+                "scheduler": {
+                    **common,
+                    "policy": "rollout_only",
+                    "batch_size": 4,
+                    "group_size": 2,
+                    "over_provision": 0.0,
+                    "max_bursts": 1,
+                    "reconcile_s": 0.1,
+                    "heartbeat_deadline_s": 120.0,
+                },
+                "cell_agent": {
+                    **common,
+                    "cell_id": "sa-0",
+                    "kind": "standalone",
+                    "index": -1,
+                    "slots": 8,
+                    "engine": "mock",
+                    "mock": {"fixed_decode_step_s": 0.002},
+                    "probe_interval_s": 0.5,
+                },
+            }
+        )
+    )
     return path
 
 

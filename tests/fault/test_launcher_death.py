@@ -23,15 +23,25 @@ from tests.support.processes import kill_leftovers, survivors, tree
 pytestmark = pytest.mark.timeout(180)
 
 CONFIG = {
-    "cluster": {"name": "death", "etcd_endpoints": ["127.0.0.1:23790"], "lease_ttl_s": 5,
-                "tls": {"dir": "{certs_dir}/{identity}"}},
+    "cluster": {
+        "name": "death",
+        "etcd_endpoints": ["127.0.0.1:23790"],
+        "lease_ttl_s": 5,
+        "tls": {"dir": "{certs_dir}/{identity}"},
+    },
     "packer": {"port": 50053, "wal_dir": "{run_dir}/packer-wal"},
     "cell_agent": {"engine": "mock"},
-    "launch": {"etcd": {}, "processes": [
-        {"service": "packer"},
-        {"service": "cell_agent", "name": "cell-0",
-         "set": {"cell_id": "cell-0", "kind": "standalone", "index": -1, "port": 50060}},
-    ]},
+    "launch": {
+        "etcd": {},
+        "processes": [
+            {"service": "packer"},
+            {
+                "service": "cell_agent",
+                "name": "cell-0",
+                "set": {"cell_id": "cell-0", "kind": "standalone", "index": -1, "port": 50060},
+            },
+        ],
+    },
 }
 
 
@@ -42,9 +52,23 @@ def launch(tmp_path, repo_root, out: Path, *extra: str) -> subprocess.Popen[byte
         env.pop(key)
     with open(out, "w") as sink:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "apps.launch", "--config", str(tmp_path / "cluster.yaml"), *extra,
-             "--run-dir", str(tmp_path / "run"), "--certs-dir", str(tmp_path / "certs")],
-            cwd=repo_root, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "apps.launch",
+                "--config",
+                str(tmp_path / "cluster.yaml"),
+                *extra,
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--certs-dir",
+                str(tmp_path / "certs"),
+            ],
+            cwd=repo_root,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     deadline = time.monotonic() + 120
     while "Ctrl-C stops everything" not in out.read_text():

@@ -20,16 +20,26 @@ from gyre.etcd import Etcd, Keys
 pytestmark = pytest.mark.timeout(240)
 
 CONFIG = {
-    "cluster": {"name": "sup", "etcd_endpoints": ["127.0.0.1:23790"], "lease_ttl_s": 3,
-                "tls": {"dir": "{certs_dir}/{identity}"}},
+    "cluster": {
+        "name": "sup",
+        "etcd_endpoints": ["127.0.0.1:23790"],
+        "lease_ttl_s": 3,
+        "tls": {"dir": "{certs_dir}/{identity}"},
+    },
     "packer": {"port": 50053, "wal_dir": "{run_dir}/packer-wal"},
     "cell_agent": {"engine": "mock", "mock": {"time_scale": 0.0}},
-    "launch": {"etcd": {}, "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
-               "processes": [
-                   {"service": "packer"},
-                   {"service": "cell_agent", "name": "cell-0",
-                    "set": {"cell_id": "cell-0", "kind": "standalone", "index": -1, "port": 50060}},
-               ]},
+    "launch": {
+        "etcd": {},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+        "processes": [
+            {"service": "packer"},
+            {
+                "service": "cell_agent",
+                "name": "cell-0",
+                "set": {"cell_id": "cell-0", "kind": "standalone", "index": -1, "port": 50060},
+            },
+        ],
+    },
 }
 
 
@@ -58,19 +68,26 @@ async def test_killed_cell_agent_and_etcd_come_back(tmp_path, monkeypatch):
         cell = cluster.procs["cell-0"]
         before, target = cell.pid, cell.target
         os.kill(before, signal.SIGKILL)
-        await asyncio.to_thread(wait_for, lambda: cluster.restarts().get("cell-0") == 1, 60, "cell-0 not restarted")
+        await asyncio.to_thread(
+            wait_for, lambda: cluster.restarts().get("cell-0") == 1, 60, "cell-0 not restarted"
+        )
         assert cell.alive() and cell.pid != before and cell.target == target
         reg, state = await cell_record(cluster)
         assert reg["target"] == target and "ROLLOUT" in state, (reg, state)
 
         os.kill(cluster.etcd.pid, signal.SIGKILL)
-        await asyncio.to_thread(wait_for, lambda: cluster.restarts().get("etcd") == 1, 60, "etcd not restarted")
+        await asyncio.to_thread(
+            wait_for, lambda: cluster.restarts().get("etcd") == 1, 60, "etcd not restarted"
+        )
         reg, _ = await cell_record(cluster)
         assert reg["target"] == target  # the data survived the restart
 
         journal = [json.loads(x) for x in (tmp_path / "run" / "supervisor.jsonl").read_text().splitlines()]
-        assert [(e["name"], e["kind"]) for e in journal][:3] == [("cell-0", "exited"), ("cell-0", "restarting"),
-                                                                  ("cell-0", "restarted")]
+        assert [(e["name"], e["kind"]) for e in journal][:3] == [
+            ("cell-0", "exited"),
+            ("cell-0", "restarting"),
+            ("cell-0", "restarted"),
+        ]
         assert journal[0]["rc"] == -signal.SIGKILL and cluster.dead() == []
     finally:
         await asyncio.to_thread(cluster.stop)

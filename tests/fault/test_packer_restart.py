@@ -56,12 +56,20 @@ class Reconnecting:
 async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, cluster_name):
     # A tiny compaction threshold: the log is rewritten to snapshots while records arrive,
     # so the SIGKILL may land during a compaction too.
-    path = tk.write_config(tmp_path, etcd_server, cluster_name, batch_size=6, claim_ttl_s=20.0,
-                           wal_compact_bytes=4096, wal_compact_check_s=0.02)
+    path = tk.write_config(
+        tmp_path,
+        etcd_server,
+        cluster_name,
+        batch_size=6,
+        claim_ttl_s=20.0,
+        wal_compact_bytes=4096,
+        wal_compact_check_s=0.02,
+    )
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     client = Reconnecting(proc)
     sent = 0
     try:
+
         async def feeder():
             nonlocal sent
             for g in range(6):
@@ -75,8 +83,9 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
         feeding = asyncio.create_task(feeder())
         while sent < 12:
             await asyncio.sleep(0.01)
-        held = await client.call("ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(
-            cell_id="holder", batch_id=1, wait_s=5.0))
+        held = await client.call(
+            "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="holder", batch_id=1, wait_s=5.0)
+        )
         assert held.outcome == CLAIMED
         while sent < 20:
             await asyncio.sleep(0.005)
@@ -91,8 +100,9 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
         trained = [(s.execution_id, s.turn_index) for s in held.micro_step.sequences]
         seen_ids = set()
         while True:
-            r = await client.call("ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(
-                cell_id="worker", batch_id=1, wait_s=2.0))
+            r = await client.call(
+                "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="worker", batch_id=1, wait_s=2.0)
+            )
             if r.outcome == CLOSED:
                 break
             if r.outcome != CLAIMED:
@@ -101,10 +111,18 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
             assert r.micro_step.micro_step_id not in seen_ids
             seen_ids.add(r.micro_step.micro_step_id)
             trained += [(s.execution_id, s.turn_index) for s in r.micro_step.sequences]
-            await client.call("AckMicroStep", packer_pb2.AckMicroStepRequest(
-                cell_id="worker", batch_id=1, micro_step_id=r.micro_step.micro_step_id))
-        ack = await client.call("AckMicroStep", packer_pb2.AckMicroStepRequest(
-            cell_id="holder", batch_id=1, micro_step_id=held.micro_step.micro_step_id))
+            await client.call(
+                "AckMicroStep",
+                packer_pb2.AckMicroStepRequest(
+                    cell_id="worker", batch_id=1, micro_step_id=r.micro_step.micro_step_id
+                ),
+            )
+        ack = await client.call(
+            "AckMicroStep",
+            packer_pb2.AckMicroStepRequest(
+                cell_id="holder", batch_id=1, micro_step_id=held.micro_step.micro_step_id
+            ),
+        )
         assert not ack.duplicate
         status = await client.call("GetBatch", packer_pb2.GetBatchRequest(batch_id=1))
         assert status.done
@@ -135,8 +153,9 @@ asyncio.run(main())
 
 
 async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, cluster_name):
-    path = tk.write_config(tmp_path, etcd_server, cluster_name, batch_size=2, claim_ttl_s=1.5,
-                        micro_step_token_budget=16)
+    path = tk.write_config(
+        tmp_path, etcd_server, cluster_name, batch_size=2, claim_ttl_s=1.5, micro_step_token_budget=16
+    )
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     claimer = None
     try:
@@ -146,34 +165,47 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
                     await stub.RecordTurn(tk.turn_proto(f"g{g}-x{k}", f"g{g}", 0), timeout=5)
                     await stub.ReportFinish(tk.finish_proto(f"g{g}-x{k}", f"g{g}", 2, reward=k), timeout=5)
             # The core takes the first micro-step (it is a participant of the batch).
-            first = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-                cell_id="core", batch_id=1, wait_s=1.0), timeout=5)
+            first = await stub.ClaimMicroStep(
+                packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=1.0), timeout=5
+            )
             assert first.outcome == CLAIMED
-            claimer = subprocess.Popen([sys.executable, "-c", CLAIMER, proc.target], cwd=ROOT,
-                                       stdout=subprocess.PIPE, text=True, start_new_session=True)
+            claimer = subprocess.Popen(
+                [sys.executable, "-c", CLAIMER, proc.target],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             doomed_id = claimer.stdout.readline().strip()
             assert doomed_id and doomed_id != first.micro_step.micro_step_id
             claimer.send_signal(signal.SIGKILL)
             claimer.wait()
             trained = {first.micro_step.micro_step_id}
-            await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
-                cell_id="core", batch_id=1, micro_step_id=first.micro_step.micro_step_id), timeout=5)
+            await stub.AckMicroStep(
+                packer_pb2.AckMicroStepRequest(
+                    cell_id="core", batch_id=1, micro_step_id=first.micro_step.micro_step_id
+                ),
+                timeout=5,
+            )
             killed = time.monotonic()
             while True:
                 await stub.KeepClaims(packer_pb2.KeepClaimsRequest(cell_id="core"), timeout=5)
-                r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-                    cell_id="core", batch_id=1, wait_s=0.5), timeout=5)
+                r = await stub.ClaimMicroStep(
+                    packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=0.5), timeout=5
+                )
                 if r.outcome == CLAIMED:
                     break
                 # Newcomers are refused once the window is closed; the core waits for the return.
-                late = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-                    cell_id="newcomer", batch_id=1), timeout=5)
+                late = await stub.ClaimMicroStep(
+                    packer_pb2.ClaimMicroStepRequest(cell_id="newcomer", batch_id=1), timeout=5
+                )
                 assert late.outcome == CLOSED
                 assert time.monotonic() - killed < 20, "claim never returned"
             assert r.micro_step.micro_step_id == doomed_id
             assert r.micro_step.micro_step_id not in trained
-            await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
-                cell_id="core", batch_id=1, micro_step_id=doomed_id), timeout=5)
+            await stub.AckMicroStep(
+                packer_pb2.AckMicroStepRequest(cell_id="core", batch_id=1, micro_step_id=doomed_id), timeout=5
+            )
             status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
             assert status.done and status.acked == status.micro_steps == 2
             assert status.counters.claims_expired == 1
@@ -184,12 +216,15 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
         proc.kill()
 
 
-async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(tmp_path, etcd_server, cluster_name):
+async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(
+    tmp_path, etcd_server, cluster_name
+):
     from gyre.etcd import Etcd, Keys
 
     # A claim TTL far longer than the test: only the registration can bring the claim back.
-    path = tk.write_config(tmp_path, etcd_server, cluster_name, batch_size=1, claim_ttl_s=300.0,
-                           micro_step_token_budget=8)
+    path = tk.write_config(
+        tmp_path, etcd_server, cluster_name, batch_size=1, claim_ttl_s=300.0, micro_step_token_budget=8
+    )
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
@@ -200,22 +235,31 @@ async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(tmp_p
             for k in range(2):
                 await stub.RecordTurn(tk.turn_proto(f"x{k}", "g", 0), timeout=5)
                 await stub.ReportFinish(tk.finish_proto(f"x{k}", "g", 2, reward=k), timeout=5)
-            core = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1), timeout=5)
-            lost = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(cell_id="cell-9", batch_id=1), timeout=5)
+            core = await stub.ClaimMicroStep(
+                packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1), timeout=5
+            )
+            lost = await stub.ClaimMicroStep(
+                packer_pb2.ClaimMicroStepRequest(cell_id="cell-9", batch_id=1), timeout=5
+            )
             assert core.outcome == lost.outcome == CLAIMED
             await asyncio.sleep(0.5)  # the packer's mirror has seen cell-9 registered
             await etcd.revoke(lease)  # cell-9's process died: etcd drops its registration
             deadline = time.monotonic() + 15
             while True:
-                r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-                    cell_id="core", batch_id=1, wait_s=0.5), timeout=5)
+                r = await stub.ClaimMicroStep(
+                    packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=0.5), timeout=5
+                )
                 if r.outcome == CLAIMED:
                     break
                 assert time.monotonic() < deadline, "claim of the vanished cell never returned"
             assert r.micro_step.micro_step_id == lost.micro_step.micro_step_id
             for ms in (core, r):
-                await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
-                    cell_id="core", batch_id=1, micro_step_id=ms.micro_step.micro_step_id), timeout=5)
+                await stub.AckMicroStep(
+                    packer_pb2.AckMicroStepRequest(
+                        cell_id="core", batch_id=1, micro_step_id=ms.micro_step.micro_step_id
+                    ),
+                    timeout=5,
+                )
             status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
             assert status.done and status.counters.consumed == 2
     finally:

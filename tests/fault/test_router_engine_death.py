@@ -46,9 +46,22 @@ class EngineProcess:
 
     def __init__(self, cell: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "support" / "fake_engine.py"), "--cell-id", cell, "--token-delay-s", "0.01",
-             "--tls-dir", str(PKI / tls(cell).identity().name), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
+            [
+                sys.executable,
+                str(ROOT / "bench" / "support" / "fake_engine.py"),
+                "--cell-id",
+                cell,
+                "--token-delay-s",
+                "0.01",
+                "--tls-dir",
+                str(PKI / tls(cell).identity().name),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
         )
         assert self.proc.stdout is not None
         self.target = json.loads(self.proc.stdout.readline())["target"]
@@ -68,8 +81,17 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_fault")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rf" + secrets.token_hex(4)
-    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), http_port=0, log_json=False,
-                       failover_wait_s=0.5, engine_idle_timeout_s=1.0, abort_timeout_s=0.3)
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        http_port=0,
+        log_json=False,
+        failover_wait_s=0.5,
+        engine_idle_timeout_s=1.0,
+        abort_timeout_s=0.3,
+    )
     with_budget, url = start_router(cfg, tmp / "router_budget.log", retry_budget=2)
     no_budget, url0 = start_router(cfg, tmp / "router_nobudget.log", retry_budget=0)
     etcd = Etcd([etcd_server.endpoint], 5.0)
@@ -79,8 +101,13 @@ async def env(etcd_server, tmp_path_factory):
     ch0 = RoleStubs(no_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
         yield {
-            "url": url, "url0": url0, "etcd": etcd, "keys": Keys(cluster), "b": healthy,
-            "stub": ch1, "stub0": ch0,
+            "url": url,
+            "url0": url0,
+            "etcd": etcd,
+            "keys": Keys(cluster),
+            "b": healthy,
+            "stub": ch1,
+            "stub0": ch0,
         }
     finally:
         with_budget.stop()
@@ -100,7 +127,10 @@ async def _scheduler_moves_when(env, cond, execution_id: str, token: str) -> Non
 
 async def _sse(url: str, token: str) -> list[dict]:
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
-    async with aiohttp.ClientSession() as s, s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
         assert r.status == 200, await r.text()
         return await read_sse(r)
 
@@ -108,8 +138,13 @@ async def _sse(url: str, token: str) -> list[dict]:
 async def _grpc(stub, execution_id: str, token: str) -> list[int]:
     out: list[int] = []
     call = stub.Generate(
-        router_pb2.GenerateRequest(execution_id=execution_id, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS)),
-        metadata=(("authorization", f"Bearer {token}"),), timeout=30,
+        router_pb2.GenerateRequest(
+            execution_id=execution_id,
+            prompt_token_ids=PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        ),
+        metadata=(("authorization", f"Bearer {token}"),),
+        timeout=30,
     )
     async for msg in call:
         out.extend(msg.chunk.token_ids)

@@ -64,8 +64,16 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
     packer = await FakePacker().start()
     hist = tmp_path / "history.jsonl"
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=4,
-                       max_bursts=1, packer_target=packer.target, history_file=str(hist))
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="rollout_only",
+        batch_size=4,
+        max_bursts=1,
+        packer_target=packer.target,
+        history_file=str(hist),
+    )
     a = _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
     await ha.wait_leader()
@@ -79,7 +87,9 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
             await hb.acquire(wait_s=0)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and a.target in err.value.details()
         trailing = dict(err.value.trailing_metadata() or ())
-        assert trailing.get("x-gyre-leader") == a.target and trailing.get("retry-after-ms")  # the client follows it
+        assert trailing.get("x-gyre-leader") == a.target and trailing.get(
+            "retry-after-ms"
+        )  # the client follows it
         execs = [await ha.acquire() for _ in range(5)]
         for e in execs[:2]:
             await ha.finish(e)
@@ -127,7 +137,9 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
     router = await FakeRouter(etcd, keys).start()
     packer = await FakePacker().start()
     core.hold["TRAINING"] = asyncio.Event()  # the switch to training hangs: the leader dies there
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target)
+    cfg = write_config(
+        tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target
+    )
     a = _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
     await ha.wait_leader()
@@ -135,7 +147,11 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
     hb = Harness(b.target)
     try:
         execs = [await ha.acquire() for _ in range(4)]  # sa-0 takes 2, the core 2
-        on_core = [e for e in execs if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"]
+        on_core = [
+            e
+            for e in execs
+            if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"
+        ]
         on_sa = [e for e in execs if e not in on_core]
         assert len(on_core) == 2
         for e in on_sa:
@@ -143,18 +159,28 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
         packer.set_supply(2, 2)
 
         async def stuck():
-            return len(router.moves) == 2 and core.state == "DRAINING" and await etcd.get(keys.transition("core")) is not None
+            return (
+                len(router.moves) == 2
+                and core.state == "DRAINING"
+                and await etcd.get(keys.transition("core")) is not None
+            )
+
         await wait_until(stuck, what="transition frozen before TRAINING")
         epoch_a = (await ha.status()).epoch
         before = (await ha.status()).total
         a.kill()
         st = await hb.wait_leader()
         assert st.epoch > epoch_a
-        assert (st.total.dispatched, st.total.launched, st.total.finished) == (before.dispatched, before.launched, before.finished)
+        assert (st.total.dispatched, st.total.launched, st.total.finished) == (
+            before.dispatched,
+            before.launched,
+            before.finished,
+        )
         core.hold["TRAINING"].set()
 
         async def done():
             return core.state == "TRAINING" and await etcd.get(keys.transition("core")) is None
+
         await wait_until(done, what="resumed transition")
         for e in on_core:
             kv = await etcd.get(keys.route(e.execution_id))
@@ -188,8 +214,15 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
     hist = tmp_path / "history.jsonl"
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=2, max_bursts=1,
-                       history_file=str(hist))
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="rollout_only",
+        batch_size=2,
+        max_bursts=1,
+        history_file=str(hist),
+    )
     a = _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
     await ha.wait_leader()
@@ -205,7 +238,9 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         a.resume()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await ha.finish(e1)
-        assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), err.value.details()
+        assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), (
+            err.value.details()
+        )
         # A lost lease is not fatal: the old leader steps down and is a standby again.
         st_a = await wait_until(lambda: _standby(ha), 20)
         assert a.alive() and not st_a.leader
@@ -229,8 +264,12 @@ async def test_paused_leader_cannot_change_anything(etcd_server, cluster_name, t
         await etcd.close()
 
 
-@pytest.mark.flaky(reruns=1)  # three scheduler processes and two SIGKILLs: timing-sensitive on a loaded 2-core CI
-async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd_server, cluster_name, tmp_path):
+@pytest.mark.flaky(
+    reruns=1
+)  # three scheduler processes and two SIGKILLs: timing-sensitive on a loaded 2-core CI
+async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(
+    etcd_server, cluster_name, tmp_path
+):
     """Two failovers in one burst: A dies mid-burst, B dies mid-transition, C finishes."""
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
@@ -240,8 +279,14 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
     packer = await FakePacker().start()
     core.hold["TRAINING"] = asyncio.Event()
     hist = tmp_path / "history.jsonl"
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target,
-                       history_file=str(hist))
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        batch_size=2,
+        packer_target=packer.target,
+        history_file=str(hist),
+    )
     procs = [_start(cfg, tmp_path, "sched-a")]
     hs = [Harness(procs[0].target)]
     try:
@@ -251,7 +296,11 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
             hs.append(Harness(procs[-1].target))
         execs = [await hs[0].acquire() for _ in range(4)]
         assert all(execs), f"only {sum(map(bool, execs))} of 4 executions could be launched"
-        on_core = [e for e in execs if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"]
+        on_core = [
+            e
+            for e in execs
+            if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"
+        ]
         on_sa = [e for e in execs if e not in on_core]
         await hs[0].finish(on_sa[0])
         procs[0].kill()  # mid-burst
@@ -265,6 +314,7 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
                 if st.leader:
                     return h, st
             return None
+
         second, st = await wait_until(lambda: leader_of(hs[1:]), timeout_s=20, what="second leader")
         assert (st.total.launched, st.total.finished) == (4, 1)
         await second.finish(on_sa[1])  # W = 2 = capacity without the core
@@ -272,6 +322,7 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
 
         async def stuck():
             return len(router.moves) == 2 and core.state == "DRAINING"
+
         await wait_until(stuck, what="second leader's transition frozen before TRAINING")
         procs[hs.index(second)].kill()  # mid-transition
         rest = [h for h in hs[1:] if h is not second]
@@ -281,6 +332,7 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
 
         async def done():
             return core.state == "TRAINING" and await etcd.get(keys.transition("core")) is None
+
         await wait_until(done, what="transition resumed by the third leader")
         for e in on_core:
             kv = await etcd.get(keys.route(e.execution_id))
@@ -300,7 +352,9 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(etcd
         await etcd.close()
 
 
-async def _harness_worker(client: HarnessClient, done: list[str], errors: list[str], rng: random.Random) -> None:
+async def _harness_worker(
+    client: HarnessClient, done: list[str], errors: list[str], rng: random.Random
+) -> None:
     """Acquire, hold (heartbeating in the background), finish; until the burst runs out."""
     while True:
         try:
@@ -329,9 +383,19 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
     packer = await FakePacker().start()
     hist = tmp_path / "history.jsonl"
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=12,
-                       max_bursts=1, packer_target=packer.target, history_file=str(hist), lease_ttl_s=6,
-                       heartbeat_interval_s=0.5, heartbeat_deadline_s=4.0)
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="rollout_only",
+        batch_size=12,
+        max_bursts=1,
+        packer_target=packer.target,
+        history_file=str(hist),
+        lease_ttl_s=6,
+        heartbeat_interval_s=0.5,
+        heartbeat_deadline_s=4.0,
+    )
     a = _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
     await ha.wait_leader()
@@ -341,8 +405,12 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
     done: list[str] = []
     errors: list[str] = []
     try:
-        async with HarnessClient([a.target, b.target], harness_id="h-fault", tls_dir=PKI / "harness") as client:
-            workers = [asyncio.create_task(_harness_worker(client, done, errors, random.Random(i))) for i in range(6)]
+        async with HarnessClient(
+            [a.target, b.target], harness_id="h-fault", tls_dir=PKI / "harness"
+        ) as client:
+            workers = [
+                asyncio.create_task(_harness_worker(client, done, errors, random.Random(i))) for i in range(6)
+            ]
             await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), timeout_s=60, what="work under way")
             a.kill()
             await asyncio.wait_for(asyncio.gather(*workers), 90)

@@ -52,8 +52,13 @@ async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
         for attempt in range(60):
             try:
                 r = await pb_grpc.CellControlStub(ch).JoinBatch(
-                    pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
-                                        prefix_size=1, core_target=target),
+                    pb.JoinBatchRequest(
+                        fence=cpb.Fence(epoch=epoch),
+                        batch_id=batch,
+                        policy_version=version,
+                        prefix_size=1,
+                        core_target=target,
+                    ),
                     timeout=60,
                 )
                 return r.joined
@@ -64,9 +69,13 @@ async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
     raise AssertionError("unreachable")
 
 
-@pytest.mark.parametrize("point", ["training.after_step", "training.after_checkpoint", "training.before_reduce",
-                                   "training.before_commit"])
-async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_name, model_dir, tmp_path, point):
+@pytest.mark.parametrize(
+    "point",
+    ["training.after_step", "training.after_checkpoint", "training.before_reduce", "training.before_commit"],
+)
+async def test_core_crash_around_the_record_gives_one_step(
+    etcd_server, cluster_name, model_dir, tmp_path, point
+):
     steps = synthetic_batch(1, 3, seed=9)
     ref = Trainer.from_dir(model_dir, 0, "float64")  # the initial policy is version 0
     for s in steps:
@@ -83,11 +92,18 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
     ckpt_dir = tmp_path / "ckpt"
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "trainer_cell": {"training": {
-            "model_dir": str(model_dir), "dtype": "float64", "lr": LR, "world_size": 1,
-            "dist_master": "127.0.0.1:0", "packer_target": f"127.0.0.1:{port}",
-            "claim_wait_s": 0.2, "checkpoint_dir": str(ckpt_dir),
-        }},
+        "trainer_cell": {
+            "training": {
+                "model_dir": str(model_dir),
+                "dtype": "float64",
+                "lr": LR,
+                "world_size": 1,
+                "dist_master": "127.0.0.1:0",
+                "packer_target": f"127.0.0.1:{port}",
+                "claim_wait_s": 0.2,
+                "checkpoint_dir": str(ckpt_dir),
+            }
+        },
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     etcd = Etcd([etcd_server.endpoint])
@@ -96,9 +112,13 @@ async def test_core_crash_around_the_record_gives_one_step(etcd_server, cluster_
     key = Keys(cluster_name).policy()
 
     def proc(failpoint: str) -> ServiceProcess:
-        return ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": "core", "index": 0},
-                              env={"OMP_NUM_THREADS": "1", "GYRE_FAILPOINTS": failpoint},
-                              log_path=tmp_path / "core.log")
+        return ServiceProcess(
+            "cell_agent.training.worker",
+            tmp_path / "c.yaml",
+            {"cell_id": "core", "index": 0},
+            env={"OMP_NUM_THREADS": "1", "GYRE_FAILPOINTS": failpoint},
+            log_path=tmp_path / "core.log",
+        )
 
     crashing = proc(point)
     restarted = None

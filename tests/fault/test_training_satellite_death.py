@@ -42,9 +42,18 @@ def _free_port() -> int:
 
 async def _join(epoch: int, target: str, batch: int, prefix: int, core: str):
     async with channel(target, "scheduler") as ch:
-        return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-            fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
-            timeout=30)).joined
+        return (
+            await pb_grpc.CellControlStub(ch).JoinBatch(
+                pb.JoinBatchRequest(
+                    fence=cpb.Fence(epoch=epoch),
+                    batch_id=batch,
+                    policy_version=0,
+                    prefix_size=prefix,
+                    core_target=core,
+                ),
+                timeout=30,
+            )
+        ).joined
 
 
 async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
@@ -56,14 +65,31 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
     pport = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
-    cfg = {"cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-           "trainer_cell": {"training": {
-               "model_dir": str(model_dir), "dtype": "float32", "world_size": 2,
-               "dist_master": f"127.0.0.1:{_free_port()}", "dist_timeout_s": 60,
-               "packer_target": f"127.0.0.1:{pport}", "claim_wait_s": 0.2}}}
+    cfg = {
+        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        "trainer_cell": {
+            "training": {
+                "model_dir": str(model_dir),
+                "dtype": "float32",
+                "world_size": 2,
+                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_timeout_s": 60,
+                "packer_target": f"127.0.0.1:{pport}",
+                "claim_wait_s": 0.2,
+            }
+        },
+    }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    procs = [ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": f"c{i}", "index": i},
-                            env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path / f"c{i}.log") for i in range(2)]
+    procs = [
+        ServiceProcess(
+            "cell_agent.training.worker",
+            tmp_path / "c.yaml",
+            {"cell_id": f"c{i}", "index": i},
+            env={"OMP_NUM_THREADS": "1"},
+            log_path=tmp_path / f"c{i}.log",
+        )
+        for i in range(2)
+    ]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster_name))
@@ -102,8 +128,15 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
         assert version == 0
         assert all(torch.equal(after[n], t) for n, t in before.items())  # no partial update
         # The supervisor restarts the satellite; the groups re-form by themselves.
-        procs.append(ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": "c1", "index": 1},
-                                    env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path / "c1-restarted.log"))
+        procs.append(
+            ServiceProcess(
+                "cell_agent.training.worker",
+                tmp_path / "c.yaml",
+                {"cell_id": "c1", "index": 1},
+                env={"OMP_NUM_THREADS": "1"},
+                log_path=tmp_path / "c1-restarted.log",
+            )
+        )
         await asyncio.to_thread(procs[-1].start, 90)
         joined = False
         for _ in range(300):

@@ -115,10 +115,20 @@ def test_transport_moves_pinned_blocks_intact(spawn, medium, name):
         for layer, t in dst.tensors.items():
             idx_dst = torch.tensor(dst_ids, device=t.device)
             idx_src = torch.tensor(src_ids, device=t.device)
-            assert torch.equal(t.index_select(1, idx_dst), expected.tensors[layer].index_select(1, idx_src)), layer
+            assert torch.equal(
+                t.index_select(1, idx_dst), expected.tensors[layer].index_select(1, idx_src)
+            ), layer
         nbytes = length * BYTES_PER_TOKEN
-        _record({"test": "transport", "medium": medium, "prefix": name, "bytes": nbytes, "seconds": seconds,
-                 "bytes_per_s": nbytes / seconds})
+        _record(
+            {
+                "test": "transport",
+                "medium": medium,
+                "prefix": name,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "bytes_per_s": nbytes / seconds,
+            }
+        )
     finally:
         parent.send("done")
         proc.join(30)
@@ -129,7 +139,9 @@ def model_dir(tmp_path_factory):
     pytest.importorskip("vllm")
     from apps.model.tiny import build_tiny_model
 
-    return os.environ.get("GYRE_GPU_MODEL_DIR") or str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
+    return os.environ.get("GYRE_GPU_MODEL_DIR") or str(
+        build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+    )
 
 
 @pytest.mark.vllm
@@ -139,8 +151,14 @@ async def test_vllm_handoff_on_gpu_is_token_identical_and_cached(model_dir, medi
     from services.cell_agent.engines.vllm_engine import VllmEngine
 
     def engine(cell: str) -> VllmEngine:
-        return VllmEngine(model_dir, max_model_len=16384 + 512, max_num_seqs=8, cell_id=cell,
-                          gpu_memory_utilization=0.3, kv_medium=medium)
+        return VllmEngine(
+            model_dir,
+            max_model_len=16384 + 512,
+            max_num_seqs=8,
+            cell_id=cell,
+            gpu_memory_utilization=0.3,
+            kv_medium=medium,
+        )
 
     src, dst = engine("src"), engine("dst")
     await src.start()
@@ -148,7 +166,11 @@ async def test_vllm_handoff_on_gpu_is_token_identical_and_cached(model_dir, medi
     try:
         for name, length in LENGTHS.items():
             prompt = [3 + (j * 11 + length) % 500 for j in range(length)]
-            full = [t async for c in src.generate(f"ref-{name}", prompt, Sampling(max_tokens=24)) for t in c.token_ids]
+            full = [
+                t
+                async for c in src.generate(f"ref-{name}", prompt, Sampling(max_tokens=24))
+                for t in c.token_ids
+            ]
             live = src.generate(f"live-{name}", prompt, Sampling(max_tokens=24))
             got: list[int] = []
             async for c in live:
@@ -174,9 +196,16 @@ async def test_vllm_handoff_on_gpu_is_token_identical_and_cached(model_dir, medi
                     assert got + rest == full
                     assert dst.cached_tokens[rid] >= len(cont) - 128
             await src.release_kv(handle.handle_id)
-            _record({"test": "vllm_handoff", "medium": medium, "prefix": name,
-                     "ttft_handoff_s": timings["handoff"], "ttft_recompute_s": timings["recompute"],
-                     "handoff_vs_recompute": timings["handoff"] / timings["recompute"]})
+            _record(
+                {
+                    "test": "vllm_handoff",
+                    "medium": medium,
+                    "prefix": name,
+                    "ttft_handoff_s": timings["handoff"],
+                    "ttft_recompute_s": timings["recompute"],
+                    "handoff_vs_recompute": timings["handoff"] / timings["recompute"],
+                }
+            )
         assert src.pinned_kv == 0
     finally:
         await dst.shutdown()

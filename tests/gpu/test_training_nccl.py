@@ -25,8 +25,11 @@ from services.cell_agent.training.trainer import Trainer
 from tests.leader import leader_epoch
 from tests.tls import add_port, channel
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 
 
@@ -82,8 +85,15 @@ async def test_gpu_core_step_matches_cpu_and_snapshot_travels(model_dir):
     assert version == 2
     for name, w in gpu.state_dict().items():
         assert torch.equal(state[name], w.cpu()), name
-    _record("core_step_gpu", {"gpu_batch_s": results["cuda:0"][1], "cpu64_batch_s": results["cpu"][1],
-                              "max_abs_diff_vs_cpu64": diff, "pull_s": pull_s})
+    _record(
+        "core_step_gpu",
+        {
+            "gpu_batch_s": results["cuda:0"][1],
+            "cpu64_batch_s": results["cpu"][1],
+            "max_abs_diff_vs_cpu64": diff,
+            "pull_s": pull_s,
+        },
+    )
 
 
 def _nccl_rank(rank: int, world: int, port: int, q) -> None:
@@ -147,23 +157,50 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
     pport = add_port(server, "127.0.0.1:0", "packer")
     await server.start()
-    cfg = {"cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-           "trainer_cell": {"training": {
-               "model_dir": str(model_dir), "dtype": "float32", "lr": 1e-3, "world_size": 2,
-               "device": "auto", "dist_backend": "auto", "dist_master": f"127.0.0.1:{_free_port()}",
-               "packer_target": f"127.0.0.1:{pport}", "claim_wait_s": 0.2}}}
+    cfg = {
+        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        "trainer_cell": {
+            "training": {
+                "model_dir": str(model_dir),
+                "dtype": "float32",
+                "lr": 1e-3,
+                "world_size": 2,
+                "device": "auto",
+                "dist_backend": "auto",
+                "dist_master": f"127.0.0.1:{_free_port()}",
+                "packer_target": f"127.0.0.1:{pport}",
+                "claim_wait_s": 0.2,
+            }
+        },
+    }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    procs = [ServiceProcess("cell_agent.training.worker", tmp_path / "c.yaml", {"cell_id": f"g{i}", "index": i},
-                            log_path=tmp_path / f"g{i}.log") for i in range(2)]
+    procs = [
+        ServiceProcess(
+            "cell_agent.training.worker",
+            tmp_path / "c.yaml",
+            {"cell_id": f"g{i}", "index": i},
+            log_path=tmp_path / f"g{i}.log",
+        )
+        for i in range(2)
+    ]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster_name))  # fenced commands need a real leader
 
     async def join(target, prefix, core):
         async with channel(target, "scheduler") as ch:
-            return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=epoch), batch_id=1, policy_version=0, prefix_size=prefix,
-                core_target=core), timeout=120)).joined
+            return (
+                await pb_grpc.CellControlStub(ch).JoinBatch(
+                    pb.JoinBatchRequest(
+                        fence=cpb.Fence(epoch=epoch),
+                        batch_id=1,
+                        policy_version=0,
+                        prefix_size=prefix,
+                        core_target=core,
+                    ),
+                    timeout=120,
+                )
+            ).joined
 
     try:
         for p in procs:

@@ -26,9 +26,19 @@ pytestmark = pytest.mark.timeout(120)
 def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"cell_id": "cell-p", "kind": "elastic", "index": 0, "slots": 4, "engine": "mock",
-                       "mock": {"fixed_decode_step_s": 0.002}, "probe_interval_s": 0.5, "lease_ttl_s": 3,
-                       "drain_wait_s": 0.5, "log_json": False, **cell},
+        "cell_agent": {
+            "cell_id": "cell-p",
+            "kind": "elastic",
+            "index": 0,
+            "slots": 4,
+            "engine": "mock",
+            "mock": {"fixed_decode_step_s": 0.002},
+            "probe_interval_s": 0.5,
+            "lease_ttl_s": 3,
+            "drain_wait_s": 0.5,
+            "log_json": False,
+            **cell,
+        },
     }
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -36,8 +46,13 @@ def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
 
 
 async def _generate(stub, rid, prompt, n, **kw):
-    req = pb.EngineGenerateRequest(request_id=rid, execution_id="e1", prompt_token_ids=prompt,
-                                   sampling=common_pb2.SamplingParams(max_tokens=n), **kw)
+    req = pb.EngineGenerateRequest(
+        request_id=rid,
+        execution_id="e1",
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=n),
+        **kw,
+    )
     return [c async for c in stub.Generate(req, timeout=30)]
 
 
@@ -52,12 +67,21 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
     keys = Keys(cluster_name)
     try:
         reg = json.loads((await etcd.get(keys.cell("cell-p"))).value)
-        assert reg == {"cell_id": "cell-p", "kind": "elastic", "index": 0, "slots": 4, "target": proc.target,
-                       "engine": "mock", "policy_version": 0}
+        assert reg == {
+            "cell_id": "cell-p",
+            "kind": "elastic",
+            "index": 0,
+            "slots": 4,
+            "target": proc.target,
+            "engine": "mock",
+            "policy_version": 0,
+        }
         assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value)["state"] == "ROLLOUT"
 
-        async with RoleStubs(proc.target, pb_grpc.EngineStub, EngineServicer.ACCESS) as engine, \
-                RoleStubs(proc.target, pb_grpc.CellControlStub, CellControlServicer.ACCESS) as control:
+        async with (
+            RoleStubs(proc.target, pb_grpc.EngineStub, EngineServicer.ACCESS) as engine,
+            RoleStubs(proc.target, pb_grpc.CellControlStub, CellControlServicer.ACCESS) as control,
+        ):
             chunks = await _generate(engine, "r1", [5, 6, 7], 10)
             assert sum(len(c.token_ids) for c in chunks) == 10
             assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -66,23 +90,47 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
 
             # Bad input: precise statuses.
             for req, code in [
-                (pb.EngineGenerateRequest(request_id="", prompt_token_ids=[1],
-                                          sampling=common_pb2.SamplingParams(max_tokens=1)),
-                 grpc.StatusCode.INVALID_ARGUMENT),
-                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[],
-                                          sampling=common_pb2.SamplingParams(max_tokens=1)),
-                 grpc.StatusCode.INVALID_ARGUMENT),
-                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1]),
-                 grpc.StatusCode.INVALID_ARGUMENT),
-                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1],
-                                          sampling=common_pb2.SamplingParams(max_tokens=1, top_p=2.0)),
-                 grpc.StatusCode.INVALID_ARGUMENT),
-                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1] * 200_000,
-                                          sampling=common_pb2.SamplingParams(max_tokens=1)),
-                 grpc.StatusCode.RESOURCE_EXHAUSTED),
-                (pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1], required_policy_version=9,
-                                          sampling=common_pb2.SamplingParams(max_tokens=1)),
-                 grpc.StatusCode.FAILED_PRECONDITION),
+                (
+                    pb.EngineGenerateRequest(
+                        request_id="", prompt_token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=1)
+                    ),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+                (
+                    pb.EngineGenerateRequest(
+                        request_id="x", prompt_token_ids=[], sampling=common_pb2.SamplingParams(max_tokens=1)
+                    ),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+                (
+                    pb.EngineGenerateRequest(request_id="x", prompt_token_ids=[1]),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+                (
+                    pb.EngineGenerateRequest(
+                        request_id="x",
+                        prompt_token_ids=[1],
+                        sampling=common_pb2.SamplingParams(max_tokens=1, top_p=2.0),
+                    ),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+                (
+                    pb.EngineGenerateRequest(
+                        request_id="x",
+                        prompt_token_ids=[1] * 200_000,
+                        sampling=common_pb2.SamplingParams(max_tokens=1),
+                    ),
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                ),
+                (
+                    pb.EngineGenerateRequest(
+                        request_id="x",
+                        prompt_token_ids=[1],
+                        required_policy_version=9,
+                        sampling=common_pb2.SamplingParams(max_tokens=1),
+                    ),
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ),
             ]:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await engine.Generate(req, timeout=20).read()
@@ -101,33 +149,46 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
             epoch = await leader.campaign()
             fence = common_pb2.Fence(epoch=epoch)
             with pytest.raises(grpc.aio.AioRpcError) as err:  # not the leader key's revision
-                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch + 1000),
-                                                          target=common_pb2.CELL_STATE_DRAINING), timeout=20)
+                await control.SetState(
+                    pb.SetStateRequest(
+                        fence=common_pb2.Fence(epoch=epoch + 1000), target=common_pb2.CELL_STATE_DRAINING
+                    ),
+                    timeout=20,
+                )
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value)["state"] == "ROLLOUT"
             with pytest.raises(grpc.aio.AioRpcError) as err:  # illegal in ROLLOUT
-                await control.SetState(pb.SetStateRequest(fence=common_pb2.Fence(epoch=epoch),
-                                                          target=common_pb2.CELL_STATE_TRAINING), timeout=20)
+                await control.SetState(
+                    pb.SetStateRequest(
+                        fence=common_pb2.Fence(epoch=epoch), target=common_pb2.CELL_STATE_TRAINING
+                    ),
+                    timeout=20,
+                )
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             for target in (common_pb2.CELL_STATE_DRAINING, common_pb2.CELL_STATE_TRAINING):
-                got = await control.SetState(pb.SetStateRequest(fence=fence, target=target),
-                                             timeout=20)
+                got = await control.SetState(pb.SetStateRequest(fence=fence, target=target), timeout=20)
                 assert got.state == target
             status = await control.GetCellStatus(pb.GetCellStatusRequest(), timeout=20)
             assert (status.state, status.epoch, status.load.accepting) == (
-                common_pb2.CELL_STATE_TRAINING, epoch, False)
+                common_pb2.CELL_STATE_TRAINING,
+                epoch,
+                False,
+            )
             assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value) | {"updated_s": 0} == {
-                "state": "TRAINING", "epoch": epoch, "updated_s": 0}
+                "state": "TRAINING",
+                "epoch": epoch,
+                "updated_s": 0,
+            }
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _generate(engine, "r2", [5], 3)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            joined = await control.JoinBatch(pb.JoinBatchRequest(fence=fence, batch_id=1,
-                                                                 policy_version=1, prefix_size=1), timeout=20)
+            joined = await control.JoinBatch(
+                pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=1, prefix_size=1), timeout=20
+            )
             assert joined.joined in (True, False)
             for target in (common_pb2.CELL_STATE_RETURNING, common_pb2.CELL_STATE_ROLLOUT):
                 await control.SetState(pb.SetStateRequest(fence=fence, target=target), timeout=20)
-            got = await control.LoadPolicy(pb.LoadPolicyRequest(fence=fence, version=3),
-                                           timeout=20)
+            got = await control.LoadPolicy(pb.LoadPolicyRequest(fence=fence, version=3), timeout=20)
             assert got.policy_version == 3
             assert json.loads((await etcd.get(keys.cell("cell-p"))).value)["policy_version"] == 3
             chunks = await _generate(engine, "r3", [5, 6, 7], 4)

@@ -49,8 +49,13 @@ def _make_engine(kind: str, model_dir, kv_dir: str, cell_id: str) -> Engine:
         return VllmEngine(str(model_dir), max_model_len=2048, max_num_seqs=16, cell_id=cell_id)
     from services.cell_agent.engines.mock import MockEngine, MockTiming, RealClock
 
-    return MockEngine(MockTiming(fixed_decode_step_s=0.001), RealClock(), model_dir=str(model_dir),
-                      kv_dir=kv_dir, cell_id=cell_id)
+    return MockEngine(
+        MockTiming(fixed_decode_step_s=0.001),
+        RealClock(),
+        model_dir=str(model_dir),
+        kv_dir=kv_dir,
+        cell_id=cell_id,
+    )
 
 
 @pytest_asyncio.fixture(
@@ -313,8 +318,11 @@ async def test_load_policy_pulls_a_snapshot_over_grpc(engine, etcd_ctx, models):
     etcd, keys, lease = etcd_ctx
     leader = LeaderElection(etcd, keys.leader(), "sched", lease)
     epoch = await leader.campaign()
-    cell = Cell(CellIdentity("cell-s", CellKind.STANDALONE, -1, 4, engine.kind), engine,
-                EtcdCellStore(etcd, keys, "cell-s", lease.lease_id))
+    cell = Cell(
+        CellIdentity("cell-s", CellKind.STANDALONE, -1, 4, engine.kind),
+        engine,
+        EtcdCellStore(etcd, keys, "cell-s", lease.lease_id),
+    )
     await cell.open("127.0.0.1:2")
     store = snapshots.SnapshotStore(keep=4)
     base_version = engine.policy_version

@@ -72,16 +72,29 @@ def scripted_status(step: int) -> scheduler_pb2.SchedulerStatus:
         state = common_pb2.CELL_STATE_ROLLOUT if index < 0 else _state(index, k)
         if state == common_pb2.CELL_STATE_ROLLOUT:
             capacity += slots
-        status.cells.add(cell_id=cell_id, kind=kind, index=index, state=state, slots=slots,
-                         routed=min(slots, 4) if state == common_pb2.CELL_STATE_ROLLOUT else 0,
-                         target=f"127.0.0.1:{50060 + len(status.cells)}", policy_version=burst + (k >= 30))
+        status.cells.add(
+            cell_id=cell_id,
+            kind=kind,
+            index=index,
+            state=state,
+            slots=slots,
+            routed=min(slots, 4) if state == common_pb2.CELL_STATE_ROLLOUT else 0,
+            target=f"127.0.0.1:{50060 + len(status.cells)}",
+            policy_version=burst + (k >= 30),
+        )
     dispatched = 32
     finished = min(dispatched, int(k * 0.9))
-    status.ledger.CopyFrom(scheduler_pb2.Ledger(
-        burst_id=burst + 1, dispatched=dispatched, launched=min(dispatched, finished + capacity),
-        finished=finished, waterlevel=dispatched - finished,
-        queued=max(0, dispatched - finished - capacity), running=min(capacity, dispatched - finished),
-    ))
+    status.ledger.CopyFrom(
+        scheduler_pb2.Ledger(
+            burst_id=burst + 1,
+            dispatched=dispatched,
+            launched=min(dispatched, finished + capacity),
+            finished=finished,
+            waterlevel=dispatched - finished,
+            queued=max(0, dispatched - finished - capacity),
+            running=min(capacity, dispatched - finished),
+        )
+    )
     status.capacity = capacity
     status.ready_groups = min(4, k // 6)
     status.policy_version = burst + (k >= 30)
@@ -93,7 +106,9 @@ def scripted_status(step: int) -> scheduler_pb2.SchedulerStatus:
     if "leader" in fields:  # newer protos say whether the answering scheduler leads
         status.leader = True
     if "total" in fields:
-        status.total.CopyFrom(scheduler_pb2.Ledger(dispatched=32 * (burst + 1), finished=32 * burst + finished))
+        status.total.CopyFrom(
+            scheduler_pb2.Ledger(dispatched=32 * (burst + 1), finished=32 * burst + finished)
+        )
     if "policy" in fields:
         status.policy = "waterlevel"
     return status
@@ -113,7 +128,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerControlServicer):
     async def WatchEvents(self, request: Any, context: Any) -> Any:
         for seq, (kind, message) in enumerate(EVENTS, start=1):
             if seq > request.after_seq:
-                yield scheduler_pb2.SchedulerEvent(seq=seq, time_s=1_700_000_000.0 + seq, kind=kind, message=message)
+                yield scheduler_pb2.SchedulerEvent(
+                    seq=seq, time_s=1_700_000_000.0 + seq, kind=kind, message=message
+                )
         await asyncio.sleep(3600)  # the stream stays open, as the scheduler's does
 
 
@@ -153,11 +170,17 @@ def tmp_out() -> Any:
 async def test_dashboard_renders_scripted_scheduler_in_chromium(tmp_out: Path) -> None:
     server, fake, port = await _start_fake()
     dash = ServiceProcess(
-        "dashboard", None, overrides={"poll_interval_s": 0.05, "log_json": False},
+        "dashboard",
+        None,
+        overrides={"poll_interval_s": 0.05, "log_json": False},
         log_path=tmp_out / "dashboard.log",
     )
     dash.command = lambda: [  # type: ignore[method-assign]  # exercise the documented CLI flags
-        *ServiceProcess.command(dash), "--scheduler", f"127.0.0.1:{port}", "--port", "0",
+        *ServiceProcess.command(dash),
+        "--scheduler",
+        f"127.0.0.1:{port}",
+        "--port",
+        "0",
     ]
     try:
         await asyncio.to_thread(dash.start, 60.0)
@@ -203,9 +226,15 @@ async def test_dashboard_survives_unreachable_scheduler(tmp_out: Path) -> None:
     server, _fake, port = await _start_fake()
     await server.stop(0)  # nothing listens on `port` now
     dash = ServiceProcess(
-        "dashboard", None,
-        overrides={"scheduler_target": f"127.0.0.1:{port}", "http_port": 0, "poll_interval_s": 0.1,
-                   "poll_timeout_s": 0.5, "log_json": False},
+        "dashboard",
+        None,
+        overrides={
+            "scheduler_target": f"127.0.0.1:{port}",
+            "http_port": 0,
+            "poll_interval_s": 0.1,
+            "poll_timeout_s": 0.5,
+            "log_json": False,
+        },
         log_path=tmp_out / "dashboard.log",
     )
     try:

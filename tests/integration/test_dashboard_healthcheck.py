@@ -32,8 +32,14 @@ pytestmark = pytest.mark.timeout(120)
 async def probe(*args: str) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gyre.grpcx.healthcheck", *args, cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        sys.executable,
+        "-m",
+        "gyre.grpcx.healthcheck",
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
     )
     return await asyncio.wait_for(proc.wait(), 60)
 
@@ -45,7 +51,9 @@ class _Control(scheduler_pb2_grpc.SchedulerControlServicer):
 async def test_healthcheck_follows_serving_status() -> None:
     tls("operator")
     cfg = ServiceConfig(port=0, grace_s=0, health_port=0, tls=TlsConfig(dir=str(PKI / "scheduler")))
-    server = GrpcServer(cfg, [(_Control(), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, SERVICE)])
+    server = GrpcServer(
+        cfg, [(_Control(), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, SERVICE)]
+    )
     port = await server.start()
     target = f"127.0.0.1:{port}"
     me = ("--tls-dir", str(PKI / "operator"))
@@ -71,7 +79,9 @@ async def test_the_plaintext_health_port_serves_health_only() -> None:
     from gyre.etcd.server import free_port
 
     cfg = ServiceConfig(port=0, grace_s=0, health_port=free_port(), tls=TlsConfig(dir=str(PKI / "scheduler")))
-    server = GrpcServer(cfg, [(_Control(), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, SERVICE)])
+    server = GrpcServer(
+        cfg, [(_Control(), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, SERVICE)]
+    )
     await server.start()
     target = f"127.0.0.1:{server.health_port}"
     try:
@@ -83,7 +93,9 @@ async def test_the_plaintext_health_port_serves_health_only() -> None:
 
         async with grpc.aio.insecure_channel(target) as ch:  # nothing but health there
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
+                await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(
+                    scheduler_pb2.GetStatusRequest(), timeout=5
+                )
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await server.stop(0)

@@ -43,15 +43,25 @@ async def _wait_for(url: str, pred: Any, timeout_s: float = 60.0) -> dict[str, A
     raise AssertionError(f"condition not met in {timeout_s}s; last: {json.dumps(body)[:2000]}")
 
 
-async def test_dashboard_follows_real_scheduler(etcd_server: EtcdServer, cluster_name: str, tmp_path: Path) -> None:
+async def test_dashboard_follows_real_scheduler(
+    etcd_server: EtcdServer, cluster_name: str, tmp_path: Path
+) -> None:
     sched = ServiceProcess(
-        "scheduler", None,
-        overrides={"cluster_name": cluster_name, "etcd_endpoints": [etcd_server.endpoint], "port": 0,
-                   "log_json": False, "grace_s": 0.5},
+        "scheduler",
+        None,
+        overrides={
+            "cluster_name": cluster_name,
+            "etcd_endpoints": [etcd_server.endpoint],
+            "port": 0,
+            "log_json": False,
+            "grace_s": 0.5,
+        },
         log_path=tmp_path / "scheduler.log",
     )
     dash = ServiceProcess(
-        "dashboard", None, overrides={"http_port": 0, "poll_interval_s": 0.1, "poll_timeout_s": 1.0, "log_json": False},
+        "dashboard",
+        None,
+        overrides={"http_port": 0, "poll_interval_s": 0.1, "poll_timeout_s": 1.0, "log_json": False},
         log_path=tmp_path / "dashboard.log",
     )
     try:

@@ -40,10 +40,14 @@ def skeleton_config(tmp_path: Path, model_dir: Path) -> Path:
     data["cell_agent"].update(engine="mock", model_dir=str(model_dir), mock={"time_scale": 0.0}, slots=4)
     data["router"]["model_dir"] = str(model_dir)
     # One burst, no training: the thinnest path through every service.
-    data["scheduler"].update(max_bursts=1, policy="rollout_only", batch_size=2, group_size=2, over_provision=0.0)
+    data["scheduler"].update(
+        max_bursts=1, policy="rollout_only", batch_size=2, group_size=2, over_provision=0.0
+    )
     data["packer"]["drop_zero_variance"] = False
     data["launch"]["processes"] = [
-        p for p in data["launch"]["processes"] if p["service"] not in ("dashboard",) and p.get("name") not in ("cell-1", "cell-2")
+        p
+        for p in data["launch"]["processes"]
+        if p["service"] not in ("dashboard",) and p.get("name") not in ("cell-1", "cell-2")
     ]
     out = tmp_path / "skeleton.yaml"
     out.write_text(yaml.safe_dump(data))
@@ -55,18 +59,26 @@ async def test_walking_skeleton(tmp_path: Path, model_dir: Path):
     cluster.start()
     try:
         sched = cluster.procs["scheduler"].target
-        stats = await run_harness(sched, EnvConfig(time_scale=0.0, turns_median=2, turns_max=3), concurrency=4,
-                                  tls_dir=str(cluster.pki.identity_dir("harness")))
+        stats = await run_harness(
+            sched,
+            EnvConfig(time_scale=0.0, turns_median=2, turns_max=3),
+            concurrency=4,
+            tls_dir=str(cluster.pki.identity_dir("harness")),
+        )
         assert stats.failed == 0
         assert stats.completed == 4  # batch_size 2 groups x group_size 2
         operator = cluster.pki.tls("operator")  # mTLS on by default: the launcher issued it
         async with dial(sched, operator, Role.SCHEDULER) as ch:
-            status = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
+            status = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(
+                scheduler_pb2.GetStatusRequest(), timeout=5
+            )
         ledger = status.ledger
         assert ledger.dispatched == ledger.finished == 4
         assert ledger.waterlevel == 0 and ledger.queued == 0 and ledger.running == 0
         async with dial(cluster.procs["router"].target, operator, Role.ROUTER) as ch:
-            rstatus = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+            rstatus = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(
+                router_pb2.GetRouterStatusRequest(), timeout=5
+            )
         assert rstatus.turn_records >= stats.turns
         async with dial(cluster.procs["packer"].target, operator, Role.PACKER) as ch:
             batch = await packer_pb2_grpc.PackerStub(ch).GetBatch(packer_pb2.GetBatchRequest(), timeout=5)

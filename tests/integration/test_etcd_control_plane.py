@@ -165,7 +165,10 @@ async def test_old_epoch_refused_after_new_leader(etcd_server, cluster_name):
     guard.check(epoch_b)
     with pytest.raises(StaleEpoch):
         guard.check(epoch_a)
-    ok, _ = await b.fenced_txn([mod_revision_is(keys.policy(), (await etcd.get(keys.policy())).mod_revision)], [Op(keys.policy(), b"3")])
+    ok, _ = await b.fenced_txn(
+        [mod_revision_is(keys.policy(), (await etcd.get(keys.policy())).mod_revision)],
+        [Op(keys.policy(), b"3")],
+    )
     assert ok
     await etcd.close()
 

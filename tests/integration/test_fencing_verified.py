@@ -51,8 +51,15 @@ class StubManager:
 
 def _servicer(store: RouteStore, manager: StubManager) -> RouterServicer:
     return RouterServicer(
-        manager, store, turns=None, vocab_size=100, stop_token_ids=(0,), max_prompt_tokens=16,  # type: ignore[arg-type]
-        max_tokens_limit=16, request_timeout_s=5.0, move_route_wait_s=0.1,
+        manager,
+        store,
+        turns=None,
+        vocab_size=100,
+        stop_token_ids=(0,),
+        max_prompt_tokens=16,  # type: ignore[arg-type]
+        max_tokens_limit=16,
+        request_timeout_s=5.0,
+        move_route_wait_s=0.1,
     )
 
 

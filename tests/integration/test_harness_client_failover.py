@@ -52,14 +52,22 @@ class ScriptedScheduler(scheduler_pb2_grpc.HarnessServiceServicer):
         step = self.script.pop(0) if self.script else "ok"
         if isinstance(step, tuple):
             context.set_trailing_metadata(((LEADER_METADATA, step[1]),))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the scheduler leader; the leader is at {step[1]}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"not the scheduler leader; the leader is at {step[1]}"
+            )
         if isinstance(step, grpc.StatusCode):
             await context.abort(step, f"scripted {step.name}")
 
     async def AcquireExecution(self, request, context):
         await self._next("acquire", request, context)
-        return scheduler_pb2.AcquireExecutionResponse(execution=scheduler_pb2.Execution(
-            execution_id="b1-t0-0", token="tok", heartbeat_interval_s=60.0, openai_base_url="http://127.0.0.1:9/v1"))
+        return scheduler_pb2.AcquireExecutionResponse(
+            execution=scheduler_pb2.Execution(
+                execution_id="b1-t0-0",
+                token="tok",
+                heartbeat_interval_s=60.0,
+                openai_base_url="http://127.0.0.1:9/v1",
+            )
+        )
 
     async def Heartbeat(self, request, context):
         await self._next("heartbeat", request, context)
@@ -80,7 +88,9 @@ async def pair():
 
 
 def _client(*targets: str, retry_s: float = 10.0) -> HarnessClient:
-    return HarnessClient(list(targets), harness_id="h", tls_dir=PKI / "harness", retry_s=retry_s, timeout_s=2.0)
+    return HarnessClient(
+        list(targets), harness_id="h", tls_dir=PKI / "harness", retry_s=retry_s, timeout_s=2.0
+    )
 
 
 async def test_standby_names_the_leader_and_the_client_follows(pair):

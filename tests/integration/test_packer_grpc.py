@@ -16,8 +16,8 @@ import pytest
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
 from gyre.identity import Role
+from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
 from services.cell_agent.training.microstep import Outcome
 from services.cell_agent.training.packer_client import PackerSource
 from services.packer.servicer import PackerServicer
@@ -48,7 +48,9 @@ async def feed(stub, groups, size=3, turns=2, base=0):
         for k in range(size):
             x = f"g{g}-x{k}"
             for i in range(turns):
-                await stub.RecordTurn(tk.turn_proto(x, f"g{g}", i, prompt=4 + g % 3, output=3 + g % 4), timeout=10)
+                await stub.RecordTurn(
+                    tk.turn_proto(x, f"g{g}", i, prompt=4 + g % 3, output=3 + g % 4), timeout=10
+                )
             await stub.ReportFinish(tk.finish_proto(x, f"g{g}", size, reward=float(k)), timeout=10)
 
     await asyncio.gather(*(one(g) for g in range(base, base + groups)))
@@ -57,8 +59,12 @@ async def feed(stub, groups, size=3, turns=2, base=0):
 async def drain(stub, cell, batch_id, trained, wait_s=0.5):
     mine = []
     while True:
-        r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-            cell_id=cell, batch_id=batch_id, policy_version=0, wait_s=wait_s), timeout=10)
+        r = await stub.ClaimMicroStep(
+            packer_pb2.ClaimMicroStepRequest(
+                cell_id=cell, batch_id=batch_id, policy_version=0, wait_s=wait_s
+            ),
+            timeout=10,
+        )
         if r.outcome == CLOSED:
             return mine
         if r.outcome != CLAIMED:
@@ -66,8 +72,12 @@ async def drain(stub, cell, batch_id, trained, wait_s=0.5):
         mine.append(r.micro_step.micro_step_id)
         trained.extend((s.execution_id, s.turn_index) for s in r.micro_step.sequences)
         await asyncio.sleep(random.random() * 0.01)
-        ack = await stub.AckMicroStep(packer_pb2.AckMicroStepRequest(
-            cell_id=cell, batch_id=batch_id, micro_step_id=r.micro_step.micro_step_id), timeout=10)
+        ack = await stub.AckMicroStep(
+            packer_pb2.AckMicroStepRequest(
+                cell_id=cell, batch_id=batch_id, micro_step_id=r.micro_step.micro_step_id
+            ),
+            timeout=10,
+        )
         assert not ack.duplicate
 
 
@@ -98,7 +108,8 @@ async def drain_batched(stub, cell, batch_id, trained, n):
     mine = []
     while True:
         req = packer_pb2.ClaimMicroStepsRequest(
-            cell_id=cell, batch_id=batch_id, wait_s=0.5, claim_id=f"{cell}-{len(mine)}", max_micro_steps=n)
+            cell_id=cell, batch_id=batch_id, wait_s=0.5, claim_id=f"{cell}-{len(mine)}", max_micro_steps=n
+        )
         r = await stub.ClaimMicroSteps(req, timeout=10)
         if r.outcome == CLOSED:
             return mine
@@ -106,16 +117,18 @@ async def drain_batched(stub, cell, batch_id, trained, n):
             continue
         retry = await stub.ClaimMicroSteps(req, timeout=10)  # idempotent: the same micro-steps
         ids = [m.micro_step_id for m in r.micro_steps]
-        assert [m.micro_step_id for m in retry.micro_steps][:len(ids)] == ids
+        assert [m.micro_step_id for m in retry.micro_steps][: len(ids)] == ids
         ids = [m.micro_step_id for m in retry.micro_steps]
         mine.extend(ids)
         trained.extend((s.execution_id, s.turn_index) for m in retry.micro_steps for s in m.sequences)
         await asyncio.sleep(random.random() * 0.01)
-        ack = await stub.AckMicroSteps(packer_pb2.AckMicroStepsRequest(
-            cell_id=cell, batch_id=batch_id, micro_step_ids=ids), timeout=10)
+        ack = await stub.AckMicroSteps(
+            packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch_id, micro_step_ids=ids), timeout=10
+        )
         assert list(ack.duplicate) == [False] * len(ids)
-        again = await stub.AckMicroSteps(packer_pb2.AckMicroStepsRequest(
-            cell_id=cell, batch_id=batch_id, micro_step_ids=ids), timeout=10)
+        again = await stub.AckMicroSteps(
+            packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch_id, micro_step_ids=ids), timeout=10
+        )
         assert list(again.duplicate) == [True] * len(ids)
 
 
@@ -134,7 +147,9 @@ async def test_batched_claims_and_acks_over_grpc(packer_proc):
         assert len(trained) == len(set(trained)) == 8 * 3 * 2
         bad = packer_pb2.ClaimMicroStepsRequest(cell_id="cell0", batch_id=0, max_micro_steps=0)
         assert await _code(stubs[0].ClaimMicroSteps(bad, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
-        unknown = packer_pb2.AckMicroStepsRequest(cell_id="cell0", batch_id=1, micro_step_ids=[claimed[0], "nope"])
+        unknown = packer_pb2.AckMicroStepsRequest(
+            cell_id="cell0", batch_id=1, micro_step_ids=[claimed[0], "nope"]
+        )
         assert await _code(stubs[0].AckMicroSteps(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
         theirs = next(ids for ids in results[2:] if ids)  # trained by another cell
         other = packer_pb2.AckMicroStepsRequest(cell_id="cell0", batch_id=1, micro_step_ids=theirs[:1])
@@ -155,7 +170,7 @@ async def test_the_trainers_packer_client_claims_and_acks_in_batches(packer_proc
         assert all(c.outcome is Outcome.CLAIMED for c in claims) and claims
         ids = [c.micro_step.micro_step_id for c in claims]
         retry = [c.micro_step.micro_step_id for c in await source.claim_many(1, 0, 0.0, 64, "k")]
-        assert retry[:len(ids)] == ids  # the same claim (topped up if more were packed since)
+        assert retry[: len(ids)] == ids  # the same claim (topped up if more were packed since)
         while True:
             assert await source.ack_many(1, retry) == [False] * len(retry)
             assert await source.ack_many(1, retry) == [True] * len(retry)
@@ -203,9 +218,14 @@ async def test_malformed_records_get_precise_statuses_and_change_nothing(packer_
         late = tk.turn_proto("g0-x0", "g0", 7)
         assert await _code(stub.RecordTurn(late, timeout=5)) == grpc.StatusCode.FAILED_PRECONDITION
         no_cell = packer_pb2.ClaimMicroStepRequest(batch_id=0)  # a cell claims only for itself
-        assert await _code(stub.as_("cell-0").ClaimMicroStep(no_cell, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
-        assert await _code(stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=99), timeout=5)) == \
-            grpc.StatusCode.NOT_FOUND
+        assert (
+            await _code(stub.as_("cell-0").ClaimMicroStep(no_cell, timeout=5))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert (
+            await _code(stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=99), timeout=5))
+            == grpc.StatusCode.NOT_FOUND
+        )
         stale_seal = packer_pb2.SealBatchRequest(batch_id=0)
         assert await _code(stub.SealBatch(stale_seal, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -232,7 +252,9 @@ async def test_policy_version_follows_etcd_and_supply_streams(packer_proc, etcd_
                 if sig.ready_groups == 1:
                     break
             assert sig.counters.ready == 2
-            await etcd.put(Keys(cluster_name).policy(), json.dumps({"version": 4, "source_target": ""}).encode())
+            await etcd.put(
+                Keys(cluster_name).policy(), json.dumps({"version": 4, "source_target": ""}).encode()
+            )
             # Version 4 makes the version-0 group stale (max_staleness 1): dropped, streamed.
             while True:
                 sig = await asyncio.wait_for(stream.read(), 5)
@@ -257,7 +279,9 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
     try:
         async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             await feed(stub, 1, size=2, turns=2)
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        )
         assert b'gyre_packer_turns{where="produced"} 4.0' in body
     finally:
         proc.stop()

@@ -32,25 +32,50 @@ async def env(etcd_server, tmp_path_factory):
     kv_dir = tmp / "kv"
     kv_dir.mkdir()
     cluster = "rc" + secrets.token_hex(4)
-    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), http_port=0, log_json=False,
-                       kv_handoff=True, kv_timeout_s=2.0, retry_budget=0)
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        http_port=0,
+        log_json=False,
+        kv_handoff=True,
+        kv_timeout_s=2.0,
+        retry_budget=0,
+    )
     cells = {}
     for cell in ("ca", "cb"):
         cells[cell] = ServiceProcess(
-            "cell_agent", cfg, name=cell, log_path=tmp / f"{cell}.log",
-            overrides={"cell_id": cell, "kind": "standalone", "index": -1, "engine": "mock", "mock.kv_dir": str(kv_dir),
-                       "policy_version": 1, "mock.fixed_decode_step_s": 0.01,
-                       # The cell agent's start-up can block its loop for seconds on a loaded
-                       # machine (imports), after its lease was granted: give it room.
-                       "lease_ttl_s": 20},
+            "cell_agent",
+            cfg,
+            name=cell,
+            log_path=tmp / f"{cell}.log",
+            overrides={
+                "cell_id": cell,
+                "kind": "standalone",
+                "index": -1,
+                "engine": "mock",
+                "mock.kv_dir": str(kv_dir),
+                "policy_version": 1,
+                "mock.fixed_decode_step_s": 0.01,
+                # The cell agent's start-up can block its loop for seconds on a loaded
+                # machine (imports), after its lease was granted: give it room.
+                "lease_ttl_s": 20,
+            },
         ).start(timeout_s=90)
     router, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     channel = RoleStubs(router.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
-        yield {"url": url, "etcd": etcd, "keys": Keys(cluster), "cells": cells, "kv_dir": kv_dir,
-               "stub": channel}
+        yield {
+            "url": url,
+            "etcd": etcd,
+            "keys": Keys(cluster),
+            "cells": cells,
+            "kv_dir": kv_dir,
+            "stub": channel,
+        }
     finally:
         router.stop()
         for p in cells.values():
@@ -60,9 +85,18 @@ async def env(etcd_server, tmp_path_factory):
 
 
 async def _stream(env, token: str, on_tokens=None) -> list[int]:
-    body = {"prompt": [40, 41, 42, 43, 44], "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True, "temperature": 0}
+    body = {
+        "prompt": [40, 41, 42, 43, 44],
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "return_token_ids": True,
+        "temperature": 0,
+    }
     out: list[int] = []
-    async with aiohttp.ClientSession() as s, s.post(f"{env['url']}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{env['url']}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
         assert r.status == 200, await r.text()
         async for raw in r.content:
             if not raw.startswith(b"data: {"):
@@ -91,9 +125,15 @@ async def test_move_with_kv_handoff_between_real_cells_is_token_identical(env):
         if n >= 10 and not moved:
             moved = True
             epoch = await put_route(env["etcd"], env["keys"], ex1, "cb", cb.target, tok1)
-            reply = await env["stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
-                fence=common_pb2.Fence(epoch=await leader_epoch(env["etcd"], env["keys"])),
-                moves=[router_pb2.Move(execution_id=ex1, from_cell="ca", to_cell="cb", route_epoch=epoch)]), timeout=10)
+            reply = await env["stub"].MoveExecutions(
+                router_pb2.MoveExecutionsRequest(
+                    fence=common_pb2.Fence(epoch=await leader_epoch(env["etcd"], env["keys"])),
+                    moves=[
+                        router_pb2.Move(execution_id=ex1, from_cell="ca", to_cell="cb", route_epoch=epoch)
+                    ],
+                ),
+                timeout=10,
+            )
             assert reply.moved_requests == 1 and reply.remaining_at_source == 0
 
     out = await _stream(env, tok1, move)

@@ -65,9 +65,19 @@ async def env(etcd_server, tmp_path_factory):
     cluster = "rh" + secrets.token_hex(4)
     packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.01)).start()
-    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), packer_target=packer_target,
-                       http_port=0, max_body_bytes=MAX_BODY, max_tokens_limit=4096, log_json=False,
-                       max_model_len=CONTEXT, max_turn_tokens=TURN)
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        packer_target=packer_target,
+        http_port=0,
+        max_body_bytes=MAX_BODY,
+        max_tokens_limit=4096,
+        log_json=False,
+        max_model_len=CONTEXT,
+        max_turn_tokens=TURN,
+    )
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
@@ -134,7 +144,9 @@ async def test_models_and_completions(env):
             assert len(data["choices"][0]["logprobs"]["content"]) == 6
             assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
             assert isinstance(data["choices"][0]["text"], str)
-        async with s.post(f"{env.url}/completions", json={**body, "stream": True, "prompt": "hello world"}, headers=h) as r:
+        async with s.post(
+            f"{env.url}/completions", json={**body, "stream": True, "prompt": "hello world"}, headers=h
+        ) as r:
             events = await read_sse(r)
             assert events[-1] == {"done": True}
             assert len(sse_token_ids(events)) == 6
@@ -144,8 +156,11 @@ async def test_models_and_completions(env):
 async def test_http_disconnect_aborts_engine_request_within_500ms(env):
     before = len(env.engine.engine.requests)
     session = aiohttp.ClientSession()
-    resp = await session.post(f"{env.url}/chat/completions", json=chat_body(max_tokens=2000, stream=True),
-                              headers={"Authorization": f"Bearer {env.tok1}"})
+    resp = await session.post(
+        f"{env.url}/chat/completions",
+        json=chat_body(max_tokens=2000, stream=True),
+        headers={"Authorization": f"Bearer {env.tok1}"},
+    )
     assert resp.status == 200
     got = 0
     async for raw in resp.content:
@@ -159,7 +174,9 @@ async def test_http_disconnect_aborts_engine_request_within_500ms(env):
     resp.close()  # the harness goes away mid-stream
     await session.close()
     assert await _wait_engine_idle(env.engine, 2.0)
-    ended = [t for k, r, t in env.engine.engine.events if r == rid and k in ("cancelled", "abort_rpc", "aborted")]
+    ended = [
+        t for k, r, t in env.engine.engine.events if r == rid and k in ("cancelled", "abort_rpc", "aborted")
+    ]
     assert ended and min(ended) - t0 < 0.5, ended
     status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
     assert status.inflight == 0
@@ -170,8 +187,11 @@ async def test_http_disconnect_aborts_engine_request_within_500ms(env):
 async def test_grpc_cancel_aborts_engine_request_within_500ms(env):
     before = len(env.engine.engine.requests)
     call = env.stub.Generate(
-        router_pb2.GenerateRequest(execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=2000)),
-        metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=30,
+        router_pb2.GenerateRequest(
+            execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=2000)
+        ),
+        metadata=(("authorization", f"Bearer {env.tok1}"),),
+        timeout=30,
     )
     n = 0
     async for _ in call:
@@ -182,15 +202,20 @@ async def test_grpc_cancel_aborts_engine_request_within_500ms(env):
     t0 = time.monotonic()
     call.cancel()
     assert await _wait_engine_idle(env.engine, 2.0)
-    ended = [t for k, r, t in env.engine.engine.events if r == rid and k in ("cancelled", "abort_rpc", "aborted")]
+    ended = [
+        t for k, r, t in env.engine.engine.events if r == rid and k in ("cancelled", "abort_rpc", "aborted")
+    ]
     assert ended and min(ended) - t0 < 0.5
 
 
 async def test_grpc_deadline_propagates_to_engine(env):
     before = len(env.engine.engine.requests)
     call = env.stub.Generate(
-        router_pb2.GenerateRequest(execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=2000)),
-        metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=0.3,
+        router_pb2.GenerateRequest(
+            execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=2000)
+        ),
+        metadata=(("authorization", f"Bearer {env.tok1}"),),
+        timeout=0.3,
     )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in call:
@@ -203,9 +228,27 @@ async def test_grpc_deadline_propagates_to_engine(env):
 
 @pytest.mark.parametrize(
     "case",
-    ["no_token", "unknown_token", "foreign_token", "oversized", "malformed_json", "not_object", "bad_max_tokens",
-     "too_many_tokens", "empty_messages", "bad_role", "wrong_model", "prompt_over_context", "prompt_fills_a_turn",
-     "lone_surrogate", "lone_surrogate_key", "deep_json", "huge_seed", "huge_stop_id", "huge_max_tokens"],
+    [
+        "no_token",
+        "unknown_token",
+        "foreign_token",
+        "oversized",
+        "malformed_json",
+        "not_object",
+        "bad_max_tokens",
+        "too_many_tokens",
+        "empty_messages",
+        "bad_role",
+        "wrong_model",
+        "prompt_over_context",
+        "prompt_fills_a_turn",
+        "lone_surrogate",
+        "lone_surrogate_key",
+        "deep_json",
+        "huge_seed",
+        "huge_stop_id",
+        "huge_max_tokens",
+    ],
 )
 async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case):
     before = await _settle(env)  # each case starts from a settled router, whatever ran before
@@ -268,8 +311,11 @@ async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case)
             assert err["error"]["code"] == expected and err["error"]["message"]
         # Nothing changed, and the router still serves everyone else.
         assert await _snapshot(env) == before
-        async with s.post(f"{env.url}/chat/completions", json=chat_body(return_token_ids=True),
-                          headers={"Authorization": f"Bearer {env.tok2}"}) as r:
+        async with s.post(
+            f"{env.url}/chat/completions",
+            json=chat_body(return_token_ids=True),
+            headers={"Authorization": f"Bearer {env.tok2}"},
+        ) as r:
             assert r.status == 200
             assert len((await r.json())["choices"][0]["token_ids"]) == 8
         # ... and its turn reaches the packer (so the next case starts from a settled state).
@@ -296,7 +342,9 @@ async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case)
 )
 async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case, code):
     before = await _snapshot(env)
-    req = router_pb2.GenerateRequest(execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=4))
+    req = router_pb2.GenerateRequest(
+        execution_id=env.ex1, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=4)
+    )
     md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {env.tok1}"),)
     if case == "no_token":
         md = ()
@@ -329,13 +377,24 @@ async def test_route_written_just_before_the_call_is_honoured(env):
     for _ in range(5):
         ex, tok = new_execution()
         await put_route(env.etcd, env.keys, ex, "a", env.engine.target, tok)
-        async with aiohttp.ClientSession() as s, s.post(f"{env.url}/chat/completions", json=chat_body(max_tokens=2),
-                                                        headers={"Authorization": f"Bearer {tok}"}) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{env.url}/chat/completions",
+                json=chat_body(max_tokens=2),
+                headers={"Authorization": f"Bearer {tok}"},
+            ) as r,
+        ):
             assert r.status == 200, await r.text()
         ex, tok = new_execution()
         await put_route(env.etcd, env.keys, ex, "a", env.engine.target, tok)
-        req = router_pb2.GenerateRequest(execution_id=ex, prompt_token_ids=[5], sampling=common_pb2.SamplingParams(max_tokens=2))
-        got = [m async for m in env.stub.Generate(req, metadata=(("authorization", f"Bearer {tok}"),), timeout=10)]
+        req = router_pb2.GenerateRequest(
+            execution_id=ex, prompt_token_ids=[5], sampling=common_pb2.SamplingParams(max_tokens=2)
+        )
+        got = [
+            m
+            async for m in env.stub.Generate(req, metadata=(("authorization", f"Bearer {tok}"),), timeout=10)
+        ]
         assert sum(len(m.chunk.token_ids) for m in got) == 2
 
 
@@ -352,8 +411,9 @@ async def _raw_generate(env: Env, payload: bytes) -> grpc.StatusCode:
     from tests.tls import channel as tls_channel
 
     async with tls_channel(env.proc.target, "harness-1") as ch:
-        call = ch.unary_stream("/gyre.v1.Router/Generate", request_serializer=None, response_deserializer=None)(
-            payload, metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=5)
+        call = ch.unary_stream(
+            "/gyre.v1.Router/Generate", request_serializer=None, response_deserializer=None
+        )(payload, metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=5)
         try:
             async for _ in call:
                 pass

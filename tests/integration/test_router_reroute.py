@@ -62,9 +62,20 @@ async def env(etcd_server, tmp_path_factory):
     packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engines = {}
     for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
-        engines[cell] = await FakeEngineServer(FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.004, tokens_per_chunk=2)).start()
-    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok), packer_target=packer_target,
-                       http_port=0, retry_budget=0, failover_wait_s=0.5, log_json=False)
+        engines[cell] = await FakeEngineServer(
+            FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.004, tokens_per_chunk=2)
+        ).start()
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        packer_target=packer_target,
+        http_port=0,
+        retry_budget=0,
+        failover_wait_s=0.5,
+        log_json=False,
+    )
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
@@ -84,7 +95,9 @@ async def _attempts(env: Env, cell: str, execution_id: str) -> list[str]:
     return [r.request_id for r in env.engines[cell].engine.requests if r.execution_id == execution_id]
 
 
-async def scheduler_moves(env: Env, execution_id: str, token: str, path: list[str], every: int, check_moved: bool = True) -> int:
+async def scheduler_moves(
+    env: Env, execution_id: str, token: str, path: list[str], every: int, check_moved: bool = True
+) -> int:
     """Acts as the scheduler: each time the current engine has produced ``every`` tokens of
     the call, rewrites the route to the next cell and calls MoveExecutions."""
     current = path[0]
@@ -99,7 +112,11 @@ async def scheduler_moves(env: Env, execution_id: str, token: str, path: list[st
         reply = await env.stub.MoveExecutions(
             router_pb2.MoveExecutionsRequest(
                 fence=common_pb2.Fence(epoch=await leader_epoch(env.etcd, env.keys)),
-                moves=[router_pb2.Move(execution_id=execution_id, from_cell=current, to_cell=dest, route_epoch=epoch)],
+                moves=[
+                    router_pb2.Move(
+                        execution_id=execution_id, from_cell=current, to_cell=dest, route_epoch=epoch
+                    )
+                ],
             ),
             timeout=5,
         )
@@ -110,13 +127,25 @@ async def scheduler_moves(env: Env, execution_id: str, token: str, path: list[st
     return len(path) - 1
 
 
-async def http_call(env: Env, token: str, stream: bool, execution_id: str | None = None) -> tuple[list[int], list[int], dict[str, Any]]:
+async def http_call(
+    env: Env, token: str, stream: bool, execution_id: str | None = None
+) -> tuple[list[int], list[int], dict[str, Any]]:
     """(prompt ids, output ids, last body/event) of one chat completion."""
     headers = {"Authorization": f"Bearer {token}"}
     if execution_id:
         headers["x-gyre-execution-id"] = execution_id
-    body = {"model": "model", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream, "return_token_ids": True}
-    async with aiohttp.ClientSession() as s, s.post(f"{env.url}/chat/completions", json=body, headers=headers) as resp:
+    body = {
+        "model": "model",
+        "messages": MESSAGES,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+        "return_token_ids": True,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{env.url}/chat/completions", json=body, headers=headers) as resp,
+    ):
         assert resp.status == 200, await resp.text()
         if stream:
             events = await read_sse(resp)
@@ -129,8 +158,13 @@ async def http_call(env: Env, token: str, stream: bool, execution_id: str | None
 
 async def grpc_call(env: Env, execution_id: str, token: str, prompt: list[int]) -> tuple[list[int], int, int]:
     call = env.stub.Generate(
-        router_pb2.GenerateRequest(execution_id=execution_id, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS)),
-        metadata=(("authorization", f"Bearer {token}"),), timeout=30,
+        router_pb2.GenerateRequest(
+            execution_id=execution_id,
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        ),
+        metadata=(("authorization", f"Bearer {token}"),),
+        timeout=30,
     )
     out: list[int] = []
     reroutes = 0
@@ -175,7 +209,9 @@ async def test_http_rerouted_call_is_token_identical(env, stream, path):
     for cell in set(path[:-1]):
         for rid in await _attempts(env, cell, ex1):
             if rid not in env.engines[cell].engine.kinds("finish"):
-                assert rid in env.engines[cell].engine.kinds("abort_rpc") or rid in env.engines[cell].engine.kinds("cancelled")
+                assert rid in env.engines[cell].engine.kinds("abort_rpc") or rid in env.engines[
+                    cell
+                ].engine.kinds("cancelled")
     turn = await _turn(env, ex1)
     assert list(turn.output_token_ids) == moved and list(turn.prompt_token_ids) == prompt1
     assert list(turn.output_policy_versions) == [1] * MAX_TOKENS and len(turn.output_logprobs) == MAX_TOKENS
@@ -204,7 +240,10 @@ async def test_destination_with_other_policy_version_is_refused(env):
     mover = asyncio.create_task(scheduler_moves(env, ex, tok, ["a", "v2"], every=5, check_moved=False))
     headers = {"Authorization": f"Bearer {tok}"}
     body = {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
-    async with aiohttp.ClientSession() as s, s.post(f"{env.url}/chat/completions", json=body, headers=headers) as resp:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{env.url}/chat/completions", json=body, headers=headers) as resp,
+    ):
         events = await asyncio.wait_for(read_sse(resp), 20)
     await mover
     assert "error" in events[-2] and events[-2]["error"]["code"] == 503
@@ -217,7 +256,11 @@ async def test_destination_with_other_policy_version_is_refused(env):
 async def test_stale_fence_is_refused(env):
     old = await leader_epoch(env.etcd, env.keys)
     new = await new_leader(env.etcd, env.keys)
-    await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=new)), timeout=5)
+    await env.stub.MoveExecutions(
+        router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=new)), timeout=5
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await env.stub.MoveExecutions(router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=old)), timeout=5)
+        await env.stub.MoveExecutions(
+            router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=old)), timeout=5
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

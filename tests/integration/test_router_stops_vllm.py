@@ -33,17 +33,31 @@ async def test_stop_strings_cut_where_vllm_cuts(tmp_path):
     engine = VllmEngine(str(model_dir), max_model_len=512, max_num_seqs=4, dtype="float32")
     await engine.start()
     try:
-        chunks = [c.token_ids async for c in engine.generate("free", prompt, Sampling(max_tokens=N, temperature=1.0, seed=SEED, stop_token_ids=()))]
+        chunks = [
+            c.token_ids
+            async for c in engine.generate(
+                "free", prompt, Sampling(max_tokens=N, temperature=1.0, seed=SEED, stop_token_ids=())
+            )
+        ]
         out = [t for c in chunks for t in c]
         text = tok.decode(out)
         stops = _stop_candidates(tok, out, text)
         assert stops, f"no multi-token stop string in {text!r}"
         for stop in stops:
             for include in (False, True):
-                params = SamplingParams(max_tokens=N, temperature=1.0, seed=SEED, stop=[stop], include_stop_str_in_output=include,
-                                        stop_token_ids=[], output_kind=RequestOutputKind.FINAL_ONLY)
+                params = SamplingParams(
+                    max_tokens=N,
+                    temperature=1.0,
+                    seed=SEED,
+                    stop=[stop],
+                    include_stop_str_in_output=include,
+                    stop_token_ids=[],
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
                 final = None
-                async for o in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"s-{len(stop)}-{include}"):
+                async for o in engine.llm.generate(
+                    TokensPrompt(prompt_token_ids=prompt), params, request_id=f"s-{len(stop)}-{include}"
+                ):
                     final = o
                 ref = final.outputs[0]
                 assert ref.finish_reason == "stop" and ref.stop_reason == stop
@@ -61,7 +75,12 @@ def _stop_candidates(tok: Tokenizer, out: list[int], text: str) -> list[str]:
     for a in range(4, len(out) - 6, 7):
         start, end = len(tok.decode(out[:a])), len(tok.decode(out[: a + 3]))
         stop = text[start + 1 : end]
-        if len(stop) >= 3 and "\ufffd" not in stop and text.find(stop) == start + 1 and len(tok.encode(stop)) > 1:
+        if (
+            len(stop) >= 3
+            and "\ufffd" not in stop
+            and text.find(stop) == start + 1
+            and len(tok.encode(stop)) > 1
+        ):
             found.append(stop)
     return found[:3]
 

@@ -34,9 +34,20 @@ from tests.tls import tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-TOOLS = [{"type": "function", "function": {
-    "name": "read_file", "description": "Reads a file of the workspace",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Reads a file of the workspace",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "notes.txt"}}\n</tool_call>'
 
 
@@ -47,14 +58,27 @@ async def env(etcd_server, tmp_path_factory):
     cluster = "rt" + secrets.token_hex(4)
     packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", tokens_per_chunk=2)).start()
-    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(tok_dir),
-                       packer_target=packer_target, http_port=0, log_json=False)
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok_dir),
+        packer_target=packer_target,
+        http_port=0,
+        log_json=False,
+    )
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     try:
-        yield {"url": url, "etcd": etcd, "keys": Keys(cluster), "engine": engine, "packer": packer,
-               "tok": Tokenizer.load(tok_dir)}
+        yield {
+            "url": url,
+            "etcd": etcd,
+            "keys": Keys(cluster),
+            "engine": engine,
+            "packer": packer,
+            "tok": Tokenizer.load(tok_dir),
+        }
     finally:
         proc.stop()
         await etcd.close()
@@ -70,7 +94,9 @@ async def _client(env, *script: list[int], delay_s: float = 0.0) -> tuple[openai
     ex, token = new_execution()
     await put_route(env["etcd"], env["keys"], ex, "a", env["engine"].target, token)
     await asyncio.sleep(0.3)
-    client = openai.AsyncOpenAI(base_url=env["url"], api_key=token, default_headers={"x-gyre-execution-id": ex}, max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=env["url"], api_key=token, default_headers={"x-gyre-execution-id": ex}, max_retries=0
+    )
     return client, ex
 
 
@@ -92,7 +118,10 @@ async def test_tool_call_round_trip_with_the_openai_client(env):
     out1 = tok.encode(CALL) + [_end(env)]
     out2 = tok.encode("The secret number is 42.") + [_end(env)]
     client, ex = await _client(env, out1, out2)
-    messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Find the secret."}]
+    messages = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Find the secret."},
+    ]
     r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=64)
     choice = r1.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -108,18 +137,21 @@ async def test_tool_call_round_trip_with_the_openai_client(env):
     reqs = env["engine"].engine.requests
     p1, p2 = list(reqs[0].prompt_token_ids), list(reqs[1].prompt_token_ids)
     assert p2[: len(p1) + len(out1)] == p1 + out1
-    delta = tok.decode(p2[len(p1) + len(out1):], skip_special_tokens=False)
+    delta = tok.decode(p2[len(p1) + len(out1) :], skip_special_tokens=False)
     assert delta.startswith("\n<|im_start|>user\n<tool_response>\nThe secret number is 42.\n</tool_response>")
     t0, t1 = await _turns(env, ex, 2)
     assert list(t0.output_token_ids) == out1
-    assert list(t1.prompt_token_ids[: len(t0.prompt_token_ids) + len(out1)]) == list(t0.prompt_token_ids) + out1
+    assert (
+        list(t1.prompt_token_ids[: len(t0.prompt_token_ids) + len(out1)]) == list(t0.prompt_token_ids) + out1
+    )
     await client.close()
 
 
 async def test_streamed_tool_call_deltas(env):
     client, _ = await _client(env, env["tok"].encode("Let me look. " + CALL) + [_end(env)])
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "go"}], tools=TOOLS, max_tokens=64, stream=True)
+        model="tiny", messages=[{"role": "user", "content": "go"}], tools=TOOLS, max_tokens=64, stream=True
+    )
     content, name, args, finish, ids = "", "", "", None, set()
     async for chunk in stream:
         if not chunk.choices:
@@ -145,8 +177,13 @@ async def test_multi_token_stop_string(env, stream, include):
     assert len(tok.encode(stop)) > 1
     script = tok.encode("Thought: read the notes\nObservation: the file says 7 and more text") + [_end(env)]
     client, ex = await _client(env, script, delay_s=0.02)
-    kw = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 64, "stop": [stop],
-          "extra_body": {"include_stop_str_in_output": include}}
+    kw = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 64,
+        "stop": [stop],
+        "extra_body": {"include_stop_str_in_output": include},
+    }
     if stream:
         text, finish = "", None
         async for chunk in await client.chat.completions.create(stream=True, **kw):
@@ -159,7 +196,11 @@ async def test_multi_token_stop_string(env, stream, include):
     assert text == "Thought: read the notes" + (stop if include else "") and finish == "stop"
     (turn,) = await _turns(env, ex, 1)
     out = list(turn.output_token_ids)
-    assert out == script[: len(out)] and tok.decode(out).endswith(stop) and not tok.decode(out[:-1]).endswith(stop)
+    assert (
+        out == script[: len(out)]
+        and tok.decode(out).endswith(stop)
+        and not tok.decode(out[:-1]).endswith(stop)
+    )
     fake = env["engine"].engine
     rid = fake.requests[0].request_id
     for _ in range(50):  # the engine request was stopped, not run to its end
@@ -173,6 +214,11 @@ async def test_multi_token_stop_string(env, stream, include):
 async def test_required_tool_choice_is_refused(env):
     client, _ = await _client(env, [5])
     with pytest.raises(openai.BadRequestError, match="guided decoding"):
-        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
-                                             tool_choice="required", max_tokens=4)
+        await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=4,
+        )
     await client.close()

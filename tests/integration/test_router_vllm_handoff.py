@@ -37,24 +37,55 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_vllm")
     model = build_tiny_model(tmp / "model", seed=0)
     cluster = "rv" + secrets.token_hex(4)
-    cfg = write_config(tmp / "cluster.yaml", cluster, etcd_server.endpoint, model_dir=str(model), http_port=0,
-                       log_json=False, kv_handoff=True, kv_timeout_s=10.0, retry_budget=0)
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(model),
+        http_port=0,
+        log_json=False,
+        kv_handoff=True,
+        kv_timeout_s=10.0,
+        retry_budget=0,
+    )
     cells = {}
     for cell in ("va", "vb"):
         cells[cell] = ServiceProcess(
-            "cell_agent", cfg, name=cell, log_path=tmp / f"{cell}.log",
-            overrides={"cell_id": cell, "kind": "standalone", "index": -1, "engine": "vllm", "model_dir": str(model),
-                       "max_model_len": 4096, "max_num_seqs": 8, "policy_version": 1, "lease_ttl_s": 30,
-                       "probe_timeout_s": 60, "log_json": True},
+            "cell_agent",
+            cfg,
+            name=cell,
+            log_path=tmp / f"{cell}.log",
+            overrides={
+                "cell_id": cell,
+                "kind": "standalone",
+                "index": -1,
+                "engine": "vllm",
+                "model_dir": str(model),
+                "max_model_len": 4096,
+                "max_num_seqs": 8,
+                "policy_version": 1,
+                "lease_ttl_s": 30,
+                "probe_timeout_s": 60,
+                "log_json": True,
+            },
         ).start(timeout_s=300)
     router, _ = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     stub = RoleStubs(router.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
-    engines = {c: RoleStubs(p.target, cell_agent_pb2_grpc.EngineStub, EngineServicer.ACCESS) for c, p in cells.items()}
+    engines = {
+        c: RoleStubs(p.target, cell_agent_pb2_grpc.EngineStub, EngineServicer.ACCESS)
+        for c, p in cells.items()
+    }
     try:
-        yield {"etcd": etcd, "keys": Keys(cluster), "cells": cells, "stub": stub, "engines": engines,
-               "logs": {c: tmp / f"{c}.log" for c in cells}}
+        yield {
+            "etcd": etcd,
+            "keys": Keys(cluster),
+            "cells": cells,
+            "stub": stub,
+            "engines": engines,
+            "logs": {c: tmp / f"{c}.log" for c in cells},
+        }
     finally:
         router.stop()
         for p in cells.values():
@@ -71,9 +102,13 @@ def _log_records(path) -> list[dict]:
 
 async def _call(env, execution_id: str, token: str, on_tokens=None) -> list[int]:
     call = env["stub"].Generate(
-        router_pb2.GenerateRequest(execution_id=execution_id, prompt_token_ids=PROMPT,
-                                   sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS)),
-        metadata=(("authorization", f"Bearer {token}"),), timeout=300,
+        router_pb2.GenerateRequest(
+            execution_id=execution_id,
+            prompt_token_ids=PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        ),
+        metadata=(("authorization", f"Bearer {token}"),),
+        timeout=300,
     )
     out: list[int] = []
     async for msg in call:
@@ -99,9 +134,15 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(env):
         if n >= 8 and not moved:
             moved = True
             epoch = await put_route(env["etcd"], env["keys"], ex1, "vb", vb.target, tok1)
-            reply = await env["stub"].MoveExecutions(router_pb2.MoveExecutionsRequest(
-                fence=common_pb2.Fence(epoch=await leader_epoch(env["etcd"], env["keys"])),
-                moves=[router_pb2.Move(execution_id=ex1, from_cell="va", to_cell="vb", route_epoch=epoch)]), timeout=30)
+            reply = await env["stub"].MoveExecutions(
+                router_pb2.MoveExecutionsRequest(
+                    fence=common_pb2.Fence(epoch=await leader_epoch(env["etcd"], env["keys"])),
+                    moves=[
+                        router_pb2.Move(execution_id=ex1, from_cell="va", to_cell="vb", route_epoch=epoch)
+                    ],
+                ),
+                timeout=30,
+            )
             assert reply.moved_requests == 1 and reply.remaining_at_source == 0
 
     out = await _call(env, ex1, tok1, move)

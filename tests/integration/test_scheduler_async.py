@@ -46,8 +46,17 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
     crowded = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
     router = await FakeRouter(etcd, keys).start()
     packer = await FakePacker().start()
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="gyre", batch_size=2, group_size=2,
-                       max_staleness=1, packer_target=packer.target, heartbeat_interval_s=0.2)
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="gyre",
+        batch_size=2,
+        group_size=2,
+        max_staleness=1,
+        packer_target=packer.target,
+        heartbeat_interval_s=0.2,
+    )
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
     h = Harness(proc.target)
     fresh = None
@@ -70,7 +79,11 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
 
         async def overlapping():
             s = await h.status()
-            return s.open_bursts == 2 and [(v.policy_version, v.dispatched) for v in s.versions] == [(0, 8), (1, 4)]
+            return s.open_bursts == 2 and [(v.policy_version, v.dispatched) for v in s.versions] == [
+                (0, 8),
+                (1, 4),
+            ]
+
         await wait_until(overlapping, what="a second burst at v1 while burst 1 is open")
 
         # An engine joins: the tail of v0 (the oldest version batch v1 can use) runs crowded
@@ -79,11 +92,14 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
 
         async def migrated():
             return (await h.status()).migrations == 1
+
         await wait_until(migrated, what="a migration")
         moved = [e for e in running if (await _route(etcd, keys, e.execution_id))[0]["cell_id"] == "sa-1"]
         assert len(moved) == 1
         assert (await _route(etcd, keys, moved[0].execution_id))[1] == 2  # route epoch + 1
-        assert [(m[1], m[2], m[3], m[4]) for m in router.moves] == [(moved[0].execution_id, "sa-0", "sa-1", 2)]
+        assert [(m[1], m[2], m[3], m[4]) for m in router.moves] == [
+            (moved[0].execution_id, "sa-0", "sa-1", 2)
+        ]
         assert {m[0] for m in router.moves} == {st.epoch}
 
         # The trainer reaches v2 (its batch still filling): no batch within eta 1 can take a
@@ -94,17 +110,24 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
             s = await h.status()
             v0 = next(v for v in s.versions if v.policy_version == 0) if s.versions else None
             return v0 is None or v0.finished == v0.dispatched
+
         await wait_until(cancelled, what="the v0 groups cancelled")
         for e in running:
-            assert (await _route(etcd, keys, e.execution_id))[0] is None  # the token is revoked with the route
-        beat = await h.h.Heartbeat(scheduler_pb2.HeartbeatRequest(execution_id=running[0].execution_id),
-                                   metadata=(("authorization", f"Bearer {running[0].token}"),), timeout=5)
+            assert (await _route(etcd, keys, e.execution_id))[
+                0
+            ] is None  # the token is revoked with the route
+        beat = await h.h.Heartbeat(
+            scheduler_pb2.HeartbeatRequest(execution_id=running[0].execution_id),
+            metadata=(("authorization", f"Bearer {running[0].token}"),),
+            timeout=5,
+        )
         assert beat.status == common_pb2.EXECUTION_STATUS_CANCELLED
         out = await h.finish(running[0])
         assert out.duplicate and out.status == common_pb2.EXECUTION_STATUS_CANCELLED
 
         async def told():  # the harness's own heartbeats learn it, no call of its own fails
             return held.closed_as == "CANCELLED"
+
         await wait_until(told, what="the harness client sees CANCELLED")
         assert held.cancelled_by_scheduler
         await held.__aexit__(None, None, None)
@@ -112,8 +135,11 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
 
         async def reported():
             return all(packer.reports.get(e.execution_id) is not None for e in running)
+
         await wait_until(reported, what="the packer told of the cancellations")
-        assert {packer.reports[e.execution_id].status for e in running} == {common_pb2.EXECUTION_STATUS_CANCELLED}
+        assert {packer.reports[e.execution_id].status for e in running} == {
+            common_pb2.EXECUTION_STATUS_CANCELLED
+        }
         events = await read_events(h)
         assert any(ev.kind == "cancelled" and "max_staleness 1" in ev.message for ev in events)
         assert any(ev.kind == "migrated" for ev in events)

@@ -40,8 +40,15 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
     packer = await FakePacker().start()
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, policy="rollout_only", batch_size=2, max_bursts=1,
-                       packer_target=packer.target)
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="rollout_only",
+        batch_size=2,
+        max_bursts=1,
+        packer_target=packer.target,
+    )
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
     h = Harness(proc.target)
     try:
@@ -53,8 +60,13 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
         route = json.loads(kv.value)
         assert route["cell_id"] == "sa-0" and route["target"] == cell.target and kv.version == 1
         import hashlib
+
         assert route["token_sha256"] == hashlib.sha256(a.token.encode()).hexdigest()
-        assert a.openai_base_url and a.heartbeat_deadline_s == 60.0 and json.loads(a.task_json)["task_id"] == a.task_id
+        assert (
+            a.openai_base_url
+            and a.heartbeat_deadline_s == 60.0
+            and json.loads(a.task_json)["task_id"] == a.task_id
+        )
 
         before = (await h.status()).total
         bad = [
@@ -72,13 +84,22 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
                 await h.finish(a, **kw)
             assert err.value.code() == code, (kw, err.value.details())
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await h.h.FinishExecution(scheduler_pb2.FinishExecutionRequest(execution_id=a.execution_id, status=3, reward=1.0, idempotency_key="k"), timeout=5)
+            await h.h.FinishExecution(
+                scheduler_pb2.FinishExecutionRequest(
+                    execution_id=a.execution_id, status=3, reward=1.0, idempotency_key="k"
+                ),
+                timeout=5,
+            )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await h.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="", wait_s=1), timeout=5)
+            await h.h.AcquireExecution(
+                scheduler_pb2.AcquireExecutionRequest(harness_id="", wait_s=1), timeout=5
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as err:  # over the 16 MiB limit
-            await h.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="x" * (17 << 20), wait_s=0), timeout=10)
+            await h.h.AcquireExecution(
+                scheduler_pb2.AcquireExecutionRequest(harness_id="x" * (17 << 20), wait_s=0), timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (await h.status()).total == before
         assert await etcd.get(keys.route(a.execution_id)) is not None
@@ -97,7 +118,9 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
         assert (st.total.dispatched, st.total.finished, st.total.waterlevel) == (4, 4, 0)
         await wait_until(lambda: asyncio.sleep(0, len(packer.reports) == 4), what="finish reports")
         assert packer.reports[a.execution_id].reward == 0.5 and packer.reports[a.execution_id].group_size == 2
-        r = await h.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t", wait_s=0.1), timeout=5)
+        r = await h.h.AcquireExecution(
+            scheduler_pb2.AcquireExecutionRequest(harness_id="t", wait_s=0.1), timeout=5
+        )
         assert not r.HasField("execution") and r.burst_exhausted
     finally:
         await h.close()
@@ -122,7 +145,10 @@ async def test_burst_runs_through_transitions_both_ways(etcd_server, cluster_nam
         epoch = st.epoch
         execs = [await h.acquire() for _ in range(6)]  # quota 3 groups x 2: sat1 takes 4, core 2
         assert all(e is not None for e in execs)
-        on = {e.execution_id: json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] for e in execs}
+        on = {
+            e.execution_id: json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"]
+            for e in execs
+        }
         assert sorted(on.values()) == ["core"] * 2 + ["sat1"] * 4
         on_sat = [e for e in execs if on[e.execution_id] == "sat1"]
         on_core = [e for e in execs if on[e.execution_id] == "core"]
@@ -132,6 +158,7 @@ async def test_burst_runs_through_transitions_both_ways(etcd_server, cluster_nam
 
         async def core_training():
             return core.state == "TRAINING" and any(c[0] == "join_batch" for c in core.commands)
+
         await wait_until(core_training, what="core in training")
         for e in on_core:
             kv = await etcd.get(keys.route(e.execution_id))
@@ -146,15 +173,24 @@ async def test_burst_runs_through_transitions_both_ways(etcd_server, cluster_nam
 
         async def sat_training():
             return sat.state == "TRAINING"
+
         await wait_until(sat_training, what="satellite in training")
         # The core's optimizer step publishes v1: burst end.
-        await etcd.put(keys.policy(), json.dumps({"version": 1, "source_target": core.target, "batch_id": 1}).encode())
+        await etcd.put(
+            keys.policy(), json.dumps({"version": 1, "source_target": core.target, "batch_id": 1}).encode()
+        )
 
         async def returned():
             return sat.state == "ROLLOUT" and (await h.status()).total.dispatched == 12
+
         await wait_until(returned, what="satellite back and burst 2 dispatched")
         assert ("load_policy", epoch, 1) in sat.commands
-        assert [c[2] for c in sat.commands if c[0] == "set_state"] == ["DRAINING", "TRAINING", "RETURNING", "ROLLOUT"]
+        assert [c[2] for c in sat.commands if c[0] == "set_state"] == [
+            "DRAINING",
+            "TRAINING",
+            "RETURNING",
+            "ROLLOUT",
+        ]
         assert core.epochs() == sat.epochs() == {epoch} and {m[0] for m in router.moves} == {epoch}
         events = await read_events(h)
         reasons = [ev.message for ev in events if ev.kind == "cell_to_training"]

@@ -40,14 +40,34 @@ async def _leader_store(etcd: Etcd, keys: Keys) -> tuple[SchedulerStore, LeaderE
 
 
 def _closed_burst(burst_id: int, groups: int, group_size: int = 4) -> tuple[Burst, list[ExecutionRecord]]:
-    burst = Burst(burst_id, 0, 1, group_size, tuple(Task(f"task-{burst_id}-{t}", '{"prompt": "p"}')
-                                                     for t in range(groups)))
+    burst = Burst(
+        burst_id,
+        0,
+        1,
+        group_size,
+        tuple(Task(f"task-{burst_id}-{t}", '{"prompt": "p"}') for t in range(groups)),
+    )
     recs = []
     for seq in range(burst.quota):
         eid, gid, task = burst.member(seq)
-        recs.append(ExecutionRecord(eid, burst_id, seq, gid, task.task_id, 0, ExecState.COMPLETED, "ab" * 32,
-                                    "harness-0000", 1.7e9, 1.7e9 + 60, 0.5, "finish-key-0123456789",
-                                    "cd" * 32))
+        recs.append(
+            ExecutionRecord(
+                eid,
+                burst_id,
+                seq,
+                gid,
+                task.task_id,
+                0,
+                ExecState.COMPLETED,
+                "ab" * 32,
+                "harness-0000",
+                1.7e9,
+                1.7e9 + 60,
+                0.5,
+                "finish-key-0123456789",
+                "cd" * 32,
+            )
+        )
     return burst, recs
 
 
@@ -65,10 +85,14 @@ async def test_paged_read_is_one_snapshot(etcd_server, cluster_name):
     try:
         prefix = keys.executions(1)
         for i in range(0, 2500, MAX_TXN_OPS):
-            await etcd.txn([], [Op(prefix + f"x{j:05d}".encode(), b"v") for j in range(i, min(i + MAX_TXN_OPS, 2500))])
+            await etcd.txn(
+                [], [Op(prefix + f"x{j:05d}".encode(), b"v") for j in range(i, min(i + MAX_TXN_OPS, 2500))]
+            )
         rev, whole = await etcd.get_prefix(prefix)
         prev, paged = await etcd.get_prefix_paged(prefix, page=300)
-        assert prev == rev and [(kv.key, kv.mod_revision) for kv in paged] == [(kv.key, kv.mod_revision) for kv in whole]
+        assert prev == rev and [(kv.key, kv.mod_revision) for kv in paged] == [
+            (kv.key, kv.mod_revision) for kv in whole
+        ]
         assert len(paged) == 2500
         # Pinned to the first page's revision: keys added later do not appear.
         await etcd.put(prefix + b"x99999", b"late")
@@ -139,8 +163,9 @@ async def test_grouped_launches_and_closes_keep_their_guards_and_the_fence(etcd_
         revs = await asyncio.gather(*(store.launch(r, rt) for r, rt in zip(running, routes, strict=True)))
         assert store.group.transactions - sent < len(recs)  # shared transactions
         revs[0] = revs[0] - 1  # this close expects a revision its record is not at
-        results = await asyncio.gather(*(store.close(r, rev) for r, rev in zip(recs, revs, strict=True)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(store.close(r, rev) for r, rev in zip(recs, revs, strict=True)), return_exceptions=True
+        )
         assert isinstance(results[0], Conflict)
         assert all(isinstance(x, int) for x in results[1:])
         kv = await etcd.get(keys.execution(1, recs[1].execution_id))

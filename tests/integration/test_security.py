@@ -68,13 +68,17 @@ SECRETS: list[str] = []
 
 # service name -> (process, servicer classes served, stub classes)
 SERVED = {
-    "scheduler": [(HarnessServicer, scheduler_pb2_grpc.HarnessServiceStub),
-                  (ControlServicer, scheduler_pb2_grpc.SchedulerControlStub)],
+    "scheduler": [
+        (HarnessServicer, scheduler_pb2_grpc.HarnessServiceStub),
+        (ControlServicer, scheduler_pb2_grpc.SchedulerControlStub),
+    ],
     "router": [(RouterServicer, router_pb2_grpc.RouterStub)],
     "packer": [(PackerServicer, packer_pb2_grpc.PackerStub)],
-    "cell": [(EngineServicer, cell_agent_pb2_grpc.EngineStub),
-             (CellControlServicer, cell_agent_pb2_grpc.CellControlStub),
-             (WeightSnapshotsServicer, cell_agent_pb2_grpc.WeightSnapshotsStub)],
+    "cell": [
+        (EngineServicer, cell_agent_pb2_grpc.EngineStub),
+        (CellControlServicer, cell_agent_pb2_grpc.CellControlStub),
+        (WeightSnapshotsServicer, cell_agent_pb2_grpc.WeightSnapshotsStub),
+    ],
 }
 EXPECT = {"scheduler": Role.SCHEDULER, "router": Role.ROUTER, "packer": Role.PACKER, "cell": Role.CELL_AGENT}
 
@@ -97,30 +101,63 @@ class Cluster:
         from apps.model.tiny import build_tiny_model
 
         self.etcd.start()
-        asyncio.run(provision_etcd(self.etcd.endpoint, CLUSTER, "scheduler", "router", "packer", "cell-0", "operator"))
+        asyncio.run(
+            provision_etcd(self.etcd.endpoint, CLUSTER, "scheduler", "router", "packer", "cell-0", "operator")
+        )
         model = build_tiny_model(self.tmp / "tiny", seed=0)
         tok = build_tokenizer_dir(self.tmp / "tok")
         keys_file = self.tmp / "harness-keys"
         keys_file.write_text(f"alice {apikeys.hash_key(self.api_key)}\n")
         cfg: dict[str, Any] = {
-            "cluster": {"name": CLUSTER, "etcd_endpoints": [f"127.0.0.1:{self.etcd.client_port}"], "lease_ttl_s": 5,
-                        "log_json": True},
+            "cluster": {
+                "name": CLUSTER,
+                "etcd_endpoints": [f"127.0.0.1:{self.etcd.client_port}"],
+                "lease_ttl_s": 5,
+                "log_json": True,
+            },
             "packer": {"wal_dir": str(self.tmp / "wal"), "batch_size": 2},
-            "router": {"model_dir": str(tok), "http_port": 0, "unknown_token_wait_s": 0.2,
-                       "unknown_token_rate_per_s": 1.0, "unknown_token_burst": 3},
-            "scheduler": {"policy": "rollout_only", "batch_size": 2, "group_size": 2, "reconcile_s": 0.1,
-                          "heartbeat_deadline_s": 120.0, "harness_keys_file": str(keys_file),
-                          "harness_max_inflight": 2, "harness_acquire_rate_per_s": 0.5, "harness_acquire_burst": 4},
-            "cell_agent": {"cell_id": "cell-0", "kind": "elastic", "index": 0, "slots": 6, "engine": "mock",
-                           "model_dir": str(model), "mock": {"fixed_decode_step_s": 0.002}, "lease_ttl_s": 10,
-                           "training": {"dtype": "float32", "world_size": 1, "dist_master": f"127.0.0.1:{_free_port()}",
-                                        "claim_wait_s": 0.2}},
+            "router": {
+                "model_dir": str(tok),
+                "http_port": 0,
+                "unknown_token_wait_s": 0.2,
+                "unknown_token_rate_per_s": 1.0,
+                "unknown_token_burst": 3,
+            },
+            "scheduler": {
+                "policy": "rollout_only",
+                "batch_size": 2,
+                "group_size": 2,
+                "reconcile_s": 0.1,
+                "heartbeat_deadline_s": 120.0,
+                "harness_keys_file": str(keys_file),
+                "harness_max_inflight": 2,
+                "harness_acquire_rate_per_s": 0.5,
+                "harness_acquire_burst": 4,
+            },
+            "cell_agent": {
+                "cell_id": "cell-0",
+                "kind": "elastic",
+                "index": 0,
+                "slots": 6,
+                "engine": "mock",
+                "model_dir": str(model),
+                "mock": {"fixed_decode_step_s": 0.002},
+                "lease_ttl_s": 10,
+                "training": {
+                    "dtype": "float32",
+                    "world_size": 1,
+                    "dist_master": f"127.0.0.1:{_free_port()}",
+                    "claim_wait_s": 0.2,
+                },
+            },
         }
         path = self.tmp / "cluster.yaml"
         path.write_text(yaml.safe_dump(cfg))
 
         def run(name: str, service: str, **overrides: Any) -> ServiceProcess:
-            proc = ServiceProcess(service, path, overrides=overrides, log_path=self.tmp / f"{name}.log", name=name)
+            proc = ServiceProcess(
+                service, path, overrides=overrides, log_path=self.tmp / f"{name}.log", name=name
+            )
             self.procs[name] = proc
             return proc.start(timeout_s=120)
 
@@ -130,8 +167,11 @@ class Cluster:
         cfg["cell_agent"]["training"]["packer_target"] = packer.target
         path.write_text(yaml.safe_dump(cfg))
         run("cell", "cell_agent")
-        self.router_url = next(json.loads(line)["router_http"] for line in router.stdout_lines
-                               if line.startswith("{") and "router_http" in line)
+        self.router_url = next(
+            json.loads(line)["router_http"]
+            for line in router.stdout_lines
+            if line.startswith("{") and "router_http" in line
+        )
         return self
 
     def target(self, name: str) -> str:
@@ -173,7 +213,9 @@ def _request(table: AccessTable, method: str, cell_id: str = "") -> Any:
     return msg, desc.server_streaming
 
 
-async def _call(stub: Any, method: str, request: Any, streaming: bool, timeout: float = 5.0) -> grpc.StatusCode:
+async def _call(
+    stub: Any, method: str, request: Any, streaming: bool, timeout: float = 5.0
+) -> grpc.StatusCode:
     """The status a call ends with (OK when it returned or streamed a first message)."""
     try:
         if streaming:
@@ -193,17 +235,28 @@ async def _status(cluster: Cluster) -> dict[str, Any]:
     """What each service reports (as the operator), minus what moves on its own."""
     out: dict[str, Any] = {}
     async with channel(cluster.target("scheduler"), "operator") as ch:
-        st = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)
-        out["scheduler"] = (st.epoch, st.total.dispatched, st.total.launched, st.total.finished,
-                            [(c.cell_id, c.state) for c in st.cells])
+        st = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(
+            scheduler_pb2.GetStatusRequest(), timeout=5
+        )
+        out["scheduler"] = (
+            st.epoch,
+            st.total.dispatched,
+            st.total.launched,
+            st.total.finished,
+            [(c.cell_id, c.state) for c in st.cells],
+        )
     async with channel(cluster.target("packer"), "operator") as ch:
         b = await packer_pb2_grpc.PackerStub(ch).GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
         out["packer"] = (b.batch_id, b.sealed, b.counters.produced, b.counters.consumed, b.counters.packed)
     async with channel(cluster.target("router"), "operator") as ch:
-        r = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+        r = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(
+            router_pb2.GetRouterStatusRequest(), timeout=5
+        )
         out["router"] = (r.reroutes, r.failed_calls, r.turn_records)
     async with channel(cluster.target("cell"), "operator") as ch:
-        c = await cell_agent_pb2_grpc.CellControlStub(ch).GetCellStatus(cell_agent_pb2.GetCellStatusRequest(), timeout=5)
+        c = await cell_agent_pb2_grpc.CellControlStub(ch).GetCellStatus(
+            cell_agent_pb2.GetCellStatusRequest(), timeout=5
+        )
         out["cell"] = (c.state, c.epoch, c.load.policy_version, c.load.running_requests)
     return out
 
@@ -242,9 +295,16 @@ async def test_a_caller_without_a_certificate_is_refused_at_the_handshake(cluste
         request, streaming = _request(servicer.ACCESS, method)
         for name, ch in (
             ("plaintext", grpc.aio.insecure_channel(target)),
-            ("tls without a client certificate", grpc.aio.secure_channel(
-                target, ca_only, options=[("grpc.ssl_target_name_override", EXPECT[service].value)])),
-            ("a certificate of another CA", dial(target, TlsFiles.from_dir(rogue / "scheduler"), EXPECT[service])),
+            (
+                "tls without a client certificate",
+                grpc.aio.secure_channel(
+                    target, ca_only, options=[("grpc.ssl_target_name_override", EXPECT[service].value)]
+                ),
+            ),
+            (
+                "a certificate of another CA",
+                dial(target, TlsFiles.from_dir(rogue / "scheduler"), EXPECT[service]),
+            ),
         ):
             async with ch:
                 code = await _call(stub_cls(ch), method, request, streaming, timeout=3)
@@ -273,14 +333,20 @@ async def test_a_role_the_table_does_not_admit_gets_permission_denied_and_change
                     channels[key] = channel(cluster.target(service), name, role, EXPECT[service])
                 request, streaming = _request(servicer.ACCESS, method, cell_id="cell-0")
                 code = await _call(stub_cls(channels[key]), method, request, streaming)
-                assert code == grpc.StatusCode.PERMISSION_DENIED, f"{service} {method} as {role.value}: {code}"
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (
+                    f"{service} {method} as {role.value}: {code}"
+                )
                 checked += 1
             if rule.own:  # an admitted role, acting for another cell
                 key = f"{service}/cell-1"
-                channels.setdefault(key, channel(cluster.target(service), "cell-1", Role.CELL_AGENT, EXPECT[service]))
+                channels.setdefault(
+                    key, channel(cluster.target(service), "cell-1", Role.CELL_AGENT, EXPECT[service])
+                )
                 request, streaming = _request(servicer.ACCESS, method, cell_id="cell-0")
                 code = await _call(stub_cls(channels[key]), method, request, streaming)
-                assert code == grpc.StatusCode.PERMISSION_DENIED, f"{service} {method} for another cell: {code}"
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (
+                    f"{service} {method} for another cell: {code}"
+                )
                 checked += 1
     finally:
         for ch in channels.values():
@@ -298,29 +364,52 @@ async def test_forged_epochs_neither_act_nor_raise_a_floor(cluster):
     epoch = before["scheduler"][0]
     fence = common_pb2.Fence(epoch=FORGED)
     forged = [
-        ("router", router_pb2_grpc.RouterStub, "MoveExecutions", router_pb2.MoveExecutionsRequest(fence=fence)),
+        (
+            "router",
+            router_pb2_grpc.RouterStub,
+            "MoveExecutions",
+            router_pb2.MoveExecutionsRequest(fence=fence),
+        ),
         ("packer", packer_pb2_grpc.PackerStub, "SealBatch", packer_pb2.SealBatchRequest(fence=fence)),
-        ("cell", cell_agent_pb2_grpc.CellControlStub, "SetState",
-         cell_agent_pb2.SetStateRequest(fence=fence, target=common_pb2.CELL_STATE_FAILED)),
-        ("cell", cell_agent_pb2_grpc.CellControlStub, "LoadPolicy",
-         cell_agent_pb2.LoadPolicyRequest(fence=fence, version=99, source_target="127.0.0.1:1")),
-        ("cell", cell_agent_pb2_grpc.CellControlStub, "JoinBatch",
-         cell_agent_pb2.JoinBatchRequest(fence=fence, batch_id=1, prefix_size=1)),
+        (
+            "cell",
+            cell_agent_pb2_grpc.CellControlStub,
+            "SetState",
+            cell_agent_pb2.SetStateRequest(fence=fence, target=common_pb2.CELL_STATE_FAILED),
+        ),
+        (
+            "cell",
+            cell_agent_pb2_grpc.CellControlStub,
+            "LoadPolicy",
+            cell_agent_pb2.LoadPolicyRequest(fence=fence, version=99, source_target="127.0.0.1:1"),
+        ),
+        (
+            "cell",
+            cell_agent_pb2_grpc.CellControlStub,
+            "JoinBatch",
+            cell_agent_pb2.JoinBatchRequest(fence=fence, batch_id=1, prefix_size=1),
+        ),
     ]
     for service, stub_cls, method, request in forged:
         async with channel(cluster.target(service), "scheduler", expect=EXPECT[service]) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await getattr(stub_cls(ch), method)(request, timeout=10)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (service, method, err.value.details())
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (
+                service,
+                method,
+                err.value.details(),
+            )
     assert await _status(cluster) == before  # the cell did not fail, nothing loaded
     # No floor moved: the real leader's epoch is still accepted everywhere.
     async with channel(cluster.target("router"), "scheduler", expect=Role.ROUTER) as ch:
         await router_pb2_grpc.RouterStub(ch).MoveExecutions(
-            router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=epoch)), timeout=10)
+            router_pb2.MoveExecutionsRequest(fence=common_pb2.Fence(epoch=epoch)), timeout=10
+        )
     async with channel(cluster.target("packer"), "scheduler", expect=Role.PACKER) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:  # nothing to seal, but not for the epoch
             await packer_pb2_grpc.PackerStub(ch).SealBatch(
-                packer_pb2.SealBatchRequest(fence=common_pb2.Fence(epoch=epoch)), timeout=10)
+                packer_pb2.SealBatchRequest(fence=common_pb2.Fence(epoch=epoch)), timeout=10
+            )
         assert "epoch" not in err.value.details()
     assert (await _status(cluster))["cell"][1] == before["cell"][1] < FORGED
 
@@ -331,11 +420,21 @@ async def test_forged_epochs_neither_act_nor_raise_a_floor(cluster):
 async def test_an_etcd_client_cannot_write_another_services_keys(cluster):
     keys = Keys(CLUSTER)
     foreign = {
-        "scheduler": [keys.cell("cell-0"), keys.cell_state("cell-0"), keys.policy(), keys.services("router") + b"x"],
+        "scheduler": [
+            keys.cell("cell-0"),
+            keys.cell_state("cell-0"),
+            keys.policy(),
+            keys.services("router") + b"x",
+        ],
         "router": [keys.leader(), keys.route("x"), keys.execution(1, "x"), keys.cell("cell-0")],
         "packer": [keys.leader(), keys.route("x"), keys.policy(), keys.services("router") + b"x"],
-        "cell-0": [keys.cell("cell-1"), keys.cell_state("cell-1"), keys.leader(), keys.route("x"),
-                   keys.services("scheduler") + b"x"],
+        "cell-0": [
+            keys.cell("cell-1"),
+            keys.cell_state("cell-1"),
+            keys.leader(),
+            keys.route("x"),
+            keys.services("scheduler") + b"x",
+        ],
         "operator": [keys.leader(), keys.policy(), keys.cell("cell-0")],
     }
     endpoint = f"https://127.0.0.1:{cluster.etcd.client_port}"
@@ -360,8 +459,9 @@ def _harness(cluster: Cluster, name: str, key: str | None = None) -> tuple[grpc.
 
 
 async def _acquire(stub: Any, md: tuple, wait_s: float = 10.0) -> scheduler_pb2.Execution:
-    r = await stub.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="h", wait_s=wait_s),
-                                    metadata=md, timeout=wait_s + 5)
+    r = await stub.AcquireExecution(
+        scheduler_pb2.AcquireExecutionRequest(harness_id="h", wait_s=wait_s), metadata=md, timeout=wait_s + 5
+    )
     assert r.HasField("execution")
     SECRETS.append(r.execution.token)
     return r.execution
@@ -393,43 +493,72 @@ async def test_harness_credentials_ownership_and_limits(cluster):
         # harness-b holds a's token (a leak) but not a's execution.
         md = (("authorization", f"Bearer {a.token}"),)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub_b.Heartbeat(scheduler_pb2.HeartbeatRequest(execution_id=a.execution_id), metadata=md, timeout=5)
+            await stub_b.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(execution_id=a.execution_id), metadata=md, timeout=5
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub_b.FinishExecution(scheduler_pb2.FinishExecutionRequest(
-                execution_id=a.execution_id, status=common_pb2.EXECUTION_STATUS_FAILED, idempotency_key="x"),
-                metadata=md, timeout=5)
+            await stub_b.FinishExecution(
+                scheduler_pb2.FinishExecutionRequest(
+                    execution_id=a.execution_id,
+                    status=common_pb2.EXECUTION_STATUS_FAILED,
+                    idempotency_key="x",
+                ),
+                metadata=md,
+                timeout=5,
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # Its own token on a's execution: PERMISSION_DENIED at the scheduler and the router.
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub_b.Heartbeat(scheduler_pb2.HeartbeatRequest(execution_id=a.execution_id),
-                                   metadata=(("authorization", f"Bearer {b.token}"),), timeout=5)
+            await stub_b.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(execution_id=a.execution_id),
+                metadata=(("authorization", f"Bearer {b.token}"),),
+                timeout=5,
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         async with channel(cluster.target("router"), "harness-b", Role.HARNESS, Role.ROUTER) as rch:
-            call = router_pb2_grpc.RouterStub(rch).Generate(router_pb2.GenerateRequest(
-                execution_id=a.execution_id, prompt_token_ids=[5, 6],
-                sampling=common_pb2.SamplingParams(max_tokens=2)),
-                metadata=(("authorization", f"Bearer {b.token}"),), timeout=5)
+            call = router_pb2_grpc.RouterStub(rch).Generate(
+                router_pb2.GenerateRequest(
+                    execution_id=a.execution_id,
+                    prompt_token_ids=[5, 6],
+                    sampling=common_pb2.SamplingParams(max_tokens=2),
+                ),
+                metadata=(("authorization", f"Bearer {b.token}"),),
+                timeout=5,
+            )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call.read()
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # The API-key harness is a different harness from the certificate it shares.
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub_a.Heartbeat(scheduler_pb2.HeartbeatRequest(execution_id=k.execution_id),
-                                   metadata=(("authorization", f"Bearer {k.token}"),), timeout=5)
+            await stub_a.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(execution_id=k.execution_id),
+                metadata=(("authorization", f"Bearer {k.token}"),),
+                timeout=5,
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert await _status(cluster) == before
 
         # The owner may: heartbeat, then close (which revokes the token at the router).
-        await stub_a.Heartbeat(scheduler_pb2.HeartbeatRequest(execution_id=a.execution_id), metadata=md, timeout=5)
-        await stub_a.FinishExecution(scheduler_pb2.FinishExecutionRequest(
-            execution_id=a.execution_id, status=common_pb2.EXECUTION_STATUS_CANCELLED, idempotency_key="a"),
-            metadata=md, timeout=5)
+        await stub_a.Heartbeat(
+            scheduler_pb2.HeartbeatRequest(execution_id=a.execution_id), metadata=md, timeout=5
+        )
+        await stub_a.FinishExecution(
+            scheduler_pb2.FinishExecutionRequest(
+                execution_id=a.execution_id, status=common_pb2.EXECUTION_STATUS_CANCELLED, idempotency_key="a"
+            ),
+            metadata=md,
+            timeout=5,
+        )
         await asyncio.sleep(0.5)  # the route deletion reaches the router's watch
-        async with aiohttp.ClientSession() as http, http.post(
-            f"{cluster.router_url}/chat/completions", headers={"Authorization": f"Bearer {a.token}"},
-            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        ) as resp:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"{cluster.router_url}/chat/completions",
+                headers={"Authorization": f"Bearer {a.token}"},
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            ) as resp,
+        ):
             assert resp.status == 401
 
         # Limits: harness-b may hold 2 executions; its acquire rate is 0.5/s after a burst of 4.
@@ -453,9 +582,11 @@ async def test_unknown_tokens_are_answered_from_memory_and_rate_limited(cluster)
     codes = []
     async with aiohttp.ClientSession() as http:
         for i in range(8):
-            async with http.post(f"{cluster.router_url}/chat/completions",
-                                 headers={"Authorization": f"Bearer forged-{i}"},
-                                 json={"model": "m", "messages": [{"role": "user", "content": "x"}]}) as resp:
+            async with http.post(
+                f"{cluster.router_url}/chat/completions",
+                headers={"Authorization": f"Bearer forged-{i}"},
+                json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+            ) as resp:
                 codes.append(resp.status)
     assert set(codes) == {401, 429} and codes.index(429) > codes.index(401), codes
     await _status(cluster)  # still healthy

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_emulated_cluster_reaches_n_updates(tmp_path) -> None:
     cfg = load_config("bench/cluster.yaml")
-    cfg, sc = small_scenario(cfg, cfg.scenario("A64"), cells=4, slots=8, batch_groups=4, updates=2,
-                             turns_median=3, turns_hi=6)
+    cfg, sc = small_scenario(
+        cfg, cfg.scenario("A64"), cells=4, slots=8, batch_groups=4, updates=2, turns_median=3, turns_hi=6
+    )
     res = run_emulated(cfg, sc, time_scale=10.0, run_dir=tmp_path, run_timeout_s=150.0)
     assert res.ran, res.reason
     assert res.updates == 2 and len(res.emulated_update_times_s) == 2

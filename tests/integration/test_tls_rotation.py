@@ -42,9 +42,10 @@ async def test_a_rotated_certificate_takes_effect_without_a_restart(tmp_path):
     certs.ensure(tmp_path / "new", who)
     live = tmp_path / "live"
     shutil.copytree(tmp_path / "old" / "scheduler", live)
-    server = GrpcServer(ServiceConfig(port=0, grace_s=0, tls=TlsConfig(dir=str(live))),
-                        [(_Control(), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server,
-                          "gyre.v1.SchedulerControl")])
+    server = GrpcServer(
+        ServiceConfig(port=0, grace_s=0, tls=TlsConfig(dir=str(live))),
+        [(_Control(), scheduler_pb2_grpc.add_SchedulerControlServicer_to_server, "gyre.v1.SchedulerControl")],
+    )
     port = await server.start()
     target = f"127.0.0.1:{port}"
     old_client = TlsFiles.from_dir(tmp_path / "old" / "operator")

@@ -42,11 +42,17 @@ async def test_one_trace_from_harness_to_engine(tmp_path: Path):
 
     model_dir = build_tiny_model(tmp_path / "model")
     data = yaml.safe_load((ROOT / "deploy" / "local" / "cluster.yaml").read_text())
-    data["cell_agent"].update(engine="mock", model_dir=str(model_dir), mock={"time_scale": 0.0}, tracing="console")
+    data["cell_agent"].update(
+        engine="mock", model_dir=str(model_dir), mock={"time_scale": 0.0}, tracing="console"
+    )
     data["router"].update(model_dir=str(model_dir), tracing="console")
-    data["scheduler"].update(max_bursts=1, policy="rollout_only", batch_size=1, group_size=1, over_provision=0.0)
+    data["scheduler"].update(
+        max_bursts=1, policy="rollout_only", batch_size=1, group_size=1, over_provision=0.0
+    )
     data.pop("training", None)
-    data["launch"]["processes"] = [p for p in data["launch"]["processes"] if p.get("name") not in ("cell-1", "cell-2", "dashboard")]
+    data["launch"]["processes"] = [
+        p for p in data["launch"]["processes"] if p.get("name") not in ("cell-1", "cell-2", "dashboard")
+    ]
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(data))
 
@@ -58,7 +64,9 @@ async def test_one_trace_from_harness_to_engine(tmp_path: Path):
     cluster = Cluster(config, tmp_path / "run", free_ports=True)
     cluster.start()
     try:
-        async with HarnessClient(cluster.procs["scheduler"].target, tls_dir=cluster.pki.identity_dir("harness")) as client:
+        async with HarnessClient(
+            cluster.procs["scheduler"].target, tls_dir=cluster.pki.identity_dir("harness")
+        ) as client:
             execution = await client.acquire(wait_s=10)
             assert execution is not None
             with tracer.start_as_current_span("harness.turn") as span:
@@ -71,7 +79,10 @@ async def test_one_trace_from_harness_to_engine(tmp_path: Path):
     logs = cluster.run_dir / "logs"
     router_spans = [s for s in spans_in(logs / "router.log") if s["context"]["trace_id"] == trace_id]
     engine_spans = [
-        s for name in ("cell-0", "cell-3") for s in spans_in(logs / f"{name}.log") if s["context"]["trace_id"] == trace_id
+        s
+        for name in ("cell-0", "cell-3")
+        for s in spans_in(logs / f"{name}.log")
+        if s["context"]["trace_id"] == trace_id
     ]
     assert router_spans, "the router's span did not join the harness's trace"
     assert engine_spans, "the engine's span did not join the harness's trace"

@@ -55,16 +55,37 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
     await server.start()
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {"kind": "elastic", "slots": 2, "engine": "mock", "model_dir": str(model_dir),
-                       "mock": {"fixed_decode_step_s": 0.002}, "probe_interval_s": 1.0, "drain_wait_s": 1.0,
-                       "training": {"dtype": "float64", "lr": LR, "world_size": 2,
-                                    "dist_master": f"127.0.0.1:{_free_port()}", "packer_target": f"127.0.0.1:{pport}",
-                                    "claim_wait_s": 0.2}},
+        "cell_agent": {
+            "kind": "elastic",
+            "slots": 2,
+            "engine": "mock",
+            "model_dir": str(model_dir),
+            "mock": {"fixed_decode_step_s": 0.002},
+            "probe_interval_s": 1.0,
+            "drain_wait_s": 1.0,
+            "training": {
+                "dtype": "float64",
+                "lr": LR,
+                "world_size": 2,
+                "dist_master": f"127.0.0.1:{_free_port()}",
+                "packer_target": f"127.0.0.1:{pport}",
+                "claim_wait_s": 0.2,
+            },
+        },
     }
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    procs = [ServiceProcess("cell_agent", path, {"cell_id": f"e{i}", "index": i}, env={"OMP_NUM_THREADS": "1"},
-                            log_path=tmp_path / f"e{i}.log", name=f"e{i}") for i in range(2)]
+    procs = [
+        ServiceProcess(
+            "cell_agent",
+            path,
+            {"cell_id": f"e{i}", "index": i},
+            env={"OMP_NUM_THREADS": "1"},
+            log_path=tmp_path / f"e{i}.log",
+            name=f"e{i}",
+        )
+        for i in range(2)
+    ]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     keys = Keys(cluster_name)
@@ -83,12 +104,16 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
                 await c.SetState(pb.SetStateRequest(fence=fence, target=state), timeout=30)
 
         packer.add_batch(1, 0, steps, released=1)
-        r = await ctl[0].JoinBatch(pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=1,
-                                                       core_target=core), timeout=60)
+        r = await ctl[0].JoinBatch(
+            pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=1, core_target=core),
+            timeout=60,
+        )
         assert r.joined
         await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
-        r = await ctl[1].JoinBatch(pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=2,
-                                                       core_target=core), timeout=60)
+        r = await ctl[1].JoinBatch(
+            pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=2, core_target=core),
+            timeout=60,
+        )
         assert r.joined
         packer.release(1, 1, for_cell="e1")
         packer.release(1)
@@ -106,7 +131,9 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
 
         for c in ctl:
             await c.SetState(pb.SetStateRequest(fence=fence, target=cpb.CELL_STATE_RETURNING), timeout=60)
-            loaded = await c.LoadPolicy(pb.LoadPolicyRequest(fence=fence, version=1, source_target=core), timeout=60)
+            loaded = await c.LoadPolicy(
+                pb.LoadPolicyRequest(fence=fence, version=1, source_target=core), timeout=60
+            )
             assert loaded.policy_version == 1
             await c.SetState(pb.SetStateRequest(fence=fence, target=cpb.CELL_STATE_ROLLOUT), timeout=60)
         for i in range(2):

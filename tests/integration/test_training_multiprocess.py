@@ -64,8 +64,13 @@ def _reference(model_dir, batches):
 async def _join(epoch: int, target: str, batch: int, version: int, prefix: int, core: str) -> bool:
     async with channel(target, "scheduler") as ch:
         r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=version,
-                                prefix_size=prefix, core_target=core),
+            pb.JoinBatchRequest(
+                fence=cpb.Fence(epoch=epoch),
+                batch_id=batch,
+                policy_version=version,
+                prefix_size=prefix,
+                core_target=core,
+            ),
             timeout=60,
         )
     return r.joined
@@ -86,10 +91,17 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
         "trainer_cell": {
             "log_json": True,
             "training": {
-                "model_dir": str(model_dir), "dtype": "float64", "lr": LR, "max_grad_norm": 1.0,
-                "world_size": 3, "dist_master": f"127.0.0.1:{_free_port()}", "dist_timeout_s": 120,
-                "packer_target": f"127.0.0.1:{packer_port}", "claim_wait_s": 0.2,
-                "checkpoint_dir": str(tmp_path / "ckpt"), "snapshot_chunk_bytes": 65536,
+                "model_dir": str(model_dir),
+                "dtype": "float64",
+                "lr": LR,
+                "max_grad_norm": 1.0,
+                "world_size": 3,
+                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_timeout_s": 120,
+                "packer_target": f"127.0.0.1:{packer_port}",
+                "claim_wait_s": 0.2,
+                "checkpoint_dir": str(tmp_path / "ckpt"),
+                "snapshot_chunk_bytes": 65536,
             },
         },
     }
@@ -97,8 +109,14 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = {"OMP_NUM_THREADS": "1", "GYRE_FAILPOINTS": ""}
     procs = [
-        ServiceProcess("cell_agent.training.worker", cfg_path, {"cell_id": f"c{i}", "index": i},
-                       env=env, log_path=tmp_path / f"c{i}.log", name=f"c{i}")
+        ServiceProcess(
+            "cell_agent.training.worker",
+            cfg_path,
+            {"cell_id": f"c{i}", "index": i},
+            env=env,
+            log_path=tmp_path / f"c{i}.log",
+            name=f"c{i}",
+        )
         for i in range(3)
     ]
     etcd = Etcd([etcd_server.endpoint])
@@ -138,7 +156,11 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
             version, got = await pull_snapshot(target, 2, chunk_bytes=65536)
             assert version == 2
             for name, w in want.items():
-                assert torch.allclose(got[name], w, rtol=0, atol=1e-9), (target, name, (got[name] - w).abs().max())
+                assert torch.allclose(got[name], w, rtol=0, atol=1e-9), (
+                    target,
+                    name,
+                    (got[name] - w).abs().max(),
+                )
         # The step was recorded durably (weights + optimizer) on the core.
         assert any(n.startswith("step-00000002-b2") for n in os.listdir(tmp_path / "ckpt"))
     finally:

@@ -52,16 +52,27 @@ def _records(group: int):
         x, g = f"g{group}-x{k}", f"g{group}"
         for i in range(2):
             n_out = rng.randint(4, 10)
-            turns.append(ppb.TurnRecord(
-                execution_id=x, group_id=g, turn_index=i,
-                prompt_token_ids=[rng.randrange(3, 500) for _ in range(rng.randint(4, 12))],
-                output_token_ids=[rng.randrange(3, 500) for _ in range(n_out)],
-                output_logprobs=[-rng.uniform(5.0, 7.0) for _ in range(n_out)],
-                output_policy_versions=[0] * n_out,
-            ))
-        finishes.append(ppb.FinishReport(execution_id=x, group_id=g, group_size=GROUP_SIZE,
-                                         status=cpb.EXECUTION_STATUS_COMPLETED, reward=float(k) + group,
-                                         policy_version=0))
+            turns.append(
+                ppb.TurnRecord(
+                    execution_id=x,
+                    group_id=g,
+                    turn_index=i,
+                    prompt_token_ids=[rng.randrange(3, 500) for _ in range(rng.randint(4, 12))],
+                    output_token_ids=[rng.randrange(3, 500) for _ in range(n_out)],
+                    output_logprobs=[-rng.uniform(5.0, 7.0) for _ in range(n_out)],
+                    output_policy_versions=[0] * n_out,
+                )
+            )
+        finishes.append(
+            ppb.FinishReport(
+                execution_id=x,
+                group_id=g,
+                group_size=GROUP_SIZE,
+                status=cpb.EXECUTION_STATUS_COMPLETED,
+                reward=float(k) + group,
+                policy_version=0,
+            )
+        )
     return turns, finishes
 
 
@@ -75,29 +86,60 @@ async def _feed(stub, group: int) -> None:
 
 async def _join(epoch: int, target: str, batch: int, prefix: int, core: str) -> bool:
     async with channel(target, "scheduler") as ch:
-        return (await pb_grpc.CellControlStub(ch).JoinBatch(pb.JoinBatchRequest(
-            fence=cpb.Fence(epoch=epoch), batch_id=batch, policy_version=0, prefix_size=prefix, core_target=core),
-            timeout=60)).joined
+        return (
+            await pb_grpc.CellControlStub(ch).JoinBatch(
+                pb.JoinBatchRequest(
+                    fence=cpb.Fence(epoch=epoch),
+                    batch_id=batch,
+                    policy_version=0,
+                    prefix_size=prefix,
+                    core_target=core,
+                ),
+                timeout=60,
+            )
+        ).joined
 
 
 async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[str, torch.Tensor]:
     tmp.mkdir()
     cfg = {
         "cluster": {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
-        "packer": {"wal_dir": str(tmp / "wal"), "wal_fsync": False, "batch_size": 2,
-                   "micro_step_token_budget": 48, "claim_ttl_s": 3.0, "reap_interval_s": 0.2,
-                   "ready_grace_s": 0.0, "log_level": "WARNING"},
-        "trainer_cell": {"training": {
-            "model_dir": str(model_dir), "dtype": "float64", "lr": 5e-3, "world_size": cells,
-            "dist_master": f"127.0.0.1:{_free_port()}", "claim_wait_s": 0.3}},
+        "packer": {
+            "wal_dir": str(tmp / "wal"),
+            "wal_fsync": False,
+            "batch_size": 2,
+            "micro_step_token_budget": 48,
+            "claim_ttl_s": 3.0,
+            "reap_interval_s": 0.2,
+            "ready_grace_s": 0.0,
+            "log_level": "WARNING",
+        },
+        "trainer_cell": {
+            "training": {
+                "model_dir": str(model_dir),
+                "dtype": "float64",
+                "lr": 5e-3,
+                "world_size": cells,
+                "dist_master": f"127.0.0.1:{_free_port()}",
+                "claim_wait_s": 0.3,
+            }
+        },
     }
     path = tmp / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     packer = ServiceProcess("packer", path, log_path=tmp / "packer.log").start(timeout_s=60)
     cfg["trainer_cell"]["training"]["packer_target"] = packer.target
     path.write_text(yaml.safe_dump(cfg))
-    procs = [ServiceProcess("cell_agent.training.worker", path, {"cell_id": f"c{i}", "index": i},
-                            env={"OMP_NUM_THREADS": "1"}, log_path=tmp / f"c{i}.log") for i in range(cells)]
+    procs = [
+        ServiceProcess(
+            "cell_agent.training.worker",
+            path,
+            {"cell_id": f"c{i}", "index": i},
+            env={"OMP_NUM_THREADS": "1"},
+            log_path=tmp / f"c{i}.log",
+        )
+        for i in range(cells)
+    ]
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster))
@@ -138,12 +180,17 @@ async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[st
         await etcd.close()
 
 
-async def test_one_cell_and_two_cells_agree_on_the_real_packer(tmp_path, etcd_server, cluster_name, model_dir):
+async def test_one_cell_and_two_cells_agree_on_the_real_packer(
+    tmp_path, etcd_server, cluster_name, model_dir
+):
     alone = await _run(tmp_path / "one", etcd_server, cluster_name + "a", model_dir, 1)
     shared = await _run(tmp_path / "two", etcd_server, cluster_name + "b", model_dir, 2)
     for name, w in alone.items():
         assert torch.allclose(shared[name], w, rtol=0, atol=1e-9), (name, (shared[name] - w).abs().max())
     # The satellite trained part of the batch (parsed from its own log).
-    done = [json.loads(line) for line in (tmp_path / "two" / "c1.log").read_text().splitlines()
-            if line.startswith("{") and '"batch done"' in line]
+    done = [
+        json.loads(line)
+        for line in (tmp_path / "two" / "c1.log").read_text().splitlines()
+        if line.startswith("{") and '"batch done"' in line
+    ]
     assert done and done[-1]["local_micro_steps"] >= 1 and done[-1]["prefix_size"] == 2

@@ -34,7 +34,8 @@ async def test_engine_greedy_matches_trainer_after_publication(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     text = tok.apply_chat_template(
         [{"role": "user", "content": "Use the tools to read the file, then answer."}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     prompt = list(tok(text)["input_ids"])
 
@@ -56,8 +57,11 @@ async def test_engine_greedy_matches_trainer_after_publication(tmp_path):
     engine = VllmEngine(str(model_dir), max_model_len=512, max_num_seqs=4, dtype="float32", policy_version=1)
     await engine.start()
     try:
+
         async def greedy(rid: str) -> list[int]:
-            return [t async for c in engine.generate(rid, prompt, Sampling(max_tokens=N)) for t in c.token_ids]
+            return [
+                t async for c in engine.generate(rid, prompt, Sampling(max_tokens=N)) for t in c.token_ids
+            ]
 
         assert await greedy("before") == before
         version, state = await snapshots.pull_snapshot(f"127.0.0.1:{port}", 2)

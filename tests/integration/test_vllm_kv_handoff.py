@@ -125,11 +125,15 @@ async def test_a_failed_handoff_falls_back_to_recompute(engines, case):
     got, handle = await _move(src, f"live-{case}", prompt, export=True)
     assert handle is not None
     if case == "source_gone":
-        handle = KvHandle(handle.handle_id, handle.source_cell, handle.num_tokens, "127.0.0.1:9", handle.medium)
+        handle = KvHandle(
+            handle.handle_id, handle.source_cell, handle.num_tokens, "127.0.0.1:9", handle.medium
+        )
     elif case == "released":
         await src.release_kv(handle.handle_id)
     else:
-        handle = KvHandle(handle.handle_id, handle.source_cell, handle.num_tokens, handle.locator, "carrier-pigeon")
+        handle = KvHandle(
+            handle.handle_id, handle.source_cell, handle.num_tokens, handle.locator, "carrier-pigeon"
+        )
     rest = await _run(dst, f"cont-{case}", prompt + got, N - len(got), handle)
     assert got + rest == full
     await src.release_kv(handle.handle_id)

@@ -10,7 +10,11 @@ S = CellState
 # rather than read from the code's table: STARTING -> ROLLOUT -> DRAINING -> TRAINING ->
 # RETURNING -> ROLLOUT, a drain may be called off (DRAINING -> ROLLOUT), anything may fail.
 ALLOWED = {
-    (S.STARTING, S.ROLLOUT), (S.ROLLOUT, S.DRAINING), (S.DRAINING, S.TRAINING), (S.DRAINING, S.ROLLOUT),
-    (S.TRAINING, S.RETURNING), (S.RETURNING, S.ROLLOUT),
+    (S.STARTING, S.ROLLOUT),
+    (S.ROLLOUT, S.DRAINING),
+    (S.DRAINING, S.TRAINING),
+    (S.DRAINING, S.ROLLOUT),
+    (S.TRAINING, S.RETURNING),
+    (S.RETURNING, S.ROLLOUT),
     *((source, S.FAILED) for source in S if source is not S.FAILED),
 }

@@ -29,7 +29,10 @@ class ManualClock:
 
 def config(**overrides: Any) -> PackerConfig:
     base: dict[str, Any] = {
-        "batch_size": 2, "micro_step_token_budget": 64, "policy_from_etcd": False, "ready_grace_s": 0.0,
+        "batch_size": 2,
+        "micro_step_token_budget": 64,
+        "policy_from_etcd": False,
+        "ready_grace_s": 0.0,
     }
     base.update(overrides)
     return PackerConfig(**base)
@@ -42,39 +45,60 @@ def make_packer(**overrides: Any) -> tuple[Packer, MemoryLog, ManualClock]:
     return packer, log, clock
 
 
-def turn(
-    x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: int = 0, **kw: Any
-) -> Turn:
+def turn(x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: int = 0, **kw: Any) -> Turn:
     """A valid turn with ``prompt`` prompt tokens and ``output`` output tokens."""
     return Turn.validated(
-        x, g, i, kw.get("prompt_ids", range(1, prompt + 1)), kw.get("output_ids", range(100, 100 + output)),
-        kw.get("logprobs", [-0.5] * output), kw.get("versions", [version] * output),
-        kw.get("mask", []), kw.get("max_tokens", 1 << 20),
+        x,
+        g,
+        i,
+        kw.get("prompt_ids", range(1, prompt + 1)),
+        kw.get("output_ids", range(100, 100 + output)),
+        kw.get("logprobs", [-0.5] * output),
+        kw.get("versions", [version] * output),
+        kw.get("mask", []),
+        kw.get("max_tokens", 1 << 20),
     )
 
 
 def finish(
-    x: str, g: str, size: int, reward: float = 1.0, status: ExecStatus = ExecStatus.COMPLETED, version: int = 0
+    x: str,
+    g: str,
+    size: int,
+    reward: float = 1.0,
+    status: ExecStatus = ExecStatus.COMPLETED,
+    version: int = 0,
 ) -> Finish:
     return Finish.validated(x, g, size, status, reward, version, 1 << 16)
 
 
-def turn_proto(x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: int = 0) -> packer_pb2.TurnRecord:
+def turn_proto(
+    x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: int = 0
+) -> packer_pb2.TurnRecord:
     return packer_pb2.TurnRecord(
-        execution_id=x, group_id=g, turn_index=i, prompt_token_ids=list(range(1, prompt + 1)),
-        output_token_ids=list(range(100, 100 + output)), output_logprobs=[-0.5] * output,
+        execution_id=x,
+        group_id=g,
+        turn_index=i,
+        prompt_token_ids=list(range(1, prompt + 1)),
+        output_token_ids=list(range(100, 100 + output)),
+        output_logprobs=[-0.5] * output,
         output_policy_versions=[version] * output,
     )
 
 
 def finish_proto(x: str, g: str, size: int, reward: float = 1.0, version: int = 0) -> packer_pb2.FinishReport:
     return packer_pb2.FinishReport(
-        execution_id=x, group_id=g, group_size=size, status=common_pb2.EXECUTION_STATUS_COMPLETED,
-        reward=reward, policy_version=version,
+        execution_id=x,
+        group_id=g,
+        group_size=size,
+        status=common_pb2.EXECUTION_STATUS_COMPLETED,
+        reward=reward,
+        policy_version=version,
     )
 
 
-async def feed_group(packer: Packer, g: str, size: int = 2, turns: int = 1, prompt: int = 4, output: int = 4) -> None:
+async def feed_group(
+    packer: Packer, g: str, size: int = 2, turns: int = 1, prompt: int = 4, output: int = 4
+) -> None:
     """Records ``turns`` turns for each of ``size`` executions of group ``g`` and finishes
     them with distinct rewards (so the group is never zero-variance)."""
     for k in range(size):
@@ -91,16 +115,35 @@ def snapshot(state: PackerState) -> dict[str, Any]:
     return {
         "counters": state.counters(),
         "groups": {
-            g: (grp.state.value, grp.batch_id, sorted(grp.execs), grp.size, sorted(grp.advantages.items()),
-                grp.oldest_version, sorted((x, sorted(e.turns), e.finish) for x, e in grp.execs.items()))
+            g: (
+                grp.state.value,
+                grp.batch_id,
+                sorted(grp.execs),
+                grp.size,
+                sorted(grp.advantages.items()),
+                grp.oldest_version,
+                sorted((x, sorted(e.turns), e.finish) for x, e in grp.execs.items()),
+            )
             for g, grp in state.groups.items()
         },
         "seen_turns": sorted(state.seen_turns.items()),
         "finished": sorted(state.finished.items()),
         "ready": list(state.ready),
         "batches": {
-            b: (bt.size, bt.version, list(bt.groups), list(bt.pending), bt.sealed, bt.closed, bt.done,
-                bt.total_loss_tokens, sorted(bt.participants), sorted(bt.free), bt.packed_seqs, bt.acked)
+            b: (
+                bt.size,
+                bt.version,
+                list(bt.groups),
+                list(bt.pending),
+                bt.sealed,
+                bt.closed,
+                bt.done,
+                bt.total_loss_tokens,
+                sorted(bt.participants),
+                sorted(bt.free),
+                bt.packed_seqs,
+                bt.acked,
+            )
             for b, bt in state.batches.items()
         },
         "micro_steps": {
@@ -119,16 +162,26 @@ def write_config(tmp_path: Any, etcd_server: Any, cluster_name: str, **packer: A
     import yaml
 
     section: dict[str, Any] = {
-        "wal_dir": str(tmp_path / "wal"), "batch_size": 4, "micro_step_token_budget": 48,
-        "claim_ttl_s": 2.0, "reap_interval_s": 0.2, "lease_ttl_s": 3, "log_level": "WARNING",
-        "max_message_bytes": 1 << 20, "ready_grace_s": 0.0,
+        "wal_dir": str(tmp_path / "wal"),
+        "batch_size": 4,
+        "micro_step_token_budget": 48,
+        "claim_ttl_s": 2.0,
+        "reap_interval_s": 0.2,
+        "lease_ttl_s": 3,
+        "log_level": "WARNING",
+        "max_message_bytes": 1 << 20,
+        "ready_grace_s": 0.0,
     }
     section.update(packer)
     path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump({
-        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "packer": section,
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+                "packer": section,
+            }
+        )
+    )
     return path
 
 

@@ -77,11 +77,16 @@ class FakeStore:
         return self.revision
 
     async def load(self) -> Stored:
-        summary = ArchiveSummary() if self.summary is None else ArchiveSummary.from_json(
-            self.summary.value, self.summary.mod_revision)
+        summary = (
+            ArchiveSummary()
+            if self.summary is None
+            else ArchiveSummary.from_json(self.summary.value, self.summary.mod_revision)
+        )
         bursts = [Burst.from_json(v.value) for _, v in sorted(self.bursts.items())]
         execs = [ExecutionRecord.from_json(v.value, v.mod_revision) for v in self.execs.values()]
-        routes = [Route.from_json(v.value, v.version, mod_revision=v.mod_revision) for v in self.routes.values()]
+        routes = [
+            Route.from_json(v.value, v.version, mod_revision=v.mod_revision) for v in self.routes.values()
+        ]
         return Stored(bursts, execs, routes, {k: dict(v) for k, v in self.transitions.items()}, summary)
 
     async def archive(self, summary: ArchiveSummary, expected_revision: int) -> int:
@@ -95,7 +100,9 @@ class FakeStore:
         return rev
 
     async def read_routes(self) -> list[Route]:
-        return [Route.from_json(v.value, v.version, mod_revision=v.mod_revision) for v in self.routes.values()]
+        return [
+            Route.from_json(v.value, v.version, mod_revision=v.mod_revision) for v in self.routes.values()
+        ]
 
     async def read_execution(self, burst_id: int, execution_id: str) -> ExecutionRecord | None:
         v = self.execs.get(execution_id)

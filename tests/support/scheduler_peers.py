@@ -73,10 +73,13 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         self._lock = asyncio.Lock()
 
     async def start(self) -> FakeCellAgent:
-        self._server, self.target = await _serve([
-            (self, cell_agent_pb2_grpc.add_CellControlServicer_to_server),
-            (self, cell_agent_pb2_grpc.add_EngineServicer_to_server),
-        ], self.cell_id)
+        self._server, self.target = await _serve(
+            [
+                (self, cell_agent_pb2_grpc.add_CellControlServicer_to_server),
+                (self, cell_agent_pb2_grpc.add_EngineServicer_to_server),
+            ],
+            self.cell_id,
+        )
         self.lease = await self.etcd.grant(5)
         self._keep = asyncio.create_task(self._keepalive())
         await self._register()
@@ -84,8 +87,15 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         return self
 
     async def _register(self) -> None:
-        body = {"cell_id": self.cell_id, "kind": self.kind, "index": self.index, "slots": self.slots,
-                "target": self.target, "engine": "mock", "policy_version": self.policy_version}
+        body = {
+            "cell_id": self.cell_id,
+            "kind": self.kind,
+            "index": self.index,
+            "slots": self.slots,
+            "target": self.target,
+            "engine": "mock",
+            "policy_version": self.policy_version,
+        }
         await self.etcd.put(self.keys.cell(self.cell_id), json.dumps(body).encode(), lease=self.lease)
 
     async def _keepalive(self) -> None:
@@ -121,8 +131,10 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
             if want != self.state:
                 prev = self.state
                 self.state = want
-                ok, _ = await self.etcd.txn([create_revision_is(self.keys.leader(), epoch)],
-                                            [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch), self.lease)])
+                ok, _ = await self.etcd.txn(
+                    [create_revision_is(self.keys.leader(), epoch)],
+                    [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch), self.lease)],
+                )
                 if not ok:
                     self.state = prev
                     raise StaleEpoch(f"epoch {epoch} is not the leader's")
@@ -139,8 +151,9 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
     @rpc
     async def JoinBatch(self, request: Any, context: Any) -> Any:
         epoch = self.fence.check(request.fence.epoch)
-        self.commands.append(("join_batch", epoch, (request.batch_id, request.prefix_size,
-                request.core_target)))
+        self.commands.append(
+            ("join_batch", epoch, (request.batch_id, request.prefix_size, request.core_target))
+        )
         return cell_agent_pb2.JoinBatchResponse(joined=True)
 
     @rpc
@@ -149,8 +162,13 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
 
     @rpc
     async def GetLoad(self, request: Any, context: Any) -> Any:
-        return cell_agent_pb2.EngineLoad(cell_id=self.cell_id, slots=self.slots, running_requests=self.running,
-                                         policy_version=self.policy_version, accepting=self.state == "ROLLOUT")
+        return cell_agent_pb2.EngineLoad(
+            cell_id=self.cell_id,
+            slots=self.slots,
+            running_requests=self.running,
+            policy_version=self.policy_version,
+            accepting=self.state == "ROLLOUT",
+        )
 
 
 class FakeRouter(router_pb2_grpc.RouterServicer):
@@ -164,9 +182,12 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> FakeRouter:
-        self._server, self.target = await _serve([(self, router_pb2_grpc.add_RouterServicer_to_server)], "router")
-        await self.etcd.put(self.keys.service("router", self.name),
-                json.dumps({"target": self.target}).encode())
+        self._server, self.target = await _serve(
+            [(self, router_pb2_grpc.add_RouterServicer_to_server)], "router"
+        )
+        await self.etcd.put(
+            self.keys.service("router", self.name), json.dumps({"target": self.target}).encode()
+        )
         return self
 
     async def stop(self) -> None:
@@ -194,7 +215,9 @@ class FakePacker(packer_pb2_grpc.PackerServicer):
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> FakePacker:
-        self._server, self.target = await _serve([(self, packer_pb2_grpc.add_PackerServicer_to_server)], "packer")
+        self._server, self.target = await _serve(
+            [(self, packer_pb2_grpc.add_PackerServicer_to_server)], "packer"
+        )
         return self
 
     async def stop(self) -> None:
@@ -256,16 +279,26 @@ class Harness:
     async def acquire(self, wait_s: float = 10.0) -> scheduler_pb2.Execution | None:
         # The call returns as soon as a slot is free: a long wait costs nothing when the
         # cluster is ready, and keeps tests from failing on a slow (loaded) start.
-        r = await self.h.AcquireExecution(scheduler_pb2.AcquireExecutionRequest(harness_id="t",
-                wait_s=wait_s), timeout=wait_s + 5)
+        r = await self.h.AcquireExecution(
+            scheduler_pb2.AcquireExecutionRequest(harness_id="t", wait_s=wait_s), timeout=wait_s + 5
+        )
         return r.execution if r.HasField("execution") else None
 
-    async def finish(self, e: scheduler_pb2.Execution, reward: float = 1.0, status=common_pb2.EXECUTION_STATUS_COMPLETED,
-                     token: str | None = None, key: str = "k", execution_id: str | None = None) -> scheduler_pb2.FinishExecutionResponse:
-        req = scheduler_pb2.FinishExecutionRequest(execution_id=execution_id or e.execution_id,
-                status=status, reward=reward, idempotency_key=key)
-        return await self.h.FinishExecution(req, metadata=(("authorization", f"Bearer {token or e.token}"),),
-                timeout=5)
+    async def finish(
+        self,
+        e: scheduler_pb2.Execution,
+        reward: float = 1.0,
+        status=common_pb2.EXECUTION_STATUS_COMPLETED,
+        token: str | None = None,
+        key: str = "k",
+        execution_id: str | None = None,
+    ) -> scheduler_pb2.FinishExecutionResponse:
+        req = scheduler_pb2.FinishExecutionRequest(
+            execution_id=execution_id or e.execution_id, status=status, reward=reward, idempotency_key=key
+        )
+        return await self.h.FinishExecution(
+            req, metadata=(("authorization", f"Bearer {token or e.token}"),), timeout=5
+        )
 
     async def close(self) -> None:
         await self.channel.close()
@@ -273,12 +306,23 @@ class Harness:
 
 
 def write_config(tmp_path: Path, endpoint: str, cluster: str, **scheduler) -> Path:
-    base = dict(batch_size=3, group_size=2, over_provision=0.0, interval_s=0.3, fraction=0.5, reconcile_s=0.1,
-                lease_ttl_s=2, log_json=False, drain_timeout_s=2.0, heartbeat_deadline_s=60.0)
+    base = dict(
+        batch_size=3,
+        group_size=2,
+        over_provision=0.0,
+        interval_s=0.3,
+        fraction=0.5,
+        reconcile_s=0.1,
+        lease_ttl_s=2,
+        log_json=False,
+        drain_timeout_s=2.0,
+        heartbeat_deadline_s=60.0,
+    )
     base.update(scheduler)
     path = tmp_path / "cluster.yaml"
-    path.write_text(json.dumps({"cluster": {"name": cluster, "etcd_endpoints": [endpoint]},
-            "scheduler": base}))
+    path.write_text(
+        json.dumps({"cluster": {"name": cluster, "etcd_endpoints": [endpoint]}, "scheduler": base})
+    )
     return path
 
 

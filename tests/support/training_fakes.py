@@ -144,9 +144,15 @@ def tiny_lm(seed: int = 0, dtype: torch.dtype = torch.float64, vocab: int = 512,
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, attention_dropout=0.0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).to(dtype)

@@ -20,8 +20,16 @@ from services.packer.servicer import PackerServicer
 from services.router.servicer import RouterServicer
 from services.scheduler.servicer import ControlServicer, HarnessServicer
 
-SERVICERS = [HarnessServicer, ControlServicer, RouterServicer, PackerServicer, EngineServicer,
-             CellControlServicer, WeightSnapshotsServicer, TrainingControlServicer]
+SERVICERS = [
+    HarnessServicer,
+    ControlServicer,
+    RouterServicer,
+    PackerServicer,
+    EngineServicer,
+    CellControlServicer,
+    WeightSnapshotsServicer,
+    TrainingControlServicer,
+]
 
 
 def test_every_declared_service_has_a_servicer_with_a_complete_table():
@@ -40,7 +48,9 @@ def test_a_table_missing_a_method_or_naming_an_unknown_one_is_refused():
     with pytest.raises(ValueError, match="SealBatch"):
         AccessTable("gyre.v1.Packer", rules).check_complete()
     with pytest.raises(ValueError, match="Bogus"):
-        AccessTable("gyre.v1.Packer", {**PackerServicer.ACCESS.rules, "Bogus": allow(Role.OPERATOR)}).check_complete()
+        AccessTable(
+            "gyre.v1.Packer", {**PackerServicer.ACCESS.rules, "Bogus": allow(Role.OPERATOR)}
+        ).check_complete()
 
 
 def test_the_documented_roles():
@@ -120,8 +130,12 @@ def test_a_message_that_does_not_parse_is_invalid_argument_after_the_role_check(
         return "ok"
 
     guard = Guard(HarnessServicer.ACCESS)
-    handler = guard.wrap("FinishExecution", grpc.unary_unary_rpc_method_handler(
-        finish, request_deserializer=scheduler_pb2.FinishExecutionRequest.FromString))
+    handler = guard.wrap(
+        "FinishExecution",
+        grpc.unary_unary_rpc_method_handler(
+            finish, request_deserializer=scheduler_pb2.FinishExecutionRequest.FromString
+        ),
+    )
     assert handler.request_deserializer is None  # the guarded behavior takes the bytes
 
     async def run(raw, subject=b"CN=harness-1,OU=harness,O=gyre"):
@@ -135,8 +149,10 @@ def test_a_message_that_does_not_parse_is_invalid_argument_after_the_role_check(
     assert asyncio.run(run(good)) == ("ok", None)
     for bad in (b"\x0a\x02\xff\xfe", b"\x0a\x09ex", b"\xff\xff\xff"):
         assert asyncio.run(run(bad))[1] == grpc.StatusCode.INVALID_ARGUMENT
-    assert asyncio.run(run(b"\x0a\x02\xff\xfe", b"CN=cell-0,OU=cell-agent,O=gyre"))[1] == \
-        grpc.StatusCode.PERMISSION_DENIED
+    assert (
+        asyncio.run(run(b"\x0a\x02\xff\xfe", b"CN=cell-0,OU=cell-agent,O=gyre"))[1]
+        == grpc.StatusCode.PERMISSION_DENIED
+    )
     assert got == ["ex-1"]
 
 
@@ -158,7 +174,9 @@ def render_access_table() -> str:
         seen.add(table.service)
         for m in table.methods():
             rule = table.rules[m]
-            who = ", ".join(sorted(r.value for r in rule.roles)) + (f" (own `{rule.own}` only)" if rule.own else "")
+            who = ", ".join(sorted(r.value for r in rule.roles)) + (
+                f" (own `{rule.own}` only)" if rule.own else ""
+            )
             rows.append(f"| `{table.service.split('.')[-1]}.{m}` | {who} |")
     return "| RPC | admitted roles |\n|---|---|\n" + "\n".join(rows)
 

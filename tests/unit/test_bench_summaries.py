@@ -23,12 +23,18 @@ def number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
 
 
-@pytest.mark.parametrize(("name", "summarize", "keys"), [
-    ("packer_claims", packer_claims.summarize, {"claim_ack_per_s_16"}),
-    ("scheduler_ledger", scheduler_ledger.summarize, {"closes_per_s_64"}),
-    ("router_latency", router_latency.summarize,
-     {"router_cpu_us_per_token", "ratio_256", "ratio_1024", "routers_per_1000_streams"}),
-])
+@pytest.mark.parametrize(
+    ("name", "summarize", "keys"),
+    [
+        ("packer_claims", packer_claims.summarize, {"claim_ack_per_s_16"}),
+        ("scheduler_ledger", scheduler_ledger.summarize, {"closes_per_s_64"}),
+        (
+            "router_latency",
+            router_latency.summarize,
+            {"router_cpu_us_per_token", "ratio_256", "ratio_1024", "routers_per_1000_streams"},
+        ),
+    ],
+)
 def test_saved_summary_has_the_contract_fields(name: str, summarize: Any, keys: set[str]) -> None:
     data = saved(name)
     summary = data["summary"]

@@ -13,6 +13,7 @@ from tests.support.lifecycle import ALLOWED
 
 S = CellState
 
+
 def test_the_table_is_the_designed_lifecycle():
     assert {(a, b) for a, targets in TRANSITIONS.items() for b in targets} == ALLOWED
 

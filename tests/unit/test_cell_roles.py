@@ -74,7 +74,11 @@ async def test_full_cycle_calls_the_hook_and_persists_every_step():
     for target in (S.DRAINING, S.TRAINING, S.RETURNING, S.ROLLOUT):
         assert await cell.set_state(target, 5) is target
     assert store.states == [
-        ("ROLLOUT", 0), ("DRAINING", 5), ("TRAINING", 5), ("RETURNING", 5), ("ROLLOUT", 5)
+        ("ROLLOUT", 0),
+        ("DRAINING", 5),
+        ("TRAINING", 5),
+        ("RETURNING", 5),
+        ("ROLLOUT", 5),
     ]
     assert hook.calls == ["enter", "leave"]
     assert store.records[0]["target"] == "127.0.0.1:9" and store.records[0]["kind"] == "elastic"
@@ -144,9 +148,7 @@ async def test_load_policy_and_join_batch_are_fenced_and_state_checked():
 async def test_monitor_ends_the_process_when_the_engine_dies_or_hangs(faults):
     cell, store, _ = await _cell(faults=faults, probe_interval_s=0.05, probe_timeout_s=0.3)
     monitor = asyncio.create_task(cell.run())
-    results = await asyncio.gather(
-        *[_drain(cell, f"r{i}") for i in range(3)], return_exceptions=True
-    )
+    results = await asyncio.gather(*[_drain(cell, f"r{i}") for i in range(3)], return_exceptions=True)
     assert all(isinstance(r, Unavailable) for r in results), results
     with pytest.raises(FatalError):
         await asyncio.wait_for(monitor, 5)

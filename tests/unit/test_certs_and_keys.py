@@ -51,7 +51,9 @@ def test_a_role_name_is_reserved_for_its_role():
 def test_tls_resolves_identity_dirs_and_refuses_to_start_without_a_certificate(tmp_path):
     certs.ensure(tmp_path, [Identity(Role.ROUTER, "router")])
     files = TlsFiles.resolve(TlsConfig(dir=f"{tmp_path}/{{identity}}"), "router")
-    assert files.cert_file == f"{tmp_path}/router/tls.crt" and files.identity() == Identity(Role.ROUTER, "router")
+    assert files.cert_file == f"{tmp_path}/router/tls.crt" and files.identity() == Identity(
+        Role.ROUTER, "router"
+    )
     with pytest.raises(TlsNotConfigured, match="insecure"):
         TlsFiles.resolve(TlsConfig(), "router")
     with pytest.raises(TlsNotConfigured, match="does not exist"):

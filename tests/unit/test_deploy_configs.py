@@ -44,12 +44,18 @@ PENDING_FIELDS: set[str] = set()
 
 # Which containers run which section: compose service names / Kubernetes workload names.
 COMPOSE_USERS = {
-    "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
-    "cell_agent": ["cell-0", "cell-1", "cell-2", "rollout-0"], "dashboard": ["dashboard"],
+    "scheduler": ["scheduler"],
+    "router": ["router"],
+    "packer": ["packer"],
+    "cell_agent": ["cell-0", "cell-1", "cell-2", "rollout-0"],
+    "dashboard": ["dashboard"],
 }
 K8S_USERS = {
-    "scheduler": ["scheduler"], "router": ["router"], "packer": ["packer"],
-    "cell_agent": ["cell", "rollout"], "dashboard": ["dashboard"],
+    "scheduler": ["scheduler"],
+    "router": ["router"],
+    "packer": ["packer"],
+    "cell_agent": ["cell", "rollout"],
+    "dashboard": ["dashboard"],
 }
 # What the Kubernetes downward API would give a pod (for $(VAR) and fieldRef values).
 FIELD_REFS = {
@@ -63,7 +69,8 @@ FIELD_REFS = {
 def config_class(section: str) -> type[Any]:
     module = importlib.import_module(SECTION_MODULES[section])
     classes = [
-        obj for obj in vars(module).values()
+        obj
+        for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, ServiceConfig) and obj.SECTION == section
     ]
     assert len(classes) == 1, f"{SECTION_MODULES[section]}: expected one config class for {section}"
@@ -131,7 +138,9 @@ def models_in(annotation: Any) -> list[type[Any]]:
     return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
 
 
-def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def build(
+    section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Any:
     cls = config_class(section)
     prefix = f"GYRE_{section.upper()}__"
     for key in list(os.environ):
@@ -139,8 +148,10 @@ def build(section: str, text: str, env: dict[str, str], tmp_path: Path, monkeypa
             monkeypatch.delenv(key)
     for key, value in env.items():
         if key.startswith(prefix):
-            field = key[len(prefix):].lower()
-            assert has_field(cls, field.split("__")) or field in PENDING_FIELDS, f"{key}: {cls.__name__} has no field {field}"
+            field = key[len(prefix) :].lower()
+            assert has_field(cls, field.split("__")) or field in PENDING_FIELDS, (
+                f"{key}: {cls.__name__} has no field {field}"
+            )
         elif key.startswith("GYRE_") and key not in TOOL_VARIABLES:
             raise AssertionError(f"{key} overrides another section than {section}")
         monkeypatch.setenv(key, value)
@@ -189,19 +200,31 @@ def test_k8s_sections_load(section: str, tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_typo_in_an_override_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = dict(compose_env("dashboard"), GYRE_DASHBOARD__POLL_INTERVAL=1)
     with pytest.raises(AssertionError, match="no field poll_interval"):
-        build("dashboard", COMPOSE_CLUSTER.read_text(), {k: str(v) for k, v in env.items()}, tmp_path, monkeypatch)
+        build(
+            "dashboard",
+            COMPOSE_CLUSTER.read_text(),
+            {k: str(v) for k, v in env.items()},
+            tmp_path,
+            monkeypatch,
+        )
     env = dict(compose_env("cell-0"), GYRE_CELL_AGENT__TRAINING__LEARNING_RATE="0.1")
     with pytest.raises(AssertionError, match="no field training__learning_rate"):
         build("cell_agent", COMPOSE_CLUSTER.read_text(), env, tmp_path, monkeypatch)
     env = dict(compose_env("cell-0"), GYRE_CELL_AGENT__TRAINING__LR="0.1")  # a real nested field
     assert build("cell_agent", COMPOSE_CLUSTER.read_text(), env, tmp_path, monkeypatch).training.lr == 0.1
-    bad = COMPOSE_CLUSTER.read_text().replace("poll_interval_s: 0.5", "poll_interval_s: 0.5\n  poll_every_s: 1")
+    bad = COMPOSE_CLUSTER.read_text().replace(
+        "poll_interval_s: 0.5", "poll_interval_s: 0.5\n  poll_every_s: 1"
+    )
     with pytest.raises(ValueError, match="poll_every_s"):
         build("dashboard", bad, {}, tmp_path, monkeypatch)
 
 
 def _compose_elastic() -> list[str]:
-    return [name for name in COMPOSE_USERS["cell_agent"] if compose_env(name)["GYRE_CELL_AGENT__KIND"] == "elastic"]
+    return [
+        name
+        for name in COMPOSE_USERS["cell_agent"]
+        if compose_env(name)["GYRE_CELL_AGENT__KIND"] == "elastic"
+    ]
 
 
 def test_sections_agree_with_each_other() -> None:
@@ -211,7 +234,12 @@ def test_sections_agree_with_each_other() -> None:
     cell_sts = k8s_workload("cell")
     for cfg, packer_host, elastic, core_host in (
         (compose, "packer", len(_compose_elastic()), "cell-0"),
-        (k8s, "packer.gyre.svc.cluster.local", cell_sts["spec"]["replicas"], "cell-0.cell.gyre.svc.cluster.local"),
+        (
+            k8s,
+            "packer.gyre.svc.cluster.local",
+            cell_sts["spec"]["replicas"],
+            "cell-0.cell.gyre.svc.cluster.local",
+        ),
     ):
         assert cfg["scheduler"]["batch_size"] == cfg["packer"]["batch_size"]
         packer = f"{packer_host}:{cfg['packer']['port']}"
@@ -234,7 +262,11 @@ def test_the_longest_segment_fits_a_micro_step(tmp_path: Path) -> None:
     from apps.limits import check_sequence_limits
 
     local = ROOT / "deploy" / "local" / "cluster.yaml"
-    for name, text in (("compose", COMPOSE_CLUSTER.read_text()), ("k8s", k8s_cluster_yaml()), ("local", local.read_text())):
+    for name, text in (
+        ("compose", COMPOSE_CLUSTER.read_text()),
+        ("k8s", k8s_cluster_yaml()),
+        ("local", local.read_text()),
+    ):
         path = tmp_path / f"{name}.yaml"
         path.write_text(text)
         assert check_sequence_limits(path) >= 2048
@@ -252,7 +284,11 @@ def test_scheduler_and_packer_agree_on_the_staleness_bound(tmp_path: Path) -> No
     from apps.limits import check_shared_settings
 
     local = ROOT / "deploy" / "local" / "cluster.yaml"
-    for name, text in (("compose", COMPOSE_CLUSTER.read_text()), ("k8s", k8s_cluster_yaml()), ("local", local.read_text())):
+    for name, text in (
+        ("compose", COMPOSE_CLUSTER.read_text()),
+        ("k8s", k8s_cluster_yaml()),
+        ("local", local.read_text()),
+    ):
         path = tmp_path / f"{name}.yaml"
         path.write_text(text)
         check_shared_settings(path)

@@ -23,14 +23,29 @@ from services.dashboard.app import PAGE_PATH, DashboardApp
 from services.dashboard.timeline import GONE, Timeline, normalize_status
 
 
-def status(states: dict[str, str], epoch: int = 1, version: int = 0, w: int = 10, cap: int = 16) -> dict[str, Any]:
+def status(
+    states: dict[str, str], epoch: int = 1, version: int = 0, w: int = 10, cap: int = 16
+) -> dict[str, Any]:
     cells = []
     for i, (cell_id, state) in enumerate(states.items()):
         standalone = cell_id.startswith("s")
-        cells.append({"cell_id": cell_id, "kind": "CELL_KIND_STANDALONE" if standalone else "CELL_KIND_ELASTIC",
-                      "index": -1 if standalone else i, "state": f"CELL_STATE_{state}", "slots": 8})
-    return {"epoch": str(epoch), "capacity": cap, "policy_version": version, "reroutes": 0,
-            "ledger": {"burst_id": 1, "dispatched": 20, "finished": 20 - w, "waterlevel": w}, "cells": cells}
+        cells.append(
+            {
+                "cell_id": cell_id,
+                "kind": "CELL_KIND_STANDALONE" if standalone else "CELL_KIND_ELASTIC",
+                "index": -1 if standalone else i,
+                "state": f"CELL_STATE_{state}",
+                "slots": 8,
+            }
+        )
+    return {
+        "epoch": str(epoch),
+        "capacity": cap,
+        "policy_version": version,
+        "reroutes": 0,
+        "ledger": {"burst_id": 1, "dispatched": 20, "finished": 20 - w, "waterlevel": w},
+        "cells": cells,
+    }
 
 
 class FakeClock:
@@ -42,30 +57,39 @@ class FakeClock:
 
 
 def test_normalize_accepts_every_enum_spelling() -> None:
-    raw = {"epoch": "5", "cells": [
-        {"cell_id": "a", "kind": 2, "index": 0, "state": 4},
-        {"cell_id": "b", "kind": "ELASTIC", "index": 1, "state": "draining"},
-        {"cell_id": "c", "kind": "CELL_KIND_STANDALONE", "index": -1, "state": "CELL_STATE_UNSPECIFIED"},
-    ]}
+    raw = {
+        "epoch": "5",
+        "cells": [
+            {"cell_id": "a", "kind": 2, "index": 0, "state": 4},
+            {"cell_id": "b", "kind": "ELASTIC", "index": 1, "state": "draining"},
+            {"cell_id": "c", "kind": "CELL_KIND_STANDALONE", "index": -1, "state": "CELL_STATE_UNSPECIFIED"},
+        ],
+    }
     out = normalize_status(raw)
     assert out["epoch"] == 5 and out["ledger"]["waterlevel"] == 0
     assert [(c["kind"], c["state"]) for c in out["cells"]] == [
-        ("ELASTIC", "TRAINING"), ("ELASTIC", "DRAINING"), ("STANDALONE", "UNKNOWN")]
+        ("ELASTIC", "TRAINING"),
+        ("ELASTIC", "DRAINING"),
+        ("STANDALONE", "UNKNOWN"),
+    ]
 
 
-@pytest.mark.parametrize("bad", [
-    {"cells": {"a": 1}},
-    {"cells": [{"cell_id": ""}]},
-    {"cells": [{"cell_id": "a"}, {"cell_id": "a"}]},
-    {"cells": [{"cell_id": "a", "state": "SLEEPING"}]},
-    {"cells": [{"cell_id": "a", "kind": True}]},
-    {"leader": "yes"},
-    {"total": 3},
-    {"ledger": [1, 2]},
-    {"capacity": "lots"},
-    {"capacity": [1]},
-    [],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"cells": {"a": 1}},
+        {"cells": [{"cell_id": ""}]},
+        {"cells": [{"cell_id": "a"}, {"cell_id": "a"}]},
+        {"cells": [{"cell_id": "a", "state": "SLEEPING"}]},
+        {"cells": [{"cell_id": "a", "kind": True}]},
+        {"leader": "yes"},
+        {"total": 3},
+        {"ledger": [1, 2]},
+        {"capacity": "lots"},
+        {"capacity": [1]},
+        [],
+    ],
+)
 def test_malformed_status_changes_nothing(bad: Any) -> None:
     tl = Timeline()
     assert tl.add(0.0, status({"c0": "ROLLOUT"}))
@@ -83,8 +107,13 @@ def test_bands_merge_and_mark_gone() -> None:
     for t, state in enumerate(seq):
         tl.add(float(t), status({"c0": state, "c1": "ROLLOUT"} if t < 5 else {"c0": state}))
     bands = tl.to_json(7.0)["bands"]
-    assert bands["c0"] == [[0.0, 2.0, "ROLLOUT"], [2.0, 3.0, "DRAINING"], [3.0, 5.0, "TRAINING"],
-                           [5.0, 6.0, "RETURNING"], [6.0, 6.0, "ROLLOUT"]]
+    assert bands["c0"] == [
+        [0.0, 2.0, "ROLLOUT"],
+        [2.0, 3.0, "DRAINING"],
+        [3.0, 5.0, "TRAINING"],
+        [5.0, 6.0, "RETURNING"],
+        [6.0, 6.0, "ROLLOUT"],
+    ]
     assert bands["c1"] == [[0.0, 5.0, "ROLLOUT"], [5.0, 6.0, GONE]]
     cells = {c["cell_id"]: c for c in tl.to_json(7.0)["cells"]}
     assert cells["c1"]["state"] == GONE and cells["c0"]["role"] == "core"
@@ -93,7 +122,12 @@ def test_bands_merge_and_mark_gone() -> None:
 def test_timeline_is_bounded_and_forgets_long_gone_cells() -> None:
     tl = Timeline(max_samples=10)
     for t in range(50):
-        tl.add(float(t), status({"c0": "ROLLOUT" if t % 7 else "TRAINING", "old": "ROLLOUT"} if t < 5 else {"c0": "ROLLOUT"}))
+        tl.add(
+            float(t),
+            status(
+                {"c0": "ROLLOUT" if t % 7 else "TRAINING", "old": "ROLLOUT"} if t < 5 else {"c0": "ROLLOUT"}
+            ),
+        )
     out = tl.to_json(50.0)
     assert len(out["series"]["t"]) == 10 and out["series"]["t"][0] == 40.0
     assert "old" not in out["bands"] and [c["cell_id"] for c in out["cells"]] == ["c0"]
@@ -111,11 +145,19 @@ def test_stale_epoch_is_ignored_and_policy_marks_recorded() -> None:
     assert tl.stats.stale == 1 and out["counters"]["epoch"] == 7
     standby = dict(status({"c0": "TRAINING"}, epoch=9), leader=False)
     assert not tl.add(4.0, standby) and tl.stats.stale == 2
-    leader = dict(status({"c0": "TRAINING"}, epoch=9), leader=True, policy="waterlevel",
-                  total={"dispatched": "40", "finished": 31})
+    leader = dict(
+        status({"c0": "TRAINING"}, epoch=9),
+        leader=True,
+        policy="waterlevel",
+        total={"dispatched": "40", "finished": 31},
+    )
     assert tl.add(5.0, leader)
     counters = tl.to_json(6.0)["counters"]
-    assert (counters["policy"], counters["total_dispatched"], counters["total_finished"]) == ("waterlevel", 40, 31)
+    assert (counters["policy"], counters["total_dispatched"], counters["total_finished"]) == (
+        "waterlevel",
+        40,
+        31,
+    )
 
 
 async def test_poller_records_errors_and_hangs() -> None:
@@ -236,7 +278,11 @@ async def test_event_stream_resumes_and_survives_failures() -> None:
             raise ConnectionError("scheduler gone")  # resume from 0: duplicates dropped
         if len(calls) == 3:
             for seq in (1, 2, 3):
-                yield {"seq": seq, "time_s": float(seq), "kind": ["burst_started", "cell_to_training", "reroute"][seq - 1]}
+                yield {
+                    "seq": seq,
+                    "time_s": float(seq),
+                    "kind": ["burst_started", "cell_to_training", "reroute"][seq - 1],
+                }
             yield {"seq": 4, "time_s": 4.0, "kind": "cell_to_rollout"}
             yield {"seq": "bad"}
         await asyncio.sleep(3600)
@@ -267,7 +313,9 @@ def test_overlapping_bursts_show_as_open_work_per_version() -> None:
 
     def with_versions(*ws: tuple[int, int]) -> dict[str, Any]:
         st = status({"c0": "ROLLOUT"})
-        st["versions"] = [{"policy_version": v, "dispatched": 8, "finished": 8 - w, "waterlevel": w} for v, w in ws]
+        st["versions"] = [
+            {"policy_version": v, "dispatched": 8, "finished": 8 - w, "waterlevel": w} for v, w in ws
+        ]
         st["open_bursts"] = sum(1 for _, w in ws if w)
         return st
 

@@ -59,7 +59,9 @@ def test_dockerfile_installs_from_a_wheelhouse_offline_or_the_network() -> None:
     default = re.search(r"^ARG WHEELHOUSE=(\S+)", venv, flags=re.MULTILINE)
     assert default, "WHEELHOUSE is a build argument"
     empty = ROOT / default.group(1)
-    assert empty.is_dir() and not list(empty.glob("*.whl")), "the default wheelhouse is empty: network install"
+    assert empty.is_dir() and not list(empty.glob("*.whl")), (
+        "the default wheelhouse is empty: network install"
+    )
     assert "COPY ${WHEELHOUSE} /wheelhouse/" in venv
     assert "--no-index --find-links /wheelhouse" in venv
     assert "--extra-index-url ${TORCH_INDEX_URL}" in venv
@@ -73,7 +75,9 @@ def test_runtime_images_are_lean_and_run_as_10001() -> None:
     for name in RUNTIME_STAGES:
         body = all_stages[name]
         assert "/wheelhouse" not in body, f"{name} must not carry the wheelhouse"
-        assert not re.search(r"^COPY \.\s", body, flags=re.MULTILINE), f"{name} copies the whole context (wheelhouse)"
+        assert not re.search(r"^COPY \.\s", body, flags=re.MULTILINE), (
+            f"{name} copies the whole context (wheelhouse)"
+        )
         assert not re.search(r"build-essential|\bgcc\b|\bg\+\+", body), f"{name} installs a compiler"
         if "apt-get install" in body:
             assert "rm -rf /var/lib/apt/lists/*" in body, f"{name} keeps apt's lists"
@@ -89,12 +93,16 @@ def test_runtime_images_are_lean_and_run_as_10001() -> None:
 def test_manifests_run_as_the_images_user() -> None:
     for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            spec = ((doc or {}).get("spec") or {})
+            spec = (doc or {}).get("spec") or {}
             pod = (spec.get("template") or {}).get("spec") or spec.get("jobTemplate", {}).get("spec", {})
             ctx = pod.get("securityContext") if isinstance(pod, dict) else None
             if ctx is None:
                 continue
-            assert (ctx.get("runAsUser"), ctx.get("runAsGroup"), ctx.get("fsGroup")) == (10001, 10001, 10001), path.name
+            assert (ctx.get("runAsUser"), ctx.get("runAsGroup"), ctx.get("fsGroup")) == (
+                10001,
+                10001,
+                10001,
+            ), path.name
 
 
 def test_compose_passes_the_base_image_and_wheelhouse() -> None:
@@ -109,10 +117,12 @@ def test_compose_passes_the_base_image_and_wheelhouse() -> None:
 
 def test_debian_base_image_carries_what_the_dockerfile_would_fetch() -> None:
     assert "debootstrap --variant=minbase" in BASE_SCRIPT
-    packages = set(re.search(r'PACKAGES=\$\{PACKAGES:-([^}]+)\}', BASE_SCRIPT).group(1).split(","))
+    packages = set(re.search(r"PACKAGES=\$\{PACKAGES:-([^}]+)\}", BASE_SCRIPT).group(1).split(","))
     assert {"python3", "python3-venv"} <= packages
     fetched = set()
-    for line in re.findall(r"pkgs=\"([^\"]+)\"", DOCKERFILE) + re.findall(r"dpkg -s ([a-z0-9 -]+?) >", DOCKERFILE):
+    for line in re.findall(r"pkgs=\"([^\"]+)\"", DOCKERFILE) + re.findall(
+        r"dpkg -s ([a-z0-9 -]+?) >", DOCKERFILE
+    ):
         fetched |= {p for p in line.split() if not p.startswith("$")}
     assert fetched and fetched <= packages, f"an air-gapped build would need apt for {fetched - packages}"
     assert re.search(r"\bimport\b.*--change 'ENV PATH=", BASE_SCRIPT, flags=re.DOTALL)

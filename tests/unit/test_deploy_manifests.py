@@ -40,9 +40,7 @@ def _mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep)
 
@@ -91,8 +89,19 @@ def test_manifest_validates_strictly(path: Path) -> None:
         assert doc["kind"] == "Namespace" or doc["metadata"].get("namespace") == "gyre", doc["metadata"]
 
 
-CERT_FIELDS = {"secretName", "issuerRef", "commonName", "subject", "dnsNames", "ipAddresses", "usages",
-               "privateKey", "duration", "renewBefore", "isCA"}
+CERT_FIELDS = {
+    "secretName",
+    "issuerRef",
+    "commonName",
+    "subject",
+    "dnsNames",
+    "ipAddresses",
+    "usages",
+    "privateKey",
+    "duration",
+    "renewBefore",
+    "isCA",
+}
 
 
 def validate_cert_manager(doc: dict[str, Any]) -> None:
@@ -107,11 +116,20 @@ def validate_cert_manager(doc: dict[str, Any]) -> None:
     assert doc["kind"] == "Certificate", doc["kind"]
     assert set(spec) <= CERT_FIELDS, set(spec) - CERT_FIELDS
     assert {"secretName", "issuerRef", "commonName"} <= set(spec)
-    assert set(spec["issuerRef"]) <= {"name", "kind", "group"} and spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+    assert set(spec["issuerRef"]) <= {"name", "kind", "group"} and spec["issuerRef"]["kind"] in (
+        "Issuer",
+        "ClusterIssuer",
+    )
     assert set(spec.get("subject", {})) <= {"organizations", "organizationalUnits"}
     assert set(spec.get("privateKey", {})) <= {"algorithm", "size", "rotationPolicy", "encoding"}
-    assert set(spec.get("usages", [])) <= {"server auth", "client auth", "digital signature", "key encipherment",
-                                           "cert sign", "crl sign"}
+    assert set(spec.get("usages", [])) <= {
+        "server auth",
+        "client auth",
+        "digital signature",
+        "key encipherment",
+        "cert sign",
+        "crl sign",
+    }
 
 
 def test_certificates_name_roles_the_way_gyre_reads_them() -> None:
@@ -119,8 +137,16 @@ def test_certificates_name_roles_the_way_gyre_reads_them() -> None:
 
     certs = {n: c for n, c in by_kind("Certificate").items() if not c["spec"].get("isCA")}
     issuers = by_kind("Issuer")
-    assert {"gyre-scheduler", "gyre-router", "gyre-packer", "gyre-dashboard", "gyre-harness", "gyre-operator",
-            "gyre-root", "gyre-etcd"} <= set(certs)
+    assert {
+        "gyre-scheduler",
+        "gyre-router",
+        "gyre-packer",
+        "gyre-dashboard",
+        "gyre-harness",
+        "gyre-operator",
+        "gyre-root",
+        "gyre-etcd",
+    } <= set(certs)
     for name, c in certs.items():
         spec = c["spec"]
         (ou,) = spec["subject"]["organizationalUnits"]
@@ -137,9 +163,16 @@ def test_every_gyre_workload_mounts_its_identity() -> None:
     cfg = _cluster_config()
     tls_dir = cfg["cluster"]["tls"]["dir"]
     assert not cfg["cluster"]["tls"].get("insecure")
-    expected = {"scheduler": "gyre-tls-scheduler", "router": "gyre-tls-router", "packer": "gyre-tls-packer",
-                "dashboard": "gyre-tls-dashboard", "harness": "gyre-tls-harness", "etcd-auth": "gyre-tls-root",
-                "cell": "csi", "rollout": "csi"}
+    expected = {
+        "scheduler": "gyre-tls-scheduler",
+        "router": "gyre-tls-router",
+        "packer": "gyre-tls-packer",
+        "dashboard": "gyre-tls-dashboard",
+        "harness": "gyre-tls-harness",
+        "etcd-auth": "gyre-tls-root",
+        "cell": "csi",
+        "rollout": "csi",
+    }
     certs = {c["spec"]["secretName"] for c in by_kind("Certificate").values()}
     for doc in workloads():
         name = doc["metadata"]["name"]
@@ -215,8 +248,15 @@ def test_every_command_names_an_existing_module() -> None:
             else:
                 path = ROOT.joinpath(*parts)
                 assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), module
-    assert {"services.scheduler", "services.router", "services.packer", "services.cell_agent",
-            "services.dashboard", "apps.harness.example", "apps.model.tiny"} <= seen
+    assert {
+        "services.scheduler",
+        "services.router",
+        "services.packer",
+        "services.cell_agent",
+        "services.dashboard",
+        "apps.harness.example",
+        "apps.model.tiny",
+    } <= seen
 
 
 def test_topology() -> None:
@@ -247,8 +287,11 @@ def test_topology() -> None:
 
     packer = deployments["packer"]
     assert packer["spec"]["strategy"]["type"] == "Recreate"
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in packer["spec"]["template"]["spec"]["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in packer["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     assert claims and claims <= set(by_kind("PersistentVolumeClaim"))
 
 
@@ -260,9 +303,13 @@ def test_grpc_probes_match_config_ports() -> None:
     # The kubelet's gRPC probes cannot do TLS: they probe the plaintext health-only port.
     cfg = _cluster_config()
     health = cfg["cluster"]["health_port"]
-    expected = {"scheduler": cfg["scheduler"]["port"], "router": cfg["router"]["port"],
-                "packer": cfg["packer"]["port"], "cell": cfg["cell_agent"]["port"],
-                "rollout": cfg["cell_agent"]["port"]}
+    expected = {
+        "scheduler": cfg["scheduler"]["port"],
+        "router": cfg["router"]["port"],
+        "packer": cfg["packer"]["port"],
+        "cell": cfg["cell_agent"]["port"],
+        "rollout": cfg["cell_agent"]["port"],
+    }
     for doc in workloads():
         name = doc["metadata"]["name"]
         if name not in expected:
@@ -295,8 +342,10 @@ def test_configmap_is_what_pods_mount() -> None:
     assert len(cfg["cluster"]["etcd_endpoints"]) == 3
     for doc in workloads():
         for c in containers(doc, init=False):
-            if "command" in c and c["command"][:3] not in (["python", "-m", "apps.harness.example"],
-                                                           ["python", "-m", "gyre.etcd.access"]):
+            if "command" in c and c["command"][:3] not in (
+                ["python", "-m", "apps.harness.example"],
+                ["python", "-m", "gyre.etcd.access"],
+            ):
                 assert c["command"][-2:] == ["--config", "/etc/gyre/cluster.yaml"], doc["metadata"]["name"]
                 mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
                 assert mounts.get("config") == "/etc/gyre"
@@ -344,12 +393,20 @@ def allowed(source: str, dest: str, port: int) -> bool:
     """Whether the policies let ``source`` connect to ``dest``:``port`` (ingress at the
     destination and egress at the source, as Kubernetes combines them)."""
     policies = list(by_kind("NetworkPolicy").values())
-    ingress = [p for p in policies if "Ingress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], dest)]
+    ingress = [
+        p
+        for p in policies
+        if "Ingress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], dest)
+    ]
     if ingress and not any(_rules_allow(p["spec"].get("ingress", []), "from", source, port) for p in ingress):
         return False
     if source == OUTSIDE:
         return True
-    egress = [p for p in policies if "Egress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], source)]
+    egress = [
+        p
+        for p in policies
+        if "Egress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], source)
+    ]
     return not egress or any(_rules_allow(p["spec"].get("egress", []), "to", dest, port) for p in egress)
 
 
@@ -358,8 +415,12 @@ def test_network_policies_keep_the_inside_inside() -> None:
     ports of the scheduler and the router; from outside, only those, the dashboard and the
     metrics ports."""
     cfg = _cluster_config()
-    sched, router, packer, cell = (cfg["scheduler"]["port"], cfg["router"]["port"], cfg["packer"]["port"],
-                                   cfg["cell_agent"]["port"])
+    sched, router, packer, cell = (
+        cfg["scheduler"]["port"],
+        cfg["router"]["port"],
+        cfg["packer"]["port"],
+        cfg["cell_agent"]["port"],
+    )
     http = cfg["router"]["http_port"]
     services = ("scheduler", "router", "packer", "cell-agent")
     for src in services:
@@ -372,8 +433,15 @@ def test_network_policies_keep_the_inside_inside() -> None:
     # The harness: exactly its two doors.
     assert allowed("harness", "scheduler", sched) and allowed("harness", "router", router)
     assert allowed("harness", "router", http)
-    for dest, port in (("etcd", 2379), ("packer", packer), ("cell-agent", cell), ("cell-agent", 29500),
-                       ("dashboard", cfg["dashboard"]["http_port"]), ("scheduler", 9100), ("router", 9100)):
+    for dest, port in (
+        ("etcd", 2379),
+        ("packer", packer),
+        ("cell-agent", cell),
+        ("cell-agent", 29500),
+        ("dashboard", cfg["dashboard"]["http_port"]),
+        ("scheduler", 9100),
+        ("router", 9100),
+    ):
         assert not allowed("harness", dest, port), (dest, port)
     # From outside the namespace.
     for dest, port in (("etcd", 2379), ("packer", packer), ("cell-agent", cell), ("cell-agent", 29500)):

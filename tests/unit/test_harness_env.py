@@ -65,8 +65,14 @@ async def test_tool_calls_are_answered_with_tool_messages(tmp_path: Path):
         calls = plan[len(histories) - 1]
         if not calls:
             return {"role": "assistant", "content": "done: 42"}
-        return {"role": "assistant", "content": None, "tool_calls": [
-            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                for i, (n, a) in enumerate(calls)
+            ],
+        }
 
     async def no_sleep(_):
         return None

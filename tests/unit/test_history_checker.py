@@ -63,7 +63,11 @@ def test_a_good_history_passes_with_counts():
     v = check(good(), complete=True)
     assert v.ok, v.violations
     assert v.counts["executions_dispatched"] == 2 and v.counts["executions_closed"] == 2
-    assert v.counts["batches_committed"] == 1 and v.counts["groups_trained"] == 1 and v.counts["micro_steps"] == 2
+    assert (
+        v.counts["batches_committed"] == 1
+        and v.counts["groups_trained"] == 1
+        and v.counts["micro_steps"] == 2
+    )
 
 
 def _mutate(ops: list[dict[str, Any]], where: int, new: dict[str, Any] | None = None, delete: bool = False):
@@ -83,17 +87,36 @@ def _index(ops: list[dict[str, Any]], **match: Any) -> int:
 BAD = {
     "closed twice": lambda h: _mutate(h, 6, _s("close", rev=7, execution_id="b1-e1", status="FAILED")),
     "never closed": lambda h: _mutate(h, _index(h, op="close", execution_id="b1-e1"), delete=True),
-    "finish .* accepted twice": lambda h: _mutate(h, 9, _p("finish", execution_id="b1-e0", group_id="g1", status="COMPLETED")),
+    "finish .* accepted twice": lambda h: _mutate(
+        h, 9, _p("finish", execution_id="b1-e0", group_id="g1", status="COMPLETED")
+    ),
     "trained twice": lambda h: h + [_p("assign", b=2, g="g1")],
     "committed 2 times": lambda h: h + [_p("commit", b=1, cell="core")],
     "micro-steps lost": lambda h: _mutate(h, len(h) - 2, delete=True),  # the last ack of m1
     "mixed weight versions": lambda h: _mixed(h),
-    "claimed again after its acknowledgement": lambda h: _mutate(h, len(h) - 1, _p("claim", ms="m0", cell="sat", v=0)),
+    "claimed again after its acknowledgement": lambda h: _mutate(
+        h, len(h) - 1, _p("claim", ms="m0", cell="sat", v=0)
+    ),
     "acknowledged twice in one attempt": lambda h: _mutate(h, len(h) - 1, _p("ack", ms="m1", cell="core")),
-    "never reported to the packer": lambda h: _mutate(h, _index(h, op="finish", execution_id="b1-e1"), delete=True),
-    "never closed by the scheduler": lambda h: h + [_p("finish", execution_id="b9-e0", group_id="g9", status="COMPLETED")],
-    "dropped \\(turn buffer full\\)": lambda h: h + [{"op": "turn_dropped", "t": 0, "epoch": 0, "svc": "router",
-                                                         "execution_id": "b1-e0", "turn_index": 3}],
+    "never reported to the packer": lambda h: _mutate(
+        h, _index(h, op="finish", execution_id="b1-e1"), delete=True
+    ),
+    "never closed by the scheduler": lambda h: (
+        h + [_p("finish", execution_id="b9-e0", group_id="g9", status="COMPLETED")]
+    ),
+    "dropped \\(turn buffer full\\)": lambda h: (
+        h
+        + [
+            {
+                "op": "turn_dropped",
+                "t": 0,
+                "epoch": 0,
+                "svc": "router",
+                "execution_id": "b1-e0",
+                "turn_index": 3,
+            }
+        ]
+    ),
     "reopened after its commit": lambda h: h + [_p("open", b=1, cell="core")],
     "after epoch 2 was elected": lambda h: _mutate(h, 6, _s("leader", rev=6, epoch=2)),
 }
@@ -138,7 +161,9 @@ def test_files_and_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     sched, pack = tmp_path / "scheduler.jsonl", tmp_path / "packer.jsonl"
     ops = good()
     sched.write_text("".join(json.dumps(op) + "\n" for op in ops if "svc" not in op))
-    pack.write_text("".join(json.dumps(op) + "\n" for op in ops if "svc" in op) + '{"op": "ack", "ms"')  # torn last line
+    pack.write_text(
+        "".join(json.dumps(op) + "\n" for op in ops if "svc" in op) + '{"op": "ack", "ms"'
+    )  # torn last line
     assert check_files([sched, pack], complete=True).ok
     assert main(["--complete", str(sched), str(pack)]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
@@ -174,7 +199,9 @@ async def test_a_real_packers_history_checks_clean(tmp_path: Path):
     assert {"start", "finish", "assign", "emit", "claim", "ack", "open", "commit", "activate"} <= kinds
     v = check(ops)
     assert v.ok, v.violations
-    assert v.counts["batches_committed"] == 1 and v.counts["groups_trained"] == 2 and v.counts["finishes"] == 4
+    assert (
+        v.counts["batches_committed"] == 1 and v.counts["groups_trained"] == 2 and v.counts["finishes"] == 4
+    )
     # The same history with the second attempt's last ack dropped: a micro-step lost.
     last_ack = max(i for i, op in enumerate(ops) if op["op"] == "ack")
-    assert not check(ops[:last_ack] + ops[last_ack + 1:]).ok
+    assert not check(ops[:last_ack] + ops[last_ack + 1 :]).ok

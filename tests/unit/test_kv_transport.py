@@ -64,8 +64,17 @@ def _pin_finished(table: PinTable, handle: str = "h1", ttl_s: float = 30.0, seal
         table.seal({"r1"})
 
 
-def _spec(server: KvServer, handle: str = "h1", tokens=None, first: int = 0, dst=(2, 4, 6, 8, 10), timeout_s: float = 2.0):
-    return ReadSpec(server.locator, handle, "tcp", list(TOKENS if tokens is None else tokens), first, list(dst), timeout_s)
+def _spec(
+    server: KvServer,
+    handle: str = "h1",
+    tokens=None,
+    first: int = 0,
+    dst=(2, 4, 6, 8, 10),
+    timeout_s: float = 2.0,
+):
+    return ReadSpec(
+        server.locator, handle, "tcp", list(TOKENS if tokens is None else tokens), first, list(dst), timeout_s
+    )
 
 
 def _same_blocks(src: PagedCaches, src_ids: list[int], dst: PagedCaches, dst_ids: list[int]) -> bool:

@@ -44,6 +44,7 @@ def test_library_imports_no_service_application_or_test() -> None:
             if _is(mod, up):
                 return f"the library stands below {up}"
         return ""
+
     assert _violations("gyre", forbidden) == []
 
 
@@ -57,19 +58,24 @@ def test_services_import_no_other_service_application_or_test() -> None:
             if _is(mod, up):
                 return f"a service stands below {up}"
         return ""
+
     assert _violations("services", forbidden) == []
 
 
 def test_applications_and_benchmarks_import_no_test_code() -> None:
     def forbidden(path: Path, mod: str) -> str:
         return "test code is for tests only" if _is(mod, "tests") else ""
+
     assert [v for top in ("apps", "bench", "sim") for v in _violations(top, forbidden)] == []
 
 
 def test_no_test_modules_inside_services() -> None:
     names = ("testing.py", "fakes.py", "testkit.py", "conftest.py")
-    found = [str(p.relative_to(ROOT)) for p in (ROOT / "services").rglob("*.py")
-             if p.name in names or p.name.startswith("test_")]
+    found = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "services").rglob("*.py")
+        if p.name in names or p.name.startswith("test_")
+    ]
     assert found == []
 
 

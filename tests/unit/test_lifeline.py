@@ -26,17 +26,26 @@ def test_die_with_parent_leaves_a_grandparent_mark_alone():
 
 
 def test_child_of_a_marked_parent_consumes_the_mark():
-    code = ("import os; from gyre.lifeline import die_with_parent, PARENT_ENV; "
-            "print(die_with_parent(), PARENT_ENV in os.environ)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, PARENT_ENV: str(os.getpid())},
-                         capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import os; from gyre.lifeline import die_with_parent, PARENT_ENV; "
+        "print(die_with_parent(), PARENT_ENV in os.environ)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, PARENT_ENV: str(os.getpid())},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out == [str(os.getpid()), "False"]
 
 
 def test_spawned_child_dies_with_its_parent(tmp_path):
     # A middle process spawns a sleeper and is SIGKILLed: the sleeper must go with it.
-    code = ("import sys, time; from gyre.lifeline import spawn; "
-            "p = spawn(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from gyre.lifeline import spawn; "
+        "p = spawn(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    )
     middle = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         sleeper = psutil.Process(int(middle.stdout.readline()))

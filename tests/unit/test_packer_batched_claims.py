@@ -81,8 +81,12 @@ async def test_batched_ack_is_all_or_nothing_with_one_flush():
     _, theirs = await p.claim_many("b", 1, 0, 0, "", 2)
     a_ids, b_ids = [v.micro_step_id for v in mine], [v.micro_step_id for v in theirs]
     before, n = tk.snapshot(p.state), len(log.events)
-    for bad, err in ((a_ids + b_ids[:1], FailedPrecondition), (a_ids + ["nope"], NotFound),
-                     (a_ids + a_ids[:1], InvalidArgument), ([], InvalidArgument)):
+    for bad, err in (
+        (a_ids + b_ids[:1], FailedPrecondition),
+        (a_ids + ["nope"], NotFound),
+        (a_ids + a_ids[:1], InvalidArgument),
+        ([], InvalidArgument),
+    ):
         with pytest.raises(err):
             await p.ack_many("a", 1, bad)
     assert tk.snapshot(p.state) == before and len(log.events) == n

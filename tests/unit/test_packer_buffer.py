@@ -198,11 +198,22 @@ def _turn_proto(**changes):
         (_turn_proto(prompt_token_ids=[-1, 2]), InvalidArgument),
         (_turn_proto(prompt_token_ids=[]), InvalidArgument),
         (packer_pb2.TurnRecord(group_id="g", output_token_ids=[1], output_logprobs=[-1.0]), InvalidArgument),
-        (packer_pb2.TurnRecord(execution_id="x", output_token_ids=[1], output_logprobs=[-1.0]), InvalidArgument),
-        (packer_pb2.TurnRecord(execution_id="x" * 300, group_id="g", output_token_ids=[1], output_logprobs=[-1.0]),
-         InvalidArgument),
-        (packer_pb2.TurnRecord(execution_id="x", group_id="g", turn_index=-1, output_token_ids=[1],
-                               output_logprobs=[-1.0]), InvalidArgument),
+        (
+            packer_pb2.TurnRecord(execution_id="x", output_token_ids=[1], output_logprobs=[-1.0]),
+            InvalidArgument,
+        ),
+        (
+            packer_pb2.TurnRecord(
+                execution_id="x" * 300, group_id="g", output_token_ids=[1], output_logprobs=[-1.0]
+            ),
+            InvalidArgument,
+        ),
+        (
+            packer_pb2.TurnRecord(
+                execution_id="x", group_id="g", turn_index=-1, output_token_ids=[1], output_logprobs=[-1.0]
+            ),
+            InvalidArgument,
+        ),
         (_turn_proto(prompt_token_ids=list(range(70))), ResourceExhausted),  # budget is 64
     ],
 )

@@ -253,7 +253,12 @@ async def test_supply_carries_the_tokens_and_counts_the_schedulers_rates_need():
     sealed batch is acknowledged."""
     p, _, _ = tk.make_packer(batch_size=2, micro_step_token_budget=400)
     s0 = p.supply()
-    assert (s0["ready_tokens"], s0["backlog_tokens"], s0["tokens_trained"], s0["groups_ready_total"]) == (0, 0, 0, 0)
+    assert (s0["ready_tokens"], s0["backlog_tokens"], s0["tokens_trained"], s0["groups_ready_total"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
     await tk.feed_group(p, "g0", size=2, turns=1, prompt=6, output=4)
     assert p.supply()["groups_ready_total"] == 1 and p.supply()["ready_tokens"] == 2 * 10
     await tk.feed_group(p, "g1", size=2, turns=1, prompt=6, output=4)

@@ -31,7 +31,9 @@ async def _claim_all(p, cell, batch_id=1):
 
 
 def _turns(steps):
-    return sorted((t.execution_id, t.turn_index) for ms in steps for s in ms.sequences for t in s.segment.turns)
+    return sorted(
+        (t.execution_id, t.turn_index) for ms in steps for s in ms.sequences for t in s.segment.turns
+    )
 
 
 async def test_acks_of_an_opened_batch_wait_for_the_commit_and_a_reopen_redelivers_them():

@@ -17,14 +17,33 @@ from services.packer.packer import Packer
 from services.packer.wal import MemoryLog
 from tests.support import packer_kit as tk
 
-_group = st.tuples(st.just("group"), st.integers(4, 9), st.sampled_from([2, 3]), st.integers(1, 2),
-                  st.lists(st.booleans(), min_size=3, max_size=3), st.integers(0, 1))
+_group = st.tuples(
+    st.just("group"),
+    st.integers(4, 9),
+    st.sampled_from([2, 3]),
+    st.integers(1, 2),
+    st.lists(st.booleans(), min_size=3, max_size=3),
+    st.integers(0, 1),
+)
 _drain = st.tuples(st.just("drain"), st.integers(0, 3), st.integers(0, 2))
 ops = st.one_of(
-    st.tuples(st.just("turn"), st.integers(0, 3), st.integers(0, 2), st.integers(0, 2),
-              st.integers(1, 20), st.integers(1, 12), st.integers(0, 2)),
-    st.tuples(st.just("finish"), st.integers(0, 3), st.integers(0, 2), st.sampled_from([2, 3]),
-              st.booleans(), st.integers(0, 2)),
+    st.tuples(
+        st.just("turn"),
+        st.integers(0, 3),
+        st.integers(0, 2),
+        st.integers(0, 2),
+        st.integers(1, 20),
+        st.integers(1, 12),
+        st.integers(0, 2),
+    ),
+    st.tuples(
+        st.just("finish"),
+        st.integers(0, 3),
+        st.integers(0, 2),
+        st.sampled_from([2, 3]),
+        st.booleans(),
+        st.integers(0, 2),
+    ),
     st.tuples(st.just("claim"), st.integers(0, 3), st.integers(0, 3), st.integers(0, 1)),
     st.tuples(st.just("ack"), st.integers(0, 3), st.integers(0, 5)),
     st.tuples(st.just("ack_foreign"), st.integers(0, 3), st.integers(0, 5)),
@@ -34,7 +53,10 @@ ops = st.one_of(
     st.tuples(st.just("restart")),
     # Whole groups and draining cells (listed twice: drawn more often), so that batches
     # fill, seal, close and finish.
-    _group, _group, _drain, _drain,
+    _group,
+    _group,
+    _drain,
+    _drain,
 )
 
 
@@ -48,8 +70,15 @@ async def attempt(p: Packer, call) -> None:  # type: ignore[no-untyped-def]
 
 
 async def run(program: list[tuple]) -> None:
-    cfg = tk.config(batch_size=2, micro_step_token_budget=32, claim_ttl_s=5.0, emit_fill_fraction=0.6,
-                    failed_member_rule="keep_rest", min_group_members=1, drop_zero_variance=False)
+    cfg = tk.config(
+        batch_size=2,
+        micro_step_token_budget=32,
+        claim_ttl_s=5.0,
+        emit_fill_fraction=0.6,
+        failed_member_rule="keep_rest",
+        min_group_members=1,
+        drop_zero_variance=False,
+    )
     clock = tk.ManualClock()
     log = MemoryLog()
     p = Packer(cfg, log, clock=clock)
@@ -60,7 +89,9 @@ async def run(program: list[tuple]) -> None:
     claimed_by: dict[str, set[str]] = {}  # micro-step -> cells it was ever handed to
 
     def got(cell: str, ms) -> None:  # type: ignore[no-untyped-def]
-        claims[ms.micro_step_id] = [(t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns]
+        claims[ms.micro_step_id] = [
+            (t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns
+        ]
         claimed_by.setdefault(ms.micro_step_id, set()).add(cell)
 
     def acked(cell: str, mid: str) -> None:
@@ -110,10 +141,17 @@ async def run(program: list[tuple]) -> None:
                 _, g, size, turns, ok, v = op
                 for x in range(size):
                     for i in range(turns):
-                        await attempt(p, p.record_turn(tk.turn(f"g{g}-x{x}", f"g{g}", i, 3 + x, 2 + i, version=v)))
+                        await attempt(
+                            p, p.record_turn(tk.turn(f"g{g}-x{x}", f"g{g}", i, 3 + x, 2 + i, version=v))
+                        )
                 for x in range(size):
                     status = ExecStatus.COMPLETED if ok[x] else ExecStatus.FAILED
-                    await attempt(p, p.report_finish(tk.finish(f"g{g}-x{x}", f"g{g}", size, reward=float(x), status=status)))
+                    await attempt(
+                        p,
+                        p.report_finish(
+                            tk.finish(f"g{g}-x{x}", f"g{g}", size, reward=float(x), status=status)
+                        ),
+                    )
             elif kind == "drain":
                 # A cell claims and acks up to a few micro-steps of the current batch.
                 _, cell, n = op
@@ -159,8 +197,15 @@ async def simulate(seed: int, steps: int) -> dict[str, int]:
     import random
 
     rng = random.Random(seed)
-    cfg = tk.config(batch_size=3, micro_step_token_budget=40, claim_ttl_s=5.0, emit_fill_fraction=0.7,
-                    failed_member_rule="keep_rest", min_group_members=1, drop_zero_variance=False)
+    cfg = tk.config(
+        batch_size=3,
+        micro_step_token_budget=40,
+        claim_ttl_s=5.0,
+        emit_fill_fraction=0.7,
+        failed_member_rule="keep_rest",
+        min_group_members=1,
+        drop_zero_variance=False,
+    )
     clock = tk.ManualClock()
     log = MemoryLog()
     p = Packer(cfg, log, clock=clock)
@@ -188,24 +233,34 @@ async def simulate(seed: int, steps: int) -> dict[str, int]:
                 version = max(0, p.state.policy_version - rng.choice([0, 0, 1, 2]))
                 for x in range(size):
                     for i in range(turns):
-                        await p.record_turn(tk.turn(f"{g}-x{x}", g, i, rng.randint(2, 12), rng.randint(1, 8), version=version))
+                        await p.record_turn(
+                            tk.turn(f"{g}-x{x}", g, i, rng.randint(2, 12), rng.randint(1, 8), version=version)
+                        )
                 for x in rng.sample(range(size), size):
                     ok = rng.random() > 0.1
                     status = ExecStatus.COMPLETED if ok else ExecStatus.FAILED
                     await p.report_finish(tk.finish(f"{g}-x{x}", g, size, reward=float(x), status=status))
                 count("group")
             elif roll < 0.55:
-                version = p.batch_status(0)["policy_version"] if p.batch_status(0)["active"] else p.state.policy_version
+                version = (
+                    p.batch_status(0)["policy_version"]
+                    if p.batch_status(0)["active"]
+                    else p.state.policy_version
+                )
                 res = await p.claim(cell, 0, version, 0)
                 count("claim_" + res.outcome.value)
                 if res.outcome is ClaimOutcome.CLAIMED:
                     ms = res.micro_step
-                    claims[ms.micro_step_id] = [(t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns]
+                    claims[ms.micro_step_id] = [
+                        (t.execution_id, t.turn_index) for s in ms.sequences for t in s.segment.turns
+                    ]
                     claimed_by.setdefault(ms.micro_step_id, set()).add(cell)
                     held[cell].append((res.batch_id, ms.micro_step_id))
             elif roll < 0.85:
                 foreign = rng.random() < 0.15
-                pool = [(c, h) for c in cells for h in held[c]] if foreign else [(cell, h) for h in held[cell]]
+                pool = (
+                    [(c, h) for c in cells for h in held[c]] if foreign else [(cell, h) for h in held[cell]]
+                )
                 if pool:
                     owner, (b, mid) = rng.choice(pool)
                     dup = await p.ack(cell, b, mid)

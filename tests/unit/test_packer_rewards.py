@@ -22,7 +22,9 @@ async def test_a_huge_reward_is_refused_before_anything_is_logged(reward):
     await p.record_turn(tk.turn("x0", "g", 0))
     logged = len(log.events)
     with pytest.raises(InvalidArgument, match="reward"):
-        Finish.from_proto(tk.finish_proto("x0", "g", 2, reward=reward), p.cfg.max_group_size, p.cfg.max_abs_reward)
+        Finish.from_proto(
+            tk.finish_proto("x0", "g", 2, reward=reward), p.cfg.max_group_size, p.cfg.max_abs_reward
+        )
     assert len(log.events) == logged
 
 
@@ -30,7 +32,9 @@ async def test_rewards_at_the_bound_are_accepted_and_give_finite_advantages():
     p, log, _ = tk.make_packer()
     for k, r in enumerate((1e9, -1e9)):
         await p.record_turn(tk.turn(f"x{k}", "g", 0))
-        await p.report_finish(Finish.from_proto(tk.finish_proto(f"x{k}", "g", 2, reward=r), 256, p.cfg.max_abs_reward))
+        await p.report_finish(
+            Finish.from_proto(tk.finish_proto(f"x{k}", "g", 2, reward=r), 256, p.cfg.max_abs_reward)
+        )
     assert sorted(p.state.groups["g"].advantages.values()) == pytest.approx([-1.0, 1.0])
 
 
@@ -40,7 +44,9 @@ async def test_a_wal_holding_a_huge_reward_replays_without_crashing(tmp_path):
     wal.open()
     for k, r in enumerate((1e154, -1e154)):
         wal.append({"t": "turn", "turn": tk.turn(f"x{k}", "g", 0).to_json()})
-        wal.append({"t": "finish", "finish": {"x": f"x{k}", "g": "g", "n": 2, "s": "completed", "r": r, "v": 0}})
+        wal.append(
+            {"t": "finish", "finish": {"x": f"x{k}", "g": "g", "n": 2, "s": "completed", "r": r, "v": 0}}
+        )
     await wal.close()
     wal = Wal(tmp_path)
     events = wal.open()
@@ -52,8 +58,15 @@ async def test_a_wal_holding_a_huge_reward_replays_without_crashing(tmp_path):
     await wal.close()
 
 
-@pytest.mark.parametrize("field,value", [("reward_max", float("inf")), ("reward_min", float("-inf")),
-                                         ("reward_max", float("nan")), ("reward_max", 1e154)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("reward_max", float("inf")),
+        ("reward_min", float("-inf")),
+        ("reward_max", float("nan")),
+        ("reward_max", 1e154),
+    ],
+)
 def test_the_scheduler_refuses_unbounded_reward_limits(field, value):
     with pytest.raises(pydantic.ValidationError):
         SchedulerConfig(**{field: value})

@@ -27,8 +27,18 @@ def episode(x: str, g: str, turns: int, rng: random.Random, edit_at: int = -1, v
         n = rng.randrange(1, 6)
         output = [rng.randrange(3, 500) for _ in range(n)]
         mask = [1] * n if i != 1 else [1] * (n - 1) + [0]
-        out.append(tk.turn(x, g, i, prompt_ids=list(context), output_ids=output,
-                           logprobs=[-0.1 * (j + 1) for j in range(n)], versions=[version + i] * n, mask=mask))
+        out.append(
+            tk.turn(
+                x,
+                g,
+                i,
+                prompt_ids=list(context),
+                output_ids=output,
+                logprobs=[-0.1 * (j + 1) for j in range(n)],
+                versions=[version + i] * n,
+                mask=mask,
+            )
+        )
         context = context + output + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 5))]
     return out
 
@@ -49,9 +59,14 @@ async def _run(budget: int = 4096):
 async def test_one_sequence_per_segment():
     p, _, eps, claim = await _run()
     assert claim.micro_step is not None
-    seqs = sorted(claim.micro_step.sequences, key=lambda s: (s.segment.last.execution_id, s.segment.turns[0].turn_index))
+    seqs = sorted(
+        claim.micro_step.sequences, key=lambda s: (s.segment.last.execution_id, s.segment.turns[0].turn_index)
+    )
     assert [(s.segment.last.execution_id, [t.turn_index for t in s.segment.turns]) for s in seqs] == [
-        ("g-x0", [0, 1, 2, 3, 4]), ("g-x1", [0, 1]), ("g-x1", [2, 3])]
+        ("g-x0", [0, 1, 2, 3, 4]),
+        ("g-x1", [0, 1]),
+        ("g-x1", [2, 3]),
+    ]
     for s in seqs:
         msg = s.to_proto()
         last = s.segment.last
@@ -62,7 +77,9 @@ async def test_one_sequence_per_segment():
             assert list(msg.token_ids[at : at + len(t.output)]) == list(t.output)
             assert list(msg.loss_mask[at : at + len(t.output)]) == list(t.mask)
             assert list(msg.token_policy_versions[at : at + len(t.output)]) == list(t.versions)
-            assert list(msg.logprobs[at : at + len(t.output)]) == [lp if m else 0.0 for lp, m in zip(t.logprobs, t.mask)]
+            assert list(msg.logprobs[at : at + len(t.output)]) == [
+                lp if m else 0.0 for lp, m in zip(t.logprobs, t.mask)
+            ]
         assert sum(msg.loss_mask) == sum(t.loss_tokens for t in s.segment.turns)
         assert s.policy_version == min(v for t in s.segment.turns for v in t.versions)
     ms = claim.micro_step
@@ -83,7 +100,9 @@ async def test_replay_and_snapshot_rebuild_segments():
     assert tk.snapshot(replayed) == tk.snapshot(p.state)
     restored = PackerState()
     restore(restored, to_event(p.state))
-    assert {x: e.segments for x, e in restored.execs.items()} == {x: e.segments for x, e in p.state.execs.items()}
+    assert {x: e.segments for x, e in restored.execs.items()} == {
+        x: e.segments for x, e in p.state.execs.items()
+    }
     assert restored.segment(("g-x1", 2)).tokens == p.state.segment(("g-x1", 2)).tokens
 
 

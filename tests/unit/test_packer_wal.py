@@ -69,7 +69,7 @@ async def test_corrupt_middle_record_is_quarantined_and_the_rest_recovered(tmp_p
     reopened = Wal(tmp_path)
     events = reopened.open()  # before: FatalError, the packer crash-looped
     assert reopened.quarantined == [bad + 1]
-    assert events == original[:bad] + original[bad + 1:]
+    assert events == original[:bad] + original[bad + 1 :]
     (moved,) = tmp_path.glob("packer.wal.quarantine.*")
     assert lines[bad] in moved.read_bytes() and f"# line {bad + 1} of".encode() in moved.read_bytes()
     q = Packer(tk.config(), reopened, clock=tk.ManualClock())

@@ -44,8 +44,14 @@ from services.scheduler.policy.gyre import rate_target
 def test_gate_is_areal_plus_overprovision():
     assert staleness.gate(0, 1, 256, 64) == 2 * 256 + 64
     assert staleness.gate(3, 0, 10) == 40
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=10, extra_groups=2, groups_dispatched=25,
-                 groups_cancelled=3)
+    p = Pipeline(
+        max_staleness=1,
+        group_size=4,
+        batch_groups=10,
+        extra_groups=2,
+        groups_dispatched=25,
+        groups_cancelled=3,
+    )
     assert staleness.dispatch_room(p, 0) == 22 - 22
     assert staleness.dispatch_room(p, 1) == 32 - 22
     # eta = 0 and the batch full: a group stamped now could never be consumed; no dispatch
@@ -69,9 +75,16 @@ def test_cancel_early_exactly_when_no_batch_within_eta_can_take_it(u, v, eta, fu
 
 VERSION = st.builds(
     lambda v, g, d, lf, fin, ready, cons, canc: VersionCounts(
-        v, g, d, min(d, lf), min(min(d, lf), fin), ready, cons, canc),
-    st.integers(0, 6), st.integers(0, 40), st.integers(0, 160), st.integers(0, 160), st.integers(0, 160),
-    st.integers(0, 10), st.integers(0, 10), st.integers(0, 10),
+        v, g, d, min(d, lf), min(min(d, lf), fin), ready, cons, canc
+    ),
+    st.integers(0, 6),
+    st.integers(0, 40),
+    st.integers(0, 160),
+    st.integers(0, 160),
+    st.integers(0, 160),
+    st.integers(0, 10),
+    st.integers(0, 10),
+    st.integers(0, 10),
 )
 
 
@@ -79,9 +92,12 @@ VERSION = st.builds(
 def pipelines(draw):
     versions = draw(st.lists(VERSION, max_size=5, unique_by=lambda vc: vc.version))
     return Pipeline(
-        max_staleness=draw(st.integers(0, 3)), group_size=draw(st.integers(1, 8)),
-        batch_groups=draw(st.integers(1, 40)), extra_groups=draw(st.integers(0, 10)),
-        ready_groups=draw(st.integers(0, 60)), batch_assigned=draw(st.integers(0, 40)),
+        max_staleness=draw(st.integers(0, 3)),
+        group_size=draw(st.integers(1, 8)),
+        batch_groups=draw(st.integers(1, 40)),
+        extra_groups=draw(st.integers(0, 10)),
+        ready_groups=draw(st.integers(0, 60)),
+        batch_assigned=draw(st.integers(0, 40)),
         versions=tuple(sorted(versions, key=lambda vc: vc.version)),
     )
 
@@ -106,8 +122,16 @@ def test_w_eta_never_rises_when_work_closes_or_becomes_ready(p, v, which):
     vc = p.versions[which % len(p.versions)]
     if vc.finished >= vc.launched:
         return
-    closed = VersionCounts(vc.version, vc.groups, vc.dispatched, vc.launched, vc.finished + 1, vc.ready,
-                           vc.consumed, vc.cancelled)
+    closed = VersionCounts(
+        vc.version,
+        vc.groups,
+        vc.dispatched,
+        vc.launched,
+        vc.finished + 1,
+        vc.ready,
+        vc.consumed,
+        vc.cancelled,
+    )
     after = Pipeline(**{**p.__dict__, "versions": tuple(closed if x is vc else x for x in p.versions)})
     assert staleness.waterlevel(after, v) <= staleness.waterlevel(p, v)
     readied = Pipeline(**{**after.__dict__, "ready_groups": after.ready_groups + 1})
@@ -126,40 +150,83 @@ def gyre_snapshots(draw):
     k = draw(st.integers(0, n))  # training prefix
     cells = []
     for i in range(n):
-        state = draw(st.sampled_from(STATES)) if i < k else draw(st.sampled_from(
-            [CellState.ROLLOUT] * 5 + [CellState.RETURNING, CellState.DRAINING, CellState.FAILED]))
+        state = (
+            draw(st.sampled_from(STATES))
+            if i < k
+            else draw(
+                st.sampled_from(
+                    [CellState.ROLLOUT] * 5 + [CellState.RETURNING, CellState.DRAINING, CellState.FAILED]
+                )
+            )
+        )
         if i < k and state is CellState.RETURNING:
             state = CellState.TRAINING
         load = draw(st.integers(0, slots)) if state is CellState.ROLLOUT else 0
         cells.append(CellView(f"c{i}", CellKind.ELASTIC, i, state, slots, load))
     if draw(st.booleans()):
-        cells.append(CellView("s0", CellKind.STANDALONE, -1, CellState.ROLLOUT, slots, draw(st.integers(0, slots))))
+        cells.append(
+            CellView("s0", CellKind.STANDALONE, -1, CellState.ROLLOUT, slots, draw(st.integers(0, slots)))
+        )
     p = draw(pipelines())
     v = draw(st.integers(0, 8))
-    p = Pipeline(**{**p.__dict__, "published_version": draw(st.integers(0, v)),
-                    "groups_dispatched": draw(st.integers(0, 400)),
-                    "train_rate_per_cell": draw(st.sampled_from([0.0, 1000.0, 7600.0])),
-                    "ready_rate": draw(st.floats(0, 5)), "tokens_per_group": draw(st.floats(0, 1e5)),
-                    "backlog_tokens": draw(st.floats(0, 1e6)), "optimizing": draw(st.booleans()),
-                    "planned": tuple(draw(st.lists(st.sampled_from([c.cell_id for c in cells]), max_size=3,
-                                                   unique=True)))})
+    p = Pipeline(
+        **{
+            **p.__dict__,
+            "published_version": draw(st.integers(0, v)),
+            "groups_dispatched": draw(st.integers(0, 400)),
+            "train_rate_per_cell": draw(st.sampled_from([0.0, 1000.0, 7600.0])),
+            "ready_rate": draw(st.floats(0, 5)),
+            "tokens_per_group": draw(st.floats(0, 1e5)),
+            "backlog_tokens": draw(st.floats(0, 1e6)),
+            "optimizing": draw(st.booleans()),
+            "planned": tuple(
+                draw(st.lists(st.sampled_from([c.cell_id for c in cells]), max_size=3, unique=True))
+            ),
+        }
+    )
     rollout = [c for c in cells if c.state is CellState.ROLLOUT and c.load > 0]
-    execs = tuple(
-        ExecView(f"x{j}", draw(st.sampled_from(rollout)).cell_id, v, draw(st.floats(0, 500)), draw(st.integers(0, 1)))
-        for j in range(draw(st.integers(0, 6)))
-    ) if rollout else ()
+    execs = (
+        tuple(
+            ExecView(
+                f"x{j}",
+                draw(st.sampled_from(rollout)).cell_id,
+                v,
+                draw(st.floats(0, 500)),
+                draw(st.integers(0, 1)),
+            )
+            for j in range(draw(st.integers(0, 6)))
+        )
+        if rollout
+        else ()
+    )
     needs = max(0, p.batch_groups - p.batch_assigned)
     supply = Supply(min(p.ready_groups, needs), p.batch_groups, needs, v + 1)
     d = sum(vc.dispatched for vc in p.versions)
     f = sum(vc.finished for vc in p.versions)
     lf = sum(vc.launched for vc in p.versions)
-    snap = Snapshot(draw(st.floats(0, 1e5)), LedgerCounts(d, lf, f), tuple(cells), supply, None, v,
-                    draw(st.sampled_from([0, 1 << 30])), None, p, execs)
+    snap = Snapshot(
+        draw(st.floats(0, 1e5)),
+        LedgerCounts(d, lf, f),
+        tuple(cells),
+        supply,
+        None,
+        v,
+        draw(st.sampled_from([0, 1 << 30])),
+        None,
+        p,
+        execs,
+    )
     return snap
 
 
-CONFIGS = st.builds(GyreConfig, rates=st.booleans(), keep=st.booleans(), plan=st.booleans(),
-                    migrate=st.booleans(), hysteresis=st.sampled_from([0.0, 0.2, 1.0]))
+CONFIGS = st.builds(
+    GyreConfig,
+    rates=st.booleans(),
+    keep=st.booleans(),
+    plan=st.booleans(),
+    migrate=st.booleans(),
+    hysteresis=st.sampled_from([0.0, 0.2, 1.0]),
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -183,11 +250,18 @@ def test_gyre_invariants_on_random_snapshots(s, cfg):
         assert not any(x.state is CellState.DRAINING for x in elastic)
         # The prefix grows by the lowest-index cell not training.
         if prefix_ok:
-            after = tuple(CellView(x.cell_id, x.kind, x.index, CellState.DRAINING if x is c else x.state, x.slots)
-                          for x in s.cells)
+            after = tuple(
+                CellView(x.cell_id, x.kind, x.index, CellState.DRAINING if x is c else x.state, x.slots)
+                for x in s.cells
+            )
             assert is_prefix(after)
     for a in acts:
-        if isinstance(a, ReturnToRollout) and prefix_ok and training_set(s.cells) and training_set(s.cells)[0].is_core:
+        if (
+            isinstance(a, ReturnToRollout)
+            and prefix_ok
+            and training_set(s.cells)
+            and training_set(s.cells)[0].is_core
+        ):
             assert not by_id[a.cell_id].is_core
         if isinstance(a, DispatchBurst):
             assert a.quota % p.group_size == 0
@@ -201,8 +275,12 @@ def test_gyre_invariants_on_random_snapshots(s, cfg):
             assert dst.state is CellState.ROLLOUT and a.cell_id not in planned and a.cell_id != src
             assert dst.load < by_id[src].load
         if isinstance(a, PlanMoves):
-            assert all(by_id[c].state is CellState.ROLLOUT or by_id[c].state is CellState.FAILED
-                       or by_id[c].state is CellState.STARTING for c in a.cell_ids)
+            assert all(
+                by_id[c].state is CellState.ROLLOUT
+                or by_id[c].state is CellState.FAILED
+                or by_id[c].state is CellState.STARTING
+                for c in a.cell_ids
+            )
 
 
 def _cells(states, slots=10, loads=None):
@@ -212,15 +290,34 @@ def _cells(states, slots=10, loads=None):
 
 def _snap(cells, p, v=1, needs=None, execs=()):
     needs = p.batch_groups - p.batch_assigned if needs is None else needs
-    return Snapshot(100.0, LedgerCounts(0, 0, 0), cells, Supply(min(p.ready_groups, needs), p.batch_groups, needs, v),
-                    None, v, 1 << 30, None, p, execs)
+    return Snapshot(
+        100.0,
+        LedgerCounts(0, 0, 0),
+        cells,
+        Supply(min(p.ready_groups, needs), p.batch_groups, needs, v),
+        None,
+        v,
+        1 << 30,
+        None,
+        p,
+        execs,
+    )
 
 
 def test_rate_target_finishes_the_batch_as_its_last_group_arrives():
     # 10 groups missing at 0.1 groups/s: they arrive in 100 s; 1e6 tokens of work in all at
     # 1000 tok/s per cell -> 10 cells finish it in 100 s.
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, batch_assigned=5, ready_groups=5,
-                 backlog_tokens=2.5e5, train_rate_per_cell=1000.0, ready_rate=0.1, tokens_per_group=5e4)
+    p = Pipeline(
+        max_staleness=1,
+        group_size=4,
+        batch_groups=20,
+        batch_assigned=5,
+        ready_groups=5,
+        backlog_tokens=2.5e5,
+        train_rate_per_cell=1000.0,
+        ready_rate=0.1,
+        tokens_per_group=5e4,
+    )
     t, why = rate_target(p, batch_needs=15, horizon_floor_s=30.0)
     assert t == 10, why
     # The next batch's supply already there: more cells.
@@ -233,16 +330,31 @@ def test_rate_target_finishes_the_batch_as_its_last_group_arrives():
 
 def test_gyre_grows_the_prefix_from_rates_and_keeps_rollout_covering_w_eta():
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, batch_assigned=20, ready_groups=40,
-                 train_rate_per_cell=1000.0, ready_rate=1.0, tokens_per_group=5e4,
-                 versions=(VersionCounts(1, groups=30, dispatched=120, launched=100, finished=60),),
-                 published_version=1)
+    p = Pipeline(
+        max_staleness=1,
+        group_size=4,
+        batch_groups=20,
+        batch_assigned=20,
+        ready_groups=40,
+        train_rate_per_cell=1000.0,
+        ready_rate=1.0,
+        tokens_per_group=5e4,
+        versions=(VersionCounts(1, groups=30, dispatched=120, launched=100, finished=60),),
+        published_version=1,
+    )
     s = _snap(_cells([T, R, R, R, R, R]), p)
     acts = GyrePolicy().decide(s)
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
     # W_eta = min(60 open, needed 0 groups) = 0 here; with work needed, capacity must cover it.
-    p2 = Pipeline(**{**p.__dict__, "ready_groups": 0, "batch_assigned": 0, "backlog_tokens": 1e7,
-                     "versions": (VersionCounts(1, groups=30, dispatched=120, launched=100, finished=90),)})
+    p2 = Pipeline(
+        **{
+            **p.__dict__,
+            "ready_groups": 0,
+            "batch_assigned": 0,
+            "backlog_tokens": 1e7,
+            "versions": (VersionCounts(1, groups=30, dispatched=120, launched=100, finished=90),),
+        }
+    )
     w = staleness.waterlevel(p2, 1)
     assert w == 30
     s2 = _snap(_cells([T, R, R, R, R, R]), p2)
@@ -254,8 +366,17 @@ def test_gyre_grows_the_prefix_from_rates_and_keeps_rollout_covering_w_eta():
 
 def test_gyre_returns_satellites_only_beyond_the_hysteresis_band():
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, batch_assigned=0, ready_groups=0,
-                 train_rate_per_cell=1000.0, ready_rate=0.0, tokens_per_group=5e4, published_version=1)
+    p = Pipeline(
+        max_staleness=1,
+        group_size=4,
+        batch_groups=20,
+        batch_assigned=0,
+        ready_groups=0,
+        train_rate_per_cell=1000.0,
+        ready_rate=0.0,
+        tokens_per_group=5e4,
+        published_version=1,
+    )
     # Target 1 (nothing to train): 3 training cells > 1 + h (h = 1) -> the last satellite returns.
     acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), p))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
@@ -269,8 +390,9 @@ def test_gyre_returns_satellites_only_beyond_the_hysteresis_band():
 
 def test_gyre_plans_next_cells_and_migrates_the_tail_off_crowded_engines():
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, published_version=1,
-                 train_rate_per_cell=1000.0)
+    p = Pipeline(
+        max_staleness=1, group_size=4, batch_groups=20, published_version=1, train_rate_per_cell=1000.0
+    )
     execs = (ExecView("7", "c3", 0, 300.0), ExecView("8", "c3", 0, 10.0, moves=1))
     s = _snap(_cells([T, R, R, R], loads=[0, 9, 1, 9]), p, execs=execs)
     acts = GyrePolicy().decide(s)
@@ -289,8 +411,14 @@ def test_gyre_plans_next_cells_and_migrates_the_tail_off_crowded_engines():
 
 def test_async_static_keeps_its_split_and_dispatches_to_the_gate():
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=10, extra_groups=2, groups_dispatched=15,
-                 published_version=0)
+    p = Pipeline(
+        max_staleness=1,
+        group_size=4,
+        batch_groups=10,
+        extra_groups=2,
+        groups_dispatched=15,
+        published_version=0,
+    )
     acts = AsyncStaticPolicy(AsyncStaticConfig(training_cells=2)).decide(_snap(_cells([T, R, T, R]), p, v=1))
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
@@ -330,6 +458,7 @@ def test_placement_spreads_and_keeps_planned_cells_last():
     table.records = {f"c{i}": CellRecord(f"c{i}", CellKind.ELASTIC, i, 4, f"t{i}") for i in range(4)}
     table.states = {cid: CellState.ROLLOUT for cid in table.records}
     counts = {"c0": 0, "c1": 3, "c2": 1, "c3": 2}
+
     def order(**kw: Any) -> list[str]:
         return [r.cell_id for r, _ in placement_order(table, counts, **kw)]
 

@@ -17,12 +17,18 @@ def test_generated_code_is_fresh(tmp_path: Path):
     (tmp_path / "gyre" / "v1").mkdir(parents=True)
     subprocess.run(
         ["bash", str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)],
-        check=True, cwd=ROOT, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+        check=True,
+        cwd=ROOT,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
     )
     fresh = sorted(p.name for p in (tmp_path / "gyre" / "v1").iterdir() if p.suffix in (".py", ".pyi"))
     committed = sorted(p.name for p in (ROOT / "gyre" / "v1").iterdir() if p.suffix in (".py", ".pyi"))
     assert fresh == committed
-    stale = [n for n in fresh if not filecmp.cmp(tmp_path / "gyre" / "v1" / n, ROOT / "gyre" / "v1" / n, shallow=False)]
+    stale = [
+        n
+        for n in fresh
+        if not filecmp.cmp(tmp_path / "gyre" / "v1" / n, ROOT / "gyre" / "v1" / n, shallow=False)
+    ]
     assert not stale, f"regenerate with ./scripts/gen_protos.sh: {stale}"
 
 

@@ -45,8 +45,11 @@ async def test_unavailable_carries_the_hint_and_keeps_other_metadata():
     with pytest.raises(_Aborted):
         await _Servicer().Call(Unavailable("etcd unreachable", retry_after_s=1.5), ctx)
     assert ctx.status == (grpc.StatusCode.UNAVAILABLE, "etcd unreachable")
-    assert dict(ctx.trailing_metadata()) == {"x-gyre-leader": "10.0.0.2:50051", "retry-after-ms": "1500",
-                                             "grpc-retry-pushback-ms": "1500"}
+    assert dict(ctx.trailing_metadata()) == {
+        "x-gyre-leader": "10.0.0.2:50051",
+        "retry-after-ms": "1500",
+        "grpc-retry-pushback-ms": "1500",
+    }
 
 
 async def test_other_errors_carry_no_hint():

@@ -13,15 +13,18 @@ from services.router.http_api import check_json, parse_body
 from services.router.limits import CallLimits, model_context
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError inside json
-    b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}",  # parses, still deeper than allowed
-    b'{"a": "x\\ud800y"}',
-    b'{"\\udfff": 1}',
-    b'{"m": [{"c": ["ok", "\\ud83d"]}]}',  # half of a surrogate pair
-    b"[1]",
-    b"\xff\xfe",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError inside json
+        b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}",  # parses, still deeper than allowed
+        b'{"a": "x\\ud800y"}',
+        b'{"\\udfff": 1}',
+        b'{"m": [{"c": ["ok", "\\ud83d"]}]}',  # half of a surrogate pair
+        b"[1]",
+        b"\xff\xfe",
+    ],
+)
 def test_bad_bodies_are_invalid_argument(raw):
     with pytest.raises(InvalidArgument):
         parse_body(raw)
@@ -33,8 +36,9 @@ def test_good_bodies_pass():
     check_json({"a": [[[[{"b": "ok"}]]]]})
 
 
-@pytest.mark.parametrize("kw", [{"seed": 2**63}, {"seed": -(2**63) - 1}, {"stop_token_ids": (2**31,)},
-                                {"stop_token_ids": (-1,)}])
+@pytest.mark.parametrize(
+    "kw", [{"seed": 2**63}, {"seed": -(2**63) - 1}, {"stop_token_ids": (2**31,)}, {"stop_token_ids": (-1,)}]
+)
 def test_sampling_beyond_the_wire_types_is_refused(kw):
     with pytest.raises(InvalidArgument):
         Sampling(max_tokens=4, **kw).validate()

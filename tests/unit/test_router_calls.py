@@ -113,7 +113,9 @@ def route(cell: str, epoch: int, token_hash: str = "ab" * 32) -> Route:
     return Route("e1", cell, cell, token_hash, "g1", 1, 1, epoch, created_revision=10)
 
 
-def setup(scripts: dict[str, Script], **policy: object) -> tuple[CallManager, RouteTable, FakeEngines, Sink, TurnRecorder]:
+def setup(
+    scripts: dict[str, Script], **policy: object
+) -> tuple[CallManager, RouteTable, FakeEngines, Sink, TurnRecorder]:
     table = RouteTable()
     table.apply(route("a", 1))
     engines = FakeEngines(scripts)
@@ -123,12 +125,16 @@ def setup(scripts: dict[str, Script], **policy: object) -> tuple[CallManager, Ro
     return CallManager(table, engines, pol, turns, RouterStats()), table, engines, sink, turns
 
 
-async def run_call(mgr: CallManager, max_tokens: int, on_tokens=None, timeout_s: float = 10.0, stop=()) -> tuple[list[int], list[Chunk]]:
+async def run_call(
+    mgr: CallManager, max_tokens: int, on_tokens=None, timeout_s: float = 10.0, stop=()
+) -> tuple[list[int], list[Chunk]]:
     out: list[int] = []
     chunks: list[Chunk] = []
     r = mgr.routes.get("e1")
     assert r is not None
-    async for chunk in mgr.generate(r, PROMPT, Sampling(max_tokens=max_tokens, stop_token_ids=tuple(stop)), timeout_s):
+    async for chunk in mgr.generate(
+        r, PROMPT, Sampling(max_tokens=max_tokens, stop_token_ids=tuple(stop)), timeout_s
+    ):
         out.extend(chunk.token_ids)
         chunks.append(chunk)
         if on_tokens is not None:
@@ -170,7 +176,7 @@ async def test_moved_call_is_token_identical(moves):
     assert [t for t, _ in engines.aborts] == cells[:moves]
     for _, req in engines.requests[1:]:
         assert list(req.prompt_token_ids[: len(PROMPT)]) == PROMPT
-        generated = list(req.prompt_token_ids[len(PROMPT):])
+        generated = list(req.prompt_token_ids[len(PROMPT) :])
         assert generated == out[: len(generated)]
         assert req.sampling.max_tokens == 30 - len(generated)
         assert req.required_policy_version == 1
@@ -182,7 +188,9 @@ async def test_move_via_manager_waits_for_source_stop():
 
     async def on_tokens(n: int) -> None:
         if n == 3:
-            table._routes["e1"] = route("b", 2)  # table updated without listeners (as a MoveExecutions would find it)
+            table._routes["e1"] = route(
+                "b", 2
+            )  # table updated without listeners (as a MoveExecutions would find it)
             result["move"] = await mgr.move(["e1"], {"a"})
 
     out, _ = await run_call(mgr, 12, on_tokens)
@@ -323,7 +331,9 @@ async def test_kv_handoff_exports_imports_and_releases():
 
 
 async def test_kv_export_timeout_falls_back_to_recompute():
-    mgr, table, engines, _, _ = setup({"a": Script(delay_s=0.02, export_delay_s=0.5), "b": Script()}, kv_handoff=True, kv_timeout_s=0.05)
+    mgr, table, engines, _, _ = setup(
+        {"a": Script(delay_s=0.02, export_delay_s=0.5), "b": Script()}, kv_handoff=True, kv_timeout_s=0.05
+    )
 
     async def on_tokens(n: int) -> None:
         if n == 4:
@@ -356,7 +366,9 @@ async def test_rapid_successive_moves_end_at_the_latest_route(kv):
 
 
 async def test_move_while_waiting_after_a_failure_goes_to_the_new_route():
-    mgr, table, engines, _, _ = setup({"a": Script(fail_after=4), "b": Script()}, retry_budget=1, failover_wait_s=5.0)
+    mgr, table, engines, _, _ = setup(
+        {"a": Script(fail_after=4), "b": Script()}, retry_budget=1, failover_wait_s=5.0
+    )
 
     async def mover() -> None:
         while not engines.aborts:
@@ -419,8 +431,9 @@ def _with_reporter(scripts: dict[str, Script], dead: bool, **policy: object):
 
 
 async def test_a_failed_engine_is_reported_and_the_call_continues_at_the_reroute():
-    mgr, _, engines, sched = _with_reporter({"a": Script(fail_after=4), "b": Script()}, dead=True,
-                                            retry_budget=1, failover_wait_s=30.0)
+    mgr, _, engines, sched = _with_reporter(
+        {"a": Script(fail_after=4), "b": Script()}, dead=True, retry_budget=1, failover_wait_s=30.0
+    )
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     out, _ = await run_call(mgr, 12)
@@ -431,8 +444,9 @@ async def test_a_failed_engine_is_reported_and_the_call_continues_at_the_reroute
 
 
 async def test_an_engine_the_scheduler_finds_alive_is_retried_at_once():
-    mgr, _, engines, sched = _with_reporter({"a": Script(fail_after=4)}, dead=False,
-                                            retry_budget=1, failover_wait_s=30.0)
+    mgr, _, engines, sched = _with_reporter(
+        {"a": Script(fail_after=4)}, dead=False, retry_budget=1, failover_wait_s=30.0
+    )
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     out, _ = await run_call(mgr, 12)

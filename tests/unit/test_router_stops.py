@@ -30,9 +30,14 @@ def test_matches_vllm_check_stop_strings():
     for _ in range(3000):
         text = "".join(rng.choice("ab\nO:") for _ in range(rng.randrange(0, 30)))
         new = rng.randrange(0, len(text) + 1)
-        stops = ["".join(rng.choice("ab\nO:") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+        stops = [
+            "".join(rng.choice("ab\nO:") for _ in range(rng.randrange(1, 5)))
+            for _ in range(rng.randrange(1, 4))
+        ]
         for include in (False, True):
-            assert check_stop_strings(text, new, stops, include) == vllm_detok.check_stop_strings(text, new, stops, include)
+            assert check_stop_strings(text, new, stops, include) == vllm_detok.check_stop_strings(
+                text, new, stops, include
+            )
 
 
 def _run(tok, ids, stops, include=False, chunk=1):

@@ -20,7 +20,12 @@ def tok(tmp_path_factory) -> Tokenizer:
 
 
 def test_chat_template_applied_once(tok):
-    ids = tok.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    ids = tok.encode_chat(
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ]
+    )
     text = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert ids == tok.encode(text)
     assert ids.count(tok.encode("<|im_start|>")[0]) == 3
@@ -38,7 +43,14 @@ def test_streamed_deltas_join_to_decoded_text(tok):
 
 @pytest.mark.parametrize(
     "messages",
-    [[], "hi", [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 3}], [{"role": "user", "content": [{"type": "image"}]}], ["x"]],
+    [
+        [],
+        "hi",
+        [{"role": "wizard", "content": "x"}],
+        [{"role": "user", "content": 3}],
+        [{"role": "user", "content": [{"type": "image"}]}],
+        ["x"],
+    ],
 )
 def test_malformed_messages(messages):
     with pytest.raises(InvalidArgument):

@@ -12,8 +12,16 @@ import pytest
 from services.router.tokenization import Tokenizer, normalize_messages
 from services.router.trajectory import ChatState, TrajectoryStore, canonical_tools, chat_prompt, reply_key
 
-TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Reads a file",
-                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Reads a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,9 @@ def _turn(tok, store, messages, output, tools=(), reply=None):
     planned = chat_prompt(tok, store.get("x"), norm, list(tools))
     traj = store.record("x", planned.token_ids, output, break_reason=planned.break_reason)
     content, calls = reply if reply is not None else (tok.decode(output), [])
-    store.attach_chat("x", traj, ChatState(tuple(norm), canonical_tools(list(tools)), reply_key(content, calls)))
+    store.attach_chat(
+        "x", traj, ChatState(tuple(norm), canonical_tools(list(tools)), reply_key(content, calls))
+    )
     return planned.token_ids, planned.break_reason
 
 
@@ -48,7 +58,9 @@ def test_continuation_keeps_generated_tokens(tok):
     p2, why2 = _turn(tok, store, m2, tok.encode("ok") + [end])
     assert why2 is None
     assert p2[: len(p1) + len(out1)] == p1 + out1
-    assert p2[len(p1) + len(out1):] == tok.encode("\n<|im_start|>user\nthe file says 7<|im_end|>\n<|im_start|>assistant\n")
+    assert p2[len(p1) + len(out1) :] == tok.encode(
+        "\n<|im_start|>user\nthe file says 7<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.decode(p2, skip_special_tokens=False) == tok.render(normalize_messages(m2), None, True)
     assert store.continued == 1 and not store.breaks and store.get("x").segment == 0
 
@@ -59,15 +71,24 @@ def test_tool_call_and_tool_result_continue(tok):
     m1 = [{"role": "user", "content": "find the secret"}]
     call_text = '<tool_call>\n{"name": "read_file", "arguments": {"path": "notes.txt"}}\n</tool_call>'
     out1 = tok.encode(call_text) + [end]
-    calls = [{"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "notes.txt"}'}}]
+    calls = [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "notes.txt"}'},
+        }
+    ]
     p1, _ = _turn(tok, store, m1, out1, TOOLS, reply=(None, calls))
-    m2 = m1 + [{"role": "assistant", "content": None, "tool_calls": calls},
-               {"role": "tool", "tool_call_id": "call_1", "content": "The secret number is 42."}]
+    m2 = m1 + [
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "The secret number is 42."},
+    ]
     p2, why = _turn(tok, store, m2, tok.encode("42") + [end], TOOLS)
     assert why is None and p2[: len(p1) + len(out1)] == p1 + out1
-    assert tok.decode(p2[len(p1) + len(out1):], skip_special_tokens=False) == (
+    assert tok.decode(p2[len(p1) + len(out1) :], skip_special_tokens=False) == (
         "\n<|im_start|>user\n<tool_response>\nThe secret number is 42.\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_output_cut_by_a_stop_string_gets_the_whole_closing(tok):
@@ -75,10 +96,15 @@ def test_output_cut_by_a_stop_string_gets_the_whole_closing(tok):
     m1 = [{"role": "user", "content": "think"}]
     out1 = tok.encode("Thought: read it\nObservation:")  # no stop token: a stop string ended it
     p1, _ = _turn(tok, store, m1, out1, reply=("Thought: read it", []))
-    m2 = m1 + [{"role": "assistant", "content": "Thought: read it"}, {"role": "user", "content": "Observation: 7"}]
+    m2 = m1 + [
+        {"role": "assistant", "content": "Thought: read it"},
+        {"role": "user", "content": "Observation: 7"},
+    ]
     p2, why = _turn(tok, store, m2, [5])
     assert why is None and p2[: len(p1) + len(out1)] == p1 + out1
-    assert tok.decode(p2[len(p1) + len(out1):], skip_special_tokens=False).startswith("<|im_end|>\n<|im_start|>user")
+    assert tok.decode(p2[len(p1) + len(out1) :], skip_special_tokens=False).startswith(
+        "<|im_end|>\n<|im_start|>user"
+    )
 
 
 @pytest.mark.parametrize(
@@ -94,7 +120,9 @@ def test_changed_history_starts_a_counted_segment(tok, change, reason):
     end = tok.stop_token_ids[0]
     m1 = [{"role": "user", "content": "hi"}]
     _turn(tok, store, m1, tok.encode("yes") + [end], TOOLS)
-    m2, tools = change(m1 + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "more"}], TOOLS)
+    m2, tools = change(
+        m1 + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "more"}], TOOLS
+    )
     p2, why = _turn(tok, store, m2, [7], tools)
     assert why == reason and p2 == tok.encode_chat(m2, tools)
     assert store.breaks == {reason: 1} and store.get("x").segment == 1
@@ -114,13 +142,32 @@ def test_first_prompt_with_tools_is_what_vllms_server_renders(tok):
     """vLLM's OpenAI server renders chat prompts with the tokenizer's apply_chat_template
     (tools passed along, tool-call arguments as objects): the router's first prompt is the
     same token list."""
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "text"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "a"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "text"},
+    ]
     planned = chat_prompt(tok, None, normalize_messages(messages), TOOLS)
     conversation = [dict(m) for m in messages]
-    conversation[2] = {**messages[2], "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a"}}}]}
-    reference = tok.hf.apply_chat_template(conversation, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False)
+    conversation[2] = {
+        **messages[2],
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a"}}}
+        ],
+    }
+    reference = tok.hf.apply_chat_template(
+        conversation, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     assert planned.token_ids == list(reference)

@@ -104,7 +104,9 @@ class TakenSink:
         from gyre.errors import FailedPrecondition
 
         if self.held.get(t.turn_index, "new") != "new":
-            raise FailedPrecondition(f"turn {t.turn_index} of {t.execution_id} was recorded with other content")
+            raise FailedPrecondition(
+                f"turn {t.turn_index} of {t.execution_id} was recorded with other content"
+            )
         self.held[t.turn_index] = "new"
 
 

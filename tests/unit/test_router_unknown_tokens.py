@@ -28,8 +28,18 @@ class CountingEtcd:
 
 
 def _route(eid: str, token: str, expires_s: float = 0.0) -> Route:
-    return Route(eid, "c0", "127.0.0.1:1", token_sha256(token), "g", 1, 1, epoch=1, created_revision=1,
-                 expires_s=expires_s)
+    return Route(
+        eid,
+        "c0",
+        "127.0.0.1:1",
+        token_sha256(token),
+        "g",
+        1,
+        1,
+        epoch=1,
+        created_revision=1,
+        expires_s=expires_s,
+    )
 
 
 async def test_unknown_tokens_wait_for_the_watch_and_never_read_etcd():
@@ -54,7 +64,9 @@ async def test_unknown_tokens_wait_for_the_watch_and_never_read_etcd():
 
 
 async def test_misses_are_rate_limited_per_peer():
-    store = RouteStore(CountingEtcd(), Keys("t"), RouteTable(), miss_wait_s=0.0, miss_rate_per_s=0.001, miss_burst=2)
+    store = RouteStore(
+        CountingEtcd(), Keys("t"), RouteTable(), miss_wait_s=0.0, miss_rate_per_s=0.001, miss_burst=2
+    )
     for _ in range(2):
         with pytest.raises(Unauthenticated):
             await store.authorize("forged", peer="a")

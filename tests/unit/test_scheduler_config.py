@@ -10,7 +10,9 @@ import pytest
 from services.scheduler.config import SchedulerConfig
 
 
-@pytest.mark.parametrize(("batch", "op", "groups"), [(2, 0.25, 3), (4, 0.25, 5), (3, 0.0, 3), (256, 0.25, 320), (5, 0.1, 6)])
+@pytest.mark.parametrize(
+    ("batch", "op", "groups"), [(2, 0.25, 3), (4, 0.25, 5), (3, 0.0, 3), (256, 0.25, 320), (5, 0.1, 6)]
+)
 def test_over_provision_rounds_up(batch: int, op: float, groups: int):
     assert SchedulerConfig(batch_size=batch, over_provision=op).groups_per_burst() == groups
 

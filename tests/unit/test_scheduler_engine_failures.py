@@ -39,12 +39,18 @@ class _KV:
 
 
 def _register(s, revisions: dict[str, int]) -> None:
-    s.on_cells({
-        f"/c/{cid}".encode(): _KV(f"/c/{cid}".encode(), json.dumps(
-            {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}).encode(),
-            revisions[cid])
-        for cid, kind, idx, slots in CELLS
-    })
+    s.on_cells(
+        {
+            f"/c/{cid}".encode(): _KV(
+                f"/c/{cid}".encode(),
+                json.dumps(
+                    {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
+                ).encode(),
+                revisions[cid],
+            )
+            for cid, kind, idx, slots in CELLS
+        }
+    )
 
 
 async def _setup():

@@ -28,15 +28,25 @@ from tests.support.scheduler_fakes import FakeStore
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["acquire"] * 4 + ["finish"] * 3 + ["reconcile"] * 2 + ["dup", "bad", "heartbeat", "tick",
-                                                            "failover", "old_writes", "reacquire", "finish_all"]),
+        st.sampled_from(
+            ["acquire"] * 4
+            + ["finish"] * 3
+            + ["reconcile"] * 2
+            + ["dup", "bad", "heartbeat", "tick", "failover", "old_writes", "reacquire", "finish_all"]
+        ),
         st.integers(0, 30),
     ),
     min_size=20,
     max_size=80,
 )
-SETTINGS = {"policy": "rollout_only", "batch_size": 1, "over_provision": 1.0, "heartbeat_deadline_s": 10.0,
-            "archive_grace_s": 0.0, "drain_grace_s": 0.0}  # bursts of 4: many close and are archived
+SETTINGS = {
+    "policy": "rollout_only",
+    "batch_size": 1,
+    "over_provision": 1.0,
+    "heartbeat_deadline_s": 10.0,
+    "archive_grace_s": 0.0,
+    "drain_grace_s": 0.0,
+}  # bursts of 4: many close and are archived
 
 
 async def _rebuild(store: FakeStore) -> Ledger:
@@ -142,12 +152,15 @@ async def _history(ops: list[tuple[str, int]]) -> None:
         rebuilt = await _rebuild(store)
         assert rebuilt.counts() == s.ledger.counts()
         assert rebuilt.finished_by_status() == s.ledger.finished_by_status()
-        assert {e: r.state for e, r in rebuilt.records.items()} == {e: r.state for e, r in s.ledger.records.items()}
+        assert {e: r.state for e, r in rebuilt.records.items()} == {
+            e: r.state for e, r in s.ledger.records.items()
+        }
         running = {e for e, r in s.ledger.records.items() if r.state is ExecState.RUNNING}
         assert set(store.routes) == running
         assert set(s.routes.routes) == running
         assert s.ledger.counts().launched == len({g.record.execution_id for g, _ in held}) + sum(
-            1 for r in s.ledger.records.values() if not r.token_sha256)  # (withdrawn: no token)
+            1 for r in s.ledger.records.values() if not r.token_sha256
+        )  # (withdrawn: no token)
     relay.cancel()
     await asyncio.gather(relay, return_exceptions=True)
     event(f"bursts archived: {min(s.ledger.archived.bursts, 3)}+")

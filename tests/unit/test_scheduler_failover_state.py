@@ -157,9 +157,17 @@ class InProcessPacker(RecordingPeers):
         self.packer, _, _ = tk.make_packer(**cfg)
 
     async def report_finish(self, report: FinishReport) -> None:
-        await self.packer.report_finish(Finish.validated(
-            report.execution_id, report.group_id, report.group_size, ExecStatus(report.status.value.lower()),
-            report.reward, report.policy_version, 1 << 16))
+        await self.packer.report_finish(
+            Finish.validated(
+                report.execution_id,
+                report.group_id,
+                report.group_size,
+                ExecStatus(report.status.value.lower()),
+                report.reward,
+                report.policy_version,
+                1 << 16,
+            )
+        )
         self.reports[report.execution_id] = report
 
 
@@ -237,7 +245,9 @@ async def test_closed_bursts_are_archived_and_a_new_leader_rebuilds_the_same_tot
     assert s2.ledger.counts() == s.ledger.counts()
     assert s2.ledger.finished_by_status() == s.ledger.finished_by_status()
     assert s2.ledger.counts_by_version() == s.ledger.counts_by_version()
-    assert {r.execution_id for r in s2.ledger.records.values()}.isdisjoint(g.record.execution_id for g in first)
+    assert {r.execution_id for r in s2.ledger.records.values()}.isdisjoint(
+        g.record.execution_id for g in first
+    )
     assert not [e for e in s2.relay.unsettled if e.startswith("b1-")]  # archived: not resent
     assert s2.status().bursts_completed >= 1
 

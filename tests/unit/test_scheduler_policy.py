@@ -47,8 +47,14 @@ from services.scheduler.policy import (
 
 # Common steps are listed several times so that they are drawn more often than rare ones.
 _NAMES = (
-    ["dispatch"] + ["launch"] * 3 + ["finish"] * 3 + ["register"] * 2 + ["tick"] * 3
-    + ["supply"] * 2 + ["settle"] * 2 + ["dup_finish", "timeout", "lose", "publish"]
+    ["dispatch"]
+    + ["launch"] * 3
+    + ["finish"] * 3
+    + ["register"] * 2
+    + ["tick"] * 3
+    + ["supply"] * 2
+    + ["settle"] * 2
+    + ["dup_finish", "timeout", "lose", "publish"]
 )
 OPS = st.tuples(st.sampled_from(_NAMES), st.integers(0, 16))
 
@@ -84,7 +90,16 @@ class World:
             self.drained_since = None
         elif self.drained_since is None:
             self.drained_since = self.now
-        return Snapshot(self.now, counts, tuple(self.cells.values()), self.supply, burst, self.version, 6, self.drained_since)
+        return Snapshot(
+            self.now,
+            counts,
+            tuple(self.cells.values()),
+            self.supply,
+            burst,
+            self.version,
+            6,
+            self.drained_since,
+        )
 
     def step(self, op: str, arg) -> None:
         led = self.ledger
@@ -97,10 +112,14 @@ class World:
                 nxt = led.next_queued()
                 if nxt is None:
                     break
-                rec = led.plan_launch(nxt[0], nxt[1], token_sha256(f"tok{nxt[1]}-{nxt[0].burst_id}"), "h", self.now)
+                rec = led.plan_launch(
+                    nxt[0], nxt[1], token_sha256(f"tok{nxt[1]}-{nxt[0].burst_id}"), "h", self.now
+                )
                 led.apply(rec, self.now + 10.0)
         elif op in ("finish", "dup_finish"):
-            running = led.running_ids() if op == "finish" else [e for e, r in led.records.items() if r.state.final]
+            running = (
+                led.running_ids() if op == "finish" else [e for e, r in led.records.items() if r.state.final]
+            )
             if running:
                 eid = running[arg % len(running)]
                 out = led.plan_finish(eid, validate_finish(ExecState.COMPLETED, 0.5, "k", 0.0, 1.0), self.now)
@@ -157,14 +176,17 @@ class World:
                 assert capacity(snap.cells) - cell.slots >= snap.ledger.waterlevel, a.reason
                 sup, cfg = snap.supply, self.policy.config
                 held = (
-                    sup.ready_groups >= cfg.fraction * sup.batch_size and sup.held_since_s is not None
+                    sup.ready_groups >= cfg.fraction * sup.batch_size
+                    and sup.held_since_s is not None
                     and snap.now_s - sup.held_since_s >= cfg.interval_s
                 )
                 if not held:
                     # Only the core of a drained burst trains on whatever is ready (no more will come).
                     assert snap.drained_for(cfg.drain_grace_s) and cell.is_core, a.reason
                     assert sup.ready_groups > 0 and "drained" in a.reason
-                assert not any(c.state in (CellState.DRAINING, CellState.RETURNING) for c in snap.cells if c.elastic)
+                assert not any(
+                    c.state in (CellState.DRAINING, CellState.RETURNING) for c in snap.cells if c.elastic
+                )
                 self.cells[a.cell_id] = dataclasses.replace(cell, state=CellState.DRAINING)
                 self.moves += 1
                 MOVES[-1] += 1
@@ -173,7 +195,9 @@ class World:
                 self.cells[a.cell_id] = dataclasses.replace(c, state=CellState.RETURNING)
             elif isinstance(a, DispatchBurst):
                 tasks = [Task(f"t{i}") for i in range(a.quota // self.group_size)]
-                self.ledger.apply_burst(self.ledger.plan_burst(tasks, self.group_size, a.policy_version, 1, self.now))
+                self.ledger.apply_burst(
+                    self.ledger.plan_burst(tasks, self.group_size, a.policy_version, 1, self.now)
+                )
 
     def check(self) -> None:
         self.ledger.check_invariants()
@@ -243,7 +267,13 @@ def _cells(*states: CellState, slots: int = 8, standalone: int = 0) -> tuple[Cel
 
 def _snap(cells, d=60, lc=50, f=19, ready=5, held_since=0.0, now=6.0, version=0, next_quota=60) -> Snapshot:
     return Snapshot(
-        now, LedgerCounts(d, lc, f), cells, Supply(ready, 8, 8, 1, held_since), BurstView(1, 60, 0, 1), version, next_quota
+        now,
+        LedgerCounts(d, lc, f),
+        cells,
+        Supply(ready, 8, 8, 1, held_since),
+        BurstView(1, 60, 0, 1),
+        version,
+        next_quota,
     )
 
 
@@ -251,7 +281,9 @@ def test_move_reason_names_both_checks():
     cells = _cells(CellState.ROLLOUT, CellState.ROLLOUT, standalone=40)
     actions = WaterlevelPolicy(WaterlevelConfig(0.5, 5.0)).decide(_snap(cells))
     assert actions == [
-        MoveToTraining("cell-0", "moved cell-0 to training: capacity 48 >= W 41, supply 0.62 >= 0.5 for 6.0 s")
+        MoveToTraining(
+            "cell-0", "moved cell-0 to training: capacity 48 >= W 41, supply 0.62 >= 0.5 for 6.0 s"
+        )
     ]
 
 
@@ -274,7 +306,9 @@ def test_satellite_waits_for_core_and_one_at_a_time():
     assert isinstance(p.decide(_snap(draining))[0], Hold)
     trained_core = _cells(CellState.TRAINING, CellState.ROLLOUT, standalone=64)
     assert p.decide(_snap(trained_core)) == [
-        MoveToTraining("cell-1", "moved cell-1 to training: capacity 64 >= W 41, supply 0.62 >= 0.5 for 6.0 s")
+        MoveToTraining(
+            "cell-1", "moved cell-1 to training: capacity 64 >= W 41, supply 0.62 >= 0.5 for 6.0 s"
+        )
     ]
     no_core = tuple(c for c in _cells(CellState.ROLLOUT, CellState.ROLLOUT, standalone=64) if c.index != 0)
     assert isinstance(p.decide(_snap(no_core))[0], Hold)
@@ -328,8 +362,9 @@ def test_drained_burst_seals_once_then_waits_for_the_update():
     p = WaterlevelPolicy(WaterlevelConfig(0.5, 0.0, drain_grace_s=1.0))
     training = _cells(CellState.TRAINING, CellState.TRAINING, standalone=16)
     drained = dict(d=20, lc=20, f=20)
-    snap = dataclasses.replace(_snap(training, **drained, ready=0), drained_since_s=4.0,
-                               supply=Supply(0, 8, 6, 1, None))  # batch 1 holds 2 of 8 groups
+    snap = dataclasses.replace(
+        _snap(training, **drained, ready=0), drained_since_s=4.0, supply=Supply(0, 8, 6, 1, None)
+    )  # batch 1 holds 2 of 8 groups
     assert [type(a) for a in p.decide(snap)] == [SealBatch]
     # Sealed: the packer fills batch 2 (nothing assigned); the cells still train batch 1.
     after = dataclasses.replace(snap, supply=Supply(0, 8, 8, 2, None))

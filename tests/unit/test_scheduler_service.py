@@ -62,28 +62,52 @@ CELLS = [
 ]
 
 
-def make(policy: str = "waterlevel", cells=CELLS, store: FakeStore | None = None, peers: RecordingPeers | None = None,
-         clock: Clock | None = None, **overrides) -> tuple[Scheduler, FakeStore, RecordingPeers, Clock]:
-    opts = dict(policy=policy, batch_size=4, group_size=2, over_provision=0.0, interval_s=0.0, fraction=0.5,
-                heartbeat_deadline_s=10.0, drain_timeout_s=1.0, packer_target="fake:1", router_target="router:1")
+def make(
+    policy: str = "waterlevel",
+    cells=CELLS,
+    store: FakeStore | None = None,
+    peers: RecordingPeers | None = None,
+    clock: Clock | None = None,
+    **overrides,
+) -> tuple[Scheduler, FakeStore, RecordingPeers, Clock]:
+    opts = dict(
+        policy=policy,
+        batch_size=4,
+        group_size=2,
+        over_provision=0.0,
+        interval_s=0.0,
+        fraction=0.5,
+        heartbeat_deadline_s=10.0,
+        drain_timeout_s=1.0,
+        packer_target="fake:1",
+        router_target="router:1",
+    )
     opts.update(overrides)
     cfg = config_mod.load(SchedulerConfig, None, **opts)
     store = store or FakeStore(epoch=7)
     peers = peers or RecordingPeers()
     clock = clock or Clock()
     s = Scheduler(cfg, store, peers, GeneratedTasks(seed=1), clock=clock, wall=clock)
-    s.on_cells({
-        f"/c/{cid}".encode(): KV(f"/c/{cid}".encode(), json.dumps(
-            {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}).encode())
-        for cid, kind, idx, slots in cells
-    })
+    s.on_cells(
+        {
+            f"/c/{cid}".encode(): KV(
+                f"/c/{cid}".encode(),
+                json.dumps(
+                    {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
+                ).encode(),
+            )
+            for cid, kind, idx, slots in cells
+        }
+    )
     states = {cid: CellState.ROLLOUT for cid, *_ in cells}
 
     def publish_states() -> None:
-        s.on_cell_states({
-            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
-            for cid, st in states.items()
-        })
+        s.on_cell_states(
+            {
+                f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
+                for cid, st in states.items()
+            }
+        )
 
     def on_state(target: str, state: CellState) -> None:  # the agent writes its state key
         states[target.split(":")[0]] = state
@@ -203,7 +227,7 @@ async def test_move_to_training_reroutes_with_fenced_commands():
         assert route["cell_id"] == "sa" and epoch == 2  # standalone first; route epoch + 1
     states = [a[2] for a in peers.commands("set_state") if a[0] == "core:1"]
     assert states == [CellState.DRAINING, CellState.TRAINING]
-    (routers, epoch, moves), = peers.commands("move_executions")
+    ((routers, epoch, moves),) = peers.commands("move_executions")
     assert epoch == 7 and {m.execution_id for m in moves} == {g.record.execution_id for g in moved}
     assert all(m.from_cell == "core" and m.to_cell == "sa" and m.route_epoch == 2 for m in moves)
     for _ in range(500):  # the join runs in its own task, after the transition ended
@@ -219,7 +243,9 @@ async def test_move_to_training_reroutes_with_fenced_commands():
 
 
 async def test_burst_end_returns_satellites_and_dispatches_next():
-    s, store, peers, clock = make(cells=[("core", "elastic", 0, 4), ("sat1", "elastic", 1, 4), ("sa", "standalone", -1, 16)])
+    s, store, peers, clock = make(
+        cells=[("core", "elastic", 0, 4), ("sat1", "elastic", 1, 4), ("sa", "standalone", -1, 16)]
+    )
     await lead(s, store)
     s.supply_raw = SupplyUpdate(4, 4, 1)
     for _ in range(2):  # core, then sat1 (W 8 <= 16)
@@ -250,7 +276,14 @@ async def test_new_leader_rebuilds_ledger_and_resumes_transition():
     peers.hold_set_state = asyncio.Event()  # the cell agent hangs: the transition stalls
     await s.reconcile_once()
     await asyncio.sleep(0.05)
-    assert store.transitions == {"core": {"cell_id": "core", "target": "TRAINING", "reason": store.transitions["core"]["reason"], "epoch": 7}}
+    assert store.transitions == {
+        "core": {
+            "cell_id": "core",
+            "target": "TRAINING",
+            "reason": store.transitions["core"]["reason"],
+            "epoch": 7,
+        }
+    }
     await s.transitions.cancel_all()  # the old leader dies here
     # A standby takes over with a newer epoch and the same etcd contents.
     peers2 = RecordingPeers()
@@ -310,21 +343,29 @@ async def test_executions_of_a_lost_cell_are_rerouted_after_grace():
     on_sat = [g for g in launched if g.route.cell_id == "sat1"]
     assert len(on_sat) == 2
     alive = [c for c in CELLS if c[0] != "sat1"]
-    s.on_cells({
-        f"/c/{cid}".encode(): KV(f"/c/{cid}".encode(), json.dumps(
-            {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}).encode())
-        for cid, kind, idx, slots in alive
-    })
+    s.on_cells(
+        {
+            f"/c/{cid}".encode(): KV(
+                f"/c/{cid}".encode(),
+                json.dumps(
+                    {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
+                ).encode(),
+            )
+            for cid, kind, idx, slots in alive
+        }
+    )
     await s.reconcile_once()
     await settle(s)
-    assert all(store.route_of(g.record.execution_id)[0]["cell_id"] == "sat1" for g in on_sat)  # within the grace
+    assert all(
+        store.route_of(g.record.execution_id)[0]["cell_id"] == "sat1" for g in on_sat
+    )  # within the grace
     clock.now += 3.5
     await s.reconcile_once()
     await settle(s)
     for g in on_sat:
         route, epoch = store.route_of(g.record.execution_id)
         assert route["cell_id"] == "core" and epoch == 2
-    (_, epoch, moves), = peers.commands("move_executions")
+    ((_, epoch, moves),) = peers.commands("move_executions")
     assert {m.execution_id for m in moves} == {g.record.execution_id for g in on_sat}
     assert any(e.kind == "rescued" for e in s.events.after(0))
 
@@ -334,7 +375,13 @@ async def test_drained_burst_trains_on_what_is_ready_and_seals():
     await lead(s, store)
     launched = await _fill(s, 8)
     for g in launched:
-        await s.finish(g.record.execution_id, g.token, ExecState.FAILED if g is not launched[0] else ExecState.COMPLETED, 1.0, "k")
+        await s.finish(
+            g.record.execution_id,
+            g.token,
+            ExecState.FAILED if g is not launched[0] else ExecState.COMPLETED,
+            1.0,
+            "k",
+        )
     s.supply_raw = SupplyUpdate(1, 4, 1)  # one ready group: below 0.5 x 4, and no more will come
     await s.reconcile_once()
     assert not s.transitions.running("core")
@@ -409,8 +456,11 @@ async def test_static_split_baseline_keeps_the_core_training():
 
 
 async def test_overlapping_launches_never_overfill_a_cell():
-    s, store, peers, _ = make(policy="rollout_only", over_provision=1.0,
-                              cells=[("sa", "standalone", -1, 3), ("sb", "standalone", -1, 2)])
+    s, store, peers, _ = make(
+        policy="rollout_only",
+        over_provision=1.0,
+        cells=[("sa", "standalone", -1, 3), ("sb", "standalone", -1, 2)],
+    )
     await lead(s, store)
     store.launch_delay_s = 0.02
     store.fail_next = 0
@@ -492,6 +542,7 @@ async def test_a_failed_move_calls_the_drain_off():
     peers.set_state = refuse_training
     s.supply_raw = SupplyUpdate(4, 4, 1)
     import services.scheduler.fleet as T
+
     old, T.MAX_REFUSALS = T.MAX_REFUSALS, 2
     try:
         await s.reconcile_once()
@@ -554,7 +605,9 @@ async def test_cancel_closes_running_and_withdraws_queued_executions_once():
 
 
 async def test_migrate_moves_one_execution_with_a_fenced_route_cas_and_tells_the_routers():
-    s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1), ("sb", "standalone", -1, 2)])
+    s, store, peers, _ = make(
+        policy="rollout_only", cells=[("sa", "standalone", -1, 1), ("sb", "standalone", -1, 2)]
+    )
     await lead(s, store)
     got = [await s.acquire("h", 0) for _ in range(2)]
     on_sb = next(g for g, _, _ in got if g.route.cell_id == "sb")
@@ -563,10 +616,13 @@ async def test_migrate_moves_one_execution_with_a_fenced_route_cas_and_tells_the
     assert not await s.transitions._migrate(on_sb.record.execution_id, "gone", "test")
     assert await s.transitions._migrate(on_sa.record.execution_id, "sb", "spread the load")
     route, epoch = store.route_of(on_sa.record.execution_id)
-    assert route["cell_id"] == "sb" and epoch == 2 and s.routes.routes[on_sa.record.execution_id].cell_id == "sb"
-    (_, fence, moves), = peers.commands("move_executions")
+    assert (
+        route["cell_id"] == "sb" and epoch == 2 and s.routes.routes[on_sa.record.execution_id].cell_id == "sb"
+    )
+    ((_, fence, moves),) = peers.commands("move_executions")
     assert fence == 7 and [(m.execution_id, m.from_cell, m.to_cell, m.route_epoch) for m in moves] == [
-        (on_sa.record.execution_id, "sa", "sb", 2)]
+        (on_sa.record.execution_id, "sa", "sb", 2)
+    ]
     st = s.status()
     assert st.migrations == 1 and st.reroutes == 1
     assert any(e.kind == "migrated" for e in s.events.after(0))
@@ -581,7 +637,10 @@ async def test_status_has_the_ledger_per_policy_version():
     await s.reconcile_once()  # burst 2 at v3
     a, _, _ = await s.acquire("h", 0)
     st = s.status()
-    assert {v: (c.dispatched, c.launched, c.finished) for v, c in st.versions.items()} == {0: (8, 8, 8), 3: (8, 1, 0)}
+    assert {v: (c.dispatched, c.launched, c.finished) for v, c in st.versions.items()} == {
+        0: (8, 8, 8),
+        3: (8, 1, 0),
+    }
     assert st.open_bursts == 1 and a.record.policy_version == 3
 
 
@@ -611,9 +670,13 @@ async def test_continuous_policy_rejoins_training_cells_after_each_update():
     training joins the next batch (once, however many ticks see the version)."""
     s, store, peers, _ = make(policy="gyre", max_staleness=1)
     await lead(s, store)
-    s.on_cell_states({b"/s/core": KV(b"/s/core", json.dumps({"state": "TRAINING"}).encode()),
-                      b"/s/sat1": KV(b"/s/sat1", json.dumps({"state": "ROLLOUT"}).encode()),
-                      b"/s/sa": KV(b"/s/sa", json.dumps({"state": "ROLLOUT"}).encode())})
+    s.on_cell_states(
+        {
+            b"/s/core": KV(b"/s/core", json.dumps({"state": "TRAINING"}).encode()),
+            b"/s/sat1": KV(b"/s/sat1", json.dumps({"state": "ROLLOUT"}).encode()),
+            b"/s/sa": KV(b"/s/sa", json.dumps({"state": "ROLLOUT"}).encode()),
+        }
+    )
     peers.batch_id = 2
     s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
     for _ in range(3):

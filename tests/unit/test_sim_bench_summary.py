@@ -16,25 +16,39 @@ from sim.bench import run_scenario
 from sim.config import PolicyEntry, SimConfig, TargetConfig
 from tests.unit.test_sim_conservation import small_config
 
-KEYS = {"gyre_s", "oracle_async_static_s", "oracle_bursty_static_s", "colocated_s", "vs_oracle_async_static",
-        "vs_oracle_bursty_static", "vs_colocated", "efficiency_t_star_eta", "dropped_share", "seeds"}
+KEYS = {
+    "gyre_s",
+    "oracle_async_static_s",
+    "oracle_bursty_static_s",
+    "colocated_s",
+    "vs_oracle_async_static",
+    "vs_oracle_bursty_static",
+    "vs_colocated",
+    "efficiency_t_star_eta",
+    "dropped_share",
+    "seeds",
+}
 
 
 def tiny() -> SimConfig:
     cfg, sc = small_config()
-    sc = sc.model_copy(update={"seeds": [3, 4], "target": TargetConfig(baseline="oracle_bursty_static", ratio=0.5)})
-    return cfg.model_copy(update={
-        "scenarios": [sc],
-        "policies": [
-            PolicyEntry(role="gyre", policy=["gyre", "waterlevel"]),
-            PolicyEntry(role="colocated", policy=["colocated"]),
-            PolicyEntry(role="oracle_bursty_static", policy=["static"], sweep=True),
-            PolicyEntry(role="oracle_async_static", policy=["no-such-policy"], sweep=True),
-        ],
-        "static_training_cells": [2, 4],
-        "sweep_cutoff": 1.05,
-        "variants": {"KV handoff": ["cost.kv_handoff=true"]},
-    })
+    sc = sc.model_copy(
+        update={"seeds": [3, 4], "target": TargetConfig(baseline="oracle_bursty_static", ratio=0.5)}
+    )
+    return cfg.model_copy(
+        update={
+            "scenarios": [sc],
+            "policies": [
+                PolicyEntry(role="gyre", policy=["gyre", "waterlevel"]),
+                PolicyEntry(role="colocated", policy=["colocated"]),
+                PolicyEntry(role="oracle_bursty_static", policy=["static"], sweep=True),
+                PolicyEntry(role="oracle_async_static", policy=["no-such-policy"], sweep=True),
+            ],
+            "static_training_cells": [2, 4],
+            "sweep_cutoff": 1.05,
+            "variants": {"KV handoff": ["cost.kv_handoff=true"]},
+        }
+    )
 
 
 def test_summary_schema_through_the_cli(tmp_path: Path) -> None:
@@ -43,8 +57,12 @@ def test_summary_schema_through_the_cli(tmp_path: Path) -> None:
     conf.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     out, doc, img = tmp_path / "cluster.json", tmp_path / "cluster.md", tmp_path / "img"
     mod = runpy.run_path("bench/cluster.py", run_name="bench_cluster")
-    assert mod["main"](["--config", str(conf), "--out", str(out), "--doc", str(doc), "--img", str(img),
-                        "--jobs", "2"]) == 0
+    assert (
+        mod["main"](
+            ["--config", str(conf), "--out", str(out), "--doc", str(doc), "--img", str(img), "--jobs", "2"]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     s = data["summary"]["small"]
     assert KEYS <= set(s)
@@ -79,8 +97,9 @@ def test_summary_schema_through_the_cli(tmp_path: Path) -> None:
 
 
 def test_a_cut_sweep_point_never_hides_the_oracle() -> None:
-    cfg = tiny().model_copy(update={"variants": {}, "static_training_cells": [1, 2, 3, 4, 6],
-                                    "sweep_cutoff": 1.01})
+    cfg = tiny().model_copy(
+        update={"variants": {}, "static_training_cells": [1, 2, 3, 4, 6], "sweep_cutoff": 1.01}
+    )
     full = run_scenario(cfg.model_copy(update={"sweep_cutoff": None}), cfg.scenarios[0], log=lambda m: None)
     cut = run_scenario(cfg, cfg.scenarios[0], log=lambda m: None)
     assert cut.run("oracle_bursty_static").time_to_n_s == full.run("oracle_bursty_static").time_to_n_s
@@ -98,5 +117,7 @@ def test_the_run_cache_returns_the_same_runs(tmp_path: Path, monkeypatch) -> Non
     files = sorted((tmp_path / "cache").glob("*.pkl"))
     assert len(files) == len(first.runs)
     again = run_scenario(cfg, sc, log=lambda m: None)
-    assert {k: r.update_times_s for k, r in again.runs.items()} == {k: r.update_times_s for k, r in first.runs.items()}
+    assert {k: r.update_times_s for k, r in again.runs.items()} == {
+        k: r.update_times_s for k, r in first.runs.items()
+    }
     assert sorted((tmp_path / "cache").glob("*.pkl")) == files

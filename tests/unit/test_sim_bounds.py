@@ -66,8 +66,13 @@ def test_small_scenario_bound_is_below_every_policy_and_loosens_with_eta() -> No
     assert eta1.t_star_eta_s == pytest.approx(bounds[1])
     assert eta1.t_star_eta_s >= eta1.work_bound_s * (1 - 1e-9)
     assert len(eta1.publish_times_s) == sc.training.updates
-    for spec in (PolicySpec("waterlevel"), PolicySpec("colocated"), PolicySpec("static", training_cells=3),
-                 PolicySpec("gyre"), PolicySpec("async-static", training_cells=2)):
+    for spec in (
+        PolicySpec("waterlevel"),
+        PolicySpec("colocated"),
+        PolicySpec("static", training_cells=3),
+        PolicySpec("gyre"),
+        PolicySpec("async-static", training_cells=2),
+    ):
         r = run_policy(cfg, sc, spec)
         assert r.reached and r.time_to_n_s >= eta1.t_star_eta_s, spec.label
 
@@ -84,4 +89,6 @@ def test_vectorized_episode_costs_match_the_turn_by_turn_ones() -> None:
         trace = Trace(cfg.profiles[profile], seed=2)
         for task in range(12):
             ep = trace.episode(task, 0)
-            assert _episode_costs_np(ep, cost, batch) == pytest.approx(_episode_costs(ep, cost, batch), rel=1e-12)
+            assert _episode_costs_np(ep, cost, batch) == pytest.approx(
+                _episode_costs(ep, cost, batch), rel=1e-12
+            )

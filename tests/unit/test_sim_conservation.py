@@ -18,17 +18,23 @@ BASE = load_config("bench/cluster.yaml")
 
 def small_config(**cost) -> tuple[SimConfig, ScenarioConfig]:
     """Profile A with short episodes on 8 cells: seconds of wall time, every mechanism used."""
-    a = BASE.profiles["A"].model_copy(update={
-        "turns": LogNormal(median=6, sigma=0.5, lo=1, hi=20),
-        "initial_prompt_tokens": 800,
-    })
-    cfg = BASE.model_copy(update={
-        "profiles": {"A": a},
-        "cost": BASE.cost.model_copy(update=cost),
-        "variants": {},
-    })
+    a = BASE.profiles["A"].model_copy(
+        update={
+            "turns": LogNormal(median=6, sigma=0.5, lo=1, hi=20),
+            "initial_prompt_tokens": 800,
+        }
+    )
+    cfg = BASE.model_copy(
+        update={
+            "profiles": {"A": a},
+            "cost": BASE.cost.model_copy(update=cost),
+            "variants": {},
+        }
+    )
     sc = ScenarioConfig(
-        name="small", profile="A", seed=3,
+        name="small",
+        profile="A",
+        seed=3,
         cluster=ClusterConfig(cells=8, standalone_cells=1, slots_per_cell=6),
         training=TrainingConfig(batch_groups=8, overprovision=0.5, max_staleness=1, updates=3),
     )
@@ -75,11 +81,18 @@ class CheckingDriver(Driver):
         CheckingDriver.checks += 1
 
 
-@pytest.mark.parametrize("spec", [PolicySpec("waterlevel"), PolicySpec("colocated"),
-                                  PolicySpec("static", training_cells=3), PolicySpec("gyre"),
-                                  PolicySpec("async-static", training_cells=3),
-                                  PolicySpec("async-static-lend", training_cells=3)],
-                         ids=lambda s: s.label)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        PolicySpec("waterlevel"),
+        PolicySpec("colocated"),
+        PolicySpec("static", training_cells=3),
+        PolicySpec("gyre"),
+        PolicySpec("async-static", training_cells=3),
+        PolicySpec("async-static-lend", training_cells=3),
+    ],
+    ids=lambda s: s.label,
+)
 def test_executions_and_gpu_seconds_are_conserved(spec: PolicySpec) -> None:
     cfg, sc = small_config()
     CheckingDriver.checks = 0
@@ -163,8 +176,9 @@ def test_overlapping_bursts_respect_the_gate_and_consume_within_eta(name: str) -
     assert len(cl.groups) - cl.cancelled_groups <= gate
     assert len({g.version for g in cl.groups}) >= r.updates  # dispatched at several versions
     assert cl.cancelled_groups > 0 and r.cancelled_executions > 0
-    assert all(g.cancelled or g.consumed or g.version >= r.updates - sc.training.max_staleness
-               for g in cl.groups)
+    assert all(
+        g.cancelled or g.consumed or g.version >= r.updates - sc.training.max_staleness for g in cl.groups
+    )
 
 
 def test_migrate_moves_one_execution_as_a_continuation() -> None:

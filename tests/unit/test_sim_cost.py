@@ -34,7 +34,9 @@ def test_prefill_recompute_of_35k_context(cost: CostModel) -> None:
     assert appended > cost.prefill_s(400, 0)
 
 
-def test_kv_handoff_is_a_fixed_latency_plus_bytes_and_beats_recompute_at_agent_contexts(cost: CostModel) -> None:
+def test_kv_handoff_is_a_fixed_latency_plus_bytes_and_beats_recompute_at_agent_contexts(
+    cost: CostModel,
+) -> None:
     c = cost.cfg
     assert cost.kv_handoff_s(0) == c.kv_handoff_s
     per_token = c.kv_bytes_per_token / c.kv_handoff_bytes_per_s
@@ -50,7 +52,9 @@ def test_train_step_formula(cost: CostModel) -> None:
     assert cost.train_s(tokens, 8) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("batch,ctx", [(1, 100), (1, 30_000), (48, 48 * 20_000), (256, 256 * 3_000), (400, 10)])
+@pytest.mark.parametrize(
+    "batch,ctx", [(1, 100), (1, 30_000), (48, 48 * 20_000), (256, 256 * 3_000), (400, 10)]
+)
 def test_integrated_decode_time_equals_sum_of_steps(cost: CostModel, batch: int, ctx: int) -> None:
     rate = cost.decode_rate(batch, ctx)
     n = 2_000

@@ -67,9 +67,15 @@ class Publisher:
 
 async def test_batch_trained_once_and_published_after_done() -> None:
     packer = FakePacker([_step(i, 100) for i in range(6)])
-    settings = MockTrainerSettings(segment_marker_id=-1, time_scale=0.001, n_params=1e9, flops=1e12,
-                                   train_flops_eff=0.5,
-                                   train_step_fixed_s=2.0, weight_sync_s=0.1)
+    settings = MockTrainerSettings(
+        segment_marker_id=-1,
+        time_scale=0.001,
+        n_params=1e9,
+        flops=1e12,
+        train_flops_eff=0.5,
+        train_step_fixed_s=2.0,
+        weight_sync_s=0.1,
+    )
     slept: list[float] = []
 
     async def sleep(s: float) -> None:
@@ -77,10 +83,25 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         await asyncio.sleep(0)
 
     pub = Publisher()
-    core = MockTrainingHook(settings, cell_id="c0", index=0, target="x:1", source=packer.source("c0"),
-                            batches=packer.batch, publisher=pub, sleep=sleep)
-    sat = MockTrainingHook(settings, cell_id="c1", index=1, target="x:2", source=packer.source("c1"),
-                           batches=packer.batch, sleep=sleep)
+    core = MockTrainingHook(
+        settings,
+        cell_id="c0",
+        index=0,
+        target="x:1",
+        source=packer.source("c0"),
+        batches=packer.batch,
+        publisher=pub,
+        sleep=sleep,
+    )
+    sat = MockTrainingHook(
+        settings,
+        cell_id="c1",
+        index=1,
+        target="x:2",
+        source=packer.source("c1"),
+        batches=packer.batch,
+        sleep=sleep,
+    )
     cmd = JoinBatch(epoch=1, batch_id=1, policy_version=0, prefix_size=2, core_target="x:1")
     assert await core.join_batch(cmd)
     assert await sat.join_batch(cmd)
@@ -114,7 +135,9 @@ def test_marker_counts_each_turn_from_its_new_segment() -> None:
 def test_build_hook_picks_mock_for_mode_mock(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("GYRE_CONFIG", raising=False)
     cfgfile = tmp_path / "c.yaml"
-    cfgfile.write_text("cell_agent: {training: {mode: mock, packer_target: '127.0.0.1:1', time_scale: 0.5}}\n")
+    cfgfile.write_text(
+        "cell_agent: {training: {mode: mock, packer_target: '127.0.0.1:1', time_scale: 0.5}}\n"
+    )
     rt = types.SimpleNamespace(target="127.0.0.1:2", etcd=None, keys=None)
     cfg = config_mod.load(CellAgentConfig, cfgfile, cell_id="cell-0", index=0, policy_version=3)
     got = hook_mod.build_hook(rt, cfg)

@@ -35,10 +35,16 @@ def _config() -> tuple[SimConfig, ScenarioConfig]:
         group_size=1,
     )
     cost = CostConfig(weight_sync_s=0.0)
-    cfg = SimConfig(profiles={"hand": profile}, cost=cost, variants={},
-                    scenarios=[ScenarioConfig(name="hand", profile="hand")])
+    cfg = SimConfig(
+        profiles={"hand": profile},
+        cost=cost,
+        variants={},
+        scenarios=[ScenarioConfig(name="hand", profile="hand")],
+    )
     sc = ScenarioConfig(
-        name="hand", profile="hand", seed=1,
+        name="hand",
+        profile="hand",
+        seed=1,
         cluster=ClusterConfig(cells=2, slots_per_cell=4),
         training=TrainingConfig(batch_groups=1, overprovision=0.0, max_staleness=0, updates=1),
     )
@@ -53,8 +59,9 @@ def test_colocated_single_execution_by_hand() -> None:
     prefill = P_TOKENS * (2 * c.n_params + 4 * c.n_layers * c.d_model * (P_TOKENS / 2)) / (0.5 * c.flops)
     # Decode alone: step(i) = (weights + kv * ctx_i) / bw + 3 ms, ctx growing by one per step
     # (memory-bound here: 2N/(0.5 FLOPS) is far smaller). Fluid form: integral over [0, n].
-    decode = N_OUT * (c.weight_bytes / bw + c.decode_step_overhead_s) \
-        + c.kv_bytes_per_token / bw * (N_OUT * P_TOKENS + N_OUT**2 / 2)
+    decode = N_OUT * (c.weight_bytes / bw + c.decode_step_overhead_s) + c.kv_bytes_per_token / bw * (
+        N_OUT * P_TOKENS + N_OUT**2 / 2
+    )
     assert 2 * c.n_params / (0.5 * c.flops) < (c.weight_bytes + c.kv_bytes_per_token * P_TOKENS) / bw
     closed_at = prefill + decode + REWARD_S
     # Barrier reached: both cells switch to training (2 s), then train the episode's tokens

@@ -25,7 +25,9 @@ SPECS = {
     # Loaded cells: moves reroute live executions (prefix recompute, homeless executions).
     "waterlevel loaded": (PolicySpec("waterlevel"), {"cluster": LOADED}),
     "waterlevel loaded least-loaded": (
-        PolicySpec("waterlevel"), {"cluster": LOADED.model_copy(update={"placement": "least_loaded"})}),
+        PolicySpec("waterlevel"),
+        {"cluster": LOADED.model_copy(update={"placement": "least_loaded"})},
+    ),
     # Overlapping bursts: continuous dispatch, cancel early, PlanMoves, Migrate.
     "gyre": (PolicySpec("gyre"), {}),
     "gyre loaded": (PolicySpec("gyre"), {"cluster": LOADED}),
@@ -43,14 +45,23 @@ def fingerprint(label: str) -> dict[str, Any]:
     """The numbers of one run that a pure speed-up must leave unchanged (floats by repr)."""
     cfg, sc, spec = _scenario(label)
     r = run_policy(cfg, sc, spec, record_every_s=1.0)
-    digest = hashlib.sha256(json.dumps(
-        {"series": r.timeseries, "actions": r.actions}, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        json.dumps({"series": r.timeseries, "actions": r.actions}, sort_keys=True).encode()
+    ).hexdigest()[:16]
     return {
         "time_to_n_s": repr(r.time_to_n_s),
         "update_times_s": [repr(x) for x in r.update_times_s],
         "gpu_s": {k: repr(v) for k, v in sorted(r.gpu_s.items())},
-        "counts": [r.role_switches, r.reroutes, r.reroute_recompute_tokens, r.dropped_groups,
-                   r.consumed_groups, r.consumed_tokens, r.sealed_batches, r.decisions],
+        "counts": [
+            r.role_switches,
+            r.reroutes,
+            r.reroute_recompute_tokens,
+            r.dropped_groups,
+            r.consumed_groups,
+            r.consumed_tokens,
+            r.sealed_batches,
+            r.decisions,
+        ],
         "latency": {k: repr(v) for k, v in sorted(r.episode_latency_s.items())},
         "series_actions": digest,
     }
@@ -68,11 +79,7 @@ def all_pins() -> dict[str, Any]:
 PINS: dict[str, Any] = {
     "async-static T=3": {
         "time_to_n_s": "323.96776435719454",
-        "update_times_s": [
-            "148.906900037297",
-            "196.76272388822105",
-            "323.96776435719454"
-        ],
+        "update_times_s": ["148.906900037297", "196.76272388822105", "323.96776435719454"],
         "gpu_s": {
             "decode": "1093.1520848581777",
             "idle_rollout": "822.4791037554664",
@@ -80,33 +87,20 @@ PINS: dict[str, Any] = {
             "prefill": "26.975397529523363",
             "role_switch": "6.0",
             "train": "95.79190062111826",
-            "weight_sync": "1.4000000000000001"
+            "weight_sync": "1.4000000000000001",
         },
-        "counts": [
-            3,
-            0,
-            0,
-            9,
-            24,
-            590519,
-            0,
-            169
-        ],
+        "counts": [3, 0, 0, 9, 24, 590519, 0, 169],
         "latency": {
             "max": "159.26902515146298",
             "p50": "55.611402151571326",
             "p90": "111.31589595930808",
-            "p99": "144.2312377042067"
+            "p99": "144.2312377042067",
         },
-        "series_actions": "9d525f62d46cbbe8"
+        "series_actions": "9d525f62d46cbbe8",
     },
     "colocated": {
         "time_to_n_s": "2008.5523129052397",
-        "update_times_s": [
-            "500.0788385837786",
-            "1416.561360437123",
-            "2008.5523129052397"
-        ],
+        "update_times_s": ["500.0788385837786", "1416.561360437123", "2008.5523129052397"],
         "gpu_s": {
             "decode": "599.5402538024076",
             "idle_rollout": "17266.34550438187",
@@ -114,33 +108,20 @@ PINS: dict[str, Any] = {
             "prefill": "14.56699065101926",
             "role_switch": "72.0",
             "train": "122.218067311862",
-            "weight_sync": "2.299999999998886"
+            "weight_sync": "2.299999999998886",
         },
-        "counts": [
-            48,
-            0,
-            0,
-            0,
-            24,
-            563390,
-            0,
-            177
-        ],
+        "counts": [48, 0, 0, 0, 24, 563390, 0, 177],
         "latency": {
             "max": "909.0967118721223",
             "p50": "61.41279946796416",
             "p90": "151.0322789447002",
-            "p99": "600.0398004159266"
+            "p99": "600.0398004159266",
         },
-        "series_actions": "8cd0fc7592aa19c9"
+        "series_actions": "8cd0fc7592aa19c9",
     },
     "gyre": {
         "time_to_n_s": "295.4866835761473",
-        "update_times_s": [
-            "133.8570793102753",
-            "181.08672173172934",
-            "295.4866835761473"
-        ],
+        "update_times_s": ["133.8570793102753", "181.08672173172934", "295.4866835761473"],
         "gpu_s": {
             "decode": "1097.351948655819",
             "idle_rollout": "1237.319543944223",
@@ -148,33 +129,20 @@ PINS: dict[str, Any] = {
             "prefill": "27.621976009136784",
             "role_switch": "2.0",
             "train": "83.79190062111796",
-            "weight_sync": "1.5999999999999999"
+            "weight_sync": "1.5999999999999999",
         },
-        "counts": [
-            1,
-            6,
-            0,
-            9,
-            25,
-            626314,
-            0,
-            179
-        ],
+        "counts": [1, 6, 0, 9, 25, 626314, 0, 179],
         "latency": {
             "max": "174.2517912102791",
             "p50": "56.939062688292026",
             "p90": "112.43652561929431",
-            "p99": "143.9113391727946"
+            "p99": "143.9113391727946",
         },
-        "series_actions": "9d9055bbb61c38ab"
+        "series_actions": "9d9055bbb61c38ab",
     },
     "gyre loaded": {
         "time_to_n_s": "355.85259470185673",
-        "update_times_s": [
-            "163.08460779207152",
-            "215.07622748648603",
-            "355.85259470185673"
-        ],
+        "update_times_s": ["163.08460779207152", "215.07622748648603", "355.85259470185673"],
         "gpu_s": {
             "decode": "1303.3658269301948",
             "idle_rollout": "1514.3256225833823",
@@ -182,33 +150,20 @@ PINS: dict[str, Any] = {
             "prefill": "27.52930810127685",
             "role_switch": "2.0",
             "train": "82.56057547306075",
-            "weight_sync": "1.5999999999999999"
+            "weight_sync": "1.5999999999999999",
         },
-        "counts": [
-            1,
-            4,
-            14673,
-            8,
-            25,
-            604617,
-            0,
-            168
-        ],
+        "counts": [1, 4, 14673, 8, 25, 604617, 0, 168],
         "latency": {
             "max": "178.67193917666955",
             "p50": "57.396727681503634",
             "p90": "113.46120331860449",
-            "p99": "167.97534737690995"
+            "p99": "167.97534737690995",
         },
-        "series_actions": "6ce4606749287229"
+        "series_actions": "6ce4606749287229",
     },
     "static T=3": {
         "time_to_n_s": "440.5767102215117",
-        "update_times_s": [
-            "162.88066865861308",
-            "309.10272876814213",
-            "440.5767102215117"
-        ],
+        "update_times_s": ["162.88066865861308", "309.10272876814213", "440.5767102215117"],
         "gpu_s": {
             "decode": "994.5087349320648",
             "idle_rollout": "1623.0466779388134",
@@ -216,33 +171,20 @@ PINS: dict[str, Any] = {
             "prefill": "24.70484845819184",
             "role_switch": "6.0",
             "train": "92.70456391737699",
-            "weight_sync": "1.4000000000000001"
+            "weight_sync": "1.4000000000000001",
         },
-        "counts": [
-            3,
-            0,
-            0,
-            6,
-            25,
-            602250,
-            0,
-            164
-        ],
+        "counts": [3, 0, 0, 6, 25, 602250, 0, 164],
         "latency": {
             "max": "243.15327499584967",
             "p50": "58.67357804721504",
             "p90": "114.197549172901",
-            "p99": "221.9288598385886"
+            "p99": "221.9288598385886",
         },
-        "series_actions": "fb64356fd4612c42"
+        "series_actions": "fb64356fd4612c42",
     },
     "waterlevel": {
         "time_to_n_s": "403.1266482522085",
-        "update_times_s": [
-            "144.25337415567276",
-            "281.40665825598984",
-            "403.1266482522085"
-        ],
+        "update_times_s": ["144.25337415567276", "281.40665825598984", "403.1266482522085"],
         "gpu_s": {
             "decode": "891.683727201394",
             "idle_rollout": "2554.963749822186",
@@ -250,33 +192,20 @@ PINS: dict[str, Any] = {
             "prefill": "24.704848458191854",
             "role_switch": "9.0",
             "train": "81.50564321825787",
-            "weight_sync": "1.5999999999999999"
+            "weight_sync": "1.5999999999999999",
         },
-        "counts": [
-            6,
-            1,
-            0,
-            6,
-            25,
-            602878,
-            0,
-            174
-        ],
+        "counts": [6, 1, 0, 6, 25, 602878, 0, 174],
         "latency": {
             "max": "243.09019955534222",
             "p50": "58.993877588124256",
             "p90": "113.87463406967714",
-            "p99": "220.56360312909172"
+            "p99": "220.56360312909172",
         },
-        "series_actions": "31017bfa9943b01b"
+        "series_actions": "31017bfa9943b01b",
     },
     "waterlevel loaded": {
         "time_to_n_s": "447.0184892016676",
-        "update_times_s": [
-            "166.2042521563494",
-            "312.12972923566224",
-            "447.0184892016676"
-        ],
+        "update_times_s": ["166.2042521563494", "312.12972923566224", "447.0184892016676"],
         "gpu_s": {
             "decode": "1158.6705479351037",
             "idle_rollout": "2584.4860503327477",
@@ -284,33 +213,20 @@ PINS: dict[str, Any] = {
             "prefill": "25.716309146509076",
             "role_switch": "16.0",
             "train": "84.7045639173768",
-            "weight_sync": "1.6000000000000454"
+            "weight_sync": "1.6000000000000454",
         },
-        "counts": [
-            10,
-            11,
-            28838,
-            6,
-            25,
-            602250,
-            0,
-            179
-        ],
+        "counts": [10, 11, 28838, 6, 25, 602250, 0, 179],
         "latency": {
             "max": "243.35623094517396",
             "p50": "58.77763009490505",
             "p90": "113.84025574863507",
-            "p99": "221.15962270600346"
+            "p99": "221.15962270600346",
         },
-        "series_actions": "60fc8a197e2d1990"
+        "series_actions": "60fc8a197e2d1990",
     },
     "waterlevel loaded least-loaded": {
         "time_to_n_s": "446.62100736565645",
-        "update_times_s": [
-            "166.0991527210696",
-            "312.16960195275976",
-            "446.62100736565645"
-        ],
+        "update_times_s": ["166.0991527210696", "312.16960195275976", "446.62100736565645"],
         "gpu_s": {
             "decode": "1189.8596230663886",
             "idle_rollout": "2549.602131907127",
@@ -318,25 +234,16 @@ PINS: dict[str, Any] = {
             "prefill": "25.925996679010627",
             "role_switch": "16.0",
             "train": "84.7045639173768",
-            "weight_sync": "1.6000000000000454"
+            "weight_sync": "1.6000000000000454",
         },
-        "counts": [
-            10,
-            13,
-            35136,
-            6,
-            25,
-            602250,
-            0,
-            179
-        ],
+        "counts": [10, 13, 35136, 6, 25, 602250, 0, 179],
         "latency": {
             "max": "243.27001490651512",
             "p50": "58.50330642438148",
             "p90": "113.82344407608305",
-            "p99": "221.1357294005286"
+            "p99": "221.1357294005286",
         },
-        "series_actions": "9965aa9425c93433"
+        "series_actions": "9965aa9425c93433",
     },
     "bound": {
         "critical_path_s": "147.79350069323502",
@@ -345,8 +252,8 @@ PINS: dict[str, Any] = {
         "slowest_needed_group_s": "142.33725715719572",
         "t_star_s": "147.79350069323502",
         "train_gpu_s": "74.9345798064423",
-        "work_bound_s": "28.70209089937618"
-    }
+        "work_bound_s": "28.70209089937618",
+    },
 }
 
 

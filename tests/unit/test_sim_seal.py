@@ -11,8 +11,15 @@ from sim.events import EventLoop
 
 def _cluster(batch_groups: int) -> tuple[Cluster, list[int]]:
     loop = EventLoop()
-    cl = Cluster(loop, CostConfig(weight_sync_s=0.0), cells=2, standalone=0, slots=4,
-                 batch_groups=batch_groups, max_staleness=1)
+    cl = Cluster(
+        loop,
+        CostConfig(weight_sync_s=0.0),
+        cells=2,
+        standalone=0,
+        slots=4,
+        batch_groups=batch_groups,
+        max_staleness=1,
+    )
     updates: list[int] = []
     cl.on_boundary = lambda: None
     cl.on_update = updates.append

@@ -62,8 +62,11 @@ def test_drift_scales_lengths_with_version() -> None:
 
 
 def test_total_output_clip_truncates_turns() -> None:
-    p = ProfileConfig(output_tokens=LogNormal(median=100, sigma=0.0), turns=LogNormal(median=10, sigma=0.0),
-                      max_total_output_tokens=250)
+    p = ProfileConfig(
+        output_tokens=LogNormal(median=100, sigma=0.0),
+        turns=LogNormal(median=10, sigma=0.0),
+        max_total_output_tokens=250,
+    )
     e = Trace(p, seed=1).episode(0, 0)
     assert e.total_output == 250
     assert e.output_tokens == (100, 100, 50)

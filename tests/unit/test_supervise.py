@@ -59,7 +59,9 @@ def test_crashed_child_is_restarted_and_events_are_journaled(tmp_path):
         lines = [json.loads(x) for x in (tmp_path / "j.jsonl").read_text().splitlines()]
         assert [x["kind"] for x in lines] == kinds and lines[-1]["pid"] == child.pid
         assert [e.kind for e in seen] == kinds
-        assert sup.status() == [{"name": "cell-1", "state": "running", "pid": child.pid, "restarts": 1, "last_exit": -9}]
+        assert sup.status() == [
+            {"name": "cell-1", "state": "running", "pid": child.pid, "restarts": 1, "last_exit": -9}
+        ]
     finally:
         sup.stop()
 

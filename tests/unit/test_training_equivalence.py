@@ -54,8 +54,12 @@ class Cluster:
             trainer = Trainer(model, version=1 if i == 0 else 0)
             self.cells.append(
                 TrainingController(
-                    cell_id=f"c{i}", index=i, trainer=trainer, snapshots=self.snapshots[i],
-                    source=FakeSource(self.packer, f"c{i}"), membership=self.membership,
+                    cell_id=f"c{i}",
+                    index=i,
+                    trainer=trainer,
+                    snapshots=self.snapshots[i],
+                    source=FakeSource(self.packer, f"c{i}"),
+                    membership=self.membership,
                     collective=self.collective.for_rank(i),
                     publisher=self.publisher if i == 0 else None,
                     puller=self._failing_pull if i in fail_pull else self._pull,

@@ -39,8 +39,10 @@ def _full_precision_norms(model: torch.nn.Module) -> torch.nn.Module:
     rounding, so the comparison can use the equivalence test's tolerance."""
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
+
             def forward(x: torch.Tensor, m: torch.nn.Module = module) -> torch.Tensor:
                 return m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+
             module.forward = forward
     return model
 
@@ -59,9 +61,13 @@ async def test_per_segment_gradient_equals_per_turn_gradient():
     segments = [Sequence.from_proto(s.to_proto()) for s in ms.sequences]
     assert len(segments) == 4  # 3 episodes, one of them broken in two by a history edit
     per_turn = [
-        Sequence(tuple(t.prompt) + tuple(t.output), (0,) * len(t.prompt) + tuple(t.mask),
-                 (0.0,) * len(t.prompt) + tuple(lp if m else 0.0 for lp, m in zip(t.logprobs, t.mask)),
-                 by_x[t.execution_id], t.execution_id)
+        Sequence(
+            tuple(t.prompt) + tuple(t.output),
+            (0,) * len(t.prompt) + tuple(t.mask),
+            (0.0,) * len(t.prompt) + tuple(lp if m else 0.0 for lp, m in zip(t.logprobs, t.mask)),
+            by_x[t.execution_id],
+            t.execution_id,
+        )
         for t in turns
     ]
     assert sum(len(s.token_ids) for s in segments) < sum(len(s.token_ids) for s in per_turn)
@@ -72,6 +78,8 @@ async def test_per_segment_gradient_equals_per_turn_gradient():
     assert torch.allclose(g_seg, g_turn, rtol=0, atol=TOL), (g_seg - g_turn).abs().max()
     # Sensitive: one turn's tokens left out of the loss changes it.
     one = per_turn[0]
-    less = per_turn[1:] + [Sequence(one.token_ids, (0,) * len(one.token_ids), (0.0,) * len(one.token_ids), one.advantage)]
+    less = per_turn[1:] + [
+        Sequence(one.token_ids, (0,) * len(one.token_ids), (0.0,) * len(one.token_ids), one.advantage)
+    ]
     g_less, _ = _grads(less)
     assert not torch.allclose(g_seg, g_less, rtol=0, atol=TOL)

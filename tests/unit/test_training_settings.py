@@ -42,9 +42,20 @@ def test_no_section_means_no_training(tmp_path: Path) -> None:
 
 
 def test_yaml_env_and_set_reach_the_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = {"cell_agent": {"model_dir": "/models/tiny", "training": {"world_size": 3, "lr": 0.01, "max_grad_norm": 2.0}}}
+    data = {
+        "cell_agent": {
+            "model_dir": "/models/tiny",
+            "training": {"world_size": 3, "lr": 0.01, "max_grad_norm": 2.0},
+        }
+    }
     s = hook.load_settings(load(tmp_path, data))
-    assert (s.enabled, s.world_size, s.lr, s.max_grad_norm, s.model_dir) == (True, 3, 0.01, 2.0, "/models/tiny")
+    assert (s.enabled, s.world_size, s.lr, s.max_grad_norm, s.model_dir) == (
+        True,
+        3,
+        0.01,
+        2.0,
+        "/models/tiny",
+    )
     monkeypatch.setenv("GYRE_CELL_AGENT__TRAINING__LR", "0.5")
     s = hook.load_settings(load(tmp_path, data))
     assert (s.lr, s.world_size, s.max_grad_norm) == (0.5, 3, 2.0)  # env overrides one field, keeps the rest
@@ -64,13 +75,16 @@ def test_mode_selects_the_trainer(tmp_path: Path) -> None:
     assert isinstance(cfg.training, TrainingSettings) and cfg.training.mode == "torch"
 
 
-@pytest.mark.parametrize("section", [
-    {"mode": "bogus"},
-    {"dtype": "int8"},
-    {"claim_wait_s": 60},
-    {"lr": 0.1, "time_scale": 0.5},  # a mock field in a torch section
-    {"mode": "mock", "lr": 0.1},     # a torch field in a mock section
-])
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"mode": "bogus"},
+        {"dtype": "int8"},
+        {"claim_wait_s": 60},
+        {"lr": 0.1, "time_scale": 0.5},  # a mock field in a torch section
+        {"mode": "mock", "lr": 0.1},  # a torch field in a mock section
+    ],
+)
 def test_bad_sections_are_refused(tmp_path: Path, section: dict) -> None:
     with pytest.raises(ValidationError):
         load(tmp_path, {"cell_agent": {"training": section}})
@@ -83,7 +97,9 @@ def test_old_top_level_section_is_refused_with_its_new_place(tmp_path: Path) -> 
 
 def test_noop_hook_for_standalone_disabled_or_modelless(tmp_path: Path) -> None:
     rt = types.SimpleNamespace()
-    standalone = load(tmp_path, {"cell_agent": {"kind": "standalone", "index": -1, "model_dir": "/m", "training": {}}})
+    standalone = load(
+        tmp_path, {"cell_agent": {"kind": "standalone", "index": -1, "model_dir": "/m", "training": {}}}
+    )
     assert isinstance(hook.build_hook(rt, standalone), NoopTrainingHook)
     modelless = load(tmp_path, {"cell_agent": {"training": {"world_size": 2}}})
     assert isinstance(hook.build_hook(rt, modelless), NoopTrainingHook)

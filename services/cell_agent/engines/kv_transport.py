@@ -310,7 +310,10 @@ def _recv_tensor(sock: socket.socket, shape: list[int], dtype: torch.dtype) -> t
     return buf.view(dtype).reshape(shape)
 
 
-_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8, torch.float8_e4m3fn)}
+_DTYPES = {
+    str(d): d
+    for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8, torch.float8_e4m3fn)
+}
 
 
 # The source: one server per engine --------------------------------------------------------
@@ -320,7 +323,12 @@ class KvServer:
     """Serves the pinned blocks of one engine to destinations (thread per connection)."""
 
     def __init__(
-        self, table: PinTable, caches: PagedCaches, block_size: int, host: str = "127.0.0.1", tls: KvTls | None = None
+        self,
+        table: PinTable,
+        caches: PagedCaches,
+        block_size: int,
+        host: str = "127.0.0.1",
+        tls: KvTls | None = None,
     ) -> None:
         self.table = table
         self.caches = caches
@@ -377,7 +385,11 @@ class KvServer:
             raise KvReadError("layer names differ between the engines")
         medium = req.get("medium", "tcp")
         layers = [
-            {"name": name, "shape": self.caches.shape_of(name, n), "dtype": str(self.caches.tensors[name].dtype)}
+            {
+                "name": name,
+                "shape": self.caches.shape_of(name, n),
+                "dtype": str(self.caches.tensors[name].dtype),
+            }
             for name in names
         ]
         head: dict[str, Any] = {"ok": True, "blocks": n, "layers": layers}
@@ -418,7 +430,8 @@ class KvServer:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self._ipc_handles = {
-                name: base64.b64encode(pickle.dumps(reduce_tensor(t))).decode() for name, t in self.caches.tensors.items()
+                name: base64.b64encode(pickle.dumps(reduce_tensor(t))).decode()
+                for name, t in self.caches.tensors.items()
             }
         return self._ipc_handles
 
@@ -452,10 +465,18 @@ def read(spec: ReadSpec, caches: PagedCaches, tls: KvTls | None = None) -> int:
             sock.settimeout(spec.timeout_s)
             _check_peer(sock)
             names = list(caches.tensors)
-            _send_msg(sock, {
-                "handle": spec.handle_id, "tokens": spec.token_ids, "first_block": spec.first_block,
-                "blocks": len(spec.dst_blocks), "layers": names, "medium": spec.medium, "timeout_s": spec.timeout_s,
-            })
+            _send_msg(
+                sock,
+                {
+                    "handle": spec.handle_id,
+                    "tokens": spec.token_ids,
+                    "first_block": spec.first_block,
+                    "blocks": len(spec.dst_blocks),
+                    "layers": names,
+                    "medium": spec.medium,
+                    "timeout_s": spec.timeout_s,
+                },
+            )
             head = _recv_msg(sock)
             if not head.get("ok"):
                 raise KvReadError(f"source refused: {head.get('error')}")
@@ -503,7 +524,9 @@ def _copy_from_ipc(head: dict[str, Any], caches: PagedCaches, dst: list[int]) ->
     _sync(next(iter(caches.tensors.values())).device)
 
 
-def _read_nccl(sock: socket.socket, layers: list[dict[str, Any]], caches: PagedCaches, dst: list[int]) -> None:
+def _read_nccl(
+    sock: socket.socket, layers: list[dict[str, Any]], caches: PagedCaches, dst: list[int]
+) -> None:
     device = next(iter(caches.tensors.values())).device
     host = sock.getsockname()[0]
     port = _free_port(host)

@@ -160,7 +160,9 @@ class VllmEngine(Engine):
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config={
-                    "medium": self.kv_medium, "host": self.kv_host, "read_timeout_s": self.kv_read_timeout_s,
+                    "medium": self.kv_medium,
+                    "host": self.kv_host,
+                    "read_timeout_s": self.kv_read_timeout_s,
                     "tls": _tls_files(self.kv_tls),
                 },
             )
@@ -194,10 +196,16 @@ class VllmEngine(Engine):
 
             # A handle of another medium, a dead source, a released pin: the connector's
             # read fails and vLLM recomputes the prompt (the call goes on).
-            extra = {"kv_transfer_params": {PARAMS_KEY: {
-                "handle_id": kv_handle.handle_id, "locator": kv_handle.locator, "medium": kv_handle.medium,
-                "timeout_s": self.kv_read_timeout_s,
-            }}}
+            extra = {
+                "kv_transfer_params": {
+                    PARAMS_KEY: {
+                        "handle_id": kv_handle.handle_id,
+                        "locator": kv_handle.locator,
+                        "medium": kv_handle.medium,
+                        "timeout_s": self.kv_read_timeout_s,
+                    }
+                }
+            }
         return SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -233,9 +241,15 @@ class VllmEngine(Engine):
                     first = False
                     self._note_cached(request_id, int(out.num_cached_tokens or 0))
                     if kv_handle is not None:
-                        log.info("kv handoff received", extra={
-                            "request_id": request_id, "handle_id": kv_handle.handle_id,
-                            "prompt_tokens": len(prompt_token_ids), "cached_tokens": self.cached_tokens[request_id]})
+                        log.info(
+                            "kv handoff received",
+                            extra={
+                                "request_id": request_id,
+                                "handle_id": kv_handle.handle_id,
+                                "prompt_tokens": len(prompt_token_ids),
+                                "cached_tokens": self.cached_tokens[request_id],
+                            },
+                        )
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 lps = [_logprob(d, t) for d, t in zip(comp.logprobs or [], ids)]

@@ -126,7 +126,9 @@ class GyreKvConnector(KVConnectorBase_V1):
     """Pins, holds and serves a request's blocks at the source; reads them at the
     destination (see the module docstring)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None on some paths
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block = int(vllm_config.cache_config.block_size)
@@ -151,7 +153,9 @@ class GyreKvConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         _SERVER.live[request.request_id] = request
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
         if not params or request.request_id in self._tried:
             return 0, False
@@ -163,7 +167,9 @@ class GyreKvConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = target
         return target - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if num_external_tokens == 0:
             return
         rid = request.request_id
@@ -223,7 +229,9 @@ class GyreKvConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:

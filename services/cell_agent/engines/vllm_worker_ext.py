@@ -44,7 +44,9 @@ class GyreWorkerExtension:
         with torch.no_grad():
             return float(sum(p.float().sum().item() for p in model.parameters()))
 
-    def gyre_kv_pin(self, request_ids: list[str], handle_id: str, ttl_s: float) -> tuple[str, str, int] | None:
+    def gyre_kv_pin(
+        self, request_ids: list[str], handle_id: str, ttl_s: float
+    ) -> tuple[str, str, int] | None:
         """Pins a running request's KV blocks for a handoff (see :mod:`.vllm_kv`); runs in the
         engine process, between steps."""
         from services.cell_agent.engines import vllm_kv

@@ -24,16 +24,22 @@ class TrainingSettings(BaseModel):
 
     mode: Literal["torch"] = Field("torch", description='"torch": the real trainer (this section).')
     enabled: bool = Field(
-        True, description="Train on this cell (elastic cells only). Off: JoinBatch answers joined=false.")
+        True, description="Train on this cell (elastic cells only). Off: JoinBatch answers joined=false."
+    )
     model_dir: str = Field(
-        "", description="Local directory of the causal LM (transformers layout); empty: the cell's model_dir.")
+        "", description="Local directory of the causal LM (transformers layout); empty: the cell's model_dir."
+    )
     dtype: str = Field(
-        "float32", pattern="^(float32|float64|bfloat16)$",
+        "float32",
+        pattern="^(float32|float64|bfloat16)$",
         description="Dtype of the trained (master) weights and gradients.",
     )
-    device: str = Field("auto", description='"auto" (cuda:<local> when CUDA is up, else cpu), "cpu" or "cuda:N".')
+    device: str = Field(
+        "auto", description='"auto" (cuda:<local> when CUDA is up, else cpu), "cpu" or "cuda:N".'
+    )
     initial_policy_version: int = Field(
-        0, ge=0, description="Version of the weights loaded from model_dir (the cluster starts at 0).")
+        0, ge=0, description="Version of the weights loaded from model_dir (the cluster starts at 0)."
+    )
     # Loss (token-level PPO-clip / GRPO).
     clip_eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the importance ratio: 1 - eps.")
     clip_eps_high: float = Field(0.2, ge=0, le=10, description="Upper clip of the importance ratio: 1 + eps.")
@@ -47,15 +53,23 @@ class TrainingSettings(BaseModel):
     # Collectives: one process group over every elastic cell, a subgroup per prefix.
     world_size: int = Field(1, ge=1, le=1024, description="Number of elastic cells (core + satellites).")
     dist_master: str = Field("127.0.0.1:29500", description="host:port of the core's rendezvous store.")
-    dist_backend: str = Field("auto", pattern="^(auto|gloo|nccl)$", description="auto: nccl on CUDA, else gloo.")
+    dist_backend: str = Field(
+        "auto", pattern="^(auto|gloo|nccl)$", description="auto: nccl on CUDA, else gloo."
+    )
     dist_timeout_s: float = Field(600.0, gt=0, description="Timeout of rendezvous and of each collective.")
-    join_wait_s: float = Field(10.0, ge=0, description="How long a satellite waits for its predecessor to join.")
+    join_wait_s: float = Field(
+        10.0, ge=0, description="How long a satellite waits for its predecessor to join."
+    )
     # Streaming claims.
-    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep when data pauses.")
+    claim_wait_s: float = Field(
+        1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep when data pauses."
+    )
     packer_target: str = Field("", description="gRPC target of the packer.")
     # Snapshots and checkpoints.
     snapshot_keep: int = Field(2, ge=1, le=16, description="Snapshot versions the core keeps for pulls.")
-    snapshot_chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Chunk size of snapshot pulls.")
+    snapshot_chunk_bytes: int = Field(
+        1 << 20, ge=4096, le=4 << 20, description="Chunk size of snapshot pulls."
+    )
     pull_timeout_s: float = Field(300.0, gt=0, description="Deadline of one snapshot pull.")
     checkpoint_dir: str = Field("", description="Where the core writes a checkpoint per step; empty: none.")
     checkpoint_keep: int = Field(2, ge=1, le=100, description="Checkpoints kept on disk.")
@@ -82,10 +96,13 @@ class MockTrainerSettings(BaseModel):
     done_poll_s: float = Field(0.05, gt=0, description="Core: GetBatch poll period while waiting for acks.")
     initial_policy_version: int = Field(0, ge=0, description="Version the cluster starts at.")
     segment_marker_id: int = Field(
-        2, ge=-1, description="Token id that opens each turn's new prompt segment (the emulation's "
+        2,
+        ge=-1,
+        description="Token id that opens each turn's new prompt segment (the emulation's "
         "replay driver writes it; engines never emit it): a sequence then counts only the tokens "
         "from its last marker on, so an episode's turns together count its final context, as in "
-        "sim. -1: count every token of every packed sequence (what a real trainer processes).")
+        "sim. -1: count every token of every packed sequence (what a real trainer processes).",
+    )
 
     def micro_step_s(self, tokens: int) -> float:
         """Scaled seconds to train ``tokens`` tokens on one cell."""

@@ -204,7 +204,9 @@ class TrainingController:
 
     # Joining -------------------------------------------------------------------------
 
-    async def join_batch(self, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
+    async def join_batch(
+        self, batch_id: int, policy_version: int, prefix_size: int, core_target: str
+    ) -> bool:
         """Joins batch ``batch_id``. True when this cell trains on it (idempotent); False
         when the joining window had closed, a predecessor never joined, or (core) the
         command names a version newer than the core holds.
@@ -248,8 +250,10 @@ class TrainingController:
                 if version is None:
                     return False
                 if version != policy_version:
-                    log.info("the batch trains on another version than the command named",
-                             extra={"batch_id": batch_id, "batch_version": version, "named": policy_version})
+                    log.info(
+                        "the batch trains on another version than the command named",
+                        extra={"batch_id": batch_id, "batch_version": version, "named": policy_version},
+                    )
                 coro = self._run_satellite(batch_id, version, core_target, started)
             task = asyncio.create_task(coro, name=f"train.b{batch_id}")
             task.add_done_callback(_log_failure)
@@ -265,14 +269,18 @@ class TrainingController:
             return None
         version = self.version
         if named > version:
-            log.warning("JoinBatch names a version the core does not hold", extra={"named": named, "have": version})
+            log.warning(
+                "JoinBatch names a version the core does not hold", extra={"named": named, "have": version}
+            )
             return None
         # A new attempt: the packer makes this batch's acks leases until our commit, and hands
         # out again whatever an earlier attempt (lost with a crash or a broken collective) held.
         try:
             await retrying(lambda: self.source.open_batch(batch_id))
         except FailedPrecondition as exc:
-            log.warning("the packer refuses to open the batch", extra={"batch_id": batch_id, "error": str(exc)})
+            log.warning(
+                "the packer refuses to open the batch", extra={"batch_id": batch_id, "error": str(exc)}
+            )
             return None
         # Expose v before training on it (a no-op when it is exposed already).
         await asyncio.to_thread(self.snapshots.publish, version, self.trainer.state_dict())
@@ -300,21 +308,27 @@ class TrainingController:
             self.trainer.close_window()  # a failed batch leaves no gradient behind
             raise
 
-    async def _run_satellite(self, batch_id: int, version: int, core_target: str, started: float) -> BatchOutcome:
+    async def _run_satellite(
+        self, batch_id: int, version: int, core_target: str, started: float
+    ) -> BatchOutcome:
         try:
             return await self._satellite_batch(batch_id, version, core_target, started)
         except BaseException:
             self.trainer.close_window()
             raise
 
-    async def _collective(self, op: Callable[[int, torch.Tensor], None], k: int, tensor: torch.Tensor) -> None:
+    async def _collective(
+        self, op: Callable[[int, torch.Tensor], None], k: int, tensor: torch.Tensor
+    ) -> None:
         """One collective; a failure (a peer died, a timeout) breaks the prefix groups."""
         try:
             await asyncio.to_thread(op, k, tensor)
         except Exception as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
-            log.error("collective failed: the prefix groups are broken until they are re-formed",
-                      extra={"prefix": k, "error": self._broken})
+            log.error(
+                "collective failed: the prefix groups are broken until they are re-formed",
+                extra={"prefix": k, "error": self._broken},
+            )
             raise Unavailable(f"collective over the prefix of {k} failed: {exc}") from exc
 
     async def _core_batch(self, batch_id: int, version: int, started: float) -> BatchOutcome:
@@ -343,10 +357,13 @@ class TrainingController:
             # The step is committed: a satellite lost now does not stop its publication.
             with contextlib.suppress(Unavailable):
                 await self._collective(
-                    self.collective.broadcast_from_core, k,
+                    self.collective.broadcast_from_core,
+                    k,
                     torch.tensor([float(result.version)], dtype=torch.float64, device=grad.device),
                 )
-                await self._collective(self.collective.broadcast_from_core, k, self.trainer.flat_params().contiguous())
+                await self._collective(
+                    self.collective.broadcast_from_core, k, self.trainer.flat_params().contiguous()
+                )
         await asyncio.to_thread(self.snapshots.publish, result.version, self.trainer.state_dict())
         if self.publisher is not None and result.applied:
             await self.publisher.publish(result.version, batch_id)
@@ -355,7 +372,9 @@ class TrainingController:
         log.info("batch stepped", extra=dataclasses.asdict(out))
         return out
 
-    async def _satellite_batch(self, batch_id: int, version: int, core_target: str, started: float) -> BatchOutcome:
+    async def _satellite_batch(
+        self, batch_id: int, version: int, core_target: str, started: float
+    ) -> BatchOutcome:
         out = BatchOutcome(batch_id, version)
         # 1. Hold version v: pull it from the core unless this cell has it already.
         if self.trainer.version != version:
@@ -365,7 +384,9 @@ class TrainingController:
                     raise FailedPrecondition(f"pulled version {got}, wanted {version}")
                 await asyncio.to_thread(self.trainer.load_state, state, version)
             except (GyreError, OSError) as exc:
-                log.warning("cannot hold the batch's version; contributing nothing", extra={"error": repr(exc)})
+                log.warning(
+                    "cannot hold the batch's version; contributing nothing", extra={"error": repr(exc)}
+                )
                 out.stale = True
         out.joined_s = self.clock() - started
         if not out.stale:
@@ -382,7 +403,8 @@ class TrainingController:
             grad.zero_()
         header = torch.tensor(
             [0.0 if out.stale else float(self.trainer.tokens), 1.0 if out.stale else 0.0],
-            dtype=torch.float64, device=grad.device,
+            dtype=torch.float64,
+            device=grad.device,
         )
         await self._collective(self.collective.reduce_to_core, k, grad)
         await self._collective(self.collective.reduce_to_core, k, header)
@@ -403,7 +425,9 @@ class TrainingController:
     async def _consume(self, batch_id: int, version: int, out: BatchOutcome, started: float) -> None:
         """Claims and trains micro-steps until the packer says CLOSED. A WAIT is a
         consistent pause point: no micro-step is half done."""
-        keeper = asyncio.create_task(keep_claims(self.source, lambda: self._keep_every_s), name=f"keep.b{batch_id}")
+        keeper = asyncio.create_task(
+            keep_claims(self.source, lambda: self._keep_every_s), name=f"keep.b{batch_id}"
+        )
         pending: asyncio.Task[Claim] | None = asyncio.create_task(self._claim(batch_id, version))
         try:
             while pending is not None:
@@ -434,7 +458,7 @@ class TrainingController:
             keeper.cancel()
             if pending is not None and not pending.done():
                 pending.cancel()
-            await asyncio.gather(keeper, *( [pending] if pending else []), return_exceptions=True)
+            await asyncio.gather(keeper, *([pending] if pending else []), return_exceptions=True)
 
     async def _claim(self, batch_id: int, version: int) -> Claim:
         key = uuid.uuid4().hex  # one key for every retry of this claim
@@ -445,7 +469,9 @@ class TrainingController:
             await retrying(lambda: self.source.commit(batch_id))
         except (FailedPrecondition, NotFound) as exc:
             # A packer that forgot the batch (a new WAL) or never leased it: nothing to redeliver.
-            log.warning("the packer did not commit the batch", extra={"batch_id": batch_id, "error": str(exc)})
+            log.warning(
+                "the packer did not commit the batch", extra={"batch_id": batch_id, "error": str(exc)}
+            )
 
 
 def _log_failure(task: asyncio.Task[BatchOutcome]) -> None:

@@ -72,7 +72,11 @@ class CoreOptimizer:
         self.cfg = cfg
         self.ckpt = checkpointer
         self.opt = torch.optim.AdamW(
-            trainer.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+            trainer.params,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
             foreach=False,
         )
         self.last_batch_id = 0
@@ -107,7 +111,9 @@ class CoreOptimizer:
                 self.ckpt.drop_pending(p.batch_id)
         return restored
 
-    def step(self, batch_id: int, grad_sum: torch.Tensor, tokens: int, write_ahead: bool = True) -> StepResult:
+    def step(
+        self, batch_id: int, grad_sum: torch.Tensor, tokens: int, write_ahead: bool = True
+    ) -> StepResult:
         """Normalizes ``grad_sum`` (the reduced sum over every participant) by ``tokens``,
         clips, steps once and records it. Idempotent per batch id."""
         if batch_id <= 0:
@@ -135,7 +141,9 @@ class CoreOptimizer:
                 n = p.numel()
                 p.grad = (grad_sum[offset : offset + n].view_as(p) / tokens).to(p.device, p.dtype)
                 offset += n
-            norm = float(torch.nn.utils.clip_grad_norm_(self.trainer.params, self.cfg.max_grad_norm, foreach=False))
+            norm = float(
+                torch.nn.utils.clip_grad_norm_(self.trainer.params, self.cfg.max_grad_norm, foreach=False)
+            )
             self.opt.step()
             self.steps += 1
         self.opt.zero_grad(set_to_none=True)
@@ -159,4 +167,3 @@ class CoreOptimizer:
             optimizer=self.opt.state_dict(),
             steps=self.steps,
         )
-

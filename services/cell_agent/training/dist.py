@@ -49,8 +49,15 @@ def pick_backend(backend: str, device: torch.device) -> str:
 class PrefixGroups:
     """The process group of the elastic cells and one subgroup per prefix."""
 
-    def __init__(self, rank: int, world_size: int, master: str, backend: str = "auto",
-                 device: torch.device | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master: str,
+        backend: str = "auto",
+        device: torch.device | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world {world_size}")
         self.rank = rank
@@ -80,8 +87,13 @@ class PrefixGroups:
     def _connect(self) -> dist.Store:
         host, _, port = self.master.rpartition(":")
         return dist.TCPStore(
-            host, int(port), self.world_size, is_master=self.rank == 0, timeout=self.timeout,
-            wait_for_workers=False, use_libuv=True,
+            host,
+            int(port),
+            self.world_size,
+            is_master=self.rank == 0,
+            timeout=self.timeout,
+            wait_for_workers=False,
+            use_libuv=True,
         )
 
     def _new_generation(self) -> None:
@@ -110,8 +122,11 @@ class PrefixGroups:
         assert self.store is not None
         if self.world_size > 1:
             dist.init_process_group(
-                self.backend, store=dist.PrefixStore(f"pg/{self.generation}", self.store), rank=self.rank,
-                world_size=self.world_size, timeout=self.timeout,
+                self.backend,
+                store=dist.PrefixStore(f"pg/{self.generation}", self.store),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=self.timeout,
             )
             self.groups = {}
             for k in range(2, self.world_size + 1):
@@ -119,8 +134,16 @@ class PrefixGroups:
             if self.rank == 0:
                 self.store.set(f"gyre/formed/{self.generation}", "1")
         self.formations += 1
-        log.info("prefix groups ready", extra={"rank": self.rank, "world": self.world_size, "backend": self.backend,
-                                               "generation": self.generation, "formations": self.formations})
+        log.info(
+            "prefix groups ready",
+            extra={
+                "rank": self.rank,
+                "world": self.world_size,
+                "backend": self.backend,
+                "generation": self.generation,
+                "formations": self.formations,
+            },
+        )
 
     def wants_reform(self) -> bool:
         """True when the groups must be formed again: (core) a satellite asked for it;
@@ -152,7 +175,9 @@ class PrefixGroups:
             if gen == old or (self.store is not None and self.store.check([f"gyre/formed/{gen}"])):
                 gen = self._ask_for_generation(gen)
             self.generation = gen
-        log.warning("re-forming the prefix groups", extra={"rank": self.rank, "from": old, "to": self.generation})
+        log.warning(
+            "re-forming the prefix groups", extra={"rank": self.rank, "from": old, "to": self.generation}
+        )
         self._form()
 
     def _destroy(self) -> None:

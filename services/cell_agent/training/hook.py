@@ -42,7 +42,9 @@ class CellTrainingHook:
         await self.service.on_leave_training(self.leave_timeout_s)
 
     async def join_batch(self, cmd: Any) -> bool:
-        return await self.service.join_batch(cmd.batch_id, cmd.policy_version, cmd.prefix_size, cmd.core_target)
+        return await self.service.join_batch(
+            cmd.batch_id, cmd.policy_version, cmd.prefix_size, cmd.core_target
+        )
 
     def services(self) -> Sequence[tuple[Any, Any, str]]:
         return [snapshots.registration(self.service.snapshots)]

@@ -63,11 +63,21 @@ def sequence_tokens(step: MicroStep, marker: int = -1) -> int:
 class MockTrainingHook:
     """The cell's training hook on the cost model (``services.cell_agent.hooks.TrainingHook``)."""
 
-    def __init__(self, settings: MockTrainerSettings, *, cell_id: str, index: int,
-                 target: Callable[[], str] | str, etcd: Any = None, keys: Any = None,
-                 source: Any = None, batches: Any = None, publisher: Any = None,
-                 sleep: Callable[[float], Any] = asyncio.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: MockTrainerSettings,
+        *,
+        cell_id: str,
+        index: int,
+        target: Callable[[], str] | str,
+        etcd: Any = None,
+        keys: Any = None,
+        source: Any = None,
+        batches: Any = None,
+        publisher: Any = None,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if index < 0:
             raise ValueError("only elastic cells (index >= 0) train")
         self.settings = settings
@@ -200,7 +210,8 @@ class MockTrainingHook:
         try:
             while True:
                 claim = await retrying(
-                    lambda: self._source.claim(batch_id, version, self.settings.claim_wait_s))
+                    lambda: self._source.claim(batch_id, version, self.settings.claim_wait_s)
+                )
                 if claim.outcome is Outcome.CLOSED:
                     return
                 if claim.outcome is Outcome.WAIT or claim.micro_step is None:
@@ -222,5 +233,6 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 def build_mock_hook(rt: Any, cfg: Any, settings: MockTrainerSettings) -> MockTrainingHook:
     """The mock trainer of an elastic cell."""
-    return MockTrainingHook(settings, cell_id=cfg.cell_id, index=cfg.index,
-                            target=lambda: rt.target, etcd=rt.etcd, keys=rt.keys)
+    return MockTrainingHook(
+        settings, cell_id=cfg.cell_id, index=cfg.index, target=lambda: rt.target, etcd=rt.etcd, keys=rt.keys
+    )

@@ -16,19 +16,30 @@ from services.cell_agent.training.microstep import Claim, MicroStep, Outcome
 class PackerSource:
     """Claims, acks and keeps micro-steps at the packer for ``cell_id``."""
 
-    def __init__(self, target: str, cell_id: str, rpc_timeout_s: float = 10.0,
-                 channel: grpc.aio.Channel | None = None, max_message_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        target: str,
+        cell_id: str,
+        rpc_timeout_s: float = 10.0,
+        channel: grpc.aio.Channel | None = None,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
         self.cell_id = cell_id
         self.rpc_timeout_s = rpc_timeout_s
         self._own = channel is None
-        self._channel = channel or dial(target, process_tls(), Role.PACKER, channel_options(max_message_bytes))
+        self._channel = channel or dial(
+            target, process_tls(), Role.PACKER, channel_options(max_message_bytes)
+        )
         self._stub = ppb_grpc.PackerStub(self._channel)
 
     async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim:
         resp = await unary(
             self._stub.ClaimMicroStep,
             ppb.ClaimMicroStepRequest(
-                cell_id=self.cell_id, batch_id=batch_id, policy_version=policy_version, wait_s=wait_s,
+                cell_id=self.cell_id,
+                batch_id=batch_id,
+                policy_version=policy_version,
+                wait_s=wait_s,
                 claim_id=claim_id,
             ),
             timeout_s=wait_s + self.rpc_timeout_s,
@@ -46,8 +57,12 @@ class PackerSource:
         resp = await unary(
             self._stub.ClaimMicroSteps,
             ppb.ClaimMicroStepsRequest(
-                cell_id=self.cell_id, batch_id=batch_id, policy_version=policy_version, wait_s=wait_s,
-                claim_id=claim_id, max_micro_steps=max_micro_steps,
+                cell_id=self.cell_id,
+                batch_id=batch_id,
+                policy_version=policy_version,
+                wait_s=wait_s,
+                claim_id=claim_id,
+                max_micro_steps=max_micro_steps,
             ),
             timeout_s=wait_s + self.rpc_timeout_s,
         )
@@ -74,17 +89,24 @@ class PackerSource:
         )
 
     async def open_batch(self, batch_id: int) -> None:
-        await unary(self._stub.OpenBatch, ppb.OpenBatchRequest(cell_id=self.cell_id, batch_id=batch_id),
-                    timeout_s=self.rpc_timeout_s)
+        await unary(
+            self._stub.OpenBatch,
+            ppb.OpenBatchRequest(cell_id=self.cell_id, batch_id=batch_id),
+            timeout_s=self.rpc_timeout_s,
+        )
 
     async def commit(self, batch_id: int) -> None:
-        await unary(self._stub.CommitBatch, ppb.CommitBatchRequest(cell_id=self.cell_id, batch_id=batch_id),
-                    timeout_s=self.rpc_timeout_s)
+        await unary(
+            self._stub.CommitBatch,
+            ppb.CommitBatchRequest(cell_id=self.cell_id, batch_id=batch_id),
+            timeout_s=self.rpc_timeout_s,
+        )
 
     async def keep(self) -> None:
-        await unary(self._stub.KeepClaims, ppb.KeepClaimsRequest(cell_id=self.cell_id), timeout_s=self.rpc_timeout_s)
+        await unary(
+            self._stub.KeepClaims, ppb.KeepClaimsRequest(cell_id=self.cell_id), timeout_s=self.rpc_timeout_s
+        )
 
     async def close(self) -> None:
         if self._own:
             await self._channel.close()
-

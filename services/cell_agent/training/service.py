@@ -49,8 +49,16 @@ def pick_device(setting: str, index: int) -> torch.device:
 class TrainingService:
     """One elastic cell's training half, built in the background."""
 
-    def __init__(self, settings: TrainingSettings, *, cell_id: str, index: int,
-                 target: str | Callable[[], str], etcd: Etcd | None = None, keys: Keys | None = None) -> None:
+    def __init__(
+        self,
+        settings: TrainingSettings,
+        *,
+        cell_id: str,
+        index: int,
+        target: str | Callable[[], str],
+        etcd: Etcd | None = None,
+        keys: Keys | None = None,
+    ) -> None:
         if index < 0:
             raise ValueError("only elastic cells (index >= 0) train")
         self.settings = settings
@@ -122,10 +130,16 @@ class TrainingService:
             await asyncio.sleep(0.05)
         device = pick_device(s.device, self.index)
         trainer = await asyncio.to_thread(
-            Trainer.from_dir, s.model_dir, s.initial_policy_version, s.dtype, str(device),
+            Trainer.from_dir,
+            s.model_dir,
+            s.initial_policy_version,
+            s.dtype,
+            str(device),
             LossConfig(s.clip_eps_low, s.clip_eps_high),
         )
-        groups = PrefixGroups(self.index, s.world_size, s.dist_master, s.dist_backend, device, s.dist_timeout_s)
+        groups = PrefixGroups(
+            self.index, s.world_size, s.dist_master, s.dist_backend, device, s.dist_timeout_s
+        )
         await asyncio.to_thread(groups.setup)
         self.groups = groups
         core = None
@@ -142,12 +156,15 @@ class TrainingService:
         self._source = PackerSource(s.packer_target, self.cell_id)
         assert groups.store is not None
         self.controller = TrainingController(
-            cell_id=self.cell_id, index=self.index, trainer=trainer, snapshots=self.snapshots,
-            source=self._source, membership=StoreMembership(groups), collective=groups,
+            cell_id=self.cell_id,
+            index=self.index,
+            trainer=trainer,
+            snapshots=self.snapshots,
+            source=self._source,
+            membership=StoreMembership(groups),
+            collective=groups,
             publisher=publisher,
-            puller=functools.partial(
-                _pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s
-            ),
+            puller=functools.partial(_pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s),
             core=core,
             params=ControllerParams(
                 claim_wait_s=s.claim_wait_s, join_wait_s=s.join_wait_s, collective_timeout_s=s.dist_timeout_s
@@ -155,7 +172,9 @@ class TrainingService:
         )
         await self.controller.start()
         self._ready.set()
-        log.info("training ready", extra={"cell_id": self.cell_id, "index": self.index, "version": trainer.version})
+        log.info(
+            "training ready", extra={"cell_id": self.cell_id, "index": self.index, "version": trainer.version}
+        )
         return self.controller
 
     async def ready(self, timeout_s: float) -> TrainingController:
@@ -167,7 +186,9 @@ class TrainingService:
             raise Unavailable(f"training failed to start: {self._failed!r}")
         return self.controller
 
-    async def join_batch(self, batch_id: int, policy_version: int, prefix_size: int, core_target: str) -> bool:
+    async def join_batch(
+        self, batch_id: int, policy_version: int, prefix_size: int, core_target: str
+    ) -> bool:
         ctl = await self.ready(self.settings.join_wait_s)
         return await ctl.join_batch(batch_id, policy_version, prefix_size, core_target)
 

@@ -32,9 +32,7 @@ class LossConfig:
     clip_eps_high: float = 0.2
 
 
-def token_losses(
-    logits: torch.Tensor, seqs: list[Sequence], cfg: LossConfig
-) -> tuple[torch.Tensor, int]:
+def token_losses(logits: torch.Tensor, seqs: list[Sequence], cfg: LossConfig) -> tuple[torch.Tensor, int]:
     """Sum of the clipped policy-gradient losses of every loss token of ``seqs`` (padded
     right into ``logits`` [B, T, V]) and the number of loss tokens."""
     device = logits.device
@@ -84,8 +82,14 @@ class Trainer:
             p.grad = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, version: int, dtype: str = "float32", device: str = "cpu",
-                 loss: LossConfig | None = None) -> Trainer:
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        version: int,
+        dtype: str = "float32",
+        device: str = "cpu",
+        loss: LossConfig | None = None,
+    ) -> Trainer:
         """Loads the transformers causal LM at ``model_dir`` (same architecture as the engine)."""
         from transformers import AutoModelForCausalLM
 
@@ -120,9 +124,7 @@ class Trainer:
         if self.window_version is None:
             self.open_window(version)
         if version != self.window_version or version != self.version:
-            raise StaleGradient(
-                f"gradient on version {version} refused: window is on {self.window_version}"
-            )
+            raise StaleGradient(f"gradient on version {version} refused: window is on {self.window_version}")
         seqs = list(step.sequences)
         width = max(len(s.token_ids) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
@@ -151,9 +153,7 @@ class Trainer:
 
     def flat_grads(self) -> torch.Tensor:
         """Every parameter's gradient sum in one flat buffer (zeros where none)."""
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params
-        ]
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def close_window(self) -> None:

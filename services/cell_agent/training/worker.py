@@ -37,19 +37,24 @@ class TrainerCellConfig(ServiceConfig):
 class TrainingControlServicer(pb_grpc.CellControlServicer):
     """JoinBatch only."""
 
-    ACCESS = AccessTable("gyre.v1.CellControl", {
-        "SetState": allow(Role.SCHEDULER),
-        "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
-        "LoadPolicy": allow(Role.SCHEDULER),
-        "JoinBatch": allow(Role.SCHEDULER),
-    })
+    ACCESS = AccessTable(
+        "gyre.v1.CellControl",
+        {
+            "SetState": allow(Role.SCHEDULER),
+            "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+            "LoadPolicy": allow(Role.SCHEDULER),
+            "JoinBatch": allow(Role.SCHEDULER),
+        },
+    )
 
     def __init__(self, training: TrainingService, fence: FenceGuard | None = None) -> None:
         self.training = training
         self.fence = fence or FenceGuard()
 
     @rpc
-    async def JoinBatch(self, request: pb.JoinBatchRequest, context: grpc.aio.ServicerContext) -> pb.JoinBatchResponse:  # noqa: N802
+    async def JoinBatch(
+        self, request: pb.JoinBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinBatchResponse:  # noqa: N802
         await self.fence.admit(request.fence.epoch)
         joined = await self.training.join_batch(
             request.batch_id, request.policy_version, request.prefix_size, request.core_target
@@ -63,13 +68,18 @@ def _main() -> None:
     async def build(rt: runtime.Runtime):
         cfg: TrainerCellConfig = rt.config  # type: ignore[assignment]
         # The port is not known before the server starts: the target is filled in after.
-        training = TrainingService(cfg.training, cell_id=cfg.cell_id, index=cfg.index, target="",
-                                   etcd=rt.etcd, keys=rt.keys)
+        training = TrainingService(
+            cfg.training, cell_id=cfg.cell_id, index=cfg.index, target="", etcd=rt.etcd, keys=rt.keys
+        )
         holder["t"] = training
         fence, leader = verified_fence(rt.etcd, rt.keys.leader())
         rt.supervisor.spawn("leader", leader.run())
         return [
-            (TrainingControlServicer(training, fence), pb_grpc.add_CellControlServicer_to_server, "gyre.v1.CellControl"),
+            (
+                TrainingControlServicer(training, fence),
+                pb_grpc.add_CellControlServicer_to_server,
+                "gyre.v1.CellControl",
+            ),
             snapshots.registration(training.snapshots),
         ]
 

@@ -89,12 +89,27 @@ from services.scheduler.policy.waterlevel import WaterlevelConfig, WaterlevelPol
 ASYNC_POLICIES = ("gyre", "async-static", "async-static-lend")
 """Policies that dispatch continuously and need ``Snapshot.pipeline``."""
 
-POLICIES = ("gyre", "waterlevel-sync", "waterlevel", "colocated", "static", "async-static",
-            "async-static-lend", "rollout_only")
+POLICIES = (
+    "gyre",
+    "waterlevel-sync",
+    "waterlevel",
+    "colocated",
+    "static",
+    "async-static",
+    "async-static-lend",
+    "rollout_only",
+)
 
 
-def make_policy(name: str, *, fraction: float = 0.5, interval_s: float = 5.0, training_cells: int = 1,
-                drain_grace_s: float = 2.0, gyre: GyreConfig | None = None) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    fraction: float = 0.5,
+    interval_s: float = 5.0,
+    training_cells: int = 1,
+    drain_grace_s: float = 2.0,
+    gyre: GyreConfig | None = None,
+) -> Policy:
     """Builds a policy by name (see ``POLICIES``)."""
     if name in ("waterlevel", "waterlevel-sync"):
         return WaterlevelPolicy(WaterlevelConfig(fraction, interval_s, drain_grace_s), name=name)
@@ -117,10 +132,44 @@ def make_policy(name: str, *, fraction: float = 0.5, interval_s: float = 5.0, tr
 
 
 __all__ = [
-    "ASYNC_POLICIES", "POLICIES", "Action", "AsyncStaticConfig", "AsyncStaticLendPolicy", "AsyncStaticPolicy",
-    "BurstView", "CellKind", "CellState", "CellView", "ColocatedSyncPolicy", "DispatchBurst", "ExecView",
-    "GyreConfig", "GyrePolicy", "Hold", "KeepInTraining", "LedgerCounts", "Migrate", "MoveToTraining",
-    "Pipeline", "PlanMoves", "Policy", "PublishPolicy", "ReturnToRollout", "RolloutOnlyPolicy", "SealBatch",
-    "Snapshot", "StaticSplitConfig", "StaticSplitPolicy", "Supply", "SupplyTracker", "VersionCounts",
-    "WaterlevelConfig", "WaterlevelPolicy", "capacity", "is_prefix", "make_policy", "staleness", "training_set",
+    "ASYNC_POLICIES",
+    "POLICIES",
+    "Action",
+    "AsyncStaticConfig",
+    "AsyncStaticLendPolicy",
+    "AsyncStaticPolicy",
+    "BurstView",
+    "CellKind",
+    "CellState",
+    "CellView",
+    "ColocatedSyncPolicy",
+    "DispatchBurst",
+    "ExecView",
+    "GyreConfig",
+    "GyrePolicy",
+    "Hold",
+    "KeepInTraining",
+    "LedgerCounts",
+    "Migrate",
+    "MoveToTraining",
+    "Pipeline",
+    "PlanMoves",
+    "Policy",
+    "PublishPolicy",
+    "ReturnToRollout",
+    "RolloutOnlyPolicy",
+    "SealBatch",
+    "Snapshot",
+    "StaticSplitConfig",
+    "StaticSplitPolicy",
+    "Supply",
+    "SupplyTracker",
+    "VersionCounts",
+    "WaterlevelConfig",
+    "WaterlevelPolicy",
+    "capacity",
+    "is_prefix",
+    "make_policy",
+    "staleness",
+    "training_set",
 ]

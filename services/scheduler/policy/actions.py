@@ -106,8 +106,17 @@ class Hold:
     kind: str = "hold"
 
 
-Action = (MoveToTraining | ReturnToRollout | KeepInTraining | PublishPolicy | DispatchBurst | SealBatch
-          | Migrate | PlanMoves | Hold)
+Action = (
+    MoveToTraining
+    | ReturnToRollout
+    | KeepInTraining
+    | PublishPolicy
+    | DispatchBurst
+    | SealBatch
+    | Migrate
+    | PlanMoves
+    | Hold
+)
 
 
 class Policy(Protocol):
@@ -115,5 +124,4 @@ class Policy(Protocol):
 
     name: str
 
-    def decide(self, snapshot: Snapshot) -> list[Action]:
-        ...
+    def decide(self, snapshot: Snapshot) -> list[Action]: ...

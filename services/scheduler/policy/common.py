@@ -31,14 +31,20 @@ def drained_actions(s: Snapshot, grace_s: float, training: Sequence[CellView]) -
     b = s.burst.burst_id
     if training and 0 < sup.batch_needs < sup.batch_size:
         have = sup.batch_size - sup.batch_needs
-        return [SealBatch(sup.batch_id,
-                f"sealed batch {sup.batch_id} with {have} of {sup.batch_size} groups: burst {b} drained (W 0)")]
+        return [
+            SealBatch(
+                sup.batch_id,
+                f"sealed batch {sup.batch_id} with {have} of {sup.batch_size} groups: burst {b} drained (W 0)",
+            )
+        ]
     if not training and sup.ready_groups == 0 and sup.batch_needs >= sup.batch_size:
         # (With cells training, a sealed batch is being trained while the packer already
         # fills the next one: wait for its publication, which ends the burst.)
-        return next_burst(s,
-                f"burst {b} yielded no trainable groups: burst {b + 1} with {s.next_quota} executions "
-                f"at policy v{s.policy_version}")
+        return next_burst(
+            s,
+            f"burst {b} yielded no trainable groups: burst {b + 1} with {s.next_quota} executions "
+            f"at policy v{s.policy_version}",
+        )
     return None
 
 
@@ -49,8 +55,13 @@ def publish_newest(s: Snapshot) -> list[Action]:
         return []
     core = next((c for c in s.elastic() if c.is_core), None)
     src = core.cell_id if core is not None else ""
-    return [PublishPolicy(s.policy_version, src,
-            f"published policy v{s.policy_version} from {src or 'core'} to rollout engines")]
+    return [
+        PublishPolicy(
+            s.policy_version,
+            src,
+            f"published policy v{s.policy_version} from {src or 'core'} to rollout engines",
+        )
+    ]
 
 
 def dispatch_to_gate(s: Snapshot, burst_id: int | None = None) -> list[Action]:
@@ -65,7 +76,13 @@ def dispatch_to_gate(s: Snapshot, burst_id: int | None = None) -> list[Action]:
         return []
     bid = burst_id if burst_id is not None else ((s.burst.burst_id + 1) if s.burst is not None else 1)
     gate = staleness.gate(s.policy_version, p.max_staleness, p.batch_groups, p.extra_groups)
-    return [DispatchBurst(bid, groups * p.group_size, s.policy_version,
+    return [
+        DispatchBurst(
+            bid,
+            groups * p.group_size,
+            s.policy_version,
             f"dispatched {groups} groups at v{s.policy_version}: usable {p.usable_dispatched} + {groups} "
             f"<= gate {gate} = (v{s.policy_version} + eta {p.max_staleness} + 1) x {p.batch_groups} "
-            f"+ {p.extra_groups}")]
+            f"+ {p.extra_groups}",
+        )
+    ]

@@ -128,11 +128,17 @@ def rate_target(p: Pipeline, batch_needs: int, horizon_floor_s: float) -> tuple[
         t_arr = 0.0
     horizon = max(t_arr, horizon_floor_s)
     if math.isinf(horizon):
-        t = 1 if backlog + ready_cur * g <= 0 else math.ceil((backlog + ready_cur * g) / (r * horizon_floor_s))
+        t = (
+            1
+            if backlog + ready_cur * g <= 0
+            else math.ceil((backlog + ready_cur * g) / (r * horizon_floor_s))
+        )
         return max(1, t), f"no arrivals measured, work now {backlog + ready_cur * g:.3g} tok"
     t = math.ceil(work / (r * horizon))
-    return max(1, t), (f"work {work:.3g} tok ({missing} groups missing, {next_ready} ahead) over "
-                       f"{horizon:.0f} s at {r:.3g} tok/s/cell")
+    return max(1, t), (
+        f"work {work:.3g} tok ({missing} groups missing, {next_ready} ahead) over "
+        f"{horizon:.0f} s at {r:.3g} tok/s/cell"
+    )
 
 
 class GyrePolicy:
@@ -156,8 +162,11 @@ class GyrePolicy:
         if self.config.rates:
             t, why = rate_target(p, s.supply.batch_needs, self.config.min_horizon_s)
         else:
-            t = len(elastic) if p.ready_groups >= p.batch_groups // 2 else (
-                len(training_set(elastic)) if p.ready_groups > 0 else 1)
+            t = (
+                len(elastic)
+                if p.ready_groups >= p.batch_groups // 2
+                else (len(training_set(elastic)) if p.ready_groups > 0 else 1)
+            )
             why = f"ready {p.ready_groups} of {p.batch_groups} (threshold)"
         if t > t_max:
             return max(1, t_max), f"{why}; capped at {t_max} to cover W_eta {w}"
@@ -182,16 +191,20 @@ class GyrePolicy:
         if self.config.plan:
             planned = self._plan(elastic, prefix, target)
             if planned != p.planned:
-                actions.append(PlanMoves(planned,
-                        f"planned next moves: {', '.join(planned) or 'none'} (target {target})"))
+                actions.append(
+                    PlanMoves(
+                        planned, f"planned next moves: {', '.join(planned) or 'none'} (target {target})"
+                    )
+                )
         if self.config.migrate:
             actions += self._migrate(s, planned)
         if not any(not isinstance(a, Hold) for a in actions):
             actions += drained_actions(s, self.config.drain_grace_s, prefix) or []
         return actions
 
-    def _roles(self, s: Snapshot, elastic: list[CellView], prefix: list[CellView], target: int, w: int,
-               why: str) -> list[Action]:
+    def _roles(
+        self, s: Snapshot, elastic: list[CellView], prefix: list[CellView], target: int, w: int, why: str
+    ) -> list[Action]:
         t = len(prefix)
         if t < target:
             busy = [c for c in elastic if c.state is CellState.DRAINING]
@@ -206,16 +219,23 @@ class GyrePolicy:
             after = capacity(s.cells) - cand.slots
             if after < w:
                 return [Hold(f"kept {cand.cell_id} in rollout: capacity {after} < W_eta {w}", cand.cell_id)]
-            return [MoveToTraining(cand.cell_id,
+            return [
+                MoveToTraining(
+                    cand.cell_id,
                     f"moved {cand.cell_id} to training: T {t} -> {t + 1} of target {target} ({why}); "
-                    f"capacity {after} >= W_eta {w}")]
+                    f"capacity {after} >= W_eta {w}",
+                )
+            ]
         h = max(1, math.ceil(self.config.hysteresis * target)) if self.config.keep else 0
         if t > target + h:
             last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]
             if last:
                 c = last[-1]
-                return [ReturnToRollout(c.cell_id,
-                        f"returned {c.cell_id} to rollout: T {t} > target {target} + {h} ({why})")]
+                return [
+                    ReturnToRollout(
+                        c.cell_id, f"returned {c.cell_id} to rollout: T {t} > target {target} + {h} ({why})"
+                    )
+                ]
         return []
 
     def _plan(self, elastic: list[CellView], prefix: list[CellView], target: int) -> tuple[str, ...]:
@@ -236,14 +256,23 @@ class GyrePolicy:
             if len(out) >= self.config.migrate_max or not dests:
                 break
             src = ex.cell_id
-            if ex.moves > 0 or src not in load or load[src] <= self.config.migrate_min_load * slots.get(src, 0):
+            if (
+                ex.moves > 0
+                or src not in load
+                or load[src] <= self.config.migrate_min_load * slots.get(src, 0)
+            ):
                 continue
             dst = dests[0]
             if dst == src or load[dst] + 1 > load[src] / 2 or load[dst] >= slots.get(dst, 0):
                 continue
-            out.append(Migrate(ex.execution_id, dst,
+            out.append(
+                Migrate(
+                    ex.execution_id,
+                    dst,
                     f"migrated {ex.execution_id} (v{ex.version}, {ex.running_s:.0f} s) from {src} "
-                    f"(load {load[src]}) to {dst} (load {load[dst]})"))
+                    f"(load {load[src]}) to {dst} (load {load[dst]})",
+                )
+            )
             load[src] -= 1
             load[dst] += 1
             dests.sort(key=lambda cid: (load[cid], cid))

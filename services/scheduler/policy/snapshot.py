@@ -226,7 +226,8 @@ class Snapshot:
     def drained_for(self, grace_s: float) -> bool:
         """True once W has been 0 for ``grace_s`` (finish reports had time to land)."""
         return (
-            self.ledger.waterlevel == 0 and self.drained_since_s is not None
+            self.ledger.waterlevel == 0
+            and self.drained_since_s is not None
             and self.now_s - self.drained_since_s >= grace_s
         )
 
@@ -249,8 +250,9 @@ class SupplyTracker:
         self._held_since: float | None = None
         self._batch_id: int | None = None
 
-    def observe(self, now_s: float, ready_groups: int, batch_size: int, batch_needs: int,
-            batch_id: int = 0) -> Supply:
+    def observe(
+        self, now_s: float, ready_groups: int, batch_size: int, batch_needs: int, batch_id: int = 0
+    ) -> Supply:
         ready = max(0, min(ready_groups, batch_needs))
         if batch_id != self._batch_id:
             self._held_since = None
@@ -282,7 +284,8 @@ def training_set(cells: Iterable[CellView]) -> list[CellView]:
 def is_prefix(cells: Sequence[CellView]) -> bool:
     """True when the training set is the lowest-index elastic cells present (FAILED cells,
     about to vanish with their lease, are not counted)."""
-    elastic = sorted((c for c in cells if c.elastic and c.state is not CellState.FAILED),
-            key=lambda c: c.index)
+    elastic = sorted(
+        (c for c in cells if c.elastic and c.state is not CellState.FAILED), key=lambda c: c.index
+    )
     k = len(training_set(elastic))
     return all(c.state in TRAINING_SIDE for c in elastic[:k])

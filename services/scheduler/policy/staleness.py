@@ -42,8 +42,17 @@ from collections.abc import Iterable
 from gyre.staleness import consumable, oldest_usable, unconsumable
 from services.scheduler.policy.snapshot import Pipeline, VersionCounts
 
-__all__ = ["cells_to_cover", "consumable", "dispatch_room", "gate", "groups_needed", "oldest_usable", "unconsumable",
-           "usable_open", "waterlevel"]
+__all__ = [
+    "cells_to_cover",
+    "consumable",
+    "dispatch_room",
+    "gate",
+    "groups_needed",
+    "oldest_usable",
+    "unconsumable",
+    "usable_open",
+    "waterlevel",
+]
 """``consumable``, ``unconsumable`` and ``oldest_usable`` are :mod:`gyre.staleness`'s: the one
 rule, shared with the services that apply it (the scheduler cancels, the packer drops)."""
 

@@ -46,15 +46,19 @@ class ColocatedSyncPolicy:
         v = s.policy_version
         if s.burst.trained(v):
             actions: list[Action] = [
-                ReturnToRollout(c.cell_id,
-                        f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}")
-                for c in elastic if c.state in TRAINING_SIDE
+                ReturnToRollout(
+                    c.cell_id, f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}"
+                )
+                for c in elastic
+                if c.state in TRAINING_SIDE
             ]
             core = next((c for c in elastic if c.is_core), None)
-            actions.append(PublishPolicy(v, core.cell_id if core else "",
-                    f"published policy v{v} to rollout engines"))
-            return actions + next_burst(s,
-                    f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
+            actions.append(
+                PublishPolicy(v, core.cell_id if core else "", f"published policy v{v} to rollout engines")
+            )
+            return actions + next_burst(
+                s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}"
+            )
         w = s.ledger.waterlevel
         if w > 0:
             return [Hold(f"barrier: W {w} > 0")]
@@ -63,7 +67,8 @@ class ColocatedSyncPolicy:
             return drained
         return [
             MoveToTraining(c.cell_id, f"moved {c.cell_id} to training: barrier reached (W 0)")
-            for c in elastic if c.state is CellState.ROLLOUT
+            for c in elastic
+            if c.state is CellState.ROLLOUT
         ]
 
 
@@ -96,21 +101,30 @@ class StaticSplitPolicy:
         actions: list[Action] = []
         for i, c in enumerate(elastic):
             if i < t and c.state is CellState.ROLLOUT:
-                actions.append(MoveToTraining(c.cell_id,
-                        f"moved {c.cell_id} to training: static split {len(elastic) - t}:{t}"))
+                actions.append(
+                    MoveToTraining(
+                        c.cell_id, f"moved {c.cell_id} to training: static split {len(elastic) - t}:{t}"
+                    )
+                )
             elif i >= t and c.state in TRAINING_SIDE:
-                actions.append(ReturnToRollout(c.cell_id,
-                        f"returned {c.cell_id} to rollout: static split {len(elastic) - t}:{t}"))
+                actions.append(
+                    ReturnToRollout(
+                        c.cell_id, f"returned {c.cell_id} to rollout: static split {len(elastic) - t}:{t}"
+                    )
+                )
         if s.burst is None:
-            return actions + next_burst(s,
-                    f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
+            return actions + next_burst(
+                s, f"first burst: {s.next_quota} executions at policy v{s.policy_version}"
+            )
         v = s.policy_version
         if s.burst.trained(v):
             core = next((c for c in elastic if c.is_core), None)
-            actions.append(PublishPolicy(v, core.cell_id if core else "",
-                    f"published policy v{v} to rollout engines"))
-            actions += next_burst(s,
-                    f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
+            actions.append(
+                PublishPolicy(v, core.cell_id if core else "", f"published policy v{v} to rollout engines")
+            )
+            actions += next_burst(
+                s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}"
+            )
         elif not actions:
             actions += drained_actions(s, self.config.drain_grace_s, training_set(elastic)) or []
         return actions
@@ -127,8 +141,9 @@ class RolloutOnlyPolicy:
             return next_burst(s, f"first burst: {s.next_quota} executions at policy v{s.policy_version}")
         if s.ledger.waterlevel > 0:
             return []
-        return next_burst(s,
-                f"burst {s.burst.burst_id + 1}: {s.next_quota} executions (burst {s.burst.burst_id} closed)")
+        return next_burst(
+            s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions (burst {s.burst.burst_id} closed)"
+        )
 
 
 def _split_roles(elastic: list[CellView], t: int, why: str) -> list[Action]:
@@ -197,8 +212,11 @@ class AsyncStaticLendPolicy(AsyncStaticPolicy):
         assert p is not None
         t = self.config.training_cells
         reclaim = self.config.reclaim_groups or (t // 4 + 1)
-        lent = any(c.index < t and c.state is not CellState.FAILED and c.state not in TRAINING_SIDE
-                   for c in s.elastic() if c.index > 0)
+        lent = any(
+            c.index < t and c.state is not CellState.FAILED and c.state not in TRAINING_SIDE
+            for c in s.elastic()
+            if c.index > 0
+        )
         idle = p.backlog_tokens <= 0 and p.ready_groups == 0 and not p.optimizing
         if idle:
             return min(t, 1)

@@ -94,7 +94,10 @@ class WaterlevelPolicy:
         if s.supply.ready_groups < need or s.supply.held_since_s is None:
             return False, f"supply {frac:.2f} < {fmt(cfg.fraction)}"
         if held < cfg.interval_s:
-            return False, f"supply {frac:.2f} >= {fmt(cfg.fraction)} for {held:.1f} s < {cfg.interval_s:.1f} s"
+            return (
+                False,
+                f"supply {frac:.2f} >= {fmt(cfg.fraction)} for {held:.1f} s < {cfg.interval_s:.1f} s",
+            )
         return True, f"supply {frac:.2f} >= {fmt(cfg.fraction)} for {held:.1f} s"
 
     def decide(self, s: Snapshot) -> list[Action]:
@@ -131,11 +134,17 @@ class WaterlevelPolicy:
         ok, why = self.supply_ok(s)
         if not ok and not prefix and s.supply.ready_groups > 0 and s.drained_for(self.config.drain_grace_s):
             # Nothing more will come for this batch: train on what is ready.
-            ok, why = True, f"burst {s.burst.burst_id if s.burst else 0} drained with {s.supply.ready_groups} ready groups"
+            ok, why = (
+                True,
+                f"burst {s.burst.burst_id if s.burst else 0} drained with {s.supply.ready_groups} ready groups",
+            )
         if not ok:
             return [Hold(f"kept {cand.cell_id} in rollout: {why}", cand.cell_id)]
-        return [MoveToTraining(cand.cell_id,
-                f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}")]
+        return [
+            MoveToTraining(
+                cand.cell_id, f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}"
+            )
+        ]
 
     @staticmethod
     def _repair(elastic: list[CellView], prefix: list[CellView]) -> list[Action]:
@@ -144,14 +153,18 @@ class WaterlevelPolicy:
         if not prefix:
             return []
         if not prefix[0].is_core:
-            return [ReturnToRollout(c.cell_id,
-                    f"returned {c.cell_id} to rollout: the core is not training") for c in prefix]
+            return [
+                ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: the core is not training")
+                for c in prefix
+            ]
         alive = [c for c in elastic if c.state is not CellState.FAILED]
         k = next((i for i, c in enumerate(alive) if c.state not in TRAINING_SIDE), len(alive))
         return [
-            ReturnToRollout(c.cell_id,
-                    f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix")
-            for c in alive[k:] if c.state in TRAINING_SIDE
+            ReturnToRollout(
+                c.cell_id, f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix"
+            )
+            for c in alive[k:]
+            if c.state in TRAINING_SIDE
         ]
 
     def _burst_end(self, s: Snapshot) -> list[Action]:
@@ -162,26 +175,38 @@ class WaterlevelPolicy:
         v = s.policy_version
         for c in elastic:
             if not c.is_core and c.state in TRAINING_SIDE:
-                actions.append(ReturnToRollout(c.cell_id,
-                        f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}"))
+                actions.append(
+                    ReturnToRollout(
+                        c.cell_id, f"returned {c.cell_id} to rollout: burst {s.burst.burst_id} ended at v{v}"
+                    )
+                )
         source = core.cell_id if core is not None else ""
-        actions.append(PublishPolicy(v, source,
-                f"published policy v{v} from {source or 'core'} to rollout engines"))
+        actions.append(
+            PublishPolicy(v, source, f"published policy v{v} from {source or 'core'} to rollout engines")
+        )
         if core is not None and core.state in TRAINING_SIDE:
             # Capacity once the satellites are back, without the core.
             back = sum(
-                c.slots for c in s.cells
+                c.slots
+                for c in s.cells
                 if c.state is CellState.ROLLOUT
                 or (c.elastic and not c.is_core and c.state in (*TRAINING_SIDE, CellState.RETURNING))
             )
             pending = s.ledger.waterlevel + max(0, s.next_quota)
             ok, why = self.supply_ok(s)
             if s.next_quota > 0 and back >= pending and ok:
-                actions.append(KeepInTraining(core.cell_id,
-                        f"kept {core.cell_id} in training: capacity {back} >= W {pending} (with next burst), {why}"))
+                actions.append(
+                    KeepInTraining(
+                        core.cell_id,
+                        f"kept {core.cell_id} in training: capacity {back} >= W {pending} (with next burst), {why}",
+                    )
+                )
             else:
-                cause = "no next burst" if s.next_quota <= 0 else (
-                    f"capacity {back} < W {pending} (with next burst)" if back < pending else why)
+                cause = (
+                    "no next burst"
+                    if s.next_quota <= 0
+                    else (f"capacity {back} < W {pending} (with next burst)" if back < pending else why)
+                )
                 actions.append(ReturnToRollout(core.cell_id, f"returned {core.cell_id} to rollout: {cause}"))
         actions += next_burst(s, f"burst {s.burst.burst_id + 1}: {s.next_quota} executions at policy v{v}")
         return actions
