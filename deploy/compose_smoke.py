@@ -185,12 +185,12 @@ def services(engine: Engine, project: str) -> dict[str, dict[str, Any]]:
 
 
 def wait_until(what: str, timeout_s: float, probe: Any, interval_s: float = 3.0) -> Any:
-    """Call ``probe`` until it returns something truthy; SmokeFailure after ``timeout_s``."""
+    """Call ``probe`` until it returns neither None nor False (0 counts: an exit status)."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
         last = probe()
-        if last:
+        if last is not None and last is not False:
             return last
         time.sleep(interval_s)
     raise SmokeFailure(f"timed out after {timeout_s:.0f} s waiting for {what}")
