@@ -46,6 +46,9 @@ class ServiceProcess:
         self.ready_info: dict[str, Any] = {}
         self._ready = threading.Event()
         self._lines: list[str] = []
+        self.ready_timeout_s = 60.0
+        """How long a start waits for the ready line: the last one given to :meth:`start`,
+        so a restart by the supervisor waits as long as the first start did."""
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", f"services.{self.service}"]
@@ -55,7 +58,10 @@ class ServiceProcess:
             cmd += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
         return cmd
 
-    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+    def start(self, timeout_s: float | None = None) -> ServiceProcess:
+        if timeout_s is not None:
+            self.ready_timeout_s = timeout_s
+        timeout_s = self.ready_timeout_s
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
