@@ -303,8 +303,9 @@ def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[s
     # The last burst closes (training, publication) after the harness's last execution: wait
     # for the status to show it, as `make demo` does, then judge whatever it shows.
     try:
-        status = wait_until(f"{bursts} bursts in the scheduler's status", 300,
-                            lambda: bursts_done(url, bursts))
+        status = wait_until(
+            f"{bursts} bursts in the scheduler's status", 300, lambda: bursts_done(url, bursts)
+        )
     except SmokeFailure:
         status = scheduler_status(url) or {}
     ps = services(engine, project)
