@@ -167,7 +167,10 @@ class TrainingService:
             puller=functools.partial(_pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s),
             core=core,
             params=ControllerParams(
-                claim_wait_s=s.claim_wait_s, join_wait_s=s.join_wait_s, collective_timeout_s=s.dist_timeout_s
+                claim_wait_s=s.claim_wait_s,
+                join_wait_s=s.join_wait_s,
+                collective_timeout_s=s.dist_timeout_s,
+                claim_batch=s.claim_batch,
             ),
         )
         await self.controller.start()
