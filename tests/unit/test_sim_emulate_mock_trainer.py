@@ -24,21 +24,29 @@ class FakePacker:
         self.free = list(steps)
         self.claimed: dict[str, str] = {}
         self.acked: list[str] = []
+        self.calls = 0  # claim calls that claimed something
 
     def source(self, cell: str):
         packer = self
 
         class Source:
-            async def claim(self, batch_id: int, version: int, wait_s: float) -> Claim:
+            async def claim_many(
+                self, batch_id: int, version: int, wait_s: float, max_n: int, claim_id: str = ""
+            ) -> list[Claim]:
                 await asyncio.sleep(0)
                 if not packer.free:
-                    return Claim(Outcome.CLOSED)
-                step = packer.free.pop(0)
-                packer.claimed[step.micro_step_id] = cell
-                return Claim(Outcome.CLAIMED, step, 30.0)
+                    return [Claim(Outcome.CLOSED)]
+                claims = []
+                while packer.free and len(claims) < max_n:
+                    step = packer.free.pop(0)
+                    packer.claimed[step.micro_step_id] = cell
+                    claims.append(Claim(Outcome.CLAIMED, step, 30.0))
+                packer.calls += 1
+                return claims
 
-            async def ack(self, batch_id: int, step_id: str) -> None:
-                packer.acked.append(step_id)
+            async def ack_many(self, batch_id: int, step_ids: list[str]) -> list[bool]:
+                packer.acked.extend(step_ids)
+                return [False] * len(step_ids)
 
             async def keep(self) -> None:
                 return None
@@ -75,6 +83,7 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         train_flops_eff=0.5,
         train_step_fixed_s=2.0,
         weight_sync_s=0.1,
+        claim_batch=4,
     )
     slept: list[float] = []
 
@@ -109,6 +118,7 @@ async def test_batch_trained_once_and_published_after_done() -> None:
     await asyncio.gather(core.wait_batch(1), sat.wait_batch(1))
     assert sorted(packer.acked) == [f"m{i}" for i in range(6)]
     assert core.micro_steps + sat.micro_steps == 6
+    assert packer.calls < 6  # several micro-steps per claim call
     assert core.trained_tokens + sat.trained_tokens == 600
     assert pub.published == [(1, 1)]
     assert core.version == 1 and core.last_batch_id == 1
