@@ -125,8 +125,7 @@ def rate_target(p: Pipeline, horizon_s: float) -> tuple[int, str]:
     arrivals = p.ready_rate * g
     t = math.ceil((arrivals + queue / horizon_s) / r - 1e-9)
     return max(1, t), (
-        f"arrivals {arrivals:.3g} tok/s + queue {queue:.3g} tok over {horizon_s:.0f} s "
-        f"at {r:.3g} tok/s/cell"
+        f"arrivals {arrivals:.3g} tok/s + queue {queue:.3g} tok over {horizon_s:.0f} s at {r:.3g} tok/s/cell"
     )
 
 
