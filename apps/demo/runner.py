@@ -40,7 +40,7 @@ from apps.launch import Cluster
 from services.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-HISTORIES = ("scheduler", "packer", "router")
+HISTORIES = ("scheduler", "packer", "router", "cell_agent")
 
 
 @dataclass
