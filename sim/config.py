@@ -162,7 +162,14 @@ class PolicyParams(_Frozen):
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
     gyre_min_horizon_s: float = Field(
-        30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for."
+        300.0,
+        gt=0,
+        description="Gyre: horizon over which the training prefix drains the trainer's queue (s).",
+    )
+    rate_window_s: float = Field(
+        600.0,
+        gt=0,
+        description="Window over which the rates the asynchronous policies see (ready groups) are measured.",
     )
     gyre_hysteresis: float = Field(
         0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it."

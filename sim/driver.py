@@ -95,6 +95,7 @@ class Driver:
             sc.training.batch_groups,
             sc.training.max_staleness,
             self._placement(),
+            pp.rate_window_s,
         )
         gyre = P.GyreConfig(
             min_horizon_s=pp.gyre_min_horizon_s,

@@ -167,7 +167,7 @@ def render_config(
             "gyre_keep": pp.gyre_keep,
             "gyre_plan": pp.gyre_plan,
             "gyre_migrate": pp.gyre_migrate,
-            "rate_window_s": 120.0 * scale,
+            "rate_window_s": pp.rate_window_s * scale,
             "fraction": pp.supply_fraction,
             "interval_s": pp.supply_interval_s * scale,
             "drain_grace_s": pp.drain_grace_s * scale,

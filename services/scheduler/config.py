@@ -65,7 +65,7 @@ class SchedulerConfig(ServiceConfig):
         "rollout_only never trains (bursts back to back).",
     )
     gyre_min_horizon_s: float = Field(
-        30.0, gt=0, description="Gyre: shortest horizon the training prefix is sized for."
+        300.0, gt=0, description="Gyre: horizon over which the training prefix drains the trainer's queue."
     )
     gyre_hysteresis: float = Field(
         0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
@@ -78,7 +78,7 @@ class SchedulerConfig(ServiceConfig):
     )
     gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
     rate_window_s: float = Field(
-        120.0,
+        600.0,
         gt=0,
         le=86_400,
         description="Window over which the asynchronous policies' rates (ready groups, training) are measured.",
