@@ -29,21 +29,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from apps.model.tiny import build_tiny_model  # noqa: E402
 from apps.procs import ServiceProcess  # noqa: E402
+from bench.support.fake_packer import FakePacker, synthetic_batch  # noqa: E402
 from bench.support.pki import BenchPki  # noqa: E402
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
 from gyre.v1 import common_pb2 as cpb  # noqa: E402
-from gyre.v1 import packer_pb2_grpc as ppb_grpc  # noqa: E402
 
 
 def _free_port() -> int:
@@ -94,12 +92,8 @@ async def run_k(
     k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str, repeats: int
 ) -> dict:
     cluster = f"bench{k}"
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
     pki = BenchPki(work / "certs")  # mTLS on every hop, as Gyre runs by default
-    port = server.add_secure_port("127.0.0.1:0", pki.tls("packer", Role.PACKER).server_credentials())
-    await server.start()
+    packer = await FakePacker().start(pki.tls("packer", Role.PACKER))
     cfg = {
         "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
         "trainer_cell": {
@@ -109,7 +103,7 @@ async def run_k(
                 "lr": 1e-4,
                 "world_size": k,
                 "dist_master": f"127.0.0.1:{_free_port()}",
-                "packer_target": f"127.0.0.1:{port}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.5,
                 "snapshot_chunk_bytes": 1 << 20,
             }
@@ -165,7 +159,7 @@ async def run_k(
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await client.close()
     outs = [_outcomes(work / f"k{k}-c{i}.log") for i in range(k)]
     joins = [

@@ -20,16 +20,15 @@ import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
-from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from tests.leader import leader_epoch
-from tests.tls import add_port, channel
+from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,11 +59,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     from apps.model.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = add_port(server, "127.0.0.1:0", "packer")
-    await server.start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
         "trainer_cell": {
@@ -74,7 +69,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
                 "world_size": 2,
                 "dist_master": f"127.0.0.1:{_free_port()}",
                 "dist_timeout_s": 60,
-                "packer_target": f"127.0.0.1:{pport}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.2,
             }
         },
@@ -171,5 +166,5 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await etcd.close()
