@@ -29,7 +29,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -174,7 +174,7 @@ class Wal:
             if self._failed is not None:
                 raise FatalError(f"packer WAL failed: {self._failed!r}")
             if self._flush_task is None:
-                self._flush_task = asyncio.create_task(self._flush(), name="packer.wal.flush")
+                self._flush_task = asyncio.create_task(self._guarded(self._flush), name="packer.wal.flush")
             # One waiter's cancellation must not cancel the flush the others wait on.
             await asyncio.shield(self._flush_task)
 
@@ -194,26 +194,17 @@ class Wal:
 
         async def _compact() -> None:
             nonlocal size
-            try:
-                upto = self._appended
-                events = make_events()  # a detached copy, taken atomically on the loop
-                self._buf = []
-                data = await asyncio.to_thread(lambda: "".join(encode(ev) for ev in events).encode())
-                size = len(data)
-                await asyncio.to_thread(self._rewrite, data)
-                self._durable = max(self._durable, upto)
-                self.bytes_since_compact = 0
-                self.compactions += 1
-            except asyncio.CancelledError:
-                raise  # the loop is going away; not a write failure
-            except BaseException as exc:
-                self._failed = exc
-                self._failed_event.set()
-                raise
-            finally:
-                self._flush_task = None
+            upto = self._appended
+            events = make_events()  # a detached copy, taken atomically on the loop
+            self._buf = []
+            data = await asyncio.to_thread(lambda: "".join(encode(ev) for ev in events).encode())
+            size = len(data)
+            await asyncio.to_thread(self._rewrite, data)
+            self._durable = max(self._durable, upto)
+            self.bytes_since_compact = 0
+            self.compactions += 1
 
-        self._flush_task = asyncio.create_task(_compact(), name="packer.wal.compact")
+        self._flush_task = asyncio.create_task(self._guarded(_compact), name="packer.wal.compact")
         await asyncio.shield(self._flush_task)
         return size
 
@@ -221,9 +212,7 @@ class Wal:
         tmp = self.path.with_name(WAL_NAME + ".compact")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -233,16 +222,13 @@ class Wal:
         if old is not None:
             os.close(old)
 
-    async def _flush(self) -> None:
+    async def _guarded(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Runs ``write`` as the flush in flight: a failure (not a cancellation: the loop is
+        going away) fails the log for good."""
         try:
-            lines, upto = self._buf, self._appended
-            self._buf = []
-            data = "".join(lines).encode()
-            if data:
-                await asyncio.to_thread(self._write, data)
-            self._durable = upto
+            await write()
         except asyncio.CancelledError:
-            raise  # the loop is going away; not a write failure
+            raise
         except BaseException as exc:
             self._failed = exc
             self._failed_event.set()
@@ -250,12 +236,17 @@ class Wal:
         finally:
             self._flush_task = None
 
+    async def _flush(self) -> None:
+        lines, upto = self._buf, self._appended
+        self._buf = []
+        data = "".join(lines).encode()
+        if data:
+            await asyncio.to_thread(self._write, data)
+        self._durable = upto
+
     def _write(self, data: bytes) -> None:
         assert self._fd is not None, "Wal.open() first"
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        _write_all(self._fd, data)
         if self._fsync:
             os.fsync(self._fd)
         self.bytes_written += len(data)
@@ -295,3 +286,10 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``data`` to ``fd``, however many writes it takes."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

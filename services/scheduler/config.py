@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from pydantic import Field
 
 from gyre.config import ServiceConfig
+from services.scheduler.policy import PolicyName
 
 
 class SchedulerConfig(ServiceConfig):
@@ -48,16 +49,7 @@ class SchedulerConfig(ServiceConfig):
     loop_tasks: bool = Field(True, description="Start the tasks file over when it runs out.")
 
     # The role policy.
-    policy: Literal[
-        "gyre",
-        "waterlevel-sync",
-        "waterlevel",
-        "colocated",
-        "static",
-        "async-static",
-        "async-static-lend",
-        "rollout_only",
-    ] = Field(
+    policy: PolicyName = Field(
         "waterlevel",
         description="Role policy (services/scheduler/policy): gyre (overlapping bursts under the "
         "staleness bound, cells sized from rates; the shipped configs run it), waterlevel / waterlevel-sync (the "
