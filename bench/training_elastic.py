@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -36,18 +35,10 @@ from apps.model.tiny import build_tiny_model  # noqa: E402
 from apps.procs import ServiceProcess  # noqa: E402
 from bench.support.fake_packer import FakePacker, synthetic_batch  # noqa: E402
 from bench.support.pki import BenchPki  # noqa: E402
+from bench.support.training_rig import join_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
-from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.etcd.server import EtcdServer, free_port  # noqa: E402
 from gyre.identity import Role  # noqa: E402
-from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
-from gyre.v1 import common_pb2 as cpb  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _join(
@@ -56,17 +47,7 @@ async def _join(
     """JoinBatch as the scheduler would send it: its identity, its (etcd-verified) epoch."""
     pki, epoch = lead
     async with pki.channel(target, "scheduler", Role.SCHEDULER, Role.CELL_AGENT) as ch:
-        r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=epoch),
-                batch_id=batch,
-                policy_version=version,
-                prefix_size=prefix,
-                core_target=core,
-            ),
-            timeout=120,
-        )
-    return r.joined
+        return await join_batch(ch, epoch, batch, version, prefix, core, timeout_s=120)
 
 
 async def _wait_policy(etcd: Etcd, key: bytes, version: int, timeout_s: float = 300.0) -> None:
@@ -102,7 +83,7 @@ async def run_k(
                 "dtype": dtype,
                 "lr": 1e-4,
                 "world_size": k,
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "packer_target": packer.target,
                 "claim_wait_s": 0.5,
                 "snapshot_chunk_bytes": 1 << 20,

@@ -23,10 +23,8 @@ import yaml
 
 from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker, synthetic_batch
+from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import cell_agent_pb2 as pb
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
-from gyre.v1 import common_pb2 as cpb
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
@@ -50,17 +48,7 @@ async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
     async with channel(target, "scheduler") as ch:
         for attempt in range(60):
             try:
-                r = await pb_grpc.CellControlStub(ch).JoinBatch(
-                    pb.JoinBatchRequest(
-                        fence=cpb.Fence(epoch=epoch),
-                        batch_id=batch,
-                        policy_version=version,
-                        prefix_size=1,
-                        core_target=target,
-                    ),
-                    timeout=60,
-                )
-                return r.joined
+                return await join_batch(ch, epoch, batch, version, 1, target)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == 59:
                     raise

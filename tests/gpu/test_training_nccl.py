@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 
 import grpc
@@ -18,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.support.fake_packer import synthetic_batch
+from gyre.etcd.server import free_port
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups
@@ -31,12 +31,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record(name: str, figures: dict) -> None:
@@ -122,7 +116,7 @@ def test_nccl_prefix_groups_reduce_and_broadcast():
     world = min(torch.cuda.device_count(), 4)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_nccl_rank, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
@@ -162,7 +156,7 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
                 "world_size": 2,
                 "device": "auto",
                 "dist_backend": "auto",
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "packer_target": packer.target,
                 "claim_wait_s": 0.2,
             }

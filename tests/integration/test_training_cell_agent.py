@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import yaml
 from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
+from gyre.etcd.server import free_port
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
@@ -28,12 +28,6 @@ from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
@@ -61,7 +55,7 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
                 "dtype": "float64",
                 "lr": LR,
                 "world_size": 2,
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "packer_target": packer.target,
                 "claim_wait_s": 0.2,
             },

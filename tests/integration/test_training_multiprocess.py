@@ -17,10 +17,9 @@ import yaml
 
 from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker, synthetic_batch
+from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import cell_agent_pb2 as pb
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
-from gyre.v1 import common_pb2 as cpb
+from gyre.etcd.server import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
@@ -31,14 +30,6 @@ pytestmark = pytest.mark.timeout(240)
 
 LR = 5e-3
 MICRO = 6
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +52,7 @@ def _reference(model_dir, batches):
 
 async def _join(epoch: int, target: str, batch: int, version: int, prefix: int, core: str) -> bool:
     async with channel(target, "scheduler") as ch:
-        r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=epoch),
-                batch_id=batch,
-                policy_version=version,
-                prefix_size=prefix,
-                core_target=core,
-            ),
-            timeout=60,
-        )
-    return r.joined
+        return await join_batch(ch, epoch, batch, version, prefix, core)
 
 
 async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_dir, tmp_path):
@@ -90,7 +71,7 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
                 "lr": LR,
                 "max_grad_norm": 1.0,
                 "world_size": 3,
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "dist_timeout_s": 120,
                 "packer_target": packer.target,
                 "claim_wait_s": 0.2,
