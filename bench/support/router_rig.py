@@ -14,7 +14,7 @@ import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from services.router.routes import token_sha256
+from gyre.etcd.values import Route, token_sha256
 
 
 def build_tokenizer_dir(path: Path) -> Path:
@@ -60,16 +60,8 @@ async def put_route(
     group_id: str = "g1",
 ) -> int:
     """Writes the route as the scheduler does; returns the route epoch (the key's version)."""
-    value = {
-        "execution_id": execution_id,
-        "cell_id": cell_id,
-        "target": target,
-        "token_sha256": token_sha256(token),
-        "group_id": group_id,
-        "burst_id": 1,
-        "policy_version": policy_version,
-    }
-    await etcd.put(keys.route(execution_id), json.dumps(value).encode())
+    route = Route(execution_id, cell_id, target, token_sha256(token), group_id, 1, policy_version)
+    await etcd.put(keys.route(execution_id), route.to_json())
     kv = await etcd.get(keys.route(execution_id))
     assert kv is not None
     return kv.version

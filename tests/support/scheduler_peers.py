@@ -25,6 +25,7 @@ from bench.support.loopback import Registrar, serve_loopback
 from gyre.errors import GyreError, StaleEpoch
 from gyre.etcd import Etcd, Keys, Op
 from gyre.etcd.client import create_revision_is
+from gyre.etcd.values import CellKind, CellRecord
 from gyre.fencing import FenceGuard
 from gyre.grpcx.errors import rpc
 from gyre.identity import Role
@@ -81,16 +82,16 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         return self
 
     async def _register(self) -> None:
-        body = {
-            "cell_id": self.cell_id,
-            "kind": self.kind,
-            "index": self.index,
-            "slots": self.slots,
-            "target": self.target,
-            "engine": "mock",
-            "policy_version": self.policy_version,
-        }
-        await self.etcd.put(self.keys.cell(self.cell_id), json.dumps(body).encode(), lease=self.lease)
+        record = CellRecord(
+            self.cell_id,
+            CellKind.from_name(self.kind),
+            self.index,
+            self.slots,
+            self.target,
+            "mock",
+            self.policy_version,
+        )
+        await self.etcd.put(self.keys.cell(self.cell_id), record.to_json(), lease=self.lease)
 
     async def _keepalive(self) -> None:
         while True:

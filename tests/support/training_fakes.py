@@ -1,5 +1,5 @@
 """In-process fakes of the training controller's ports (a packer source, membership,
-collectives, publisher) for unit tests; the synthetic packer itself lives in
+collectives, publisher) for unit tests; the fake packer itself lives in
 ``bench.support.fake_packer``."""
 
 from __future__ import annotations
