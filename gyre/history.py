@@ -2,9 +2,10 @@
 
 Every service config has ``history_file`` (gyre/config.py); empty turns the history off.
 Each line is ``{"op": ..., "t": unix seconds, "epoch": fencing epoch, ...fields}``, plus
-``"svc"`` when the writer names its service (the scheduler's lines have none). Several
-processes (a restarted one, a successor leader) may append to the same file: a line is one
-``write`` of less than a pipe buffer to a file opened for append. ``python -m apps.checker``
+``"svc"`` when the writer names its service (the scheduler's lines have none) and the
+writer's tags (a cell agent's ``"cell"``). Several processes (a restarted one, a successor
+leader, every cell) may append to the same file: a line is one ``write`` of less than a
+pipe buffer to a file opened for append. ``python -m apps.checker``
 reads and verifies merged histories.
 """
 
@@ -20,9 +21,9 @@ from typing import Any, TextIO
 class History:
     """Appends operations to a JSONL file (line-buffered; a no-op without a path)."""
 
-    def __init__(self, path: str = "", svc: str = "") -> None:
+    def __init__(self, path: str = "", svc: str = "", **tags: Any) -> None:
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
-        self._svc = {"svc": svc} if svc else {}
+        self._svc = {"svc": svc, **tags} if svc else dict(tags)
         if self._file is not None and svc:
             self.append("start", 0, pid=os.getpid())
 

@@ -460,7 +460,8 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
             lines.append(
                 f"Update times at 1/{r.time_scale:g} (s): emulated {emu}; simulated {sim}. "
                 f"Replay: {r.replay.get('finished', 0)} executions finished, "
-                f"{r.replay.get('failed', 0)} failed, {r.replay.get('turns', 0)} turns, "
+                f"{r.replay.get('failed', 0)} failed, {r.replay.get('cancelled', 0)} cancelled by the "
+                f"scheduler's staleness rule, {r.replay.get('turns', 0)} turns, "
                 f"{r.replay.get('reroutes', 0)} calls continued on another engine (reroutes and "
                 f"migrations as the harnesses saw them); the simulator rerouted or migrated "
                 f"{r.simulated_reroutes} executions."

@@ -61,6 +61,9 @@ class ReplayStats:
     started: int = 0
     finished: int = 0
     failed: int = 0
+    cancelled: int = 0
+    """Executions the scheduler cancelled under the driver (the cancel-early rule: their
+    group could no longer be trained within the staleness bound). By design, not a loss."""
     turns: int = 0
     generated_tokens: int = 0
     reroutes: int = 0
@@ -136,19 +139,28 @@ class ReplayDriver:
             ep = self.episode_for(handle.task_id, handle.group_id, handle.policy_version)
             self.stats.started += 1
             async with handle:
-                ok = await self._play(handle.execution_id, handle.token, ep)
+                error = await self._play(handle.execution_id, handle.token, ep)
                 try:
                     await handle.finish(
-                        reward=float(ep.member % 2) + 0.01 * ep.task, status="completed" if ok else "failed"
+                        reward=float(ep.member % 2) + 0.01 * ep.task,
+                        status="failed" if error else "completed",
                     )
-                    if ok:
-                        self.stats.finished += 1
-                    else:
-                        self.stats.failed += 1
                 except GyreError as exc:
                     self._error(f"finish: {exc}")
+                    continue
+                if handle.cancelled_by_scheduler:
+                    # A model call refused because its execution was cancelled is the cancel
+                    # rule working, not a failure of the run.
+                    self.stats.cancelled += 1
+                    log.info("replay: %s cancelled by the scheduler", handle.execution_id)
+                elif error:
+                    self.stats.failed += 1
+                    self._error(error)
+                else:
+                    self.stats.finished += 1
 
-    async def _play(self, execution_id: str, token: str, ep: Episode) -> bool:
+    async def _play(self, execution_id: str, token: str, ep: Episode) -> str:
+        """Plays one episode; returns "" when every turn completed, else what failed."""
         scale = 1.0 / self.time_scale
         await self._sleep(ep.sandbox_s * scale)
         context: list[int] = []
@@ -172,8 +184,7 @@ class ReplayDriver:
                     out.extend(resp.chunk.token_ids)
                     moved = max(moved, resp.reroutes)
             except grpc.aio.AioRpcError as err:
-                self._error(f"generate {execution_id} turn {k}: {err.code().name} {err.details()}")
-                return False
+                return f"generate {execution_id} turn {k}: {err.code().name} {err.details()}"
             self.stats.turns += 1
             self.stats.reroutes += moved
             self.stats.generated_tokens += len(out)
@@ -181,7 +192,7 @@ class ReplayDriver:
             if ep.tool_s[k] > 0:
                 await self._sleep(ep.tool_s[k] * scale)
         await self._sleep(ep.reward_s * scale)
-        return True
+        return ""
 
     def _error(self, msg: str) -> None:
         log.warning("replay: %s", msg)

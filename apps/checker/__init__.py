@@ -11,6 +11,10 @@ merges them, and verifies the promises of RELIABILITY.md:
   in the committed attempt (none lost); every claim of a batch on the batch's one policy
   version (no mixed weight versions); no micro-step claimed again after its acknowledgement
   without its batch reopened (an ack lost); no micro-step acknowledged twice in one attempt;
+- cells (apps/checker/cells.py): role changes follow the lifecycle and a deposed leader's
+  epoch; a cell never serves two versions at once nor goes back; every micro-step trains
+  on its batch's version, none is acknowledged twice in one attempt, a batch is stepped at
+  most once; what a cell saw acknowledged is in the packer's history;
 - router (services/router/turns.py): no turn record dropped (a full buffer loses training
   data); turns recorded and refused are counted;
 - across scheduler and packer, with ``complete`` (the run ended quiet): every execution the scheduler closed
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apps.checker.cells import check_cells
 from gyre.history import read
 from services.scheduler import history as scheduler_history
 
@@ -231,13 +236,19 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> Verdict:
         verdict.counts |= counts
     if complete and sched and packer:
         verdict.violations += check_cross(sched, packer)
+    cells = by_svc.get("cell", [])
+    if cells:
+        acks = [(str(op["ms"]), str(op.get("cell", ""))) for op in packer if op.get("op") == "ack"]
+        bad, counts = check_cells(cells, acks if packer else None)
+        verdict.violations += bad
+        verdict.counts |= counts
     router = by_svc.get("router", [])
     if router:
         bad, counts = check_router(router)
         verdict.violations += bad
         verdict.counts |= counts
     for svc, svc_ops in by_svc.items():
-        if svc not in ("scheduler", "packer", "router"):
+        if svc not in ("scheduler", "packer", "router", "cell"):
             verdict.counts[f"{svc}_ops"] = len(svc_ops)
     return verdict
 

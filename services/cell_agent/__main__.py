@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import logging
 
+from gyre.history import History
 from gyre.runtime import Runtime, Services, main
 from gyre.telemetry import cell_id_var
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
@@ -64,6 +65,7 @@ class _App:
             engine=cfg.engine,
         )
         store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease)
+        history = History(cfg.history_file, svc="cell", cell=cfg.cell_id)
         cell = Cell(
             identity,
             build_engine(cfg),
@@ -72,8 +74,9 @@ class _App:
             probe_interval_s=cfg.probe_interval_s,
             probe_timeout_s=cfg.probe_timeout_s,
             snapshot_timeout_s=cfg.snapshot_timeout_s,
+            history=history,
         )
-        cell.hook = build_hook(rt, cfg)
+        cell.hook = build_hook(rt, cfg, history)
         self.cell = cell
         # One incarnation at a time: end what a previous agent of this cell left running,
         # and make the engine processes started from here on die with this agent.
@@ -87,6 +90,7 @@ class _App:
         async def close() -> None:
             await cell.close()
             incarnation.end()
+            history.close()
 
         rt.supervisor.on_flush(close)
         rt.supervisor.spawn("engine-monitor", cell.run())

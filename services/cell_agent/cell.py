@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, Unavailable
 from gyre.etcd.values import CellRecord
+from gyre.history import History
 from services.cell_agent.engines.base import Chunk, Engine, EngineDead, KvHandle, Sampling
 from services.cell_agent.hooks import JoinBatch, NoopTrainingHook, SnapshotPuller, TrainingHook, default_pull
 from services.cell_agent.lifecycle import ENGINE_UP, SERVING, CellKind, CellState, Lifecycle, Transition
@@ -80,8 +81,11 @@ class Cell:
         probe_interval_s: float = 2.0,
         probe_timeout_s: float = 10.0,
         snapshot_timeout_s: float = 120.0,
+        history: History | None = None,
     ) -> None:
         self.identity = identity
+        self.history = history or History()
+        """Role changes and weight loads, written once persisted (``apps.checker``)."""
         self.engine = engine
         self.store = store
         self.hook: TrainingHook = hook or NoopTrainingHook()
@@ -111,7 +115,13 @@ class Cell:
         t = self.lifecycle.check_unfenced(CellState.ROLLOUT, 0, "engine up")
         await self.store.write_state(t.target, 0, self._wall())
         self.lifecycle.commit(t)
+        self._record_state(t.source, t.target, 0)
         log.info("cell open", extra={"target": target, "state": t.target.name})
+
+    def _record_state(self, source: CellState, target: CellState, epoch: int, reason: str = "") -> None:
+        self.history.append(
+            "state", epoch, frm=source.name, to=target.name, v=self.engine.policy_version, reason=reason
+        )
 
     def registration(self) -> CellRecord:
         """The record at ``keys.cell(cell_id)``."""
@@ -197,6 +207,7 @@ class Cell:
                 await self.hook.on_leave_training()  # finishes the batch in progress
             await self.store.write_state(t.target, epoch, self._wall())
             self.lifecycle.commit(t)
+            self._record_state(t.source, t.target, epoch, reason)
             log.info(
                 "cell state",
                 extra={"from": t.source.name, "to": t.target.name, "epoch": epoch, "reason": reason},
@@ -252,7 +263,7 @@ class Cell:
             if self.state not in ENGINE_UP or self.engine.sleeping:
                 raise FailedPrecondition(f"cannot load weights while {self.state.name}")
             loop = asyncio.get_running_loop()
-            start = loop.time()
+            start, invoked, before = loop.time(), self._wall(), self.engine.policy_version
             weights = None
             if source_target:
                 try:
@@ -264,6 +275,7 @@ class Cell:
                     raise FailedPrecondition(f"{source_target} served version {got_version}, not {version}")
                 version = got_version
             await self.engine.load_weights(version, weights)
+            self.history.append("load", epoch, prev=before, v=self.engine.policy_version, t0=invoked)
             await self.store.register(self.registration())
             return self.engine.policy_version, loop.time() - start
 
@@ -314,7 +326,9 @@ class Cell:
     async def _go_failed(self, reason: str, epoch: int = 0) -> None:
         if self.state is CellState.FAILED:
             return
+        source = self.state
         self.lifecycle.fail(reason)
+        self._record_state(source, CellState.FAILED, epoch, reason)
         log.error("cell failed", extra={"reason": reason})
         if self.engine.dead is None:
             await self.engine.fail(EngineDead(f"cell failed: {reason}"))

@@ -41,7 +41,7 @@ from gyre.errors import (
 )
 from gyre.tokens import Chunk, FinishReason
 from services.router.engine import EngineClient, EngineRequest, KvHandle, Sampling
-from services.router.routes import Route, RouteTable
+from services.router.routes import Route, RouteTable, closed_error
 from services.router.stops import OutputText
 
 log = logging.getLogger(__name__)
@@ -298,10 +298,7 @@ class ModelCall:
 
     def _closed_error(self) -> FailedPrecondition:
         self._stats.closed_calls += 1
-        return FailedPrecondition(
-            f"execution {self.execution_id} was closed by the scheduler (finished, timed "
-            "out, or cancelled because its group can no longer be trained): this call ends"
-        )
+        return closed_error(self.execution_id)
 
     def _complete(self) -> bool:
         """True (and emits the final chunk) when the output is already complete."""

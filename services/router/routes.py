@@ -5,21 +5,36 @@ the etcd key's ``version`` (each fenced rewrite adds one). The table keeps the n
 it has seen per execution and never goes back to an older one, so a late watch event or a
 stale relist cannot undo a move. A harness is authorized by sha256(token) == the route's
 ``token_sha256``, until the route's ``expires_s`` (wall clock); closing the execution deletes
-the route, which revokes the token.
+the route, which revokes the token. The table remembers the last ``CLOSED_REMEMBERED`` closed
+executions by token digest, so their holder hears FAILED_PRECONDITION ("closed", HTTP 409: the
+same answer a call in flight gets when its execution closes) rather than UNAUTHENTICATED: a
+harness whose execution the scheduler cancelled between two turns can tell that from a bad token.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from gyre.errors import PermissionDenied, Unauthenticated
+from gyre.errors import FailedPrecondition, PermissionDenied, Unauthenticated
 from gyre.etcd.values import Route, token_sha256
 
 
 class ExpiredToken(Unauthenticated):
     """The token held its execution, but past its expiry."""
+
+
+CLOSED_REMEMBERED = 65_536
+"""How many closed executions the table remembers (token digest -> id; ~100 bytes each)."""
+
+
+def closed_error(execution_id: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"execution {execution_id} was closed by the scheduler (finished, timed out, or cancelled "
+        "because its group can no longer be trained)"
+    )
 
 
 def _newer(new: Route, old: Route) -> bool:
@@ -38,6 +53,7 @@ class RouteTable:
         self._wall = wall
         self._routes: dict[str, Route] = {}
         self._by_token: dict[str, str] = {}
+        self._closed: OrderedDict[str, str] = OrderedDict()  # token digest -> execution id
         self._listeners: list[RouteListener] = []
         self._remove_listeners: list[Callable[[str], None]] = []
 
@@ -64,6 +80,7 @@ class RouteTable:
             del self._by_token[old.token_sha256]
         self._routes[route.execution_id] = route
         self._by_token[route.token_sha256] = route.execution_id
+        self._closed.pop(route.token_sha256, None)
         for listener in self._listeners:
             listener(route)
         return True
@@ -75,6 +92,9 @@ class RouteTable:
             return
         if self._by_token.get(old.token_sha256) == execution_id:
             del self._by_token[old.token_sha256]
+        self._closed[old.token_sha256] = execution_id
+        if len(self._closed) > CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
         for listener in self._remove_listeners:
             listener(execution_id)
 
@@ -97,7 +117,8 @@ class RouteTable:
 
         With ``execution_id``: UNAUTHENTICATED when that execution has no route or the token
         names no execution; PERMISSION_DENIED when the token belongs to another execution.
-        Without: the token's own execution, or UNAUTHENTICATED.
+        Without: the token's own execution, or UNAUTHENTICATED. Either way FAILED_PRECONDITION
+        when the token held an execution that has closed (and is still remembered).
         """
         if not token:
             raise Unauthenticated("missing execution token")
@@ -105,10 +126,14 @@ class RouteTable:
         if execution_id is None:
             owner = self._by_token.get(digest)
             if owner is None or owner not in self._routes:
+                if digest in self._closed:
+                    raise closed_error(self._closed[digest])
                 raise Unauthenticated("unknown execution token")
             return self._unexpired(self._routes[owner])
         route = self._routes.get(execution_id)
         if route is None:
+            if self._closed.get(digest) == execution_id:
+                raise closed_error(execution_id)
             raise Unauthenticated(f"no live execution {execution_id!r}")
         if hmac.compare_digest(route.token_sha256, digest):
             return self._unexpired(route)

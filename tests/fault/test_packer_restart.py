@@ -158,6 +158,7 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
     )
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     claimer = None
+    keeper: asyncio.Task[None] | None = None
     try:
         async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             for g in range(2):
@@ -169,6 +170,9 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
                 packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=1.0), timeout=5
             )
             assert first.outcome == CLAIMED
+            # A real core keeps its claims alive while it trains; the claimer's start-up can
+            # outlast the claim TTL on a loaded machine (the core's claim expired too: 2).
+            keeper = asyncio.create_task(_keep_claims(stub, "core", every_s=0.2))
             claimer = subprocess.Popen(
                 [sys.executable, "-c", CLAIMER, proc.target],
                 cwd=ROOT,
@@ -176,10 +180,10 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
                 text=True,
                 start_new_session=True,
             )
-            doomed_id = claimer.stdout.readline().strip()
+            doomed_id = (await asyncio.to_thread(claimer.stdout.readline)).strip()  # the loop keeps claims
             assert doomed_id and doomed_id != first.micro_step.micro_step_id
             claimer.send_signal(signal.SIGKILL)
-            claimer.wait()
+            await asyncio.to_thread(claimer.wait)
             trained = {first.micro_step.micro_step_id}
             await stub.AckMicroStep(
                 packer_pb2.AckMicroStepRequest(
@@ -189,7 +193,6 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
             )
             killed = time.monotonic()
             while True:
-                await stub.KeepClaims(packer_pb2.KeepClaimsRequest(cell_id="core"), timeout=5)
                 r = await stub.ClaimMicroStep(
                     packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=0.5), timeout=5
                 )
@@ -211,9 +214,19 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
             assert status.counters.claims_expired == 1
             assert status.counters.consumed == status.counters.produced == 4
     finally:
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
         if claimer is not None and claimer.poll() is None:
             claimer.kill()
         proc.kill()
+
+
+async def _keep_claims(stub, cell_id: str, every_s: float) -> None:
+    """What a training cell does while it holds claims: keeps them alive."""
+    while True:
+        await stub.KeepClaims(packer_pb2.KeepClaimsRequest(cell_id=cell_id), timeout=5)
+        await asyncio.sleep(every_s)
 
 
 async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(

@@ -543,16 +543,20 @@ async def test_harness_credentials_ownership_and_limits(cluster):
             metadata=md,
             timeout=5,
         )
-        await asyncio.sleep(0.5)  # the route deletion reaches the router's watch
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                f"{cluster.router_url}/chat/completions",
-                headers={"Authorization": f"Bearer {a.token}"},
-                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-            ) as resp,
-        ):
-            assert resp.status == 401
+        # Once the route deletion reaches the router's watch, the token is refused: 409 (its
+        # execution closed) to its holder, never a completion.
+        async with aiohttp.ClientSession() as http:
+            for _ in range(100):
+                async with http.post(
+                    f"{cluster.router_url}/chat/completions",
+                    headers={"Authorization": f"Bearer {a.token}"},
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                ) as resp:
+                    status, text = resp.status, await resp.text()
+                if status != 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert status == 409 and "closed" in text, (status, text)
 
         # Limits: harness-b may hold 2 executions; its acquire rate is 0.5/s after a burst of 4.
         await _acquire(stub_b, md_b)

@@ -3,7 +3,9 @@ tiny model) with training enabled rendezvous over gloo at start-up; after the fe
 ROLLOUT -> DRAINING -> TRAINING moves, JoinBatch on the core and then on the satellite
 (which pulls the core's snapshot over gRPC mid-batch) produce the batch's one step, equal
 to one cell's; the core announces version 1 in etcd; after RETURNING both cells LoadPolicy
-version 1 from the core's WeightSnapshots (the same port) and serve it in ROLLOUT."""
+version 1 from the core's WeightSnapshots (the same port) and serve it in ROLLOUT. The
+cells' history (role changes, loads, micro-steps trained and acknowledged, the step)
+checks clean."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from apps.checker import check_files
 from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
@@ -51,6 +54,7 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
             "mock": {"fixed_decode_step_s": 0.002},
             "probe_interval_s": 1.0,
             "drain_wait_s": 1.0,
+            "history_file": str(tmp_path / "cells.jsonl"),
             "training": {
                 "dtype": "float64",
                 "lr": LR,
@@ -129,6 +133,12 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
             assert reg["policy_version"] == 1
         for c in chans:
             await c.close()
+        # Both cells' part of the history (one file): it checks clean and shows the run.
+        verdict = check_files([tmp_path / "cells.jsonl"])
+        assert verdict.ok, verdict.violations
+        c = verdict.counts
+        assert (c["cell_starts"], c["cell_loads"], c["optimizer_steps"]) == (2, 2, 1)
+        assert c["cell_role_changes"] == 10 and c["micro_steps_trained"] == len(steps)
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)

@@ -94,9 +94,20 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         await self.etcd.put(self.keys.cell(self.cell_id), record.to_json(), lease=self.lease)
 
     async def _keepalive(self) -> None:
+        """Refreshes the lease; a lease that lapsed (this loop was held up longer than its
+        TTL) is replaced by a new session with the registration and state put again, as
+        the real agent does after an etcd outage."""
         while True:
             await asyncio.sleep(1.0)
-            await self.etcd.refresh(self.lease)
+            try:
+                if await self.etcd.refresh(self.lease) > 0:
+                    continue
+                self.lease = await self.etcd.grant(5)
+                await self._register()
+                await self.etcd.put(self.keys.cell_state(self.cell_id), self._state_json(0), lease=self.lease)
+                log.warning("fake cell %s: lease lapsed; registered again", self.cell_id)
+            except GyreError as exc:  # etcd away (a test pausing it): try again next round
+                log.info("fake cell %s: keepalive failed: %s", self.cell_id, exc)
 
     def _state_json(self, epoch: int) -> bytes:
         return json.dumps({"state": self.state, "epoch": epoch, "updated_s": time.time()}).encode()

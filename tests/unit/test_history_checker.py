@@ -205,3 +205,86 @@ async def test_a_real_packers_history_checks_clean(tmp_path: Path):
     # The same history with the second attempt's last ack dropped: a micro-step lost.
     last_ack = max(i for i, op in enumerate(ops) if op["op"] == "ack")
     assert not check(ops[:last_ack] + ops[last_ack + 1 :]).ok
+
+
+def _c(op: str, t: float, cell: str = "e0", **f: Any) -> dict[str, Any]:
+    return {"op": op, "t": t, "epoch": f.pop("epoch", 0), "svc": "cell", "cell": cell, **f}
+
+
+def cells_good() -> list[dict[str, Any]]:
+    """Two elastic cells through rollout, one batch (core e0 + satellite e1, a reopened
+    attempt after a broken collective), and back to rollout on the new version."""
+    ops = [_c("start", 0, pid=1), _c("start", 0, "e1", pid=2)]
+    for cell in ("e0", "e1"):
+        ops += [
+            _c("state", 1, cell, frm="STARTING", to="ROLLOUT", v=0),
+            _c("state", 2, cell, frm="ROLLOUT", to="DRAINING", v=0, epoch=5),
+            _c("state", 3, cell, frm="DRAINING", to="TRAINING", v=0, epoch=5),
+        ]
+    ops += [
+        _c("join", 4, b=1, v=0, index=0),
+        _c("join", 4.1, "e1", b=1, v=0, index=1),
+        _c("train", 5, b=1, ms="m0", v=0),
+        _c("ack", 5.1, b=1, ms="m0", claimed=4.5),
+        _c("join", 6, b=1, v=0, index=0),  # a second attempt: m0 is handed out again
+        _c("ack", 6.05, "e1", b=1, ms="m1", claimed=5.5),  # claimed before it: the old attempt
+        _c("train", 7, "e1", b=1, ms="m0", v=0),
+        _c("ack", 7.1, "e1", b=1, ms="m0", claimed=6.5),
+        _c("train", 7.2, b=1, ms="m1", v=0),
+        _c("ack", 7.3, b=1, ms="m1", claimed=6.6),
+        _c("step", 8, b=1, v=0, new_v=1, applied=True),
+        _c("commit", 8.1, b=1),
+        _c("publish", 8.2, b=1, v=1),
+    ]
+    for cell in ("e0", "e1"):
+        ops += [
+            _c("state", 9, cell, frm="TRAINING", to="RETURNING", v=0, epoch=6),
+            _c("load", 10, cell, prev=0, v=1, t0=9.5, epoch=6),
+            _c("state", 11, cell, frm="RETURNING", to="ROLLOUT", v=1, epoch=6),
+        ]
+    return ops
+
+
+def test_a_good_cell_history_passes_with_counts():
+    v = check(cells_good())
+    assert v.ok, v.violations
+    assert v.counts["optimizer_steps"] == 1 and v.counts["micro_steps_trained"] == 3
+    assert v.counts["cell_loads"] == 2 and v.counts["cell_role_changes"] == 10
+
+
+CELL_BAD = {
+    "not in the lifecycle table": lambda h: h + [_c("state", 12, frm="ROLLOUT", to="TRAINING", epoch=6)],
+    "while it was": lambda h: h + [_c("state", 12, frm="TRAINING", to="RETURNING", epoch=6)],
+    "a deposed leader": lambda h: h + [_c("state", 12, frm="ROLLOUT", to="DRAINING", epoch=5)],
+    "two versions at once": lambda h: h + [_c("load", 12, prev=1, v=2, t0=9.8, epoch=6)],
+    "went back": lambda h: h + [_c("load", 13, prev=1, v=0, t0=12, epoch=6)],
+    "mixed weight versions": lambda h: h + [_c("train", 7.5, "e1", b=1, ms="m2", v=1)],
+    "acknowledged twice in one attempt": lambda h: h + [_c("ack", 7.4, "e1", b=1, ms="m1", claimed=7)],
+    "stepped twice": lambda h: h + [_c("step", 8.5, b=1, v=0, new_v=2, applied=True)],
+    "stepped to v1 after v1": lambda h: h + [_c("step", 8.5, b=2, v=0, new_v=1, applied=True)],
+}
+
+
+@pytest.mark.parametrize("what", sorted(CELL_BAD))
+def test_each_cell_violation_is_detected(what: str):
+    v = check(CELL_BAD[what](cells_good()))
+    assert not v.ok
+    assert any(re.search(what, msg) for msg in v.violations), v.violations
+
+
+def test_a_restarted_cell_starts_a_new_incarnation():
+    h = cells_good() + [
+        _c("start", 12, pid=3),
+        _c("state", 13, frm="STARTING", to="ROLLOUT", v=0),  # back on v0, epoch floor gone
+        _c("load", 14, prev=0, v=1, t0=13.5, epoch=2),
+    ]
+    assert check(h).ok, check(h).violations
+
+
+def test_a_cell_ack_the_packer_never_recorded_is_lost():
+    packer = [_p("ack", ms=ms, cell=cell) for ms, cell in (("m0", "e0"), ("m1", "e1"), ("m0", "e1"))]
+    assert not check(cells_good() + packer).ok  # e0's ack of m1 is not there
+    packer.append(_p("ack", ms="m1", cell="e0"))
+    assert check(cells_good() + packer).ok, check(cells_good() + packer).violations
+    v = check(cells_good() + packer[1:])
+    assert any("acknowledged, then lost" in m for m in v.violations)

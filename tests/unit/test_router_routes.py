@@ -1,13 +1,13 @@
 """The route table authorizes exactly: an unknown token or execution is UNAUTHENTICATED, a
 token of another execution is PERMISSION_DENIED; a route never goes back to an older epoch
 (a late event cannot undo a move), a re-created route replaces the old incarnation, and a
-relist drops closed executions."""
+relist drops closed executions, whose own token then hears FAILED_PRECONDITION (closed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gyre.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from gyre.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
 from services.router.routes import Route, RouteTable, token_sha256
 
 
@@ -57,7 +57,7 @@ def test_relist_drops_closed_executions_and_their_tokens():
     t.apply(r("e2", "a", 1, "t2"))
     t.replace_all([r("e2", "b", 2, "t2")])
     assert t.get("e1") is None and removed == ["e1"]
-    with pytest.raises(Unauthenticated):
+    with pytest.raises(FailedPrecondition):  # its token no longer serves: the execution closed
         t.authorize("t1")
     assert t.get("e2").cell_id == "b"
 
@@ -82,3 +82,30 @@ def test_a_view_older_than_a_route_does_not_drop_it():
     assert t.get("fresh") is not None and t.get("old") is None
     t.replace_all([], as_of_revision=30)  # now the view has seen the key (and its deletion)
     assert t.get("fresh") is None
+
+
+def test_a_closed_execution_answers_closed_to_its_token_holder_only(monkeypatch):
+    """After its route is deleted, the execution's own token hears FAILED_PRECONDITION
+    (closed: HTTP 409), with or without the execution id; any other token still hears
+    UNAUTHENTICATED; the memory is bounded and a re-created route is served again."""
+    monkeypatch.setattr("services.router.routes.CLOSED_REMEMBERED", 2)
+    t = RouteTable()
+    for i in range(3):
+        t.apply(r(f"e{i}", "a", 1, f"tok{i}"))
+    t.remove("e0")
+    with pytest.raises(FailedPrecondition, match="e0 was closed"):
+        t.authorize("tok0", "e0")
+    with pytest.raises(FailedPrecondition, match="e0 was closed"):
+        t.authorize("tok0")
+    with pytest.raises(Unauthenticated):
+        t.authorize("tok1", "e0")  # another execution's token learns nothing about e0
+    with pytest.raises(Unauthenticated):
+        t.authorize("tok0", "e1")
+    t.remove("e1")
+    t.remove("e2")  # past the bound: e0 is forgotten
+    with pytest.raises(Unauthenticated):
+        t.authorize("tok0", "e0")
+    with pytest.raises(FailedPrecondition):
+        t.authorize("tok2", "e2")
+    t.apply(r("e2", "b", 1, "tok2", created=5))
+    assert t.authorize("tok2", "e2").cell_id == "b"

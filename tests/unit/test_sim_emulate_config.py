@@ -5,6 +5,9 @@ cost model, and the replay driver maps scheduler tasks to trace episodes determi
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 
 from services.cell_agent.config import CellAgentConfig
@@ -121,3 +124,68 @@ def test_emulation_section_keeps_the_generated_results(tmp_path) -> None:
     assert "A64 scaled again" in text and "+10.0%" in text
     assert text.index("<!-- END CLUSTER RESULTS -->") < text.index(EMULATE_BEGIN) < text.index("## Findings")
     assert "sim\n" in text and "kept" in text
+
+
+class _Refusing:
+    """A router whose every call is refused the way a cancelled execution's is."""
+
+    def Generate(self, req, metadata=None, timeout=None):  # noqa: N802 (the gRPC stub's name)
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"no live execution {req.execution_id!r}",
+        )
+
+
+class _Handle:
+    def __init__(self, closed_as: str) -> None:
+        self.execution_id, self.token, self.task_id, self.group_id = "e1", "t", "task-1", "g1"
+        self.policy_version, self._closed_as, self.reports = 0, closed_as, []
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def finish(self, reward: float = 0.0, status: str = "completed") -> None:
+        self.reports.append(status)
+
+    @property
+    def cancelled_by_scheduler(self) -> bool:
+        return self._closed_as == "CANCELLED"
+
+
+class _Client:
+    def __init__(self, handle: _Handle, stop: asyncio.Event) -> None:
+        self.handle, self.stop, self.last_retry_after_s = handle, stop, 0.0
+
+    async def acquire(self, wait_s: float):
+        if self.handle is None:
+            self.stop.set()
+            return None
+        handle, self.handle = self.handle, None
+        return handle
+
+
+@pytest.mark.parametrize(("closed_as", "failed", "cancelled"), [("CANCELLED", 0, 1), ("", 1, 0)])
+def test_driver_counts_a_scheduler_cancel_apart_from_a_failure(scaled, closed_as, failed, cancelled) -> None:
+    """An execution the scheduler cancels (the staleness rule) loses its route, so its next
+    model call is refused: the driver counts it as cancelled, not as a failure of the run
+    (the emulation test failed in CI when a cancel fell between two turns)."""
+    cfg, sc = scaled
+    d = ReplayDriver(
+        Trace(cfg.profiles[sc.profile], sc.seed, sc.drift), "s:1", "r:1", time_scale=1e6, workers=1
+    )
+    d._router = _Refusing()
+    handle = _Handle(closed_as)
+
+    async def play() -> None:
+        stop = asyncio.Event()
+        await d._worker(_Client(handle, stop), stop)
+
+    asyncio.run(play())
+    assert handle.reports == ["failed"]
+    assert (d.stats.failed, d.stats.cancelled, d.stats.finished) == (failed, cancelled, 0)
+    assert len(d.stats.errors) == failed

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def build_hook(rt: Any, cfg: Any) -> Any:
+def build_hook(rt: Any, cfg: Any, history: Any = None) -> Any:
     """See :func:`services.cell_agent.training.hook.build_hook`. A cell without a ``training``
     section gets the no-op hook here: the hook module imports torch (seconds on a loaded
     machine, on the event loop), so it is imported only for cells that may train."""
@@ -19,4 +19,4 @@ def build_hook(rt: Any, cfg: Any) -> Any:
         return NoopTrainingHook()
     from services.cell_agent.training.hook import build_hook as _build
 
-    return _build(rt, cfg)
+    return _build(rt, cfg, history)

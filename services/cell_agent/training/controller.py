@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, Unavailable
+from gyre.history import History
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.core import CoreOptimizer, failpoint
 from services.cell_agent.training.microstep import Claim, Outcome
@@ -105,10 +106,13 @@ class TrainingController:
         core: CoreOptimizer | None = None,
         params: ControllerParams | None = None,
         clock: Callable[[], float] = time.monotonic,
+        history: History | None = None,
     ) -> None:
         if (index == 0) != (core is not None):
             raise ValueError("the core (index 0) and only the core owns the optimizer")
         self.cell_id = cell_id
+        self.history = history or History()
+        """join, train, ack, step, commit, publish: this cell's part (``apps.checker``)."""
         self.index = index
         self.trainer = trainer
         self.snapshots = snapshots
@@ -127,6 +131,7 @@ class TrainingController:
         self._closed = False
         self._keep_every_s = self.params.keep_claims_every_s
         self._broken: str | None = None
+        self._claimed_at: dict[str, float] = {}
 
     @property
     def is_core(self) -> bool:
@@ -259,6 +264,7 @@ class TrainingController:
             task.add_done_callback(_log_failure)
             self._tasks[batch_id] = task
             self._current = task
+            self.history.append("join", 0, b=batch_id, v=version, index=self.index)
             log.info("joined batch", extra={"batch_id": batch_id, "version": version, "index": self.index})
             return True
 
@@ -350,6 +356,7 @@ class TrainingController:
         result = await asyncio.to_thread(self.core.step, batch_id, grad, out.total_tokens)
         self.trainer.close_window()
         out.new_version, out.applied = result.version, result.applied
+        self.history.append("step", 0, b=batch_id, v=version, new_v=result.version, applied=result.applied)
         failpoint("training.before_commit")
         await self._commit(batch_id)  # the step is durable: the micro-steps are trained for good
         # 5. Share: broadcast to the prefix, expose, publish.
@@ -367,6 +374,7 @@ class TrainingController:
         await asyncio.to_thread(self.snapshots.publish, result.version, self.trainer.state_dict())
         if self.publisher is not None and result.applied:
             await self.publisher.publish(result.version, batch_id)
+            self.history.append("publish", 0, b=batch_id, v=result.version)
         out.seconds = self.clock() - started
         self.outcomes[batch_id] = out
         log.info("batch stepped", extra=dataclasses.asdict(out))
@@ -447,11 +455,14 @@ class TrainingController:
                 if self.params.prefetch:  # overlap the next claim with this compute
                     pending = asyncio.create_task(self._claim(batch_id, version))
                 n = await asyncio.to_thread(self.trainer.accumulate, step, version)
+                self.history.append("train", 0, b=batch_id, ms=step.micro_step_id, v=version)
                 if out.local_micro_steps == 0:
                     out.first_micro_step_s = self.clock() - started
                 out.local_tokens += n
                 out.local_micro_steps += 1
                 await retrying(functools.partial(self.source.ack, batch_id, step.micro_step_id))
+                claimed = self._claimed_at.pop(step.micro_step_id, 0.0)
+                self.history.append("ack", 0, b=batch_id, ms=step.micro_step_id, claimed=claimed)
                 if pending is None:
                     pending = asyncio.create_task(self._claim(batch_id, version))
         finally:
@@ -462,11 +473,15 @@ class TrainingController:
 
     async def _claim(self, batch_id: int, version: int) -> Claim:
         key = uuid.uuid4().hex  # one key for every retry of this claim
-        return await retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s, key))
+        claim = await retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s, key))
+        if claim.micro_step is not None:  # when it was handed out (the history's attempt)
+            self._claimed_at[claim.micro_step.micro_step_id] = time.time()
+        return claim
 
     async def _commit(self, batch_id: int) -> None:
         try:
             await retrying(lambda: self.source.commit(batch_id))
+            self.history.append("commit", 0, b=batch_id)
         except (FailedPrecondition, NotFound) as exc:
             # A packer that forgot the batch (a new WAL) or never leased it: nothing to redeliver.
             log.warning(

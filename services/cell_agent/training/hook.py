@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from gyre.history import History
 from gyre.runtime import Runtime
 from services.cell_agent import snapshots
 from services.cell_agent.config import CellAgentConfig
@@ -60,10 +61,11 @@ def load_settings(cfg: CellAgentConfig) -> TrainingSettings:
     return settings
 
 
-def build_hook(rt: Runtime, cfg: CellAgentConfig) -> TrainingHook:
+def build_hook(rt: Runtime, cfg: CellAgentConfig, history: History | None = None) -> TrainingHook:
     """The cell agent's training hook: a real trainer for an elastic cell with a model, the
     cost-model trainer for ``mode: mock``, the no-op hook otherwise. Spawns the background
-    build under the runtime's supervisor."""
+    build under the runtime's supervisor. Both trainers write their part of the cell's
+    ``history`` (joins, micro-steps trained and acknowledged, steps, publications)."""
     if cfg.kind != "elastic" or cfg.index < 0:
         return NoopTrainingHook()
     if isinstance(cfg.training, MockTrainerSettings):  # the cost-model trainer of the emulated cluster
@@ -74,7 +76,7 @@ def build_hook(rt: Runtime, cfg: CellAgentConfig) -> TrainingHook:
         settings_mock = cfg.training
         if not settings_mock.initial_policy_version and cfg.policy_version:
             settings_mock = settings_mock.model_copy(update={"initial_policy_version": cfg.policy_version})
-        return build_mock_hook(rt, cfg, settings_mock)
+        return build_mock_hook(rt, cfg, settings_mock, history)
     settings = load_settings(cfg)
     if not settings.enabled:
         return NoopTrainingHook()
@@ -82,7 +84,13 @@ def build_hook(rt: Runtime, cfg: CellAgentConfig) -> TrainingHook:
         log.info("no model_dir: this cell does not train (no-op training hook)")
         return NoopTrainingHook()
     service = TrainingService(
-        settings, cell_id=cfg.cell_id, index=cfg.index, target=lambda: rt.target, etcd=rt.etcd, keys=rt.keys
+        settings,
+        cell_id=cfg.cell_id,
+        index=cfg.index,
+        target=lambda: rt.target,
+        etcd=rt.etcd,
+        keys=rt.keys,
+        history=history,
     )
     rt.supervisor.spawn("training", service.run())
     return CellTrainingHook(service)

@@ -30,6 +30,7 @@ import grpc
 
 from gyre.grpcx.channel import dial, unary
 from gyre.grpcx.tls import process_tls
+from gyre.history import History
 from gyre.identity import Role
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
@@ -77,10 +78,12 @@ class MockTrainingHook:
         publisher: Any = None,
         sleep: Callable[[float], Any] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        history: History | None = None,
     ) -> None:
         if index < 0:
             raise ValueError("only elastic cells (index >= 0) train")
         self.settings = settings
+        self.history = history or History()
         self.cell_id = cell_id
         self.index = index
         self._target = target
@@ -169,6 +172,7 @@ class MockTrainingHook:
             task.add_done_callback(_log_failure)
             self._tasks[batch_id] = task
             self._current = task
+            self.history.append("join", 0, b=batch_id, v=version, index=self.index)
             log.info("joined batch (mock trainer)", extra={"batch_id": batch_id, "version": version})
             return True
 
@@ -200,9 +204,11 @@ class MockTrainingHook:
         new = version + 1
         self.version = new
         self.last_batch_id = batch_id
+        self.history.append("step", 0, b=batch_id, v=version, new_v=new, applied=True)
         self._expose(new)
         if self._publisher is not None:
             await self._publisher.publish(new, batch_id)
+            self.history.append("publish", 0, b=batch_id, v=new)
         log.info("batch stepped (mock trainer)", extra={"batch_id": batch_id, "version": new})
 
     async def _consume(self, batch_id: int, version: int) -> None:
@@ -216,11 +222,14 @@ class MockTrainingHook:
                     return
                 if claim.outcome is Outcome.WAIT or claim.micro_step is None:
                     continue
+                ms, claimed = claim.micro_step.micro_step_id, time.time()
                 tokens = sequence_tokens(claim.micro_step, self.settings.segment_marker_id)
                 await self._sleep(self.settings.micro_step_s(tokens))
                 self.trained_tokens += tokens
                 self.micro_steps += 1
-                await retrying(functools.partial(self._source.ack, batch_id, claim.micro_step.micro_step_id))
+                self.history.append("train", 0, b=batch_id, ms=ms, v=version)
+                await retrying(functools.partial(self._source.ack, batch_id, ms))
+                self.history.append("ack", 0, b=batch_id, ms=ms, claimed=claimed)
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
@@ -231,8 +240,16 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         log.error("mock batch failed", extra={"task": task.get_name(), "error": repr(task.exception())})
 
 
-def build_mock_hook(rt: Any, cfg: Any, settings: MockTrainerSettings) -> MockTrainingHook:
+def build_mock_hook(
+    rt: Any, cfg: Any, settings: MockTrainerSettings, history: History | None = None
+) -> MockTrainingHook:
     """The mock trainer of an elastic cell."""
     return MockTrainingHook(
-        settings, cell_id=cfg.cell_id, index=cfg.index, target=lambda: rt.target, etcd=rt.etcd, keys=rt.keys
+        settings,
+        cell_id=cfg.cell_id,
+        index=cfg.index,
+        target=lambda: rt.target,
+        etcd=rt.etcd,
+        keys=rt.keys,
+        history=history,
     )

@@ -25,6 +25,7 @@ import torch
 from gyre.backoff import Backoff
 from gyre.errors import Unavailable
 from gyre.etcd import Etcd, Keys
+from gyre.history import History
 from services.cell_agent.snapshots import SnapshotStore, pull_snapshot
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.config import TrainingSettings
@@ -58,10 +59,12 @@ class TrainingService:
         target: str | Callable[[], str],
         etcd: Etcd | None = None,
         keys: Keys | None = None,
+        history: History | None = None,
     ) -> None:
         if index < 0:
             raise ValueError("only elastic cells (index >= 0) train")
         self.settings = settings
+        self.history = history
         self.cell_id = cell_id
         self.index = index
         self._target = target
@@ -166,6 +169,7 @@ class TrainingService:
             publisher=publisher,
             puller=functools.partial(_pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s),
             core=core,
+            history=self.history,
             params=ControllerParams(
                 claim_wait_s=s.claim_wait_s, join_wait_s=s.join_wait_s, collective_timeout_s=s.dist_timeout_s
             ),
