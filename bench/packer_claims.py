@@ -10,7 +10,9 @@ the same run on the same machine, and the ratio between them:
   (the ratios are the cost of durability: encoding, then fsync);
 - claims (in process): claim + ack pairs/s by 16 asyncio claimers on the real WAL, over
   ``--rounds`` batches;
-- claims (gRPC): claim + ack pairs/s by 16 claimers over 4 channels to a packer process,
+- claims (gRPC): claim + ack pairs/s by 16 claimers, one channel each, to a packer process
+  (one micro-step per call; several per claim, acks one by one or batched; and the
+  trainer's own client with its default ``claim_batch``),
   against plain GetBatch calls/s from the same 16 callers (the ratio is what a claim costs
   beyond a round trip);
 - ingest (gRPC): RecordTurn + ReportFinish tokens/s from 8 concurrent senders.
@@ -27,6 +29,7 @@ import random
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,9 @@ from bench.support.pki import BenchPki  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
+from services.cell_agent.training.config import TrainingSettings  # noqa: E402
+from services.cell_agent.training.microstep import Outcome  # noqa: E402
+from services.cell_agent.training.packer_client import PackerSource  # noqa: E402
 from services.packer.config import PackerConfig  # noqa: E402
 from services.packer.model import ClaimOutcome, ExecStatus, Finish, Turn  # noqa: E402
 from services.packer.packer import Packer  # noqa: E402
@@ -199,6 +205,23 @@ async def _claimer(
             calls[0] += 1
 
 
+async def _source_claimer(
+    source: PackerSource, batch: int, claim_n: int, claimed: list[str], calls: list[int]
+) -> None:
+    """The training controller's path: ``PackerSource.claim_many`` of ``claim_n`` (the
+    trainer's ``claim_batch``) and one ``ack_many`` per claimed group, until CLOSED."""
+    while True:
+        claims = await source.claim_many(batch, 0, 0.05, claim_n, uuid.uuid4().hex)
+        calls[0] += 1
+        if claims[0].outcome is Outcome.CLOSED:
+            return
+        ids = [c.micro_step.micro_step_id for c in claims if c.micro_step is not None]
+        claimed.extend(ids)
+        if ids:
+            await source.ack_many(batch, ids)
+            calls[0] += 1
+
+
 async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict[str, Any]:
     etcd = EtcdServer()
     etcd.start()
@@ -280,11 +303,14 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         claimed: list[str] = []
         ingest_elapsed = 0.0
         micro_steps = total_tokens = 0
+        trainer_n = TrainingSettings().claim_batch
         modes = {
             "one_by_one": (1, False),
             f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False),
             f"claim_{args.claim_batch}_ack_batched": (args.claim_batch, True),
+            f"trainer_client_claim_{trainer_n}": (trainer_n, None),  # PackerSource, as the trainer
         }
+        sources = [PackerSource("", f"cell{i}", channel=c) for i, c in enumerate(cells)]
         per_mode: dict[str, dict[str, Any]] = {}
         batch = 0
         for name, (claim_n, ack_batched) in modes.items():
@@ -297,12 +323,16 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                 ingest_elapsed += time.perf_counter() - start
                 got: list[str] = []
                 start = time.perf_counter()
-                await asyncio.gather(
-                    *(
+                if ack_batched is None:
+                    runs = [
+                        _source_claimer(sources[i], batch, claim_n, got, calls) for i in range(args.claimers)
+                    ]
+                else:
+                    runs = [
                         _claimer(stubs[i], f"cell{i}", batch, claim_n, ack_batched, got, calls)
                         for i in range(args.claimers)
-                    )
-                )
+                    ]
+                await asyncio.gather(*runs)
                 mode_elapsed += time.perf_counter() - start
                 status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=batch), timeout=10)
                 assert status.done, status
@@ -323,6 +353,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         assert len(claimed) == len(set(claimed)) == micro_steps
         one = per_mode["one_by_one"]
         best = per_mode[f"claim_{args.claim_batch}_ack_batched"]
+        trainer = per_mode[f"trainer_client_claim_{trainer_n}"]
         return {
             "baseline_getbatch_per_s": n_base / base_elapsed,
             "claims": one["claims"],
@@ -330,6 +361,9 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             "claim_vs_roundtrip": one["claim_vs_roundtrip"],
             "batched_claims_per_s": best["claims_per_s"],
             "batched_vs_roundtrip": best["claim_vs_roundtrip"],
+            "trainer_claim_batch": trainer_n,
+            "trainer_claims_per_s": trainer["claims_per_s"],
+            "trainer_vs_roundtrip": trainer["claim_vs_roundtrip"],
             "modes": per_mode,
             "ingest_tokens_per_s": tokens * batch / ingest_elapsed,
             "ingest_seconds": ingest_elapsed,
@@ -347,7 +381,9 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The output contract other tools read: claim + ack pairs/s over gRPC with the run's claimers
     (``claim_ack_per_s_16`` when there are 16 of them, as by default) with batched claims and
-    acks, and its baseline; ``one_by_one_per_s`` is the same with one micro-step per call."""
+    acks, and its baseline; ``one_by_one_per_s`` is the same with one micro-step per call;
+    ``trainer_client_per_s`` the trainer's own client (``PackerSource.claim_many`` /
+    ``ack_many`` with the trainer's default ``claim_batch``)."""
     grpc_ = result["grpc"]
     best = grpc_.get("batched_claims_per_s", grpc_["claims_per_s"])  # older runs: one by one only
     return {
@@ -356,6 +392,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "baseline_roundtrip_per_s": round(grpc_["baseline_getbatch_per_s"], 1),
         "ratio_vs_roundtrip": round(best / grpc_["baseline_getbatch_per_s"], 3),
         "one_by_one_per_s": round(grpc_["claims_per_s"], 1),
+        "trainer_client_per_s": round(grpc_["trainer_claims_per_s"], 1)
+        if "trainer_claims_per_s" in grpc_
+        else None,
     }
 
 

@@ -40,7 +40,18 @@ ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".gyre" / "podman"
 IMAGES = {"gyre": "gyre:0.1.0", "etcd": "gyre-etcd:0.1.0"}
 ONE_SHOTS = ("certs", "etcd-auth", "model")
-HEALTHY = ("etcd", "scheduler", "router", "packer", "cell-0", "cell-1", "cell-2", "rollout-0", "dashboard")
+HEALTHY = (
+    "etcd",
+    "scheduler",
+    "router",
+    "router-2",
+    "packer",
+    "cell-0",
+    "cell-1",
+    "cell-2",
+    "rollout-0",
+    "dashboard",
+)
 KILLED_CELL = "cell-2"
 PODMAN_CONF = (
     '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
@@ -277,6 +288,7 @@ def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[s
     """Up, healthy, kill a cell after the first burst, the harness finishes, the status checks."""
     env = engine.env
     env.setdefault("GYRE_ROUTER_HTTP_PORT", "")  # any free host port: no clash with a local stack
+    env.setdefault("GYRE_ROUTER2_HTTP_PORT", "")
     env.setdefault("GYRE_DASHBOARD_PORT", "")
     started = time.monotonic()
     compose(engine, project, "down", "-v", "--timeout", "5", capture=True, check=False)  # a clean start

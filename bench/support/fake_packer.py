@@ -216,6 +216,20 @@ class FakePacker(ppb_grpc.PackerServicer):
             self._cond.notify_all()
             return Claim(Outcome.CLAIMED, step, ttl_s=30.0)
 
+    def claim_many_sync(
+        self, cell_id: str, batch_id: int, version: int, wait_s: float, n: int
+    ) -> list[Claim]:
+        """Up to ``n`` claims, waiting only for the first (the packer's ClaimMicroSteps): one
+        CLAIMED claim per micro-step, or a single WAIT / CLOSED claim."""
+        first = self.claim_sync(cell_id, batch_id, version, wait_s)
+        claims = [first]
+        while first.outcome is Outcome.CLAIMED and len(claims) < n:
+            more = self.claim_sync(cell_id, batch_id, version, 0.0)
+            if more.outcome is not Outcome.CLAIMED:
+                break
+            claims.append(more)
+        return claims
+
     def ack_sync(self, batch_id: int, micro_step_id: str) -> None:
         with self._cond:
             self._batches[batch_id].acked.add(micro_step_id)
@@ -282,6 +296,36 @@ class FakePacker(ppb_grpc.PackerServicer):
             micro_step=c.micro_step.to_proto() if c.micro_step else None,
             claim_ttl_s=c.ttl_s,
         )
+
+    @rpc
+    async def ClaimMicroSteps(
+        self, request: ppb.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.ClaimMicroStepsResponse:  # noqa: N802
+        if not 0 <= request.wait_s <= 30:
+            raise InvalidArgument("wait_s out of range")
+        if not 1 <= request.max_micro_steps <= 64:
+            raise InvalidArgument("max_micro_steps out of range")
+        claims = await asyncio.to_thread(
+            self.claim_many_sync,
+            request.cell_id,
+            request.batch_id,
+            request.policy_version,
+            request.wait_s,
+            request.max_micro_steps,
+        )
+        return ppb.ClaimMicroStepsResponse(
+            outcome=claims[0].outcome.to_proto(),
+            micro_steps=[c.micro_step.to_proto() for c in claims if c.micro_step],
+            claim_ttl_s=claims[0].ttl_s,
+        )
+
+    @rpc
+    async def AckMicroSteps(
+        self, request: ppb.AckMicroStepsRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.AckMicroStepsResponse:  # noqa: N802
+        for m in request.micro_step_ids:
+            self.ack_sync(request.batch_id, m)
+        return ppb.AckMicroStepsResponse(duplicate=[False] * len(request.micro_step_ids))
 
     @rpc
     async def AckMicroStep(

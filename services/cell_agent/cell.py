@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, Unavailable
 from gyre.etcd.values import CellRecord
+from gyre.failpoints import failpoint
 from gyre.history import History
 from services.cell_agent.engines.base import Chunk, Engine, EngineDead, KvHandle, Sampling
 from services.cell_agent.hooks import JoinBatch, NoopTrainingHook, SnapshotPuller, TrainingHook, default_pull
@@ -206,6 +207,7 @@ class Cell:
                 await self.store.verify_leader(epoch)
                 await self.hook.on_leave_training()  # finishes the batch in progress
             await self.store.write_state(t.target, epoch, self._wall())
+            failpoint(f"cell.state.{t.target.name.lower()}")  # in etcd, not yet acted on
             self.lifecycle.commit(t)
             self._record_state(t.source, t.target, epoch, reason)
             log.info(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gyre.backoff import Backoff
 from gyre.etcd.election import verified_fence
 from gyre.history import History
 from gyre.runtime import Runtime, Services, main
@@ -57,12 +58,18 @@ async def build(rt: Runtime) -> Services:
 
 
 async def compactor(cfg: PackerConfig, wal: Wal, packer: Packer) -> None:
-    """A supervised task: compacts the WAL to a snapshot once it has grown enough."""
+    """A supervised task: compacts the WAL to a snapshot once it has grown enough (a disk
+    too full for the new log: the old one stays, and the next try waits longer)."""
+    backoff = Backoff(max(cfg.wal_compact_check_s, 0.5), 30.0)
     while True:
         await asyncio.sleep(cfg.wal_compact_check_s)
         if wal.bytes_since_compact >= cfg.wal_compact_bytes:
             size = await wal.compact(lambda: compacted(packer.state))
-            log.info("packer WAL compacted", extra={"bytes": size})
+            if size:
+                log.info("packer WAL compacted", extra={"bytes": size})
+                backoff.reset()
+            else:
+                await backoff.sleep()
 
 
 if __name__ == "__main__":

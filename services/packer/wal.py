@@ -24,21 +24,27 @@ no longer apply without the lost ones are set aside at replay (``Packer.recover`
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre.backoff import Backoff
 from gyre.errors import FatalError
+from gyre.failpoints import failpoint
 
 log = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 WAL_NAME = "packer.wal"
+DISK_FULL_RETRY_S = 1.0
+"""How often a write blocked by a full disk is tried again, at most."""
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class EventLog(Protocol):
@@ -87,6 +93,8 @@ class Wal:
         self.bytes_since_compact = 0
         self.flushes = 0
         self.compactions = 0
+        self.disk_full_pauses = 0
+        """Times a write found the disk full and waited for space."""
         self.quarantined: list[int] = []  # line numbers moved aside by the last open()
 
     def open(self) -> list[Event]:
@@ -174,7 +182,7 @@ class Wal:
             if self._failed is not None:
                 raise FatalError(f"packer WAL failed: {self._failed!r}")
             if self._flush_task is None:
-                self._flush_task = asyncio.create_task(self._guarded(self._flush), name="packer.wal.flush")
+                self._flush_task = asyncio.create_task(self._flush(), name="packer.wal.flush")
             # One waiter's cancellation must not cancel the flush the others wait on.
             await asyncio.shield(self._flush_task)
 
@@ -194,25 +202,53 @@ class Wal:
 
         async def _compact() -> None:
             nonlocal size
-            upto = self._appended
-            events = make_events()  # a detached copy, taken atomically on the loop
-            self._buf = []
-            data = await asyncio.to_thread(lambda: "".join(encode(ev) for ev in events).encode())
-            size = len(data)
-            await asyncio.to_thread(self._rewrite, data)
-            self._durable = max(self._durable, upto)
-            self.bytes_since_compact = 0
-            self.compactions += 1
+            queued: list[str] = []
+            try:
+                upto = self._appended
+                events = make_events()  # a detached copy, taken atomically on the loop
+                queued, self._buf = self._buf, []
+                data = await asyncio.to_thread(lambda: "".join(encode(ev) for ev in events).encode())
+                size = len(data)
+                await asyncio.to_thread(self._rewrite, data)
+                self._durable = max(self._durable, upto)
+                self.bytes_since_compact = 0
+                self.compactions += 1
+            except asyncio.CancelledError:
+                raise  # the loop is going away; not a write failure
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:
+                    self._failed = exc
+                    self._failed_event.set()
+                    raise
+                # No room for the new log beside the old one, which is intact: keep it (and
+                # what was queued for it); the next check tries again.
+                self._buf = queued + self._buf
+                self.tmp_path().unlink(missing_ok=True)
+                log.error("no space to compact the WAL; keeping the log", extra={"wal": str(self.path)})
+                size = 0
+            except BaseException as exc:
+                self._failed = exc
+                self._failed_event.set()
+                raise
+            finally:
+                self._flush_task = None
 
-        self._flush_task = asyncio.create_task(self._guarded(_compact), name="packer.wal.compact")
+        self._flush_task = asyncio.create_task(_compact(), name="packer.wal.compact")
         await asyncio.shield(self._flush_task)
         return size
 
+    def tmp_path(self) -> Path:
+        """Where a compaction writes the new log before it replaces the old one."""
+        return self.path.with_name(WAL_NAME + ".compact")
+
     def _rewrite(self, data: bytes) -> None:
-        tmp = self.path.with_name(WAL_NAME + ".compact")
+        tmp = self.tmp_path()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, data)
+            view = memoryview(data)
+            while view:
+                failpoint("packer.wal.compact")  # "=enospc": no room for the new log
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -222,13 +258,16 @@ class Wal:
         if old is not None:
             os.close(old)
 
-    async def _guarded(self, write: Callable[[], Awaitable[None]]) -> None:
-        """Runs ``write`` as the flush in flight: a failure (not a cancellation: the loop is
-        going away) fails the log for good."""
+    async def _flush(self) -> None:
         try:
-            await write()
+            lines, upto = self._buf, self._appended
+            self._buf = []
+            data = "".join(lines).encode()
+            if data:
+                await asyncio.to_thread(self._write, data)
+            self._durable = upto
         except asyncio.CancelledError:
-            raise
+            raise  # the loop is going away; not a write failure
         except BaseException as exc:
             self._failed = exc
             self._failed_event.set()
@@ -236,17 +275,36 @@ class Wal:
         finally:
             self._flush_task = None
 
-    async def _flush(self) -> None:
-        lines, upto = self._buf, self._appended
-        self._buf = []
-        data = "".join(lines).encode()
-        if data:
-            await asyncio.to_thread(self._write, data)
-        self._durable = upto
-
     def _write(self, data: bytes) -> None:
+        """Appends ``data`` (in the flush thread). A full disk pauses the log instead of
+        failing it: the write is retried, from the byte where it stopped, until space
+        returns, and the callers waiting on :meth:`sync` wait with it (a restart would only
+        replay the same log onto the same full disk). Any other error, and any fsync error
+        (the page cache's state is then unknown), fails the log."""
         assert self._fd is not None, "Wal.open() first"
-        _write_all(self._fd, data)
+        view = memoryview(data)
+        full_since = 0.0
+        backoff = Backoff(0.05, DISK_FULL_RETRY_S)
+        while view:
+            try:
+                failpoint("packer.wal.write")  # "=enospc": the disk under the WAL is full
+                n = os.write(self._fd, view)
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:
+                    raise
+                if not full_since:
+                    full_since = time.monotonic()
+                    self.disk_full_pauses += 1
+                    log.error(
+                        "the disk under the WAL is full; writes wait for space", extra={"wal": str(self.path)}
+                    )
+                time.sleep(backoff.next())
+                continue
+            view = view[n:]
+        if full_since:
+            log.warning(
+                "space under the WAL again; writes go on", extra={"paused_s": time.monotonic() - full_since}
+            )
         if self._fsync:
             os.fsync(self._fd)
         self.bytes_written += len(data)
@@ -286,10 +344,3 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """``data`` to ``fd``, however many writes it takes."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]

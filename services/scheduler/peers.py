@@ -7,7 +7,9 @@ that changes another service's state carries the leader's fence.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -28,6 +30,8 @@ from gyre.v1 import (
 )
 from services.scheduler.ledger import ExecState
 from services.scheduler.policy import CellState
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +219,8 @@ class GrpcPeers:
     async def move_executions(
         self, router_targets: Sequence[str], epoch: int, moves: Sequence[MoveOrder]
     ) -> int:
-        """Asks every router to move these executions; returns requests still at the sources."""
+        """Asks every router, concurrently, to move these executions; returns requests still
+        at the sources of the routers that answered. Raises only when no router answered."""
         req = router_pb2.MoveExecutionsRequest(
             fence=common_pb2.Fence(epoch=epoch),
             moves=[
@@ -228,12 +233,24 @@ class GrpcPeers:
                 for m in moves
             ],
         )
-        remaining = 0
-        for target in router_targets:
-            stub = router_pb2_grpc.RouterStub(self._channel(target, Role.ROUTER))
-            got = await unary(stub.MoveExecutions, req, self._command_timeout_s)
-            remaining += int(got.remaining_at_source)
-        return remaining
+        results = await asyncio.gather(
+            *(self._move_at(target, req) for target in router_targets), return_exceptions=True
+        )
+        failed = [
+            (t, r) for t, r in zip(router_targets, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failed and len(failed) == len(results):
+            raise failed[0][1]
+        for target, exc in failed:
+            # A router that is gone (its registration not lapsed yet) or slow must not keep
+            # the others from moving their calls; it follows the route keys in etcd anyway.
+            log.warning("MoveExecutions failed at one router", extra={"target": target, "error": repr(exc)})
+        return sum(r for r in results if isinstance(r, int))
+
+    async def _move_at(self, target: str, req: router_pb2.MoveExecutionsRequest) -> int:
+        stub = router_pb2_grpc.RouterStub(self._channel(target, Role.ROUTER))
+        got = await unary(stub.MoveExecutions, req, self._command_timeout_s)
+        return int(got.remaining_at_source)
 
     async def close(self) -> None:
         for ch in self._channels.values():

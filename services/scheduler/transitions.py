@@ -29,6 +29,7 @@ from typing import Any
 from gyre.backoff import Backoff
 from gyre.errors import Conflict, GyreError, InvalidArgument, StaleEpoch
 from gyre.etcd.values import Route
+from gyre.failpoints import failpoint
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import CellGone, Fleet
 from services.scheduler.history import History
@@ -156,10 +157,12 @@ class TransitionRunner:
                     cell_id, {"target": target.value, "reason": reason, "epoch": lead.epoch}
                 )
             )
+            failpoint("scheduler.transition.recorded")
             if target is CellState.TRAINING:
                 await self._to_training(cell_id)
             else:
                 await self._to_rollout(cell_id)
+            failpoint("scheduler.transition.done")  # every step taken, the record still there
             await lead.fenced(lead.store.delete_transition(cell_id))
         except StaleEpoch as exc:
             lead.mark_deposed(exc)
@@ -201,6 +204,7 @@ class TransitionRunner:
 
     async def _to_training(self, cell_id: str) -> None:
         await self._set_state(cell_id, CellState.DRAINING, "moving to training")
+        failpoint("scheduler.transition.draining")
         moved = await self.reroute(cell_id)
         if moved is None:
             await self._set_state(cell_id, CellState.ROLLOUT, "move called off")
@@ -270,6 +274,7 @@ class TransitionRunner:
                         to_cell=new.cell_id,
                         route_epoch=old.epoch + 1,
                     )
+            failpoint("scheduler.transition.rerouted")  # routes moved in etcd, routers not told
             self.reroutes += len(moves)
             self.telemetry.emit(
                 "reroute",

@@ -180,8 +180,11 @@ def test_healthchecks_probe_configured_ports() -> None:
             assert cluster[section]["advertise_host"] == advertise
     assert cluster["dashboard"]["scheduler_target"] == f"scheduler:{cluster['scheduler']['port']}"
     assert cluster["router"]["packer_target"] == f"packer:{cluster['packer']['port']}"
-    router_ports = {(p["target"], p.get("host_ip")) for p in services["router"]["ports"]}
-    assert (cluster["router"]["http_port"], "127.0.0.1") in router_ports
+    for router in ("router", "router-2"):  # several routers, each on its own host port
+        router_ports = {(p["target"], p.get("host_ip")) for p in services[router]["ports"]}
+        assert (cluster["router"]["http_port"], "127.0.0.1") in router_ports
+    assert services["router-2"]["environment"]["GYRE_ROUTER__ADVERTISE_HOST"] == "router-2"
+    assert services["router-2"]["command"] == services["router"]["command"]
 
 
 def test_dockerfile_targets_and_install() -> None:
@@ -261,6 +264,7 @@ def test_tls_is_on_by_default() -> None:
             assert svc["environment"]["GYRE_HEALTHCHECK_TLS_DIR"] == f"/certs/{cell}"
         test = (svc.get("healthcheck") or {}).get("test") or []
         if "gyre.grpcx.healthcheck" in test and "services.cell_agent" not in cmd:
-            assert test[test.index("--tls-dir") + 1] == f"/certs/{name}", name
+            who = "router" if name.startswith("router-") else name  # router replicas are all `router`
+            assert test[test.index("--tls-dir") + 1] == f"/certs/{who}", name
     assert services["harness"]["environment"]["GYRE_HARNESS_TLS_DIR"] == "/certs/harness"
     assert "insecure" not in COMPOSE_FILE.read_text() + CLUSTER.read_text()

@@ -263,6 +263,7 @@ def test_topology() -> None:
     deployments, statefulsets = by_kind("Deployment"), by_kind("StatefulSet")
     assert set(deployments) == {"scheduler", "router", "packer", "dashboard"}
     assert deployments["scheduler"]["spec"]["replicas"] == 2  # leader + standby
+    assert deployments["router"]["spec"]["replicas"] >= 2  # routers scale out behind one Service
 
     etcd = statefulsets["etcd"]
     assert etcd["spec"]["replicas"] == 3

@@ -220,7 +220,7 @@ async def test_a_failed_write_is_fatal(tmp_path):
     wal.open()
 
     def broken(data: bytes) -> None:
-        raise OSError(28, "No space left on device")
+        raise OSError(5, "Input/output error")  # not a full disk: that one waits (below)
 
     wal._write = broken  # type: ignore[method-assign]
     watch = asyncio.create_task(wal.watch())
@@ -231,3 +231,41 @@ async def test_a_failed_write_is_fatal(tmp_path):
         wal.append({"t": "policy", "v": 2})
     with pytest.raises(FatalError):
         await asyncio.wait_for(watch, 1)  # the supervised task ends the process
+
+
+async def test_a_full_disk_holds_writes_until_space_returns(tmp_path, monkeypatch):
+    import asyncio
+
+    from gyre.failpoints import FAILPOINT_ENV
+
+    wal = Wal(tmp_path)
+    wal.open()
+    monkeypatch.setenv(FAILPOINT_ENV, "packer.wal.write=enospc")
+    wal.append({"t": "policy", "v": 1})
+    syncing = asyncio.create_task(wal.sync())
+    while not wal.disk_full_pauses:
+        await asyncio.sleep(0.01)
+    assert not syncing.done()  # held, not failed
+    monkeypatch.delenv(FAILPOINT_ENV)
+    await asyncio.wait_for(syncing, 10)
+    wal.append({"t": "policy", "v": 2})
+    await wal.sync()
+    await wal.close()
+    assert Wal(tmp_path).open() == [{"t": "policy", "v": 1}, {"t": "policy", "v": 2}]
+
+
+async def test_a_compaction_with_no_room_keeps_the_log_and_what_was_queued(tmp_path, monkeypatch):
+    from gyre.failpoints import FAILPOINT_ENV
+
+    wal = Wal(tmp_path)
+    wal.open()
+    wal.append({"t": "policy", "v": 1})
+    await wal.sync()
+    wal.append({"t": "policy", "v": 2})  # queued, not flushed: a snapshot would hold it
+    monkeypatch.setenv(FAILPOINT_ENV, "packer.wal.compact=enospc")
+    assert await wal.compact(lambda: [{"t": "policy", "v": 2}]) == 0
+    assert wal.compactions == 0 and not wal.tmp_path().exists()
+    monkeypatch.delenv(FAILPOINT_ENV)
+    await wal.sync()
+    await wal.close()
+    assert Wal(tmp_path).open() == [{"t": "policy", "v": 1}, {"t": "policy", "v": 2}]

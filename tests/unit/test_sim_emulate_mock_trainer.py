@@ -17,9 +17,23 @@ from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.hooks import JoinBatch
 from services.cell_agent.training import hook as hook_mod
 from services.cell_agent.training.config import MockTrainerSettings
-from services.cell_agent.training.microstep import MicroStep, Sequence
+from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
 from services.cell_agent.training.mock_trainer import MockTrainingHook, sequence_tokens
 from tests.support.training_fakes import FakeSource
+
+
+class CountingSource(FakeSource):
+    """A cell's source that counts the claim calls that claimed something."""
+
+    calls = 0
+
+    async def claim_many(
+        self, batch_id: int, policy_version: int, wait_s: float, max_micro_steps: int, claim_id: str = ""
+    ) -> list[Claim]:
+        claims = await super().claim_many(batch_id, policy_version, wait_s, max_micro_steps, claim_id)
+        if claims[0].outcome is Outcome.CLAIMED:
+            self.calls += 1
+        return claims
 
 
 def _step(i: int, n: int) -> MicroStep:
@@ -38,6 +52,7 @@ class Publisher:
 async def test_batch_trained_once_and_published_after_done() -> None:
     packer = FakePacker()
     packer.add_batch(1, 0, [_step(i, 100) for i in range(6)])
+    sources = [CountingSource(packer, "c0"), CountingSource(packer, "c1")]
 
     async def batches(batch_id: int) -> ppb.BatchStatus:
         return packer.batch_status(batch_id)
@@ -50,6 +65,7 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         train_flops_eff=0.5,
         train_step_fixed_s=2.0,
         weight_sync_s=0.1,
+        claim_batch=4,
     )
     slept: list[float] = []
 
@@ -63,7 +79,7 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         cell_id="c0",
         index=0,
         target="x:1",
-        source=FakeSource(packer, "c0"),
+        source=sources[0],
         batches=batches,
         publisher=pub,
         sleep=sleep,
@@ -73,7 +89,7 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         cell_id="c1",
         index=1,
         target="x:2",
-        source=FakeSource(packer, "c1"),
+        source=sources[1],
         batches=batches,
         sleep=sleep,
     )
@@ -85,6 +101,7 @@ async def test_batch_trained_once_and_published_after_done() -> None:
     assert sorted(packer.claimed_by(1)) == [f"m{i}" for i in range(6)]
     assert packer.batch_status(1).acked == 6
     assert core.micro_steps + sat.micro_steps == 6
+    assert sum(src.calls for src in sources) < 6  # several micro-steps per claim call
     assert core.trained_tokens + sat.trained_tokens == 600
     assert pub.published == [(1, 1)]
     assert core.version == 1 and core.last_batch_id == 1

@@ -64,6 +64,13 @@ class TrainingSettings(BaseModel):
     claim_wait_s: float = Field(
         1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep when data pauses."
     )
+    claim_batch: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Micro-steps claimed per ClaimMicroSteps call and acked together in one "
+        "AckMicroSteps call (a cell holds at most twice this many while it trains).",
+    )
     packer_target: str = Field("", description="gRPC target of the packer.")
     # Snapshots and checkpoints.
     snapshot_keep: int = Field(2, ge=1, le=16, description="Snapshot versions the core keeps for pulls.")
@@ -92,6 +99,9 @@ class MockTrainerSettings(BaseModel):
     train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update (core).")
     weight_sync_s: float = Field(0.1, ge=0, description="A satellite pulling the batch's weights.")
     claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep.")
+    claim_batch: int = Field(
+        4, ge=1, le=64, description="Micro-steps claimed per ClaimMicroSteps call, acked together."
+    )
     join_wait_s: float = Field(10.0, ge=0, description="How long a join waits for the previous batch to end.")
     done_poll_s: float = Field(0.05, gt=0, description="Core: GetBatch poll period while waiting for acks.")
     initial_policy_version: int = Field(0, ge=0, description="Version the cluster starts at.")

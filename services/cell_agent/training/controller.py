@@ -9,7 +9,8 @@ One batch, on every participant (core = index 0, satellites 1..):
   1. join: the core opens the batch at its weight version ``v`` (and exposes snapshot
      ``v``); a satellite registers in index order while the window is open, then pulls
      snapshot ``v`` from the core unless it holds it already, while the core trains on;
-  2. stream: claim micro-steps (one claim prefetched while the current one computes),
+  2. stream: claim micro-steps, a few per call (the next call prefetched while the current
+     group computes; the group is acked in one call),
      accumulate the sum of token-loss gradients and the token count on version ``v``; when
      the packer says WAIT, wait between micro-steps (never half-way through one);
   3. close: the packer answers CLOSED once every micro-step is claimed; the core freezes
@@ -67,6 +68,7 @@ class ControllerParams:
     collective_timeout_s: float = 600.0
     prefetch: bool = True
     keep_claims_every_s: float = 2.0  # at most; a third of the packer's claim TTL when shorter
+    claim_batch: int = 4  # micro-steps per ClaimMicroSteps call, acked together
 
 
 @dataclasses.dataclass
@@ -431,38 +433,46 @@ class TrainingController:
         return out
 
     async def _consume(self, batch_id: int, version: int, out: BatchOutcome, started: float) -> None:
-        """Claims and trains micro-steps until the packer says CLOSED. A WAIT is a
-        consistent pause point: no micro-step is half done."""
+        """Claims and trains micro-steps until the packer says CLOSED: up to ``claim_batch``
+        per ClaimMicroSteps call (the next call prefetched while this group computes), acked
+        together in one AckMicroSteps call once the group is trained. A WAIT is a consistent
+        pause point: no micro-step is half done."""
         keeper = asyncio.create_task(
             keep_claims(self.source, lambda: self._keep_every_s), name=f"keep.b{batch_id}"
         )
-        pending: asyncio.Task[Claim] | None = asyncio.create_task(self._claim(batch_id, version))
+        pending: asyncio.Task[list[Claim]] | None = asyncio.create_task(self._claim(batch_id, version))
         try:
             while pending is not None:
-                claim = await pending
+                claims = await pending
                 pending = None
-                if claim.outcome is Outcome.CLOSED:
+                if claims[0].outcome is Outcome.CLOSED:
                     break
-                if claim.outcome is Outcome.WAIT:
+                if claims[0].outcome is Outcome.WAIT:
                     pending = asyncio.create_task(self._claim(batch_id, version))
                     continue
-                step = claim.micro_step
-                assert step is not None
-                if claim.ttl_s > 0:
-                    self._keep_every_s = min(self.params.keep_claims_every_s, max(0.05, claim.ttl_s / 3))
-                if step.batch_id not in (0, batch_id):
-                    raise FailedPrecondition(f"claimed micro-step of batch {step.batch_id} for {batch_id}")
-                if self.params.prefetch:  # overlap the next claim with this compute
+                steps = [c.micro_step for c in claims if c.micro_step is not None]
+                ttl_s = min(c.ttl_s for c in claims)
+                if ttl_s > 0:
+                    self._keep_every_s = min(self.params.keep_claims_every_s, max(0.05, ttl_s / 3))
+                for step in steps:
+                    if step.batch_id not in (0, batch_id):
+                        raise FailedPrecondition(
+                            f"claimed micro-step of batch {step.batch_id} for {batch_id}"
+                        )
+                if self.params.prefetch:  # overlap the next claim with this group's compute
                     pending = asyncio.create_task(self._claim(batch_id, version))
-                n = await asyncio.to_thread(self.trainer.accumulate, step, version)
-                self.history.append("train", 0, b=batch_id, ms=step.micro_step_id, v=version)
-                if out.local_micro_steps == 0:
-                    out.first_micro_step_s = self.clock() - started
-                out.local_tokens += n
-                out.local_micro_steps += 1
-                await retrying(functools.partial(self.source.ack, batch_id, step.micro_step_id))
-                claimed = self._claimed_at.pop(step.micro_step_id, 0.0)
-                self.history.append("ack", 0, b=batch_id, ms=step.micro_step_id, claimed=claimed)
+                for step in steps:
+                    n = await asyncio.to_thread(self.trainer.accumulate, step, version)
+                    self.history.append("train", 0, b=batch_id, ms=step.micro_step_id, v=version)
+                    if out.local_micro_steps == 0:
+                        out.first_micro_step_s = self.clock() - started
+                    out.local_tokens += n
+                    out.local_micro_steps += 1
+                ids = [step.micro_step_id for step in steps]
+                await retrying(functools.partial(self.source.ack_many, batch_id, ids))
+                for ms in ids:
+                    claimed = self._claimed_at.pop(ms, 0.0)
+                    self.history.append("ack", 0, b=batch_id, ms=ms, claimed=claimed)
                 if pending is None:
                     pending = asyncio.create_task(self._claim(batch_id, version))
         finally:
@@ -471,12 +481,18 @@ class TrainingController:
                 pending.cancel()
             await asyncio.gather(keeper, *([pending] if pending else []), return_exceptions=True)
 
-    async def _claim(self, batch_id: int, version: int) -> Claim:
+    async def _claim(self, batch_id: int, version: int) -> list[Claim]:
         key = uuid.uuid4().hex  # one key for every retry of this claim
-        claim = await retrying(lambda: self.source.claim(batch_id, version, self.params.claim_wait_s, key))
-        if claim.micro_step is not None:  # when it was handed out (the history's attempt)
-            self._claimed_at[claim.micro_step.micro_step_id] = time.time()
-        return claim
+        claims = await retrying(
+            lambda: self.source.claim_many(
+                batch_id, version, self.params.claim_wait_s, self.params.claim_batch, key
+            )
+        )
+        now = time.time()  # when they were handed out (the history's attempt)
+        for c in claims:
+            if c.micro_step is not None:
+                self._claimed_at[c.micro_step.micro_step_id] = now
+        return claims
 
     async def _commit(self, batch_id: int) -> None:
         try:

@@ -14,34 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
 from gyre.errors import FailedPrecondition, InvalidArgument
+from gyre.failpoints import FAILPOINT_ENV, FailpointCrash, failpoint
 from services.cell_agent.training.checkpoint import Checkpointer, CheckpointRecord, PendingStep
 from services.cell_agent.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-FAILPOINT_ENV = "GYRE_FAILPOINTS"
-
-
-class FailpointCrash(BaseException):
-    """Raised in-process by a failpoint in "raise" mode (unit tests)."""
-
-
-def failpoint(name: str) -> None:
-    """Crashes here when ``name`` is listed in $GYRE_FAILPOINTS ("name" exits the process
-    at once with status 17, like a SIGKILL; "name=raise" raises FailpointCrash)."""
-    spec = os.environ.get(FAILPOINT_ENV, "")
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        fp, _, mode = item.partition("=")
-        if fp == name:
-            if mode == "raise":
-                raise FailpointCrash(name)
-            log.error("failpoint %s: exiting", name)
-            os._exit(17)
+__all__ = ["FAILPOINT_ENV", "CoreOptimizer", "FailpointCrash", "OptimConfig", "StepResult", "failpoint"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -212,24 +213,34 @@ class MockTrainingHook:
         log.info("batch stepped (mock trainer)", extra={"batch_id": batch_id, "version": new})
 
     async def _consume(self, batch_id: int, version: int) -> None:
+        """Claims up to ``claim_batch`` micro-steps per call (one idempotency key for every
+        retry of a call), trains them and acks them together, until the packer says CLOSED."""
         keeper = asyncio.create_task(keep_claims(self._source, lambda: 1.0))
+        s = self.settings
         try:
             while True:
-                claim = await retrying(
-                    lambda: self._source.claim(batch_id, version, self.settings.claim_wait_s)
+                key = uuid.uuid4().hex
+                claims = await retrying(
+                    functools.partial(
+                        self._source.claim_many, batch_id, version, s.claim_wait_s, s.claim_batch, key
+                    )
                 )
-                if claim.outcome is Outcome.CLOSED:
+                if claims[0].outcome is Outcome.CLOSED:
                     return
-                if claim.outcome is Outcome.WAIT or claim.micro_step is None:
+                steps = [c.micro_step for c in claims if c.micro_step is not None]
+                if not steps:
                     continue
-                ms, claimed = claim.micro_step.micro_step_id, time.time()
-                tokens = sequence_tokens(claim.micro_step, self.settings.segment_marker_id)
-                await self._sleep(self.settings.micro_step_s(tokens))
-                self.trained_tokens += tokens
-                self.micro_steps += 1
-                self.history.append("train", 0, b=batch_id, ms=ms, v=version)
-                await retrying(functools.partial(self._source.ack, batch_id, ms))
-                self.history.append("ack", 0, b=batch_id, ms=ms, claimed=claimed)
+                claimed = time.time()
+                for step in steps:
+                    tokens = sequence_tokens(step, s.segment_marker_id)
+                    await self._sleep(s.micro_step_s(tokens))
+                    self.trained_tokens += tokens
+                    self.micro_steps += 1
+                    self.history.append("train", 0, b=batch_id, ms=step.micro_step_id, v=version)
+                ids = [step.micro_step_id for step in steps]
+                await retrying(functools.partial(self._source.ack_many, batch_id, ids))
+                for ms in ids:
+                    self.history.append("ack", 0, b=batch_id, ms=ms, claimed=claimed)
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)

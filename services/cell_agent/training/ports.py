@@ -21,7 +21,18 @@ class MicroStepSource(Protocol):
 
     async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim: ...
 
+    async def claim_many(
+        self, batch_id: int, policy_version: int, wait_s: float, max_micro_steps: int, claim_id: str = ""
+    ) -> list[Claim]:
+        """Up to ``max_micro_steps`` claims in one call (waiting only for the first): one
+        CLAIMED claim per micro-step, or a single WAIT / CLOSED claim."""
+        ...
+
     async def ack(self, batch_id: int, micro_step_id: str) -> None: ...
+
+    async def ack_many(self, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
+        """Acknowledges several micro-steps in one call (all or nothing)."""
+        ...
 
     async def open_batch(self, batch_id: int) -> None: ...
 

@@ -171,7 +171,10 @@ class TrainingService:
             core=core,
             history=self.history,
             params=ControllerParams(
-                claim_wait_s=s.claim_wait_s, join_wait_s=s.join_wait_s, collective_timeout_s=s.dist_timeout_s
+                claim_wait_s=s.claim_wait_s,
+                join_wait_s=s.join_wait_s,
+                collective_timeout_s=s.dist_timeout_s,
+                claim_batch=s.claim_batch,
             ),
         )
         await self.controller.start()

@@ -1,0 +1,232 @@
+"""Several routers serve one cluster: no router holds state another needs (routes come from
+each router's etcd watch), so
+
+- a reroute reaches whichever router holds the live call: two calls of two executions, one
+  on each router process, both continue at the destination when the scheduler rewrites
+  their routes and calls MoveExecutions on every registered router (the scheduler's own
+  fan-out, one of the targets dead), token-identical to undisturbed calls, with one turn
+  record each;
+- a router killed (SIGKILL) mid-stream costs the harness one retry at another router: the
+  retried call (same body, same execution token) completes token-identical, the dead
+  router's engine request is aborted, and the packer gets the turn exactly once.
+
+Real router processes and a real etcd; the engines are the deterministic fake engine
+(gRPC servers on loopback) and the packer a recording stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from apps.procs import ServiceProcess
+from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.fake_packer import FakePacker
+from bench.support.router_rig import (
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    read_sse,
+    sse_token_ids,
+    start_router,
+    write_config,
+)
+from gyre.etcd import Etcd, Keys
+from gyre.v1 import router_pb2_grpc
+from services.router.servicer import RouterServicer
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.peers import GrpcPeers, MoveOrder
+from tests.leader import leader_epoch, new_leader
+from tests.tls import PKI, RoleStubs, tls
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+PROMPT = [40, 41, 42, 43, 44]
+MAX_TOKENS = 40
+
+
+@dataclasses.dataclass
+class Env:
+    cfg: Any
+    tmp: Any
+    routers: list[tuple[ServiceProcess, str]]
+    stubs: list[RoleStubs]
+    etcd: Etcd
+    keys: Keys
+    engines: dict[str, FakeEngineServer]
+    packer: FakePacker
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(etcd_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("routers")
+    tok = build_tokenizer_dir(tmp / "model")
+    cluster = "rs" + secrets.token_hex(4)
+    packer = await FakePacker().start(tls("packer"))
+    engines = {
+        cell: await FakeEngineServer(FakeOptions(cell_id=cell, token_delay_s=0.01)).start()
+        for cell in ("a", "b")
+    }
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        packer_target=packer.target,
+        http_port=0,
+        retry_budget=0,
+        failover_wait_s=0.5,
+        unknown_token_wait_s=20.0,
+        move_route_wait_s=20.0,
+        log_json=False,
+    )
+    routers = list(
+        await asyncio.gather(
+            *(asyncio.to_thread(start_router, cfg, tmp / f"router{i}.log") for i in range(2))
+        )
+    )
+    stubs = [RoleStubs(p.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS) for p, _ in routers]
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    try:
+        yield Env(cfg, tmp, routers, stubs, etcd, Keys(cluster), engines, packer)
+    finally:
+        for p, _ in routers:
+            p.stop()
+        for s in stubs:
+            await s.close()
+        await etcd.close()
+        for e in engines.values():
+            await e.stop(0)
+        await packer.stop()
+
+
+async def _routed(env: Env, cell: str) -> tuple[str, str]:
+    """A new execution routed to ``cell`` (routers learn it from their watch; a call that
+    comes first waits for it: ``unknown_token_wait_s``)."""
+    ex, tok = new_execution()
+    await put_route(env.etcd, env.keys, ex, cell, env.engines[cell].target, tok)
+    return ex, tok
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _body() -> dict[str, Any]:
+    return {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
+
+
+async def _sse(url: str, token: str) -> list[dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/completions", json=_body(), headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return await read_sse(r)
+
+
+def _progress(env: Env, cell: str, execution_id: str) -> int:
+    """Tokens the newest attempt of ``execution_id`` at ``cell`` has produced."""
+    engine = env.engines[cell].engine
+    rids = [r.request_id for r in engine.requests if r.execution_id == execution_id]
+    return engine.progress.get(rids[-1], 0) if rids else 0
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Waits for ``cond`` (polled; a generous bound for a loaded machine)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _turn(env: Env, execution_id: str) -> Any:
+    """The packer's record of the execution's turn 0 (once the recorder sent it)."""
+    await _until(lambda: (execution_id, 0) in env.packer.turns, "the turn record")
+    return env.packer.turns[(execution_id, 0)]
+
+
+async def test_reroute_reaches_the_call_on_each_router(env):
+    want = reference(1, PROMPT, MAX_TOKENS)
+    calls = [await _routed(env, "a") for _ in env.routers]
+    running = [
+        asyncio.create_task(_sse(url, tok)) for (_, url), (_, tok) in zip(env.routers, calls, strict=True)
+    ]
+    for ex, _ in calls:
+        await _until(lambda ex=ex: _progress(env, "a", ex) >= 6, f"{ex} under way at a")
+    # The scheduler's move: fenced route rewrites, then MoveExecutions on every router.
+    await new_leader(env.etcd, env.keys)
+    epoch = await leader_epoch(env.etcd, env.keys)
+    moves = []
+    for ex, tok in calls:
+        route_epoch = await put_route(env.etcd, env.keys, ex, "b", env.engines["b"].target, tok)
+        moves.append(MoveOrder(ex, "a", "b", route_epoch))
+    # The scheduler's own fan-out, with a router that is gone but still registered among
+    # them: the live routers still get the move.
+    tls("scheduler")
+    peers = GrpcPeers(SchedulerConfig(tls={"dir": str(PKI / "scheduler")}), "", 5.0, 10.0)
+    try:
+        targets = [f"127.0.0.1:{_free_port()}", *(p.target for p, _ in env.routers)]
+        assert await peers.move_executions(targets, epoch, moves) == 0
+    finally:
+        await peers.close()
+    for (ex, _), task in zip(calls, running, strict=True):
+        events = await task
+        assert events[-1] == {"done": True} and not any("error" in e for e in events), events
+        assert sse_token_ids(events) == want
+        assert _progress(env, "b", ex) > 0  # it did continue at the destination
+        turn = await _turn(env, ex)
+        assert list(turn.output_token_ids) == want
+        assert (ex, 1) not in env.packer.turns
+
+
+async def test_router_killed_mid_stream_the_harness_retries_at_another(env):
+    want = reference(1, PROMPT, MAX_TOKENS)
+    doomed, doomed_url = start_router(env.cfg, env.tmp / "doomed.log")
+    try:
+        ex, tok = await _routed(env, "a")
+        got: list[int] = []
+        failed = False
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{doomed_url}/completions", json=_body(), headers={"Authorization": f"Bearer {tok}"}
+            ) as r,
+        ):
+            assert r.status == 200
+            try:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {"):
+                        got.extend(sse_token_ids([json.loads(line[6:])]))
+                    if len(got) >= 8 and doomed.alive:
+                        doomed.kill()  # SIGKILL: no drain, no goodbye
+            except aiohttp.ClientError:
+                failed = True
+        assert failed or len(got) < MAX_TOKENS, "the stream outlived its router"
+        assert got == want[: len(got)]
+        # The engine saw its caller vanish: the dead router's request is no longer running.
+        engine = env.engines["a"].engine
+        first = next(r.request_id for r in engine.requests if r.execution_id == ex)
+        await _until(lambda: first not in engine.running, "the orphaned request to end")
+        # The harness retries the same call at a live router: the same tokens, once.
+        events = await _sse(env.routers[1][1], tok)
+        assert events[-1] == {"done": True} and not any("error" in e for e in events), events
+        assert sse_token_ids(events) == want
+        turn = await _turn(env, ex)
+        assert list(turn.output_token_ids) == want
+        assert (ex, 1) not in env.packer.turns
+    finally:
+        doomed.stop()
