@@ -383,6 +383,7 @@ class Cluster:
         batch_groups: int,
         max_staleness: int,
         placement: str = "scheduler",
+        rate_window_s: float = 600.0,
     ) -> None:
         self.loop = loop
         self.cost = CostModel(cost_cfg)
@@ -417,7 +418,9 @@ class Cluster:
         self.cancelled_groups = 0
         self.cancelled_executions = 0
         self.migrations = 0
-        self.ready_log: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of ready groups
+        self.ready_log: deque[tuple[float, int]] = deque()  # (time, tokens) of ready groups
+        self.ready_log_tokens = 0
+        self.rate_window_s = rate_window_s
         self.trainer.on_consumed = self._consumed
 
     # -- executions --------------------------------------------------------------------------
@@ -558,6 +561,7 @@ class Cluster:
             g.ready_s = t
             vl.ready += 1
             self.ready_log.append((t, g.tokens))
+            self.ready_log_tokens += g.tokens
             self.trainer_progress()
             self.trainer.pool.append(g)
             self.trainer.pool_tokens += g.tokens
@@ -909,13 +913,18 @@ class Cluster:
         return True
 
     def ready_rate(self) -> tuple[float, float]:
-        """(ready groups per second, tokens per ready group) over the recent ready groups."""
+        """(ready groups per second, tokens per ready group) over the last ``rate_window_s``
+        (the live scheduler measures over its ``rate_window_s`` too); before a whole window
+        has passed, over the time since the start."""
         log = self.ready_log
+        now = self.loop.now
+        while log and log[0][0] < now - self.rate_window_s:
+            self.ready_log_tokens -= log.popleft()[1]
         if not log:
             return 0.0, 0.0
-        span = self.loop.now - log[0][0]
-        tokens = sum(x for _, x in log) / len(log)
-        if len(log) < 2 or span <= 0:
+        tokens = self.ready_log_tokens / len(log)
+        span = min(self.rate_window_s, now)
+        if span <= 0:
             return 0.0, tokens
         return len(log) / span, tokens
 

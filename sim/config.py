@@ -164,6 +164,11 @@ class PolicyParams(_Frozen, GyreSettings):
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
+    rate_window_s: float = Field(
+        600.0,
+        gt=0,
+        description="Window over which the rates the asynchronous policies see (ready groups) are measured.",
+    )
 
 
 class TargetConfig(_Frozen):

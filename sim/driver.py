@@ -95,6 +95,7 @@ class Driver:
             sc.training.batch_groups,
             sc.training.max_staleness,
             self._placement(),
+            pp.rate_window_s,
         )
         gyre = pp.gyre_config(pp.drain_grace_s)
         self.policy = P.make_policy(

@@ -162,7 +162,7 @@ def render_config(
             "policy": policy,
             **pp.gyre_settings(),
             "gyre_min_horizon_s": pp.gyre_min_horizon_s * scale,
-            "rate_window_s": 120.0 * scale,
+            "rate_window_s": pp.rate_window_s * scale,
             "fraction": pp.supply_fraction,
             "interval_s": pp.supply_interval_s * scale,
             "drain_grace_s": pp.drain_grace_s * scale,

@@ -1,11 +1,12 @@
 """Watches as hints: a local mirror of a key prefix that lists at a revision, watches from
 the next, resyncs after an etcd restart or compaction, and reconciles periodically.
 
-etcd watches are not linearizable and have had bugs under partitions and compaction, so the
-mirror never trusts a watch alone: any watch error (etcd restarted, revision compacted)
-leads to a fresh list, and every ``resync_s`` the mirror relists anyway. Consumers are
-level-triggered: they read :attr:`PrefixMirror.items` and are woken through
-:meth:`PrefixMirror.changed`.
+A list is paged (``page`` keys per range request, all at one revision), so a prefix of any
+size mirrors. etcd watches are not linearizable and have had bugs under partitions and
+compaction, so the mirror never trusts a watch alone: any watch error (etcd restarted,
+revision compacted) leads to a fresh list, and every ``resync_s`` the mirror relists
+anyway. Consumers are level-triggered: they read :attr:`PrefixMirror.items` and are woken
+through :meth:`PrefixMirror.changed`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ class PrefixMirror:
         prefix: bytes,
         resync_s: float = 10.0,
         on_change: Callable[[dict[bytes, KV]], None] | None = None,
+        page: int = 1000,
     ) -> None:
         self._etcd = etcd
         self._prefix = prefix
+        self._page = page
         self._resync_s = resync_s
         self._on_change = on_change
         self.items: dict[bytes, KV] = {}
@@ -67,7 +70,9 @@ class PrefixMirror:
             self._changed.notify_all()
 
     async def relist(self) -> None:
-        revision, kvs = await self._etcd.get_prefix(self._prefix)
+        """Lists the prefix at one revision, ``page`` keys per request: one answer for all
+        of it would pass gRPC's message limit past ~10k routes (the router's mirror)."""
+        revision, kvs = await self._etcd.get_prefix_paged(self._prefix, self._page)
         fresh = {kv.key: kv for kv in kvs}
         different = fresh != self.items
         self.items = fresh

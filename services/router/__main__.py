@@ -18,7 +18,7 @@ from services.router.config import RouterConfig
 from services.router.engine_client import GrpcEngineClient, PackerTurnSink
 from services.router.failures import FailureReporter, SchedulerReports
 from services.router.http_api import OpenAIApi
-from services.router.limits import model_context
+from services.router.limits import model_context, turn_limit
 from services.router.manager import CallManager
 from services.router.metrics import RouterCollector
 from services.router.metrics import serve as serve_metrics
@@ -68,12 +68,13 @@ async def build(rt: Runtime) -> Services:
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
     manager = CallManager(table, engines, policy, turns, reporter=reporter)
+    context = cfg.max_model_len or model_context(cfg.model_dir)
     limits: dict[str, Any] = dict(
         max_prompt_tokens=cfg.max_prompt_tokens,
         max_tokens_limit=cfg.max_tokens_limit,
         request_timeout_s=cfg.request_timeout_s,
-        turn_tokens=cfg.max_turn_tokens,
-        context_tokens=cfg.max_model_len or model_context(cfg.model_dir),
+        turn_tokens=turn_limit(cfg.max_turn_tokens, context),
+        context_tokens=context,
     )
     servicer = RouterServicer(
         manager,

@@ -52,7 +52,8 @@ class RouterConfig(ServiceConfig):
         0,
         ge=0,
         description="The packer's micro_step_token_budget: no call grows a turn past it (max_tokens is "
-        "cut; a prompt that fills it is 400), so every turn recorded can be trained. 0: no limit.",
+        "cut; a prompt that fills it is 400), so every turn recorded can be trained. 0: the model's "
+        "context (max_model_len, else max_position_embeddings), else 8192 (the packer's default budget).",
     )
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when an HTTP request gives none.")
     request_timeout_s: float = Field(

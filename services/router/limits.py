@@ -3,7 +3,8 @@
 A call's prompt + output must fit the served model's context (``max_model_len``; a longer
 prompt would fail at the engine, or worse, be retried there) and, when the router records
 turns for training, the packer's micro-step budget (``max_turn_tokens``: a turn longer
-than that could never be trained and the packer would refuse its record). So a prompt that
+than that could never be trained and the packer would refuse its record; unset, the
+model's context: :func:`turn_limit`). So a prompt that
 leaves no room for one output token is refused at once (HTTP 400 / INVALID_ARGUMENT, with
 which limit it hit), and ``max_tokens`` is cut to the room left: the call ends with
 ``finish_reason: "length"`` there, and its turn is trained like any other.
@@ -50,6 +51,19 @@ class CallLimits:
                 )
             room = min(room, limit - prompt_tokens)
         return sampling if room == sampling.max_tokens else dataclasses.replace(sampling, max_tokens=room)
+
+
+DEFAULT_TURN_TOKENS = 8192
+"""The turn limit when neither ``router.max_turn_tokens`` nor the model's context is known:
+the packer's default ``micro_step_token_budget``."""
+
+
+def turn_limit(max_turn_tokens: int, context_tokens: int) -> int:
+    """The longest turn (prompt + output) a call may grow: ``router.max_turn_tokens`` when
+    set, else the model's context, else :data:`DEFAULT_TURN_TOKENS`. Never "no limit": an
+    unbounded turn would pass the router and be refused by the packer, where the harness
+    never hears of it (the packer's budget must hold the model's context: apps/limits.py)."""
+    return max_turn_tokens or context_tokens or DEFAULT_TURN_TOKENS
 
 
 def model_context(model_dir: str) -> int:

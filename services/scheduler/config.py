@@ -17,7 +17,9 @@ class GyreSettings(BaseModel):
     and the simulator's."""
 
     gyre_min_horizon_s: float = Field(
-        GyreConfig.min_horizon_s, gt=0, description="Gyre: shortest horizon the training prefix is sized for."
+        GyreConfig.min_horizon_s,
+        gt=0,
+        description="Gyre: horizon over which the training prefix drains the trainer's queue.",
     )
     gyre_hysteresis: float = Field(
         GyreConfig.hysteresis, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
@@ -102,7 +104,7 @@ class SchedulerConfig(ServiceConfig, GyreSettings):
         "rollout_only never trains (bursts back to back).",
     )
     rate_window_s: float = Field(
-        120.0,
+        600.0,
         gt=0,
         le=86_400,
         description="Window over which the asynchronous policies' rates (ready groups, training) are measured.",

@@ -304,9 +304,9 @@ def _snap(cells, p, v=1, needs=None, execs=()):
     )
 
 
-def test_rate_target_finishes_the_batch_as_its_last_group_arrives():
-    # 10 groups missing at 0.1 groups/s: they arrive in 100 s; 1e6 tokens of work in all at
-    # 1000 tok/s per cell -> 10 cells finish it in 100 s.
+def test_rate_target_keeps_up_with_arrivals_and_drains_the_queue_within_the_horizon():
+    # Arrivals 0.1 groups/s x 5e4 tokens = 5e3 tok/s; queue 2.5e5 backlog + 5 x 5e4 ready =
+    # 5e5 tokens over 100 s = 5e3 tok/s; at 1000 tok/s per cell: 10 cells.
     p = Pipeline(
         max_staleness=1,
         group_size=4,
@@ -318,14 +318,16 @@ def test_rate_target_finishes_the_batch_as_its_last_group_arrives():
         ready_rate=0.1,
         tokens_per_group=5e4,
     )
-    t, why = rate_target(p, batch_needs=15, horizon_floor_s=30.0)
+    t, why = rate_target(p, horizon_s=100.0)
     assert t == 10, why
-    # The next batch's supply already there: more cells.
+    # The next batch's supply already there: a longer queue, more cells.
     more = Pipeline(**{**p.__dict__, "ready_groups": 25})
-    assert rate_target(more, 15, 30.0)[0] > t
+    assert rate_target(more, 100.0)[0] > t
+    # A longer horizon: fewer cells (no surge to chase the end of a batch).
+    assert rate_target(p, 1000.0)[0] < t
     # Nothing to train and nothing arriving: the core alone.
     idle = Pipeline(**{**p.__dict__, "ready_groups": 0, "ready_rate": 0.0, "backlog_tokens": 0.0})
-    assert rate_target(idle, 15, 30.0)[0] == 1
+    assert rate_target(idle, 100.0)[0] == 1
 
 
 def test_gyre_grows_the_prefix_from_rates_and_keeps_rollout_covering_w_eta():

@@ -10,7 +10,7 @@ import pytest
 from gyre.errors import InvalidArgument
 from gyre.sampling import Sampling
 from services.router.http_api import check_json, parse_body
-from services.router.limits import CallLimits, model_context
+from services.router.limits import DEFAULT_TURN_TOKENS, CallLimits, model_context, turn_limit
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,9 @@ def test_model_context_reads_the_model_config(tmp_path):
     assert model_context(str(tmp_path)) == 0
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
     assert model_context(str(tmp_path)) == 8192
+
+
+def test_the_turn_limit_is_never_off():
+    assert turn_limit(2048, 32768) == 2048  # router.max_turn_tokens when set
+    assert turn_limit(0, 32768) == 32768  # else the model's context
+    assert turn_limit(0, 0) == DEFAULT_TURN_TOKENS  # else the packer's default budget

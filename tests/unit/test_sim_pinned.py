@@ -138,7 +138,7 @@ PINS: dict[str, Any] = {
             "p90": "112.43652561929431",
             "p99": "143.9113391727946",
         },
-        "series_actions": "9d9055bbb61c38ab",
+        "series_actions": "95ab8e4b380b522d",
     },
     "gyre loaded": {
         "time_to_n_s": "355.85259470185673",
@@ -159,7 +159,7 @@ PINS: dict[str, Any] = {
             "p90": "113.46120331860449",
             "p99": "167.97534737690995",
         },
-        "series_actions": "6ce4606749287229",
+        "series_actions": "cada756b379b42a3",
     },
     "static T=3": {
         "time_to_n_s": "440.5767102215117",

@@ -7,16 +7,23 @@ version they serve; unconsumable groups are cancelled early by the mechanism
 (:mod:`.staleness`), the same rule for every policy. Gyre differs only in where cells are.
 
 Roles, from rates (not thresholds). With ``r`` the training rate of one cell, ``g`` the
-recent tokens per ready group and ``lambda`` the recent arrival rate of ready groups, the
-batch in progress still has ``work = backlog + ready x g`` tokens available now and
-``missing`` groups to come, which arrive in about ``t_arr = missing / lambda``. The training
-prefix is sized so that the batch's last micro-step finishes as its last group arrives::
+tokens per ready group and ``lambda`` the arrival rate of ready groups, both measured over
+``rate_window_s`` (600 s by default: about one update), the trainer must keep up with the
+arrivals and drain its queue (the backlog of the batch in progress plus every ready group,
+this batch's and the next's) within the horizon ``H`` (``min_horizon_s``, 300 s)::
 
-    T_rate = ceil((work + missing x g + next_ready x g) / (r x max(t_arr, min_horizon_s)))
+    T_rate = ceil((lambda x g + (backlog + ready x g) / H) / r)
 
-(``next_ready``: ready groups beyond the current batch, i.e. the next batch's supply is
-already there; ``min_horizon_s`` keeps the prefix from chasing a single group). The target
-is capped so that rollout keeps the committed work covered::
+The first version sized the prefix so that the batch's last micro-step would finish as its
+last group arrived (``work / (r x max(missing / lambda, 30 s))``). Measured on B64 and A64
+that rule surged to 50+ training cells whenever a dispatch wave of ready groups landed near
+the end of a batch (the work of the next batch counted against a 30 s horizon), starved
+rollout down to a few cells holding every open execution, and oscillated by 20 cells every
+update: every swing paid reroutes, and a cell returned to rollout stays empty until the next
+dispatch (the staleness gate, not the slots, bounds the open work), so Gyre lost 7-13% to
+the best fixed split. The training side only needs to keep up with the arrival rate: the
+last group of a batch takes seconds to train at any T, so a surge buys nothing at the end
+of a batch. The target is capped so that rollout keeps the committed work covered::
 
     T_max = elastic cells - ceil(W_eta / slots)        (W_eta: staleness.waterlevel)
 
@@ -76,8 +83,8 @@ from services.scheduler.policy.waterlevel import WaterlevelPolicy
 class GyreConfig:
     """Parameters of :class:`GyrePolicy`; the booleans are the ablation levers."""
 
-    min_horizon_s: float = 30.0
-    """Shortest horizon the training prefix is sized for, seconds (> 0)."""
+    min_horizon_s: float = 300.0
+    """Horizon over which the training prefix drains the trainer's queue, seconds (> 0)."""
     hysteresis: float = 0.2
     """Cells kept beyond the target before one returns, as a fraction of the target."""
     plan_ahead: int = 2
@@ -105,39 +112,20 @@ class GyreConfig:
             raise ValueError("hysteresis, plan_ahead and migrate_max must be >= 0")
 
 
-def rate_target(p: Pipeline, batch_needs: int, horizon_floor_s: float) -> tuple[int, str]:
-    """T_rate: training cells that finish the batch in progress as its last group arrives
-    (see the module docstring), with the reason in words."""
+def rate_target(p: Pipeline, horizon_s: float) -> tuple[int, str]:
+    """T_rate: training cells that keep up with the arrival of ready groups and drain the
+    trainer's queue (its backlog plus every ready group) within ``horizon_s`` (see the
+    module docstring), with the reason in words."""
     r = p.train_rate_per_cell
     if r <= 0:
         return 1, "no training rate known"
     g = p.tokens_per_group or (p.ready_tokens / p.ready_groups if p.ready_groups else 0.0)
-    needs = 0 if p.optimizing else max(0, batch_needs)
-    if p.optimizing:  # the window is closed: size for the next batch
-        needs = p.batch_groups
-        backlog = 0.0
-    else:
-        backlog = p.backlog_tokens
-    ready_cur = min(p.ready_groups, needs)
-    missing = needs - ready_cur
-    next_ready = max(0, p.ready_groups - needs)
-    work = backlog + (ready_cur + missing + next_ready) * g
-    if missing > 0:
-        t_arr = missing / p.ready_rate if p.ready_rate > 0 else math.inf
-    else:
-        t_arr = 0.0
-    horizon = max(t_arr, horizon_floor_s)
-    if math.isinf(horizon):
-        t = (
-            1
-            if backlog + ready_cur * g <= 0
-            else math.ceil((backlog + ready_cur * g) / (r * horizon_floor_s))
-        )
-        return max(1, t), f"no arrivals measured, work now {backlog + ready_cur * g:.3g} tok"
-    t = math.ceil(work / (r * horizon))
+    backlog = 0.0 if p.optimizing else p.backlog_tokens
+    queue = backlog + p.ready_groups * g
+    arrivals = p.ready_rate * g
+    t = math.ceil((arrivals + queue / horizon_s) / r - 1e-9)
     return max(1, t), (
-        f"work {work:.3g} tok ({missing} groups missing, {next_ready} ahead) over "
-        f"{horizon:.0f} s at {r:.3g} tok/s/cell"
+        f"arrivals {arrivals:.3g} tok/s + queue {queue:.3g} tok over {horizon_s:.0f} s at {r:.3g} tok/s/cell"
     )
 
 
@@ -160,7 +148,7 @@ class GyrePolicy:
         standalone = sum(c.slots for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT)
         t_max = len(elastic) - staleness.cells_to_cover(max(0, w - standalone), slots)
         if self.config.rates:
-            t, why = rate_target(p, s.supply.batch_needs, self.config.min_horizon_s)
+            t, why = rate_target(p, self.config.min_horizon_s)
         else:
             t = (
                 len(elastic)

@@ -1,0 +1,234 @@
+"""Links between services misbehave under traffic (tests/support/proxy.py; real processes,
+real etcd, real gRPC with mTLS). Router -> engine (the deterministic fake engine), while a
+model call streams through it: delayed, reset mid-stream, black-holed for seconds and then
+reset; each time the harness gets one response holding exactly the tokens of an
+undisturbed call (the router continues the request at the engine: nothing duplicated,
+nothing lost), and its turn is recorded once. Scheduler -> cell, during a move to training:
+slow, then reset mid-move; the move completes and the history checks clean."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from apps.checker import check_files
+from apps.procs import ServiceProcess
+from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.router_rig import (
+    FakePacker,
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    start_fake_packer,
+    start_router,
+    write_config,
+)
+from gyre.etcd import Etcd, Keys
+from tests.support.proxy import LinkProxy
+from tests.support.scheduler_peers import (
+    FakeCellAgent,
+    FakeRouter,
+    Harness,
+    connect,
+    wait_until,
+)
+from tests.support.scheduler_peers import (
+    FakePacker as FakeSchedulerPacker,
+)
+from tests.support.scheduler_peers import (
+    write_config as write_scheduler_config,
+)
+from tests.tls import tls
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+PROMPT = [20, 21, 22]
+MAX_TOKENS = 60
+
+
+@dataclasses.dataclass
+class Env:
+    proc: ServiceProcess
+    url: str
+    etcd: Etcd
+    keys: Keys
+    engine: FakeEngineServer
+    proxy: LinkProxy
+    packer: FakePacker
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(etcd_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("links")
+    tok = build_tokenizer_dir(tmp / "model")
+    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.02)).start()
+    proxy = await LinkProxy(engine.target).start()
+    cluster = "lk" + secrets.token_hex(4)
+    cfg = write_config(
+        tmp / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        packer_target=packer_target,
+        http_port=0,
+        retry_budget=20,  # a black-holed link fails every attempt until it is reset
+        failover_wait_s=0.2,  # no scheduler here: retry at the same route soon
+        engine_idle_timeout_s=1.0,
+        report_engine_failures=False,
+        log_json=False,
+    )
+    proc, url = await asyncio.to_thread(start_router, cfg, tmp / "router.log")
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    try:
+        yield Env(proc, url, etcd, Keys(cluster), engine, proxy, packer)
+    finally:
+        await asyncio.to_thread(proc.stop)
+        await etcd.close()
+        await proxy.stop()
+        await engine.stop(0)
+        await packer_server.stop(0)
+
+
+async def _call(env: Env, token: str) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "return_token_ids": True}
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):  # the route reaches the router through its watch
+            async with s.post(f"{env.url}/completions", json=body, headers=headers) as r:
+                data = await r.json()
+            if r.status != 401:
+                break
+            await asyncio.sleep(0.1)
+    assert r.status == 200, data
+    return data
+
+
+async def _started(env: Env, execution_id: str, tokens: int) -> None:
+    """Waits until the engine has sent ``tokens`` tokens of the call's first attempt."""
+    while True:
+        rids = [r.request_id for r in env.engine.engine.requests if r.execution_id == execution_id]
+        if rids and env.engine.engine.progress.get(rids[0], 0) >= tokens:
+            return
+        await asyncio.sleep(0.005)
+
+
+async def _through(env: Env, fault) -> tuple[list[int], int]:
+    """One call through the proxy, ``fault(env)`` injected once 10 tokens have streamed;
+    the harness's tokens and the engine attempts the call took."""
+    ex, token = new_execution()
+    await put_route(env.etcd, env.keys, ex, "a", env.proxy.target, token)
+    call = asyncio.create_task(_call(env, token))
+    await asyncio.wait_for(_started(env, ex, 10), 30)
+    await fault(env)
+    data = await asyncio.wait_for(call, 60)
+    attempts = sum(1 for r in env.engine.engine.requests if r.execution_id == ex)
+    for _ in range(100):
+        if any(key[0] == ex for key in env.packer.turns):
+            break
+        await asyncio.sleep(0.05)
+    assert [k for k in env.packer.turns if k[0] == ex] == [(ex, 0)]  # the turn, recorded once
+    return data["choices"][0]["token_ids"], attempts
+
+
+async def _delay(env: Env) -> None:
+    env.proxy.delay_s = 0.05
+
+
+async def _reset(env: Env) -> None:
+    env.proxy.reset()
+
+
+async def _partition(env: Env) -> None:
+    env.proxy.blackhole()
+    await asyncio.sleep(2.5)  # the partition lasts past the router's idle timeout (1 s)
+    env.proxy.heal()
+    env.proxy.reset()  # as the partition ends, both ends find their connections broken
+
+
+@pytest.mark.parametrize("fault", [_delay, _reset, _partition], ids=["delay", "reset", "partition"])
+async def test_a_call_survives_its_link_misbehaving(env, fault):
+    env.proxy.delay_s = 0.0
+    tokens, attempts = await _through(env, fault)
+    assert tokens == reference(1, PROMPT, MAX_TOKENS)  # none lost, none twice
+    if fault is not _delay:
+        assert attempts >= 2  # continued at the engine after the broken link
+
+
+async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
+    etcd_server, cluster_name, tmp_path
+):
+    """The scheduler's link to the cell it moves to training is slow (every chunk 50 ms
+    late), then reset while the move is under way (the cell holds its command to enter
+    TRAINING): the commands are retried (they are idempotent), the move completes, each route moves once, every
+    execution closes once and the history checks clean."""
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
+    link = await LinkProxy(core.target).start()
+    core.target = link.target  # the scheduler reaches the core through the link
+    await core._register()
+    sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
+    router = await FakeRouter(etcd, keys).start()
+    packer = await FakeSchedulerPacker().start()
+    core.hold["TRAINING"] = asyncio.Event()
+    hist = tmp_path / "history.jsonl"
+    cfg = write_scheduler_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        batch_size=2,
+        packer_target=packer.target,
+        history_file=str(hist),
+    )
+    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "sched.log")
+    await asyncio.to_thread(proc.start)
+    h = Harness(proc.target)
+    try:
+        await h.wait_leader()
+        link.delay_s = 0.05
+        execs = [await h.acquire() for _ in range(4)]
+        assert all(execs)
+        on_core = [
+            e
+            for e in execs
+            if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"
+        ]
+        for e in execs:
+            if e not in on_core:
+                await h.finish(e)
+        packer.set_supply(2, 2)
+
+        async def held():
+            return core.state == "DRAINING" and len(router.moves) == 2
+
+        await wait_until(held, timeout_s=30, what="the command to enter TRAINING in flight")
+        link.reset()  # the command's connection breaks under it
+        core.hold["TRAINING"].set()
+
+        async def moved():
+            return core.state == "TRAINING" and await etcd.get(keys.transition("core")) is None
+
+        await wait_until(moved, timeout_s=30, what="the move completed")
+        assert link.resets >= 1
+        for e in on_core:
+            kv = await etcd.get(keys.route(e.execution_id))
+            assert json.loads(kv.value)["cell_id"] == "sa-0" and kv.version == 2  # moved once
+            assert not (await h.finish(e)).duplicate
+        await wait_until(lambda: asyncio.sleep(0, len(packer.reports) == 4), what="all finish reports")
+        verdict = check_files([hist], complete=True)
+        assert verdict.ok, verdict.violations
+    finally:
+        core.hold["TRAINING"].set()
+        await h.close()
+        await asyncio.to_thread(proc.stop)
+        for x in (core, sa, router, packer):
+            await x.stop()
+        await link.stop()
+        await etcd.close()

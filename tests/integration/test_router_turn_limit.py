@@ -1,0 +1,79 @@
+"""A router with neither router.max_turn_tokens nor a known model context (a tokenizer
+without config.json) still bounds a turn: a prompt past the default turn limit (8192, the
+packer's default budget) is a fast 400 naming the limit, before any engine sees it and
+without a turn record (before, such a turn went to the engine and its record was refused
+by the packer, which the harness never heard of); a call below it has max_tokens cut to the
+room left, ends with "length", and its turn is recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import aiohttp
+import pytest
+
+from bench.support.fake_engine import FakeEngineServer, FakeOptions
+from bench.support.router_rig import (
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    start_fake_packer,
+    start_router,
+    write_config,
+)
+from gyre.etcd import Etcd, Keys
+from services.router.limits import DEFAULT_TURN_TOKENS
+from tests.tls import tls
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_an_oversized_turn_is_refused_without_max_turn_tokens(etcd_server, tmp_path):
+    tok = build_tokenizer_dir(tmp_path / "tiny")
+    cluster = "rt" + secrets.token_hex(4)
+    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.001)).start()
+    cfg = write_config(
+        tmp_path / "cluster.yaml",
+        cluster,
+        etcd_server.endpoint,
+        model_dir=str(tok),
+        packer_target=packer_target,
+        http_port=0,
+        log_json=False,
+    )
+    proc, url = await asyncio.to_thread(start_router, cfg, tmp_path / "router.log")
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    try:
+        ex, token = new_execution()
+        await put_route(etcd, Keys(cluster), ex, "a", engine.target, token)
+        headers = {"Authorization": f"Bearer {token}"}
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": [20] * DEFAULT_TURN_TOKENS, "max_tokens": 8}
+            async with s.post(f"{url}/completions", json=body, headers=headers) as r:
+                text = await r.text()
+                assert r.status == 400, text
+                assert "trainable turn" in text and str(DEFAULT_TURN_TOKENS) in text
+            assert engine.engine.requests == [] and packer.turns == {}
+            for _ in range(100):  # the route arrives through the router's watch
+                body = {"prompt": [20] * (DEFAULT_TURN_TOKENS - 4), "max_tokens": 8}
+                async with s.post(f"{url}/completions", json=body, headers=headers) as r:
+                    data = await r.json()
+                if r.status == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert r.status == 200, data
+            assert data["usage"]["completion_tokens"] == 4  # cut to the room left
+            assert data["choices"][0]["finish_reason"] == "length"
+        for _ in range(100):
+            if packer.turns:
+                break
+            await asyncio.sleep(0.1)
+        assert len(packer.turns) == 1
+    finally:
+        await asyncio.to_thread(proc.stop)
+        await etcd.close()
+        await engine.stop(0)
+        await packer_server.stop(0)
