@@ -189,6 +189,18 @@ class TrainingController:
         """Why the prefix groups are unusable (a failed collective), or None."""
         return self._broken
 
+    def request_reform(self, why: str) -> None:
+        """A peer asked for new prefix groups (a restarted satellite asks the core; the core
+        announced a new generation to a satellite): joins are refused from now on, and the
+        batch in flight, if any, is abandoned at its next consistent point, between two
+        micro-steps and before any collective (its micro-steps go back to the packer with
+        the attempt), so that :meth:`repair` can run. Without this, a batch that waits for
+        data (the stream's last, partial batch) or a core that joins batch after batch would
+        hold the re-formation off, and a restarted satellite would never train again."""
+        if self._broken is None:
+            self._broken = why
+            log.warning("prefix groups to be re-formed", extra={"cell_id": self.cell_id, "why": why})
+
     async def repair(self, reform: Callable[[], None]) -> None:
         """Runs ``reform`` (blocking: tear the prefix groups down and form them again) in a
         thread once no batch is in flight, refusing joins meanwhile; clears the broken
@@ -445,6 +457,8 @@ class TrainingController:
             while pending is not None:
                 claims = await pending
                 pending = None
+                if self._broken is not None:  # a consistent point: nothing half done, no collective yet
+                    raise Unavailable(f"batch {batch_id} abandoned: prefix groups {self._broken}")
                 if claims[0].outcome is Outcome.CLOSED:
                     break
                 if claims[0].outcome is Outcome.WAIT:

@@ -116,8 +116,10 @@ class TrainingService:
             await asyncio.sleep(every_s)
             if groups.world_size <= 1:
                 continue
-            if ctl.broken is None and not await asyncio.to_thread(groups.wants_reform):
-                continue
+            if ctl.broken is None:
+                if not await asyncio.to_thread(groups.wants_reform):
+                    continue
+                ctl.request_reform("a peer asked for new prefix groups")
             try:
                 await ctl.repair(groups.reform)
                 backoff.reset()
