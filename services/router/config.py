@@ -132,7 +132,13 @@ class RouterConfig(ServiceConfig):
         ge=1,
         description="Turn records buffered for the packer before the oldest are dropped.",
     )
-    turn_senders: int = Field(4, ge=1, le=64, description="Concurrent RecordTurn calls.")
+    turn_senders: int = Field(
+        32,
+        ge=1,
+        le=64,
+        description="Concurrent RecordTurn calls (the packer makes concurrent records durable with one "
+        "fsync: more senders keep the records up with the calls under load).",
+    )
     coalesce_ms: float = Field(
         0.0,
         ge=0,

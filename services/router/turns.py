@@ -153,6 +153,21 @@ class TurnRecorder:
             finally:
                 self._sending -= 1
 
+    def _refused(self, turn: Turn, exc: Exception) -> None:
+        """A turn the packer refused for good: counted, in the history, logged."""
+        self.rejected += 1
+        self._history.append(
+            "turn_refused",
+            0,
+            execution_id=turn.execution_id,
+            turn_index=turn.turn_index,
+            error=str(exc)[:200],
+        )
+        log.error(
+            "packer refused a turn record",
+            extra={"execution_id": turn.execution_id, "error": str(exc)},
+        )
+
     async def _send(self, turn: Turn) -> None:
         assert self._sink is not None
         backoff = Backoff(0.05, self._retry_max_s, sleep=self._sleep)
@@ -178,32 +193,10 @@ class TurnRecorder:
                         extra={"execution_id": turn.execution_id, "from": old, "to": turn.turn_index},
                     )
                     continue
-                self.rejected += 1
-                self._history.append(
-                    "turn_refused",
-                    0,
-                    execution_id=turn.execution_id,
-                    turn_index=turn.turn_index,
-                    error=str(exc)[:200],
-                )
-                log.error(
-                    "packer refused a turn record",
-                    extra={"execution_id": turn.execution_id, "error": str(exc)},
-                )
+                self._refused(turn, exc)
                 return
             except _PERMANENT as exc:
-                self.rejected += 1
-                self._history.append(
-                    "turn_refused",
-                    0,
-                    execution_id=turn.execution_id,
-                    turn_index=turn.turn_index,
-                    error=str(exc)[:200],
-                )
-                log.error(
-                    "packer refused a turn record",
-                    extra={"execution_id": turn.execution_id, "error": str(exc)},
-                )
+                self._refused(turn, exc)
                 return
             except GyreError as exc:
                 delay = await backoff.sleep()

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from bench.support.synthetic_packer import FakePacker, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.errors import Unavailable
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.config import TrainingSettings
