@@ -33,6 +33,7 @@ from gyre import config as config_mod  # noqa: E402
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, Op  # noqa: E402
 from gyre.etcd.client import create_revision_is, mod_revision_is  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.etcd.values import CellRecord  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.ledger import ExecState  # noqa: E402
 from services.scheduler.policy import (  # noqa: E402
@@ -76,8 +77,8 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[f
     )
     store = SchedulerStore(etcd, keys, election)
     s = Scheduler(cfg, store, RecordingPeers(), GeneratedTasks())
-    cell = {"cell_id": "sa", "kind": "standalone", "index": -1, "slots": n, "target": "sa:1"}
-    s.on_cells({b"c": _KV(b"c", json.dumps(cell).encode())})
+    cell = CellRecord("sa", CellKind.STANDALONE, -1, n, "sa:1")
+    s.on_cells({b"c": _KV(b"c", cell.to_json())})
     s.on_cell_states({b"s/sa": _KV(b"s/sa", b'{"state": "ROLLOUT"}')})
     await s.take_over(int(epoch))
     await s.reconcile_once()

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -29,27 +28,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from apps.model.tiny import build_tiny_model  # noqa: E402
 from apps.procs import ServiceProcess  # noqa: E402
+from bench.support.fake_packer import FakePacker, synthetic_batch  # noqa: E402
 from bench.support.pki import BenchPki  # noqa: E402
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch  # noqa: E402
+from bench.support.training_rig import join_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
-from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.etcd.server import EtcdServer, free_port  # noqa: E402
 from gyre.identity import Role  # noqa: E402
-from gyre.v1 import cell_agent_pb2 as pb  # noqa: E402
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc  # noqa: E402
-from gyre.v1 import common_pb2 as cpb  # noqa: E402
-from gyre.v1 import packer_pb2_grpc as ppb_grpc  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _join(
@@ -58,17 +47,7 @@ async def _join(
     """JoinBatch as the scheduler would send it: its identity, its (etcd-verified) epoch."""
     pki, epoch = lead
     async with pki.channel(target, "scheduler", Role.SCHEDULER, Role.CELL_AGENT) as ch:
-        r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=epoch),
-                batch_id=batch,
-                policy_version=version,
-                prefix_size=prefix,
-                core_target=core,
-            ),
-            timeout=120,
-        )
-    return r.joined
+        return await join_batch(ch, epoch, batch, version, prefix, core, timeout_s=120)
 
 
 async def _wait_policy(etcd: Etcd, key: bytes, version: int, timeout_s: float = 300.0) -> None:
@@ -94,12 +73,8 @@ async def run_k(
     k: int, etcd: EtcdServer, model_dir: Path, work: Path, micro: int, dtype: str, repeats: int
 ) -> dict:
     cluster = f"bench{k}"
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
     pki = BenchPki(work / "certs")  # mTLS on every hop, as Gyre runs by default
-    port = server.add_secure_port("127.0.0.1:0", pki.tls("packer", Role.PACKER).server_credentials())
-    await server.start()
+    packer = await FakePacker().start(pki.tls("packer", Role.PACKER))
     cfg = {
         "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
         "trainer_cell": {
@@ -108,8 +83,8 @@ async def run_k(
                 "dtype": dtype,
                 "lr": 1e-4,
                 "world_size": k,
-                "dist_master": f"127.0.0.1:{_free_port()}",
-                "packer_target": f"127.0.0.1:{port}",
+                "dist_master": f"127.0.0.1:{free_port()}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.5,
                 "snapshot_chunk_bytes": 1 << 20,
             }
@@ -165,7 +140,7 @@ async def run_k(
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await client.close()
     outs = [_outcomes(work / f"k{k}-c{i}.log") for i in range(k)]
     joins = [

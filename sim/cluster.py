@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.policy import staleness
@@ -630,33 +631,38 @@ class Cluster:
         self.role_epoch += 1
         self.placement.role_changed(c)
 
+    def _after(self, c: Cell, mode: str, seconds: float, then: Callable[[Cell, int], None]) -> None:
+        """``c`` spends ``seconds`` in ``mode``, then ``then`` runs (a no-op if anything
+        newer happened to ``c`` meanwhile: its generation moved on)."""
+        c.set_mode(self.loop.now, mode)
+        c.gen += 1
+        self.loop.schedule(self.loop.now + seconds, then, c, c.gen)
+
+    def _switch(self, c: Cell, seconds: float, then: Callable[[Cell, int], None]) -> None:
+        """A role switch of ``seconds`` (counted), then ``then``."""
+        self.role_switches += 1
+        self.switch_s += seconds
+        self._after(c, "role_switch", seconds, then)
+
     def move_to_training(self, c: Cell) -> bool:
         if c.role is not Role.ROLLOUT:
             return False
-        t = self.loop.now
         self._set_role(c, Role.DRAINING)  # first: no destination may be the source
         self._drain(c)
-        self.role_switches += 1
-        self.switch_s += self.cc.switch_to_train_s
-        c.set_mode(t, "role_switch")
-        c.gen += 1
-        self.loop.schedule(t + self.cc.switch_to_train_s, self._switched_to_training, c, c.gen)
+        self._switch(c, self.cc.switch_to_train_s, self._switched_to_training)
         self.fill()
         return True
 
     def _switched_to_training(self, c: Cell, gen: int) -> None:
         if gen != c.gen:
             return
-        t = self.loop.now
         self._set_role(c, Role.TRAINING)
         if c.return_after_switch:
             c.return_after_switch = False
             self.return_to_rollout(c)
             return
         if c.index > 0 and self.cc.weight_sync_s > 0:  # satellites pull the core's weights
-            c.set_mode(t, "weight_sync")
-            c.gen += 1
-            self.loop.schedule(t + self.cc.weight_sync_s, self._join, c, c.gen)
+            self._after(c, "weight_sync", self.cc.weight_sync_s, self._join)
         else:
             self._join(c, c.gen)
         self.on_boundary()
@@ -671,7 +677,6 @@ class Cluster:
         self._trainer_kick()
 
     def return_to_rollout(self, c: Cell) -> bool:
-        t = self.loop.now
         if c.role is Role.DRAINING:
             changed = not c.return_after_switch
             c.return_after_switch = True
@@ -683,11 +688,7 @@ class Cluster:
             self.trainer.members.remove(c)
             c.joined = False
         self._set_role(c, Role.RETURNING)
-        self.role_switches += 1
-        self.switch_s += self.cc.switch_to_rollout_s
-        c.set_mode(t, "role_switch")
-        c.gen += 1
-        self.loop.schedule(t + self.cc.switch_to_rollout_s, self._switched_to_rollout, c, c.gen)
+        self._switch(c, self.cc.switch_to_rollout_s, self._switched_to_rollout)
         self._trainer_kick()
         return True
 

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.scheduler.config import GyreSettings
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -150,8 +152,9 @@ class TrainingConfig(_Frozen):
     horizon_s: float = Field(7 * 86400.0, gt=0, description="Give up after this much simulated time.")
 
 
-class PolicyParams(_Frozen):
-    """Parameters handed to the scheduler's policies (names follow services/scheduler/policy)."""
+class PolicyParams(_Frozen, GyreSettings):
+    """Parameters handed to the scheduler's policies (names follow services/scheduler/policy;
+    the ``gyre_*`` ones are the scheduler's own :class:`GyreSettings`)."""
 
     supply_fraction: float = Field(0.5, gt=0, le=1, description="Ready groups needed / batch_size.")
     supply_interval_s: float = Field(5.0, ge=0, description="How long the supply must hold.")
@@ -161,30 +164,10 @@ class PolicyParams(_Frozen):
     colocated_overprovision: float = Field(
         0.0, ge=0, le=4, description="Over-provision of colocated sync (0: verl's synchronous batch)."
     )
-    gyre_min_horizon_s: float = Field(
-        300.0,
-        gt=0,
-        description="Gyre: horizon over which the training prefix drains the trainer's queue (s).",
-    )
     rate_window_s: float = Field(
         600.0,
         gt=0,
         description="Window over which the rates the asynchronous policies see (ready groups) are measured.",
-    )
-    gyre_hysteresis: float = Field(
-        0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
-    )
-    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
-    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
-    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
-    gyre_plan: bool = Field(True, description="Gyre lever: PlanMoves (placement avoids planned cells).")
-    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
-    gyre_migrate_max: int = Field(4, ge=0, description="Gyre: migrations per decision.")
-    gyre_migrate_min_load: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="Gyre: engines above this fraction of their slots give tail executions away.",
     )
 
 

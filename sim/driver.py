@@ -97,18 +97,7 @@ class Driver:
             self._placement(),
             pp.rate_window_s,
         )
-        gyre = P.GyreConfig(
-            min_horizon_s=pp.gyre_min_horizon_s,
-            hysteresis=pp.gyre_hysteresis,
-            plan_ahead=pp.gyre_plan_ahead,
-            rates=pp.gyre_rates,
-            keep=pp.gyre_keep,
-            plan=pp.gyre_plan,
-            migrate=pp.gyre_migrate,
-            migrate_max=pp.gyre_migrate_max,
-            migrate_min_load=pp.gyre_migrate_min_load,
-            drain_grace_s=pp.drain_grace_s,
-        )
+        gyre = pp.gyre_config(pp.drain_grace_s)
         self.policy = P.make_policy(
             self.spec.name,
             fraction=pp.supply_fraction,

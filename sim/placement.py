@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from gyre.etcd.values import CellRecord
 from services.scheduler import placement as SP
 from services.scheduler.policy import CellKind, CellState
 
@@ -40,7 +41,7 @@ class SchedulerPlacement:
         self._cells = {c.cid: c for c in cells}
         self._table = SP.CellTable()
         self._table.records = {
-            c.cid: SP.CellRecord(
+            c.cid: CellRecord(
                 c.cid,
                 CellKind.STANDALONE if c.standalone else CellKind.ELASTIC,
                 -1 if c.standalone else c.index,

@@ -28,6 +28,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.support.loopback import serve_loopback  # noqa: E402
 from gyre.grpcx.tls import TlsFiles, process_tls, set_process_tls  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
 
@@ -223,20 +224,14 @@ class FakeEngineServer:
         self.target = ""
 
     async def start(self) -> FakeEngineServer:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        cell_agent_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
         # The router dials engines as cell agents: present a cell certificate (this
         # process's, or the one given), and require the caller's, as a cell agent does.
-        tls = self._tls or process_tls()
-        address = f"127.0.0.1:{self._port}"
-        port = (
-            self.server.add_insecure_port(address)
-            if tls.insecure
-            else self.server.add_secure_port(address, tls.server_credentials())
+        self.server, self.target = await serve_loopback(
+            [(self.engine, cell_agent_pb2_grpc.add_EngineServicer_to_server)],
+            self._tls or process_tls(),
+            self._port,
         )
-        await self.server.start()
-        self._port = port
-        self.target = f"127.0.0.1:{port}"
+        self._port = int(self.target.rsplit(":", 1)[1])
         return self
 
     async def stop(self, grace_s: float | None = None) -> None:

@@ -1,5 +1,6 @@
 """Helpers for the router's integration and fault tests: a tokenizer directory, a router
-process, route writes as the scheduler would make them, a fake packer, SSE parsing."""
+process, route writes as the scheduler would make them, SSE parsing (the packer it
+records turns with: :class:`bench.support.fake_packer.FakePacker`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from gyre.grpcx.tls import TlsFiles
-from gyre.v1 import packer_pb2, packer_pb2_grpc
-from services.router.routes import token_sha256
+from gyre.etcd.values import Route, token_sha256
 
 
 def build_tokenizer_dir(path: Path) -> Path:
@@ -62,49 +60,11 @@ async def put_route(
     group_id: str = "g1",
 ) -> int:
     """Writes the route as the scheduler does; returns the route epoch (the key's version)."""
-    value = {
-        "execution_id": execution_id,
-        "cell_id": cell_id,
-        "target": target,
-        "token_sha256": token_sha256(token),
-        "group_id": group_id,
-        "burst_id": 1,
-        "policy_version": policy_version,
-    }
-    await etcd.put(keys.route(execution_id), json.dumps(value).encode())
+    route = Route(execution_id, cell_id, target, token_sha256(token), group_id, 1, policy_version)
+    await etcd.put(keys.route(execution_id), route.to_json())
     kv = await etcd.get(keys.route(execution_id))
     assert kv is not None
     return kv.version
-
-
-class FakePacker(packer_pb2_grpc.PackerServicer):
-    """Records RecordTurn calls; idempotent on (execution_id, turn_index)."""
-
-    def __init__(self) -> None:
-        self.turns: dict[tuple[str, int], packer_pb2.TurnRecord] = {}
-
-    async def RecordTurn(
-        self, request: packer_pb2.TurnRecord, context: grpc.aio.ServicerContext
-    ) -> packer_pb2.RecordTurnResponse:
-        key = (request.execution_id, request.turn_index)
-        dup = key in self.turns
-        self.turns.setdefault(key, request)
-        return packer_pb2.RecordTurnResponse(duplicate=dup)
-
-
-async def start_fake_packer(tls: TlsFiles) -> tuple[FakePacker, grpc.aio.Server, str]:
-    """A packer stand-in; ``tls``: the packer's identity (the router checks it), or insecure."""
-    packer = FakePacker()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    packer_pb2_grpc.add_PackerServicer_to_server(packer, server)
-    address = "127.0.0.1:0"
-    port = (
-        server.add_insecure_port(address)
-        if tls.insecure
-        else server.add_secure_port(address, tls.server_credentials())
-    )
-    await server.start()
-    return packer, server, f"127.0.0.1:{port}"
 
 
 async def read_sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:

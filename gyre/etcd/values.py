@@ -3,6 +3,7 @@ service that writes or reads them.
 
 - :class:`CellKind` and :class:`CellState`: a cell's kind (``keys.cell`` JSON) and role
   state (``keys.cell_state`` JSON), with their ``gyre.v1`` proto numbers;
+- :class:`CellRecord`: a cell's registration (``keys.cell``);
 - :func:`encode_cell_state` / :func:`decode_cell_state`: the ``keys.cell_state`` value;
 - :class:`Route`: one execution's route (``keys.route``), parsed with one strictness;
 - :func:`token_sha256`: the digest a route stores instead of the execution token.
@@ -43,6 +44,50 @@ class CellKind(enum.Enum):
 
     def to_proto(self) -> common_pb2.CellKind:
         return cast(common_pb2.CellKind, _KIND_TO_PROTO[self])
+
+
+@dataclasses.dataclass(frozen=True)
+class CellRecord:
+    """A cell's registration (``keys.cell``): written by its agent under its lease, read by
+    the scheduler (placement) and anyone listing cells."""
+
+    cell_id: str
+    kind: CellKind
+    index: int
+    slots: int
+    target: str
+    engine: str = "mock"
+    policy_version: int = 0
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> CellRecord:
+        d = json.loads(raw)
+        kind = CellKind.from_name(str(d.get("kind", "standalone")))
+        index = int(d.get("index", -1))
+        if kind is CellKind.STANDALONE:
+            index = -1
+        return cls(
+            str(d["cell_id"]),
+            kind,
+            index,
+            max(0, int(d.get("slots", 0))),
+            str(d.get("target", "")),
+            str(d.get("engine", "mock")),
+            int(d.get("policy_version", 0)),
+        )
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "cell_id": self.cell_id,
+                "kind": self.kind.value,
+                "index": self.index,
+                "slots": self.slots,
+                "target": self.target,
+                "engine": self.engine,
+                "policy_version": self.policy_version,
+            }
+        ).encode()
 
 
 class CellState(enum.Enum):

@@ -34,12 +34,8 @@ def rpc(fn: F) -> F:
             raise
         except GyreError as exc:
             await _abort(context, exc)
-        except Exception as exc:  # one place turns the unexpected into INTERNAL
-            if _is_abort(exc):
-                raise
-            log.exception("unhandled error in %s", fn.__qualname__)
-            code, msg = status_for(exc)
-            await context.abort(code, msg)
+        except Exception as exc:
+            await _unexpected(context, exc, fn)
 
     return wrapper  # type: ignore[return-value]
 
@@ -57,11 +53,7 @@ def rpc_stream(fn: F) -> F:
         except GyreError as exc:
             await _abort(context, exc)
         except Exception as exc:
-            if _is_abort(exc):
-                raise
-            log.exception("unhandled error in %s", fn.__qualname__)
-            code, msg = status_for(exc)
-            await context.abort(code, msg)
+            await _unexpected(context, exc, fn)
 
     return wrapper  # type: ignore[return-value]
 
@@ -74,6 +66,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: GyreError) -> None:
         ms = str(max(0, round(hint * 1000)))
         kept = tuple(context.trailing_metadata() or ())  # e.g. a standby's x-gyre-leader
         context.set_trailing_metadata((*kept, (RETRY_AFTER_MS, ms), ("grpc-retry-pushback-ms", ms)))
+    await context.abort(code, msg)
+
+
+async def _unexpected(context: grpc.aio.ServicerContext, exc: Exception, fn: Callable[..., Any]) -> None:
+    """The one place that turns the unexpected into INTERNAL (logged with its traceback);
+    an abort already under way passes through."""
+    if _is_abort(exc):
+        raise exc
+    log.exception("unhandled error in %s", fn.__qualname__)
+    code, msg = status_for(exc)
     await context.abort(code, msg)
 
 

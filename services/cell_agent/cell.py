@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, Unavailable
+from gyre.etcd.values import CellRecord
 from gyre.failpoints import failpoint
 from gyre.history import History
 from services.cell_agent.engines.base import Chunk, Engine, EngineDead, KvHandle, Sampling
@@ -34,7 +35,7 @@ class CellStateStore(Protocol):
         """Writes the state under the leader fence ``epoch``; StaleEpoch if that leader is
         gone. ``epoch == 0`` is the cell's own unfenced write (start-up, failure)."""
 
-    async def register(self, record: dict[str, object]) -> None:
+    async def register(self, record: CellRecord) -> None:
         """(Re)writes the cell's registration record."""
 
     async def verify_leader(self, epoch: int) -> None:
@@ -123,18 +124,12 @@ class Cell:
             "state", epoch, frm=source.name, to=target.name, v=self.engine.policy_version, reason=reason
         )
 
-    def registration(self) -> dict[str, object]:
+    def registration(self) -> CellRecord:
         """The record at ``keys.cell(cell_id)``."""
         i = self.identity
-        return {
-            "cell_id": i.cell_id,
-            "kind": "standalone" if i.kind is CellKind.STANDALONE else "elastic",
-            "index": i.index,
-            "slots": i.slots,
-            "target": self.target,
-            "engine": i.engine,
-            "policy_version": self.engine.policy_version,
-        }
+        return CellRecord(
+            i.cell_id, i.kind, i.index, i.slots, self.target, i.engine, self.engine.policy_version
+        )
 
     async def close(self) -> None:
         await self.engine.shutdown()

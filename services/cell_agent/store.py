@@ -14,12 +14,10 @@ lease (the cell reappears as it was; nothing else about it changed).
 
 from __future__ import annotations
 
-import json
-
 from gyre.errors import StaleEpoch
 from gyre.etcd import Etcd, Keys, LeaseKeeper, Op
 from gyre.etcd.client import LeaseNotFound, create_revision_is
-from gyre.etcd.values import CellState, encode_cell_state
+from gyre.etcd.values import CellRecord, CellState, encode_cell_state
 
 
 class EtcdCellStore:
@@ -38,9 +36,9 @@ class EtcdCellStore:
     def _lease_id(self) -> int:
         return self._lease.lease_id if isinstance(self._lease, LeaseKeeper) else self._lease
 
-    async def register(self, record: dict[str, object]) -> None:
+    async def register(self, record: CellRecord) -> None:
         key = self._keys.cell(self._cell_id)
-        value = json.dumps(record).encode()
+        value = record.to_json()
         self._written[key] = value
         await self._put(key, value)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from gyre.history import History
-from services.packer.state import Event
+from services.packer.records import Event
 from services.packer.wal import EventLog
 
 _FIELDS: dict[str, tuple[str, ...]] = {

@@ -36,8 +36,9 @@ from services.packer.model import (
     check_id,
 )
 from services.packer.packing import first_fit_decreasing
+from services.packer.records import Batch, Event, Group, GroupState, MicroStep
 from services.packer.segments import split_segments
-from services.packer.state import Batch, Event, Group, GroupState, MicroStep, PackerState
+from services.packer.state import PackerState
 from services.packer.wal import EventLog
 
 log = logging.getLogger(__name__)

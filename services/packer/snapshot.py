@@ -5,11 +5,14 @@ stays proportional to what is buffered, not to everything ever recorded."""
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre.ids import BatchId, CellId, ExecutionId, GroupId
 from services.packer.model import Finish, Turn
-from services.packer.state import Batch, Event, Execution, Group, GroupState, MicroStep, PackerState
+from services.packer.records import Batch, Event, Execution, Group, GroupState, MicroStep
+
+if TYPE_CHECKING:
+    from services.packer.state import PackerState
 
 
 def to_event(st: PackerState) -> Event:

@@ -3,14 +3,62 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from gyre.config import ServiceConfig
+from services.scheduler.policy import GyreConfig, PolicyName
 
 
-class SchedulerConfig(ServiceConfig):
+class GyreSettings(BaseModel):
+    """The Gyre policy's settings (:class:`~services.scheduler.policy.GyreConfig`, whose
+    defaults they take), flat as ``gyre_*``: one definition for the scheduler's config
+    and the simulator's."""
+
+    gyre_min_horizon_s: float = Field(
+        GyreConfig.min_horizon_s,
+        gt=0,
+        description="Gyre: horizon over which the training prefix drains the trainer's queue.",
+    )
+    gyre_hysteresis: float = Field(
+        GyreConfig.hysteresis, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
+    )
+    gyre_plan_ahead: int = Field(
+        GyreConfig.plan_ahead, ge=0, description="Gyre: cells planned beyond the next moves."
+    )
+    gyre_rates: bool = Field(GyreConfig.rates, description="Gyre lever: size the training prefix from rates.")
+    gyre_keep: bool = Field(
+        GyreConfig.keep, description="Gyre lever: hysteresis (keep satellites across updates)."
+    )
+    gyre_plan: bool = Field(
+        GyreConfig.plan,
+        description="Gyre lever: PlanMoves (placement avoids planned cells, spreads the rest).",
+    )
+    gyre_migrate: bool = Field(
+        GyreConfig.migrate, description="Gyre lever: migrate tail executions off crowded engines."
+    )
+    gyre_migrate_max: int = Field(GyreConfig.migrate_max, ge=0, description="Gyre: migrations per decision.")
+    gyre_migrate_min_load: float = Field(
+        GyreConfig.migrate_min_load,
+        ge=0,
+        le=1,
+        description="Gyre: engines above this fraction of their slots give tail executions away.",
+    )
+
+    def gyre_settings(self) -> dict[str, Any]:
+        """The ``gyre_*`` fields by name (to hand on to a scheduler's config)."""
+        return {name: getattr(self, name) for name in GyreSettings.model_fields}
+
+    def gyre_config(self, drain_grace_s: float) -> GyreConfig:
+        """The policy's parameters."""
+        return GyreConfig(
+            **{name.removeprefix("gyre_"): value for name, value in self.gyre_settings().items()},
+            drain_grace_s=drain_grace_s,
+        )
+
+
+class SchedulerConfig(ServiceConfig, GyreSettings):
     """Bursts, the waterlevel policy, heartbeats, peers and observability."""
 
     SECTION: ClassVar[str] = "scheduler"
@@ -48,35 +96,13 @@ class SchedulerConfig(ServiceConfig):
     loop_tasks: bool = Field(True, description="Start the tasks file over when it runs out.")
 
     # The role policy.
-    policy: Literal[
-        "gyre",
-        "waterlevel-sync",
-        "waterlevel",
-        "colocated",
-        "static",
-        "async-static",
-        "async-static-lend",
-        "rollout_only",
-    ] = Field(
+    policy: PolicyName = Field(
         "waterlevel",
         description="Role policy (services/scheduler/policy): gyre (overlapping bursts under the "
         "staleness bound, cells sized from rates; the shipped configs run it), waterlevel / waterlevel-sync (the "
         "seed's burst-synchronous policy), the baselines colocated, static, async-static, async-static-lend; "
         "rollout_only never trains (bursts back to back).",
     )
-    gyre_min_horizon_s: float = Field(
-        300.0, gt=0, description="Gyre: horizon over which the training prefix drains the trainer's queue."
-    )
-    gyre_hysteresis: float = Field(
-        0.2, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
-    )
-    gyre_plan_ahead: int = Field(2, ge=0, description="Gyre: cells planned beyond the next moves.")
-    gyre_rates: bool = Field(True, description="Gyre lever: size the training prefix from rates.")
-    gyre_keep: bool = Field(True, description="Gyre lever: hysteresis (keep satellites across updates).")
-    gyre_plan: bool = Field(
-        True, description="Gyre lever: PlanMoves (placement avoids planned cells, spreads the rest)."
-    )
-    gyre_migrate: bool = Field(True, description="Gyre lever: migrate tail executions off crowded engines.")
     rate_window_s: float = Field(
         600.0,
         gt=0,

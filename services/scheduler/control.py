@@ -168,19 +168,12 @@ class ControlLoop:
             self._drained_since = None
         elif self._drained_since is None:
             self._drained_since = self.clock()
-        if not self.continuous:
-            return Snapshot(
-                self.clock(),
-                counts,
-                views,
-                supply,
-                self.bursts.current(),
-                self.publication.version,
-                self.bursts.next_quota(),
-                self._drained_since,
-            )
-        load = self.fleet.routes.counts()
-        views = tuple(dataclasses.replace(v, load=load.get(v.cell_id, 0)) for v in views)
+        pipeline: Pipeline | None = None
+        executions: tuple[ExecView, ...] = ()
+        if self.continuous:
+            load = self.fleet.routes.counts()
+            views = tuple(dataclasses.replace(v, load=load.get(v.cell_id, 0)) for v in views)
+            pipeline, executions = self.pipeline(), self.tail()
         return Snapshot(
             self.clock(),
             counts,
@@ -188,10 +181,10 @@ class ControlLoop:
             supply,
             self.bursts.current(),
             self.publication.version,
-            self.bursts.next_quota(continuous=True),
+            self.bursts.next_quota(continuous=self.continuous),
             self._drained_since,
-            self.pipeline(),
-            self.tail(),
+            pipeline,
+            executions,
         )
 
     def _batch_full(self) -> bool:

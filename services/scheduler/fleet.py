@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
-from gyre.etcd.values import Route
+from gyre.etcd.values import CellRecord, Route
 from services.scheduler.leadership import Leadership
-from services.scheduler.placement import CellRecord, CellTable, RouteTable
+from services.scheduler.placement import CellTable, RouteTable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

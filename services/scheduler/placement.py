@@ -17,42 +17,10 @@ the cells about to move are kept empty and nothing else is packed.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable, Iterable, Mapping
 
-from gyre.etcd.values import CellKind, CellState, Route, decode_cell_state
+from gyre.etcd.values import CellKind, CellRecord, CellState, Route, decode_cell_state
 from services.scheduler.policy import CellView
-
-
-@dataclasses.dataclass(frozen=True)
-class CellRecord:
-    """A cell's registration (``keys.cell``)."""
-
-    cell_id: str
-    kind: CellKind
-    index: int
-    slots: int
-    target: str
-    engine: str = "mock"
-    policy_version: int = 0
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> CellRecord:
-        d = json.loads(raw)
-        kind = CellKind.from_name(str(d.get("kind", "standalone")))
-        index = int(d.get("index", -1))
-        if kind is CellKind.STANDALONE:
-            index = -1
-        return cls(
-            str(d["cell_id"]),
-            kind,
-            index,
-            max(0, int(d.get("slots", 0))),
-            str(d.get("target", "")),
-            str(d.get("engine", "mock")),
-            int(d.get("policy_version", 0)),
-        )
 
 
 class CellTable:

@@ -44,7 +44,7 @@ from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
-from services.scheduler.policy import GyreConfig, Policy, capacity, make_policy
+from services.scheduler.policy import Policy, capacity, make_policy
 from services.scheduler.publication import Publication
 from services.scheduler.relay import FinishRelay
 from services.scheduler.status import SchedulerStatus, cell_statuses
@@ -90,16 +90,7 @@ class Scheduler:
             interval_s=cfg.interval_s,
             training_cells=cfg.static_training_cells,
             drain_grace_s=cfg.drain_grace_s,
-            gyre=GyreConfig(
-                min_horizon_s=cfg.gyre_min_horizon_s,
-                hysteresis=cfg.gyre_hysteresis,
-                plan_ahead=cfg.gyre_plan_ahead,
-                rates=cfg.gyre_rates,
-                keep=cfg.gyre_keep,
-                plan=cfg.gyre_plan,
-                migrate=cfg.gyre_migrate,
-                drain_grace_s=cfg.drain_grace_s,
-            ),
+            gyre=cfg.gyre_config(cfg.drain_grace_s),
         )
         self.lead = Leadership(store)
         self.ledger = Ledger()

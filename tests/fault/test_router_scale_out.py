@@ -29,14 +29,13 @@ import pytest_asyncio
 
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.fake_packer import FakePacker
 from bench.support.router_rig import (
-    FakePacker,
     build_tokenizer_dir,
     new_execution,
     put_route,
     read_sse,
     sse_token_ids,
-    start_fake_packer,
     start_router,
     write_config,
 )
@@ -71,7 +70,7 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routers")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rs" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    packer = await FakePacker().start(tls("packer"))
     engines = {
         cell: await FakeEngineServer(FakeOptions(cell_id=cell, token_delay_s=0.01)).start()
         for cell in ("a", "b")
@@ -81,7 +80,7 @@ async def env(etcd_server, tmp_path_factory):
         cluster,
         etcd_server.endpoint,
         model_dir=str(tok),
-        packer_target=packer_target,
+        packer_target=packer.target,
         http_port=0,
         retry_budget=0,
         failover_wait_s=0.5,
@@ -107,7 +106,7 @@ async def env(etcd_server, tmp_path_factory):
         await etcd.close()
         for e in engines.values():
             await e.stop(0)
-        await packer_server.stop(0)
+        await packer.stop()
 
 
 async def _routed(env: Env, cell: str) -> tuple[str, str]:

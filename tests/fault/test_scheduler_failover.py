@@ -23,12 +23,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from apps.procs import ServiceProcess
+from bench.support.fake_packer import FakePacker
 from gyre.client import HarnessClient
 from gyre.etcd import Keys
 from services.scheduler import history
 from tests.support.scheduler_peers import (
     FakeCellAgent,
-    FakePacker,
     FakeRouter,
     Harness,
     connect,
@@ -65,7 +65,7 @@ async def test_leader_killed_mid_burst_standby_finishes(etcd_server, cluster_nam
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     hist = tmp_path / "history.jsonl"
     cfg = write_config(
         tmp_path,
@@ -138,7 +138,7 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
     core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
     sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
     router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     core.hold["TRAINING"] = asyncio.Event()  # the switch to training hangs: the leader dies there
     cfg = write_config(
         tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target
@@ -276,7 +276,7 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(
     core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
     sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
     router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     core.hold["TRAINING"] = asyncio.Event()
     hist = tmp_path / "history.jsonl"
     cfg = write_config(
@@ -381,7 +381,7 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     hist = tmp_path / "history.jsonl"
     cfg = write_config(
         tmp_path,

@@ -22,18 +22,15 @@ import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
+from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import cell_agent_pb2 as pb
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
-from gyre.v1 import common_pb2 as cpb
-from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
 from tests.leader import leader_epoch
-from tests.tls import add_port, channel
+from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3
@@ -51,17 +48,7 @@ async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
     async with channel(target, "scheduler") as ch:
         for attempt in range(60):
             try:
-                r = await pb_grpc.CellControlStub(ch).JoinBatch(
-                    pb.JoinBatchRequest(
-                        fence=cpb.Fence(epoch=epoch),
-                        batch_id=batch,
-                        policy_version=version,
-                        prefix_size=1,
-                        core_target=target,
-                    ),
-                    timeout=60,
-                )
-                return r.joined
+                return await join_batch(ch, epoch, batch, version, 1, target)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == 59:
                     raise
@@ -85,10 +72,7 @@ async def test_core_crash_around_the_record_gives_one_step(
 
     packer = FakePacker()
     packer.add_batch(1, 0, steps)
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    port = add_port(server, "127.0.0.1:0", "packer")
-    await server.start()
+    await packer.start(tls("packer"))
     ckpt_dir = tmp_path / "ckpt"
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
@@ -99,7 +83,7 @@ async def test_core_crash_around_the_record_gives_one_step(
                 "lr": LR,
                 "world_size": 1,
                 "dist_master": "127.0.0.1:0",
-                "packer_target": f"127.0.0.1:{port}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.2,
                 "checkpoint_dir": str(ckpt_dir),
             }
@@ -170,5 +154,5 @@ async def test_core_crash_around_the_record_gives_one_step(
         for p in (crashing, restarted):
             if p is not None:
                 await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await etcd.close()

@@ -11,7 +11,6 @@ committed at the packer."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import grpc
@@ -20,51 +19,28 @@ import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
+from bench.support.training_rig import join_batch
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import cell_agent_pb2 as pb
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
-from gyre.v1 import common_pb2 as cpb
-from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from gyre.etcd.server import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from tests.leader import leader_epoch
-from tests.tls import add_port, channel
+from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _join(epoch: int, target: str, batch: int, prefix: int, core: str):
+async def _join(epoch: int, target: str, batch: int, prefix: int, core: str) -> bool:
     async with channel(target, "scheduler") as ch:
-        return (
-            await pb_grpc.CellControlStub(ch).JoinBatch(
-                pb.JoinBatchRequest(
-                    fence=cpb.Fence(epoch=epoch),
-                    batch_id=batch,
-                    policy_version=0,
-                    prefix_size=prefix,
-                    core_target=core,
-                ),
-                timeout=30,
-            )
-        ).joined
+        return await join_batch(ch, epoch, batch, 0, prefix, core, timeout_s=30)
 
 
 async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     from apps.model.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = add_port(server, "127.0.0.1:0", "packer")
-    await server.start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
         "trainer_cell": {
@@ -72,9 +48,9 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
                 "model_dir": str(model_dir),
                 "dtype": "float32",
                 "world_size": 2,
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "dist_timeout_s": 60,
-                "packer_target": f"127.0.0.1:{pport}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.2,
             }
         },
@@ -171,5 +147,5 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await etcd.close()

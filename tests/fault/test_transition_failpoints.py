@@ -13,17 +13,18 @@ import pytest
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
+from bench.support.fake_packer import FakePacker
 from gyre.etcd import Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_ENV
 from tests.support.scheduler_peers import (
     FakeCellAgent,
-    FakePacker,
     FakeRouter,
     Harness,
     connect,
     wait_until,
     write_config,
 )
+from tests.tls import tls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +48,7 @@ async def test_leader_dies_at_a_transition_failpoint(point, etcd_server, cluster
     core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
     sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
     router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     hist = tmp_path / "history.jsonl"
     cfg = write_config(
         tmp_path,

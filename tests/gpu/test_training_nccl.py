@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 
 import grpc
@@ -17,13 +16,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from bench.support.synthetic_packer import synthetic_batch
+from bench.support.fake_packer import synthetic_batch
+from gyre.etcd.server import free_port
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups
 from services.cell_agent.training.trainer import Trainer
 from tests.leader import leader_epoch
-from tests.tls import add_port, channel
+from tests.tls import add_port, channel, tls
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,12 +31,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record(name: str, figures: dict) -> None:
@@ -122,7 +116,7 @@ def test_nccl_prefix_groups_reduce_and_broadcast():
     world = min(torch.cuda.device_count(), 4)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_nccl_rank, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
@@ -138,12 +132,11 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     import yaml
 
     from apps.procs import ServiceProcess
-    from bench.support.synthetic_packer import FakePacker, FakePackerServicer
+    from bench.support.fake_packer import FakePacker
     from gyre.etcd import Etcd, Keys
     from gyre.v1 import cell_agent_pb2 as pb
     from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
     from gyre.v1 import common_pb2 as cpb
-    from gyre.v1 import packer_pb2_grpc as ppb_grpc
 
     steps = synthetic_batch(2, 16, seed=6, seqs_per_step=8, min_len=128, max_len=256)
     ref = Trainer.from_dir(model_dir, 0, "float64", "cpu")
@@ -152,11 +145,7 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     CoreOptimizer(ref, OptimConfig(lr=1e-3)).step(1, ref.flat_grads(), ref.tokens)
     want = ref.state_dict()
 
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = add_port(server, "127.0.0.1:0", "packer")
-    await server.start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
         "trainer_cell": {
@@ -167,8 +156,8 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
                 "world_size": 2,
                 "device": "auto",
                 "dist_backend": "auto",
-                "dist_master": f"127.0.0.1:{_free_port()}",
-                "packer_target": f"127.0.0.1:{pport}",
+                "dist_master": f"127.0.0.1:{free_port()}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.2,
             }
         },
@@ -226,5 +215,5 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await etcd.close()

@@ -21,14 +21,13 @@ import pytest_asyncio
 
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.fake_packer import FakePacker
 from bench.support.router_rig import (
-    FakePacker,
     build_tokenizer_dir,
     new_execution,
     put_route,
     read_sse,
     sse_token_ids,
-    start_fake_packer,
     start_router,
     write_config,
 )
@@ -63,14 +62,14 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_http")
     tok = build_tokenizer_dir(tmp / "tiny")
     cluster = "rh" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    packer = await FakePacker().start(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.01)).start()
     cfg = write_config(
         tmp / "cluster.yaml",
         cluster,
         etcd_server.endpoint,
         model_dir=str(tok),
-        packer_target=packer_target,
+        packer_target=packer.target,
         http_port=0,
         max_body_bytes=MAX_BODY,
         max_tokens_limit=4096,
@@ -95,7 +94,7 @@ async def env(etcd_server, tmp_path_factory):
         await channel.close()
         await etcd.close()
         await engine.stop(0)
-        await packer_server.stop(0)
+        await packer.stop()
 
 
 def chat_body(**kw):

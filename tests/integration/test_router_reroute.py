@@ -20,14 +20,13 @@ import pytest_asyncio
 
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.fake_packer import FakePacker
 from bench.support.router_rig import (
-    FakePacker,
     build_tokenizer_dir,
     new_execution,
     put_route,
     read_sse,
     sse_token_ids,
-    start_fake_packer,
     start_router,
     write_config,
 )
@@ -59,7 +58,7 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rr" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    packer = await FakePacker().start(tls("packer"))
     engines = {}
     for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
         engines[cell] = await FakeEngineServer(
@@ -70,7 +69,7 @@ async def env(etcd_server, tmp_path_factory):
         cluster,
         etcd_server.endpoint,
         model_dir=str(tok),
-        packer_target=packer_target,
+        packer_target=packer.target,
         http_port=0,
         retry_budget=0,
         failover_wait_s=0.5,
@@ -88,7 +87,7 @@ async def env(etcd_server, tmp_path_factory):
         await etcd.close()
         for e in engines.values():
             await e.stop(0)
-        await packer_server.stop(0)
+        await packer.stop()
 
 
 async def _attempts(env: Env, cell: str, execution_id: str) -> list[str]:

@@ -20,11 +20,11 @@ import pytest
 import pytest_asyncio
 
 from bench.support.fake_engine import FakeEngineServer, FakeOptions
+from bench.support.fake_packer import FakePacker
 from bench.support.router_rig import (
     build_tokenizer_dir,
     new_execution,
     put_route,
-    start_fake_packer,
     start_router,
     write_config,
 )
@@ -56,14 +56,14 @@ async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_tools")
     tok_dir = build_tokenizer_dir(tmp / "tiny")
     cluster = "rt" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    packer = await FakePacker().start(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", tokens_per_chunk=2)).start()
     cfg = write_config(
         tmp / "cluster.yaml",
         cluster,
         etcd_server.endpoint,
         model_dir=str(tok_dir),
-        packer_target=packer_target,
+        packer_target=packer.target,
         http_port=0,
         log_json=False,
     )
@@ -83,7 +83,7 @@ async def env(etcd_server, tmp_path_factory):
         proc.stop()
         await etcd.close()
         await engine.stop(0)
-        await packer_server.stop(0)
+        await packer.stop()
 
 
 async def _client(env, *script: list[int], delay_s: float = 0.0) -> tuple[openai.AsyncOpenAI, str]:

@@ -17,12 +17,12 @@ import json
 import pytest
 
 from apps.procs import ServiceProcess
+from bench.support.fake_packer import FakePacker
 from gyre.client import HarnessClient
 from gyre.etcd import Keys
 from gyre.v1 import common_pb2, scheduler_pb2
 from tests.support.scheduler_peers import (
     FakeCellAgent,
-    FakePacker,
     FakeRouter,
     Harness,
     connect,
@@ -30,7 +30,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
-from tests.tls import PKI
+from tests.tls import PKI, tls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +45,7 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
     keys = Keys(cluster_name)
     crowded = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
     router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = write_config(
         tmp_path,
         etcd_server.endpoint,

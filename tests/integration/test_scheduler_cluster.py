@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from apps.procs import ServiceProcess
+from bench.support.fake_packer import FakePacker
 from gyre.etcd import Keys
 from gyre.v1 import common_pb2, scheduler_pb2
 from tests.support.scheduler_peers import (
     FakeCellAgent,
-    FakePacker,
     FakeRouter,
     Harness,
     connect,
@@ -31,6 +31,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
+from tests.tls import tls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +40,7 @@ async def test_skeleton_acquire_finish_and_bad_input(etcd_server, cluster_name, 
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = write_config(
         tmp_path,
         etcd_server.endpoint,
@@ -136,7 +137,7 @@ async def test_burst_runs_through_transitions_both_ways(etcd_server, cluster_nam
     core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 4).start()
     sat = await FakeCellAgent(etcd, keys, "sat1", "elastic", 1, 4).start()
     router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, packer_target=packer.target)
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
     h = Harness(proc.target)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from bench.support.router_rig import build_tokenizer_dir
 from gyre import apikeys, certs
 from gyre.errors import PermissionDenied, Unavailable
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import EtcdServer
+from gyre.etcd.server import EtcdServer, free_port
 from gyre.grpcx.auth import EVERY_ROLE, AccessTable
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles
@@ -81,12 +80,6 @@ SERVED = {
     ],
 }
 EXPECT = {"scheduler": Role.SCHEDULER, "router": Role.ROUTER, "packer": Role.PACKER, "cell": Role.CELL_AGENT}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Cluster:
@@ -146,7 +139,7 @@ class Cluster:
                 "training": {
                     "dtype": "float32",
                     "world_size": 1,
-                    "dist_master": f"127.0.0.1:{_free_port()}",
+                    "dist_master": f"127.0.0.1:{free_port()}",
                     "claim_wait_s": 0.2,
                 },
             },

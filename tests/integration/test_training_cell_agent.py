@@ -11,34 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
-import grpc
 import pytest
 import torch
 import yaml
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
+from gyre.etcd.server import free_port
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
-from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
-from tests.tls import add_port, channel
+from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
@@ -51,11 +43,7 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
         ref.accumulate(s, 0)
     CoreOptimizer(ref, OptimConfig(lr=LR)).step(1, ref.flat_grads(), ref.tokens)
 
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    pport = add_port(server, "127.0.0.1:0", "packer")
-    await server.start()
+    packer = await FakePacker().start(tls("packer"))
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
         "cell_agent": {
@@ -71,8 +59,8 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
                 "dtype": "float64",
                 "lr": LR,
                 "world_size": 2,
-                "dist_master": f"127.0.0.1:{_free_port()}",
-                "packer_target": f"127.0.0.1:{pport}",
+                "dist_master": f"127.0.0.1:{free_port()}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.2,
             },
         },
@@ -154,6 +142,6 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await lease.revoke()
         await etcd.close()

@@ -11,36 +11,25 @@ import asyncio
 import json
 import os
 
-import grpc
 import pytest
 import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.synthetic_packer import FakePacker, FakePackerServicer, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
+from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import cell_agent_pb2 as pb
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
-from gyre.v1 import common_pb2 as cpb
-from gyre.v1 import packer_pb2_grpc as ppb_grpc
+from gyre.etcd.server import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
 from tests.leader import leader_epoch
-from tests.tls import add_port, channel
+from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(240)
 
 LR = 5e-3
 MICRO = 6
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +52,14 @@ def _reference(model_dir, batches):
 
 async def _join(epoch: int, target: str, batch: int, version: int, prefix: int, core: str) -> bool:
     async with channel(target, "scheduler") as ch:
-        r = await pb_grpc.CellControlStub(ch).JoinBatch(
-            pb.JoinBatchRequest(
-                fence=cpb.Fence(epoch=epoch),
-                batch_id=batch,
-                policy_version=version,
-                prefix_size=prefix,
-                core_target=core,
-            ),
-            timeout=60,
-        )
-    return r.joined
+        return await join_batch(ch, epoch, batch, version, prefix, core)
 
 
 async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_dir, tmp_path):
     batches = {1: synthetic_batch(1, MICRO, seed=5), 2: synthetic_batch(2, MICRO, seed=5)}
     want = await asyncio.to_thread(_reference, model_dir, batches)
 
-    packer = FakePacker()
-    server = grpc.aio.server()
-    ppb_grpc.add_PackerServicer_to_server(FakePackerServicer(packer), server)
-    packer_port = add_port(server, "127.0.0.1:0", "packer")
-    await server.start()
+    packer = await FakePacker().start(tls("packer"))
 
     cfg = {
         "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
@@ -96,9 +71,9 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
                 "lr": LR,
                 "max_grad_norm": 1.0,
                 "world_size": 3,
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "dist_timeout_s": 120,
-                "packer_target": f"127.0.0.1:{packer_port}",
+                "packer_target": packer.target,
                 "claim_wait_s": 0.2,
                 "checkpoint_dir": str(tmp_path / "ckpt"),
                 "snapshot_chunk_bytes": 65536,
@@ -166,7 +141,7 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
     finally:
         for p in procs:
             await asyncio.to_thread(p.stop, 10)
-        await server.stop(0)
+        await packer.stop()
         await etcd.close()
 
 

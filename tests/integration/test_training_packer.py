@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 
 import pytest
 import torch
 import yaml
 
 from apps.procs import ServiceProcess
+from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import cell_agent_pb2 as pb
-from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
+from gyre.etcd.server import free_port
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
@@ -29,12 +28,6 @@ from tests.tls import RoleStubs, channel
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_SIZE = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +79,7 @@ async def _feed(stub, group: int) -> None:
 
 async def _join(epoch: int, target: str, batch: int, prefix: int, core: str) -> bool:
     async with channel(target, "scheduler") as ch:
-        return (
-            await pb_grpc.CellControlStub(ch).JoinBatch(
-                pb.JoinBatchRequest(
-                    fence=cpb.Fence(epoch=epoch),
-                    batch_id=batch,
-                    policy_version=0,
-                    prefix_size=prefix,
-                    core_target=core,
-                ),
-                timeout=60,
-            )
-        ).joined
+        return await join_batch(ch, epoch, batch, 0, prefix, core, timeout_s=60)
 
 
 async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[str, torch.Tensor]:
@@ -120,7 +102,7 @@ async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[st
                 "dtype": "float64",
                 "lr": 5e-3,
                 "world_size": cells,
-                "dist_master": f"127.0.0.1:{_free_port()}",
+                "dist_master": f"127.0.0.1:{free_port()}",
                 "claim_wait_s": 0.3,
             }
         },

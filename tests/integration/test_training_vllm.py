@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from bench.support.synthetic_packer import synthetic_batch
+from bench.support.fake_packer import synthetic_batch
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer

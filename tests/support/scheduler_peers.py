@@ -5,8 +5,8 @@
 transaction as the real agent (leader create revision == command epoch), so a deposed
 leader's command is refused. It records every command and can hold a target state (the
 command hangs until released) to freeze a transition at a chosen step. :class:`FakeRouter`
-records MoveExecutions; :class:`FakePacker` records finish reports and streams a supply
-signal the test sets. All bind 127.0.0.1 on a free port. :class:`Harness` is a minimal
+records MoveExecutions (the packer: :class:`bench.support.fake_packer.FakePacker`). Both
+bind 127.0.0.1 on a free port. :class:`Harness` is a minimal
 harness over gRPC; :func:`write_config` writes a cluster YAML for scheduler processes.
 """
 
@@ -21,37 +21,32 @@ from typing import Any
 
 import grpc
 
+from bench.support.loopback import Registrar, serve_loopback
 from gyre.errors import GyreError, StaleEpoch
 from gyre.etcd import Etcd, Keys, Op
 from gyre.etcd.client import create_revision_is
+from gyre.etcd.values import CellKind, CellRecord
 from gyre.fencing import FenceGuard
-from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.grpcx.errors import rpc
 from gyre.identity import Role
 from gyre.v1 import (
     cell_agent_pb2,
     cell_agent_pb2_grpc,
     common_pb2,
-    packer_pb2,
-    packer_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.tls import add_port, channel
+from tests.tls import channel, tls
 
 log = logging.getLogger(__name__)
 _NAMES = {v: k for k, v in common_pb2.CellState.items()}
 
 
-async def _serve(register: list[tuple[Any, Any]], identity: str) -> tuple[grpc.aio.Server, str]:
+async def _serve(register: list[tuple[Any, Registrar]], identity: str) -> tuple[grpc.aio.Server, str]:
     """A server presenting ``identity``'s certificate (the scheduler checks its peers' roles)."""
-    server = grpc.aio.server()
-    for servicer, add in register:
-        add(servicer, server)
-    port = add_port(server, "127.0.0.1:0", identity)
-    await server.start()
-    return server, f"127.0.0.1:{port}"
+    return await serve_loopback(register, tls(identity))
 
 
 class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc.EngineServicer):
@@ -87,16 +82,16 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         return self
 
     async def _register(self) -> None:
-        body = {
-            "cell_id": self.cell_id,
-            "kind": self.kind,
-            "index": self.index,
-            "slots": self.slots,
-            "target": self.target,
-            "engine": "mock",
-            "policy_version": self.policy_version,
-        }
-        await self.etcd.put(self.keys.cell(self.cell_id), json.dumps(body).encode(), lease=self.lease)
+        record = CellRecord(
+            self.cell_id,
+            CellKind.from_name(self.kind),
+            self.index,
+            self.slots,
+            self.target,
+            "mock",
+            self.policy_version,
+        )
+        await self.etcd.put(self.keys.cell(self.cell_id), record.to_json(), lease=self.lease)
 
     async def _keepalive(self) -> None:
         """Refreshes the lease; a lease that lapsed (this loop was held up longer than its
@@ -211,56 +206,6 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         for m in request.moves:
             self.moves.append((epoch, m.execution_id, m.from_cell, m.to_cell, m.route_epoch))
         return router_pb2.MoveExecutionsResponse(moved_requests=0, remaining_at_source=0)
-
-
-class FakePacker(packer_pb2_grpc.PackerServicer):
-    """Records finish reports (idempotent) and streams the supply the test sets."""
-
-    def __init__(self) -> None:
-        self.reports: dict[str, Any] = {}
-        self.report_calls = 0
-        self.sealed: list[tuple[int, int]] = []
-        self.supply = packer_pb2.SupplySignal(ready_groups=0, batch_needs=0, batch_id=1)
-        self._changed = asyncio.Event()
-        self.target = ""
-        self._server: grpc.aio.Server | None = None
-
-    async def start(self) -> FakePacker:
-        self._server, self.target = await _serve(
-            [(self, packer_pb2_grpc.add_PackerServicer_to_server)], "packer"
-        )
-        return self
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop(0)
-
-    def set_supply(self, ready: int, needs: int, batch_id: int = 1) -> None:
-        self.supply = packer_pb2.SupplySignal(ready_groups=ready, batch_needs=needs, batch_id=batch_id)
-        self._changed.set()
-
-    @rpc
-    async def ReportFinish(self, request: Any, context: Any) -> Any:
-        self.report_calls += 1
-        dup = request.execution_id in self.reports
-        self.reports.setdefault(request.execution_id, request)
-        return packer_pb2.ReportFinishResponse(duplicate=dup)
-
-    @rpc
-    async def GetBatch(self, request: Any, context: Any) -> Any:
-        return packer_pb2.BatchStatus(batch_id=self.supply.batch_id)
-
-    @rpc
-    async def SealBatch(self, request: Any, context: Any) -> Any:
-        self.sealed.append((request.fence.epoch, request.batch_id))
-        return packer_pb2.BatchStatus(batch_id=request.batch_id, sealed=True)
-
-    @rpc_stream
-    async def WatchSupply(self, request: Any, context: Any) -> Any:
-        while True:
-            yield self.supply
-            self._changed.clear()
-            await self._changed.wait()
 
 
 class Harness:

@@ -1,6 +1,6 @@
 """In-process fakes of the training controller's ports (a packer source, membership,
-collectives, publisher) for unit tests; the synthetic packer itself lives in
-``bench.support.synthetic_packer``."""
+collectives, publisher) for unit tests; the fake packer itself lives in
+``bench.support.fake_packer``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from bench.support.synthetic_packer import FakePacker
+from bench.support.fake_packer import FakePacker
 from services.cell_agent.training.microstep import Claim
 from services.cell_agent.training.ports import JoinResult
 

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from gyre.errors import FailedPrecondition, FatalError, StaleEpoch, Unavailable
+from gyre.etcd.values import CellRecord
 from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.engines.base import Sampling
 from services.cell_agent.engines.mock import MockEngine, MockFaults, MockTiming, RealClock
@@ -25,7 +26,7 @@ class FakeStore:
     def __init__(self, leader_epoch: int = 5) -> None:
         self.leader_epoch = leader_epoch
         self.states: list[tuple[str, int]] = []
-        self.records: list[dict] = []
+        self.records: list[CellRecord] = []
 
     async def write_state(self, state, epoch, updated_s):
         if epoch > 0 and epoch != self.leader_epoch:
@@ -33,7 +34,7 @@ class FakeStore:
         self.states.append((state.name, epoch))
 
     async def register(self, record):
-        self.records.append(dict(record))
+        self.records.append(record)
 
     async def verify_leader(self, epoch):
         if epoch != self.leader_epoch:
@@ -81,7 +82,7 @@ async def test_full_cycle_calls_the_hook_and_persists_every_step():
         ("ROLLOUT", 5),
     ]
     assert hook.calls == ["enter", "leave"]
-    assert store.records[0]["target"] == "127.0.0.1:9" and store.records[0]["kind"] == "elastic"
+    assert store.records[0].target == "127.0.0.1:9" and store.records[0].kind is CellKind.ELASTIC
     await cell.close()
 
 
@@ -128,7 +129,7 @@ async def test_load_policy_and_join_batch_are_fenced_and_state_checked():
     cell, store, hook = await _cell(pull=pull)
     before = [t async for c in cell.generate("a", [3, 4], Sampling(max_tokens=8)) for t in c.token_ids]
     version, _ = await cell.load_policy(5, 7, "core:1")
-    assert version == 7 and pulled == [("core:1", 7)] and store.records[-1]["policy_version"] == 7
+    assert version == 7 and pulled == [("core:1", 7)] and store.records[-1].policy_version == 7
     after = [t async for c in cell.generate("b", [3, 4], Sampling(max_tokens=8)) for t in c.token_ids]
     assert after != before
     with pytest.raises(StaleEpoch):

@@ -268,3 +268,23 @@ def test_tls_is_on_by_default() -> None:
             assert test[test.index("--tls-dir") + 1] == f"/certs/{who}", name
     assert services["harness"]["environment"]["GYRE_HARNESS_TLS_DIR"] == "/certs/harness"
     assert "insecure" not in COMPOSE_FILE.read_text() + CLUSTER.read_text()
+
+
+@needs_compose
+def test_long_running_services_restart_after_a_crash() -> None:
+    """Every long-running Gyre service restarts when its process dies (not when an operator
+    stops it) and runs under an init, so that a crash is a crash (`make compose-smoke` SIGKILLs
+    a cell's process inside its container and waits for the engine to restart it); one-shots
+    never restart; the smoke sizes the run through GYRE_MAX_BURSTS."""
+    services = resolved()["services"]
+    one_shots = {"certs", "etcd-auth", "model", "harness"}
+    for name, svc in services.items():
+        if svc["image"].startswith("gyre:"):
+            assert svc.get("init") is True, name
+        if name in one_shots:
+            assert svc["restart"] == "no", name
+        else:
+            assert svc["restart"] == "unless-stopped", name
+    assert services["scheduler"]["environment"]["GYRE_SCHEDULER__MAX_BURSTS"] == "3"
+    bigger = resolved({"GYRE_MAX_BURSTS": "6"})["services"]["scheduler"]["environment"]
+    assert bigger["GYRE_SCHEDULER__MAX_BURSTS"] == "6"

@@ -83,3 +83,61 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     mod = tmp_path / "m.py"
     mod.write_text("def f():\n    from services.router import calls\n")
     assert "services.router.calls" in _imports(mod)
+
+
+def _runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports when it runs: every import, function
+    level included, but not those under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out & known
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` (depth first), or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_no_import_cycles() -> None:
+    paths = {}
+    for top in ("gyre", "services", "apps", "sim", "bench"):
+        for p in (ROOT / top).rglob("*.py"):
+            if "v1" not in p.relative_to(ROOT).parts:
+                paths[".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = p
+    known = set(paths)
+    graph = {
+        mod: {dep for dep in _runtime_imports(p, known) if dep != mod and not mod.startswith(dep + ".")}
+        for mod, p in paths.items()
+    }
+    assert _cycle(graph) == []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]

@@ -454,7 +454,8 @@ def test_make_policy_names():
 
 
 def test_placement_spreads_and_keeps_planned_cells_last():
-    from services.scheduler.placement import CellRecord, CellTable, placement_order
+    from gyre.etcd.values import CellRecord
+    from services.scheduler.placement import CellTable, placement_order
 
     table = CellTable()
     table.records = {f"c{i}": CellRecord(f"c{i}", CellKind.ELASTIC, i, 4, f"t{i}") for i in range(4)}

@@ -10,54 +10,30 @@ import types
 
 import pytest
 
+from bench.support.fake_packer import FakePacker
 from gyre import config as config_mod
+from gyre.v1 import packer_pb2 as ppb
 from services.cell_agent.config import CellAgentConfig
 from services.cell_agent.hooks import JoinBatch
 from services.cell_agent.training import hook as hook_mod
 from services.cell_agent.training.config import MockTrainerSettings
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
 from services.cell_agent.training.mock_trainer import MockTrainingHook, sequence_tokens
+from tests.support.training_fakes import FakeSource
 
 
-class FakePacker:
-    def __init__(self, steps: list[MicroStep]) -> None:
-        self.free = list(steps)
-        self.claimed: dict[str, str] = {}
-        self.acked: list[str] = []
-        self.calls = 0  # claim calls that claimed something
+class CountingSource(FakeSource):
+    """A cell's source that counts the claim calls that claimed something."""
 
-    def source(self, cell: str):
-        packer = self
+    calls = 0
 
-        class Source:
-            async def claim_many(
-                self, batch_id: int, version: int, wait_s: float, max_n: int, claim_id: str = ""
-            ) -> list[Claim]:
-                await asyncio.sleep(0)
-                if not packer.free:
-                    return [Claim(Outcome.CLOSED)]
-                claims = []
-                while packer.free and len(claims) < max_n:
-                    step = packer.free.pop(0)
-                    packer.claimed[step.micro_step_id] = cell
-                    claims.append(Claim(Outcome.CLAIMED, step, 30.0))
-                packer.calls += 1
-                return claims
-
-            async def ack_many(self, batch_id: int, step_ids: list[str]) -> list[bool]:
-                packer.acked.extend(step_ids)
-                return [False] * len(step_ids)
-
-            async def keep(self) -> None:
-                return None
-
-            async def close(self) -> None:
-                return None
-
-        return Source()
-
-    async def batch(self, batch_id: int):
-        return types.SimpleNamespace(done=not self.free and len(self.acked) == len(self.claimed))
+    async def claim_many(
+        self, batch_id: int, policy_version: int, wait_s: float, max_micro_steps: int, claim_id: str = ""
+    ) -> list[Claim]:
+        claims = await super().claim_many(batch_id, policy_version, wait_s, max_micro_steps, claim_id)
+        if claims[0].outcome is Outcome.CLAIMED:
+            self.calls += 1
+        return claims
 
 
 def _step(i: int, n: int) -> MicroStep:
@@ -74,7 +50,13 @@ class Publisher:
 
 
 async def test_batch_trained_once_and_published_after_done() -> None:
-    packer = FakePacker([_step(i, 100) for i in range(6)])
+    packer = FakePacker()
+    packer.add_batch(1, 0, [_step(i, 100) for i in range(6)])
+    sources = [CountingSource(packer, "c0"), CountingSource(packer, "c1")]
+
+    async def batches(batch_id: int) -> ppb.BatchStatus:
+        return packer.batch_status(batch_id)
+
     settings = MockTrainerSettings(
         segment_marker_id=-1,
         time_scale=0.001,
@@ -97,8 +79,8 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         cell_id="c0",
         index=0,
         target="x:1",
-        source=packer.source("c0"),
-        batches=packer.batch,
+        source=sources[0],
+        batches=batches,
         publisher=pub,
         sleep=sleep,
     )
@@ -107,8 +89,8 @@ async def test_batch_trained_once_and_published_after_done() -> None:
         cell_id="c1",
         index=1,
         target="x:2",
-        source=packer.source("c1"),
-        batches=packer.batch,
+        source=sources[1],
+        batches=batches,
         sleep=sleep,
     )
     cmd = JoinBatch(epoch=1, batch_id=1, policy_version=0, prefix_size=2, core_target="x:1")
@@ -116,9 +98,10 @@ async def test_batch_trained_once_and_published_after_done() -> None:
     assert await sat.join_batch(cmd)
     assert await core.join_batch(cmd)  # idempotent
     await asyncio.gather(core.wait_batch(1), sat.wait_batch(1))
-    assert sorted(packer.acked) == [f"m{i}" for i in range(6)]
+    assert sorted(packer.claimed_by(1)) == [f"m{i}" for i in range(6)]
+    assert packer.batch_status(1).acked == 6
     assert core.micro_steps + sat.micro_steps == 6
-    assert packer.calls < 6  # several micro-steps per claim call
+    assert sum(src.calls for src in sources) < 6  # several micro-steps per claim call
     assert core.trained_tokens + sat.trained_tokens == 600
     assert pub.published == [(1, 1)]
     assert core.version == 1 and core.last_batch_id == 1

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from bench.support.synthetic_packer import synthetic_batch
+from bench.support.fake_packer import synthetic_batch
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.core import FAILPOINT_ENV, CoreOptimizer, FailpointCrash, OptimConfig
 from services.cell_agent.training.microstep import MicroStep, Sequence

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from bench.support.synthetic_packer import FakePacker, synthetic_batch
+from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.errors import NotFound
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.controller import ControllerParams, TrainingController

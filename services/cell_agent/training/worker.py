@@ -15,12 +15,11 @@ from gyre import runtime
 from gyre.config import ServiceConfig
 from gyre.etcd.election import verified_fence
 from gyre.fencing import FenceGuard
-from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc
-from gyre.identity import Role
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from services.cell_agent import snapshots
+from services.cell_agent.servicer import CellControlServicer
 from services.cell_agent.training.config import TrainingSettings
 from services.cell_agent.training.service import TrainingService
 
@@ -37,15 +36,7 @@ class TrainerCellConfig(ServiceConfig):
 class TrainingControlServicer(pb_grpc.CellControlServicer):
     """JoinBatch only."""
 
-    ACCESS = AccessTable(
-        "gyre.v1.CellControl",
-        {
-            "SetState": allow(Role.SCHEDULER),
-            "GetCellStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
-            "LoadPolicy": allow(Role.SCHEDULER),
-            "JoinBatch": allow(Role.SCHEDULER),
-        },
-    )
+    ACCESS = CellControlServicer.ACCESS  # the same service, so the same callers
 
     def __init__(self, training: TrainingService, fence: FenceGuard | None = None) -> None:
         self.training = training

@@ -44,6 +44,8 @@ before asking again; repeated ``PublishPolicy`` / ``PlanMoves`` are no-ops.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from services.scheduler.policy import staleness
 from services.scheduler.policy.actions import (
     Action,
@@ -89,7 +91,7 @@ from services.scheduler.policy.waterlevel import WaterlevelConfig, WaterlevelPol
 ASYNC_POLICIES = ("gyre", "async-static", "async-static-lend")
 """Policies that dispatch continuously and need ``Snapshot.pipeline``."""
 
-POLICIES = (
+PolicyName = Literal[
     "gyre",
     "waterlevel-sync",
     "waterlevel",
@@ -98,7 +100,10 @@ POLICIES = (
     "async-static",
     "async-static-lend",
     "rollout_only",
-)
+]
+"""The policies :func:`make_policy` builds (the scheduler's ``policy`` setting)."""
+
+POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 
 def make_policy(
@@ -134,6 +139,7 @@ def make_policy(
 __all__ = [
     "ASYNC_POLICIES",
     "POLICIES",
+    "PolicyName",
     "Action",
     "AsyncStaticConfig",
     "AsyncStaticLendPolicy",

@@ -1,8 +1,23 @@
-"""A synthetic packer: the claim side of the Packer service in memory (:class:`FakePacker`)
-and over gRPC (:class:`FakePackerServicer`), fed with random micro-steps
-(:func:`synthetic_batch`). The training benchmark drives trainers with it; multi-process
-tests reuse it. It can hold micro-steps back (a data pause) and release them on demand, so
-satellites can be made to join at chosen micro-steps."""
+"""The one fake packer: the Packer service's gRPC surface in memory, for the tests and
+benchmarks of the packer's callers (:class:`FakePacker`), and the random micro-steps it is
+fed with (:func:`synthetic_batch`).
+
+Each caller finds the part it talks to:
+
+- the router: ``RecordTurn`` is recorded in :attr:`FakePacker.turns` (idempotent on
+  ``(execution_id, turn_index)``, as the packer is);
+- the scheduler: ``ReportFinish`` is recorded in :attr:`FakePacker.reports` (idempotent),
+  ``SealBatch`` in :attr:`FakePacker.sealed`, and ``WatchSupply`` streams the supply the
+  test sets (:meth:`FakePacker.set_supply`);
+- trainers: the claim side (``OpenBatch``, ``ClaimMicroStep``, ``AckMicroStep``,
+  ``CommitBatch``) over batches the test adds. It can hold micro-steps back (a data pause)
+  and release them on demand, or for one cell, so satellites join at chosen micro-steps.
+  Its ``*_sync`` methods are the same claim side without gRPC, for in-process tests.
+
+It lives in ``bench/support`` because benchmarks drive trainers with it and benchmarks may
+not import test code (tests may import bench rigs). :meth:`FakePacker.start` serves it on a
+loopback port with the packer's certificate (callers check it), as the real one does.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +25,14 @@ import asyncio
 import dataclasses
 import random
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 
+from bench.support.loopback import serve_loopback
 from gyre.errors import FailedPrecondition, InvalidArgument
-from gyre.grpcx.errors import rpc
+from gyre.grpcx.errors import rpc, rpc_stream
+from gyre.grpcx.tls import TlsFiles
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
@@ -60,13 +78,84 @@ class _Batch:
     committed: bool = False
 
 
-class FakePacker:
-    """A packer's claim side in memory. ``released`` micro-steps are claimable; the rest
-    wait for :meth:`release` (a data pause). Thread-safe; claims long-poll up to wait_s."""
+class FakePacker(ppb_grpc.PackerServicer):
+    """The packer's RPCs in memory (see the module's docstring); other RPCs: UNIMPLEMENTED.
+    Claim-side state is thread-safe (trainers' threads claim through the ``*_sync``
+    methods); claims long-poll up to the request's ``wait_s``."""
 
     def __init__(self) -> None:
         self._batches: dict[int, _Batch] = {}
         self._cond = threading.Condition()
+        self.turns: dict[tuple[str, int], ppb.TurnRecord] = {}
+        self.reports: dict[str, ppb.FinishReport] = {}
+        self.report_calls = 0
+        self.sealed: list[tuple[int, int]] = []
+        self.supply = ppb.SupplySignal(ready_groups=0, batch_needs=0, batch_id=1)
+        self._supply_changed = asyncio.Event()
+        self.target = ""
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, tls: TlsFiles) -> FakePacker:
+        """Serves on a free loopback port as ``tls``'s identity (the packer's: its callers
+        check it); :attr:`target` is where."""
+        self._server, self.target = await serve_loopback([(self, ppb_grpc.add_PackerServicer_to_server)], tls)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+            self._server = None
+
+    # -- the router's side ---------------------------------------------------------------
+
+    @rpc
+    async def RecordTurn(
+        self, request: ppb.TurnRecord, context: grpc.aio.ServicerContext
+    ) -> ppb.RecordTurnResponse:  # noqa: N802
+        key = (request.execution_id, request.turn_index)
+        dup = key in self.turns
+        self.turns.setdefault(key, request)
+        return ppb.RecordTurnResponse(duplicate=dup)
+
+    # -- the scheduler's side ------------------------------------------------------------
+
+    def set_supply(self, ready: int, needs: int, batch_id: int = 1) -> None:
+        """The supply signal :meth:`WatchSupply` streams from now on."""
+        self.supply = ppb.SupplySignal(ready_groups=ready, batch_needs=needs, batch_id=batch_id)
+        self._supply_changed.set()
+
+    @rpc
+    async def ReportFinish(
+        self, request: ppb.FinishReport, context: grpc.aio.ServicerContext
+    ) -> ppb.ReportFinishResponse:  # noqa: N802
+        self.report_calls += 1
+        dup = request.execution_id in self.reports
+        self.reports.setdefault(request.execution_id, request)
+        return ppb.ReportFinishResponse(duplicate=dup)
+
+    @rpc
+    async def GetBatch(
+        self, request: ppb.GetBatchRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.BatchStatus:  # noqa: N802
+        return self.batch_status(request.batch_id or self.supply.batch_id)
+
+    @rpc
+    async def SealBatch(
+        self, request: ppb.SealBatchRequest, context: grpc.aio.ServicerContext
+    ) -> ppb.BatchStatus:  # noqa: N802
+        self.sealed.append((request.fence.epoch, request.batch_id))
+        return ppb.BatchStatus(batch_id=request.batch_id, sealed=True)
+
+    @rpc_stream
+    async def WatchSupply(
+        self, request: ppb.WatchSupplyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ppb.SupplySignal]:  # noqa: N802
+        while True:
+            yield self.supply
+            self._supply_changed.clear()
+            await self._supply_changed.wait()
+
+    # -- the trainers' side: claims ------------------------------------------------------
 
     def add_batch(
         self, batch_id: int, version: int, steps: list[MicroStep], released: int | None = None
@@ -165,19 +254,33 @@ class FakePacker:
                 raise FailedPrecondition(f"batch {batch_id}: {len(b.acked)} of {len(b.steps)} acknowledged")
             b.committed = True
 
+    def batch_status(self, batch_id: int) -> ppb.BatchStatus:
+        """What ``GetBatch`` answers: a batch added here with its claim counts (``done``
+        once every micro-step is acknowledged), any other with its id alone."""
+        with self._cond:
+            b = self._batches.get(batch_id)
+            if b is None:
+                return ppb.BatchStatus(batch_id=batch_id)
+            n = len(b.steps)
+            return ppb.BatchStatus(
+                batch_id=batch_id,
+                policy_version=b.version,
+                micro_steps=n,
+                claimed=b.next - len(b.acked),
+                acked=len(b.acked),
+                sealed=True,
+                closed=b.next >= n,
+                done=len(b.acked) == n,
+                unclaimed=max(0, b.released - b.next),
+                participants=sorted(set(b.claimed_by.values())),
+                committed=b.committed,
+            )
+
     def status(self, batch_id: int) -> tuple[int, int, bool]:
         """(attempts, acked, committed) of a batch."""
         with self._cond:
             b = self._batches[batch_id]
             return b.attempts, len(b.acked), b.committed
-
-
-class FakePackerServicer(ppb_grpc.PackerServicer):
-    """The claim RPCs of the Packer service over a :class:`FakePacker` (other RPCs:
-    UNIMPLEMENTED), for multi-process tests and the benchmark."""
-
-    def __init__(self, packer: FakePacker) -> None:
-        self.packer = packer
 
     @rpc
     async def ClaimMicroStep(
@@ -186,7 +289,7 @@ class FakePackerServicer(ppb_grpc.PackerServicer):
         if not 0 <= request.wait_s <= 30:
             raise InvalidArgument("wait_s out of range")
         c = await asyncio.to_thread(
-            self.packer.claim_sync, request.cell_id, request.batch_id, request.policy_version, request.wait_s
+            self.claim_sync, request.cell_id, request.batch_id, request.policy_version, request.wait_s
         )
         return ppb.ClaimMicroStepResponse(
             outcome=c.outcome.to_proto(),
@@ -203,7 +306,7 @@ class FakePackerServicer(ppb_grpc.PackerServicer):
         if not 1 <= request.max_micro_steps <= 64:
             raise InvalidArgument("max_micro_steps out of range")
         claims = await asyncio.to_thread(
-            self.packer.claim_many_sync,
+            self.claim_many_sync,
             request.cell_id,
             request.batch_id,
             request.policy_version,
@@ -221,28 +324,28 @@ class FakePackerServicer(ppb_grpc.PackerServicer):
         self, request: ppb.AckMicroStepsRequest, context: grpc.aio.ServicerContext
     ) -> ppb.AckMicroStepsResponse:  # noqa: N802
         for m in request.micro_step_ids:
-            self.packer.ack_sync(request.batch_id, m)
+            self.ack_sync(request.batch_id, m)
         return ppb.AckMicroStepsResponse(duplicate=[False] * len(request.micro_step_ids))
 
     @rpc
     async def AckMicroStep(
         self, request: ppb.AckMicroStepRequest, context: grpc.aio.ServicerContext
     ) -> ppb.AckMicroStepResponse:  # noqa: N802
-        self.packer.ack_sync(request.batch_id, request.micro_step_id)
+        self.ack_sync(request.batch_id, request.micro_step_id)
         return ppb.AckMicroStepResponse()
 
     @rpc
     async def OpenBatch(
         self, request: ppb.OpenBatchRequest, context: grpc.aio.ServicerContext
     ) -> ppb.BatchStatus:  # noqa: N802
-        await asyncio.to_thread(self.packer.open_sync, request.batch_id)
+        await asyncio.to_thread(self.open_sync, request.batch_id)
         return ppb.BatchStatus(batch_id=request.batch_id)
 
     @rpc
     async def CommitBatch(
         self, request: ppb.CommitBatchRequest, context: grpc.aio.ServicerContext
     ) -> ppb.BatchStatus:  # noqa: N802
-        await asyncio.to_thread(self.packer.commit_sync, request.batch_id)
+        await asyncio.to_thread(self.commit_sync, request.batch_id)
         return ppb.BatchStatus(batch_id=request.batch_id, committed=True)
 
     @rpc
