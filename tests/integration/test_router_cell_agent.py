@@ -90,12 +90,12 @@ async def test_move_with_kv_handoff_between_real_cells_is_token_identical(env):
                 moved = await rig.move(ex1, "ca", "cb", tok1, timeout_s=10)
 
         out = await _stream(rig, tok1, move)
-        assert asked and out == plain
+        assert asked and out == plain, (moved, out, plain)
         if moved:
             break
     assert moved == 1
     status = await rig.router.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
-    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0
+    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0, status
     for _ in range(100):  # released after the destination's first token
         if not list(kv_dir.iterdir()):
             break

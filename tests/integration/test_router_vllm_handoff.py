@@ -77,7 +77,7 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
     await rig.route(ex0, "va", tok0)
     await asyncio.sleep(0.5)
     plain = await _call(rig, ex0, tok0)
-    assert len(plain) == MAX_TOKENS
+    assert len(plain) == MAX_TOKENS, plain
     moved = 0
     for _ in range(3):  # a call whose last tokens beat the move is not one this test is about
         ex1, tok1 = new_execution()
@@ -92,22 +92,22 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
                 moved = await rig.move(ex1, "va", "vb", tok1, timeout_s=30)
 
         out = await _call(rig, ex1, tok1, move)
-        assert asked and out == plain
+        assert asked and out == plain, (moved, out, plain)
         if moved:
             break
     assert moved == 1
     status = await rig.router.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
-    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0
+    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0, status
     # The destination read the context instead of recomputing it: all but the last block.
     received = [r for r in _log_records(rig.logs["vb"]) if r.get("message") == "kv handoff received"]
     assert len(received) == 1, received
     context = received[0]["prompt_tokens"]  # the prompt + the tokens generated at the source
-    assert len(PROMPT) + 8 <= context < len(PROMPT) + MAX_TOKENS
-    assert received[0]["cached_tokens"] >= context - 128
+    assert len(PROMPT) + 8 <= context < len(PROMPT) + MAX_TOKENS, received
+    assert received[0]["cached_tokens"] >= context - 128, received
     load = None
     for _ in range(200):  # the pin is released after the destination's first token
         load = await rig.engines["va"].GetLoad(cell_agent_pb2.GetLoadRequest(), timeout=5)
         if load.running_requests == 0:
             break
         await asyncio.sleep(0.05)
-    assert load is not None and load.running_requests == 0
+    assert load is not None and load.running_requests == 0, load
