@@ -35,6 +35,8 @@ bench: install  ## benchmarks (~30 min on 2 idle cores); JSON in bench/results/,
 	$(PY) bench/scheduler_ledger.py
 	$(PY) bench/scheduler_takeover.py
 	$(PY) bench/router_latency.py
+	$(PY) bench/engine_stream_mux.py
+	$(PY) bench/dataplane_load.py
 	$(PY) bench/engine_reroute.py
 	$(PY) bench/packer_claims.py
 	$(PY) bench/training_elastic.py

@@ -4,7 +4,7 @@ long a reroute takes.
 Three kinds of processes on loopback, as in production: fake engines (bench/support/fake_engine.py:
 a deterministic token-level engine with a fixed per-token delay, standing in for the mock
 engine), the router (``python -m services.router`` against a private etcd), and this client.
-In the same run, at each concurrency (64 and 256 streams of 32 tokens), rounds alternate
+In the same run, at each concurrency (64, 256 and 1,024 streams of 32 tokens), rounds alternate
 between calling Engine.Generate directly, Router.Generate (gRPC) and the router's OpenAI
 SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the
 time to first token and to the last token.
@@ -18,7 +18,7 @@ engine B in etcd and calls Router.MoveExecutions; we measure from the start of t
 to B's first token (B runs in this process so its clock is ours) and to the next token the
 harness receives.
 
-    PYTHONPATH=. .venv/bin/python bench/router_latency.py [--rounds 3] [--streams 64,256] [--quick]
+    PYTHONPATH=. .venv/bin/python bench/router_latency.py [--rounds 3] [--streams 64,256,1024] [--quick]
 
 Writes bench/results/router_latency.json.
 """
@@ -441,7 +441,7 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="one round at 64 streams, 5 reroutes (a smoke run)")
-    ap.add_argument("--streams", default="64,256", help="concurrencies, comma-separated (e.g. 64,256,1024)")
+    ap.add_argument("--streams", default="64,256,1024", help="concurrencies, comma-separated")
     a = ap.parse_args()
     concs = [64] if a.quick else [int(c) for c in a.streams.split(",")]
     out = asyncio.run(main(1 if a.quick else a.rounds, concs, 5 if a.quick else a.trials))

@@ -40,7 +40,9 @@ from apps.launch import Cluster
 from services.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-HISTORIES = ("scheduler", "packer", "router")
+HISTORIES = ("scheduler", "packer", "router", "cell_agent")
+VLLM_READY_TIMEOUT_S = 300.0
+"""How long the launcher (and its supervisor, on a restart) waits for a vLLM cell agent."""
 
 
 @dataclass
@@ -96,6 +98,13 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
         data["launch"]["processes"].append(
             {"service": "dashboard", "env": {"GYRE_DASHBOARD__HTTP_PORT": str(port)}}
         )
+    # A vLLM cell agent loads its engine for minutes on a loaded machine: a restart by the
+    # supervisor waits as long for its ready line (the launcher's 120 s killed vLLM restarts
+    # of the chaos demo twice before one came up).
+    if opts.engine == "vllm":
+        for spec in data["launch"]["processes"]:
+            if spec["service"] == "cell_agent":
+                spec.setdefault("ready_timeout_s", VLLM_READY_TIMEOUT_S)
     # Operation histories for the checker (python -m apps.checker), one file per service.
     for section in HISTORIES:
         data[section]["history_file"] = f"{{run_dir}}/history/{section}.jsonl"

@@ -65,8 +65,12 @@ LEADER_METADATA = "x-gyre-leader"
 _LEADER_IN_DETAILS = re.compile(r"the leader is at (\S+?)[;,)]?(?:\s|$)")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 DEFAULT_RETRY_S = 30.0
-ROUTER_CONNECT_RETRY_S = 30.0
-"""How long a model call keeps reconnecting to a router that refuses connections (restarting)."""
+ROUTER_CONNECT_RETRY_S = 120.0
+"""How long a model call keeps reconnecting to a router that refuses connections (restarting):
+longer than a supervised restart takes (its back-off, at most 30 s, and the start, whose ready
+line the supervisor awaits up to 60 s). 30 s failed 28 episodes of the vLLM chaos demo, whose
+router came back after 30.2 s (its tokenizer loads slowly on a loaded machine); the
+execution's heartbeats go on meanwhile, so waiting loses nothing."""
 T = TypeVar("T")
 
 

@@ -20,15 +20,8 @@ import pytest_asyncio
 from apps.checker import check_files
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.router_rig import (
-    FakePacker,
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    start_fake_packer,
-    start_router,
-    write_config,
-)
+from bench.support.fake_packer import FakePacker
+from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from tests.support.proxy import LinkProxy
 from tests.support.scheduler_peers import (
@@ -38,12 +31,7 @@ from tests.support.scheduler_peers import (
     connect,
     wait_until,
 )
-from tests.support.scheduler_peers import (
-    FakePacker as FakeSchedulerPacker,
-)
-from tests.support.scheduler_peers import (
-    write_config as write_scheduler_config,
-)
+from tests.support.scheduler_peers import write_config as write_scheduler_config
 from tests.tls import tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -66,7 +54,7 @@ class Env:
 async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("links")
     tok = build_tokenizer_dir(tmp / "model")
-    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    packer = await FakePacker().start(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.02)).start()
     proxy = await LinkProxy(engine.target).start()
     cluster = "lk" + secrets.token_hex(4)
@@ -75,7 +63,7 @@ async def env(etcd_server, tmp_path_factory):
         cluster,
         etcd_server.endpoint,
         model_dir=str(tok),
-        packer_target=packer_target,
+        packer_target=packer.target,
         http_port=0,
         retry_budget=20,  # a black-holed link fails every attempt until it is reset
         failover_wait_s=0.2,  # no scheduler here: retry at the same route soon
@@ -93,7 +81,7 @@ async def env(etcd_server, tmp_path_factory):
         await etcd.close()
         await proxy.stop()
         await engine.stop(0)
-        await packer_server.stop(0)
+        await packer.stop()
 
 
 async def _call(env: Env, token: str) -> dict:
@@ -176,7 +164,7 @@ async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
     await core._register()
     sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
     router = await FakeRouter(etcd, keys).start()
-    packer = await FakeSchedulerPacker().start()
+    packer = await FakePacker().start(tls("packer"))
     core.hold["TRAINING"] = asyncio.Event()
     hist = tmp_path / "history.jsonl"
     cfg = write_scheduler_config(

@@ -14,14 +14,8 @@ import aiohttp
 import pytest
 
 from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.router_rig import (
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    start_fake_packer,
-    start_router,
-    write_config,
-)
+from bench.support.fake_packer import FakePacker
+from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from services.router.limits import DEFAULT_TURN_TOKENS
 from tests.tls import tls
@@ -32,14 +26,14 @@ pytestmark = pytest.mark.timeout(120)
 async def test_an_oversized_turn_is_refused_without_max_turn_tokens(etcd_server, tmp_path):
     tok = build_tokenizer_dir(tmp_path / "tiny")
     cluster = "rt" + secrets.token_hex(4)
-    packer, packer_server, packer_target = await start_fake_packer(tls("packer"))
+    packer = await FakePacker().start(tls("packer"))
     engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.001)).start()
     cfg = write_config(
         tmp_path / "cluster.yaml",
         cluster,
         etcd_server.endpoint,
         model_dir=str(tok),
-        packer_target=packer_target,
+        packer_target=packer.target,
         http_port=0,
         log_json=False,
     )
@@ -76,4 +70,4 @@ async def test_an_oversized_turn_is_refused_without_max_turn_tokens(etcd_server,
         await asyncio.to_thread(proc.stop)
         await etcd.close()
         await engine.stop(0)
-        await packer_server.stop(0)
+        await packer.stop()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import packer_claims, router_latency, scheduler_ledger
+from bench import dataplane_load, packer_claims, router_latency, scheduler_ledger
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -57,3 +57,21 @@ def test_router_summary_reports_an_unmeasured_concurrency_as_null() -> None:
 def test_scheduler_summary_without_64_harnesses_is_null() -> None:
     s = scheduler_ledger.summarize({"concurrency": {"32": {"scheduler_lifecycles_per_s": 1.0}}})
     assert s["closes_per_s_64"] is None
+
+
+def test_dataplane_load_summary_agrees_with_its_rows() -> None:
+    data = saved("dataplane_load")
+    summary = data["summary"]
+    assert summary == dataplane_load.summarize(data)
+    for k in ("routed_tokens_per_s", "direct_tokens_per_s", "routers", "executions"):
+        assert number(summary[k]), (k, summary[k])
+    assert set(summary["cpu_us_per_token"]) >= {"router", "cell_agent", "packer"}
+    assert summary["turns_lost"] == data["turns_expected"] - data["turns_recorded"]
+
+
+def test_engine_stream_mux_summary_is_the_median_of_its_rounds() -> None:
+    data = saved("engine_stream_mux")
+    rounds = data["reader_cpu_us_per_token"]
+    for mode in ("per_call", "per_step"):
+        got = data["summary"][f"{mode}_stream_us_per_token"]
+        assert min(rounds[mode]) <= got <= max(rounds[mode])

@@ -36,3 +36,19 @@ def test_not_done_while_work_remains():
 
 def test_the_bursts_completed_still_end_it():
     assert _all_done(_status(2, 40, 40), bursts=2, planned=40)
+
+
+def test_vllm_cells_get_a_long_ready_wait_and_every_service_a_history(tmp_path):
+    import yaml
+
+    from apps.demo.runner import HISTORIES, VLLM_READY_TIMEOUT_S, DemoOptions, render_config
+
+    for engine in ("vllm", "mock"):
+        opts = DemoOptions(engine=engine, run_dir=tmp_path / engine, dashboard_port=0)
+        data = yaml.safe_load(render_config(opts, tmp_path / "model").read_text())
+        cells = [p for p in data["launch"]["processes"] if p["service"] == "cell_agent"]
+        assert cells
+        waits = {p.get("ready_timeout_s") for p in cells}
+        assert waits == ({VLLM_READY_TIMEOUT_S} if engine == "vllm" else {None})
+        assert all(data[s]["history_file"].endswith(f"history/{s}.jsonl") for s in HISTORIES)
+        assert "cell_agent" in HISTORIES
