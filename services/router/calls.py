@@ -58,6 +58,7 @@ class CallPolicy:
     kv_handoff: bool = False
     kv_timeout_s: float = 1.0
     coalesce_s: float = 0.0
+    turn_record_wait_s: float = 0.0  # a completed call ends once its turn is recorded (bounded)
 
 
 @dataclasses.dataclass

@@ -132,6 +132,14 @@ class RouterConfig(ServiceConfig):
         ge=1,
         description="Turn records buffered for the packer before the oldest are dropped.",
     )
+    turn_record_wait_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="A completed call ends for the harness once the packer holds its turn, waiting "
+        "at most this long (the record goes on in the background past it; 0: never wait). The harness "
+        "reports a finish after its last call, so its group cannot become ready without the turn.",
+    )
     turn_senders: int = Field(
         32,
         ge=1,

@@ -110,7 +110,13 @@ class CallManager:
                 call.trajectory = self.trajectories.record(
                     execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
                 )
-                self._record(route, call)
+                recorded = self._record(route, call)
+                if recorded is not None and self._policy.turn_record_wait_s > 0:
+                    # The call ends for the harness once the packer holds its turn (bounded):
+                    # the harness reports the execution's finish only after its last call, so
+                    # its group cannot become ready before the turn is there, and recording
+                    # cannot fall behind the calls under load.
+                    await self._turns.wait_recorded(recorded, self._policy.turn_record_wait_s)
         finally:
             self.stats.inflight -= 1
             calls = self._calls.get(execution_id)
@@ -119,11 +125,11 @@ class CallManager:
                 if not calls:
                     del self._calls[execution_id]
 
-    def _record(self, route: Route, call: ModelCall) -> None:
+    def _record(self, route: Route, call: ModelCall) -> asyncio.Future[bool] | None:
         current = self.routes.get(route.execution_id) or route
         index = self._turn_index.get(route.execution_id, 0)
         self._turn_index[route.execution_id] = index + 1
-        self._turns.submit(
+        return self._turns.submit(
             Turn(
                 execution_id=route.execution_id,
                 group_id=current.group_id,

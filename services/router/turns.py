@@ -91,7 +91,7 @@ class TurnRecorder:
         self._senders = senders
         self._retry_max_s = retry_max_s
         self._sleep = sleep
-        self._queue: collections.deque[Turn] = collections.deque()
+        self._queue: collections.deque[tuple[Turn, asyncio.Future[bool] | None]] = collections.deque()
         self._wake = asyncio.Event()
         self._sending = 0
         self._idle = asyncio.Event()
@@ -105,12 +105,15 @@ class TurnRecorder:
     def pending(self) -> int:
         return len(self._queue) + self._sending
 
-    def submit(self, turn: Turn) -> None:
-        """Queues a turn; never blocks."""
+    def submit(self, turn: Turn) -> asyncio.Future[bool] | None:
+        """Queues a turn; never blocks. Returns a future that becomes True once the packer
+        holds the turn, False when it refused it or the buffer dropped it (None without a
+        packer); :meth:`wait_recorded` waits for it, bounded."""
         if self._sink is None:
-            return
+            return None
         if len(self._queue) >= self._capacity:
-            lost = self._queue.popleft()
+            lost, lost_done = self._queue.popleft()
+            _settle(lost_done, False)
             self.dropped += 1
             self._history.append(
                 "turn_dropped", 0, execution_id=lost.execution_id, turn_index=lost.turn_index
@@ -119,9 +122,20 @@ class TurnRecorder:
                 "turn buffer full; dropped a turn record",
                 extra={"execution_id": lost.execution_id, "turn_index": lost.turn_index},
             )
-        self._queue.append(turn)
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queue.append((turn, done))
         self._idle.clear()
         self._wake.set()
+        return done
+
+    @staticmethod
+    async def wait_recorded(done: asyncio.Future[bool], timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for a submitted turn to be settled; False on timeout
+        (the turn is still sent in the background: waiting never cancels it)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except TimeoutError:
+            return False
 
     async def run(self) -> None:
         """Sends forever (a supervised task)."""
@@ -146,12 +160,14 @@ class TurnRecorder:
                     self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
-            turn = self._queue.popleft()
+            turn, done = self._queue.popleft()
             self._sending += 1
+            ok = False
             try:
-                await self._send(turn)
+                ok = await self._send(turn)
             finally:
                 self._sending -= 1
+                _settle(done, ok)
 
     def _refused(self, turn: Turn, exc: Exception) -> None:
         """A turn the packer refused for good: counted, in the history, logged."""
@@ -168,7 +184,8 @@ class TurnRecorder:
             extra={"execution_id": turn.execution_id, "error": str(exc)},
         )
 
-    async def _send(self, turn: Turn) -> None:
+    async def _send(self, turn: Turn) -> bool:
+        """Sends until the packer holds the turn (True) or refuses it for good (False)."""
         assert self._sink is not None
         backoff = Backoff(0.05, self._retry_max_s, sleep=self._sleep)
         while True:
@@ -182,7 +199,7 @@ class TurnRecorder:
                     turn_index=turn.turn_index,
                     versions=sorted(set(turn.output_policy_versions)),
                 )
-                return
+                return True
             except FailedPrecondition as exc:
                 if "other content" in str(exc) and self.renumber is not None and self.renumbered < 1_000_000:
                     old = turn.turn_index
@@ -194,10 +211,15 @@ class TurnRecorder:
                     )
                     continue
                 self._refused(turn, exc)
-                return
+                return False
             except _PERMANENT as exc:
                 self._refused(turn, exc)
-                return
+                return False
             except GyreError as exc:
                 delay = await backoff.sleep()
                 log.info("packer unavailable; retried", extra={"error": str(exc), "backoff_s": delay})
+
+
+def _settle(done: asyncio.Future[bool] | None, ok: bool) -> None:
+    if done is not None and not done.done():
+        done.set_result(ok)

@@ -470,3 +470,25 @@ async def test_one_report_per_engine_while_it_is_in_flight():
     assert await asyncio.gather(*futs) == [True] * 5
     assert await reporter.report("a", "t", "x") is True  # reused within reuse_s
     assert calls == ["a"]
+
+
+async def test_a_completed_call_ends_once_its_turn_is_recorded():
+    gate = asyncio.Event()
+
+    class SlowSink(Sink):
+        async def record(self, turn: Turn) -> None:
+            await gate.wait()
+            await super().record(turn)
+
+    mgr, _, _, _, _ = setup({"a": Script()}, turn_record_wait_s=30.0)
+    sink = SlowSink()
+    mgr._turns = turns = TurnRecorder(sink)
+    task = asyncio.create_task(turns.run())
+    call = asyncio.create_task(run_call(mgr, 5))
+    await asyncio.sleep(0.2)
+    assert not call.done() and not sink.turns  # every token out, the record not yet there
+    gate.set()
+    out, _ = await call
+    assert len(sink.turns) == 1 and list(sink.turns[0].output_token_ids) == out
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

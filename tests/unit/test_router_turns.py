@@ -146,3 +146,32 @@ async def test_history_records_turns_recorded_refused_and_dropped(tmp_path):
     v = check(read(path))
     assert v.counts == {"turns_recorded": 1, "turns_refused": 1, "turns_dropped": 1}
     assert len(v.violations) == 1 and "dropped" in v.violations[0]
+
+
+async def test_submit_tells_when_the_packer_holds_the_turn():
+    sink = FlakySink(failures=2)
+    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    task = asyncio.create_task(rec.run())
+    ok, bad = rec.submit(turn(0)), rec.submit(turn(-1))
+    assert ok is not None and bad is not None
+    assert await TurnRecorder.wait_recorded(ok, 5.0) is True  # after two retries
+    assert await TurnRecorder.wait_recorded(bad, 5.0) is False  # refused for good
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_waiting_for_a_record_is_bounded_and_never_cancels_it():
+    sink = FlakySink(failures=0, delay_s=0.2)
+    rec = TurnRecorder(sink, senders=1)
+    task = asyncio.create_task(rec.run())
+    done = rec.submit(turn(0))
+    assert done is not None
+    assert await TurnRecorder.wait_recorded(done, 0.0) is False  # not yet
+    assert await TurnRecorder.wait_recorded(done, 10.0) is True  # the send went on
+    assert sink.got == [0]
+    dropped = TurnRecorder(sink, capacity=1, senders=1)
+    first = dropped.submit(turn(1))
+    dropped.submit(turn(2))  # overflow: the oldest is dropped, and says so
+    assert first is not None and first.done() and first.result() is False
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

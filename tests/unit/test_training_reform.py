@@ -99,23 +99,48 @@ async def test_a_reform_request_abandons_the_waiting_batch_then_it_trains_whole(
     assert packer.status(1) == (2, STEPS, True)  # two attempts, all acked, committed
 
 
-async def test_keep_groups_reforms_although_a_batch_waits_for_data(tmp_path):
-    packer = FakePacker()
-    core = _core(packer)
-    await _waiting_batch(packer, core)
-    service = TrainingService(TrainingSettings(model_dir=str(tmp_path)), cell_id="c0", index=0, target="c0:1")
-    groups = FakeGroups()
-    service.controller, service.groups = core, groups  # type: ignore[assignment]
+async def _keep_groups_until(service: TrainingService, done) -> None:
     keeper = asyncio.create_task(service.keep_groups(every_s=0.01))
     try:
         for _ in range(3000):  # up to 30 s, as long as it takes on a loaded machine
-            if groups.reforms:
+            if done():
                 break
             await asyncio.sleep(0.01)
     finally:
         keeper.cancel()
         await asyncio.gather(keeper, return_exceptions=True)
+
+
+def _service(tmp_path, core: TrainingController, training: bool) -> tuple[TrainingService, FakeGroups]:
+    service = TrainingService(TrainingSettings(model_dir=str(tmp_path)), cell_id="c0", index=0, target="c0:1")
+    groups = FakeGroups()
+    service.controller, service.groups = core, groups  # type: ignore[assignment]
+    service.training = training
+    return service, groups
+
+
+async def test_keep_groups_reforms_although_a_batch_waits_for_data(tmp_path):
+    packer = FakePacker()
+    core = _core(packer)
+    await _waiting_batch(packer, core)
+    service, groups = _service(tmp_path, core, training=False)
+    await _keep_groups_until(service, lambda: groups.reforms)
     assert groups.reforms == 1
     assert core.broken is None
     with pytest.raises(Unavailable):
-        await core.wait_batch(1)  # the waiting attempt was given up, not trained
+        await core.wait_batch(1)  # the waiting attempt was given up; out of training: not retried
+
+
+async def test_in_training_the_abandoned_batch_is_joined_again_and_trained(tmp_path):
+    """The scheduler commanded the join once (a continuous policy commands the next after a
+    new version, which this batch must produce): the cell joins it again by itself."""
+    packer = FakePacker()
+    core = _core(packer)
+    await _waiting_batch(packer, core)
+    service, groups = _service(tmp_path, core, training=True)
+    await _keep_groups_until(service, lambda: packer.status(1)[0] >= 2)  # a second attempt opened
+    assert groups.reforms == 1
+    packer.release(1)
+    out = await asyncio.wait_for(core.wait_batch(1), 60)
+    assert out.local_micro_steps == STEPS and out.new_version == 2
+    assert packer.status(1) == (2, STEPS, True)

@@ -133,6 +133,7 @@ class TrainingController:
         self._closed = False
         self._keep_every_s = self.params.keep_claims_every_s
         self._broken: str | None = None
+        self._last_join: tuple[int, int, int, str] | None = None  # the last JoinBatch that joined
         self._claimed_at: dict[str, float] = {}
 
     @property
@@ -214,6 +215,21 @@ class TrainingController:
             log.info("prefix groups re-formed", extra={"cell_id": self.cell_id, "was": self._broken})
             self._broken = None
 
+    async def retry_failed(self) -> bool:
+        """Joins again the last batch this cell joined if that attempt failed (abandoned for
+        a re-formation, or a broken collective): the scheduler commanded it once and hears
+        nothing of the failure (under a continuous policy it commands joins after each new
+        version, and none comes without this batch). True when it joined; the core's new
+        attempt gets every micro-step back from the packer."""
+        last = self._last_join
+        if last is None or self._broken is not None:
+            return False
+        task = self._tasks.get(last[0])
+        if task is None or not task.done() or (not task.cancelled() and task.exception() is None):
+            return False
+        log.info("joining again the batch whose attempt failed", extra={"batch_id": last[0]})
+        return await self.join_batch(*last)
+
     async def wait_batch(self, batch_id: int) -> BatchOutcome:
         """The outcome of a batch this cell joined (raises what the batch raised)."""
         task = self._tasks.get(batch_id)
@@ -277,6 +293,7 @@ class TrainingController:
             task = asyncio.create_task(coro, name=f"train.b{batch_id}")
             task.add_done_callback(_log_failure)
             self._tasks[batch_id] = task
+            self._last_join = (batch_id, policy_version, prefix_size, core_target)
             self._current = task
             self.history.append("join", 0, b=batch_id, v=version, index=self.index)
             log.info("joined batch", extra={"batch_id": batch_id, "version": version, "index": self.index})

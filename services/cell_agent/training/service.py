@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from gyre.backoff import Backoff
-from gyre.errors import Unavailable
+from gyre.errors import GyreError, Unavailable
 from gyre.etcd import Etcd, Keys
 from gyre.history import History
 from services.cell_agent.snapshots import SnapshotStore, pull_snapshot
@@ -76,6 +76,9 @@ class TrainingService:
         self._ready = asyncio.Event()
         self._failed: BaseException | None = None
         self._source: PackerSource | None = None
+        self.training = False
+        """The cell is in TRAINING (between the lifecycle hooks): a batch attempt that failed
+        is joined again after the prefix groups are re-formed."""
 
     @property
     def target(self) -> str:
@@ -108,7 +111,8 @@ class TrainingService:
 
     async def keep_groups(self, every_s: float = 0.5) -> None:
         """Re-forms the prefix groups after a failed collective, or when a peer asks (a
-        restarted satellite, the core's new generation), without an operator."""
+        restarted satellite, the core's new generation), without an operator; then, in
+        training, joins again the batch whose attempt failed."""
         assert self.controller is not None and self.groups is not None
         ctl, groups = self.controller, self.groups
         backoff = Backoff(1.0, 15.0)
@@ -128,6 +132,12 @@ class TrainingService:
             except Exception as exc:  # noqa: BLE001 (a peer not back yet: try again later)
                 log.warning("re-forming the prefix groups failed; retrying", extra={"error": repr(exc)})
                 await backoff.sleep()
+                continue
+            if self.training and ctl.broken is None:
+                try:
+                    await ctl.retry_failed()
+                except GyreError as exc:  # the scheduler's next command will do
+                    log.warning("joining the failed batch again failed", extra={"error": repr(exc)})
 
     async def build(self) -> TrainingController:
         s = self.settings
@@ -202,10 +212,12 @@ class TrainingService:
         return await ctl.join_batch(batch_id, policy_version, prefix_size, core_target)
 
     async def on_enter_training(self) -> None:
+        self.training = True
         if self.controller is not None:
             await self.controller.on_enter_training()
 
     async def on_leave_training(self, timeout_s: float | None = None) -> None:
+        self.training = False
         if self.controller is not None:
             await self.controller.on_leave_training(timeout_s)
 
