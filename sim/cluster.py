@@ -578,14 +578,7 @@ class Cluster:
         eng = src.engine
         moving = sorted(src.execs.values(), key=lambda e: e.xid)
         for ex in moving:
-            if ex.xid in eng.active:
-                n = eng.leave(ex)
-                if n:
-                    self._generated(ex, n, eng.version)
-                ex.ctx += n
-                ex.remaining -= n
-            del src.execs[ex.xid]
-            ex.cell = None
+            self._detach(src, ex)
             self.reroutes += 1
             ex.reroutes += 1
             dst = self.placement.pick()
@@ -598,6 +591,19 @@ class Cluster:
         eng.stall_total = 0.0
         eng.rate = None
         eng.gen += 1
+
+    def _detach(self, src: Cell, ex: Execution) -> None:
+        """Takes ``ex`` off ``src`` (its request cancelled at the engine: the tokens
+        generated so far count and become context the destination continues from)."""
+        eng = src.engine
+        if ex.xid in eng.active:
+            n = eng.leave(ex)
+            if n:
+                self._generated(ex, n, eng.version)
+            ex.ctx += n
+            ex.remaining -= n
+        del src.execs[ex.xid]
+        ex.cell = None
 
     def _place(self, ex: Execution, dst: Cell) -> None:
         t = self.loop.now
@@ -887,17 +893,8 @@ class Cluster:
             or dst.free <= 0
         ):
             return False
-        t = self.loop.now
-        src.account(t)
-        eng = src.engine
-        if ex.xid in eng.active:
-            n = eng.leave(ex)
-            if n:
-                self._generated(ex, n, eng.version)
-            ex.ctx += n
-            ex.remaining -= n
-        del src.execs[ex.xid]
-        ex.cell = None
+        src.account(self.loop.now)
+        self._detach(src, ex)
         self.migrations += 1
         ex.reroutes += 1
         self._place(ex, dst)

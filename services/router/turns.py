@@ -1,5 +1,7 @@
 """Turn records to the packer: one per completed model call, buffered and retried in the
-background so that a slow or absent packer never blocks a harness.
+background so that a slow or absent packer never fails a call. ``submit`` returns a future
+settled when the packer holds the turn (or refused it, or the buffer dropped it): the call
+manager makes a completed call wait for it, bounded (``turn_record_wait_s``).
 
 RecordTurn is idempotent on (execution_id, turn_index), so a retry after an ambiguous
 failure (UNAVAILABLE / DEADLINE_EXCEEDED do not prove the call did nothing) is safe. The

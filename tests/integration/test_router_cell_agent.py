@@ -33,7 +33,7 @@ async def env(etcd_server, tmp_path_factory):
         cell={
             "engine": "mock",
             "mock.kv_dir": str(kv_dir),
-            "mock.fixed_decode_step_s": 0.01,
+            "mock.fixed_decode_step_s": 0.02,
             # The cell agent's start-up can block its loop for seconds on a loaded
             # machine (imports), after its lease was granted: give it room.
             "lease_ttl_s": 20,
@@ -72,25 +72,30 @@ async def _stream(rig: RouterCells, token: str, on_tokens=None) -> list[int]:
 async def test_move_with_kv_handoff_between_real_cells_is_token_identical(env):
     rig, kv_dir = env
     ex0, tok0 = new_execution()
-    ex1, tok1 = new_execution()
     await rig.route(ex0, "ca", tok0)
-    await rig.route(ex1, "ca", tok1)
     await asyncio.sleep(0.3)
     plain = await _stream(rig, tok0)
     assert len(plain) == MAX_TOKENS
-    moved = False
+    moved = 0
+    for _ in range(3):  # a call whose last tokens beat the move is not one this test is about
+        ex1, tok1 = new_execution()
+        await rig.route(ex1, "ca", tok1)
+        await asyncio.sleep(0.3)
+        asked = False
 
-    async def move(n: int) -> None:
-        nonlocal moved
-        if n >= 10 and not moved:
-            moved = True
-            await rig.move(ex1, "ca", "cb", tok1, timeout_s=10)
+        async def move(n: int, ex1: str = ex1, tok1: str = tok1) -> None:
+            nonlocal moved, asked
+            if n >= 10 and not asked:
+                asked = True
+                moved = await rig.move(ex1, "ca", "cb", tok1, timeout_s=10)
 
-    out = await _stream(rig, tok1, move)
-    assert moved
-    assert out == plain
+        out = await _stream(rig, tok1, move)
+        assert asked and out == plain, (moved, out, plain)
+        if moved:
+            break
+    assert moved == 1
     status = await rig.router.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
-    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0
+    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0, status
     for _ in range(100):  # released after the destination's first token
         if not list(kv_dir.iterdir()):
             break

@@ -19,7 +19,7 @@ from gyre.v1 import cell_agent_pb2, common_pb2, router_pb2
 from tests.support.router_cells import RouterCells, router_cells
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.vllm, pytest.mark.timeout(900)]
-MAX_TOKENS = 32
+MAX_TOKENS = 64
 PROMPT = [3 + (j * 11 + (j // 89) * 7) % 500 for j in range(3000)]
 
 
@@ -74,35 +74,40 @@ async def _call(rig: RouterCells, execution_id: str, token: str, on_tokens=None)
 
 async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
     ex0, tok0 = new_execution()
-    ex1, tok1 = new_execution()
     await rig.route(ex0, "va", tok0)
-    await rig.route(ex1, "va", tok1)
     await asyncio.sleep(0.5)
     plain = await _call(rig, ex0, tok0)
-    assert len(plain) == MAX_TOKENS
-    moved = False
+    assert len(plain) == MAX_TOKENS, plain
+    moved = 0
+    for _ in range(3):  # a call whose last tokens beat the move is not one this test is about
+        ex1, tok1 = new_execution()
+        await rig.route(ex1, "va", tok1)
+        await asyncio.sleep(0.5)
+        asked = False
 
-    async def move(n: int) -> None:
-        nonlocal moved
-        if n >= 8 and not moved:
-            moved = True
-            await rig.move(ex1, "va", "vb", tok1, timeout_s=30)
+        async def move(n: int, ex1: str = ex1, tok1: str = tok1) -> None:
+            nonlocal moved, asked
+            if n >= 8 and not asked:
+                asked = True
+                moved = await rig.move(ex1, "va", "vb", tok1, timeout_s=30)
 
-    out = await _call(rig, ex1, tok1, move)
-    assert moved
-    assert out == plain
+        out = await _call(rig, ex1, tok1, move)
+        assert asked and out == plain, (moved, out, plain)
+        if moved:
+            break
+    assert moved == 1
     status = await rig.router.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
-    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0
+    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0, status
     # The destination read the context instead of recomputing it: all but the last block.
     received = [r for r in _log_records(rig.logs["vb"]) if r.get("message") == "kv handoff received"]
     assert len(received) == 1, received
     context = received[0]["prompt_tokens"]  # the prompt + the tokens generated at the source
-    assert len(PROMPT) + 8 <= context < len(PROMPT) + MAX_TOKENS
-    assert received[0]["cached_tokens"] >= context - 128
+    assert len(PROMPT) + 8 <= context < len(PROMPT) + MAX_TOKENS, received
+    assert received[0]["cached_tokens"] >= context - 128, received
     load = None
     for _ in range(200):  # the pin is released after the destination's first token
         load = await rig.engines["va"].GetLoad(cell_agent_pb2.GetLoadRequest(), timeout=5)
         if load.running_requests == 0:
             break
         await asyncio.sleep(0.05)
-    assert load is not None and load.running_requests == 0
+    assert load is not None and load.running_requests == 0, load

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import pytest
 import torch
 import yaml
@@ -31,6 +32,19 @@ from tests.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3
+
+
+async def _join(stub: pb_grpc.CellControlStub, request: pb.JoinBatchRequest) -> pb.JoinBatchResponse:
+    """JoinBatch as the scheduler sends it: UNAVAILABLE (the trainer is still starting: the
+    rendezvous of every elastic cell, slow on a loaded machine) is retried."""
+    for _ in range(60):
+        try:
+            return await stub.JoinBatch(request, timeout=60)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(1.0)
+    raise AssertionError("the trainer never became ready")
 
 
 async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
@@ -96,15 +110,15 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
                 await c.SetState(pb.SetStateRequest(fence=fence, target=state), timeout=30)
 
         packer.add_batch(1, 0, steps, released=1)
-        r = await ctl[0].JoinBatch(
+        r = await _join(
+            ctl[0],
             pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=1, core_target=core),
-            timeout=60,
         )
         assert r.joined
         await asyncio.to_thread(packer.wait_claimed, 1, 1, 60)
-        r = await ctl[1].JoinBatch(
+        r = await _join(
+            ctl[1],
             pb.JoinBatchRequest(fence=fence, batch_id=1, policy_version=0, prefix_size=2, core_target=core),
-            timeout=60,
         )
         assert r.joined
         packer.release(1, 1, for_cell="e1")

@@ -330,6 +330,27 @@ def test_rate_target_keeps_up_with_arrivals_and_drains_the_queue_within_the_hori
     assert rate_target(idle, 100.0)[0] == 1
 
 
+def test_rate_target_does_not_surge_when_a_dispatch_wave_lands_at_the_end_of_a_batch():
+    # B64 trace, seed 1: one group missing, a wave of 170 ready groups (the next batch's) of
+    # 6e4 tokens, 1 group/s arriving, 7,590 tok/s per cell. The first rule sized the prefix
+    # to train all of it within 30 s (57 cells of 64), starving rollout of the slow groups
+    # the next batch needs; keeping up with arrivals and draining the queue over 300 s
+    # needs ceil((6e4 + 170 x 6e4 / 300) / 7590) = 13.
+    p = Pipeline(
+        max_staleness=1,
+        group_size=16,
+        batch_groups=256,
+        batch_assigned=255,
+        ready_groups=170,
+        backlog_tokens=6e4,
+        train_rate_per_cell=7590.0,
+        ready_rate=1.0,
+        tokens_per_group=6e4,
+    )
+    t, why = rate_target(p, horizon_s=300.0)
+    assert t == 13, why
+
+
 def test_gyre_grows_the_prefix_from_rates_and_keeps_rollout_covering_w_eta():
     R, T = CellState.ROLLOUT, CellState.TRAINING
     p = Pipeline(
