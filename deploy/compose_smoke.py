@@ -57,6 +57,7 @@ HEALTHY = (
     "rollout-0",
     "dashboard",
 )
+CELLS = ("cell-0", "cell-1", "cell-2", "rollout-0")
 KILLED_CELL = "cell-2"
 PODMAN_CONF = (
     '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
@@ -333,6 +334,15 @@ def rejoined_training(engine: Engine, project: str, service: str) -> bool:
     return logs.count('"message": "prefix groups ready"') >= 2
 
 
+def engines(engine: Engine, project: str) -> dict[str, str]:
+    """Which engine each cell runs, from its log: vLLM logs its start."""
+    out = {}
+    for cell in CELLS:
+        logs = compose(engine, project, "logs", "--no-color", cell, capture=True, check=False).stdout
+        out[cell] = "vllm" if '"message": "vllm engine started"' in logs else "mock"
+    return out
+
+
 def done(url: str) -> dict[str, Any] | None:
     """The status once the run is over: every execution dispatched closed (none queued or
     running) and every burst dispatched completed (trained up to its target version)."""
@@ -403,6 +413,7 @@ def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[s
         "lost": status.get("total_dispatched", 0) - status.get("total_finished", 0),
         "reroutes": status.get("reroutes", 0),
         "harness": next((ln for ln in reversed(logs.splitlines()) if '"completed"' in ln), ""),
+        "engines": engines(engine, project),
         "crashed": KILLED_CELL,
         "crashed_cell_restarts": restart_count(engine, name) - restarts,
         "health": {n: ps.get(n, {}).get("Health") for n in HEALTHY},
@@ -414,6 +425,9 @@ def smoke(engine: Engine, project: str, bursts: int, timeout_s: float) -> dict[s
         problems.append("no policy version published")
     if summary["lost"] != 0 or summary["dispatched"] == 0 or status.get("total_waterlevel", 1) != 0:
         problems.append(f"executions: {summary['dispatched']} dispatched, {summary['finished']} finished")
+    want = os.environ.get("GYRE_ENGINE", "mock")
+    if any(e != want for e in summary["engines"].values()):
+        problems.append(f"engines {summary['engines']}, want {want} everywhere")
     down = [n for n, h in summary["health"].items() if h != "healthy"]
     if down:
         problems.append(f"not healthy at the end: {down}")
