@@ -391,7 +391,9 @@ def planned_executions(section: dict[str, Any]) -> int:
 
 def _all_done(status: dict[str, Any], bursts: int, planned: int) -> bool:
     """The run is over: the bursts completed, or every task was dispatched (the
-    asynchronous policies may dispatch several bursts' worth at once) and all finished."""
+    asynchronous policies may dispatch several bursts' worth at once), all finished, and the
+    trainer has completed at least one burst from them (an RL demo that ends before its first
+    update, e.g. while a killed core's training recovers, has not done its work)."""
     if status["ledger"]["waterlevel"] != 0:
         return False
     total = status.get("total") or {}
@@ -400,7 +402,7 @@ def _all_done(status: dict[str, Any], bursts: int, planned: int) -> bool:
         and int(total.get("dispatched", 0)) >= planned
         and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
     )
-    return status["bursts_completed"] >= bursts or drained
+    return status["bursts_completed"] >= bursts or (drained and status["bursts_completed"] >= 1)
 
 
 def _check_histories(run_dir: Path, complete: bool) -> Verdict:

@@ -50,6 +50,10 @@ async def rig(etcd_server, tmp_path_factory):
         yield rig
 
 
+async def _status(rig: RouterCells) -> router_pb2.RouterStatus:
+    return await rig.router.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
+
+
 def _log_records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
@@ -78,12 +82,18 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
     await asyncio.sleep(0.5)
     plain = await _call(rig, ex0, tok0)
     assert len(plain) == MAX_TOKENS, plain
-    moved = 0
-    for _ in range(3):  # a call whose last tokens beat the move is not one this test is about
+    handed_off = False
+    for _ in range(5):
+        # A call whose last tokens beat the move, or whose source request had already
+        # finished when the move reached the router (the export then finds nothing to pin and
+        # the destination recomputes, as designed), is not one this test is about: retry with
+        # a fresh execution. Every call, moved or not, must match the unmoved tokens.
+        before = await _status(rig)
         ex1, tok1 = new_execution()
         await rig.route(ex1, "va", tok1)
         await asyncio.sleep(0.5)
         asked = False
+        moved = 0
 
         async def move(n: int, ex1: str = ex1, tok1: str = tok1) -> None:
             nonlocal moved, asked
@@ -93,14 +103,16 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
 
         out = await _call(rig, ex1, tok1, move)
         assert asked and out == plain, (moved, out, plain)
-        if moved:
+        after = await _status(rig)
+        if moved and after.kv_handoffs - before.kv_handoffs == 1:
+            assert after.reroutes - before.reroutes == 1, (before, after)
+            assert after.kv_recomputes == before.kv_recomputes, (before, after)
+            handed_off = True
             break
-    assert moved == 1
-    status = await rig.router.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
-    assert status.reroutes == 1 and status.kv_handoffs == 1 and status.kv_recomputes == 0, status
+    assert handed_off, "no move reached a live source request in 5 calls"
     # The destination read the context instead of recomputing it: all but the last block.
     received = [r for r in _log_records(rig.logs["vb"]) if r.get("message") == "kv handoff received"]
-    assert len(received) == 1, received
+    assert len(received) == 1, received  # only the handed-off call was received with its KV
     context = received[0]["prompt_tokens"]  # the prompt + the tokens generated at the source
     assert len(PROMPT) + 8 <= context < len(PROMPT) + MAX_TOKENS, received
     assert received[0]["cached_tokens"] >= context - 128, received

@@ -34,6 +34,12 @@ def test_not_done_while_work_remains():
     assert not _all_done(_status(1, 40, 40), bursts=2, planned=0)
 
 
+def test_not_done_before_the_first_update():
+    """Every task finished, but nothing trained yet (the fault test with the core SIGKILLed
+    ended here under load: 40/40 finished, 0 versions published)."""
+    assert not _all_done(_status(0, 40, 40), bursts=2, planned=40)
+
+
 def test_the_bursts_completed_still_end_it():
     assert _all_done(_status(2, 40, 40), bursts=2, planned=40)
 
