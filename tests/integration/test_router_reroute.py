@@ -60,9 +60,12 @@ async def env(etcd_server, tmp_path_factory):
     cluster = "rr" + secrets.token_hex(4)
     packer = await FakePacker().start(tls("packer"))
     engines = {}
+    # 15 ms a token: a call lasts ~0.7 s, so a move (an etcd write, then MoveExecutions) lands
+    # while it still runs even on a loaded machine (at 4 ms the third move of a 48-token call
+    # sometimes found it finished: moved_requests 0).
     for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
         engines[cell] = await FakeEngineServer(
-            FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.004, tokens_per_chunk=2)
+            FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.015, tokens_per_chunk=2)
         ).start()
     cfg = write_config(
         tmp / "cluster.yaml",

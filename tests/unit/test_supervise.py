@@ -51,7 +51,8 @@ def test_crashed_child_is_restarted_and_events_are_journaled(tmp_path):
     try:
         old = child.pid
         child.crash()
-        wait_for(lambda: restarted(sup))
+        # The callback runs last (after the event list and the journal): wait for it.
+        wait_for(lambda: [e.kind for e in seen][-1:] == ["restarted"])
         assert child.alive() and child.pid != old and child.reaped == 1
         kinds = [e.kind for e in sup.events()]
         assert kinds == ["exited", "restarting", "restarted"]
