@@ -111,10 +111,11 @@ class RouterConfig(ServiceConfig):
         description="Period of the route table's full relist (watches are hints).",
     )
     unknown_token_wait_s: float = Field(
-        1.0,
+        5.0,
         ge=0,
         description="How long a call with a token the router does not know waits for its route to arrive "
-        "through the watch (a fresh execution's first call can beat the watch); never an etcd read.",
+        "through the watch (a fresh execution's first call can beat the watch); never an etcd read. "
+        "(1 s lost an episode in a vLLM demo: the watch lagged past it on a busy router.)",
     )
     unknown_token_rate_per_s: float = Field(
         20.0,

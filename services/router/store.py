@@ -25,7 +25,7 @@ class RouteStore:
         keys: Keys,
         table: RouteTable,
         resync_s: float = 10.0,
-        miss_wait_s: float = 1.0,
+        miss_wait_s: float = 5.0,
         miss_rate_per_s: float = 20.0,
         miss_burst: int = 40,
         max_waiters: int = 256,

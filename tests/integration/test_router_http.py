@@ -76,6 +76,7 @@ async def env(etcd_server, tmp_path_factory):
         log_json=False,
         max_model_len=CONTEXT,
         max_turn_tokens=TURN,
+        unknown_token_wait_s=1.0,  # well inside the bad-input cases' 5 s client deadline
     )
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)

@@ -87,3 +87,26 @@ async def test_an_expired_token_is_refused_without_waiting():
     table2 = RouteTable(wall=lambda: 1000.0)
     table2.apply(_route("e1", "tok", expires_s=1001.0))
     assert table2.authorize("tok").execution_id == "e1"
+
+
+async def test_the_default_wait_outlasts_a_watch_lagging_two_seconds():
+    """A fresh execution's first call whose route reaches the router 2 s late (the watch lagged
+    on a busy router in a vLLM demo) is served with the router's default settings, not
+    refused: the default wait was 1 s and lost that episode."""
+    from services.router.config import RouterConfig
+
+    table = RouteTable()
+    wait_s = RouterConfig.model_fields["unknown_token_wait_s"].default
+    store = RouteStore(
+        CountingEtcd(), Keys("t"), table, miss_wait_s=wait_s, miss_rate_per_s=100, miss_burst=100
+    )
+
+    async def arrives_later() -> None:
+        await asyncio.sleep(2.0)
+        table.apply(_route("e1", "tok"))
+        await store.mirror._notify()
+
+    task = asyncio.create_task(arrives_later())
+    route = await store.authorize("tok", "e1", peer="p")
+    await task
+    assert route.execution_id == "e1"
