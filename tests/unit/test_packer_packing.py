@@ -62,3 +62,22 @@ async def test_sealed_batch_total_tokens_and_budget():
     assert sum(m.loss_tokens for m in got) == expected_loss
     assert all(m.packed_tokens <= 50 for m in got)
     assert sum(len(m.sequences) for m in got) == 4 * 3 * 2
+
+
+async def test_an_emit_of_a_segment_not_pending_is_refused_and_changes_nothing():
+    """The batch's pending segments are an ordered set (an emit takes its own out in O(its
+    size)); an emit that names a segment not pending is a bug (FatalError) caught before
+    anything changes."""
+    from gyre.errors import FatalError
+
+    p, _, _ = tk.make_packer(batch_size=2, micro_step_token_budget=8, emit_fill_fraction=1.0)
+    for g in ("g1", "g2"):
+        await tk.feed_group(p, g, size=2)
+    await p.claim("a", 0, 0, 0)  # activates: the four segments are packed, one per micro-step
+    batch = p.state.batches[1]
+    ms = batch.micro_steps[0]
+    before = tk.snapshot(p.state)
+    for seqs in ([list(ms.seqs[0])], [["g9-x0", 0]]):
+        with pytest.raises(FatalError):
+            p.state.apply({"t": "emit", "b": 1, "ms": "b1-mX", "seqs": seqs})
+    assert tk.snapshot(p.state) == before
