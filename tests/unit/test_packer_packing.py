@@ -16,6 +16,39 @@ from services.packer.packing import first_fit_decreasing
 from tests.support import packer_kit as tk
 
 
+def _ffd_by_scan(items, budget):
+    """First-fit decreasing scanning every bin: what first_fit_decreasing must equal."""
+    bins, room = [], []
+    for i in sorted(range(len(items)), key=lambda i: (-items[i][1], i)):
+        key, size = items[i]
+        for b, free in enumerate(room):
+            if size <= free:
+                bins[b].append(key)
+                room[b] = free - size
+                break
+        else:
+            bins.append([key])
+            room.append(budget - size)
+    return bins
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    budget=st.integers(min_value=0, max_value=300),
+    sizes=st.lists(st.integers(min_value=0, max_value=300), max_size=130),
+)
+def test_ffd_equals_the_scan_of_every_bin(budget, sizes):
+    items = [(i, min(s, budget)) for i, s in enumerate(sizes)]
+    assert first_fit_decreasing(items, budget) == _ffd_by_scan(items, budget)
+
+
+def test_ffd_refuses_an_item_over_the_budget():
+    with pytest.raises(ValueError):
+        first_fit_decreasing([("a", 3), ("b", 11)], 10)
+    with pytest.raises(ValueError):
+        first_fit_decreasing([("a", -1)], 10)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     budget=st.integers(min_value=1, max_value=200),
