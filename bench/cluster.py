@@ -60,6 +60,27 @@ def write_doc(doc: Path, section: str) -> None:
     doc.write_text("# Cluster benchmark\n\n" + BEGIN + "\n" + section + "\n" + END + "\n")
 
 
+def merge_results(out: Path, payload: dict) -> dict:
+    """``payload`` over the results already in ``out``: the scenarios this run measured replace
+    theirs, the others are kept, and ``runs`` records how each run was made."""
+    if not out.exists():
+        return payload
+    old = json.loads(out.read_text())
+    if old.get("benchmark") != "cluster":
+        raise SystemExit(f"--merge: {out} is not a cluster benchmark result")
+    merged = dict(payload)
+    merged["summary"] = {**old.get("summary", {}), **payload["summary"]}
+    merged["scenarios"] = {**old.get("scenarios", {}), **payload["scenarios"]}
+    this = {k: payload[k] for k in ("config", "suite", "overrides", "wall_s")} | {
+        "scenarios": sorted(payload["scenarios"])
+    }
+    first = {k: old.get(k) for k in ("config", "suite", "overrides", "wall_s")} | {
+        "scenarios": sorted(old.get("scenarios", {}))
+    }
+    merged["runs"] = list(old.get("runs", [first])) + [this]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "bench" / "cluster.yaml"))
@@ -93,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster.json"))
     ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks" / "cluster.md"))
     ap.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other scenarios of an existing --out file (summary and runs); the doc "
+        "section is this run's alone, so point --doc at a page of its own",
+    )
     args = ap.parse_args(argv)
     if args.emulate_only:
         return emulate(args)
@@ -153,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         "emulation": "bench/results/cluster_emulate.json" if emulation is not None else None,
     }
     out = Path(args.out)
+    if args.merge:
+        payload = merge_results(out, payload)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_json_safe(payload), indent=1))
     section = "\n".join(sections)

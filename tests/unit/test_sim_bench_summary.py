@@ -121,3 +121,33 @@ def test_the_run_cache_returns_the_same_runs(tmp_path: Path, monkeypatch) -> Non
         k: r.update_times_s for k, r in first.runs.items()
     }
     assert sorted((tmp_path / "cache").glob("*.pkl")) == files
+
+
+def test_merge_keeps_the_scenarios_this_run_did_not_measure(tmp_path: Path) -> None:
+    mod = runpy.run_path("bench/cluster.py", run_name="bench_cluster")
+    out = tmp_path / "cluster.json"
+    first = {
+        "benchmark": "cluster",
+        "config": "c.yaml",
+        "suite": None,
+        "overrides": ["a=1"],
+        "wall_s": 10.0,
+        "summary": {"A64": {"gyre_s": 1.0}, "B64": {"gyre_s": 2.0}},
+        "scenarios": {"A64": {"1": {}}, "B64": {"1": {}}},
+    }
+    out.write_text(json.dumps(first))
+    now = dict(first, overrides=["b=2"], wall_s=5.0, summary={"B64": {"gyre_s": 3.0}, "C": {"gyre_s": 4.0}})
+    now["scenarios"] = {"B64": {"2": {}}, "C": {"1": {}}}
+    merged = mod["merge_results"](out, now)
+    assert merged["summary"] == {"A64": {"gyre_s": 1.0}, "B64": {"gyre_s": 3.0}, "C": {"gyre_s": 4.0}}
+    assert merged["scenarios"]["B64"] == {"2": {}} and merged["scenarios"]["A64"] == {"1": {}}
+    assert [r["overrides"] for r in merged["runs"]] == [["a=1"], ["b=2"]]
+    assert merged["runs"][1]["scenarios"] == ["B64", "C"]
+    assert mod["merge_results"](tmp_path / "absent.json", now) is now
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "router"}))
+    try:
+        mod["merge_results"](tmp_path / "other.json", now)
+    except SystemExit as e:
+        assert "not a cluster benchmark" in str(e)
+    else:
+        raise AssertionError("merged into another benchmark's file")
