@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
+from gyre.failpoints import failpoint
 from gyre.fencing import FenceGuard
 from gyre.ids import BatchId, CellId
 from gyre.staleness import unconsumable
@@ -142,6 +143,7 @@ class Packer:
         self._commit({"t": "turn", "turn": turn.to_json()})
         self._after()
         await self.log.sync()
+        failpoint("packer.turn.durable")  # the turn in the WAL, the router not yet answered
         return False
 
     async def report_finish(self, finish: Finish) -> bool:
@@ -174,6 +176,7 @@ class Packer:
             self._complete[group.id] = self.clock()
         self._after()
         await self.log.sync()
+        failpoint("packer.finish.durable")  # the finish in the WAL, the scheduler not yet answered
         return False
 
     async def claim(
@@ -205,6 +208,10 @@ class Packer:
                 self._waiting[waiting_on] -= 1
                 if self._waiting[waiting_on] <= 0:
                     del self._waiting[waiting_on]
+        if result.outcome is ClaimOutcome.CLAIMED:
+            failpoint(
+                "packer.claim.granted"
+            )  # the claim in memory and the WAL buffer, not durable, the cell not told
         await self.log.sync()
         return result
 
@@ -605,6 +612,9 @@ class Packer:
     def _seal(self, batch: Batch) -> None:
         self._commit({"t": "seal", "b": batch.id})
         self._commit({"t": "batch", "b": batch.id + 1, "size": self.cfg.batch_size})
+        failpoint(
+            "packer.batch.sealed"
+        )  # sealed and the next batch opened in memory, not durable, no claimer told
         log.info(
             "batch sealed",
             extra={
