@@ -222,7 +222,21 @@ async def _source_claimer(
             calls[0] += 1
 
 
-async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_grpc(
+    args: argparse.Namespace, data: list, workdir: str, pre_encode: bool = True, only: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The gRPC figures against a packer process of its own (as in a cluster: claimers are
+    other processes; here all 16 share this one). ``pre_encode`` is the packer's setting
+    (False: the old claim path, protos built per claim); ``only`` restricts the claim modes."""
+    workdir = str(Path(workdir) / ("grpc-pre" if pre_encode else "grpc-old"))
+    Path(workdir).mkdir()
     etcd = EtcdServer()
     etcd.start()
     cfg_path = Path(workdir) / "cluster.yaml"
@@ -239,6 +253,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                     "micro_step_token_budget": args.budget,
                     "ready_grace_s": 0.0,
                     "log_level": "WARNING",
+                    "pre_encode": pre_encode,
                 },
             }
         )
@@ -264,9 +279,10 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                 await stubs[i].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=10)
                 n_base += 1
 
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), _cpu_s(proc.pid)
         await asyncio.gather(*(pinger(i) for i in range(args.claimers)))
         base_elapsed = time.perf_counter() - start
+        base_cpu = _cpu_s(proc.pid) - cpu0
 
         # Ingest: 8 concurrent senders.
         queue: list = []
@@ -301,7 +317,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                     )
 
         claimed: list[str] = []
-        ingest_elapsed = 0.0
+        ingest_elapsed = ingest_cpu = 0.0
         micro_steps = total_tokens = 0
         trainer_n = TrainingSettings().claim_batch
         modes = {
@@ -310,18 +326,23 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             f"claim_{args.claim_batch}_ack_batched": (args.claim_batch, True),
             f"trainer_client_claim_{trainer_n}": (trainer_n, None),  # PackerSource, as the trainer
         }
+        if only:
+            modes = {k: v for k, v in modes.items() if k in only}
         sources = [PackerSource("", f"cell{i}", channel=c) for i, c in enumerate(cells)]
         per_mode: dict[str, dict[str, Any]] = {}
         batch = 0
         for name, (claim_n, ack_batched) in modes.items():
             mode_claims, mode_elapsed, calls = 0, 0.0, [0]
+            packer_cpu = claimers_cpu = 0.0
             for _ in range(args.rounds):
                 batch += 1
                 queue = workload(args.groups, args.group_size, args.turns, seed=batch, prefix=f"r{batch}g")
-                start = time.perf_counter()
+                start, cpu0 = time.perf_counter(), _cpu_s(proc.pid)
                 await asyncio.gather(*(sender(i) for i in range(8)))
                 ingest_elapsed += time.perf_counter() - start
+                ingest_cpu += _cpu_s(proc.pid) - cpu0
                 got: list[str] = []
+                cpu0, own0 = _cpu_s(proc.pid), time.process_time()
                 start = time.perf_counter()
                 if ack_batched is None:
                     runs = [
@@ -334,6 +355,8 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                     ]
                 await asyncio.gather(*runs)
                 mode_elapsed += time.perf_counter() - start
+                packer_cpu += _cpu_s(proc.pid) - cpu0
+                claimers_cpu += time.process_time() - own0
                 status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=batch), timeout=10)
                 assert status.done, status
                 micro_steps += status.micro_steps
@@ -349,8 +372,29 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                 "rpcs": calls[0],
                 "rpcs_per_pair": calls[0] / mode_claims,
                 "claim_vs_roundtrip": (mode_claims / mode_elapsed) / (n_base / base_elapsed),
+                # CPU per claim + ack pair: the packer process's, and this process's (the
+                # claimers, all 16 in one process); clock ticks of 10 ms, over the whole mode.
+                "packer_cpu_us_per_pair": 1e6 * packer_cpu / mode_claims,
+                "claimers_cpu_us_per_pair": 1e6 * claimers_cpu / mode_claims,
             }
         assert len(claimed) == len(set(claimed)) == micro_steps
+        base_cpu_ = {"baseline_packer_cpu_us_per_call": 1e6 * base_cpu / n_base}
+        ingest = {
+            "pre_encode": pre_encode,
+            "ingest_tokens_per_s": tokens * batch / ingest_elapsed,
+            "ingest_seconds": ingest_elapsed,
+            "ingest_packer_cpu_us_per_1k_tokens": 1e9 * ingest_cpu / (tokens * batch),
+            "micro_steps": micro_steps,
+            "total_loss_tokens": total_tokens,
+            "rounds": args.rounds,
+        }
+        if only:
+            return {
+                "baseline_getbatch_per_s": n_base / base_elapsed,
+                "modes": per_mode,
+                **ingest,
+                **base_cpu_,
+            }
         one = per_mode["one_by_one"]
         best = per_mode[f"claim_{args.claim_batch}_ack_batched"]
         trainer = per_mode[f"trainer_client_claim_{trainer_n}"]
@@ -365,11 +409,8 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             "trainer_claims_per_s": trainer["claims_per_s"],
             "trainer_vs_roundtrip": trainer["claim_vs_roundtrip"],
             "modes": per_mode,
-            "ingest_tokens_per_s": tokens * batch / ingest_elapsed,
-            "ingest_seconds": ingest_elapsed,
-            "micro_steps": micro_steps,
-            "total_loss_tokens": total_tokens,
-            "rounds": args.rounds,
+            **ingest,
+            **base_cpu_,
         }
     finally:
         for c in channels:
@@ -386,6 +427,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     ``ack_many`` with the trainer's default ``claim_batch``)."""
     grpc_ = result["grpc"]
     best = grpc_.get("batched_claims_per_s", grpc_["claims_per_s"])  # older runs: one by one only
+    old: dict[str, Any] = {}
+    if grpc_.get("old_path"):
+        o = grpc_["old_path"]
+        mode = next(iter(o["modes"].values()))
+        new_ratio = best / grpc_["baseline_getbatch_per_s"]
+        old = {
+            "old_path_per_s": round(mode["claims_per_s"], 1),
+            "old_path_baseline_roundtrip_per_s": round(o["baseline_getbatch_per_s"], 1),
+            "old_path_ratio_vs_roundtrip": round(mode["claim_vs_roundtrip"], 3),
+            # Each path against the round trip measured right before it: drift cancels.
+            "pre_encode_gain": round(new_ratio / mode["claim_vs_roundtrip"], 2),
+        }
     return {
         "claim_ack_per_s_16": round(best, 1) if result["params"]["claimers"] == 16 else None,
         "claimers": result["params"]["claimers"],
@@ -395,6 +448,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "trainer_client_per_s": round(grpc_["trainer_claims_per_s"], 1)
         if "trainer_claims_per_s" in grpc_
         else None,
+        **old,
     }
 
 
@@ -408,6 +462,12 @@ async def main() -> None:
     ap.add_argument("--baseline-s", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=4, help="batches drained per claim mode")
     ap.add_argument("--claim-batch", type=int, default=8, help="micro-steps per ClaimMicroSteps call")
+    ap.add_argument(
+        "--old-path",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the batched mode on the old claim path (packer pre_encode off)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "packer_claims.json"))
     args = ap.parse_args()
     data = workload(args.groups, args.group_size, args.turns)
@@ -421,7 +481,15 @@ async def main() -> None:
             await wal.close()
         durable = packing[True]
         claims = await bench_claims_in_process(args, os.path.join(tmp, "wal-claims"))
+        batched = f"claim_{args.claim_batch}_ack_batched"
+        # The old claim path (protos built per claim) first, against a packer process of its
+        # own with pre_encode off, then every mode on the default (pre-encoded) path.
+        old_path = (
+            await bench_grpc(args, data, tmp, pre_encode=False, only=(batched,)) if args.old_path else None
+        )
         over_grpc = await bench_grpc(args, data, tmp)
+        if old_path is not None:
+            over_grpc["old_path"] = old_path
     result = {
         "benchmark": "packer_claims",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -455,6 +523,7 @@ async def main() -> None:
                 **{f"claims_per_s gRPC {k}": round(v["claims_per_s"]) for k, v in over_grpc["modes"].items()},
                 "GetBatch/s gRPC baseline (16 callers)": round(over_grpc["baseline_getbatch_per_s"]),
                 "ingest tokens/s gRPC (8 senders)": round(over_grpc["ingest_tokens_per_s"]),
+                "summary": result["summary"],
             },
             indent=2,
         )
