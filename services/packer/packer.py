@@ -209,9 +209,8 @@ class Packer:
                 if self._waiting[waiting_on] <= 0:
                     del self._waiting[waiting_on]
         if result.outcome is ClaimOutcome.CLAIMED:
-            failpoint(
-                "packer.claim.granted"
-            )  # the claim in memory and the WAL buffer, not durable, the cell not told
+            # The claim in memory and the WAL buffer, not durable, the cell not told:
+            failpoint("packer.claim.granted")
         await self.log.sync()
         return result
 
@@ -612,9 +611,8 @@ class Packer:
     def _seal(self, batch: Batch) -> None:
         self._commit({"t": "seal", "b": batch.id})
         self._commit({"t": "batch", "b": batch.id + 1, "size": self.cfg.batch_size})
-        failpoint(
-            "packer.batch.sealed"
-        )  # sealed and the next batch opened in memory, not durable, no claimer told
+        # Sealed and the next batch opened in memory, not durable, no claimer told:
+        failpoint("packer.batch.sealed")
         log.info(
             "batch sealed",
             extra={

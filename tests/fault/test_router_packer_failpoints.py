@@ -19,7 +19,7 @@ Packer failpoints (services/packer/packer.py):
 - ``packer.turn.durable`` / ``packer.finish.durable``: the record in the WAL, not answered;
 - ``packer.claim.granted``: a claim in memory and the WAL buffer, not durable, not answered;
 - ``packer.batch.sealed``: a batch sealed in memory, not durable, no claimer told.
-One run is a demo of 80-100 s on a loaded 2-core machine, so each is marked slow.
+One run is a demo of 60-100 s on a loaded 2-core machine, so each is marked slow.
 
 ``router.move.stopped`` (a move's source attempt stopped, the continuation not started) is
 rarely reached in the demo (its calls are short: a move mostly finds an execution between
