@@ -14,7 +14,9 @@ the same run on the same machine, and the ratio between them:
   (one micro-step per call; several per claim, acks one by one or batched; and the
   trainer's own client with its default ``claim_batch``),
   against plain GetBatch calls/s from the same 16 callers (the ratio is what a claim costs
-  beyond a round trip);
+  beyond a round trip); the packer process's and the claimers' CPU per pair; with
+  ``--old-path`` (default) the batched mode also on the old claim path (a second packer
+  process, ``pre_encode`` off), alternating with the default one round by round;
 - ingest (gRPC): RecordTurn + ReportFinish tokens/s from 8 concurrent senders.
 """
 
