@@ -222,61 +222,89 @@ async def _source_claimer(
             calls[0] += 1
 
 
-async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict[str, Any]:
-    etcd = EtcdServer()
-    etcd.start()
-    cfg_path = Path(workdir) / "cluster.yaml"
-    import yaml
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    pki = BenchPki(Path(workdir) / "certs")  # mTLS on every call, as Gyre runs by default
-    cfg_path.write_text(
-        yaml.safe_dump(
-            {
-                "cluster": {"name": "bench", "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
-                "packer": {
-                    "wal_dir": str(Path(workdir) / "wal-grpc"),
-                    "batch_size": args.groups,
-                    "micro_step_token_budget": args.budget,
-                    "ready_grace_s": 0.0,
-                    "log_level": "WARNING",
-                },
-            }
+
+class _Target:
+    """One packer process and the channels to it: 4 routers, 4 schedulers and one cell per
+    claimer (each caller presents its role; a cell claims only for itself)."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, etcd: EtcdServer, pki: Any, pre_encode: bool):
+        import yaml
+
+        self.pre_encode = pre_encode
+        name = "grpc-pre" if pre_encode else "grpc-old"
+        cfg_path = workdir / f"{name}.yaml"
+        cfg_path.write_text(
+            yaml.safe_dump(
+                {
+                    "cluster": {
+                        "name": f"bench-{name}",
+                        "etcd_endpoints": [etcd.endpoint],
+                        "tls": {"dir": pki.tls_dir},
+                    },
+                    "packer": {
+                        "wal_dir": str(workdir / f"wal-{name}"),
+                        "batch_size": args.groups,
+                        "micro_step_token_budget": args.budget,
+                        "ready_grace_s": 0.0,
+                        "log_level": "WARNING",
+                        "pre_encode": pre_encode,
+                    },
+                }
+            )
         )
-    )
-    proc = ServiceProcess("packer", cfg_path, log_path=Path(workdir) / "packer.log").start()
-    # Each caller presents its role: the router records turns, the scheduler reports
-    # finishes, and every claimer is a cell of its own (a cell claims only for itself).
-    routers = [pki.channel(proc.target, "router", Role.ROUTER, Role.PACKER) for _ in range(4)]
-    schedulers = [pki.channel(proc.target, "scheduler", Role.SCHEDULER, Role.PACKER) for _ in range(4)]
-    cells = [pki.channel(proc.target, f"cell{i}", Role.CELL_AGENT, Role.PACKER) for i in range(args.claimers)]
-    channels = routers + schedulers + cells
-    turn_stubs = [packer_pb2_grpc.PackerStub(c) for c in routers]
-    finish_stubs = [packer_pb2_grpc.PackerStub(c) for c in schedulers]
-    stubs = [packer_pb2_grpc.PackerStub(c) for c in cells]
-    try:
-        # Baseline: plain round trips from the same number of callers.
-        n_base = 0
+        self.proc = ServiceProcess("packer", cfg_path, log_path=workdir / f"{name}.log", name=name).start()
+        target = self.proc.target
+        routers = [pki.channel(target, "router", Role.ROUTER, Role.PACKER) for _ in range(4)]
+        schedulers = [pki.channel(target, "scheduler", Role.SCHEDULER, Role.PACKER) for _ in range(4)]
+        cells = [pki.channel(target, f"cell{i}", Role.CELL_AGENT, Role.PACKER) for i in range(args.claimers)]
+        self.channels = routers + schedulers + cells
+        self.turn_stubs = [packer_pb2_grpc.PackerStub(c) for c in routers]
+        self.finish_stubs = [packer_pb2_grpc.PackerStub(c) for c in schedulers]
+        self.stubs = [packer_pb2_grpc.PackerStub(c) for c in cells]
+        self.sources = [PackerSource("", f"cell{i}", channel=c) for i, c in enumerate(cells)]
+        self.batch = 0
+        self.base_per_s = 0.0
+        self.ingest_s = self.ingest_cpu = 0.0
+        self.claimed: list[str] = []
+        self.micro_steps = self.total_tokens = 0
+        self.modes: dict[str, dict[str, Any]] = {}
+
+    def cpu(self) -> float:
+        return _cpu_s(self.proc.pid)
+
+    async def baseline(self, args: argparse.Namespace) -> dict[str, float]:
+        """Plain GetBatch round trips from the same number of callers."""
+        n = 0
         stop = time.perf_counter() + args.baseline_s
 
         async def pinger(i: int) -> None:
-            nonlocal n_base
+            nonlocal n
             while time.perf_counter() < stop:
-                await stubs[i].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=10)
-                n_base += 1
+                await self.stubs[i].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=10)
+                n += 1
 
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), self.cpu()
         await asyncio.gather(*(pinger(i) for i in range(args.claimers)))
-        base_elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, self.cpu() - cpu0
+        self.base_per_s = n / elapsed
+        return {"baseline_getbatch_per_s": n / elapsed, "baseline_packer_cpu_us_per_call": 1e6 * cpu / n}
 
-        # Ingest: 8 concurrent senders.
-        queue: list = []
-        tokens = sum(t.tokens for ts, _ in data for t in ts)  # the same per round (same sizes)
+    async def ingest(self, args: argparse.Namespace) -> None:
+        """One batch of the workload in, from 8 concurrent senders."""
+        self.batch += 1
+        queue = workload(args.groups, args.group_size, args.turns, seed=self.batch, prefix=f"r{self.batch}g")
 
         async def sender(i: int) -> None:
             while queue:
                 ts, fs = queue.pop()
                 for t in ts:
-                    await turn_stubs[i % 4].RecordTurn(
+                    await self.turn_stubs[i % 4].RecordTurn(
                         packer_pb2.TurnRecord(
                             execution_id=t.execution_id,
                             group_id=t.group_id,
@@ -289,7 +317,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                         timeout=10,
                     )
                 for f in fs:
-                    await finish_stubs[i % 4].ReportFinish(
+                    await self.finish_stubs[i % 4].ReportFinish(
                         packer_pb2.FinishReport(
                             execution_id=f.execution_id,
                             group_id=f.group_id,
@@ -300,62 +328,115 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
                         timeout=10,
                     )
 
-        claimed: list[str] = []
-        ingest_elapsed = 0.0
-        micro_steps = total_tokens = 0
+        start, cpu0 = time.perf_counter(), self.cpu()
+        await asyncio.gather(*(sender(i) for i in range(8)))
+        self.ingest_s += time.perf_counter() - start
+        self.ingest_cpu += self.cpu() - cpu0
+
+    async def drain(
+        self, args: argparse.Namespace, name: str, claim_n: int, ack_batched: bool | None
+    ) -> None:
+        """The claimers drain the batch just ingested (timed): one round of mode ``name``."""
+        m = self.modes.setdefault(
+            name,
+            {"claim_micro_steps_per_call": claim_n, "ack_batched": ack_batched, "claims": 0, "seconds": 0.0}
+            | {"rpcs": 0, "packer_cpu_s": 0.0, "claimers_cpu_s": 0.0},
+        )
+        got: list[str] = []
+        calls = [0]
+        runs: list[Any]
+        if ack_batched is None:
+            runs = [
+                _source_claimer(self.sources[i], self.batch, claim_n, got, calls)
+                for i in range(args.claimers)
+            ]
+        else:
+            runs = [
+                _claimer(self.stubs[i], f"cell{i}", self.batch, claim_n, ack_batched, got, calls)
+                for i in range(args.claimers)
+            ]
+        cpu0, own0, start = self.cpu(), time.process_time(), time.perf_counter()
+        await asyncio.gather(*runs)
+        m["seconds"] += time.perf_counter() - start
+        m["packer_cpu_s"] += self.cpu() - cpu0
+        m["claimers_cpu_s"] += time.process_time() - own0
+        status = await self.stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=self.batch), timeout=10)
+        assert status.done, status
+        self.micro_steps += status.micro_steps
+        self.total_tokens += status.total_tokens
+        m["claims"] += len(got)
+        m["rpcs"] += calls[0]
+        self.claimed += got
+
+    def results(self, args: argparse.Namespace, tokens_per_batch: int) -> dict[str, Any]:
+        assert len(self.claimed) == len(set(self.claimed)) == self.micro_steps
+        modes = {}
+        for name, m in self.modes.items():
+            rate = m["claims"] / m["seconds"]
+            modes[name] = {
+                **{k: v for k, v in m.items() if not k.endswith("_cpu_s")},
+                "claims_per_s": rate,
+                "rpcs_per_pair": m["rpcs"] / m["claims"],
+                "claim_vs_roundtrip": rate / self.base_per_s,
+                # CPU per claim + ack pair: the packer process's, and this process's (the
+                # claimers, all 16 in one process); clock ticks of 10 ms, over the whole mode.
+                "packer_cpu_us_per_pair": 1e6 * m["packer_cpu_s"] / m["claims"],
+                "claimers_cpu_us_per_pair": 1e6 * m["claimers_cpu_s"] / m["claims"],
+            }
+        return {
+            "pre_encode": self.pre_encode,
+            "modes": modes,
+            "ingest_tokens_per_s": tokens_per_batch * self.batch / self.ingest_s,
+            "ingest_seconds": self.ingest_s,
+            "ingest_packer_cpu_us_per_1k_tokens": 1e9 * self.ingest_cpu / (tokens_per_batch * self.batch),
+            "micro_steps": self.micro_steps,
+            "total_loss_tokens": self.total_tokens,
+            "rounds": args.rounds,
+        }
+
+    async def close(self) -> None:
+        for c in self.channels:
+            await c.close()
+        self.proc.stop()
+
+
+async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict[str, Any]:
+    """The gRPC figures against a packer process of its own (as in a cluster, the claimers
+    are other processes; here all 16 share this one). With ``--old-path`` a second packer
+    process runs the old claim path (``pre_encode`` off: protos built per claim), and the
+    batched mode alternates between the two, round by round, so both see the same load."""
+    etcd = EtcdServer()
+    etcd.start()
+    pki = BenchPki(Path(workdir) / "certs")  # mTLS on every call, as Gyre runs by default
+    targets: list[_Target] = []
+    try:
+        new = _Target(args, Path(workdir), etcd, pki, pre_encode=True)
+        targets.append(new)
+        old = _Target(args, Path(workdir), etcd, pki, pre_encode=False) if args.old_path else None
+        if old is not None:
+            targets.append(old)
+        base = await new.baseline(args)
+        old_base = await old.baseline(args) if old is not None else {}
+        tokens = sum(t.tokens for ts, _ in data for t in ts)  # the same per round (same sizes)
         trainer_n = TrainingSettings().claim_batch
+        batched = f"claim_{args.claim_batch}_ack_batched"
         modes = {
             "one_by_one": (1, False),
             f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False),
-            f"claim_{args.claim_batch}_ack_batched": (args.claim_batch, True),
+            batched: (args.claim_batch, True),
             f"trainer_client_claim_{trainer_n}": (trainer_n, None),  # PackerSource, as the trainer
         }
-        sources = [PackerSource("", f"cell{i}", channel=c) for i, c in enumerate(cells)]
-        per_mode: dict[str, dict[str, Any]] = {}
-        batch = 0
         for name, (claim_n, ack_batched) in modes.items():
-            mode_claims, mode_elapsed, calls = 0, 0.0, [0]
-            for _ in range(args.rounds):
-                batch += 1
-                queue = workload(args.groups, args.group_size, args.turns, seed=batch, prefix=f"r{batch}g")
-                start = time.perf_counter()
-                await asyncio.gather(*(sender(i) for i in range(8)))
-                ingest_elapsed += time.perf_counter() - start
-                got: list[str] = []
-                start = time.perf_counter()
-                if ack_batched is None:
-                    runs = [
-                        _source_claimer(sources[i], batch, claim_n, got, calls) for i in range(args.claimers)
-                    ]
-                else:
-                    runs = [
-                        _claimer(stubs[i], f"cell{i}", batch, claim_n, ack_batched, got, calls)
-                        for i in range(args.claimers)
-                    ]
-                await asyncio.gather(*runs)
-                mode_elapsed += time.perf_counter() - start
-                status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=batch), timeout=10)
-                assert status.done, status
-                micro_steps += status.micro_steps
-                total_tokens += status.total_tokens
-                mode_claims += len(got)
-                claimed += got
-            per_mode[name] = {
-                "claim_micro_steps_per_call": claim_n,
-                "ack_batched": ack_batched,
-                "claims": mode_claims,
-                "seconds": mode_elapsed,
-                "claims_per_s": mode_claims / mode_elapsed,
-                "rpcs": calls[0],
-                "rpcs_per_pair": calls[0] / mode_claims,
-                "claim_vs_roundtrip": (mode_claims / mode_elapsed) / (n_base / base_elapsed),
-            }
-        assert len(claimed) == len(set(claimed)) == micro_steps
-        one = per_mode["one_by_one"]
-        best = per_mode[f"claim_{args.claim_batch}_ack_batched"]
+            for rnd in range(args.rounds):
+                both = [new, old] if old is not None and name == batched else [new]
+                for t in both if rnd % 2 == 0 else both[::-1]:
+                    await t.ingest(args)
+                    await t.drain(args, name, claim_n, ack_batched)
+        out = new.results(args, tokens) | base
+        per_mode = out["modes"]
+        one, best = per_mode["one_by_one"], per_mode[batched]
         trainer = per_mode[f"trainer_client_claim_{trainer_n}"]
-        return {
-            "baseline_getbatch_per_s": n_base / base_elapsed,
+        out |= {
             "claims": one["claims"],
             "claims_per_s": one["claims_per_s"],
             "claim_vs_roundtrip": one["claim_vs_roundtrip"],
@@ -364,17 +445,13 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             "trainer_claim_batch": trainer_n,
             "trainer_claims_per_s": trainer["claims_per_s"],
             "trainer_vs_roundtrip": trainer["claim_vs_roundtrip"],
-            "modes": per_mode,
-            "ingest_tokens_per_s": tokens * batch / ingest_elapsed,
-            "ingest_seconds": ingest_elapsed,
-            "micro_steps": micro_steps,
-            "total_loss_tokens": total_tokens,
-            "rounds": args.rounds,
         }
+        if old is not None:
+            out["old_path"] = old.results(args, tokens) | old_base
+        return out
     finally:
-        for c in channels:
-            await c.close()
-        proc.stop()
+        for t in targets:
+            await t.close()
         etcd.cleanup()
 
 
@@ -386,6 +463,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     ``ack_many`` with the trainer's default ``claim_batch``)."""
     grpc_ = result["grpc"]
     best = grpc_.get("batched_claims_per_s", grpc_["claims_per_s"])  # older runs: one by one only
+    old: dict[str, Any] = {}
+    if grpc_.get("old_path"):  # the batched mode on the old claim path, alternating with the new
+        o = grpc_["old_path"]
+        mode = next(iter(o["modes"].values()))
+        new_mode = next(m for m in grpc_["modes"].values() if m["ack_batched"] is True)
+        old = {
+            "old_path_per_s": round(mode["claims_per_s"], 1),
+            "old_path_baseline_roundtrip_per_s": round(o["baseline_getbatch_per_s"], 1),
+            "pre_encode_gain": round(best / mode["claims_per_s"], 2),
+            "packer_cpu_us_per_pair": round(new_mode["packer_cpu_us_per_pair"]),
+            "old_path_packer_cpu_us_per_pair": round(mode["packer_cpu_us_per_pair"]),
+        }
     return {
         "claim_ack_per_s_16": round(best, 1) if result["params"]["claimers"] == 16 else None,
         "claimers": result["params"]["claimers"],
@@ -395,6 +484,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "trainer_client_per_s": round(grpc_["trainer_claims_per_s"], 1)
         if "trainer_claims_per_s" in grpc_
         else None,
+        **old,
     }
 
 
@@ -408,6 +498,12 @@ async def main() -> None:
     ap.add_argument("--baseline-s", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=4, help="batches drained per claim mode")
     ap.add_argument("--claim-batch", type=int, default=8, help="micro-steps per ClaimMicroSteps call")
+    ap.add_argument(
+        "--old-path",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the batched mode on the old claim path (packer pre_encode off)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "packer_claims.json"))
     args = ap.parse_args()
     data = workload(args.groups, args.group_size, args.turns)
@@ -455,6 +551,7 @@ async def main() -> None:
                 **{f"claims_per_s gRPC {k}": round(v["claims_per_s"]) for k, v in over_grpc["modes"].items()},
                 "GetBatch/s gRPC baseline (16 callers)": round(over_grpc["baseline_getbatch_per_s"]),
                 "ingest tokens/s gRPC (8 senders)": round(over_grpc["ingest_tokens_per_s"]),
+                "summary": result["summary"],
             },
             indent=2,
         )

@@ -361,6 +361,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             "lost": dispatched - finished,
             "harness_completed": stats.completed,
             "harness_failed": stats.failed,
+            "harness_cancelled": stats.cancelled,
+            "harness_calls": stats.calls,
         },
         "reward_by_policy_version": {str(v): rewards[v] for v in versions},
         "reward_first_version": rewards[versions[0]]["mean"] if versions else None,

@@ -19,9 +19,15 @@ from typing import Any
 
 from apps.harness.env import EnvConfig, Episode, Task
 from gyre.client import ExecutionHandle, HarnessClient
-from gyre.errors import GyreError
+from gyre.errors import GyreError, Unavailable
 
 log = logging.getLogger("apps.harness")
+
+MODEL_CALL_TRIES = 3
+"""Tries of one model call that the router lost (it died or restarted mid-call: sent, no
+answer). A retry is safe: the router records a turn once, and the same call (same execution,
+same prompt) gets the same seed (services/router/README.md, "Several routers")."""
+MODEL_CALL_RETRY_S = 0.5  # times the try: the router's supervisor restarts it meanwhile
 
 
 @dataclass
@@ -33,6 +39,8 @@ class HarnessStats:
     staleness bound): the harness saw a CANCELLED status, not a failure of its own."""
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (policy version, reward)
     turns: int = 0
+    calls: int = 0
+    """Model calls answered, of every episode (completed, failed or cancelled)."""
 
 
 async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: HarnessStats) -> None:
@@ -47,9 +55,19 @@ async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: Harne
     async def chat(
         messages: list[dict[str, Any]], max_tokens: int, temperature: float, tools: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        return await execution.chat_message(
-            messages, max_tokens=max_tokens, temperature=temperature, tools=tools
-        )
+        for tries in range(1, MODEL_CALL_TRIES + 1):
+            try:
+                message = await execution.chat_message(
+                    messages, max_tokens=max_tokens, temperature=temperature, tools=tools
+                )
+                stats.calls += 1
+                return message
+            except Unavailable as exc:
+                if tries == MODEL_CALL_TRIES:
+                    raise
+                log.info("model call lost (%s); retried", exc, extra={"execution_id": execution.execution_id})
+                await asyncio.sleep(MODEL_CALL_RETRY_S * tries)
+        raise AssertionError("unreachable")
 
     async with execution:
         try:

@@ -9,12 +9,11 @@ from gyre.backoff import Backoff
 from gyre.etcd.election import verified_fence
 from gyre.history import History
 from gyre.runtime import Runtime, Services, main
-from gyre.v1 import packer_pb2_grpc
 from services.packer.config import PackerConfig
 from services.packer.history import HistoryLog
 from services.packer.metrics import PackerMetrics
 from services.packer.packer import Packer
-from services.packer.servicer import SERVICE_NAME, PackerServicer
+from services.packer.servicer import SERVICE_NAME, PackerServicer, add_to_server
 from services.packer.snapshot import compacted
 from services.packer.store import CellMirror, PolicyMirror, open_incarnation
 from services.packer.wal import Wal
@@ -54,7 +53,7 @@ async def build(rt: Runtime) -> Services:
     rt.supervisor.on_flush(_close_wal)
     fence, leader = verified_fence(rt.etcd, rt.keys.leader())
     rt.supervisor.spawn("leader", leader.run())
-    return [(PackerServicer(packer, cfg, fence), packer_pb2_grpc.add_PackerServicer_to_server, SERVICE_NAME)]
+    return [(PackerServicer(packer, cfg, fence), add_to_server, SERVICE_NAME)]
 
 
 async def compactor(cfg: PackerConfig, wal: Wal, packer: Packer) -> None:

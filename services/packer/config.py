@@ -114,6 +114,12 @@ class PackerConfig(ServiceConfig):
         description="A group whose executions have all closed becomes ready this long after its "
         "last finish report, so that turn records still in the router's send queue get in.",
     )
+    pre_encode: bool = Field(
+        True,
+        description="Encode each trajectory segment's wire form once, when its group becomes ready, "
+        "and answer ClaimMicroStep(s) by concatenating those bytes (no proto built or serialized "
+        "on the claim path; the answer parses to the same message). False: build the protos per claim.",
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     wal_check_incarnation: bool = Field(
         True,

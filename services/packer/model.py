@@ -8,7 +8,7 @@ import dataclasses
 import enum
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 from gyre.errors import InvalidArgument, ResourceExhausted
@@ -314,6 +314,10 @@ class PackedSequence:
     advantage: float
     policy_version: int  # oldest version among its output tokens
 
+    def encode(self) -> bytes:
+        """Its wire form (a serialized ``PackedSequence``), what :class:`WireCache` keeps."""
+        return self.to_proto().SerializeToString()
+
     def to_proto(self) -> packer_pb2.PackedSequence:
         first = self.segment.turns[0]
         ids, mask, logprobs, versions = self.segment.arrays()
@@ -342,6 +346,22 @@ class MicroStepView:
     loss_tokens: int
     packed_tokens: int
 
+    def encode(self, sequences: Iterable[bytes]) -> bytes:
+        """A serialized ``MicroStep`` from its sequences' wire forms, without re-encoding
+        them: the same bytes ``to_proto().SerializeToString()`` gives (fields in number
+        order; each sequence is field 3 as tag + length + bytes)."""
+        head = packer_pb2.MicroStep(micro_step_id=self.micro_step_id, batch_id=self.batch_id)
+        tail = packer_pb2.MicroStep(
+            num_tokens=self.loss_tokens, policy_version=self.policy_version, packed_tokens=self.packed_tokens
+        )
+        return b"".join(
+            (
+                head.SerializeToString(),
+                *(_LEN_FIELD_3 + _varint(len(b)) + b for b in sequences),
+                tail.SerializeToString(),
+            )
+        )
+
     def to_proto(self) -> packer_pb2.MicroStep:
         return packer_pb2.MicroStep(
             micro_step_id=self.micro_step_id,
@@ -364,13 +384,8 @@ class ClaimResult:
     micro_step: MicroStepView | None = None
 
     def to_proto(self) -> packer_pb2.ClaimMicroStepResponse:
-        outcome = {
-            ClaimOutcome.CLAIMED: packer_pb2.CLAIM_OUTCOME_CLAIMED,
-            ClaimOutcome.WAIT: packer_pb2.CLAIM_OUTCOME_WAIT,
-            ClaimOutcome.CLOSED: packer_pb2.CLAIM_OUTCOME_CLOSED,
-        }[self.outcome]
         resp = packer_pb2.ClaimMicroStepResponse(
-            outcome=outcome,
+            outcome=_OUTCOME_TO_PROTO[self.outcome],
             claim_ttl_s=self.ttl_s,
             batch_id=self.batch_id,
             policy_version=self.policy_version,
@@ -378,6 +393,27 @@ class ClaimResult:
         if self.micro_step is not None:
             resp.micro_step.CopyFrom(self.micro_step.to_proto())
         return resp
+
+    def encode(self, micro_step: bytes | None) -> bytes:
+        """A serialized ``ClaimMicroStepResponse`` around an encoded micro-step (see
+        :meth:`MicroStepView.encode`): the bytes ``to_proto().SerializeToString()`` gives."""
+        return self._encode(
+            _LEN_FIELD_2 + _varint(len(micro_step)) + micro_step if micro_step is not None else b""
+        )
+
+    def encode_many(self, micro_steps: Iterable[bytes]) -> bytes:
+        """A serialized ``ClaimMicroStepsResponse`` around encoded micro-steps (field 2,
+        repeated, each as tag + length + bytes): the bytes ``to_proto_many`` serializes to."""
+        return self._encode(b"".join(_LEN_FIELD_2 + _varint(len(b)) + b for b in micro_steps))
+
+    def _encode(self, field_2: bytes) -> bytes:
+        # ClaimMicroStepResponse and ClaimMicroStepsResponse number their fields alike:
+        # 1 outcome, 2 the micro-step(s), 3 claim_ttl_s, 4 batch_id, 5 policy_version.
+        head = packer_pb2.ClaimMicroStepResponse(outcome=_OUTCOME_TO_PROTO[self.outcome])
+        tail = packer_pb2.ClaimMicroStepResponse(
+            claim_ttl_s=self.ttl_s, batch_id=self.batch_id, policy_version=self.policy_version
+        )
+        return head.SerializeToString() + field_2 + tail.SerializeToString()
 
     def to_proto_many(self, views: list[MicroStepView]) -> packer_pb2.ClaimMicroStepsResponse:
         """The answer to a batched claim that took ``views`` (this result is its first claim's)."""
@@ -390,6 +426,77 @@ class ClaimResult:
         )
         resp.micro_steps.extend(v.to_proto() for v in views)
         return resp
+
+
+_OUTCOME_TO_PROTO = {
+    ClaimOutcome.CLAIMED: packer_pb2.CLAIM_OUTCOME_CLAIMED,
+    ClaimOutcome.WAIT: packer_pb2.CLAIM_OUTCOME_WAIT,
+    ClaimOutcome.CLOSED: packer_pb2.CLAIM_OUTCOME_CLOSED,
+}
+_LEN_FIELD_2 = bytes([2 << 3 | 2])  # tag of field 2, wire type 2 (length-delimited)
+_LEN_FIELD_3 = bytes([3 << 3 | 2])
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf's base-128 varint of ``n`` >= 0 (a length prefix)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class WireCache:
+    """Pre-encoded ``PackedSequence``s, so that a claim never re-encodes one.
+
+    A sequence is encoded once (when its group becomes ready, or on its first claim after
+    a restart) and kept under its execution and turn indexes; an entry answers only for
+    the very same turns, advantage and policy version it was made from (else it is
+    encoded afresh), so a stale entry can never be handed out, and a redelivered
+    micro-step gets the same bytes. ``keep`` drops the executions the packer let go of."""
+
+    def __init__(self) -> None:
+        self._by_exec: dict[str, dict[tuple[int, ...], tuple[PackedSequence, bytes]]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_exec.values())
+
+    def put(self, seq: PackedSequence) -> bytes:
+        data = seq.encode()
+        key = tuple(t.turn_index for t in seq.segment.turns)
+        self._by_exec.setdefault(seq.segment.last.execution_id, {})[key] = (seq, data)
+        return data
+
+    def get(self, seq: PackedSequence) -> bytes:
+        """The wire form of ``seq``: the cached one when it was made from the same content."""
+        turns = seq.segment.turns
+        entry = self._by_exec.get(turns[-1].execution_id, {}).get(tuple(t.turn_index for t in turns))
+        if entry is not None:
+            cached, data = entry
+            if (
+                cached.advantage == seq.advantage
+                and cached.policy_version == seq.policy_version
+                and len(cached.segment.turns) == len(turns)
+                and all(a is b for a, b in zip(cached.segment.turns, turns, strict=True))
+            ):
+                self.hits += 1
+                return data
+        self.misses += 1
+        return self.put(seq)
+
+    def micro_step(self, view: MicroStepView) -> bytes:
+        return view.encode(self.get(s) for s in view.sequences)
+
+    def keep(self, executions: Container[str]) -> int:
+        """Drops the entries of executions not in ``executions``; returns how many went."""
+        gone = [x for x in self._by_exec if x not in executions]
+        n = 0
+        for x in gone:
+            n += len(self._by_exec.pop(x))
+        return n
 
 
 def check_cell(cell_id: str) -> CellId:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
+from gyre.failpoints import failpoint
 from gyre.fencing import FenceGuard
 from gyre.ids import BatchId, CellId
 from gyre.staleness import unconsumable
@@ -32,12 +33,13 @@ from services.packer.model import (
     MicroStepView,
     PackedSequence,
     Turn,
+    WireCache,
     check_cell,
     check_id,
 )
 from services.packer.packing import first_fit_decreasing
 from services.packer.records import Batch, Event, Group, GroupState, MicroStep
-from services.packer.segments import split_segments
+from services.packer.segments import Segment, split_segments
 from services.packer.state import PackerState
 from services.packer.wal import EventLog
 
@@ -76,6 +78,9 @@ class Packer:
         self._complete: dict[str, float] = {}  # all closed, in the grace period -> since
         self.late_turns = 0  # refused: their group was already ready (runtime count)
         self.skipped: list[int] = []  # WAL events set aside at recovery (see recover)
+        # Wire forms of the sequences of ready groups (config pre_encode): claims answer
+        # from them instead of building protos (services.packer.model.WireCache).
+        self.wire = WireCache()
 
     # Start-up ----------------------------------------------------------------------------
 
@@ -138,6 +143,7 @@ class Packer:
         self._commit({"t": "turn", "turn": turn.to_json()})
         self._after()
         await self.log.sync()
+        failpoint("packer.turn.durable")  # the turn in the WAL, the router not yet answered
         return False
 
     async def report_finish(self, finish: Finish) -> bool:
@@ -170,6 +176,7 @@ class Packer:
             self._complete[group.id] = self.clock()
         self._after()
         await self.log.sync()
+        failpoint("packer.finish.durable")  # the finish in the WAL, the scheduler not yet answered
         return False
 
     async def claim(
@@ -201,6 +208,9 @@ class Packer:
                 self._waiting[waiting_on] -= 1
                 if self._waiting[waiting_on] <= 0:
                     del self._waiting[waiting_on]
+        if result.outcome is ClaimOutcome.CLAIMED:
+            # The claim in memory and the WAL buffer, not durable, the cell not told:
+            failpoint("packer.claim.granted")
         await self.log.sync()
         return result
 
@@ -401,6 +411,7 @@ class Packer:
         if n or self._complete:
             self._after()
             await self.log.sync()
+        self.wire.keep(self.state.execs)  # executions trained or dropped: their bytes go
         return n
 
     async def run_reaper(self) -> None:
@@ -515,6 +526,13 @@ class Packer:
         if not all(math.isfinite(a) for a in adv.values()):
             return self._drop(group, "invalid_reward")  # never with bounded rewards; a last guard
         self._commit({"t": "ready", "g": group.id, "adv": adv, "oldest": oldest, "drop_x": drop_x})
+        if cfg.pre_encode:
+            # Encoded now, while rollouts arrive, rather than on the claim path: the same
+            # segments the group's assignment will cut (split_segments of the same turns).
+            for x in adv:
+                turns = self.state.execs[x].turns
+                for indexes in split_segments(turns):
+                    self.wire.put(self._sequence(x, indexes))
 
     def _drop(self, group: Group, reason: str) -> None:
         log.info("group dropped", extra={"group_id": group.id, "reason": reason, "turns": group.turns})
@@ -593,6 +611,8 @@ class Packer:
     def _seal(self, batch: Batch) -> None:
         self._commit({"t": "seal", "b": batch.id})
         self._commit({"t": "batch", "b": batch.id + 1, "size": self.cfg.batch_size})
+        # Sealed and the next batch opened in memory, not durable, no claimer told:
+        failpoint("packer.batch.sealed")
         log.info(
             "batch sealed",
             extra={
@@ -665,13 +685,15 @@ class Packer:
 
     def _view(self, ms: MicroStep, batch: Batch) -> MicroStepView:
         st = self.state
-        seqs = []
-        for ref in ms.seqs:
-            segment = st.segment(ref)
-            group = st.groups[segment.last.group_id]
-            finish = st.execs[ref[0]].finish
-            fallback = finish.policy_version if finish is not None else 0
-            seqs.append(PackedSequence(segment, group.advantages[ref[0]], segment.oldest_version(fallback)))
+        seqs = tuple(self._sequence(x, st.execs[x].segments[i]) for x, i in ms.seqs)
         return MicroStepView(
-            ms.id, BatchId(batch.id), batch.version or 0, tuple(seqs), ms.loss_tokens, ms.packed_tokens
+            ms.id, BatchId(batch.id), batch.version or 0, seqs, ms.loss_tokens, ms.packed_tokens
         )
+
+    def _sequence(self, execution_id: str, indexes: tuple[int, ...]) -> PackedSequence:
+        """The packed sequence of one segment (turn ``indexes`` of a ready execution)."""
+        ex = self.state.execs[execution_id]
+        segment = Segment(tuple(ex.turns[i] for i in indexes))
+        fallback = ex.finish.policy_version if ex.finish is not None else 0
+        advantage = self.state.groups[ex.group_id].advantages[execution_id]
+        return PackedSequence(segment, advantage, segment.oldest_version(fallback))

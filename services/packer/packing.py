@@ -16,18 +16,30 @@ def first_fit_decreasing(items: Sequence[tuple[K, int]], budget: int) -> list[li
     must fit on its own (size <= budget); sizes must be >= 0.
     """
     order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
+    # The first bin with room, found in O(log n) rather than by scanning every bin: a max
+    # tree over the rooms of n bins (at most one per item), those not opened yet holding a
+    # whole budget, so the first leaf with room is an open bin, or else the next new one.
+    cap = 1
+    while cap < len(items):
+        cap *= 2
+    tree = [budget] * (2 * cap)
     bins: list[list[K]] = []
-    room: list[int] = []
     for i in order:
         key, size = items[i]
         if size > budget or size < 0:
             raise ValueError(f"item {key!r} of size {size} does not fit a budget of {budget}")
-        for b, free in enumerate(room):
-            if size <= free:
-                bins[b].append(key)
-                room[b] = free - size
-                break
-        else:
+        node = 1
+        while node < cap:
+            node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+        b = node - cap
+        if b == len(bins):
             bins.append([key])
-            room.append(budget - size)
+        else:
+            bins[b].append(key)
+        tree[node] -= size
+        node //= 2
+        while node:
+            left, right = tree[2 * node], tree[2 * node + 1]
+            tree[node] = left if left >= right else right
+            node //= 2
     return bins

@@ -106,7 +106,8 @@ class Batch:
     size: int
     version: int | None = None  # pinned by the first claim (the batch is active from then)
     groups: list[str] = dataclasses.field(default_factory=list)
-    pending: list[SeqRef] = dataclasses.field(default_factory=list)  # assigned, not emitted
+    # Assigned, not emitted: an ordered set (an emit takes its segments out in O(its size)).
+    pending: dict[SeqRef, None] = dataclasses.field(default_factory=dict)
     micro_steps: list[MicroStep] = dataclasses.field(default_factory=list)
     free: dict[str, None] = dataclasses.field(default_factory=dict)  # claimable ids, in order
     participants: set[str] = dataclasses.field(default_factory=set)

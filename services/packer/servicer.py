@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -44,6 +44,49 @@ def batch_to_proto(s: dict[str, Any]) -> packer_pb2.BatchStatus:
 def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
     fields = {k: v for k, v in s.items() if k != "counters"}
     return packer_pb2.SupplySignal(**fields, counters=counters_to_proto(s["counters"]))
+
+
+PRE_ENCODED = ("ClaimMicroStep", "ClaimMicroSteps")
+"""Methods that may answer an already serialized response (bytes; see ``pre_encode``)."""
+
+
+def _bytes_or(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    def serializer(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return serializer
+
+
+class _PassBytes:
+    """Stands in for the server while the generated registrar adds the handlers: the
+    :data:`PRE_ENCODED` methods get a response serializer that passes bytes through."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def _fix(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
+        return {
+            m: h._replace(response_serializer=_bytes_or(h.response_serializer)) if m in PRE_ENCODED else h
+            for m, h in handlers.items()
+        }
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+        for h in handlers:
+            prefix = f"/{h.service_name()}/"
+            methods = {k[len(prefix) :]: v for k, v in h._method_handlers.items()}
+            generic = grpc.method_handlers_generic_handler(h.service_name(), self._fix(methods))
+            self._server.add_generic_rpc_handlers((generic,))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._server.add_registered_method_handlers(service, self._fix(handlers))
+
+
+def add_to_server(servicer: Any, server: Any) -> None:
+    """``packer_pb2_grpc.add_PackerServicer_to_server``, where ClaimMicroStep(s) may answer
+    pre-encoded bytes (the wire contract is the generated one: same messages)."""
+    packer_pb2_grpc.add_PackerServicer_to_server(servicer, _PassBytes(server))
 
 
 class PackerServicer(packer_pb2_grpc.PackerServicer):
@@ -95,6 +138,9 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         result = await self._packer.claim(
             request.cell_id, request.batch_id, request.policy_version, wait_s, request.claim_id
         )
+        if self._cfg.pre_encode:  # bytes: add_to_server's serializer passes them through
+            view = result.micro_step
+            return result.encode(self._packer.wire.micro_step(view) if view is not None else None)
         return result.to_proto()
 
     @rpc
@@ -113,6 +159,8 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
             request.claim_id,
             request.max_micro_steps,
         )
+        if self._cfg.pre_encode:
+            return first.encode_many(self._packer.wire.micro_step(v) for v in views)
         return first.to_proto_many(views)
 
     @rpc

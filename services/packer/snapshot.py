@@ -125,7 +125,7 @@ def restore(st: PackerState, ev: Event) -> None:
             int(bd["size"]),
             version=bd["version"],
             groups=list(bd["groups"]),
-            pending=[(str(x), int(i)) for x, i in bd["pending"]],
+            pending={(str(x), int(i)): None for x, i in bd["pending"]},
             participants=set(bd["participants"]),
             sealed=bd["sealed"],
             closed=bd["closed"],

@@ -273,15 +273,16 @@ class PackerState:
         for x, split in splits.items():
             group.execs[x].segments = {s[0]: s for s in split}
             for s in split:
-                batch.pending.append((x, s[0]))
+                batch.pending[(x, s[0])] = None
 
     def _on_emit(self, ev: Event) -> None:
         batch = self.batches[int(ev["b"])]
         refs = [(str(x), int(i)) for x, i in ev["seqs"]]
         taken = set(refs)
-        if len(taken) != len(refs) or not taken.issubset(batch.pending):
+        if len(taken) != len(refs) or not all(r in batch.pending for r in refs):
             raise FatalError(f"emit {ev['ms']}: sequences not pending in batch {batch.id}")
-        batch.pending = [r for r in batch.pending if r not in taken]
+        for r in refs:
+            del batch.pending[r]
         segments = [self.segment(r) for r in refs]
         ms = MicroStep(
             id=ev["ms"],

@@ -39,6 +39,7 @@ from gyre.errors import (
     InvalidArgument,
     Unavailable,
 )
+from gyre.failpoints import failpoint
 from gyre.tokens import Chunk, FinishReason
 from services.router.engine import EngineClient, EngineRequest, KvHandle, Sampling
 from services.router.routes import Route, RouteTable, closed_error
@@ -294,6 +295,7 @@ class ModelCall:
                 handle = await self._export(route, request)
                 kv = (handle, route.target) if handle is not None else None
             await self._stop(pump, route, request)
+            failpoint("router.move.stopped")  # the source attempt stopped, the continuation not started
             self.route = None
             self._resolve_move_waiters()
 

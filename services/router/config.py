@@ -134,12 +134,14 @@ class RouterConfig(ServiceConfig):
         description="Turn records buffered for the packer before the oldest are dropped.",
     )
     turn_record_wait_s: float = Field(
-        2.0,
+        30.0,
         ge=0,
-        le=60,
+        le=600,
         description="A completed call ends for the harness once the packer holds its turn, waiting "
         "at most this long (the record goes on in the background past it; 0: never wait). The harness "
-        "reports a finish after its last call, so its group cannot become ready without the turn.",
+        "reports a finish after its last call, so its group cannot become ready without the turn. Long "
+        "enough to outlast a packer restart: a turn that reaches the packer after its group's finish "
+        "report is refused, and lost.",
     )
     turn_senders: int = Field(
         32,

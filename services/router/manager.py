@@ -14,6 +14,7 @@ import struct
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from gyre.failpoints import failpoint
 from gyre.telemetry import execution_id_var
 from gyre.tokens import Chunk, FinishReason
 from services.router.calls import CallPolicy, ModelCall, RouterStats
@@ -110,6 +111,7 @@ class CallManager:
                 call.trajectory = self.trajectories.record(
                     execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
                 )
+                failpoint("router.turn.completed")  # every token streamed, the turn not yet queued
                 recorded = self._record(route, call)
                 if recorded is not None and self._policy.turn_record_wait_s > 0:
                     # The call ends for the harness once the packer holds its turn (bounded):

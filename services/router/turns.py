@@ -31,6 +31,7 @@ from gyre.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from gyre.failpoints import failpoint
 from gyre.history import History
 from gyre.v1 import packer_pb2
 
@@ -193,6 +194,7 @@ class TurnRecorder:
         while True:
             try:
                 await self._sink.record(turn)
+                failpoint("router.turn.recorded")  # the packer holds the turn, the call not yet ended
                 self.sent += 1
                 self._history.append(
                     "turn_recorded",

@@ -16,6 +16,39 @@ from services.packer.packing import first_fit_decreasing
 from tests.support import packer_kit as tk
 
 
+def _ffd_by_scan(items, budget):
+    """First-fit decreasing scanning every bin: what first_fit_decreasing must equal."""
+    bins, room = [], []
+    for i in sorted(range(len(items)), key=lambda i: (-items[i][1], i)):
+        key, size = items[i]
+        for b, free in enumerate(room):
+            if size <= free:
+                bins[b].append(key)
+                room[b] = free - size
+                break
+        else:
+            bins.append([key])
+            room.append(budget - size)
+    return bins
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    budget=st.integers(min_value=0, max_value=300),
+    sizes=st.lists(st.integers(min_value=0, max_value=300), max_size=130),
+)
+def test_ffd_equals_the_scan_of_every_bin(budget, sizes):
+    items = [(i, min(s, budget)) for i, s in enumerate(sizes)]
+    assert first_fit_decreasing(items, budget) == _ffd_by_scan(items, budget)
+
+
+def test_ffd_refuses_an_item_over_the_budget():
+    with pytest.raises(ValueError):
+        first_fit_decreasing([("a", 3), ("b", 11)], 10)
+    with pytest.raises(ValueError):
+        first_fit_decreasing([("a", -1)], 10)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     budget=st.integers(min_value=1, max_value=200),
@@ -62,3 +95,22 @@ async def test_sealed_batch_total_tokens_and_budget():
     assert sum(m.loss_tokens for m in got) == expected_loss
     assert all(m.packed_tokens <= 50 for m in got)
     assert sum(len(m.sequences) for m in got) == 4 * 3 * 2
+
+
+async def test_an_emit_of_a_segment_not_pending_is_refused_and_changes_nothing():
+    """The batch's pending segments are an ordered set (an emit takes its own out in O(its
+    size)); an emit that names a segment not pending is a bug (FatalError) caught before
+    anything changes."""
+    from gyre.errors import FatalError
+
+    p, _, _ = tk.make_packer(batch_size=2, micro_step_token_budget=8, emit_fill_fraction=1.0)
+    for g in ("g1", "g2"):
+        await tk.feed_group(p, g, size=2)
+    await p.claim("a", 0, 0, 0)  # activates: the four segments are packed, one per micro-step
+    batch = p.state.batches[1]
+    ms = batch.micro_steps[0]
+    before = tk.snapshot(p.state)
+    for seqs in ([list(ms.seqs[0])], [["g9-x0", 0]]):
+        with pytest.raises(FatalError):
+            p.state.apply({"t": "emit", "b": 1, "ms": "b1-mX", "seqs": seqs})
+    assert tk.snapshot(p.state) == before

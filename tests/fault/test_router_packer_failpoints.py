@@ -1,0 +1,225 @@
+"""The router and the packer die at each of their transition failpoints under load (issue 13,
+item 8): the short mock demo runs (real etcd, scheduler, cells, router, packer, harness on
+loopback); a few seconds in, the failpoint file arms one failpoint (mode exit: status 17,
+nothing flushed, like a SIGKILL) in the running process; it dies there; the launcher's
+supervisor restarts it; the file is disarmed; the run goes on to the end.
+
+Each run proves: the process died at that failpoint (its exit status 17) and was restarted
+once; the run completed; every dispatched execution finished (none lost); no episode failed
+(each completed or was cancelled by the scheduler: a model call lost with its router is
+retried by the harness, and that is the only retry); the history checker (``--complete``)
+finds every dispatched execution closed exactly once, no group trained twice, one optimizer
+step per batch, no micro-step or acknowledged record lost; and the packer's WAL holds one
+turn per model call the harness got an answer to (none lost, none recorded twice).
+
+Router failpoints (services/router):
+- ``router.turn.completed``: a call's every token streamed, its turn not yet queued;
+- ``router.turn.recorded``: the packer holds the turn, the call not yet ended.
+Packer failpoints (services/packer/packer.py):
+- ``packer.turn.durable`` / ``packer.finish.durable``: the record in the WAL, not answered;
+- ``packer.claim.granted``: a claim in memory and the WAL buffer, not durable, not answered;
+- ``packer.batch.sealed``: a batch sealed in memory, not durable, no claimer told.
+One run is a demo of 60-100 s on a loaded 2-core machine, so each is marked slow.
+
+``router.move.stopped`` (a move's source attempt stopped, the continuation not started) is
+rarely reached in the demo (its calls are short: a move mostly finds an execution between
+calls), so its own rig makes it happen: a real router process, the deterministic fake
+engines and a recording packer stand-in, a call streaming at cell a when its route moves to
+b. The router dies there; the harness's stream breaks; the router is restarted on its
+address; the harness retries the call, which completes token-identical to an undisturbed
+call, and the packer gets its turn exactly once (the router's history checks clean)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from apps.checker import check_files
+from apps.demo.runner import DemoOptions, run_demo
+from apps.harness.env import EnvConfig
+from apps.launch import Cluster
+from apps.procs import ServiceProcess
+from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
+from bench.support.fake_packer import FakePacker
+from bench.support.router_rig import (
+    build_tokenizer_dir,
+    new_execution,
+    put_route,
+    read_sse,
+    sse_token_ids,
+    start_router,
+    write_config,
+)
+from gyre.etcd import Etcd, Keys
+from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
+from tests.tls import tls
+
+pytestmark = pytest.mark.timeout(600)
+
+POINTS = [
+    "router.turn.completed",
+    "router.turn.recorded",
+    "packer.turn.durable",
+    "packer.finish.durable",
+    "packer.claim.granted",
+    "packer.batch.sealed",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS)
+async def test_a_service_dies_at_a_failpoint_and_nothing_is_lost(
+    point: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    victim = point.split(".")[0]
+    armed = tmp_path / "failpoints"
+    monkeypatch.setenv(FAILPOINT_FILE_ENV, str(armed))  # every service process reads it
+    died: list[int | None] = []
+
+    async def arm_once(cluster: Cluster) -> None:
+        await asyncio.sleep(5.0)  # into the first burst: calls, turns and claims under way
+        proc = cluster.procs[victim]
+        pid = proc.pid
+        armed.write_text(f"{point}\n")
+        try:
+            async with asyncio.timeout(150):
+                while proc.alive() and proc.pid == pid:
+                    await asyncio.sleep(0.02)
+        finally:
+            armed.unlink(missing_ok=True)  # before the supervisor's restart (0.5 s back-off)
+        died.append(proc.pid)
+
+    opts = DemoOptions(
+        engine="mock",
+        bursts=2,
+        run_dir=tmp_path / "demo",
+        dashboard_port=0,
+        concurrency=24,
+        timeout_s=400,
+        live=False,
+        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
+        config_overrides={
+            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
+            "scheduler": {"interval_s": 0.5},
+        },
+        during=arm_once,
+    )
+    summary = await run_demo(opts)
+    ex = summary["executions"]
+    print({k: summary.get(k) for k in ("outcome", "executions", "restarts", "reroutes", "trajectories")})
+    assert died, f"{point} was never reached"
+    exits = [e for e in summary["process_events"] if e["name"] == victim and e["kind"] == "exited"]
+    assert [e["rc"] for e in exits] == [EXIT_STATUS], exits  # it died there, once
+    assert summary["restarts"].get(victim) == 1, summary["process_events"]
+    assert summary["outcome"] == "completed", summary
+    assert ex["lost"] == 0 and ex["dispatched"] == ex["finished"] == 40, ex
+    assert ex["harness_failed"] == 0 and ex["harness_completed"] + ex["harness_cancelled"] == 40, ex
+    verdict = summary["checker"]
+    assert verdict["ok"], verdict["violations"]
+    counts = verdict["counts"]
+    assert counts["executions_closed"] == counts["executions_dispatched"] == 40, counts
+    assert counts["turns_refused"] == counts["turns_dropped"] == 0, counts  # none came too late
+    # The packer's WAL holds each model call the harness got an answer to once: none lost,
+    # none recorded twice (a call retried after its router died included).
+    assert summary["trajectories"]["turns"] == ex["harness_calls"], (summary["trajectories"], ex)
+    assert json.loads((opts.run_dir / "summary.json").read_text()) == summary
+
+
+PROMPT = [40, 41, 42, 43, 44]
+MAX_TOKENS = 40
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_router_dies_between_a_moves_stop_and_its_continuation(
+    tmp_path: Path, etcd_server, cluster_name
+):
+    armed = tmp_path / "failpoints"
+    hist = tmp_path / "router.jsonl"
+    packer = await FakePacker().start(tls("packer"))
+    engines = {
+        cell: await FakeEngineServer(FakeOptions(cell_id=cell, token_delay_s=0.02)).start() for cell in "ab"
+    }
+    port = _free_port()
+    cfg = write_config(
+        tmp_path / "cluster.yaml",
+        cluster_name,
+        etcd_server.endpoint,
+        model_dir=str(build_tokenizer_dir(tmp_path / "model")),
+        packer_target=packer.target,
+        http_port=port,
+        unknown_token_wait_s=20.0,
+        log_json=False,
+        history_file=str(hist),
+    )
+    router: ServiceProcess | None = None
+    etcd = Etcd([etcd_server.endpoint], 5.0)
+    await etcd.connect()
+    keys = Keys(cluster_name)
+    want = reference(1, PROMPT, MAX_TOKENS)
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(FAILPOINT_FILE_ENV, str(armed))
+            router, url = await asyncio.to_thread(start_router, cfg, tmp_path / "router.log")
+        ex, tok = new_execution()
+        await put_route(etcd, keys, ex, "a", engines["a"].target, tok)
+        headers = {"Authorization": f"Bearer {tok}"}
+        got: list[int] = []
+        broke = False
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{url}/completions", json=body, headers=headers) as r,
+        ):
+            assert r.status == 200
+            try:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {"):
+                        got.extend(sse_token_ids([json.loads(line[6:])]))
+                    if len(got) >= 6 and not armed.exists():
+                        armed.write_text("router.move.stopped\n")
+                        await put_route(etcd, keys, ex, "b", engines["b"].target, tok)  # the move
+            except aiohttp.ClientError:
+                broke = True
+        assert await asyncio.to_thread(router.proc.wait, 30) == EXIT_STATUS  # it died there
+        assert broke or len(got) < MAX_TOKENS, "the stream outlived its router"
+        assert got == want[: len(got)]
+        assert not any(e.engine.requests for e in [engines["b"]]), "the continuation started"
+        armed.unlink()
+        router, url2 = await asyncio.to_thread(start_router, cfg, tmp_path / "router.log")  # the supervisor
+        assert url2 == url
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{url}/completions", json=body, headers=headers) as r,
+        ):
+            assert r.status == 200, await r.text()
+            events = await read_sse(r)  # the harness's retry, at the route's new cell
+        assert events[-1] == {"done": True} and not any("error" in e for e in events), events
+        assert sse_token_ids(events) == want
+        for _ in range(500):
+            if (ex, 0) in packer.turns:
+                break
+            await asyncio.sleep(0.02)
+        assert list(packer.turns[(ex, 0)].output_token_ids) == want
+        assert (ex, 1) not in packer.turns  # recorded once
+        verdict = check_files([hist])
+        assert verdict.ok, verdict.violations
+        assert verdict.counts["turns_recorded"] == 1
+    finally:
+        armed.unlink(missing_ok=True)
+        if router is not None:
+            router.stop()
+        await etcd.close()
+        for e in engines.values():
+            await e.stop(0)
+        await packer.stop()
