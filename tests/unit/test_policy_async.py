@@ -411,6 +411,35 @@ def test_gyre_returns_satellites_only_beyond_the_hysteresis_band():
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c1"]
 
 
+def test_gyre_does_not_return_cells_when_w_eta_jumps_past_the_capacity():
+    # eta = 4: batches v .. v + 4 still need 100 groups x 4 = 400 executions, 100 of them open:
+    # W_eta = 100 > the 20 slots of the two rollout cells, so no cell may move to training.
+    # The rate target is 5 (0.1 groups/s x 5e4 tokens at 1000 tok/s per cell). The cap stops
+    # moves; it must not send the 4 training cells back (a cap that forced returns did, at
+    # every publication, and the cells moved back one by one: A64, eta = 4).
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = Pipeline(
+        max_staleness=4,
+        group_size=4,
+        batch_groups=20,
+        batch_assigned=0,
+        ready_groups=0,
+        train_rate_per_cell=1000.0,
+        ready_rate=0.1,
+        tokens_per_group=5e4,
+        versions=(VersionCounts(1, groups=25, dispatched=100, launched=100, finished=0),),
+        published_version=1,
+    )
+    s = _snap(_cells([T, T, T, T, R, R]), p)
+    assert staleness.waterlevel(p, 1) == 100 > capacity(s.cells)
+    acts = GyrePolicy().decide(s)
+    assert not [a for a in acts if isinstance(a, (ReturnToRollout, MoveToTraining))], acts
+    # When the rate target itself falls (nothing arrives any more), satellites do return.
+    idle = Pipeline(**{**p.__dict__, "ready_rate": 0.0})
+    acts = GyrePolicy().decide(_snap(_cells([T, T, T, T, R, R]), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c3"]
+
+
 def test_gyre_plans_next_cells_and_migrates_the_tail_off_crowded_engines():
     R, T = CellState.ROLLOUT, CellState.TRAINING
     p = Pipeline(

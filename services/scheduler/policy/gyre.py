@@ -27,17 +27,26 @@ of a batch. The target is capped so that rollout keeps the committed work covere
 
     T_max = elastic cells - ceil(W_eta / slots)        (W_eta: staleness.waterlevel)
 
-and the rest of the cells are lent to rollout. **The supply gate disappears into this rule**:
+and the rest of the cells are lent to rollout. The cap only stops moves: a cell returns
+because the rate target fell, never because W_eta rose. W_eta jumps by up to ``B x g``
+executions at every publication (the new batch v + eta enters the window); at eta >= 2 on
+profile A that exceeds the slots of every cell, and a cap that also forced returns sent
+~18 cells back at each publication and moved them to training again one by one (A64,
+eta = 4, 3 updates: 2,060 s; returns from the uncapped target: 1,781 s; the fixed T = 20
+split: 1,809 s). At eta <= 1 the two rules ran identically on A64 and B64. The executions
+W_eta counts beyond the capacity wait for a slot: they serve later batches.
+
+**The supply gate disappears into this rule**:
 "enough ready supply, held for an interval" was a proxy for "training would not starve";
 the rate rule states that directly (no supply -> no work -> T = 1) and reacts within one
 decision instead of after ``interval_s``, and it never sends a cell to train on a batch that
 the arrival rate cannot feed.
 
 Hysteresis. A cell moves to training when ``T < target`` (one move in flight at a time,
-core first, the prefix grows by index); a satellite returns only when ``T > target + h``
-with ``h = max(1, ceil(hysteresis x target))``. Nothing happens at an update: satellites
-stay across updates whenever the next batch's supply keeps the target up (there is no
-burst end any more).
+core first, the prefix grows by index); a satellite returns only when ``T > T_rate + h``
+with ``h = max(1, ceil(hysteresis x T_rate))`` (``T_rate`` uncapped, see above). Nothing
+happens at an update: satellites stay across updates whenever the next batch's supply keeps
+the target up (there is no burst end any more).
 
 Invariant (tested with hypothesis): a move to training never leaves rollout capacity below
 ``W_eta``; the training set is a prefix of the elastic cells; at most one move to training
@@ -174,7 +183,8 @@ class GyrePolicy:
             return actions + repair
         w = staleness.waterlevel(p, s.policy_version)
         target, why = self.target(s, elastic, w)
-        actions += self._roles(s, elastic, prefix, target, w, why)
+        keep = self.target(s, elastic, 0)[0]  # the target without the W_eta cap
+        actions += self._roles(s, elastic, prefix, target, keep, w, why)
         planned = p.planned
         if self.config.plan:
             planned = self._plan(elastic, prefix, target)
@@ -191,8 +201,17 @@ class GyrePolicy:
         return actions
 
     def _roles(
-        self, s: Snapshot, elastic: list[CellView], prefix: list[CellView], target: int, w: int, why: str
+        self,
+        s: Snapshot,
+        elastic: list[CellView],
+        prefix: list[CellView],
+        target: int,
+        keep: int,
+        w: int,
+        why: str,
     ) -> list[Action]:
+        """One move towards ``target`` (capped to cover W_eta) or one return beyond ``keep``
+        (the rate target uncapped) plus the hysteresis band."""
         t = len(prefix)
         if t < target:
             busy = [c for c in elastic if c.state is CellState.DRAINING]
@@ -214,14 +233,14 @@ class GyrePolicy:
                     f"capacity {after} >= W_eta {w}",
                 )
             ]
-        h = max(1, math.ceil(self.config.hysteresis * target)) if self.config.keep else 0
-        if t > target + h:
+        h = max(1, math.ceil(self.config.hysteresis * keep)) if self.config.keep else 0
+        if t > keep + h:
             last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]
             if last:
                 c = last[-1]
                 return [
                     ReturnToRollout(
-                        c.cell_id, f"returned {c.cell_id} to rollout: T {t} > target {target} + {h} ({why})"
+                        c.cell_id, f"returned {c.cell_id} to rollout: T {t} > target {keep} + {h} ({why})"
                     )
                 ]
         return []
