@@ -16,7 +16,9 @@ merges them, and verifies the promises of RELIABILITY.md:
   on its batch's version, none is acknowledged twice in one attempt, a batch is stepped at
   most once; what a cell saw acknowledged is in the packer's history;
 - router (services/router/turns.py): no turn record dropped (a full buffer loses training
-  data); turns recorded and refused are counted;
+  data); turns recorded and refused are counted; with the packer's history, no turn refused
+  as late (after its group's finish reports) when that group was trained: the batch trained
+  without it;
 - across scheduler and packer, with ``complete`` (the run ended quiet): every execution the scheduler closed
   reached the packer (or was refused by it, recorded), and the packer accepted no finish of
   an execution the scheduler never closed.
@@ -34,6 +36,7 @@ from typing import Any
 
 from apps.checker.cells import check_cells
 from gyre.history import read
+from services.packer.packer import LATE_TURN
 from services.scheduler import history as scheduler_history
 
 
@@ -196,6 +199,26 @@ def check_router(ops: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
     return bad, counts
 
 
+def check_late_turns(router: list[dict[str, Any]], packer: list[dict[str, Any]]) -> list[str]:
+    """A turn the packer refused because its group was already complete is training data
+    lost if that group was then trained (assigned to a batch and not dropped); a late turn of
+    a dropped or cancelled group is not (nothing of the group was trained)."""
+    group_of = {str(op["execution_id"]): str(op["group_id"]) for op in packer if op.get("op") == "finish"}
+    trained = {str(op["g"]) for op in packer if op.get("op") == "assign"}
+    dropped = {str(op["g"]) for op in packer if op.get("op") == "drop"}
+    bad = []
+    for op in router:
+        if op.get("op") != "turn_refused" or LATE_TURN not in str(op.get("error", "")):
+            continue
+        g = group_of.get(str(op.get("execution_id")))
+        if g is not None and g in trained and g not in dropped:
+            bad.append(
+                f"router: turn {op.get('turn_index')} of {op.get('execution_id')} refused as late, "
+                f"and its group {g} was trained without it (training data lost)"
+            )
+    return bad
+
+
 def check_cross(sched: list[dict[str, Any]], packer: list[dict[str, Any]]) -> list[str]:
     """With both histories of a run that ended quiet: every close reached the packer, and
     the packer trained nothing the scheduler did not close."""
@@ -247,6 +270,8 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> Verdict:
         bad, counts = check_router(router)
         verdict.violations += bad
         verdict.counts |= counts
+        if packer:
+            verdict.violations += check_late_turns(router, packer)
     for svc, svc_ops in by_svc.items():
         if svc not in ("scheduler", "packer", "router", "cell"):
             verdict.counts[f"{svc}_ops"] = len(svc_ops)

@@ -55,6 +55,11 @@ def _nth_key(claim_id: str, k: int) -> str:
     return f"{claim_id}#{k}" if claim_id and k else claim_id
 
 
+LATE_TURN = "came after its finish report and its group's readiness"
+"""The end of the message refusing a turn whose group was complete (the history checker reads
+it in the router's ``turn_refused`` operations: a late turn of a group that trained is lost)."""
+
+
 class Packer:
     """The trajectory buffer, packing buffer and claim table of one packer process."""
 
@@ -136,7 +141,7 @@ class Packer:
             self.late_turns += 1
             raise FailedPrecondition(
                 f"group {turn.group_id} is already complete; turn {turn.turn_index} of "
-                f"{turn.execution_id} came after its finish report and its group's readiness"
+                f"{turn.execution_id} {LATE_TURN}"
             )
         if self._held() >= self.cfg.max_buffered_turns:
             raise ResourceExhausted(f"the packer holds {self._held()} turns (max_buffered_turns)")

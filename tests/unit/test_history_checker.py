@@ -17,6 +17,7 @@ from apps.checker.__main__ import main
 from gyre.history import History, read
 from services.packer.history import HistoryLog
 from services.packer.model import ClaimOutcome
+from services.packer.packer import LATE_TURN
 from tests.support import packer_kit as tk
 
 
@@ -117,9 +118,37 @@ BAD = {
             }
         ]
     ),
+    "refused as late, and its group g1 was trained without it": lambda h: h + [_late_turn("b1-e0")],
     "reopened after its commit": lambda h: h + [_p("open", b=1, cell="core")],
     "after epoch 2 was elected": lambda h: _mutate(h, 6, _s("leader", rev=6, epoch=2)),
 }
+
+
+def _late_turn(execution_id: str) -> dict[str, Any]:
+    """The router's record of a turn the packer refused because its group was complete."""
+    return {
+        "op": "turn_refused",
+        "t": 0,
+        "epoch": 0,
+        "svc": "router",
+        "execution_id": execution_id,
+        "turn_index": 2,
+        "error": f"group g1 is already complete; turn 2 of {execution_id} {LATE_TURN}",
+    }
+
+
+def test_a_late_turn_of_a_dropped_group_or_another_refusal_is_no_loss():
+    h = good()
+    dropped = [op for op in h if op.get("op") not in ("assign", "emit")] + [_p("drop", g="g1", reason="x")]
+    dropped = [
+        op for op in dropped if op.get("op") not in ("seal", "open", "activate", "claim", "ack", "commit")
+    ]
+    v = check(dropped + [_late_turn("b1-e0")], complete=True)
+    assert not any("refused as late" in m for m in v.violations), v.violations
+    other = {**_late_turn("b1-e0"), "error": "turn of 9000 tokens is over the budget of 8192"}
+    v = check(h + [other], complete=True)
+    assert v.ok, v.violations
+    assert v.counts["turns_refused"] == 1
 
 
 def _mixed(h: list[dict[str, Any]]) -> list[dict[str, Any]]:
