@@ -351,12 +351,15 @@ class Executions:
         except (Conflict, Unavailable):
             await self.resolve(closed)
             now = self.ledger.records.get(closed.execution_id)
-            if now is not None and now.state.final:
+            if now is not None and now.state.final and now.revision and _same_close(now, closed):
+                rev = now.revision  # our write landed, its answer was lost: it is our close
+            elif now is not None and now.state.final:
                 self._locks.pop(closed.execution_id, None)
                 if old is not None:
                     self.harnesses.closed(closed.harness_id)
                 return False
-            raise
+            else:
+                raise
         self.ledger.apply(dataclasses.replace(closed, revision=rev))
         self.fleet.routes.drop(closed.execution_id)  # the route is gone from etcd too: the token is revoked
         if old is None:  # withdrawn from the queue: it left the queue without a launch
@@ -390,3 +393,9 @@ class Executions:
         self.telemetry.gauges()
         await self.changes.notify()
         return True
+
+
+def _same_close(stored: ExecutionRecord, ours: ExecutionRecord) -> bool:
+    """True when etcd holds exactly the close we tried to write (an etcd outage can apply a
+    write and lose its answer): then it is ours to record, relay to the packer and count."""
+    return dataclasses.replace(stored, revision=0) == dataclasses.replace(ours, revision=0)

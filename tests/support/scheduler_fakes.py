@@ -49,6 +49,8 @@ class FakeStore:
         self.policy: dict[str, Any] | None = None
         self.summary: _Val | None = None
         self.fail_next = 0
+        self.lose_next_close_answer = 0
+        """Closes whose write lands but whose answer is lost (Unavailable after the write)."""
         self.launch_delay_s = 0.0
         self.election = _FakeElection(self)
         self.writes = 0
@@ -136,6 +138,9 @@ class FakeStore:
             raise Conflict("changed")
         self.execs[rec.execution_id] = _Val(rec.to_json(), rev, (cur.version if cur is not None else 0) + 1)
         self.routes.pop(rec.execution_id, None)
+        if self.lose_next_close_answer > 0:
+            self.lose_next_close_answer -= 1
+            raise Unavailable("etcd (fake) applied the close, then its answer was lost")
         return rev
 
     async def move_routes(self, routes: Sequence[tuple[Route, Route]]) -> list[int]:

@@ -323,6 +323,42 @@ async def test_finish_reports_retried_until_acknowledged():
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_close_whose_answer_etcd_lost_is_recorded_and_reported_once(tmp_path):
+    # An etcd outage can apply the close's transaction and lose its answer (seen in the chaos
+    # demo: etcd paused 5 s). The close is ours: it must be in the history, counted once, and
+    # its finish report must reach the packer. Before the fix the scheduler took it for
+    # another writer's close: no history line, no report (the packer never heard of it).
+    from services.scheduler.history import check, read
+
+    hist = tmp_path / "scheduler.jsonl"
+    s, store, peers, _ = make(policy="rollout_only", history_file=str(hist))
+    await lead(s, store)
+    task = asyncio.create_task(s.report_loop())
+    try:
+        a, _, _ = await s.acquire("h", 0)
+        eid = a.record.execution_id
+        store.lose_next_close_answer = 1
+        out = await s.finish(eid, a.token, ExecState.COMPLETED, 0.5, "k")
+        assert (
+            not out.duplicate
+            and s.ledger.records[eid].state is ExecState.COMPLETED
+            and s.ledger.counts().finished == 1
+        )
+        for _ in range(300):
+            if eid in peers.reports:
+                break
+            await asyncio.sleep(0.01)
+        assert eid in peers.reports and peers.reports[eid].reward == 0.5
+        again = await s.finish(eid, a.token, ExecState.COMPLETED, 0.5, "k")
+        assert again.duplicate and s.ledger.counts().finished == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    ops = read(hist)
+    assert [op["execution_id"] for op in ops if op["op"] == "close"] == [eid]
+    assert not check(ops)
+
+
 async def test_acquire_waits_for_a_free_slot():
     s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1)])
     await lead(s, store)
