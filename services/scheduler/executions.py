@@ -238,11 +238,25 @@ class Executions:
                 adopted = self.ledger.records.get(rec.execution_id)
                 if adopted is not None and not adopted.state.final:
                     self.harnesses.launched(adopted.harness_id)
+                if (
+                    isinstance(exc, Unavailable)
+                    and adopted is not None
+                    and adopted.revision
+                    and _same_close(adopted, rec)
+                ):
+                    # Our launch landed and its answer was lost: it is ours to record (the
+                    # harness's retry with its acquire key gets this execution back).
+                    self._record_launch(rec, route, adopted.revision)
                 if isinstance(exc, Conflict):
                     return False
             raise
         self.ledger.apply(dataclasses.replace(rec, revision=rev), self._deadline())
         self.fleet.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
+        self._record_launch(rec, route, rev)
+        self.telemetry.gauges()
+        return True
+
+    def _record_launch(self, rec: ExecutionRecord, route: Route, rev: int) -> None:
         self.history.append(
             "launch",
             self.lead.epoch,
@@ -251,8 +265,6 @@ class Executions:
             burst_id=rec.burst_id,
             cell_id=route.cell_id,
         )
-        self.telemetry.gauges()
-        return True
 
     async def resolve(self, rec: ExecutionRecord) -> None:
         """After an unknown or refused write: adopt what etcd holds for this execution."""
@@ -396,6 +408,7 @@ class Executions:
 
 
 def _same_close(stored: ExecutionRecord, ours: ExecutionRecord) -> bool:
-    """True when etcd holds exactly the close we tried to write (an etcd outage can apply a
-    write and lose its answer): then it is ours to record, relay to the packer and count."""
+    """True when etcd holds exactly the record we tried to write, a close or a launch (an etcd
+    outage can apply a write and lose its answer): then it is ours to record (and a close's
+    to relay to the packer and count)."""
     return dataclasses.replace(stored, revision=0) == dataclasses.replace(ours, revision=0)

@@ -50,6 +50,7 @@ class FakeStore:
         self.summary: _Val | None = None
         self.fail_next = 0
         self.lose_next_close_answer = 0
+        self.lose_next_launch_answer = 0
         """Closes whose write lands but whose answer is lost (Unavailable after the write)."""
         self.launch_delay_s = 0.0
         self.election = _FakeElection(self)
@@ -129,6 +130,9 @@ class FakeStore:
             raise Conflict("already launched")
         self.execs[rec.execution_id] = _Val(rec.to_json(), rev, 1)
         self.routes[rec.execution_id] = _Val(route.to_json(), rev, 1)
+        if self.lose_next_launch_answer > 0:
+            self.lose_next_launch_answer -= 1
+            raise Unavailable("etcd (fake) applied the launch, then its answer was lost")
         return rev
 
     async def close(self, rec: ExecutionRecord, expected_revision: int) -> int:

@@ -359,6 +359,24 @@ async def test_a_close_whose_answer_etcd_lost_is_recorded_and_reported_once(tmp_
     assert not check(ops)
 
 
+async def test_a_launch_whose_answer_etcd_lost_is_recorded_once(tmp_path):
+    from services.scheduler.history import check, read
+
+    hist = tmp_path / "scheduler.jsonl"
+    s, store, peers, _ = make(policy="rollout_only", history_file=str(hist))
+    await lead(s, store)
+    store.lose_next_launch_answer = 1
+    with pytest.raises(Unavailable):
+        await s.acquire("h", 0, key="k1-0123456789abcdef")
+    (eid,) = [e for e, r in s.ledger.records.items() if r.state is ExecState.RUNNING]
+    again, _, _ = await s.acquire("h", 0, key="k1-0123456789abcdef")  # the harness retries with its key
+    assert again is not None and again.record.execution_id == eid
+    await s.finish(eid, again.token, ExecState.COMPLETED, 0.5, "f")
+    ops = read(hist)
+    assert [op["execution_id"] for op in ops if op["op"] == "launch"] == [eid]
+    assert not check(ops), check(ops)
+
+
 async def test_acquire_waits_for_a_free_slot():
     s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1)])
     await lead(s, store)
