@@ -130,17 +130,34 @@ class ControlLoop:
         )
         return await self.executions.cancel([e for _, _, left in doomed for e in left], why)
 
+    def after_takeover(self) -> None:
+        """A new leader cannot know which training cells its predecessor had joined to the
+        batch (a leader killed between a cell's move to training and its JoinBatch left the
+        core training and never joined: nothing trained, no version was published, and the
+        run stalled): every training cell this term has not joined joins once (JoinBatch is
+        idempotent)."""
+        self._joined_version = -1
+        self.transitions.forget_joins()
+
     def _rejoin_after_update(self) -> None:
         """With continuous dispatch there is no burst end: cells stay in training across
-        updates, so after each new version every training cell joins the next batch (the
-        core first; satellites retry until the core has joined)."""
+        updates, so after each new version (and after a takeover) every training cell joins
+        the next batch (the core first; satellites retry until the core has joined)."""
         version = self.publication.version
         if not self.continuous or version <= self._joined_version:
             return
+        cells = [
+            v
+            for v in training_set(self.fleet.cells.views())
+            if v.state is CellState.TRAINING and not self.transitions.running(v.cell_id)
+        ]
+        if self._joined_version < 0:  # after a takeover: the cells this term has not joined
+            if not cells:
+                return  # the cells' states may not have arrived yet
+            cells = [v for v in cells if not self.transitions.joined(v.cell_id)]
         self._joined_version = version
-        for v in training_set(self.fleet.cells.views()):
-            if v.state is CellState.TRAINING and not self.transitions.running(v.cell_id):
-                self.transitions.rejoin(v.cell_id)
+        for v in cells:
+            self.transitions.rejoin(v.cell_id)
 
     def _finish_stranded_moves(self) -> None:
         """A cell an agent reports DRAINING or RETURNING with no transition of ours running

@@ -257,6 +257,7 @@ class Scheduler:
         )
         for cell_id, body in stored.transitions.items():
             self.transitions.resume(cell_id, body)
+        self.control.after_takeover()
         # The old leader may have died mid-publication: engines still behind catch up
         # (cells already serving the version are skipped).
         self.publication.catch_up(self.transitions.running)

@@ -80,6 +80,8 @@ class TransitionRunner:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._side: set[asyncio.Future[Any]] = set()
         self._joins: dict[str, asyncio.Task[None]] = {}
+        self._joined: dict[str, int] = {}
+        """Cells whose JoinBatch succeeded in this leader term, and the batch they joined."""
 
     def running(self, cell_id: str) -> bool:
         t = self._tasks.get(cell_id)
@@ -110,6 +112,14 @@ class TransitionRunner:
             cell_id=cell_id,
         )
         self.start(cell_id, target, str(body.get("reason", "resumed")))
+
+    def joined(self, cell_id: str) -> bool:
+        """True once this leader term's JoinBatch to the cell succeeded."""
+        return cell_id in self._joined
+
+    def forget_joins(self) -> None:
+        """A new term: the joins of an earlier one are not known to have landed."""
+        self._joined.clear()
 
     def rejoin(self, cell_id: str) -> None:
         """JoinBatch for a cell that stays in training (the next batch), unless its join is
@@ -463,6 +473,7 @@ class TransitionRunner:
                 emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
                 return
             if joined:
+                self._joined[cell_id] = batch_id
                 emit(
                     "joined_batch",
                     f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{version})",

@@ -377,6 +377,29 @@ async def test_a_launch_whose_answer_etcd_lost_is_recorded_once(tmp_path):
     assert not check(ops), check(ops)
 
 
+async def test_a_new_leader_joins_the_cells_already_training():
+    # The chaos of a full run: the leader moved the core to training and was SIGKILLed
+    # before its JoinBatch landed. The new leader resumes no transition (the move was done)
+    # and, with continuous dispatch, only joined cells after a new version, which only
+    # training could publish: nothing trained, the demo timed out. Now every training cell
+    # joins again after a takeover.
+    s, store, peers, _ = make(policy="gyre")
+    states = {cid: CellState.ROLLOUT for cid, *_ in CELLS} | {"core": CellState.TRAINING}
+    s.on_cell_states(
+        {
+            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
+            for cid, st in states.items()
+        }
+    )
+    await lead(s, store)
+    for _ in range(200):
+        if peers.commands("join_batch"):
+            break
+        await asyncio.sleep(0.01)
+    joins = peers.commands("join_batch")
+    assert joins and joins[0][0] == "core:1", peers.calls
+
+
 async def test_acquire_waits_for_a_free_slot():
     s, store, peers, _ = make(policy="rollout_only", cells=[("sa", "standalone", -1, 1)])
     await lead(s, store)
