@@ -242,7 +242,7 @@ class Executions:
                     isinstance(exc, Unavailable)
                     and adopted is not None
                     and adopted.revision
-                    and _same_close(adopted, rec)
+                    and _same_record(adopted, rec)
                 ):
                     # Our launch landed and its answer was lost: it is ours to record (the
                     # harness's retry with its acquire key gets this execution back).
@@ -363,7 +363,7 @@ class Executions:
         except (Conflict, Unavailable):
             await self.resolve(closed)
             now = self.ledger.records.get(closed.execution_id)
-            if now is not None and now.state.final and now.revision and _same_close(now, closed):
+            if now is not None and now.state.final and now.revision and _same_record(now, closed):
                 rev = now.revision  # our write landed, its answer was lost: it is our close
             elif now is not None and now.state.final:
                 self._locks.pop(closed.execution_id, None)
@@ -407,8 +407,8 @@ class Executions:
         return True
 
 
-def _same_close(stored: ExecutionRecord, ours: ExecutionRecord) -> bool:
-    """True when etcd holds exactly the record we tried to write, a close or a launch (an etcd
+def _same_record(stored: ExecutionRecord, ours: ExecutionRecord) -> bool:
+    """True when etcd holds exactly the record we tried to write, a launch or a close (an etcd
     outage can apply a write and lose its answer): then it is ours to record (and a close's
     to relay to the packer and count)."""
     return dataclasses.replace(stored, revision=0) == dataclasses.replace(ours, revision=0)

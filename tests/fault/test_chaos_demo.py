@@ -11,29 +11,15 @@ from pathlib import Path
 import pytest
 
 from apps.demo.chaos import Chaos, Fault
-from apps.demo.runner import DemoOptions, run_demo
-from apps.harness.env import EnvConfig
+from apps.demo.runner import run_demo
+from tests.support.demo import short_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 async def test_short_chaos_demo_survives_its_faults_with_nothing_lost(tmp_path: Path):
     chaos = Chaos(schedule=(Fault("kill", "packer"), Fault("pause", "etcd", 5.0)), first_s=6.0, gap_s=2.0)
-    opts = DemoOptions(
-        engine="mock",
-        bursts=2,
-        run_dir=tmp_path / "demo",
-        dashboard_port=0,
-        concurrency=24,
-        timeout_s=400,
-        live=False,
-        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
-        config_overrides={
-            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
-            "scheduler": {"interval_s": 0.5},
-        },
-        chaos=chaos,
-    )
+    opts = short_demo(tmp_path / "demo", chaos=chaos)
     summary = await run_demo(opts)
     print({k: summary.get(k) for k in ("outcome", "executions", "restarts", "chaos", "checker")})
     assert summary == json.loads((opts.run_dir / "summary.json").read_text())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from apps.demo.runner import DemoOptions, run_demo
-from apps.harness.env import EnvConfig
+from apps.demo.runner import run_demo
 from apps.launch import Cluster
+from tests.support.demo import short_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,21 +27,7 @@ async def test_demo_completes_when_a_cell_agent_is_sigkilled(tmp_path: Path, vic
         killed.append(cluster.procs[victim].pid)
         os.kill(killed[0], signal.SIGKILL)
 
-    opts = DemoOptions(
-        engine="mock",
-        bursts=2,
-        run_dir=tmp_path / "demo",
-        dashboard_port=0,
-        concurrency=24,
-        timeout_s=400,
-        live=False,
-        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
-        config_overrides={
-            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
-            "scheduler": {"interval_s": 0.5},
-        },
-        during=kill_once,
-    )
+    opts = short_demo(tmp_path / "demo", during=kill_once)
     summary = await run_demo(opts)
     print(
         {

@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from apps.checker import check_files
-from apps.demo.runner import DemoOptions, run_demo
-from apps.harness.env import EnvConfig
+from apps.demo.runner import run_demo
 from apps.launch import Cluster
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
@@ -56,7 +54,9 @@ from bench.support.router_rig import (
     write_config,
 )
 from gyre.etcd import Etcd, Keys
+from gyre.etcd.server import free_port
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
+from tests.support.demo import short_demo
 from tests.tls import tls
 
 pytestmark = pytest.mark.timeout(600)
@@ -94,21 +94,7 @@ async def test_a_service_dies_at_a_failpoint_and_nothing_is_lost(
             armed.unlink(missing_ok=True)  # before the supervisor's restart (0.5 s back-off)
         died.append(proc.pid)
 
-    opts = DemoOptions(
-        engine="mock",
-        bursts=2,
-        run_dir=tmp_path / "demo",
-        dashboard_port=0,
-        concurrency=24,
-        timeout_s=400,
-        live=False,
-        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
-        config_overrides={
-            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
-            "scheduler": {"interval_s": 0.5},
-        },
-        during=arm_once,
-    )
+    opts = short_demo(tmp_path / "demo", during=arm_once)
     summary = await run_demo(opts)
     ex = summary["executions"]
     print({k: summary.get(k) for k in ("outcome", "executions", "restarts", "reroutes", "trajectories")})
@@ -134,12 +120,6 @@ PROMPT = [40, 41, 42, 43, 44]
 MAX_TOKENS = 40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_router_dies_between_a_moves_stop_and_its_continuation(
     tmp_path: Path, etcd_server, cluster_name
 ):
@@ -149,7 +129,7 @@ async def test_router_dies_between_a_moves_stop_and_its_continuation(
     engines = {
         cell: await FakeEngineServer(FakeOptions(cell_id=cell, token_delay_s=0.02)).start() for cell in "ab"
     }
-    port = _free_port()
+    port = free_port()
     cfg = write_config(
         tmp_path / "cluster.yaml",
         cluster_name,

@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import json
 import secrets
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ from bench.support.router_rig import (
     write_config,
 )
 from gyre.etcd import Etcd, Keys
+from gyre.etcd.server import free_port
 from gyre.v1 import router_pb2_grpc
 from services.router.servicer import RouterServicer
 from services.scheduler.config import SchedulerConfig
@@ -117,12 +117,6 @@ async def _routed(env: Env, cell: str) -> tuple[str, str]:
     return ex, tok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _body() -> dict[str, Any]:
     return {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
 
@@ -178,7 +172,7 @@ async def test_reroute_reaches_the_call_on_each_router(env):
     tls("scheduler")
     peers = GrpcPeers(SchedulerConfig(tls={"dir": str(PKI / "scheduler")}), "", 5.0, 10.0)
     try:
-        targets = [f"127.0.0.1:{_free_port()}", *(p.target for p, _ in env.routers)]
+        targets = [f"127.0.0.1:{free_port()}", *(p.target for p, _ in env.routers)]
         assert await peers.move_executions(targets, epoch, moves) == 0
     finally:
         await peers.close()

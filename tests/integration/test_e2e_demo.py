@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from apps.demo.runner import DemoOptions, run_demo
-from apps.harness.env import EnvConfig
+from apps.demo.runner import run_demo
 from gyre.etcd.server import free_port
 from tests.support.browser import CHROMIUM, chromium_page
+from tests.support.demo import short_demo
 
 pytestmark = pytest.mark.slow
 
@@ -72,20 +72,9 @@ async def test_short_demo_moves_cells_both_ways(tmp_path: Path):
     # their stragglers: this test checks those paths end to end. The default policy (gyre)
     # runs the demo in test_chaos_demo and test_demo_survives_kill, and the live scheduler's
     # asynchronous paths in test_scheduler_async.
-    opts = DemoOptions(
-        engine="mock",
-        bursts=2,
-        run_dir=tmp_path / "demo",
-        dashboard_port=port,
-        concurrency=24,
-        timeout_s=240,
-        live=False,
-        # Long, uneven episodes so stragglers are still running when the core moves.
-        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
-        config_overrides={
-            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
-            "scheduler": {"policy": "waterlevel-sync", "interval_s": 0.5},
-        },
+    # Long, uneven episodes (the short demo's) so stragglers are still running when the core moves.
+    opts = short_demo(
+        tmp_path / "demo", scheduler={"policy": "waterlevel-sync"}, dashboard_port=port, timeout_s=240
     )
     watcher = None
     if os.path.exists(CHROMIUM):

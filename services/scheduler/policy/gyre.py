@@ -149,8 +149,9 @@ class GyrePolicy:
 
     # -- targets -----------------------------------------------------------------------------
 
-    def target(self, s: Snapshot, elastic: list[CellView], w: int) -> tuple[int, str]:
-        """The training prefix Gyre wants now and why."""
+    def target(self, s: Snapshot, elastic: list[CellView], w: int) -> tuple[int, int, str]:
+        """The training prefix Gyre wants now (capped so rollout covers ``w``), the same
+        without that cap (what returns are measured against), and why."""
         p = s.pipeline
         assert p is not None
         slots = max((c.slots for c in elastic), default=1) or 1
@@ -165,9 +166,10 @@ class GyrePolicy:
                 else (len(training_set(elastic)) if p.ready_groups > 0 else 1)
             )
             why = f"ready {p.ready_groups} of {p.batch_groups} (threshold)"
+        keep = t if t <= len(elastic) else max(1, len(elastic))
         if t > t_max:
-            return max(1, t_max), f"{why}; capped at {t_max} to cover W_eta {w}"
-        return t, why
+            return max(1, t_max), keep, f"{why}; capped at {t_max} to cover W_eta {w}"
+        return t, keep, why
 
     # -- decide ------------------------------------------------------------------------------
 
@@ -182,8 +184,7 @@ class GyrePolicy:
         if repair:
             return actions + repair
         w = staleness.waterlevel(p, s.policy_version)
-        target, why = self.target(s, elastic, w)
-        keep = self.target(s, elastic, 0)[0]  # the target without the W_eta cap
+        target, keep, why = self.target(s, elastic, w)
         actions += self._roles(s, elastic, prefix, target, keep, w, why)
         planned = p.planned
         if self.config.plan:

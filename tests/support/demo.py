@@ -1,0 +1,31 @@
+"""The short mock-engine demo the fault and end-to-end tests run: 2 bursts of 10 groups of 4,
+long uneven episodes (stragglers still running when a cell moves), fast mock engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from apps.demo.runner import DemoOptions
+from apps.harness.env import EnvConfig
+
+
+def short_demo(run_dir: Path, scheduler: dict[str, Any] | None = None, **options: Any) -> DemoOptions:
+    """DemoOptions of the short demo in ``run_dir``; ``scheduler`` adds scheduler settings
+    (``interval_s`` 0.5 is always set), ``options`` replace or add DemoOptions fields
+    (``during``, ``chaos``, ``dashboard_port``, ``timeout_s``)."""
+    defaults: dict[str, Any] = dict(
+        engine="mock",
+        bursts=2,
+        run_dir=run_dir,
+        dashboard_port=0,
+        concurrency=24,
+        timeout_s=400,
+        live=False,
+        env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
+        config_overrides={
+            "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
+            "scheduler": {"interval_s": 0.5, **(scheduler or {})},
+        },
+    )
+    return DemoOptions(**(defaults | options))
