@@ -27,9 +27,20 @@ log = logging.getLogger(__name__)
 Registrar = Callable[[Any, grpc.aio.Server], None]
 
 
+RECONNECT_MAX_MS = 2000
+"""The longest a client channel waits between attempts to reconnect. gRPC's default grows to
+120 s: measured here, a channel whose server was down 40 s first answered 6.9 s after the
+server came back (1.4 s with this cap), and after longer outages it can be minutes, while
+the caller's retries all fail fast with UNAVAILABLE: every service must be back within
+seconds of an outage it survived (RELIABILITY.md)."""
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Client-side options: explicit size limits, keepalive pings on idle connections."""
+    """Client-side options: explicit size limits, keepalive pings on idle connections, and
+    reconnection every ``RECONNECT_MAX_MS`` at most while the server is away."""
     return [
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),

@@ -5,8 +5,9 @@ How it behaves, in one place (details in each module):
 
 - Turns (router) and finish reports (scheduler) are joined per execution; a group is ready
   ``ready_grace_s`` after its ``group_size``-th execution closed (turns still queued at the
-  router get in). A turn arriving later is refused (FAILED_PRECONDITION, counted as
-  ``late_turns``). A finish for an execution with no turn is accepted: it made no call.
+  router get in), and after a restart not before ``restart_grace_s`` (turns the routers
+  queued while the packer was down get in). A turn arriving later is refused
+  (FAILED_PRECONDITION, counted as ``late_turns``). A finish for an execution with no turn is accepted: it made no call.
 - Failed/timed-out/cancelled members: ``failed_member_rule`` drop_group (reason
   failed_group) or keep_rest (their turns: failed_execution). Zero-variance groups and
   groups older than ``max_staleness`` versions are dropped with their reason. Every turn is

@@ -114,6 +114,16 @@ class PackerConfig(ServiceConfig):
         description="A group whose executions have all closed becomes ready this long after its "
         "last finish report, so that turn records still in the router's send queue get in.",
     )
+    restart_grace_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="After a restart (a WAL with records replayed) no group becomes ready before "
+        "this long has passed: while the packer was down, harnesses finished and the routers queued "
+        "the turns of their last calls, and a turn that arrives after its group was made ready is "
+        "refused (lost). Longer than the routers' RecordTurn back-off (router.turn_retry_max_s, 5 s) "
+        "plus a reconnect (gRPC channels retry every 2 s at most).",
+    )
     pre_encode: bool = Field(
         True,
         description="Encode each trajectory segment's wire form once, when its group becomes ready, "

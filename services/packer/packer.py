@@ -81,6 +81,7 @@ class Packer:
         self.changes = 0  # bumped on every change (supply watchers compare it)
         self.fatal: BaseException | None = None
         self._complete: dict[str, float] = {}  # all closed, in the grace period -> since
+        self._ready_floor = float("-inf")  # no group becomes ready before (restart_grace_s)
         self.late_turns = 0  # refused: their group was already ready (runtime count)
         self.skipped: list[int] = []  # WAL events set aside at recovery (see recover)
         # Wire forms of the sequences of ready groups (config pre_encode): claims answer
@@ -117,6 +118,11 @@ class Packer:
         for group in self.state.groups.values():
             if group.state is GroupState.COLLECTING and group.size and group.closed >= group.size:
                 self._complete[group.id] = now  # the grace period restarts
+        if n:
+            # A restart: the routers may hold turns queued while we were down, whose groups'
+            # finish reports the scheduler may relay first; they get in before any group is
+            # made ready (a later turn would be refused, and lost).
+            self._ready_floor = now + self.cfg.restart_grace_s
         if not self.state.batches:
             self._commit({"t": "batch", "b": 1, "size": self.cfg.batch_size})
         self._after()
@@ -549,7 +555,7 @@ class Packer:
         st, cfg = self.state, self.cfg
         now = self.clock()
         for gid, since in list(self._complete.items()):
-            if now >= since + cfg.ready_grace_s:
+            if now >= max(since + cfg.ready_grace_s, self._ready_floor):
                 del self._complete[gid]
                 self._resolve(st.groups[gid])
         batch = st.batches[st.filling]

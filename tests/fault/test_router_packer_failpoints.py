@@ -19,6 +19,12 @@ Packer failpoints (services/packer/packer.py):
 - ``packer.turn.durable`` / ``packer.finish.durable``: the record in the WAL, not answered;
 - ``packer.claim.granted``: a claim in memory and the WAL buffer, not durable, not answered;
 - ``packer.batch.sealed``: a batch sealed in memory, not durable, no claimer told.
+And once more ``packer.turn.durable`` with the routers not waiting for their turns
+(``router.turn_record_wait_s: 0``), so that the packer's outage outlasts the wait: harnesses
+finish while the turns of their last calls are queued at the router, and after its restart
+the packer hears the finish reports first. It keeps every group out of readiness for
+``restart_grace_s`` after a restart, so the queued turns get in (before, 1-4 turns per kill
+came too late and their groups trained without them).
 One run is a demo of 60-100 s on a loaded 2-core machine, so each is marked slow.
 
 ``router.move.stopped`` (a move's source attempt stopped, the continuation not started) is
@@ -71,10 +77,21 @@ POINTS = [
 ]
 
 
+CASES = [pytest.param(p, None, id=p) for p in POINTS] + [
+    # The routers' RecordTurn back-off up to 8 s (5 s by default): after the restart their
+    # queued turns come seconds after the scheduler's relayed finish reports.
+    pytest.param(
+        "packer.turn.durable",
+        {"turn_record_wait_s": 0.0, "turn_retry_max_s": 8.0},
+        id="packer.turn.durable-no-wait",
+    )
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize(("point", "router"), CASES)
 async def test_a_service_dies_at_a_failpoint_and_nothing_is_lost(
-    point: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    point: str, router: dict | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     victim = point.split(".")[0]
     armed = tmp_path / "failpoints"
@@ -94,7 +111,7 @@ async def test_a_service_dies_at_a_failpoint_and_nothing_is_lost(
             armed.unlink(missing_ok=True)  # before the supervisor's restart (0.5 s back-off)
         died.append(proc.pid)
 
-    opts = short_demo(tmp_path / "demo", during=arm_once)
+    opts = short_demo(tmp_path / "demo", router=router, during=arm_once)
     summary = await run_demo(opts)
     ex = summary["executions"]
     print({k: summary.get(k) for k in ("outcome", "executions", "restarts", "reroutes", "trajectories")})

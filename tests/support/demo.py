@@ -10,10 +10,15 @@ from apps.demo.runner import DemoOptions
 from apps.harness.env import EnvConfig
 
 
-def short_demo(run_dir: Path, scheduler: dict[str, Any] | None = None, **options: Any) -> DemoOptions:
+def short_demo(
+    run_dir: Path,
+    scheduler: dict[str, Any] | None = None,
+    router: dict[str, Any] | None = None,
+    **options: Any,
+) -> DemoOptions:
     """DemoOptions of the short demo in ``run_dir``; ``scheduler`` adds scheduler settings
-    (``interval_s`` 0.5 is always set), ``options`` replace or add DemoOptions fields
-    (``during``, ``chaos``, ``dashboard_port``, ``timeout_s``)."""
+    (``interval_s`` 0.5 is always set), ``router`` router settings, ``options`` replace or
+    add DemoOptions fields (``during``, ``chaos``, ``dashboard_port``, ``timeout_s``)."""
     defaults: dict[str, Any] = dict(
         engine="mock",
         bursts=2,
@@ -26,6 +31,7 @@ def short_demo(run_dir: Path, scheduler: dict[str, Any] | None = None, **options
         config_overrides={
             "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
             "scheduler": {"interval_s": 0.5, **(scheduler or {})},
+            **({"router": router} if router else {}),
         },
     )
     return DemoOptions(**(defaults | options))

@@ -33,6 +33,7 @@ def config(**overrides: Any) -> PackerConfig:
         "micro_step_token_budget": 64,
         "policy_from_etcd": False,
         "ready_grace_s": 0.0,
+        "restart_grace_s": 0.0,
     }
     base.update(overrides)
     return PackerConfig(**base)
@@ -171,6 +172,7 @@ def write_config(tmp_path: Any, etcd_server: Any, cluster_name: str, **packer: A
         "log_level": "WARNING",
         "max_message_bytes": 1 << 20,
         "ready_grace_s": 0.0,
+        "restart_grace_s": 0.0,
     }
     section.update(packer)
     path = tmp_path / "cluster.yaml"

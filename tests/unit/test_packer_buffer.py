@@ -13,6 +13,7 @@ from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceE
 from gyre.v1 import common_pb2, packer_pb2
 from services.packer.advantages import group_advantages, is_stale
 from services.packer.model import ExecStatus, Finish, Turn
+from services.packer.packer import Packer
 from tests.support import packer_kit as tk
 
 
@@ -45,6 +46,36 @@ async def test_turns_arriving_during_the_grace_period_are_kept():
     with pytest.raises(FailedPrecondition):
         await p.record_turn(tk.turn("x1", "g", 1))  # too late now: refused and counted
     assert p.counters()["late_turns"] == 1 and p.state.counters()["produced"] == 2
+
+
+async def test_after_a_restart_no_group_is_ready_before_the_routers_queued_turns_get_in():
+    """The packer was down; a harness finished meanwhile and the router still holds the turn
+    of its last call (retrying with back-off). After the restart the scheduler's relay of the
+    finish report comes first: the group must wait ``restart_grace_s``, not just
+    ``ready_grace_s``, or the turn is refused and lost (seen with a packer SIGKILLed under the
+    demo while the routers' turn wait was shorter than its restart)."""
+    p, log, clock = tk.make_packer(ready_grace_s=1.0, restart_grace_s=10.0)
+    await p.record_turn(tk.turn("x0", "g", 0))
+    await p.report_finish(tk.finish("x0", "g", 2, reward=0.0))
+    q = Packer(p.cfg, log, clock=clock)  # the restart
+    q.recover(list(log.events))
+    await q.report_finish(tk.finish("x1", "g", 2, reward=1.0))  # the relay, before the turn
+    clock.advance(5.0)
+    await q.reap()
+    assert q.supply()["ready_unassigned"] == 0
+    await q.record_turn(tk.turn("x1", "g", 0))  # the router's retry: kept
+    clock.advance(5.1)
+    await q.reap()
+    assert q.supply()["ready_unassigned"] == 1 and q.state.counters()["ready"] == 2
+    assert q.counters()["late_turns"] == 0
+    first, _, clock = tk.make_packer(ready_grace_s=1.0, restart_grace_s=10.0)  # a first start:
+    await first.record_turn(tk.turn("y0", "h", 0))  # only the ready grace
+    await first.record_turn(tk.turn("y1", "h", 0))
+    await first.report_finish(tk.finish("y0", "h", 2, reward=0.0))
+    await first.report_finish(tk.finish("y1", "h", 2, reward=1.0))
+    clock.advance(1.1)
+    await first.reap()
+    assert first.supply()["ready_unassigned"] == 1
 
 
 async def test_finish_without_turns_is_accepted_and_counts_as_closed():
