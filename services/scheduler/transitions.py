@@ -440,13 +440,16 @@ class TransitionRunner:
         )
 
     async def _join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
-        """JoinBatch(current batch) until the cell joins one, or leaves training, or a
-        transition starts for it. A refusal (window closed, previous batch still stepping,
-        no trainer) is retried with backoff: the next batch may take it."""
+        """JoinBatch(current batch) until the cell joins one, or leaves training (or the
+        cluster), or a transition starts for it. A refusal (window closed, previous batch
+        still stepping, no trainer) is retried with backoff: the next batch may take it. So
+        is a cell that does not answer while it stays registered (a partition longer than a
+        few command deadlines): giving up would leave it training without a batch, and
+        nothing would train, publish or rejoin it again."""
         if after is not None:  # the move to training that spawned us finishes first
             await asyncio.wait([after])
         fleet, emit = self.fleet, self.telemetry.emit
-        backoff, missed = Backoff(0.5, 5.0), set()
+        backoff, missed, failed = Backoff(0.5, 5.0), set(), set()
         while not self.lead.deposed.is_set():
             if fleet.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
                 return
@@ -469,9 +472,23 @@ class TransitionRunner:
                     ),
                     attempts=5,
                 )
-            except (GyreError, CellGone) as exc:
-                emit("join_failed", f"{cell_id} could not join batch {batch_id}: {exc}", cell_id=cell_id)
+            except CellGone:
+                emit(
+                    "join_failed",
+                    f"{cell_id} left the cluster before joining batch {batch_id}",
+                    cell_id=cell_id,
+                )
                 return
+            except GyreError as exc:  # unreachable, or refused: again while it trains
+                if batch_id not in failed:
+                    failed.add(batch_id)
+                    emit(
+                        "join_failed",
+                        f"{cell_id} could not join batch {batch_id}: {exc}; retrying",
+                        cell_id=cell_id,
+                    )
+                await backoff.sleep()
+                continue
             if joined:
                 self._joined[cell_id] = batch_id
                 emit(

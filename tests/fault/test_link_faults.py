@@ -4,14 +4,20 @@ model call streams through it: delayed, reset mid-stream, black-holed for second
 reset; each time the harness gets one response holding exactly the tokens of an
 undisturbed call (the router continues the request at the engine: nothing duplicated,
 nothing lost), and its turn is recorded once. Scheduler -> cell, during a move to training:
-slow, then reset mid-move; the move completes and the history checks clean."""
+slow, then reset mid-move; and black-holed for longer than the cell's lease and many command
+deadlines while the cell stays registered (cut as it enters TRAINING, or as it is asked to
+join the batch), then healed. Each time the move completes (the scheduler retries the
+idempotent commands while the cell lives), the cell joins the batch, each route moves once,
+every execution closes once and the history checks clean."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -149,20 +155,34 @@ async def test_a_call_survives_its_link_misbehaving(env, fault):
         assert attempts >= 2  # continued at the engine after the broken link
 
 
-async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
-    etcd_server, cluster_name, tmp_path
-):
-    """The scheduler's link to the cell it moves to training is slow (every chunk 50 ms
-    late), then reset while the move is under way (the cell holds its command to enter
-    TRAINING): the commands are retried (they are idempotent), the move completes, each route moves once, every
-    execution closes once and the history checks clean."""
+@dataclasses.dataclass
+class Move:
+    """A scheduler (a real process) moving the fake core cell to training through a link
+    proxy, frozen with the cell holding its command to enter TRAINING."""
+
+    etcd: Etcd
+    keys: Keys
+    core: FakeCellAgent
+    link: LinkProxy
+    router: FakeRouter
+    packer: FakePacker
+    h: Harness
+    hist: Path
+    on_core: list
+
+
+@contextlib.asynccontextmanager
+async def _move_held(etcd_server, cluster_name, tmp_path, lease_ttl_s: int = 5, **scheduler):
+    """Four executions, two on the core; the two elsewhere finish, supply arrives and the
+    scheduler moves the core to training (its link delays every chunk 50 ms): yields once
+    the core is DRAINING with both of its routes moved and its command to enter TRAINING held."""
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
-    core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2).start()
+    core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2, lease_ttl_s=lease_ttl_s).start()
     link = await LinkProxy(core.target).start()
     core.target = link.target  # the scheduler reaches the core through the link
     await core._register()
-    sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2).start()
+    sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2, lease_ttl_s=lease_ttl_s).start()
     router = await FakeRouter(etcd, keys).start()
     packer = await FakePacker().start(tls("packer"))
     core.hold["TRAINING"] = asyncio.Event()
@@ -174,6 +194,7 @@ async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
         batch_size=2,
         packer_target=packer.target,
         history_file=str(hist),
+        **scheduler,
     )
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "sched.log")
     await asyncio.to_thread(proc.start)
@@ -197,21 +218,7 @@ async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
             return core.state == "DRAINING" and len(router.moves) == 2
 
         await wait_until(held, timeout_s=30, what="the command to enter TRAINING in flight")
-        link.reset()  # the command's connection breaks under it
-        core.hold["TRAINING"].set()
-
-        async def moved():
-            return core.state == "TRAINING" and await etcd.get(keys.transition("core")) is None
-
-        await wait_until(moved, timeout_s=30, what="the move completed")
-        assert link.resets >= 1
-        for e in on_core:
-            kv = await etcd.get(keys.route(e.execution_id))
-            assert json.loads(kv.value)["cell_id"] == "sa-0" and kv.version == 2  # moved once
-            assert not (await h.finish(e)).duplicate
-        await wait_until(lambda: asyncio.sleep(0, len(packer.reports) == 4), what="all finish reports")
-        verdict = check_files([hist], complete=True)
-        assert verdict.ok, verdict.violations
+        yield Move(etcd, keys, core, link, router, packer, h, hist, on_core)
     finally:
         core.hold["TRAINING"].set()
         await h.close()
@@ -220,3 +227,87 @@ async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
             await x.stop()
         await link.stop()
         await etcd.close()
+
+
+async def _moved(m: Move) -> bool:
+    """The move is over: the core trains, has joined the batch, and the scheduler has dropped
+    its record."""
+    joined = any(c[0] == "join_batch" for c in m.core.commands)
+    return joined and m.core.state == "TRAINING" and await m.etcd.get(m.keys.transition("core")) is None
+
+
+async def _check_moved_once(m: Move) -> None:
+    """Each of the core's routes moved exactly once (to sa-0), every execution closes once,
+    all four reach the packer, and the history checks clean."""
+    assert len(m.router.moves) == 2
+    for e in m.on_core:
+        kv = await m.etcd.get(m.keys.route(e.execution_id))
+        assert json.loads(kv.value)["cell_id"] == "sa-0" and kv.version == 2  # moved once
+        assert not (await m.h.finish(e)).duplicate
+    await wait_until(lambda: asyncio.sleep(0, len(m.packer.reports) == 4), what="all finish reports")
+    verdict = check_files([m.hist], complete=True)
+    assert verdict.ok, verdict.violations
+
+
+async def test_a_move_to_training_survives_its_scheduler_cell_link_misbehaving(
+    etcd_server, cluster_name, tmp_path
+):
+    """The scheduler's link to the cell it moves to training is slow (every chunk 50 ms
+    late), then reset while the move is under way (the cell holds its command to enter
+    TRAINING): the commands are retried (they are idempotent), the move completes, each route moves once, every
+    execution closes once and the history checks clean."""
+    async with _move_held(etcd_server, cluster_name, tmp_path) as m:
+        m.link.reset()  # the command's connection breaks under it
+        m.core.hold["TRAINING"].set()
+        await wait_until(lambda: _moved(m), timeout_s=30, what="the move completed")
+        assert m.link.resets >= 1
+        await _check_moved_once(m)
+
+
+CELL_LEASE_S = 3
+COMMAND_TIMEOUT_S = 1.0
+PARTITION_S = 8.0  # past the cell's lease (3 s) and many command deadlines (1 s each)
+
+
+@pytest.mark.parametrize("step", ["entering", "joining"])
+async def test_a_move_to_training_survives_a_partition_longer_than_a_lease(
+    etcd_server, cluster_name, tmp_path, step
+):
+    """The scheduler's link to the cell it moves to training is black-holed (bytes swallowed,
+    connections left open) for longer than the cell's lease TTL and many command deadlines,
+    while the cell keeps its registration (it still reaches etcd: only the link is cut).
+    ``entering``: the cut falls while the cell holds the command to enter TRAINING; the cell
+    then enters it, but its answer is lost. ``joining``: the cut falls while the cell, in
+    TRAINING, holds the JoinBatch that follows; no try reaches it until the heal. A cell that
+    is still registered is alive: the scheduler neither gives up nor fails it, it retries the
+    idempotent commands (each try bounded by command_timeout_s), keeping the transition
+    recorded. Once the partition heals (and the broken connections are reset) the move
+    completes promptly, the cell joins the batch, each route moved once, every execution
+    closes once and the history checks clean."""
+    async with _move_held(
+        etcd_server, cluster_name, tmp_path, lease_ttl_s=CELL_LEASE_S, command_timeout_s=COMMAND_TIMEOUT_S
+    ) as m:
+        core, lease = m.core, m.core.lease
+        held = "TRAINING"
+        if step == "joining":
+            held = "JOIN_BATCH"
+            core.hold[held] = asyncio.Event()
+            core.hold["TRAINING"].set()
+        # Each try of a command is held at the cell until its deadline: cut the link while
+        # one is held.
+        await wait_until(lambda: asyncio.sleep(0, core.waiting.get(held, 0) > 0), what=f"{held} held")
+        m.link.blackhole()
+        if step == "entering":
+            core.hold["TRAINING"].set()  # the cell enters TRAINING; its answer is swallowed
+        await asyncio.sleep(PARTITION_S)
+        # Still registered under the same lease, and nothing moved again.
+        assert core.lease == lease and await m.etcd.get(m.keys.cell("core")) is not None
+        assert core.state == "TRAINING" and len(m.router.moves) == 2
+        assert not [c for c in core.commands if c[0] == "join_batch"]
+        if step == "entering":  # the scheduler still holds the move
+            assert await m.etcd.get(m.keys.transition("core")) is not None
+        core.hold[held].set()
+        m.link.heal()
+        m.link.reset()  # as the partition ends, both ends find their connections broken
+        await wait_until(lambda: _moved(m), timeout_s=15, what="the move completed after the heal")
+        await _check_moved_once(m)

@@ -1,10 +1,11 @@
 """Scriptable gRPC stand-ins for the scheduler's peers, for integration and fault tests.
 
 :class:`FakeCellAgent` serves CellControl + Engine.GetLoad on one port, registers
-``keys.cell`` under its own lease and writes ``keys.cell_state`` with the same fenced
-transaction as the real agent (leader create revision == command epoch), so a deposed
-leader's command is refused. It records every command and can hold a target state (the
-command hangs until released) to freeze a transition at a chosen step. :class:`FakeRouter`
+``keys.cell`` under its own lease (``lease_ttl_s``, refreshed every second) and writes
+``keys.cell_state`` with the same fenced transaction as the real agent (leader create
+revision == command epoch), so a deposed leader's command is refused. It records every
+command and can hold a target state or JoinBatch (the command hangs until released;
+``waiting`` counts the held ones) to freeze a transition at a chosen step. :class:`FakeRouter`
 records MoveExecutions (the packer: :class:`bench.support.fake_packer.FakePacker`). Both
 bind 127.0.0.1 on a free port. :class:`Harness` is a minimal
 harness over gRPC; :func:`write_config` writes a cluster YAML for scheduler processes.
@@ -52,8 +53,11 @@ async def _serve(register: list[tuple[Any, Registrar]], identity: str) -> tuple[
 class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc.EngineServicer):
     """One fake cell: registration, fenced state writes, command log."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, cell_id: str, kind: str, index: int, slots: int) -> None:
+    def __init__(
+        self, etcd: Etcd, keys: Keys, cell_id: str, kind: str, index: int, slots: int, lease_ttl_s: int = 5
+    ) -> None:
         self.etcd, self.keys = etcd, keys
+        self.lease_ttl_s = lease_ttl_s
         self.cell_id, self.kind, self.index, self.slots = cell_id, kind, index, slots
         self.state = "ROLLOUT"
         self.fence = FenceGuard()
@@ -61,6 +65,8 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         self.policy_version = 0
         self.running = 0
         self.hold: dict[str, asyncio.Event] = {}
+        self.waiting: dict[str, int] = {}
+        """Commands held right now, by ``hold`` key."""
         self.target = ""
         self.lease = 0
         self._server: grpc.aio.Server | None = None
@@ -75,7 +81,7 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
             ],
             self.cell_id,
         )
-        self.lease = await self.etcd.grant(5)
+        self.lease = await self.etcd.grant(self.lease_ttl_s)
         self._keep = asyncio.create_task(self._keepalive())
         await self._register()
         await self.etcd.put(self.keys.cell_state(self.cell_id), self._state_json(0), lease=self.lease)
@@ -102,7 +108,7 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
             try:
                 if await self.etcd.refresh(self.lease) > 0:
                     continue
-                self.lease = await self.etcd.grant(5)
+                self.lease = await self.etcd.grant(self.lease_ttl_s)
                 await self._register()
                 await self.etcd.put(self.keys.cell_state(self.cell_id), self._state_json(0), lease=self.lease)
                 log.warning("fake cell %s: lease lapsed; registered again", self.cell_id)
@@ -124,6 +130,15 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
             except GyreError as exc:  # etcd may be gone at teardown: the lease expires anyway
                 log.info("lease revoke at teardown failed: %s", exc)
 
+    async def _held(self, key: str) -> None:
+        """Waits while ``hold[key]`` (a target state, or JOIN_BATCH) is held."""
+        if key in self.hold:
+            self.waiting[key] = self.waiting.get(key, 0) + 1
+            try:
+                await self.hold[key].wait()
+            finally:
+                self.waiting[key] -= 1
+
     def epochs(self) -> set[int]:
         return {e for _, e, _ in self.commands}
 
@@ -131,8 +146,7 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
     async def SetState(self, request: Any, context: Any) -> Any:
         epoch = self.fence.check(request.fence.epoch)
         want = _NAMES[request.target].removeprefix("CELL_STATE_")
-        if want in self.hold:
-            await self.hold[want].wait()
+        await self._held(want)
         async with self._lock:
             if want != self.state:
                 prev = self.state
@@ -157,6 +171,7 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
     @rpc
     async def JoinBatch(self, request: Any, context: Any) -> Any:
         epoch = self.fence.check(request.fence.epoch)
+        await self._held("JOIN_BATCH")
         self.commands.append(
             ("join_batch", epoch, (request.batch_id, request.prefix_size, request.core_target))
         )

@@ -586,6 +586,34 @@ async def test_a_missed_join_is_retried_and_does_not_block_a_return():
     assert s.cells.state("core") is CellState.ROLLOUT
 
 
+async def test_a_join_the_cell_does_not_answer_is_retried_while_it_trains():
+    """A partition longer than a few command deadlines: JoinBatch keeps failing (UNAVAILABLE)
+    while the cell stays registered. Giving up would leave it training with no batch, and
+    nothing would rejoin it: the join is retried until the cell answers."""
+    s, store, peers, clock = make(cells=[("core", "elastic", 0, 4), ("sa", "standalone", -1, 16)])
+    await lead(s, store)
+    unreachable = [True] * 7
+
+    async def join_batch(*args):
+        peers.calls.append(("join_batch", args))
+        if unreachable and unreachable.pop():
+            raise Unavailable("partitioned")
+        return True
+
+    peers.join_batch = join_batch
+    s.supply_raw = SupplyUpdate(4, 4, 1)
+    await s.reconcile_once()
+    await settle(s)
+    for _ in range(100):
+        if "joined_batch" in [e.kind for e in s.events.after(0)]:
+            break
+        await asyncio.sleep(0.05)
+    kinds = [e.kind for e in s.events.after(0)]
+    assert len(peers.commands("join_batch")) == 8 and "joined_batch" in kinds
+    assert kinds.count("join_failed") == 1  # one event per batch
+    assert s.cells.state("core") is CellState.TRAINING
+
+
 def test_history_checker_finds_double_counts_and_unfenced_writes():
     from services.scheduler.history import check
 
