@@ -56,9 +56,11 @@ class _KV:
         self.key, self.value = key, value
 
 
-async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[float, int]:
-    """Lifecycles/s through the real Scheduler, and the launch + close transactions it sent
-    (group commit: fewer than 2 per lifecycle when writes were in flight together)."""
+async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[float, int, float]:
+    """Lifecycles/s through the real Scheduler, the launch + close transactions it sent
+    (group commit: fewer than 2 per lifecycle when writes were in flight together), and this
+    process's CPU per lifecycle in µs (the scheduler's code and the in-process harnesses'
+    loop; etcd runs in its own process)."""
     keys = Keys(cluster)
     lease = LeaseKeeper(etcd, 10)
     await lease.grant()
@@ -94,15 +96,16 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[f
             done += 1
 
     txns = store.group.transactions
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(harness(i) for i in range(conc)))
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     txns = store.group.transactions - txns
     assert done == n and s.ledger.counts().finished == n, (done, s.ledger.counts())
     keeper.cancel()
     await asyncio.gather(keeper, return_exceptions=True)
     await lease.revoke()
-    return n / elapsed, txns
+    return n / elapsed, txns, cpu / n * 1e6
 
 
 async def _baseline_run(etcd: Etcd, cluster: str, n: int, conc: int) -> float:
@@ -156,25 +159,38 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--executions", type=int, default=600)
+    ap.add_argument("--executions", type=int, default=600, help="lifecycles with one harness")
+    ap.add_argument(
+        "--executions-concurrent",
+        type=int,
+        default=4000,
+        help="lifecycles with 32 and 64 harnesses (at ~2,500/s, 600 took a quarter second: noise)",
+    )
     args = ap.parse_args()
-    n = args.executions
-    results: dict[str, Any] = {"executions": n, "machine": platform.platform(), "concurrency": {}}
+    results: dict[str, Any] = {
+        "executions": args.executions,
+        "executions_concurrent": args.executions_concurrent,
+        "machine": platform.platform(),
+        "concurrency": {},
+    }
     with EtcdServer() as server:
         etcd = Etcd([server.endpoint], timeout_s=10.0)
         await etcd.connect()
         for conc in (1, 32, 64):
+            n = args.executions if conc == 1 else args.executions_concurrent
             base = await _baseline_run(etcd, f"base{conc}", n, conc)
-            sched, txns = await _scheduler_run(etcd, f"sched{conc}", n, conc)
+            sched, txns, cpu_us = await _scheduler_run(etcd, f"sched{conc}", n, conc)
             results["concurrency"][str(conc)] = {
+                "executions": n,
                 "scheduler_lifecycles_per_s": round(sched, 1),
                 "baseline_lifecycles_per_s": round(base, 1),
                 "ratio": round(sched / base, 3),
                 "ledger_txns_per_lifecycle": round(txns / n, 3),
+                "process_cpu_us_per_lifecycle": round(cpu_us, 1),
             }
             print(
                 f"C={conc:3d}: scheduler {sched:8.1f}/s  raw etcd txns {base:8.1f}/s  ratio {sched / base:.2f}  "
-                f"txns/lifecycle {txns / n:.2f}"
+                f"txns/lifecycle {txns / n:.2f}  process CPU {cpu_us:.0f} us/lifecycle"
             )
         await etcd.close()
     us = _decide_us()

@@ -177,8 +177,10 @@ class ExecutionRecord:
     """etcd mod revision of the stored record (0: not stored yet); not serialized."""
 
     def to_json(self) -> bytes:
-        d = dataclasses.asdict(self)
-        d.pop("revision")
+        # A shallow copy of the fields (all scalars), in field order: dataclasses.asdict
+        # deep-copies each one and was a quarter of the close path's CPU (bench/scheduler_ledger.py).
+        d = dict(vars(self))
+        del d["revision"]
         d["state"] = self.state.value
         return json.dumps(d).encode()
 
