@@ -133,7 +133,8 @@ async def bench_claims_in_process(args: argparse.Namespace, wal_dir: str) -> dic
     """``rounds`` batches: each is fed whole (untimed), then drained by the claimers (timed)."""
     wal = Wal(wal_dir, fsync=True)
     wal.open()
-    packer = Packer(_config(args), wal)
+    cfg = _config(args)
+    packer = Packer(cfg, wal, strict=cfg.check_every_change)  # as the service runs it
     packer.recover([])
     claimed: list[str] = []
     elapsed = 0.0

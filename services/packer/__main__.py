@@ -28,7 +28,9 @@ async def build(rt: Runtime) -> Services:
     events = await asyncio.to_thread(wal.open)
     events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, events)
     packer = Packer(
-        cfg, HistoryLog(wal, History(cfg.history_file, svc="packer")) if cfg.history_file else wal
+        cfg,
+        HistoryLog(wal, History(cfg.history_file, svc="packer")) if cfg.history_file else wal,
+        strict=cfg.check_every_change,
     )
     replayed = packer.recover(events)
     await wal.sync()

@@ -91,7 +91,18 @@ class PackerConfig(ServiceConfig):
         "back within about a second of etcd's return.",
     )
     reap_interval_s: float = Field(
-        0.5, gt=0, le=60, description="How often expired claims are returned to the pool."
+        0.5,
+        gt=0,
+        le=60,
+        description="How often expired claims are returned to the pool (and, unless "
+        "check_every_change, the conservation invariants are recounted).",
+    )
+    check_every_change: bool = Field(
+        False,
+        description="Recount the conservation invariants (produced = consumed + buffered + "
+        "dropped, batch sizes) after every change instead of every reap_interval_s. The recount "
+        "is O(groups + micro-steps): after every change it took a quarter of the claim path's "
+        "CPU (bench/packer_claims.py). A broken invariant ends the process either way.",
     )
     max_claim_wait_s: float = Field(
         30.0, ge=0, le=30, description="Upper bound on ClaimMicroStepRequest.wait_s."

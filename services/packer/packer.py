@@ -73,7 +73,7 @@ class Packer:
         self.cfg = config
         self.log = log_
         self.clock = clock
-        self.strict = strict  # recheck conservation after every change
+        self.strict = strict  # recheck conservation after every change (else: every reap)
         self.state = PackerState()
         self.fence = FenceGuard()
         self._wake = asyncio.Event()
@@ -82,6 +82,7 @@ class Packer:
         self.fatal: BaseException | None = None
         self._complete: dict[str, float] = {}  # all closed, in the grace period -> since
         self._ready_floor = float("-inf")  # no group becomes ready before (restart_grace_s)
+        self._scanned: tuple[int, bool, int, str | None] | None = None  # see _pump
         self.late_turns = 0  # refused: their group was already ready (runtime count)
         self.skipped: list[int] = []  # WAL events set aside at recovery (see recover)
         # Wire forms of the sequences of ready groups (config pre_encode): claims answer
@@ -97,8 +98,10 @@ class Packer:
         corrupt) is set aside with an error, and replay goes on; the invariants are then
         checked in full, and a state that is still inconsistent stops the process."""
         n = 0
+        restart = False  # any record beyond a WAL header: this log held a run before
         self.skipped = []
         for k, ev in enumerate(events):
+            restart = restart or ev.get("t") != "wal"
             try:
                 self.state.apply(ev)
             except (KeyError, ValueError, TypeError, FatalError) as exc:
@@ -118,7 +121,7 @@ class Packer:
         for group in self.state.groups.values():
             if group.state is GroupState.COLLECTING and group.size and group.closed >= group.size:
                 self._complete[group.id] = now  # the grace period restarts
-        if n:
+        if restart:
             # A restart: the routers may hold turns queued while we were down, whose groups'
             # finish reports the scheduler may relay first; they get in before any group is
             # made ready (a later turn would be refused, and lost).
@@ -426,9 +429,15 @@ class Packer:
         return n
 
     async def run_reaper(self) -> None:
-        """A supervised task: expiry of claims, and the fatal-error watch."""
+        """A supervised task: expiry of claims, the invariants' recount when they are not
+        checked after every change (``strict``), and the fatal-error watch."""
         while True:
             await asyncio.sleep(self.cfg.reap_interval_s)
+            if not self.strict and self.fatal is None:
+                try:
+                    self.state.check()
+                except FatalError as exc:
+                    self.fatal = exc
             if self.fatal is not None:
                 raise FatalError(f"packer invariant broken: {self.fatal}")
             await self.reap()
@@ -554,13 +563,18 @@ class Packer:
         sequences into micro-steps, full batches sealed."""
         st, cfg = self.state, self.cfg
         now = self.clock()
-        for gid, since in list(self._complete.items()):
-            if now >= max(since + cfg.ready_grace_s, self._ready_floor):
+        for gid, since in list(self._complete.items()) if now >= self._ready_floor else ():
+            if now - since >= cfg.ready_grace_s:
                 del self._complete[gid]
                 self._resolve(st.groups[gid])
         batch = st.batches[st.filling]
         full = st.optimizing() or len(batch.groups) >= batch.size
-        for gid in list(st.ready):
+        # Whether a ready group is stale or unconsumable depends only on its own versions
+        # (fixed once it is ready) and on (policy version, batch full): scan again only when
+        # those changed or a group became ready since (it joins st.ready at the end). The
+        # scan was O(ready groups x members) on every claim and change.
+        scan = (st.policy_version, full, len(st.ready), next(reversed(st.ready), None))
+        for gid in list(st.ready) if scan != self._scanned else ():
             group = st.groups[gid]
             if is_stale(group.oldest_version, st.policy_version, cfg.max_staleness):
                 self._drop(group, "stale")
@@ -568,6 +582,7 @@ class Packer:
                 # The scheduler's cancel-early rule (gyre.staleness): no batch within eta can
                 # take it; its open members are being cancelled, its ready copy goes too.
                 self._drop(group, "unconsumable")
+        self._scanned = (st.policy_version, full, len(st.ready), next(reversed(st.ready), None))
         if batch.active and not batch.sealed:
             while batch.needs > 0 and st.ready:
                 self._assign(batch, next(iter(st.ready)))

@@ -173,6 +173,7 @@ def write_config(tmp_path: Any, etcd_server: Any, cluster_name: str, **packer: A
         "max_message_bytes": 1 << 20,
         "ready_grace_s": 0.0,
         "restart_grace_s": 0.0,
+        "check_every_change": True,  # tests recount the invariants after every change
     }
     section.update(packer)
     path = tmp_path / "cluster.yaml"

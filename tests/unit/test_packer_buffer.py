@@ -5,15 +5,17 @@ refused with a precise error and change nothing (state and WAL identical before 
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 
-from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
 from gyre.v1 import common_pb2, packer_pb2
 from services.packer.advantages import group_advantages, is_stale
 from services.packer.model import ExecStatus, Finish, Turn
 from services.packer.packer import Packer
+from services.packer.wal import MemoryLog
 from tests.support import packer_kit as tk
 
 
@@ -68,8 +70,10 @@ async def test_after_a_restart_no_group_is_ready_before_the_routers_queued_turns
     await q.reap()
     assert q.supply()["ready_unassigned"] == 1 and q.state.counters()["ready"] == 2
     assert q.counters()["late_turns"] == 0
-    first, _, clock = tk.make_packer(ready_grace_s=1.0, restart_grace_s=10.0)  # a first start:
-    await first.record_turn(tk.turn("y0", "h", 0))  # only the ready grace
+    # A first start (the service's log then holds only its new header): only the ready grace.
+    first = Packer(tk.config(ready_grace_s=1.0, restart_grace_s=10.0), MemoryLog(), clock=clock)
+    first.recover([{"t": "wal", "id": "fresh"}])
+    await first.record_turn(tk.turn("y0", "h", 0))
     await first.record_turn(tk.turn("y1", "h", 0))
     await first.report_finish(tk.finish("y0", "h", 2, reward=0.0))
     await first.report_finish(tk.finish("y1", "h", 2, reward=1.0))
@@ -322,3 +326,16 @@ def test_packed_sequence_alignment():
     assert list(msg.logprobs) == pytest.approx([0, 0, 0, -0.1, 0])
     assert list(msg.token_policy_versions) == [0, 0, 0, 4, 5]
     assert msg.advantage == 0.5 and msg.policy_version == 4 and msg.turn_index == 0 and msg.turns == 1
+
+
+async def test_invariants_are_recounted_by_the_reaper_when_not_after_every_change():
+    """The service recounts conservation every reap interval (``check_every_change`` off, the
+    default): a broken count still ends the process, within one interval."""
+    log, clock = MemoryLog(), tk.ManualClock()
+    p = Packer(tk.config(reap_interval_s=0.01), log, clock=clock, strict=False)
+    p.recover([])
+    await p.record_turn(tk.turn("x0", "g", 0))
+    p.state.produced += 1  # a bug: a turn counted that no structure holds
+    await p.record_turn(tk.turn("x1", "g", 0))  # not checked on the change itself
+    with pytest.raises(FatalError, match="conservation broken"):
+        await asyncio.wait_for(p.run_reaper(), 5)
