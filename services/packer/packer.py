@@ -573,8 +573,7 @@ class Packer:
         # (fixed once it is ready) and on (policy version, batch full): scan again only when
         # those changed or a group became ready since (it joins st.ready at the end). The
         # scan was O(ready groups x members) on every claim and change.
-        scan = (st.policy_version, full, len(st.ready), next(reversed(st.ready), None))
-        for gid in list(st.ready) if scan != self._scanned else ():
+        for gid in list(st.ready) if self._scan_key(full) != self._scanned else ():
             group = st.groups[gid]
             if is_stale(group.oldest_version, st.policy_version, cfg.max_staleness):
                 self._drop(group, "stale")
@@ -582,7 +581,7 @@ class Packer:
                 # The scheduler's cancel-early rule (gyre.staleness): no batch within eta can
                 # take it; its open members are being cancelled, its ready copy goes too.
                 self._drop(group, "unconsumable")
-        self._scanned = (st.policy_version, full, len(st.ready), next(reversed(st.ready), None))
+        self._scanned = self._scan_key(full)
         if batch.active and not batch.sealed:
             while batch.needs > 0 and st.ready:
                 self._assign(batch, next(iter(st.ready)))
@@ -592,6 +591,12 @@ class Packer:
             if full and not batch.pending:
                 self._seal(batch)
         self._forget_old()
+
+    def _scan_key(self, full: bool) -> tuple[int, bool, int, str | None]:
+        """What the ready groups' staleness depends on besides their own versions: the policy
+        version, the filling batch's fullness, and the ready set (new groups join at its end)."""
+        st = self.state
+        return st.policy_version, full, len(st.ready), next(reversed(st.ready), None)
 
     def _forget_old(self) -> None:
         """Drops the idempotency records of groups resolved ``dedupe_batches`` batches ago."""

@@ -80,8 +80,8 @@ class TransitionRunner:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._side: set[asyncio.Future[Any]] = set()
         self._joins: dict[str, asyncio.Task[None]] = {}
-        self._joined: dict[str, int] = {}
-        """Cells whose JoinBatch succeeded in this leader term, and the batch they joined."""
+        self._joined: set[str] = set()
+        """Cells whose JoinBatch succeeded in this leader term."""
 
     def running(self, cell_id: str) -> bool:
         t = self._tasks.get(cell_id)
@@ -449,7 +449,13 @@ class TransitionRunner:
         if after is not None:  # the move to training that spawned us finishes first
             await asyncio.wait([after])
         fleet, emit = self.fleet, self.telemetry.emit
-        backoff, missed, failed = Backoff(0.5, 5.0), set(), set()
+        backoff, told = Backoff(0.5, 5.0), set()  # (event, batch) already emitted
+
+        def once(event: str, batch_id: int, message: str) -> None:
+            if (event, batch_id) not in told:
+                told.add((event, batch_id))
+                emit(event, message, cell_id=cell_id)
+
         while not self.lead.deposed.is_set():
             if fleet.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
                 return
@@ -480,28 +486,20 @@ class TransitionRunner:
                 )
                 return
             except GyreError as exc:  # unreachable, or refused: again while it trains
-                if batch_id not in failed:
-                    failed.add(batch_id)
-                    emit(
-                        "join_failed",
-                        f"{cell_id} could not join batch {batch_id}: {exc}; retrying",
-                        cell_id=cell_id,
-                    )
+                once("join_failed", batch_id, f"{cell_id} could not join batch {batch_id}: {exc}; retrying")
                 await backoff.sleep()
                 continue
             if joined:
-                self._joined[cell_id] = batch_id
+                self._joined.add(cell_id)
                 emit(
                     "joined_batch",
                     f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{version})",
                     cell_id=cell_id,
                 )
                 return
-            if batch_id not in missed:
-                missed.add(batch_id)
-                emit(
-                    "join_missed",
-                    f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying",
-                    cell_id=cell_id,
-                )
+            once(
+                "join_missed",
+                batch_id,
+                f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying",
+            )
             await backoff.sleep()
