@@ -36,6 +36,13 @@ class History:
             line = {"op": op, "t": round(time.time(), 6), "epoch": epoch, **self._svc, **fields}
             self._file.write(json.dumps(line) + "\n")
 
+    def invoke(self, op: str, epoch: int, **fields: Any) -> None:
+        """Written just before a write whose outcome a crash can hide (Jepsen's *invoke*): a
+        process killed after its write landed and before it appended ``op`` leaves only this
+        line. The checker reads an invoke without its completion as indeterminate: it took
+        effect exactly when a later operation shows it did."""
+        self.append("invoke", epoch, of=op, **fields)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -223,6 +223,9 @@ def check_cross(sched: list[dict[str, Any]], packer: list[dict[str, Any]]) -> li
     """With both histories of a run that ended quiet: every close reached the packer, and
     the packer trained nothing the scheduler did not close."""
     closed = {str(op["execution_id"]) for op in sched if op.get("op") == "close"}
+    # A close whose line a killed leader never wrote took effect only if its successor
+    # relayed it (it found the execution closed in etcd and never closed it again).
+    closed |= scheduler_history.indeterminate_closes(sched)
     refused = {str(op["execution_id"]) for op in sched if op.get("op") == "report_refused"}
     finished = {str(op["execution_id"]) for op in packer if op.get("op") == "finish"}
     bad = [

@@ -83,6 +83,7 @@ class Bursts:
         burst = self.ledger.plan_burst(
             tasks, self.cfg.group_size, policy_version, self.cfg.batches_per_burst, self.wall()
         )
+        self.history.invoke("dispatch", self.lead.epoch, burst_id=burst.burst_id, quota=burst.quota)
         try:
             rev = await self.lead.fenced(self.lead.store.dispatch(burst))
         except Conflict:

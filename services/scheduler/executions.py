@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from gyre.errors import Conflict, FailedPrecondition, Unauthenticated, Unavailable
 from gyre.etcd.values import Route, token_sha256
+from gyre.failpoints import failpoint
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
@@ -225,6 +226,7 @@ class Executions:
         )
 
     async def _land_launch(self, rec: ExecutionRecord, route: Route, burst: Burst, seq: int) -> bool:
+        self.history.invoke("launch", self.lead.epoch, execution_id=rec.execution_id, burst_id=rec.burst_id)
         try:
             rev = await self.lead.fenced(self.lead.store.launch(rec, route))
         except BaseException as exc:
@@ -250,6 +252,7 @@ class Executions:
                 if isinstance(exc, Conflict):
                     return False
             raise
+        failpoint("scheduler.launch.landed")  # in etcd, not yet in memory nor the history
         self.ledger.apply(dataclasses.replace(rec, revision=rev), self._deadline())
         self.fleet.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
         self._record_launch(rec, route, rev)
@@ -358,6 +361,7 @@ class Executions:
     async def _close(self, closed: ExecutionRecord) -> bool:
         """Persists a close, then applies it; False when another close got there first."""
         old = self.ledger.records.get(closed.execution_id)  # None: a queued one withdrawn
+        self.history.invoke("close", self.lead.epoch, execution_id=closed.execution_id, withdrawn=old is None)
         try:
             rev = await self.lead.fenced(self.lead.store.close(closed, old.revision if old else 0))
         except (Conflict, Unavailable):

@@ -26,6 +26,7 @@ from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker
 from gyre.client import HarnessClient
 from gyre.etcd import Keys
+from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
 from services.scheduler import history
 from tests.support.scheduler_peers import (
     FakeCellAgent,
@@ -40,10 +41,10 @@ from tests.tls import PKI, tls
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _start(cfg, tmp_path, name: str) -> ServiceProcess:
+async def _start(cfg, tmp_path, name: str, env: dict[str, str | None] | None = None) -> ServiceProcess:
     """Starts a scheduler process off the event loop: a start takes seconds on a loaded
     machine, and the fakes' leases (refreshed on this loop) must not lapse meanwhile."""
-    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / f"{name}.log", name=name)
+    proc = ServiceProcess("scheduler", cfg, env=env, log_path=tmp_path / f"{name}.log", name=name)
     return await asyncio.to_thread(proc.start)
 
 
@@ -377,7 +378,11 @@ async def _harness_worker(
 
 async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, cluster_name, tmp_path):
     """The leader dies mid-burst, with executions being acquired, heartbeated and finished;
-    its lease (6 s) outlasts what a harness client without failover support would wait."""
+    its lease (6 s) outlasts what a harness client without failover support would wait. It
+    dies at the worst moment of a launch: the execution is in etcd, its history line not yet
+    written (the failpoint ``scheduler.launch.landed``); the invoke it wrote first makes that
+    launch indeterminate, and its close by the successor checks clean (a SIGKILL at a random
+    moment once hit this window in CI: ``b1-t5-1 closed without a launch``)."""
     etcd = await connect(etcd_server.endpoint)
     keys = Keys(cluster_name)
     cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 8).start()
@@ -396,7 +401,8 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
         heartbeat_interval_s=0.5,
         heartbeat_deadline_s=4.0,
     )
-    a = await _start(cfg, tmp_path, "sched-a")
+    armed = tmp_path / "failpoints"
+    a = await _start(cfg, tmp_path, "sched-a", env={FAILPOINT_FILE_ENV: str(armed)})
     ha = Harness(a.target)
     await ha.wait_leader()
     b = await _start(cfg, tmp_path, "sched-b")
@@ -412,7 +418,8 @@ async def test_leader_killed_while_harnesses_work_loses_nothing(etcd_server, clu
                 asyncio.create_task(_harness_worker(client, done, errors, random.Random(i))) for i in range(6)
             ]
             await wait_until(lambda: asyncio.sleep(0, len(done) >= 6), timeout_s=60, what="work under way")
-            a.kill()
+            armed.write_text("scheduler.launch.landed")  # the next launch kills the leader
+            assert await asyncio.to_thread(a.wait, 30) == EXIT_STATUS
             await asyncio.wait_for(asyncio.gather(*workers), 90)
             assert client.retries > 0  # the failover happened under the harnesses' calls
         assert errors == []

@@ -180,6 +180,55 @@ def test_missing_context_is_unknown_not_a_violation():
     assert check(h).ok
 
 
+def _lost_line(h: list[dict[str, Any]], op: str, **match: Any) -> list[dict[str, Any]]:
+    """The history of a leader killed after its ``op`` write landed, before its line: the
+    invoke it wrote first stays in the line's place."""
+    out = []
+    for o in h:
+        if o.get("op") == op and all(o.get(k) == v for k, v in match.items()):
+            o = {**{k: v for k, v in o.items() if k not in ("rev", "status")}, "op": "invoke", "of": op}
+        out.append(o)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("op", "match"),
+    [
+        ("launch", {"execution_id": "b1-e1"}),
+        ("dispatch", {"burst_id": 1}),
+        ("close", {"execution_id": "b1-e1"}),
+    ],
+)
+def test_a_write_whose_line_a_kill_took_is_indeterminate(op: str, match: dict[str, Any]):
+    """A leader killed between a write and its history line leaves the invoke it wrote first:
+    the operation took effect if a later one shows it did (a close of that launch, a launch in
+    that burst, the close's finish at the packer). Without the invoke, the history fails: the
+    case the failover test met (``b1-t5-1 closed without a launch``)."""
+    h = _lost_line(good(), op, **match)
+    assert check(h, complete=True).ok, check(h, complete=True).violations
+    gone = [o for o in h if o.get("op") != "invoke"]
+    assert not check(gone, complete=True).ok
+
+
+def test_an_indeterminate_close_never_reported_is_lost():
+    """An indeterminate close the packer never heard of: either it did not happen (the
+    execution was never closed) or its report was lost; both break the complete run."""
+    h = [
+        o
+        for o in _lost_line(good(), "close", execution_id="b1-e1")
+        if o.get("execution_id") != "b1-e1" or o.get("svc") != "packer"
+    ]
+    v = check(h, complete=True).violations
+    assert any("b1-e1 closed by the scheduler, never reported" in x for x in v), v
+
+
+def test_a_launch_invoked_and_not_landed_is_no_launch():
+    """An invoke followed by a successor's real launch of the same execution is one launch."""
+    h = good()
+    h.insert(2, {**_s("invoke", execution_id="b1-e0", burst_id=1), "of": "launch"})
+    assert check(h, complete=True).ok
+
+
 def test_incomplete_runs_are_judged_only_on_what_happened():
     h = good()[:5]  # executions launched, one closed; no packer yet
     assert check(h).ok
