@@ -97,11 +97,14 @@ async def one_direct(stub: Any, i: int) -> tuple[float, float]:
     return first, time.perf_counter() - t0
 
 
-async def one_router(stub: Any, ex: str, token: str) -> tuple[float, float]:
+async def one_router(stub: Any, ex: str, token: str, answer_once: bool = False) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = 0.0
     req = router_pb2.GenerateRequest(
-        execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=TOKENS)
+        execution_id=ex,
+        prompt_token_ids=PROMPT,
+        sampling=common_pb2.SamplingParams(max_tokens=TOKENS),
+        answer_once=answer_once,
     )
     n = 0
     async for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {token}"),), timeout=60):
@@ -130,6 +133,19 @@ async def one_sse(session: aiohttp.ClientSession, url: str, token: str) -> tuple
     return first, time.perf_counter() - t0
 
 
+async def one_json(session: aiohttp.ClientSession, url: str, token: str) -> tuple[float, float]:
+    """A non-streaming OpenAI completion: the first token arrives with the last."""
+    t0 = time.perf_counter()
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "stream": False, "return_token_ids": True}
+    async with session.post(
+        f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+    ) as r:
+        n = len((await r.json())["choices"][0]["token_ids"])
+    assert n == TOKENS, n
+    done = time.perf_counter() - t0
+    return done, done
+
+
 async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[float, float]]:
     if kind == "direct":
         coros = [one_direct(ctx["engine_stub"], i) for i in range(conc)]
@@ -141,6 +157,10 @@ async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[flo
         coros = [one_router(ctx["router_plain_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_coalesce":
         coros = [one_router(ctx["router2_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_once":
+        coros = [one_router(ctx["router_stub"], ex, tok, answer_once=True) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_http_json":
+        coros = [one_json(ctx["session"], ctx["url"], tok) for _, tok in ctx["execs"][:conc]]
     else:
         coros = [one_sse(ctx["session"], ctx["url"], tok) for _, tok in ctx["execs"][:conc]]
     return list(await asyncio.gather(*coros))
@@ -295,6 +315,8 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "router_grpc",
             "router_sse",
             "router_grpc_coalesce",
+            "router_grpc_once",
+            "router_http_json",
             "direct_plain",
             "router_grpc_plain",
         ]
@@ -407,7 +429,8 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
 
 def summarize(out: dict[str, Any]) -> dict[str, Any]:
     """The output contract other tools read, for streamed calls through one router over
-    mutual TLS (``router_grpc``; the benchmark has no non-streaming rows yet):
+    mutual TLS (``router_grpc``), and the same for calls answered once (``*_answer_once``:
+    Router.Generate with ``answer_once``, one message a call):
 
     - ``router_cpu_us_per_token``: the router process's CPU time over the tokens it relayed,
       at the largest concurrency measured;
@@ -422,8 +445,12 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     cpu = conc[top]["router_grpc"]["router_cpu_us_per_token"]
     tokens_per_s_per_stream = 1.0 / out["setup"]["token_delay_s"]
 
-    def ratio(n: str) -> float | None:
-        return round(conc[n]["router_grpc"]["ratio_vs_direct"]["stream_p50"], 3) if n in conc else None
+    def ratio(n: str, kind: str = "router_grpc") -> float | None:
+        if n not in conc or kind not in conc[n]:
+            return None
+        return round(conc[n][kind]["ratio_vs_direct"]["stream_p50"], 3)
+
+    once = conc[top].get("router_grpc_once", {}).get("router_cpu_us_per_token")
 
     return {
         "router_cpu_us_per_token": round(cpu, 1),
@@ -432,7 +459,11 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "routers_per_1000_streams": round(1000 / int(top), 2),
         "router_cores_per_1000_streams": round(cpu * tokens_per_s_per_stream * 1000 / 1e6, 2),
         "streams_measured": sorted(int(c) for c in conc),
-        "calls": "streamed (Router.Generate, mTLS); non-streaming calls are not measured",
+        "router_cpu_us_per_token_answer_once": round(once, 1) if once is not None else None,
+        "ratio_256_answer_once": ratio("256", "router_grpc_once"),
+        "ratio_1024_answer_once": ratio("1024", "router_grpc_once"),
+        "calls": "streamed (Router.Generate, mTLS); *_answer_once: Router.Generate with answer_once "
+        "(one message a call); the OpenAI API's non-streaming rows are router_http_json",
     }
 
 

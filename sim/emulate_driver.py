@@ -85,6 +85,7 @@ class ReplayDriver:
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         tls_dir: str | None = None,
         insecure: bool = False,
+        answer_once: bool = True,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -96,6 +97,7 @@ class ReplayDriver:
         self.max_context = max_context
         self.tls_dir = tls_dir  # the harness identity it presents (mTLS)
         self.insecure = insecure
+        self.answer_once = answer_once  # Router.Generate's one-message answer (False: streamed)
         self._sleep = sleep
         self.stats = ReplayStats()
         self._members: dict[str, int] = defaultdict(int)
@@ -175,6 +177,7 @@ class ReplayDriver:
                 sampling=common_pb2.SamplingParams(
                     max_tokens=ep.output_tokens[k], temperature=1.0, seed=ep.task * 7919 + ep.member * 31 + k
                 ),
+                answer_once=self.answer_once,  # an agent harness waits for the whole answer
             )
             out: list[int] = []
             moved = 0

@@ -158,12 +158,20 @@ async def http_call(
         return data["prompt_token_ids"], data["choices"][0]["token_ids"], data
 
 
-async def grpc_call(env: Env, execution_id: str, token: str, prompt: list[int]) -> tuple[list[int], int, int]:
+async def grpc_call(
+    env: Env,
+    execution_id: str,
+    token: str,
+    prompt: list[int],
+    answer_once: bool = False,
+    messages: list[int] | None = None,
+) -> tuple[list[int], int, int]:
     call = env.stub.Generate(
         router_pb2.GenerateRequest(
             execution_id=execution_id,
             prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+            answer_once=answer_once,
         ),
         metadata=(("authorization", f"Bearer {token}"),),
         timeout=30,
@@ -172,6 +180,8 @@ async def grpc_call(env: Env, execution_id: str, token: str, prompt: list[int]) 
     reroutes = 0
     finish = 0
     async for msg in call:
+        if messages is not None:
+            messages.append(len(msg.chunk.token_ids))
         out.extend(msg.chunk.token_ids)
         reroutes = msg.reroutes
         finish = msg.chunk.finish_reason or finish
@@ -219,16 +229,26 @@ async def test_http_rerouted_call_is_token_identical(env, stream, path):
     assert list(turn.output_policy_versions) == [1] * MAX_TOKENS and len(turn.output_logprobs) == MAX_TOKENS
 
 
+@pytest.mark.parametrize("answer_once", [False, True], ids=["streamed", "answer_once"])
 @pytest.mark.parametrize("path", [["a", "b"], ["b", "c", "a", "b"]], ids=["once", "thrice"])
-async def test_grpc_rerouted_call_is_token_identical(env, path):
+async def test_grpc_rerouted_call_is_token_identical(env, path, answer_once):
+    """Streamed, or answered once (``answer_once``: one message with every token, however
+    many engines the call went through; the turn record is the same)."""
     ex, tok = new_execution()
     await put_route(env.etcd, env.keys, ex, path[0], env.engines[path[0]].target, tok)
     await asyncio.sleep(0.3)
     prompt = [11, 12, 13, 14, 15]
     mover = asyncio.create_task(scheduler_moves(env, ex, tok, path, every=5))
-    out, reroutes, finish = await grpc_call(env, ex, tok, prompt)
+    messages: list[int] = []
+    out, reroutes, finish = await grpc_call(env, ex, tok, prompt, answer_once, messages)
     await mover
     assert out == reference(1, prompt, MAX_TOKENS)
+    if answer_once:
+        assert messages == [MAX_TOKENS]
+    else:
+        assert len(messages) > 1
+    turn = await _turn(env, ex)
+    assert list(turn.output_token_ids) == out and list(turn.prompt_token_ids) == prompt
     assert reroutes == len(path) - 1
     assert finish == common_pb2.FINISH_REASON_LENGTH
     status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
