@@ -105,6 +105,7 @@ class ModelCall:
         background: Callable[[Any], None],
         output_text: OutputText | None = None,
         report: Callable[[str, str, str], asyncio.Future[bool | None]] | None = None,
+        whole: bool = False,
     ) -> None:
         self.call_id = call_id
         self.execution_id = execution_id
@@ -129,6 +130,7 @@ class ModelCall:
         self._background = background
         self._report = report
         self._stops = frozenset(sampling.stop_token_ids)
+        self._whole = whole  # the caller wants the whole answer: wake it at the end only
         self.output_text = output_text
         self.trajectory: Any = None
         """The execution's trajectory this call produced, once it completed (the manager's)."""
@@ -185,7 +187,7 @@ class ModelCall:
         self._runner = asyncio.create_task(self._run(), name=f"call.{self.call_id}")
         try:
             while True:
-                while not self._buf:
+                while not self._buf or (self._whole and isinstance(self._buf[-1], Chunk)):
                     self._ready.clear()
                     await self._ready.wait()
                 if self._policy.coalesce_s > 0 and _open_ended(self._buf[-1]):
@@ -222,7 +224,8 @@ class ModelCall:
 
     def _emit(self, item: Any) -> None:
         self._buf.append(item)
-        self._ready.set()
+        if not (self._whole and isinstance(item, Chunk)):
+            self._ready.set()
 
     # The attempt loop --------------------------------------------------------------------
 

@@ -136,7 +136,14 @@ class OpenAIApi:
         except GyreError as exc:
             return _error_response(exc)
         gen = self._manager.generate(
-            route, prompt, sampling, timeout_s, opts["box"], opts["text"], opts["break_reason"]
+            route,
+            prompt,
+            sampling,
+            timeout_s,
+            opts["box"],
+            opts["text"],
+            opts["break_reason"],
+            whole=not opts["stream"],  # a JSON answer is written once: no wake per engine step
         )
         async with contextlib.aclosing(gen):
             if opts["stream"]:

@@ -72,6 +72,7 @@ class CallManager:
         call_box: list[ModelCall] | None = None,
         output_text: OutputText | None = None,
         break_reason: str | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[Chunk, None]:
         """Runs one model call of ``route``'s execution (the caller already authorized it).
 
@@ -79,7 +80,8 @@ class CallManager:
         execution's trajectory and its turn is queued for the packer. ``call_box`` receives
         the call (for reroute counts); ``output_text`` detokenizes and applies stop strings
         (HTTP calls); ``break_reason`` names why the prompt does not continue the
-        trajectory, if it does not.
+        trajectory, if it does not; ``whole``: the caller wants the answer at once (chunks
+        come when the call ends, one per policy version).
         """
         execution_id = route.execution_id
         execution_id_var.set(execution_id)
@@ -99,6 +101,7 @@ class CallManager:
             background=self.spawn,
             output_text=output_text,
             report=self._reporter.report if self._reporter is not None else None,
+            whole=whole,
         )
         if call_box is not None:
             call_box.append(call)

@@ -100,7 +100,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
         box: list[ModelCall] = []
-        chunks = self._manager.generate(route, prompt, sampling, timeout_s, box)
+        chunks = self._manager.generate(route, prompt, sampling, timeout_s, box, whole=request.answer_once)
         if not request.answer_once:
             async for chunk in chunks:
                 yield router_pb2.GenerateResponse(chunk=chunk.to_proto(), reroutes=box[0].reroutes)
