@@ -1,7 +1,8 @@
 """`make demo DEMO_ARGS=--chaos` in small (issue 13, part 9): the short mock demo while the
-packer is SIGKILLed and etcd is paused 5 s on a schedule. The supervisor restarts the
-packer, etcd comes back, and the run completes with nothing lost; summary.json reports the
-faults survived and the history checker's verdict over the services' histories."""
+packer and the router are SIGKILLed and etcd is paused 5 s on a schedule. The supervisor
+restarts the packer and the router (the harnesses' calls the router held retry), etcd comes
+back, and the run completes with nothing lost; summary.json reports the faults survived and
+the history checker's verdict over the services' histories."""
 
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 async def test_short_chaos_demo_survives_its_faults_with_nothing_lost(tmp_path: Path):
-    chaos = Chaos(schedule=(Fault("kill", "packer"), Fault("pause", "etcd", 5.0)), first_s=6.0, gap_s=2.0)
+    chaos = Chaos(
+        schedule=(Fault("kill", "packer"), Fault("kill", "router"), Fault("pause", "etcd", 5.0)),
+        first_s=6.0,
+        gap_s=2.0,
+    )
     opts = short_demo(tmp_path / "demo", chaos=chaos)
     summary = await run_demo(opts)
     print({k: summary.get(k) for k in ("outcome", "executions", "restarts", "chaos", "checker")})
     assert summary == json.loads((opts.run_dir / "summary.json").read_text())
     assert summary["outcome"] == "completed", summary
-    assert summary["chaos"]["injected"] == summary["chaos"]["survived"] == 2, summary["chaos"]
+    assert summary["chaos"]["injected"] == summary["chaos"]["survived"] == 3, summary["chaos"]
     ex = summary["executions"]
     assert ex["lost"] == 0 and ex["dispatched"] == ex["finished"] > 0, ex
     verdict = summary["checker"]
@@ -32,4 +37,5 @@ async def test_short_chaos_demo_survives_its_faults_with_nothing_lost(tmp_path: 
     counts = verdict["counts"]
     assert counts["executions_closed"] == counts["executions_dispatched"] == ex["dispatched"]
     assert counts["packer_starts"] == 2 and counts["finishes"] > 0 and counts["turns_recorded"] > 0
-    assert summary["restarts"].get("packer") == 1
+    assert summary["restarts"].get("packer") == summary["restarts"].get("router") == 1
+    assert ex["harness_failed"] == 0, ex  # the calls the router held were retried
