@@ -15,7 +15,6 @@ from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
 from gyre.identity import Role
 from gyre.telemetry import tag_execution
-from gyre.tokens import Chunk
 from gyre.v1 import router_pb2, router_pb2_grpc
 from services.router.calls import ModelCall
 from services.router.engine import Sampling
@@ -100,25 +99,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
         box: list[ModelCall] = []
-        chunks = self._manager.generate(route, prompt, sampling, timeout_s, box, whole=request.answer_once)
-        if not request.answer_once:
-            async for chunk in chunks:
-                yield router_pb2.GenerateResponse(chunk=chunk.to_proto(), reroutes=box[0].reroutes)
-            return
-        whole: list[Chunk] = []  # one per policy version: tokens never merge across versions
-        async for chunk in chunks:
-            if whole and whole[-1].policy_version == chunk.policy_version:
-                last = whole[-1]
-                last.token_ids += chunk.token_ids
-                last.logprobs += chunk.logprobs
-                last.finish_reason = chunk.finish_reason
-            else:  # a copy: the call's own chunks may be held elsewhere (its turn record)
-                whole.append(
-                    Chunk(
-                        list(chunk.token_ids), list(chunk.logprobs), chunk.policy_version, chunk.finish_reason
-                    )
-                )
-        for chunk in whole:
+        # answer_once: the call wakes this task only when it ended, and its buffer yields one
+        # chunk per policy version (one message, unless a move crossed a weight update).
+        async for chunk in self._manager.generate(
+            route, prompt, sampling, timeout_s, box, whole=request.answer_once
+        ):
             yield router_pb2.GenerateResponse(chunk=chunk.to_proto(), reroutes=box[0].reroutes)
 
     @rpc
