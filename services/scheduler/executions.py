@@ -361,7 +361,7 @@ class Executions:
     async def _close(self, closed: ExecutionRecord) -> bool:
         """Persists a close, then applies it; False when another close got there first."""
         old = self.ledger.records.get(closed.execution_id)  # None: a queued one withdrawn
-        self.history.invoke("close", self.lead.epoch, execution_id=closed.execution_id, withdrawn=old is None)
+        self.history.invoke("close", self.lead.epoch, execution_id=closed.execution_id)
         try:
             rev = await self.lead.fenced(self.lead.store.close(closed, old.revision if old else 0))
         except (Conflict, Unavailable):

@@ -67,9 +67,8 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> list[str]:
             launched.add(eid)
         elif kind == "close":
             eid = op["execution_id"]
-            if eid not in launched and eid in pending_launch:
+            if eid in pending_launch:
                 launched.add(eid)  # its launch landed, its line was lost
-                pending_launch.discard(eid)
             if eid not in launched:
                 bad.append(f"#{n} {eid} closed without a launch")
             if eid in closed:
