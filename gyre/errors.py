@@ -175,6 +175,20 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> GyreError:
     return out
 
 
+def from_status(code: int, message: str) -> GyreError:
+    """The domain error for a status carried inside a message (a multiplexed stream's
+    per-request end) rather than as a call's status: ``code`` is a gRPC status number."""
+    status = _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    cls = _FROM_GRPC.get(status, GyreError)
+    out = cls(message or status.name)
+    if cls is GyreError:
+        out.code = status
+    return out
+
+
+_STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {s.value[0]: s for s in grpc.StatusCode}
+
+
 def _metadata_ms(err: grpc.aio.AioRpcError | grpc.RpcError, key: str) -> float | None:
     """A millisecond value of the call's trailing metadata, in seconds (None if absent)."""
     trailing = getattr(err, "trailing_metadata", None)

@@ -170,9 +170,16 @@ class Guard:
         a message that does not parse (invalid UTF-8 in a string, nesting past protobuf's
         limit, garbage) is INVALID_ARGUMENT rather than grpc's INTERNAL."""
         rule = self.table.rules[method]
-        if handler.request_streaming:
-            raise ValueError(f"{self.table.service}/{method}: client streaming is not guarded")
         parse = handler.request_deserializer
+        if handler.request_streaming:
+            if not handler.response_streaming or rule.own:
+                raise ValueError(
+                    f"{self.table.service}/{method}: only bidi streams without `own` are guarded"
+                )
+            return handler._replace(
+                request_deserializer=None,
+                stream_stream=self._bidi(method, rule, parse, handler.stream_stream),
+            )
         if handler.response_streaming:
             return handler._replace(
                 request_deserializer=None,
@@ -197,6 +204,26 @@ class Guard:
         async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             request = await self._admit(method, rule, raw, parse, context)
             async for item in behavior(request, context):
+                yield item
+
+        return guarded
+
+    def _bidi(
+        self, method: str, rule: Rule, parse: Parse, behavior: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        """A bidirectional stream: the caller's role is checked once, when the call opens;
+        every message it sends is parsed (one that does not parse ends the call with
+        INVALID_ARGUMENT)."""
+        where = f"{self.table.service}/{method}"
+
+        async def guarded(raws: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await self._admit(method, rule, None, None, context)
+
+            async def requests() -> AsyncIterator[Any]:
+                async for raw in raws:
+                    yield await _parse(where, parse, raw, context)
+
+            async for item in behavior(requests(), context):
                 yield item
 
         return guarded

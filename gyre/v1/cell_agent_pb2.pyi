@@ -23,6 +23,50 @@ class EngineGenerateRequest(_message.Message):
     kv_handle: KvHandle
     def __init__(self, request_id: _Optional[str] = ..., execution_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., required_policy_version: _Optional[int] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
+class EngineStreamRequest(_message.Message):
+    __slots__ = ("starts", "cancels")
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    starts: _containers.RepeatedCompositeFieldContainer[EngineStreamStart]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, starts: _Optional[_Iterable[_Union[EngineStreamStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EngineStreamStart(_message.Message):
+    __slots__ = ("tag", "request")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    request: EngineGenerateRequest
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ...) -> None: ...
+
+class EngineStep(_message.Message):
+    __slots__ = ("tags", "counts", "policy_versions", "token_ids", "logprobs", "ends")
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ends: _containers.RepeatedCompositeFieldContainer[EngineStreamEnd]
+    def __init__(self, tags: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ends: _Optional[_Iterable[_Union[EngineStreamEnd, _Mapping]]] = ...) -> None: ...
+
+class EngineStreamEnd(_message.Message):
+    __slots__ = ("tag", "finish_reason", "code", "message")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    finish_reason: _common_pb2.FinishReason
+    code: int
+    message: str
+    def __init__(self, tag: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class EngineStub:
                 request_serializer=gyre_dot_v1_dot_cell__agent__pb2.EngineGenerateRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/gyre.v1.Engine/GenerateStream',
+                request_serializer=gyre_dot_v1_dot_cell__agent__pb2.EngineStreamRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_cell__agent__pb2.EngineStep.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/gyre.v1.Engine/Abort',
                 request_serializer=gyre_dot_v1_dot_cell__agent__pb2.AbortRequest.SerializeToString,
@@ -69,6 +74,15 @@ class EngineServicer:
 
     def Generate(self, request, context):
         """Generates tokens for a prompt; cancelling the call aborts the engine request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Every request one router has on this engine over one long-lived stream: starts and
+        cancels go in, and each engine step comes out as one message carrying the new tokens of
+        all of them. Ending the stream (or the router dying) cancels every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +123,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=gyre_dot_v1_dot_cell__agent__pb2.EngineGenerateRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_common__pb2.TokenChunk.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=gyre_dot_v1_dot_cell__agent__pb2.EngineStreamRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_cell__agent__pb2.EngineStep.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -159,6 +178,33 @@ class Engine:
             '/gyre.v1.Engine/Generate',
             gyre_dot_v1_dot_cell__agent__pb2.EngineGenerateRequest.SerializeToString,
             gyre_dot_v1_dot_common__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gyre.v1.Engine/GenerateStream',
+            gyre_dot_v1_dot_cell__agent__pb2.EngineStreamRequest.SerializeToString,
+            gyre_dot_v1_dot_cell__agent__pb2.EngineStep.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,11 +20,14 @@ from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
 from services.cell_agent.cell import Cell, CellStatus
-from services.cell_agent.engines.base import KvHandle, Sampling
+from services.cell_agent.engine_stream import EngineStreamSession
+from services.cell_agent.engines.base import Chunk, KvHandle, Sampling
 from services.cell_agent.hooks import JoinBatch
 from services.cell_agent.lifecycle import CellState
 
 MAX_ID_CHARS = 256
+MAX_STREAM_REQUESTS = 4096
+"""Requests one GenerateStream call may hold at once (a router's share of one engine)."""
 
 
 def _check_id(value: str, what: str) -> str:
@@ -70,6 +73,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         "gyre.v1.Engine",
         {
             "Generate": allow(Role.ROUTER),
+            "GenerateStream": allow(Role.ROUTER),
             "Abort": allow(Role.ROUTER),
             "GetLoad": allow(Role.ROUTER, Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
             "ExportKv": allow(Role.ROUTER),
@@ -89,6 +93,21 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(
         self, request: pb.EngineGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.TokenChunk]:
+        stream = self._start(request)
+        tag_execution(request.execution_id, request_id=request.request_id)
+        async for chunk in stream:
+            yield chunk.to_proto()
+
+    @rpc_stream
+    async def GenerateStream(
+        self, requests: AsyncIterator[pb.EngineStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EngineStep]:
+        session = EngineStreamSession(self._start, MAX_STREAM_REQUESTS)
+        async for step in session.serve(requests):
+            yield step
+
+    def _start(self, request: pb.EngineGenerateRequest) -> AsyncIterator[Chunk]:
+        """Validates a generate request and starts it at the cell (raises for bad input)."""
         request_id = _check_id(request.request_id, "request_id")
         prompt = list(request.prompt_token_ids)
         if not prompt:
@@ -103,11 +122,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         if request.required_policy_version < 0:
             raise InvalidArgument("required_policy_version must be >= 0")
         kv = KvHandle.from_proto(request.kv_handle) if request.HasField("kv_handle") else None
-        tag_execution(request.execution_id, request_id=request_id)
-        async for chunk in self._cell.generate(
-            request_id, prompt, sampling, int(request.required_policy_version), kv
-        ):
-            yield chunk.to_proto()
+        return self._cell.generate(request_id, prompt, sampling, int(request.required_policy_version), kv)
 
     @rpc
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -203,6 +203,8 @@ def _request(table: AccessTable, method: str, cell_id: str = "") -> Any:
     msg = message_factory.GetMessageClass(desc.input_type)()
     if cell_id and "cell_id" in desc.input_type.fields_by_name:
         msg.cell_id = cell_id
+    if desc.client_streaming:
+        return [msg], True  # a bidirectional stream of this one message
     return msg, desc.server_streaming
 
 

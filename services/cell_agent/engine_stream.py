@@ -1,0 +1,149 @@
+"""One router's requests on this engine over one stream (``Engine.GenerateStream``).
+
+A decode step gives every running request one token, so one message per token per request
+costs each side a gRPC message, a proto and a task wake-up per token. Here every request a
+router has on this engine shares one long-lived stream: the router sends starts and cancels,
+and each engine step comes back as one :class:`EngineStep` carrying, in columns, the new
+tokens of all of them.
+
+How a step is gathered: each request runs in a task of its own that drains the engine's
+stream for it (the same ``Cell.generate`` that ``Engine.Generate`` serves, so validation,
+policy checks, aborts and KV handoff are the same) into one pending list; a single writer
+wakes when that list becomes non-empty, lets every task woken by the same engine step run
+(one loop turn), and sends whatever is pending as one message. Per request, the tokens come
+in order (a tag may appear more than once in a step, in order) and its end (finish, or the
+status ``Generate`` would have failed with) follows its last tokens.
+
+A start whose tag is already running ends the call with INVALID_ARGUMENT (the two requests'
+outputs could not be told apart). Cancelling a tag aborts its engine request (closing the
+engine stream does, as cancelling a ``Generate`` call does); the end of the router's
+request stream lets the running requests finish and then ends the call; the call's
+cancellation (the router died or gave up the stream) cancels every request on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, status_for
+from gyre.telemetry import tag_execution
+from gyre.tokens import Chunk
+from gyre.v1 import cell_agent_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Start = Callable[[pb.EngineGenerateRequest], AsyncIterator[Chunk]]
+"""Validates a request and starts it: the engine's chunks (raises a GyreError for bad input)."""
+
+
+class EngineStreamSession:
+    """The state of one GenerateStream call: its requests' tasks and what is pending."""
+
+    def __init__(self, start: Start, max_requests: int) -> None:
+        self._start = start
+        self._max_requests = max_requests
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._chunks: list[tuple[int, Chunk]] = []
+        self._ends: list[pb.EngineStreamEnd] = []
+        self._wake = asyncio.Event()
+        self._reading = True
+
+    async def serve(self, requests: AsyncIterator[pb.EngineStreamRequest]) -> AsyncIterator[pb.EngineStep]:
+        reader = asyncio.create_task(self._read(requests), name="engine-stream.read")
+        try:
+            while True:
+                if not self._chunks and not self._ends:
+                    if reader.done() and reader.exception() is not None:
+                        raise reader.exception()  # type: ignore[misc]  # e.g. a malformed message
+                    if not self._reading and not self._tasks:
+                        break
+                    self._wake.clear()
+                    await self._wake.wait()
+                    await asyncio.sleep(0)  # the other requests woken by this engine step join
+                step = self._step()
+                if step is not None:
+                    yield step
+        finally:
+            reader.cancel()
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.EngineStreamRequest]) -> None:
+        try:
+            async for msg in requests:
+                for start in msg.starts:
+                    self._begin(start)
+                for tag in msg.cancels:
+                    task = self._tasks.pop(int(tag), None)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            self._reading = False
+            self._wake.set()
+
+    def _begin(self, start: pb.EngineStreamStart) -> None:
+        tag = int(start.tag)
+        if tag in self._tasks:  # its outputs could not be told apart: the caller is broken
+            raise InvalidArgument(f"tag {tag} is already running on this stream")
+        if len(self._tasks) >= self._max_requests:
+            self._end(tag, error=ResourceExhausted(f"more than {self._max_requests} requests on one stream"))
+            return
+        self._tasks[tag] = asyncio.create_task(self._run(tag, start.request), name=f"engine-stream.{tag}")
+
+    async def _run(self, tag: int, request: pb.EngineGenerateRequest) -> None:
+        finish = None
+        try:
+            tag_execution(request.execution_id, request_id=request.request_id)
+            async for chunk in self._start(request):
+                self._chunks.append((tag, chunk))
+                finish = chunk.finish_reason
+                if not self._wake.is_set():
+                    self._wake.set()
+        except asyncio.CancelledError:
+            return  # cancelled by the router (nothing to send) or by the call's end
+        except GyreError as exc:
+            self._end(tag, error=exc)
+        except Exception as exc:  # a bug fails this request, never the others on the stream
+            log.exception("engine stream request crashed", extra={"request_id": request.request_id})
+            self._end(tag, error=exc)
+        else:
+            self._end(tag, finish=finish.value if finish is not None else 0)
+        finally:
+            if self._tasks.get(tag) is asyncio.current_task():
+                del self._tasks[tag]
+
+    def _end(self, tag: int, finish: int = 0, error: BaseException | None = None) -> None:
+        if error is not None:
+            code, message = status_for(error)
+            self._ends.append(pb.EngineStreamEnd(tag=tag, code=code.value[0], message=message))
+        else:
+            self._ends.append(pb.EngineStreamEnd(tag=tag, finish_reason=finish))  # type: ignore[arg-type]
+        self._wake.set()
+
+    def _step(self) -> pb.EngineStep | None:
+        chunks, self._chunks = self._chunks, []
+        ends, self._ends = self._ends, []
+        if not chunks and not ends:
+            return None
+        tags: list[int] = []
+        counts: list[int] = []
+        versions: list[int] = []
+        ids: list[int] = []
+        logprobs: list[float] = []
+        for tag, chunk in chunks:
+            n = len(chunk.token_ids)
+            if not n:
+                continue
+            tags.append(tag)
+            counts.append(n)
+            versions.append(chunk.policy_version)
+            ids.extend(chunk.token_ids)
+            lp = chunk.logprobs
+            logprobs.extend(lp if len(lp) == n else (list(lp) + [0.0] * n)[:n])
+        return pb.EngineStep(
+            tags=tags, counts=counts, policy_versions=versions, token_ids=ids, logprobs=logprobs, ends=ends
+        )
