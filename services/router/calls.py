@@ -335,50 +335,29 @@ class ModelCall:
     async def _pump(
         self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None
     ) -> FinishReason | None:
-        """Streams one attempt into the call; returns the engine's finish reason (None when
-        the stream ended without one). An engine silent for ``engine_idle_timeout_s`` is a
+        """Runs one attempt into the call; returns the engine's finish reason (None when the
+        engine ended it without one). An engine silent for ``engine_idle_timeout_s`` is a
         failure: a watchdog timer (re-armed lazily, not per chunk) cancels the attempt."""
         loop = asyncio.get_running_loop()
-        idle = self._policy.engine_idle_timeout_s
         task = asyncio.current_task()
         assert task is not None
-        last = loop.time()
-        expired = False
-        handle: asyncio.TimerHandle | None = None
-
-        def watchdog() -> None:
-            nonlocal handle, expired
-            if loop.time() - last >= idle:
-                expired = True
-                task.cancel()
-            else:
-                handle = loop.call_at(last + idle, watchdog)
-
-        handle = loop.call_at(last + idle, watchdog)
-        first = True
+        idle = self._policy.engine_idle_timeout_s
+        attempt = _Attempt(self, loop, kv)
+        dog = _Watchdog(loop, idle, task, attempt)
         timeout_s = max(0.001, self._deadline - loop.time())
-        stream = self._engines.generate(route.target, request, timeout_s)
+        attach = getattr(self._engines, "attach", None)
         try:
-            async for chunk in stream:
-                last = loop.time()
-                if first and kv is not None:
-                    first = False
-                    self._stats.kv_handoffs += 1
-                    self._background(self._release(kv))
-                finish = self._take(chunk)
-                if finish is not None:
-                    return finish
+            if attach is not None:
+                return await attempt.run(attach, route.target, request, timeout_s)
+            return await attempt.iterate(self._engines.generate(route.target, request, timeout_s))
         except asyncio.CancelledError as exc:
-            if expired and task.uncancel() == 0:
+            if dog.expired and task.uncancel() == 0:
                 raise Unavailable(f"engine at {route.target} sent nothing for {idle}s") from exc
             raise
         finally:
-            if handle is not None:
-                handle.cancel()
-            await _aclose(stream)
-            if first and kv is not None:
+            dog.cancel()
+            if attempt.first and kv is not None:
                 self._background(self._release(kv))  # the destination never took over
-        return None
 
     def _take(self, chunk: Chunk) -> FinishReason | None:
         """Appends an engine chunk to the output and hands it to the consumer."""
@@ -520,6 +499,110 @@ class ModelCall:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+
+class _Attempt:
+    """One attempt's side of the engine: takes its chunks into the call.
+
+    With an engine client that can *attach* (``attach(target, request, timeout_s, sink)``,
+    the router's GenerateStream client), the engine's reader hands each chunk to
+    :meth:`on_chunk` synchronously and :meth:`on_end` once, so a token costs the router no
+    task wake-up and no iterator step; the attempt task only waits for the end. Otherwise
+    :meth:`iterate` reads the engine's stream of chunks (one Generate call per request).
+    """
+
+    __slots__ = ("call", "loop", "kv", "first", "last", "done")
+
+    def __init__(
+        self, call: ModelCall, loop: asyncio.AbstractEventLoop, kv: tuple[KvHandle, str] | None
+    ) -> None:
+        self.call = call
+        self.loop = loop
+        self.kv = kv
+        self.first = True
+        self.last = loop.time()
+        """When the engine last sent something (the watchdog reads it)."""
+        self.done: asyncio.Future[FinishReason | None] = loop.create_future()
+
+    def _arrived(self) -> None:
+        self.last = self.loop.time()
+        if self.first:
+            self.first = False
+            if self.kv is not None:  # the destination took over: release the source's blocks
+                self.call._stats.kv_handoffs += 1
+                self.call._background(self.call._release(self.kv))
+
+    async def iterate(self, stream: AsyncIterator[Chunk]) -> FinishReason | None:
+        try:
+            async for chunk in stream:
+                self._arrived()
+                finish = self.call._take(chunk)
+                if finish is not None:
+                    return finish
+        finally:
+            await _aclose(stream)
+        return None
+
+    async def run(
+        self, attach: Callable[..., Callable[[], None]], target: str, request: EngineRequest, timeout_s: float
+    ) -> FinishReason | None:
+        detach = attach(target, request, timeout_s, self)
+        try:
+            return await self.done
+        finally:
+            detach()  # a no-op once the engine ended it; cancels the engine request otherwise
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        if self.done.done():
+            return  # the call already had what it needs (a stop token, max_tokens)
+        self._arrived()
+        try:
+            finish = self.call._take(chunk)
+        except Exception as exc:  # a bug must fail this call, not the engine's reader
+            self.done.set_exception(exc)
+            return
+        if finish is not None:
+            self.done.set_result(finish)
+
+    def on_end(self, finish: FinishReason | None, error: BaseException | None) -> None:
+        """The engine ended the request: ``finish`` (its last tokens came before), ``error``,
+        or neither (it stopped early: a failure the call retries)."""
+        if finish is not None and error is None:
+            versions = self.call.policy_versions
+            self.on_chunk(Chunk([], [], versions[-1] if versions else 0, finish))
+        if self.done.done():
+            return
+        if error is not None:
+            self.done.set_exception(error)
+        else:
+            self.done.set_result(None)
+
+
+class _Watchdog:
+    """Cancels ``task`` once the attempt heard nothing for ``idle_s`` (re-armed lazily from
+    the attempt's last arrival, not per chunk)."""
+
+    __slots__ = ("expired", "_loop", "_idle", "_task", "_attempt", "_handle")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, idle_s: float, task: asyncio.Task[Any], attempt: _Attempt
+    ) -> None:
+        self.expired = False
+        self._loop = loop
+        self._idle = idle_s
+        self._task = task
+        self._attempt = attempt
+        self._handle = loop.call_at(attempt.last + idle_s, self._check)
+
+    def _check(self) -> None:
+        if self._loop.time() - self._attempt.last >= self._idle:
+            self.expired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(self._attempt.last + self._idle, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def _open_ended(item: Any) -> bool:

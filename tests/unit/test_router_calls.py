@@ -101,6 +101,40 @@ class FakeEngines:
         self.releases.append((target, handle_id))
 
 
+class AttachingEngines(FakeEngines):
+    """The same engines behind ``attach`` (the GenerateStream client's interface): the
+    engine's side calls the attempt back with each chunk (no finish reason on it) and ends
+    it once with the finish or the error; detaching cancels the engine request."""
+
+    def attach(self, target: str, request: EngineRequest, timeout_s: float, sink) -> object:
+        async def feed() -> None:
+            finish = None
+            try:
+                async for chunk in self.generate(target, request, timeout_s):
+                    finish = chunk.finish_reason
+                    sink.on_chunk(Chunk(chunk.token_ids, chunk.logprobs, chunk.policy_version))
+            except Unavailable as exc:
+                sink.on_end(None, exc)
+            except FailedPrecondition as exc:
+                sink.on_end(None, exc)
+            else:
+                sink.on_end(finish, None)
+
+        task = asyncio.get_running_loop().create_task(feed())
+        return task.cancel
+
+
+ENGINE_CLIENTS = {"iterate": FakeEngines, "attach": AttachingEngines}
+
+
+@pytest.fixture(autouse=True, params=sorted(ENGINE_CLIENTS))
+def engine_client(request, monkeypatch):
+    """Every test runs against both ways a call reads an engine: iterating its chunks (one
+    Generate call per request) and being called back (the GenerateStream client)."""
+    monkeypatch.setattr(Setup, "engines", ENGINE_CLIENTS[request.param])
+    return request.param
+
+
 class Sink:
     def __init__(self) -> None:
         self.turns: list[Turn] = []
@@ -113,12 +147,16 @@ def route(cell: str, epoch: int, token_hash: str = "ab" * 32) -> Route:
     return Route("e1", cell, cell, token_hash, "g1", 1, 1, epoch, created_revision=10)
 
 
+class Setup:
+    engines: type[FakeEngines] = FakeEngines
+
+
 def setup(
     scripts: dict[str, Script], **policy: object
 ) -> tuple[CallManager, RouteTable, FakeEngines, Sink, TurnRecorder]:
     table = RouteTable()
     table.apply(route("a", 1))
-    engines = FakeEngines(scripts)
+    engines = Setup.engines(scripts)
     sink = Sink()
     turns = TurnRecorder(sink)
     pol = CallPolicy(**{"failover_wait_s": 0.05, "engine_idle_timeout_s": 5.0, **policy})  # type: ignore[arg-type]
