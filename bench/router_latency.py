@@ -12,7 +12,10 @@ Every gRPC hop runs with mutual TLS, as Gyre does by default (a bench CA issues 
 identities); the same run also measures plaintext twins (``tls.insecure``: a second engine
 and a third router, on their own routes) so ``tls_cost`` is TLS against plaintext on the
 same machine at the same time: ``direct`` vs ``direct_plain`` and ``router_grpc`` vs
-``router_grpc_plain``. Reroute
+``router_grpc_plain``. The routers read the engine over one ``Engine.GenerateStream`` per
+engine (the default, ``engine_stream: true``); a fourth router with ``engine_stream: false``
+(one ``Engine.Generate`` call per request, the path before issue 20's multiplexed stream)
+serves the ``*_percall`` rows of the same run, streamed and answered once. Reroute
 latency: a stream runs on engine A; the "scheduler" (this script) rewrites the route to
 engine B in etcd and calls Router.MoveExecutions; we measure from the start of that move
 to B's first token (B runs in this process so its clock is ours) and to the next token the
@@ -157,6 +160,11 @@ async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[flo
         coros = [one_router(ctx["router_plain_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_coalesce":
         coros = [one_router(ctx["router2_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_percall":
+        coros = [one_router(ctx["router_percall_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_once_percall":
+        stub = ctx["router_percall_stub"]
+        coros = [one_router(stub, ex, tok, answer_once=True) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_once":
         coros = [one_router(ctx["router_stub"], ex, tok, answer_once=True) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_http_json":
@@ -243,7 +251,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
     etcd_server.start()
     engine = _engine("--cell-id", "a", "--tls-dir", str(pki / "a"))
     engine_plain = _engine("--cell-id", "a", "--insecure")
-    router = router2 = router_plain = None
+    router = router2 = router_plain = router_percall = None
     try:
         assert engine.stdout is not None and engine_plain.stdout is not None
         engine_target = json.loads(engine.stdout.readline())["target"]
@@ -271,6 +279,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         router, url = start_router(cfg, tmp / "router.log")
         router2, _ = start_router(cfg, tmp / "router2.log", coalesce_ms=COALESCE_MS)
         router_plain, _ = start_router(cfg_plain, tmp / "router_plain.log")
+        router_percall, _ = start_router(cfg, tmp / "router_percall.log", engine_stream=False)
         etcd = Etcd([etcd_server.endpoint], 5.0)
         await etcd.connect()
         keys, keys_plain = Keys(cluster), Keys(cluster + "p")
@@ -291,6 +300,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
         rch = dial(router.target, harness, Role.ROUTER, opts)
         rch2 = dial(router2.target, harness, Role.ROUTER, opts)
         rch_plain = dial(router_plain.target, insecure, None, opts)
+        rch_percall = dial(router_percall.target, harness, Role.ROUTER, opts)
         mover = dial(router.target, TlsFiles.from_dir(pki / "scheduler"), Role.ROUTER, opts)
         dest = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=TOKEN_DELAY_S)).start()
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -301,6 +311,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "engine_plain_stub": cell_agent_pb2_grpc.EngineStub(ech_plain),
             "router_plain_stub": router_pb2_grpc.RouterStub(rch_plain),
             "router2_stub": router_pb2_grpc.RouterStub(rch2),
+            "router_percall_stub": router_pb2_grpc.RouterStub(rch_percall),
             "mover_stub": router_pb2_grpc.RouterStub(mover),
             "epoch": epoch,
             "session": session,
@@ -317,6 +328,8 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "router_grpc_coalesce",
             "router_grpc_once",
             "router_http_json",
+            "router_grpc_percall",
+            "router_grpc_once_percall",
             "direct_plain",
             "router_grpc_plain",
         ]
@@ -328,9 +341,12 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             cpu = {k: {"router": 0.0, "engine": 0.0} for k in kinds}
             for _ in range(rounds):
                 for kind in kinds:  # alternate so drift hits every kind alike
-                    rpid = {"router_grpc_coalesce": router2.pid, "router_grpc_plain": router_plain.pid}.get(
-                        kind, router.pid
-                    )
+                    rpid = {
+                        "router_grpc_coalesce": router2.pid,
+                        "router_grpc_plain": router_plain.pid,
+                        "router_grpc_percall": router_percall.pid,
+                        "router_grpc_once_percall": router_percall.pid,
+                    }.get(kind, router.pid)
                     epid = engine_plain.pid if kind.endswith("_plain") else engine.pid
                     r0, e0 = cpu_s(rpid), cpu_s(epid)
                     samples[kind] += await run_round(kind, conc, ctx)
@@ -394,7 +410,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             f"-> next token at harness p50 {reroute['move_to_next_token_at_harness']['p50_ms']:.1f} ms"
         )
         await session.close()
-        for ch in (ech, ech_plain, rch, rch2, rch_plain, mover):
+        for ch in (ech, ech_plain, rch, rch2, rch_plain, rch_percall, mover):
             await ch.close()
         await dest.stop(0)
         await etcd.close()
@@ -405,7 +421,9 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
                 "token_delay_s": TOKEN_DELAY_S,
                 "prompt_tokens": len(PROMPT),
                 "rounds": rounds,
-                "engine": "bench/support/fake_engine.py (one message per token)",
+                "engine": "bench/support/fake_engine.py (one message per token and request on Generate; "
+                "one message per loop turn for every request of a router on GenerateStream)",
+                "router_engine_path": "GenerateStream (engine_stream: true); *_percall: Generate per request",
                 "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS,
                 "processes": "engine, router, client on loopback",
                 "tls": "mutual TLS (ECDSA P-256, TLS 1.3) on every gRPC hop; *_plain: tls.insecure",
@@ -418,7 +436,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     finally:
-        for r in (router, router2, router_plain):
+        for r in (router, router2, router_plain, router_percall):
             if r is not None:
                 r.stop()
         for e in (engine, engine_plain):
@@ -438,7 +456,9 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
       direct, at 256 / 1,024 streams (null when that concurrency was not run);
     - ``routers_per_1000_streams``: router processes the run used per 1,000 streams (one router
       carried the largest concurrency), and ``router_cores_per_1000_streams``: the CPU cores
-      1,000 streams at the benchmark's token rate would keep busy at the measured cost.
+      1,000 streams at the benchmark's token rate would keep busy at the measured cost;
+    - ``*_per_call_path``: the same figures on the router that reads engines with one
+      Generate call per request (``engine_stream: false``), measured in the same run.
     """
     conc = out["concurrency"]
     top = max(conc, key=int)
@@ -450,7 +470,9 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
             return None
         return round(conc[n][kind]["ratio_vs_direct"]["stream_p50"], 3)
 
-    once = conc[top].get("router_grpc_once", {}).get("router_cpu_us_per_token")
+    def cpu_of(kind: str) -> float | None:
+        got = conc[top].get(kind, {}).get("router_cpu_us_per_token")
+        return round(got, 1) if got is not None else None
 
     return {
         "router_cpu_us_per_token": round(cpu, 1),
@@ -459,11 +481,16 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "routers_per_1000_streams": round(1000 / int(top), 2),
         "router_cores_per_1000_streams": round(cpu * tokens_per_s_per_stream * 1000 / 1e6, 2),
         "streams_measured": sorted(int(c) for c in conc),
-        "router_cpu_us_per_token_answer_once": round(once, 1) if once is not None else None,
+        "router_cpu_us_per_token_answer_once": cpu_of("router_grpc_once"),
         "ratio_256_answer_once": ratio("256", "router_grpc_once"),
         "ratio_1024_answer_once": ratio("1024", "router_grpc_once"),
+        "router_cpu_us_per_token_per_call_path": cpu_of("router_grpc_percall"),
+        "router_cpu_us_per_token_answer_once_per_call_path": cpu_of("router_grpc_once_percall"),
+        "ratio_256_per_call_path": ratio("256", "router_grpc_percall"),
+        "ratio_1024_per_call_path": ratio("1024", "router_grpc_percall"),
         "calls": "streamed (Router.Generate, mTLS); *_answer_once: Router.Generate with answer_once "
-        "(one message a call); the OpenAI API's non-streaming rows are router_http_json",
+        "(one message a call); the OpenAI API's non-streaming rows are router_http_json; the router "
+        "reads engines over GenerateStream, *_per_call_path over one Generate call per request",
     }
 
 
