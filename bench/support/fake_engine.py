@@ -4,7 +4,8 @@ and benchmark (not the real mock engine: that one lives in services/cell_agent).
 The next token is a function of (policy version, every context token) only, through a
 rolling hash, so a continuation (prompt + tokens already generated) at any fake with the
 same policy version produces exactly the tokens the first engine would have. Scriptable:
-die (``os._exit``) or hang after k tokens of a request, per-token delay, tokens per chunk.
+die (``os._exit``) or hang after k tokens of a request, per-token delay, tokens per chunk;
+the same on both ``Generate`` and ``GenerateStream`` (the real engine's stream session).
 
 Run as a process: ``python bench/support/fake_engine.py --cell-id c1 [--die-after-tokens 5]``
 prints ``{"ready": "fake_engine", "target": "127.0.0.1:PORT"}``.
@@ -29,8 +30,11 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.support.loopback import serve_loopback  # noqa: E402
+from gyre.errors import FailedPrecondition, GyreError, status_for  # noqa: E402
 from gyre.grpcx.tls import TlsFiles, process_tls, set_process_tls  # noqa: E402
+from gyre.tokens import Chunk  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
+from services.cell_agent.engine_stream import EngineStreamSession  # noqa: E402
 
 _MOD = (1 << 61) - 1
 FIRST_TOKEN = 3  # ids below are special tokens; the fake never emits them unless asked
@@ -95,6 +99,8 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
         self.released: list[str] = []
         self.progress: dict[str, int] = {}
         self.accepting = True
+        self.streams = 0
+        """GenerateStream calls served (a router on the stream path opens one and keeps it)."""
 
     def _event(self, kind: str, request_id: str) -> None:
         self.events.append((kind, request_id, time.monotonic()))
@@ -105,14 +111,39 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: cell_agent_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.TokenChunk]:
+        try:
+            async for chunk in self._generate(request):
+                yield chunk
+        except GyreError as exc:
+            await context.abort(*status_for(exc))
+
+    async def GenerateStream(
+        self, requests: AsyncIterator[cell_agent_pb2.EngineStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[cell_agent_pb2.EngineStep]:
+        """The real engine's stream session over this fake's requests (scripting included)."""
+        self.streams += 1
+        session = EngineStreamSession(self._chunks, max_requests=4096)
+        try:
+            async for step in session.serve(requests):
+                yield step
+        except GyreError as exc:  # e.g. a tag started twice
+            await context.abort(*status_for(exc))
+
+    async def _chunks(self, request: cell_agent_pb2.EngineGenerateRequest) -> AsyncIterator[Chunk]:
+        async for msg in self._generate(request):
+            yield Chunk.from_proto(msg)
+
+    async def _generate(
+        self, request: cell_agent_pb2.EngineGenerateRequest
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        """One request's chunks, as both Generate and GenerateStream serve them."""
         o = self.opts
         if request.required_policy_version and request.required_policy_version != o.policy_version:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"serving policy {o.policy_version}, not {request.required_policy_version}",
+            raise FailedPrecondition(
+                f"serving policy {o.policy_version}, not {request.required_policy_version}"
             )
         if not self.accepting:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draining")
+            raise FailedPrecondition("draining")
         rid = request.request_id
         self.requests.append(request)
         self.running[rid] = asyncio.current_task()

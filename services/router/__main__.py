@@ -16,6 +16,7 @@ from gyre.v1 import router_pb2_grpc
 from services.router.calls import CallPolicy
 from services.router.config import RouterConfig
 from services.router.engine_client import GrpcEngineClient, PackerTurnSink
+from services.router.engine_stream import StreamEngineClient
 from services.router.failures import FailureReporter, SchedulerReports
 from services.router.http_api import OpenAIApi
 from services.router.limits import model_context, turn_limit
@@ -47,7 +48,7 @@ async def build(rt: Runtime) -> Services:
         miss_rate_per_s=cfg.unknown_token_rate_per_s,
         miss_burst=cfg.unknown_token_burst,
     )
-    engines = GrpcEngineClient(cfg)
+    engines = StreamEngineClient(cfg) if cfg.engine_stream else GrpcEngineClient(cfg)
     sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
     turns = TurnRecorder(
         sink,

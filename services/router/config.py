@@ -95,6 +95,15 @@ class RouterConfig(ServiceConfig):
             "never forwarded)."
         ),
     )
+    engine_stream: bool = Field(
+        True,
+        description=(
+            "True: every request this router has on one engine shares one long-lived "
+            "Engine.GenerateStream (starts and cancels in, each engine step's tokens of all of them "
+            "out, in columns: no gRPC message per token per request). False: one Engine.Generate "
+            "call per request (the older path, for engines without GenerateStream)."
+        ),
+    )
     abort_timeout_s: float = Field(0.5, gt=0, description="Deadline of Engine.Abort calls.")
     kv_handoff: bool = Field(
         False,

@@ -35,6 +35,20 @@ class EngineRequest:
         )
 
 
+class ChunkSink(Protocol):
+    """Where an attached request's output goes (engine clients that can ``attach``: the
+    GenerateStream client). Both are called synchronously by the client's reader."""
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        """New tokens of the request (never its finish: that comes with :meth:`on_end`)."""
+        ...
+
+    def on_end(self, finish: FinishReason | None, error: BaseException | None) -> None:
+        """The request ended, once: finished (``finish``), failed (``error``, a domain
+        error), or neither (the engine stopped it early)."""
+        ...
+
+
 class EngineClient(Protocol):
     """What the router needs from an engine at ``target``. Errors are domain errors."""
 

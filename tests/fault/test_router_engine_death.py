@@ -2,7 +2,9 @@
 stream: with a retry budget the harness's response still completes, token-identical to an
 undisturbed one, once the scheduler moves the route; with no budget, or with no destination,
 the harness gets a clean error (SSE error event / gRPC UNAVAILABLE) within a bound, never a
-hang. Router and dying engines run as real processes against a real etcd."""
+hang. Routers and dying engines run as real processes against a real etcd; the routers keep
+one GenerateStream per engine (the default: a death breaks it and fails every request on it
+with UNAVAILABLE), and one more router calls Generate per request (the older path)."""
 
 from __future__ import annotations
 
@@ -91,9 +93,13 @@ async def env(etcd_server, tmp_path_factory):
         failover_wait_s=0.5,
         engine_idle_timeout_s=1.0,
         abort_timeout_s=0.3,
+        engine_stream=True,
     )
     with_budget, url = start_router(cfg, tmp / "router_budget.log", retry_budget=2)
     no_budget, url0 = start_router(cfg, tmp / "router_nobudget.log", retry_budget=0)
+    per_request, url_pr = start_router(
+        cfg, tmp / "router_per_request.log", retry_budget=2, engine_stream=False
+    )
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     healthy = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=0.01)).start()
@@ -103,6 +109,7 @@ async def env(etcd_server, tmp_path_factory):
         yield {
             "url": url,
             "url0": url0,
+            "url_per_request": url_pr,
             "etcd": etcd,
             "keys": Keys(cluster),
             "b": healthy,
@@ -112,6 +119,7 @@ async def env(etcd_server, tmp_path_factory):
     finally:
         with_budget.stop()
         no_budget.stop()
+        per_request.stop()
         await ch1.close()
         await ch0.close()
         await etcd.close()
@@ -151,16 +159,20 @@ async def _grpc(stub, execution_id: str, token: str) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("api", ["sse", "grpc"])
-async def test_killed_engine_with_budget_completes_identically(env, api):
+@pytest.mark.parametrize(
+    ("api", "router"), [("sse", "engine_stream"), ("grpc", "engine_stream"), ("sse", "per_request")]
+)
+async def test_killed_engine_with_budget_completes_identically(env, api, router):
     dying = EngineProcess("a", "--die-after-tokens", "12")
     try:
         ex, tok = new_execution()
         await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
         await asyncio.sleep(0.3)
         mover = asyncio.create_task(_scheduler_moves_when(env, dying.dead, ex, tok))
+        streams = env["b"].engine.streams
         if api == "sse":
-            events = await asyncio.wait_for(_sse(env["url"], tok), 30)
+            url = env["url"] if router == "engine_stream" else env["url_per_request"]
+            events = await asyncio.wait_for(_sse(url, tok), 30)
             assert not any("error" in e for e in events), events
             out = sse_token_ids(events)
         else:
@@ -168,6 +180,10 @@ async def test_killed_engine_with_budget_completes_identically(env, api):
         await mover
         assert dying.dead()
         assert out == reference(1, PROMPT, MAX_TOKENS)
+        if router == "engine_stream":  # the continuation rode the router's stream to b (opened once)
+            assert env["b"].engine.streams >= 1
+        else:
+            assert env["b"].engine.streams == streams
     finally:
         dying.kill()
 

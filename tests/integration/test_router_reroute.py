@@ -3,8 +3,10 @@ then Router.MoveExecutions) continues at the destination: the harness receives e
 tokens of the same request without a move — once and several times, over HTTP streaming,
 HTTP non-streaming and gRPC — every source attempt is aborted, and the turn record that
 reaches the packer carries those tokens and their policy version. A destination serving
-another policy version is refused with a clean error. The router runs as a real process
-against a real etcd; engines are the deterministic fake."""
+another policy version is refused with a clean error. All of it holds on both engine paths:
+one GenerateStream per engine, kept across every attempt there (the default), and one
+Generate call per request. The router runs as a real process against a real etcd; engines
+are the deterministic fake."""
 
 from __future__ import annotations
 
@@ -51,10 +53,14 @@ class Env:
     stub: router_pb2_grpc.RouterStub
     engines: dict[str, FakeEngineServer]
     packer: FakePacker
+    engine_stream: bool
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def env(etcd_server, tmp_path_factory):
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="module", params=[True, False], ids=["engine_stream", "per_request"]
+)
+async def env(request, etcd_server, tmp_path_factory):
+    """A router on one GenerateStream per engine (the default), or one Generate per request."""
     tmp = tmp_path_factory.mktemp("router")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rr" + secrets.token_hex(4)
@@ -77,13 +83,14 @@ async def env(etcd_server, tmp_path_factory):
         retry_budget=0,
         failover_wait_s=0.5,
         log_json=False,
+        engine_stream=request.param,
     )
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
-        yield Env(proc, url, etcd, Keys(cluster), channel, engines, packer)
+        yield Env(proc, url, etcd, Keys(cluster), channel, engines, packer, request.param)
     finally:
         proc.stop()
         await channel.close()
@@ -251,6 +258,8 @@ async def test_grpc_rerouted_call_is_token_identical(env, path, answer_once):
     assert list(turn.output_token_ids) == out and list(turn.prompt_token_ids) == prompt
     assert reroutes == len(path) - 1
     assert finish == common_pb2.FINISH_REASON_LENGTH
+    # On the stream path every attempt at an engine rode the one stream this router keeps there.
+    assert {env.engines[c].engine.streams for c in path} == {1 if env.engine_stream else 0}
     status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
     assert status.reroutes >= reroutes and status.inflight == 0
 
