@@ -60,6 +60,7 @@ TOKENS = 32
 TOKEN_DELAY_S = 0.005
 PROMPT = list(range(10, 74))  # 64 prompt tokens
 COALESCE_MS = 10.0  # the second router's coalescing window
+STEP_CLOCK = True  # the engines step every request on one clock, as a batching engine does
 
 
 def cpu_s(pid: int) -> float:
@@ -225,6 +226,7 @@ def _engine(*args: str) -> subprocess.Popen[str]:
             str(ROOT / "bench" / "support" / "fake_engine.py"),
             "--token-delay-s",
             str(TOKEN_DELAY_S),
+            *(["--step-clock"] if STEP_CLOCK else []),
             *args,
         ],
         stdout=subprocess.PIPE,
@@ -419,6 +421,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "setup": {
                 "tokens_per_stream": TOKENS,
                 "token_delay_s": TOKEN_DELAY_S,
+                "step_clock": STEP_CLOCK,
                 "prompt_tokens": len(PROMPT),
                 "rounds": rounds,
                 "engine": "bench/support/fake_engine.py (one message per token and request on Generate; "
@@ -500,11 +503,20 @@ if __name__ == "__main__":
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="one round at 64 streams, 5 reroutes (a smoke run)")
     ap.add_argument("--streams", default="64,256,1024", help="concurrencies, comma-separated")
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="tokens per stream")
+    ap.add_argument(
+        "--timer-per-request",
+        action="store_true",
+        help="a timer per request in the fake engines, no step clock",
+    )
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_latency.json"))
     a = ap.parse_args()
+    TOKENS = a.tokens
+    STEP_CLOCK = not a.timer_per_request
     concs = [64] if a.quick else [int(c) for c in a.streams.split(",")]
     out = asyncio.run(main(1 if a.quick else a.rounds, concs, 5 if a.quick else a.trials))
     out["summary"] = summarize(out)
-    dest = ROOT / "bench" / "results" / "router_latency.json"
+    dest = Path(a.out)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=2))
     print(f"wrote {dest}")

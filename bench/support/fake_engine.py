@@ -77,6 +77,9 @@ class FakeOptions:
     policy_version: int = 1
     vocab: int = 512
     token_delay_s: float = 0.0
+    step_clock: bool = False
+    """Tokens come on one shared clock (a decode step every ``token_delay_s`` gives every
+    waiting request its next token, as a batching engine does) instead of a timer per request."""
     tokens_per_chunk: int = 1
     die_after_tokens: int = 0  # os._exit after sending this many tokens of one request (0: never)
     hang_after_tokens: int = 0  # stop sending (stream stays open) after this many tokens
@@ -85,6 +88,11 @@ class FakeOptions:
     script: tuple[tuple[int, ...], ...] = ()
     """Scripted outputs: request n (in arrival order) first emits ``script[n % len(script)]``
     (e.g. a tool call's tokens), then hash tokens as usual (stop ids and max_tokens apply)."""
+
+
+def _resolve(step: asyncio.Future[None]) -> None:
+    if not step.done():
+        step.set_result(None)
 
 
 class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
@@ -99,8 +107,19 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
         self.released: list[str] = []
         self.progress: dict[str, int] = {}
         self.accepting = True
+        self._next_step: asyncio.Future[None] | None = None
         self.streams = 0
         """GenerateStream calls served (a router on the stream path opens one and keeps it)."""
+
+    async def _step(self) -> None:
+        """Waits for the next decode step (the first waiter schedules it; everyone waiting
+        by then gets its token at that step)."""
+        step = self._next_step
+        if step is None or step.done():
+            loop = asyncio.get_running_loop()
+            step = self._next_step = loop.create_future()
+            loop.call_later(self.opts.token_delay_s, _resolve, step)
+        await asyncio.shield(step)
 
     def _event(self, kind: str, request_id: str) -> None:
         self.events.append((kind, request_id, time.monotonic()))
@@ -173,7 +192,10 @@ class FakeEngine(cell_agent_pb2_grpc.EngineServicer):
                     if sent + len(ids) >= request.sampling.max_tokens:
                         finish = common_pb2.FINISH_REASON_LENGTH
                         break
-                if o.token_delay_s:
+                if o.token_delay_s and o.step_clock:
+                    for _ in ids:
+                        await self._step()
+                elif o.token_delay_s:
                     await asyncio.sleep(o.token_delay_s * len(ids))
                 if rid not in self.running:  # aborted by Abort()
                     self._event("aborted", rid)
@@ -276,6 +298,7 @@ async def _main() -> None:
     p.add_argument("--cell-id", default="fake")
     p.add_argument("--policy-version", type=int, default=1)
     p.add_argument("--token-delay-s", type=float, default=0.0)
+    p.add_argument("--step-clock", action="store_true", help="one decode-step clock for every request")
     p.add_argument("--tokens-per-chunk", type=int, default=1)
     p.add_argument("--die-after-tokens", type=int, default=0)
     p.add_argument("--hang-after-tokens", type=int, default=0)
@@ -289,6 +312,7 @@ async def _main() -> None:
             cell_id=a.cell_id,
             policy_version=a.policy_version,
             token_delay_s=a.token_delay_s,
+            step_clock=a.step_clock,
             tokens_per_chunk=a.tokens_per_chunk,
             die_after_tokens=a.die_after_tokens,
             hang_after_tokens=a.hang_after_tokens,
