@@ -32,12 +32,21 @@ class EngineStreamRequest(_message.Message):
     def __init__(self, starts: _Optional[_Iterable[_Union[EngineStreamStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineStreamStart(_message.Message):
-    __slots__ = ("tag", "request")
+    __slots__ = ("tag", "request", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: EngineGenerateRequest
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EngineStep(_message.Message):
     __slots__ = ("tags", "counts", "policy_versions", "token_ids", "logprobs", "ends")

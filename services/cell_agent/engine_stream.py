@@ -24,8 +24,13 @@ cancellation (the router died or gave up the stream) cancels every request on it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from opentelemetry import propagate, trace
 
 from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, status_for
 from gyre.telemetry import tag_execution
@@ -92,9 +97,16 @@ class EngineStreamSession:
         if len(self._tasks) >= self._max_requests:
             self._end(tag, error=ResourceExhausted(f"more than {self._max_requests} requests on one stream"))
             return
-        self._tasks[tag] = asyncio.create_task(self._run(tag, start.request), name=f"engine-stream.{tag}")
+        carrier = dict(start.trace_context)
+        self._tasks[tag] = asyncio.create_task(
+            self._run(tag, start.request, carrier), name=f"engine-stream.{tag}"
+        )
 
-    async def _run(self, tag: int, request: pb.EngineGenerateRequest) -> None:
+    async def _run(self, tag: int, request: pb.EngineGenerateRequest, carrier: dict[str, str]) -> None:
+        with _request_span(carrier):
+            await self._serve(tag, request)
+
+    async def _serve(self, tag: int, request: pb.EngineGenerateRequest) -> None:
         finish = None
         try:
             tag_execution(request.execution_id, request_id=request.request_id)
@@ -147,3 +159,15 @@ class EngineStreamSession:
         return pb.EngineStep(
             tags=tags, counts=counts, policy_versions=versions, token_ids=ids, logprobs=logprobs, ends=ends
         )
+
+
+def _request_span(carrier: dict[str, str]) -> AbstractContextManager[Any]:
+    """A span of one request in the caller's trace (as ``Engine.Generate`` gets one per call
+    from the gRPC instrumentation); nothing when the caller sent no trace context."""
+    if not carrier:
+        return contextlib.nullcontext()
+    return trace.get_tracer(__name__).start_as_current_span(
+        "gyre.v1.Engine/GenerateStream request",
+        context=propagate.extract(carrier),
+        kind=trace.SpanKind.SERVER,
+    )

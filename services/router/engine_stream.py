@@ -31,6 +31,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from opentelemetry import propagate, trace
 
 from gyre.config import ServiceConfig
 from gyre.errors import DeadlineExceeded, GyreError, Unavailable, from_rpc_error, from_status
@@ -108,7 +109,10 @@ class EngineStream:
         tag = next(self._tags)
         self._sinks[tag] = sink
         self._deadlines[tag] = self._loop.call_later(timeout_s, self._expire, tag, request.request_id)
-        self._starts.append(pb.EngineStreamStart(tag=tag, request=request.to_proto()))
+        start = pb.EngineStreamStart(tag=tag, request=request.to_proto())
+        if trace.get_current_span().get_span_context().is_valid:  # tracing on: the engine joins it
+            propagate.inject(start.trace_context)
+        self._starts.append(start)
         self._queued.set()
         return tag
 
