@@ -185,7 +185,7 @@ async def test_bad_requests_get_their_unary_status_and_the_stream_goes_on(packer
 
         # The bound on requests in flight: claims waiting for work (batch 2 has none).
         for tag in (40, 41, 42):
-            await cell.send(tag, claim=claim("cell0", batch=0, n=1, wait_s=1.5, version=1))
+            await cell.send(tag, claim=claim("cell0", batch=0, n=1, wait_s=3.0, version=1))
         over = await cell.ask(43, ack=ack("cell0", [mine]))
         assert over.code == Code.RESOURCE_EXHAUSTED.value[0]
         waited = [await cell.answer(tag) for tag in (40, 41, 42)]
