@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import sys
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,9 @@ log = logging.getLogger("apps.harness")
 
 MODEL_CALL_TRIES = 3
 """Tries of one model call that the router lost (it died or restarted mid-call: sent, no
-answer). A retry is safe: the router records a turn once, and the same call (same execution,
-same prompt) gets the same seed (services/router/README.md, "Several routers")."""
+answer). A retry is safe: every try of a call carries the call's idempotency key, and the
+packer keeps one turn per key, the answer the harness got (services/router/README.md,
+"Several routers")."""
 MODEL_CALL_RETRY_S = 0.5  # times the try: the router's supervisor restarts it meanwhile
 
 
@@ -55,10 +57,11 @@ async def run_execution(execution: ExecutionHandle, env: EnvConfig, stats: Harne
     async def chat(
         messages: list[dict[str, Any]], max_tokens: int, temperature: float, tools: list[dict[str, Any]]
     ) -> dict[str, Any]:
+        key = uuid.uuid4().hex  # one per model call, the same for each of its tries
         for tries in range(1, MODEL_CALL_TRIES + 1):
             try:
                 message = await execution.chat_message(
-                    messages, max_tokens=max_tokens, temperature=temperature, tools=tools
+                    messages, max_tokens=max_tokens, temperature=temperature, tools=tools, idempotency_key=key
                 )
                 stats.calls += 1
                 return message

@@ -389,11 +389,16 @@ class ExecutionHandle:
         max_tokens: int = 64,
         temperature: float = 1.0,
         tools: Sequence[dict[str, Any]] | None = None,
+        idempotency_key: str | None = None,
         **extra: Any,
     ) -> dict[str, Any]:
         """One non-streaming chat completion; returns the assistant message (``content``,
         and ``tool_calls`` when the model called one of ``tools``). Append it to the history
-        as it is: the router then continues the execution's tokens exactly."""
+        as it is: the router then continues the execution's tokens exactly.
+
+        ``idempotency_key`` names the call: send a call again after Unavailable (its router
+        died: sent, no answer) with the key of its first try, and the packer keeps one turn
+        for it, the answer you got."""
         body = {
             "model": self.model,
             "messages": list(messages),
@@ -403,15 +408,20 @@ class ExecutionHandle:
         }
         if tools:
             body["tools"] = list(tools)
-        data = await self.post("/chat/completions", body)
+        data = await self.post("/chat/completions", body, idempotency_key=idempotency_key)
         return dict(data["choices"][0]["message"])
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POSTs to the router's OpenAI-compatible API with this execution's token."""
+    async def post(
+        self, path: str, body: dict[str, Any], idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """POSTs to the router's OpenAI-compatible API with this execution's token (and
+        the call's ``Idempotency-Key`` when given)."""
         url = self.openai_base_url + path
         # The execution id lets the router tell "this execution's route has not arrived yet"
         # (it waits for the watch) from a token of another execution (403).
         headers = {"Authorization": f"Bearer {self.token}", "x-gyre-execution-id": self.execution_id}
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
         _inject_trace_context(headers)
         backoff = Backoff(0.2, 2.0)
         deadline = time.monotonic() + ROUTER_CONNECT_RETRY_S

@@ -20,7 +20,7 @@ CLAIM_OUTCOME_WAIT: ClaimOutcome
 CLAIM_OUTCOME_CLOSED: ClaimOutcome
 
 class TurnRecord(_message.Message):
-    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask")
+    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask", "idempotency_key")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TurnRecord(_message.Message):
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     execution_id: str
     group_id: str
     turn_index: int
@@ -37,7 +38,8 @@ class TurnRecord(_message.Message):
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
     output_policy_versions: _containers.RepeatedScalarFieldContainer[int]
     output_loss_mask: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("duplicate",)
@@ -270,7 +272,7 @@ class BatchStatus(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_packed: _Optional[int] = ..., micro_steps: _Optional[int] = ..., claimed: _Optional[int] = ..., acked: _Optional[int] = ..., sealed: _Optional[bool] = ..., total_tokens: _Optional[int] = ..., closed: _Optional[bool] = ..., done: _Optional[bool] = ..., active: _Optional[bool] = ..., unclaimed: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ..., committed: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PackerCounters(_message.Message):
-    __slots__ = ("produced", "consumed", "buffered", "dropped", "pending", "ready", "assigned", "packed", "claims_expired", "policy_version", "late_turns")
+    __slots__ = ("produced", "consumed", "buffered", "dropped", "pending", "ready", "assigned", "packed", "claims_expired", "policy_version", "late_turns", "turns_replaced")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +291,7 @@ class PackerCounters(_message.Message):
     CLAIMS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LATE_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     produced: int
     consumed: int
     buffered: int
@@ -300,7 +303,8 @@ class PackerCounters(_message.Message):
     claims_expired: int
     policy_version: int
     late_turns: int
-    def __init__(self, produced: _Optional[int] = ..., consumed: _Optional[int] = ..., buffered: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., assigned: _Optional[int] = ..., packed: _Optional[int] = ..., claims_expired: _Optional[int] = ..., policy_version: _Optional[int] = ..., late_turns: _Optional[int] = ...) -> None: ...
+    turns_replaced: int
+    def __init__(self, produced: _Optional[int] = ..., consumed: _Optional[int] = ..., buffered: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., assigned: _Optional[int] = ..., packed: _Optional[int] = ..., claims_expired: _Optional[int] = ..., policy_version: _Optional[int] = ..., late_turns: _Optional[int] = ..., turns_replaced: _Optional[int] = ...) -> None: ...
 
 class SealBatchRequest(_message.Message):
     __slots__ = ("fence", "batch_id")

@@ -101,7 +101,8 @@ class PackerServicer:
 
     def RecordTurn(self, request, context):
         """Router -> packer: one model turn of an execution. Idempotent on
-        (execution_id, turn_index). INVALID_ARGUMENT: mismatched lengths, non-finite or positive
+        (execution_id, turn_index), and on (execution_id, idempotency_key) when the turn has a
+        key (see TurnRecord.idempotency_key). INVALID_ARGUMENT: mismatched lengths, non-finite or positive
         log-probs, bad ids or mask; RESOURCE_EXHAUSTED: longer than the micro-step token budget
         (or the buffer is full); FAILED_PRECONDITION: the same key with other content, or a late
         turn whose group is already ready (counted in PackerCounters.late_turns).

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("execution_id", "prompt_token_ids", "sampling", "prompt_loss_mask", "answer_once")
+    __slots__ = ("execution_id", "prompt_token_ids", "sampling", "prompt_loss_mask", "answer_once", "idempotency_key")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     ANSWER_ONCE_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     execution_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prompt_loss_mask: _containers.RepeatedScalarFieldContainer[int]
     answer_once: bool
-    def __init__(self, execution_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_loss_mask: _Optional[_Iterable[int]] = ..., answer_once: _Optional[bool] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, execution_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_loss_mask: _Optional[_Iterable[int]] = ..., answer_once: _Optional[bool] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "reroutes")

@@ -26,6 +26,9 @@ class PackerMetrics:
         )
         self.dropped = g("turns_dropped", "Turns dropped, by reason.", ("reason",))
         self.late_turns = g("late_turns", "Turns refused because their group was already ready.")
+        self.turns_replaced = g(
+            "turns_replaced", "Turns of retried model calls that replaced their first try's turn."
+        )
         self.claims_expired = g("claims_expired", "Claims returned to the pool after their TTL.")
         self.policy_version = g("policy_version", "Newest policy version known.")
         self.ready_groups = g("supply_ready_groups", "Ready unassigned groups, capped by the batch's need.")
@@ -40,6 +43,7 @@ class PackerMetrics:
         for reason, n in c["dropped"].items():
             self.dropped.labels(reason).set(n)
         self.late_turns.set(c["late_turns"])
+        self.turns_replaced.set(c["turns_replaced"])
         self.claims_expired.set(c["claims_expired"])
         self.policy_version.set(c["policy_version"])
         self.ready_groups.set(s["ready_groups"])

@@ -12,7 +12,7 @@ from collections.abc import Container, Iterable
 from typing import Any
 
 from gyre.errors import InvalidArgument, ResourceExhausted
-from gyre.ids import BatchId, CellId, ExecutionId, GroupId, PolicyVersion
+from gyre.ids import BatchId, CellId, ExecutionId, GroupId, PolicyVersion, check_idempotency_key
 from gyre.v1 import common_pb2, packer_pb2
 from services.packer.segments import Segment
 
@@ -78,6 +78,8 @@ class Turn:
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]  # per output token; empty: unknown (the finish's version is used)
     mask: tuple[int, ...]  # per output token, 0/1; never empty after validation
+    call_key: str = ""
+    """The harness's idempotency key for the model call ("": none); not part of the digest."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -119,6 +121,7 @@ class Turn:
         versions: Iterable[int],
         mask: Iterable[int],
         max_tokens: int,
+        call_key: str = "",
     ) -> Turn:
         """Checks every field; raises InvalidArgument or ResourceExhausted (too long)."""
         check_id(execution_id, "execution_id")
@@ -161,6 +164,8 @@ class Turn:
                 raise InvalidArgument("output_loss_mask entries must be 0 or 1")
         else:
             mask_t = (1,) * len(output_t)
+        if call_key:
+            check_idempotency_key(call_key)
         return cls(
             ExecutionId(execution_id),
             GroupId(group_id),
@@ -170,6 +175,7 @@ class Turn:
             tuple(float(x) for x in logprobs_t),
             versions_t,
             mask_t,
+            call_key,
         )
 
     @classmethod
@@ -184,10 +190,11 @@ class Turn:
             msg.output_policy_versions,
             msg.output_loss_mask,
             max_tokens,
+            msg.idempotency_key,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "x": self.execution_id,
             "g": self.group_id,
             "i": self.turn_index,
@@ -197,6 +204,9 @@ class Turn:
             "v": list(self.versions),
             "m": list(self.mask),
         }
+        if self.call_key:
+            out["k"] = self.call_key
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Turn:
@@ -209,6 +219,7 @@ class Turn:
             tuple(float(x) for x in d["lp"]),
             tuple(d["v"]),
             tuple(d["m"]),
+            str(d.get("k", "")),
         )
 
 

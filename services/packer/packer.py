@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -83,6 +84,7 @@ class Packer:
         self._complete: dict[str, float] = {}  # all closed, in the grace period -> since
         self._ready_floor = float("-inf")  # no group becomes ready before (restart_grace_s)
         self._scanned: tuple[int, bool, int, str | None] | None = None  # see _pump
+        self.turns_replaced = 0  # a retried model call's answer over its first try's (runtime count)
         self.late_turns = 0  # refused: their group was already ready (runtime count)
         self.skipped: list[int] = []  # WAL events set aside at recovery (see recover)
         # Wire forms of the sequences of ready groups (config pre_encode): claims answer
@@ -134,9 +136,27 @@ class Packer:
     # Commands ----------------------------------------------------------------------------
 
     async def record_turn(self, turn: Turn) -> bool:
-        """Buffers one turn; True when it had been recorded before (idempotent)."""
+        """Buffers one turn; True when it had been recorded before (idempotent).
+
+        A turn whose idempotency key its execution already holds is a retry of that model
+        call (sent again after its router died): it takes the first try's index; with the
+        same content it is a duplicate, with other content it replaces the first try (the
+        harness got only the retry's answer, and its next prompt continues that one)."""
         st = self.state
+        replaces = False
+        ex = st.execs.get(turn.execution_id) if turn.call_key else None
+        if ex is not None and turn.call_key in ex.call_keys:
+            first = ex.turns[ex.call_keys[turn.call_key]]
+            if first.prompt != turn.prompt:
+                raise FailedPrecondition(
+                    f"idempotency key {turn.call_key!r} of {turn.execution_id} was recorded for "
+                    f"another prompt (turn {first.turn_index})"
+                )
+            turn = dataclasses.replace(turn, turn_index=first.turn_index)
+            replaces = st.seen_turns.get(turn.key) != turn.digest()
         digest = st.seen_turns.get(turn.key)
+        if replaces:
+            digest = None  # recorded below, over the first try
         if digest is not None:
             if digest != turn.digest():
                 raise FailedPrecondition(
@@ -152,8 +172,14 @@ class Packer:
                 f"group {turn.group_id} is already complete; turn {turn.turn_index} of "
                 f"{turn.execution_id} {LATE_TURN}"
             )
-        if self._held() >= self.cfg.max_buffered_turns:
+        if not replaces and self._held() >= self.cfg.max_buffered_turns:
             raise ResourceExhausted(f"the packer holds {self._held()} turns (max_buffered_turns)")
+        if replaces:
+            self.turns_replaced += 1
+            log.info(
+                "a retried model call replaced its first try's turn",
+                extra={"execution_id": turn.execution_id, "turn_index": turn.turn_index},
+            )
         self._commit({"t": "turn", "turn": turn.to_json()})
         self._after()
         await self.log.sync()
@@ -467,7 +493,7 @@ class Packer:
         }
 
     def counters(self) -> dict[str, Any]:
-        return {**self.state.counters(), "late_turns": self.late_turns}
+        return {**self.state.counters(), "late_turns": self.late_turns, "turns_replaced": self.turns_replaced}
 
     def supply(self) -> dict[str, Any]:
         """The training supply of the batch open to joiners (the current one): groups ready

@@ -47,6 +47,7 @@ class Execution:
     turns: dict[int, Turn] = dataclasses.field(default_factory=dict)
     finish: Finish | None = None
     segments: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # first turn -> its turns
+    call_keys: dict[str, int] = dataclasses.field(default_factory=dict)  # idempotency key -> turn index
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ def counters_to_proto(c: dict[str, Any]) -> packer_pb2.PackerCounters:
         claims_expired=c["claims_expired"],
         policy_version=c["policy_version"],
         late_turns=c.get("late_turns", 0),
+        turns_replaced=c.get("turns_replaced", 0),
     )
 
 

@@ -110,6 +110,8 @@ def restore(st: PackerState, ev: Event) -> None:
             for tj in ed["turns"]:
                 t = Turn.from_json(tj)
                 e.turns[t.turn_index] = t
+                if t.call_key:
+                    e.call_keys[t.call_key] = t.turn_index
             e.finish = Finish.from_json(ed["finish"]) if ed["finish"] is not None else None
             # Snapshots from before segments hold a turn per packed sequence.
             segs = ed["segs"] if "segs" in ed else [[i] for i in sorted(e.turns)]

@@ -191,9 +191,14 @@ class PackerState:
 
     def _on_turn(self, ev: Event) -> None:
         turn = Turn.from_json(ev["turn"])
-        self._exec(turn.execution_id, turn.group_id).turns[turn.turn_index] = turn
+        ex = self._exec(turn.execution_id, turn.group_id)
+        if turn.turn_index not in ex.turns:
+            self.produced += 1
+        # else: a retried call's answer replacing its first try's (same idempotency key)
+        ex.turns[turn.turn_index] = turn
+        if turn.call_key:
+            ex.call_keys[turn.call_key] = turn.turn_index
         self.seen_turns[turn.key] = turn.digest()
-        self.produced += 1
 
     def _on_finish(self, ev: Event) -> None:
         finish = Finish.from_json(ev["finish"])

@@ -10,6 +10,10 @@ a trainable turn 400 (:mod:`services.router.limits`); none of them changes anyth
 reaches an engine. Non-standard extensions: ``return_token_ids`` (token ids in every
 choice), ``stop_token_ids``, and the headers ``x-gyre-execution-id`` (the execution the
 token must hold) and ``x-gyre-timeout-s`` (the caller's deadline, propagated downstream).
+The standard ``Idempotency-Key`` header names the model call: a harness that sends a call
+again after its answer was lost (its router died) sends the same key, and the packer keeps
+one turn for the call, the answer the harness got (up to 128 printable ASCII characters;
+400 otherwise).
 
 A chat call's prompt continues its execution's token sequence (see
 :mod:`services.router.trajectory`); ``tools`` are rendered by the chat template and
@@ -41,6 +45,7 @@ from gyre.errors import (
     http_status_for,
     retry_after_for,
 )
+from gyre.ids import check_idempotency_key
 from gyre.telemetry import tag_execution
 from gyre.tokens import Chunk, FinishReason
 from services.router.calls import ModelCall
@@ -133,6 +138,7 @@ class OpenAIApi:
             body = await self._read_json(request)  # 2. what (413 / 400)
             prompt, sampling, opts = await self._parse(body, chat, route)  # 3. validate, tokenize
             timeout_s = self._timeout(request)
+            idempotency_key = check_idempotency_key(request.headers.get("Idempotency-Key", ""))
         except GyreError as exc:
             return _error_response(exc)
         gen = self._manager.generate(
@@ -144,6 +150,7 @@ class OpenAIApi:
             opts["text"],
             opts["break_reason"],
             whole=not opts["stream"],  # a JSON answer is written once: no wake per engine step
+            idempotency_key=idempotency_key,
         )
         async with contextlib.aclosing(gen):
             if opts["stream"]:

@@ -73,6 +73,7 @@ class CallManager:
         output_text: OutputText | None = None,
         break_reason: str | None = None,
         whole: bool = False,
+        idempotency_key: str = "",
     ) -> AsyncGenerator[Chunk, None]:
         """Runs one model call of ``route``'s execution (the caller already authorized it).
 
@@ -81,7 +82,8 @@ class CallManager:
         the call (for reroute counts); ``output_text`` detokenizes and applies stop strings
         (HTTP calls); ``break_reason`` names why the prompt does not continue the
         trajectory, if it does not; ``whole``: the caller wants the answer at once (chunks
-        come when the call ends, one per policy version).
+        come when the call ends, one per policy version); ``idempotency_key``: the harness's
+        key for this call (validated), carried by its turn record.
         """
         execution_id = route.execution_id
         execution_id_var.set(execution_id)
@@ -115,7 +117,7 @@ class CallManager:
                     execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
                 )
                 failpoint("router.turn.completed")  # every token streamed, the turn not yet queued
-                recorded = self._record(route, call)
+                recorded = self._record(route, call, idempotency_key)
                 if recorded is not None and self._policy.turn_record_wait_s > 0:
                     # The call ends for the harness once the packer holds its turn (bounded):
                     # the harness reports the execution's finish only after its last call, so
@@ -130,7 +132,7 @@ class CallManager:
                 if not calls:
                     del self._calls[execution_id]
 
-    def _record(self, route: Route, call: ModelCall) -> asyncio.Future[bool] | None:
+    def _record(self, route: Route, call: ModelCall, idempotency_key: str) -> asyncio.Future[bool] | None:
         current = self.routes.get(route.execution_id) or route
         index = self._turn_index.get(route.execution_id, 0)
         self._turn_index[route.execution_id] = index + 1
@@ -143,6 +145,7 @@ class CallManager:
                 output_token_ids=tuple(call.output_ids),
                 output_logprobs=tuple(call.logprobs),
                 output_policy_versions=tuple(call.policy_versions),
+                idempotency_key=idempotency_key,
             )
         )
 

@@ -14,6 +14,7 @@ from gyre.fencing import FenceGuard
 from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import bearer_token, rpc, rpc_stream
 from gyre.identity import Role
+from gyre.ids import check_idempotency_key
 from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
 from services.router.calls import ModelCall
@@ -96,13 +97,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidArgument("prompt_loss_mask must be empty or as long as the prompt")
         sampling = Sampling.from_proto(request.sampling, self._max_tokens_limit, self._stop_token_ids)
         sampling = self._limits.fit(len(prompt), sampling)
+        idempotency_key = check_idempotency_key(request.idempotency_key)
         remaining = context.time_remaining()
         timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
         box: list[ModelCall] = []
         # answer_once: the call wakes this task only when it ended, and its buffer yields one
         # chunk per policy version (one message, unless a move crossed a weight update).
         async for chunk in self._manager.generate(
-            route, prompt, sampling, timeout_s, box, whole=request.answer_once
+            route,
+            prompt,
+            sampling,
+            timeout_s,
+            box,
+            whole=request.answer_once,
+            idempotency_key=idempotency_key,
         ):
             yield router_pb2.GenerateResponse(chunk=chunk.to_proto(), reroutes=box[0].reroutes)
 

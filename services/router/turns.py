@@ -50,6 +50,9 @@ class Turn:
     output_logprobs: tuple[float, ...]
     output_policy_versions: tuple[int, ...]
     output_loss_mask: tuple[int, ...] = ()
+    idempotency_key: str = ""
+    """The harness's key for the model call: the packer keeps one turn per key (a retried
+    call's answer replaces its first try's)."""
 
     def to_proto(self) -> packer_pb2.TurnRecord:
         return packer_pb2.TurnRecord(
@@ -61,6 +64,7 @@ class Turn:
             output_logprobs=self.output_logprobs,
             output_policy_versions=self.output_policy_versions,
             output_loss_mask=self.output_loss_mask,
+            idempotency_key=self.idempotency_key,
         )
 
 

@@ -248,6 +248,8 @@ async def test_grpc_deadline_propagates_to_engine(env):
         "huge_seed",
         "huge_stop_id",
         "huge_max_tokens",
+        "bad_idempotency_key",
+        "long_idempotency_key",
     ],
 )
 async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case):
@@ -300,6 +302,10 @@ async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case)
         body = chat_body(stop_token_ids=[2**63])
     elif case == "huge_max_tokens":
         body = chat_body(max_tokens=10**40)
+    elif case == "bad_idempotency_key":
+        headers["Idempotency-Key"] = "two words"
+    elif case == "long_idempotency_key":
+        headers["Idempotency-Key"] = "k" * 129
     import json as _json
 
     payload = data if data is not None else _json.dumps(body).encode()
@@ -338,6 +344,7 @@ async def test_bad_http_input_gets_precise_status_and_changes_nothing(env, case)
         ("zero_max_tokens", grpc.StatusCode.INVALID_ARGUMENT),
         ("prompt_over_context", grpc.StatusCode.INVALID_ARGUMENT),
         ("huge_stop_id", grpc.StatusCode.INVALID_ARGUMENT),
+        ("bad_idempotency_key", grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case, code):
@@ -364,11 +371,35 @@ async def test_bad_grpc_input_gets_precise_status_and_changes_nothing(env, case,
         req.prompt_token_ids.extend([7] * CONTEXT)
     elif case == "huge_stop_id":
         req.sampling.stop_token_ids.append(-5)  # int32 on the wire: a negative id is the overflow
+    elif case == "bad_idempotency_key":
+        req.idempotency_key = "k\n"
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in env.stub.Generate(req, metadata=md, timeout=5):
             pass
     assert err.value.code() == code
     assert await _snapshot(env) == before
+
+
+async def test_the_idempotency_key_reaches_the_turn_record(env):
+    """The call's key (HTTP ``Idempotency-Key``, gRPC ``idempotency_key``) travels with its
+    turn to the packer, which keeps one turn per key (tests/unit/test_packer_call_keys.py)."""
+    await _settle(env)
+    known = set(env.packer.turns)
+    h = {"Authorization": f"Bearer {env.tok1}", "Idempotency-Key": "harness-call-7"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{env.url}/chat/completions", json=chat_body(), headers=h) as r:
+            assert r.status == 200, await r.text()
+    req = router_pb2.GenerateRequest(
+        execution_id=env.ex1,
+        prompt_token_ids=[5, 6],
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+        idempotency_key="grpc-call-8",
+    )
+    async for _ in env.stub.Generate(req, metadata=(("authorization", f"Bearer {env.tok1}"),), timeout=5):
+        pass
+    await _settle(env)
+    keys = sorted(t.idempotency_key for k, t in env.packer.turns.items() if k not in known)
+    assert keys == ["grpc-call-8", "harness-call-7"]
 
 
 async def test_route_written_just_before_the_call_is_honoured(env):

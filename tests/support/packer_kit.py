@@ -58,6 +58,7 @@ def turn(x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: 
         kw.get("versions", [version] * output),
         kw.get("mask", []),
         kw.get("max_tokens", 1 << 20),
+        kw.get("call_key", ""),
     )
 
 

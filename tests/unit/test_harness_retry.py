@@ -1,5 +1,6 @@
 """The example harness retries a model call its router lost (sent, no answer: the router
-died or restarted mid-call), a bounded number of times, and counts the calls answered."""
+died or restarted mid-call), a bounded number of times, every try with the call's
+idempotency key, and counts the calls answered."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class FakeExecution:
         self.closed_as = ""
         self.lose = lose
         self.calls = 0
+        self.keys: list[str | None] = []
         self.finished: dict[str, Any] = {}
 
     async def __aenter__(self) -> FakeExecution:
@@ -34,6 +36,7 @@ class FakeExecution:
 
     async def chat_message(self, messages, **kw) -> dict[str, Any]:
         self.calls += 1
+        self.keys.append(kw.get("idempotency_key"))
         if self.lose:
             self.lose -= 1
             raise Unavailable("router http://r/v1: ServerDisconnectedError")
@@ -60,6 +63,8 @@ async def test_a_lost_model_call_is_retried_and_the_episode_completes():
     ex, stats = FakeExecution(lose=example.MODEL_CALL_TRIES - 1), HarnessStats()
     await run_execution(ex, ENV, stats)
     assert ex.calls == example.MODEL_CALL_TRIES and stats.calls == 1
+    (key,) = set(ex.keys)  # every try of the call: one key, so the packer keeps one turn
+    assert key
     assert (stats.completed, stats.failed) == (1, 0) and ex.finished["status"] == "ok"
 
 
