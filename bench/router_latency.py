@@ -6,8 +6,9 @@ a deterministic token-level engine with a fixed per-token delay, standing in for
 engine), the router (``python -m services.router`` against a private etcd), and this client.
 In the same run, at each concurrency (64, 256 and 1,024 streams of 32 tokens), rounds alternate
 between calling Engine.Generate directly, Router.Generate (gRPC) and the router's OpenAI
-SSE endpoint, and Router.Generate on a second router with a 10 ms coalescing window; per stream we take the
-time to first token and to the last token.
+SSE endpoint, and Router.Generate on a second router with no coalescing window (``coalesce_ms: 0``;
+the routers' default holds each streamed message after the first up to 10 ms); per stream we
+take the time to first token and to the last token.
 Every gRPC hop runs with mutual TLS, as Gyre does by default (a bench CA issues the
 identities); the same run also measures plaintext twins (``tls.insecure``: a second engine
 and a third router, on their own routes) so ``tls_cost`` is TLS against plaintext on the
@@ -55,11 +56,12 @@ from gyre.grpcx.channel import dial  # noqa: E402
 from gyre.grpcx.tls import TlsFiles, set_process_tls  # noqa: E402
 from gyre.identity import Identity, Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+from services.router.config import RouterConfig  # noqa: E402
 
 TOKENS = 32
 TOKEN_DELAY_S = 0.005
 PROMPT = list(range(10, 74))  # 64 prompt tokens
-COALESCE_MS = 10.0  # the second router's coalescing window
+NO_WINDOW_MS = 0.0  # the second router's coalescing window (the others: the default, 10 ms)
 STEP_CLOCK = True  # the engines step every request on one clock, as a batching engine does
 
 
@@ -159,7 +161,7 @@ async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[flo
         coros = [one_router(ctx["router_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_plain":
         coros = [one_router(ctx["router_plain_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
-    elif kind == "router_grpc_coalesce":
+    elif kind == "router_grpc_nowindow":
         coros = [one_router(ctx["router2_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_percall":
         coros = [one_router(ctx["router_percall_stub"], ex, tok) for ex, tok in ctx["execs"][:conc]]
@@ -279,7 +281,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             tls={"insecure": True},
         )
         router, url = start_router(cfg, tmp / "router.log")
-        router2, _ = start_router(cfg, tmp / "router2.log", coalesce_ms=COALESCE_MS)
+        router2, _ = start_router(cfg, tmp / "router2.log", coalesce_ms=NO_WINDOW_MS)
         router_plain, _ = start_router(cfg_plain, tmp / "router_plain.log")
         router_percall, _ = start_router(cfg, tmp / "router_percall.log", engine_stream=False)
         etcd = Etcd([etcd_server.endpoint], 5.0)
@@ -327,7 +329,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "direct",
             "router_grpc",
             "router_sse",
-            "router_grpc_coalesce",
+            "router_grpc_nowindow",
             "router_grpc_once",
             "router_http_json",
             "router_grpc_percall",
@@ -344,7 +346,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             for _ in range(rounds):
                 for kind in kinds:  # alternate so drift hits every kind alike
                     rpid = {
-                        "router_grpc_coalesce": router2.pid,
+                        "router_grpc_nowindow": router2.pid,
                         "router_grpc_plain": router_plain.pid,
                         "router_grpc_percall": router_percall.pid,
                         "router_grpc_once_percall": router_percall.pid,
@@ -427,7 +429,8 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
                 "engine": "bench/support/fake_engine.py (one message per token and request on Generate; "
                 "one message per loop turn for every request of a router on GenerateStream)",
                 "router_engine_path": "GenerateStream (engine_stream: true); *_percall: Generate per request",
-                "coalesce_ms_of_router_grpc_coalesce": COALESCE_MS,
+                "coalesce_ms": RouterConfig.model_fields["coalesce_ms"].default,
+                "coalesce_ms_of_router_grpc_nowindow": NO_WINDOW_MS,
                 "processes": "engine, router, client on loopback",
                 "tls": "mutual TLS (ECDSA P-256, TLS 1.3) on every gRPC hop; *_plain: tls.insecure",
                 "cpus": __import__("os").cpu_count(),
@@ -491,9 +494,13 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "router_cpu_us_per_token_answer_once_per_call_path": cpu_of("router_grpc_once_percall"),
         "ratio_256_per_call_path": ratio("256", "router_grpc_percall"),
         "ratio_1024_per_call_path": ratio("1024", "router_grpc_percall"),
+        "router_cpu_us_per_token_no_window": cpu_of("router_grpc_nowindow"),
+        "ratio_256_no_window": ratio("256", "router_grpc_nowindow"),
+        "ratio_1024_no_window": ratio("1024", "router_grpc_nowindow"),
         "calls": "streamed (Router.Generate, mTLS); *_answer_once: Router.Generate with answer_once "
         "(one message a call); the OpenAI API's non-streaming rows are router_http_json; the router "
-        "reads engines over GenerateStream, *_per_call_path over one Generate call per request",
+        "reads engines over GenerateStream, *_per_call_path over one Generate call per request; streamed "
+        "calls hold each message after the first up to coalesce_ms (10), *_no_window forward every chunk",
     }
 
 

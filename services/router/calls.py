@@ -185,13 +185,17 @@ class ModelCall:
         if self._runner is not None:
             raise RuntimeError("ModelCall.stream() runs once")
         self._runner = asyncio.create_task(self._run(), name=f"call.{self.call_id}")
+        first = True
         try:
             while True:
                 while not self._buf or (self._whole and isinstance(self._buf[-1], Chunk)):
                     self._ready.clear()
                     await self._ready.wait()
-                if self._policy.coalesce_s > 0 and _open_ended(self._buf[-1]):
-                    await asyncio.sleep(self._policy.coalesce_s)  # let more tokens join this message
+                if self._policy.coalesce_s > 0 and not first and _open_ended(self._buf[-1]):
+                    # Let more tokens join this message (never the first: time to first token
+                    # pays no window).
+                    await asyncio.sleep(self._policy.coalesce_s)
+                first = False
                 merged: Chunk | None = None
                 end: Any = None
                 while self._buf:

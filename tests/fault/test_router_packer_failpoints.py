@@ -1,16 +1,20 @@
 """The router and the packer die at each of their transition failpoints under load (issue 13,
 item 8): the short mock demo runs (real etcd, scheduler, cells, router, packer, harness on
 loopback); a few seconds in, the failpoint file arms one failpoint (mode exit: status 17,
-nothing flushed, like a SIGKILL) in the running process; it dies there; the launcher's
-supervisor restarts it; the file is disarmed; the run goes on to the end.
+nothing flushed, like a SIGKILL) in the running process; it dies there; the file is
+disarmed; the launcher's supervisor restarts it; once the restart is up, the next point of
+the run is armed the same way (one run per victim: the router's two points, the packer's
+finish, claim and seal points in the order a run reaches them, and the packer's
+``turn.durable`` in a run of its own); the run goes on to the end.
 
-Each run proves: the process died at that failpoint (its exit status 17) and was restarted
-once; the run completed; every dispatched execution finished (none lost); no episode failed
-(each completed or was cancelled by the scheduler: a model call lost with its router is
-retried by the harness, and that is the only retry); the history checker (``--complete``)
-finds every dispatched execution closed exactly once, no group trained twice, one optimizer
-step per batch, no micro-step or acknowledged record lost; and the packer's WAL holds one
-turn per model call the harness got an answer to (none lost, none recorded twice).
+Each run proves: the process died at each of its failpoints (exit status 17 once per point,
+its log naming the point) and was restarted once per point; the run completed; every
+dispatched execution finished (none lost); no episode failed (each completed or was
+cancelled by the scheduler: a model call lost with its router is retried by the harness,
+and that is the only retry); the history checker (``--complete``) finds every dispatched
+execution closed exactly once, no group trained twice, one optimizer step per batch, no
+micro-step or acknowledged record lost; and the packer's WAL holds one turn per model call
+the harness got an answer to (none lost, none recorded twice).
 
 Router failpoints (services/router):
 - ``router.turn.completed``: a call's every token streamed, its turn not yet queued;
@@ -25,7 +29,8 @@ finish while the turns of their last calls are queued at the router, and after i
 the packer hears the finish reports first. It keeps every group out of readiness for
 ``restart_grace_s`` after a restart, so the queued turns get in (before, 1-4 turns per kill
 came too late and their groups trained without them).
-One run is a demo of 60-100 s on a loaded 2-core machine, so each is marked slow.
+One run is a demo of 60-100 s on a loaded 2-core machine, so each is marked slow (a demo
+per point took 6 of them, ~7 min of the suite).
 
 ``router.move.stopped`` (a move's source attempt stopped, the continuation not started) is
 rarely reached in the demo (its calls are short: a move mostly finds an execution between
@@ -62,67 +67,71 @@ from bench.support.router_rig import (
 from gyre.etcd import Etcd, Keys
 from gyre.etcd.server import free_port
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
-from tests.support.demo import short_demo
+from tests.support.demo import restarted, short_demo
 from tests.tls import tls
 
 pytestmark = pytest.mark.timeout(600)
 
-POINTS = [
-    "router.turn.completed",
-    "router.turn.recorded",
-    "packer.turn.durable",
-    "packer.finish.durable",
-    "packer.claim.granted",
-    "packer.batch.sealed",
-]
-
+# One demo per victim and router config: its points are hit one after another in the same
+# run (each armed once the previous one's restart is up), in the order the run reaches them.
+# The packer's claims and seals come with training, which a restart delays (restart_grace_s):
+# the finish point goes first, in the first burst, then a claim, then a seal.
+ROUTER_POINTS = ["router.turn.completed", "router.turn.recorded"]
+PACKER_POINTS = ["packer.finish.durable", "packer.claim.granted", "packer.batch.sealed"]
 
 # The packer's turn.durable point runs with the routers not waiting for their turns and
 # backing off up to 8 s (5 s by default): its outage then outlasts the wait, and after the
 # restart the queued turns come seconds after the scheduler's relayed finish reports (one
-# demo for both: the suite's time is near its budget).
+# demo for both: the suite's time is near its budget). It runs alone: its router config is
+# its own.
 NO_WAIT = {"turn_record_wait_s": 0.0, "turn_retry_max_s": 8.0}
 CASES = [
-    pytest.param(
-        p,
-        NO_WAIT if p == "packer.turn.durable" else None,
-        id=p + ("-no-wait" if p == "packer.turn.durable" else ""),
-    )
-    for p in POINTS
+    pytest.param(ROUTER_POINTS, None, id="router-turn-points"),
+    pytest.param(["packer.turn.durable"], NO_WAIT, id="packer.turn.durable-no-wait"),
+    pytest.param(PACKER_POINTS, None, id="packer-points"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("point", "router"), CASES)
+@pytest.mark.parametrize(("points", "router"), CASES)
 async def test_a_service_dies_at_a_failpoint_and_nothing_is_lost(
-    point: str, router: dict | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    points: list[str], router: dict | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    victim = point.split(".")[0]
+    (victim,) = {p.split(".")[0] for p in points}
     armed = tmp_path / "failpoints"
     monkeypatch.setenv(FAILPOINT_FILE_ENV, str(armed))  # every service process reads it
-    died: list[int | None] = []
+    reached: list[str] = []
 
-    async def arm_once(cluster: Cluster) -> None:
+    async def arm_each(cluster: Cluster) -> None:
         await asyncio.sleep(5.0)  # into the first burst: calls, turns and claims under way
         proc = cluster.procs[victim]
-        pid = proc.pid
-        armed.write_text(f"{point}\n")
-        try:
-            async with asyncio.timeout(150):
-                while proc.alive() and proc.pid == pid:
-                    await asyncio.sleep(0.02)
-        finally:
-            armed.unlink(missing_ok=True)  # before the supervisor's restart (0.5 s back-off)
-        died.append(proc.pid)
+        for point in points:
+            pid = proc.pid
+            armed.write_text(f"{point}\n")
+            try:
+                async with asyncio.timeout(150):
+                    while proc.alive() and proc.pid == pid:
+                        await asyncio.sleep(0.02)
+            finally:
+                armed.unlink(missing_ok=True)  # before the supervisor's restart (0.5 s back-off)
+            reached.append(point)
+            async with asyncio.timeout(120):  # its restart up before the next point is armed
+                while not restarted(cluster, victim, pid):
+                    await asyncio.sleep(0.05)
 
-    opts = short_demo(tmp_path / "demo", router=router, during=arm_once)
+    opts = short_demo(tmp_path / "demo", router=router, during=arm_each)
     summary = await run_demo(opts)
     ex = summary["executions"]
     print({k: summary.get(k) for k in ("outcome", "executions", "restarts", "reroutes", "trajectories")})
-    assert died, f"{point} was never reached"
+    assert reached == points, f"reached {reached} of {points}"
+    # It died at each point (status 17, and its log names the point), once each, and was
+    # restarted after each.
     exits = [e for e in summary["process_events"] if e["name"] == victim and e["kind"] == "exited"]
-    assert [e["rc"] for e in exits] == [EXIT_STATUS], exits  # it died there, once
-    assert summary["restarts"].get(victim) == 1, summary["process_events"]
+    assert [e["rc"] for e in exits] == [EXIT_STATUS] * len(points), exits
+    log = (opts.run_dir / "logs" / f"{victim}.log").read_text()
+    for point in points:
+        assert log.count(f"failpoint {point}: exiting") == 1, point
+    assert summary["restarts"].get(victim) == len(points), summary["process_events"]
     assert summary["outcome"] == "completed", summary
     assert ex["lost"] == 0 and ex["dispatched"] == ex["finished"] == 40, ex
     assert ex["harness_failed"] == 0 and ex["harness_completed"] + ex["harness_cancelled"] == 40, ex

@@ -3,16 +3,18 @@ then Router.MoveExecutions) continues at the destination: the harness receives e
 tokens of the same request without a move — once and several times, over HTTP streaming,
 HTTP non-streaming and gRPC — every source attempt is aborted, and the turn record that
 reaches the packer carries those tokens and their policy version. A destination serving
-another policy version is refused with a clean error. All of it holds on both engine paths:
-one GenerateStream per engine, kept across every attempt there (the default), and one
-Generate call per request. The router runs as a real process against a real etcd; engines
-are the deterministic fake."""
+another policy version is refused with a clean error. All of it runs on the default engine
+path (one GenerateStream per engine, kept across every attempt there); a gRPC call moved
+three times runs on the other one too (one Generate call per request: a second router).
+The router runs as a real process against a real etcd; engines are the deterministic fake."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -56,11 +58,22 @@ class Env:
     engine_stream: bool
 
 
-@pytest_asyncio.fixture(
-    scope="module", loop_scope="module", params=[True, False], ids=["engine_stream", "per_request"]
-)
-async def env(request, etcd_server, tmp_path_factory):
-    """A router on one GenerateStream per engine (the default), or one Generate per request."""
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(etcd_server, tmp_path_factory):
+    """A router on one GenerateStream per engine (the default)."""
+    async with _router_env(True, etcd_server, tmp_path_factory) as e:
+        yield e
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def per_request_env(etcd_server, tmp_path_factory):
+    """A router on one Generate call per request (``engine_stream: false``)."""
+    async with _router_env(False, etcd_server, tmp_path_factory) as e:
+        yield e
+
+
+@contextlib.asynccontextmanager
+async def _router_env(engine_stream: bool, etcd_server, tmp_path_factory) -> AsyncIterator[Env]:
     tmp = tmp_path_factory.mktemp("router")
     tok = build_tokenizer_dir(tmp / "model")
     cluster = "rr" + secrets.token_hex(4)
@@ -83,14 +96,14 @@ async def env(request, etcd_server, tmp_path_factory):
         retry_budget=0,
         failover_wait_s=0.5,
         log_json=False,
-        engine_stream=request.param,
+        engine_stream=engine_stream,
     )
     proc, url = start_router(cfg, tmp / "router.log")
     etcd = Etcd([etcd_server.endpoint], 5.0)
     await etcd.connect()
     channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
     try:
-        yield Env(proc, url, etcd, Keys(cluster), channel, engines, packer, request.param)
+        yield Env(proc, url, etcd, Keys(cluster), channel, engines, packer, engine_stream)
     finally:
         proc.stop()
         await channel.close()
@@ -262,6 +275,13 @@ async def test_grpc_rerouted_call_is_token_identical(env, path, answer_once):
     assert {env.engines[c].engine.streams for c in path} == {1 if env.engine_stream else 0}
     status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
     assert status.reroutes >= reroutes and status.inflight == 0
+
+
+async def test_grpc_call_moved_thrice_is_token_identical_on_per_request_engine_calls(per_request_env):
+    """The engine path of one Generate call per request (each attempt its own call, every
+    source attempt aborted): a streamed gRPC call moved three times, as above (no engine
+    stream opened)."""
+    await test_grpc_rerouted_call_is_token_identical(per_request_env, ["b", "c", "a", "b"], False)
 
 
 async def test_destination_with_other_policy_version_is_refused(env):

@@ -8,6 +8,7 @@ from typing import Any
 
 from apps.demo.runner import DemoOptions
 from apps.harness.env import EnvConfig
+from apps.launch import Cluster
 
 
 def short_demo(
@@ -35,3 +36,10 @@ def short_demo(
         },
     )
     return DemoOptions(**(defaults | options))
+
+
+def restarted(cluster: Cluster, name: str, old_pid: int) -> bool:
+    """``name`` runs again as a new process, restarted by the supervisor (its ready line
+    seen): a fault test injects its next fault only then."""
+    (state,) = [s for s in cluster.supervisor.status() if s["name"] == name]
+    return state["state"] == "running" and state["pid"] not in (None, old_pid)

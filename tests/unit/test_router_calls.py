@@ -430,6 +430,7 @@ async def test_coalescing_window_merges_tokens_without_changing_them():
     assert out == reference(1, PROMPT, 30)
     assert len(chunks) < 15  # ~10 tokens per message instead of 1
     assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert len(chunks[0].token_ids) == 1  # the first token is not held: no window before it
 
 
 def test_sampled_calls_without_seed_get_distinct_reproducible_seeds():
