@@ -23,6 +23,13 @@ from gyre.etcd.client import KV, Etcd
 
 log = logging.getLogger(__name__)
 
+WATCH_CANCEL_TIMEOUT_S = 2.0
+"""How long ending a watch may take. aetcd's ``cancel`` (and its watch creation) wait for
+the client's shared watcher lock, which a watch stream broken by an etcd restart or a
+compaction can hold for good: unbounded, a cancelled mirror (a ``wait_for`` timing out, a
+task cancelled at shutdown) never finished (CI: test_watch_relists_after_compaction hung
+300 s)."""
+
 
 class PrefixMirror:
     """Keeps ``items`` (key -> KV) equal to etcd's view of ``prefix``."""
@@ -100,7 +107,10 @@ class PrefixMirror:
                 await backoff.sleep()
 
     async def _watch_until_resync(self) -> None:
-        watch = await self._etcd.client.watch_prefix(self._prefix, start_revision=self.revision + 1)
+        # Bounded like the rest (see WATCH_CANCEL_TIMEOUT_S): a creation that never answers is
+        # a TimeoutError, after which run() relists and watches again.
+        async with asyncio.timeout(self._resync_s):
+            watch = await self._etcd.client.watch_prefix(self._prefix, start_revision=self.revision + 1)
         try:
             async with asyncio.timeout(self._resync_s):
                 async for event in watch:
@@ -115,6 +125,7 @@ class PrefixMirror:
             pass  # periodic reconcile: fall through to a relist
         finally:
             try:
-                await watch.cancel()
-            except Exception:  # the stream may already be gone after an etcd restart
+                async with asyncio.timeout(WATCH_CANCEL_TIMEOUT_S):
+                    await watch.cancel()
+            except Exception:  # gone after an etcd restart, or stuck (TimeoutError): left behind
                 log.debug("watch cancel failed", exc_info=True)
