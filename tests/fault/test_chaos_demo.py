@@ -49,7 +49,9 @@ async def test_short_chaos_demo_survives_its_faults_with_nothing_lost(tmp_path: 
     counts = verdict["counts"]
     assert counts["executions_closed"] == counts["executions_dispatched"] == ex["dispatched"]
     assert counts["packer_starts"] == 2 and counts["finishes"] > 0 and counts["turns_recorded"] > 0
-    assert counts["leader_terms"] == 2, counts  # the killed scheduler's, then its successor's
+    # The killed scheduler's term, then its successor's; etcd's pause may end that one too (its
+    # lease lapses: it steps down and campaigns again, CI saw 3 terms).
+    assert counts["leader_terms"] >= 2, counts
     restarts = summary["restarts"]
     assert restarts.get("scheduler") == restarts.get("packer") == restarts.get("router") == 1, restarts
     assert ex["harness_failed"] == 0, ex  # the calls the router held were retried
