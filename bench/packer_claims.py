@@ -11,8 +11,10 @@ the same run on the same machine, and the ratio between them:
 - claims (in process): claim + ack pairs/s by 16 asyncio claimers on the real WAL, over
   ``--rounds`` batches;
 - claims (gRPC): claim + ack pairs/s by 16 claimers, one channel each, to a packer process
-  (one micro-step per call; several per claim, acks one by one or batched; and the
-  trainer's own client with its default ``claim_batch``),
+  (one micro-step per call; several per claim, acks one by one or batched; the same claims
+  and batched acks on one ``ClaimStream`` per claimer, one after the other or with the next
+  claim sent while the ack goes through; and the trainer's own client with its default
+  ``claim_batch``),
   against plain GetBatch calls/s from the same 16 callers (the ratio is what a claim costs
   beyond a round trip); the packer process's and the claimers' CPU per pair; with
   ``--old-path`` (default) the batched mode also on the old claim path (a second packer
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -225,6 +228,73 @@ async def _source_claimer(
             calls[0] += 1
 
 
+class _ClaimStream:
+    """One claimer's ``ClaimStream`` call, raw (protos, as :func:`_claimer` uses the stub):
+    tagged requests, answers resolved by tag."""
+
+    def __init__(self, stub: Any) -> None:
+        self.call = stub.ClaimStream()
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.tags = itertools.count(1)
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for msg in self.call:
+            self.pending.pop(msg.tag).set_result(msg)
+
+    async def send(self, **request: Any) -> asyncio.Future[Any]:
+        tag = next(self.tags)
+        fut = self.pending[tag] = asyncio.get_running_loop().create_future()
+        await self.call.write(packer_pb2.ClaimStreamRequest(tag=tag, **request))
+        return fut
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.reader
+
+
+async def _stream_claimer(
+    stream: _ClaimStream,
+    cell: str,
+    batch: int,
+    claim_n: int,
+    pipelined: bool,
+    claimed: list[str],
+    calls: list[int],
+) -> None:
+    """:func:`_claimer`'s batched mode (claims of up to ``claim_n``, their acks in one request)
+    on the claimer's stream; ``pipelined``: the next claim is sent with the ack, both in flight
+    at once. ``calls[0]`` counts the requests (messages, not calls)."""
+
+    def claim() -> Any:
+        return packer_pb2.ClaimMicroStepsRequest(
+            cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
+        )
+
+    pending = await stream.send(claim=claim())
+    while True:
+        r = await pending
+        calls[0] += 1
+        assert r.code == 0, r
+        if r.claim.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
+            return
+        ids = [m.micro_step_id for m in r.claim.micro_steps]
+        claimed.extend(ids)
+        if not ids:
+            pending = await stream.send(claim=claim())
+            continue
+        acked = await stream.send(
+            ack=packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch, micro_step_ids=ids)
+        )
+        if pipelined:
+            pending = await stream.send(claim=claim())
+        a = await acked
+        calls[0] += 1
+        assert a.code == 0, a
+        if not pipelined:
+            pending = await stream.send(claim=claim())
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -337,18 +407,33 @@ class _Target:
         self.ingest_cpu += self.cpu() - cpu0
 
     async def drain(
-        self, args: argparse.Namespace, name: str, claim_n: int, ack_batched: bool | None
+        self,
+        args: argparse.Namespace,
+        name: str,
+        claim_n: int,
+        ack_batched: bool | None,
+        stream: str | None = None,
     ) -> None:
-        """The claimers drain the batch just ingested (timed): one round of mode ``name``."""
+        """The claimers drain the batch just ingested (timed): one round of mode ``name``
+        (``stream``: on one ClaimStream per claimer, opened before the clock starts, "serial"
+        or "pipelined")."""
         m = self.modes.setdefault(
             name,
             {"claim_micro_steps_per_call": claim_n, "ack_batched": ack_batched, "claims": 0, "seconds": 0.0}
-            | {"rpcs": 0, "packer_cpu_s": 0.0, "claimers_cpu_s": 0.0},
+            | {"rpcs": 0, "packer_cpu_s": 0.0, "claimers_cpu_s": 0.0}
+            | ({"transport": "stream", "pipelined": stream == "pipelined"} if stream else {}),
         )
         got: list[str] = []
         calls = [0]
         runs: list[Any]
-        if ack_batched is None:
+        streams: list[_ClaimStream] = []
+        if stream is not None:
+            streams = [_ClaimStream(self.stubs[i]) for i in range(args.claimers)]
+            runs = [
+                _stream_claimer(s, f"cell{i}", self.batch, claim_n, stream == "pipelined", got, calls)
+                for i, s in enumerate(streams)
+            ]
+        elif ack_batched is None:
             runs = [
                 _source_claimer(self.sources[i], self.batch, claim_n, got, calls)
                 for i in range(args.claimers)
@@ -363,6 +448,8 @@ class _Target:
         m["seconds"] += time.perf_counter() - start
         m["packer_cpu_s"] += self.cpu() - cpu0
         m["claimers_cpu_s"] += time.process_time() - own0
+        for s in streams:
+            await s.close()
         status = await self.stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=self.batch), timeout=10)
         assert status.done, status
         self.micro_steps += status.micro_steps
@@ -423,23 +510,32 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         tokens = sum(t.tokens for ts, _ in data for t in ts)  # the same per round (same sizes)
         trainer_n = TrainingSettings().claim_batch
         batched = f"claim_{args.claim_batch}_ack_batched"
-        modes = {
-            "one_by_one": (1, False),
-            f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False),
-            batched: (args.claim_batch, True),
-            f"trainer_client_claim_{trainer_n}": (trainer_n, None),  # PackerSource, as the trainer
+        stream = f"stream_claim_{args.claim_batch}_ack_batched"
+        piped = f"{stream}_pipelined"
+        modes: dict[str, tuple[int, bool | None, str | None]] = {
+            "one_by_one": (1, False, None),
+            f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False, None),
+            batched: (args.claim_batch, True, None),
+            # The batched mode's claims and acks on one ClaimStream per claimer.
+            stream: (args.claim_batch, True, "serial"),
+            piped: (args.claim_batch, True, "pipelined"),
+            f"trainer_client_claim_{trainer_n}": (trainer_n, None, None),  # PackerSource, as the trainer
         }
-        for name, (claim_n, ack_batched) in modes.items():
+        for name, (claim_n, ack_batched, over) in modes.items():
             for rnd in range(args.rounds):
                 both = [new, old] if old is not None and name == batched else [new]
                 for t in both if rnd % 2 == 0 else both[::-1]:
                     await t.ingest(args)
-                    await t.drain(args, name, claim_n, ack_batched)
+                    await t.drain(args, name, claim_n, ack_batched, over)
         out = new.results(args, tokens) | base
         per_mode = out["modes"]
         one, best = per_mode["one_by_one"], per_mode[batched]
         trainer = per_mode[f"trainer_client_claim_{trainer_n}"]
         out |= {
+            "stream_claims_per_s": per_mode[stream]["claims_per_s"],
+            "stream_vs_roundtrip": per_mode[stream]["claim_vs_roundtrip"],
+            "stream_pipelined_claims_per_s": per_mode[piped]["claims_per_s"],
+            "stream_pipelined_vs_roundtrip": per_mode[piped]["claim_vs_roundtrip"],
             "claims": one["claims"],
             "claims_per_s": one["claims_per_s"],
             "claim_vs_roundtrip": one["claim_vs_roundtrip"],
@@ -460,29 +556,44 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The output contract other tools read: claim + ack pairs/s over gRPC with the run's claimers
-    (``claim_ack_per_s_16`` when there are 16 of them, as by default) with batched claims and
-    acks, and its baseline; ``one_by_one_per_s`` is the same with one micro-step per call;
+    (``claim_ack_per_s_16`` when there are 16 of them, as by default) in the best mode of the
+    run (``best_mode`` names it), and its baseline; ``batched_unary_per_s`` is the batched mode
+    over unary calls, ``stream_per_s`` / ``stream_pipelined_per_s`` the same claims and acks on
+    one ClaimStream per claimer (serial / the next claim sent with the ack);
+    ``one_by_one_per_s`` is the same with one micro-step per call;
     ``trainer_client_per_s`` the trainer's own client (``PackerSource.claim_many`` /
     ``ack_many`` with the trainer's default ``claim_batch``)."""
     grpc_ = result["grpc"]
-    best = grpc_.get("batched_claims_per_s", grpc_["claims_per_s"])  # older runs: one by one only
+    batched = grpc_.get("batched_claims_per_s", grpc_["claims_per_s"])  # older runs: one by one only
+    # The best mode of the run (older runs: the batched one, the best they had).
+    rates = {k: m["claims_per_s"] for k, m in grpc_.get("modes", {}).items()} or {"batched": batched}
+    best_mode = max(rates, key=lambda k: rates[k])
+    best = rates[best_mode]
     old: dict[str, Any] = {}
     if grpc_.get("old_path"):  # the batched mode on the old claim path, alternating with the new
         o = grpc_["old_path"]
         mode = next(iter(o["modes"].values()))
-        new_mode = next(m for m in grpc_["modes"].values() if m["ack_batched"] is True)
+        new_mode = next(
+            m for m in grpc_["modes"].values() if m["ack_batched"] is True and m.get("transport") != "stream"
+        )
         old = {
             "old_path_per_s": round(mode["claims_per_s"], 1),
             "old_path_baseline_roundtrip_per_s": round(o["baseline_getbatch_per_s"], 1),
-            "pre_encode_gain": round(best / mode["claims_per_s"], 2),
+            "pre_encode_gain": round(batched / mode["claims_per_s"], 2),
             "packer_cpu_us_per_pair": round(new_mode["packer_cpu_us_per_pair"]),
             "old_path_packer_cpu_us_per_pair": round(mode["packer_cpu_us_per_pair"]),
         }
     return {
         "claim_ack_per_s_16": round(best, 1) if result["params"]["claimers"] == 16 else None,
+        "best_mode": best_mode,
         "claimers": result["params"]["claimers"],
         "baseline_roundtrip_per_s": round(grpc_["baseline_getbatch_per_s"], 1),
         "ratio_vs_roundtrip": round(best / grpc_["baseline_getbatch_per_s"], 3),
+        "batched_unary_per_s": round(batched, 1),
+        "stream_per_s": round(grpc_["stream_claims_per_s"], 1) if "stream_claims_per_s" in grpc_ else None,
+        "stream_pipelined_per_s": round(grpc_["stream_pipelined_claims_per_s"], 1)
+        if "stream_pipelined_claims_per_s" in grpc_
+        else None,
         "one_by_one_per_s": round(grpc_["claims_per_s"], 1),
         "trainer_client_per_s": round(grpc_["trainer_claims_per_s"], 1)
         if "trainer_claims_per_s" in grpc_

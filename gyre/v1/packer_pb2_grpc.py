@@ -64,6 +64,11 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.FromString,
                 _registered_method=True)
+        self.ClaimStream = channel.stream_stream(
+                '/gyre.v1.Packer/ClaimStream',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamResponse.FromString,
+                _registered_method=True)
         self.CommitBatch = channel.unary_unary(
                 '/gyre.v1.Packer/CommitBatch',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.CommitBatchRequest.SerializeToString,
@@ -164,6 +169,29 @@ class PackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimStream(self, request_iterator, context):
+        """ClaimMicroSteps and AckMicroSteps on one long-lived stream per training cell (one call
+        instead of one per claim and per ack). The cell sends tagged requests; the packer answers
+        each once, with the same tag, in the order they finish (not the order sent): requests on
+        one stream are served concurrently (a claim may wait for work while an ack goes
+        through). Semantics and statuses are exactly those of the unary RPCs (same code): a
+        claim is idempotent on (cell_id, claim_id), an ack all or nothing with one WAL flush.
+        A request whose unary RPC would have failed gets its status in its answer (code and
+        message) and the stream goes on; among them PERMISSION_DENIED when its cell_id is not
+        the caller's own identity (the role is checked once, when the call opens),
+        INVALID_ARGUMENT when it carries neither a claim nor an ack, and RESOURCE_EXHAUSTED when
+        the stream already has max_stream_requests (packer config, default 64) in flight.
+        The call itself ends with INVALID_ARGUMENT when a message does not parse or a tag is
+        reused while its request is in flight (the answers could not be told apart). When the
+        cell half-closes, the requests in flight are answered and the call ends OK. Whatever is
+        in flight when the call breaks is safe: a claim whose answer was lost returns to the
+        pool after its TTL (or is answered again by a retry with its claim_id), and an ack is
+        idempotent (resend it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitBatch(self, request, context):
         """The core's optimizer step of a batch is durable: its acknowledged micro-steps are
         trained for good (counted consumed, their tokens freed). Idempotent. FAILED_PRECONDITION
@@ -245,6 +273,11 @@ def add_PackerServicer_to_server(servicer, server):
                     servicer.AckMicroSteps,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.SerializeToString,
+            ),
+            'ClaimStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ClaimStream,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamResponse.SerializeToString,
             ),
             'CommitBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitBatch,
@@ -439,6 +472,33 @@ class Packer:
             '/gyre.v1.Packer/AckMicroSteps',
             gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gyre.v1.Packer/ClaimStream',
+            gyre_dot_v1_dot_packer__pb2.ClaimStreamRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.ClaimStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -141,6 +141,13 @@ class PackerConfig(ServiceConfig):
         "and answer ClaimMicroStep(s) by concatenating those bytes (no proto built or serialized "
         "on the claim path; the answer parses to the same message). False: build the protos per claim.",
     )
+    max_stream_requests: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Requests one ClaimStream call may have in flight; a request beyond is answered "
+        "RESOURCE_EXHAUSTED (the stream goes on).",
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     wal_check_incarnation: bool = Field(
         True,

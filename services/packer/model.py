@@ -512,3 +512,9 @@ class WireCache:
 
 def check_cell(cell_id: str) -> CellId:
     return CellId(check_id(cell_id, "cell_id"))
+
+
+def length_delimited(field: int, payload: bytes) -> bytes:
+    """Field ``field`` (a message or bytes) holding the serialized ``payload``, as protobuf
+    encodes it: appended to a serialized message, the message has that field set."""
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload

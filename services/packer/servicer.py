@@ -13,6 +13,7 @@ from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc, rpc_stream
 from gyre.identity import Role
 from gyre.v1 import packer_pb2, packer_pb2_grpc
+from services.packer.claim_stream import ClaimStreamSession
 from services.packer.config import PackerConfig
 from services.packer.model import Finish, Turn
 from services.packer.packer import Packer
@@ -47,7 +48,7 @@ def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
     return packer_pb2.SupplySignal(**fields, counters=counters_to_proto(s["counters"]))
 
 
-PRE_ENCODED = ("ClaimMicroStep", "ClaimMicroSteps")
+PRE_ENCODED = ("ClaimMicroStep", "ClaimMicroSteps", "ClaimStream")
 """Methods that may answer an already serialized response (bytes; see ``pre_encode``)."""
 
 
@@ -102,6 +103,8 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
             "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
             "ClaimMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
             "AckMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
+            # Role checked when the call opens; own="cell_id" per request (ClaimStreamSession).
+            "ClaimStream": allow(Role.CELL_AGENT),
             "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
             "CommitBatch": allow(Role.CELL_AGENT, own="cell_id"),
             "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
@@ -148,6 +151,12 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
     async def ClaimMicroSteps(
         self, request: packer_pb2.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
     ) -> Any:
+        return await self._claim_many(request, context)
+
+    async def _claim_many(
+        self, request: packer_pb2.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """ClaimMicroSteps, unary or on a ClaimStream: the response, or its bytes."""
         wait_s = request.wait_s
         remaining = context.time_remaining()
         if remaining is not None:
@@ -168,8 +177,22 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
     async def AckMicroSteps(
         self, request: packer_pb2.AckMicroStepsRequest, context: grpc.aio.ServicerContext
     ) -> Any:
+        return await self._ack_many(request)
+
+    async def _ack_many(self, request: packer_pb2.AckMicroStepsRequest) -> packer_pb2.AckMicroStepsResponse:
+        """AckMicroSteps, unary or on a ClaimStream."""
         dups = await self._packer.ack_many(request.cell_id, request.batch_id, list(request.micro_step_ids))
         return packer_pb2.AckMicroStepsResponse(duplicate=dups)
+
+    @rpc_stream
+    async def ClaimStream(
+        self, requests: AsyncIterator[packer_pb2.ClaimStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        session = ClaimStreamSession(
+            lambda r: self._claim_many(r, context), self._ack_many, self._cfg.max_stream_requests
+        )
+        async for answer in session.serve(requests):
+            yield answer
 
     @rpc
     async def CommitBatch(

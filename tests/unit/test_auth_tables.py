@@ -63,6 +63,8 @@ def test_the_documented_roles():
     assert PackerServicer.ACCESS.rules["SealBatch"].roles == {Role.SCHEDULER}
     for m in ("ClaimMicroStep", "AckMicroStep", "KeepClaims"):
         assert PackerServicer.ACCESS.rules[m] == allow(Role.CELL_AGENT, own="cell_id")
+    # A stream: the role when it opens, `own` per message (services/packer/claim_stream.py).
+    assert PackerServicer.ACCESS.rules["ClaimStream"] == allow(Role.CELL_AGENT)
     assert WeightSnapshotsServicer.ACCESS.rules["PullSnapshot"].roles == {Role.CELL_AGENT}
     assert ControlServicer.ACCESS.rules["GetStatus"].roles == {Role.DASHBOARD, Role.OPERATOR}
     assert HarnessServicer.ACCESS.rules["AcquireExecution"].roles == {Role.HARNESS}

@@ -1,0 +1,145 @@
+"""One training cell's claims and acks over one stream (``Packer.ClaimStream``).
+
+A unary call costs the packer about as much CPU as the claim it carries (mTLS, the access
+guard, a call object and its task; see docs/benchmarks/packer.md), so a cell keeps one
+stream and sends every ClaimMicroSteps and AckMicroSteps request on it, each with a tag of
+its own; the answer carries the tag and either the unary RPC's response or the status that
+RPC would have failed with.
+
+Each request runs in a task of its own, through the same code the unary RPCs run (the
+servicer passes it in), so a claim waiting for work does not hold up an ack behind it; the
+answers go out in the order they are ready. Per request, the access rule of the unary RPC
+(``own="cell_id"``: a cell acts only for itself) is checked with
+:func:`gyre.grpcx.auth.check_own` and a refusal answers PERMISSION_DENIED for that request
+(the caller's role was checked when the call opened, so the stream goes on). At most
+``max_requests`` are in flight: one beyond is answered RESOURCE_EXHAUSTED. A tag reused
+while its request is in flight ends the call with INVALID_ARGUMENT (the two answers could
+not be told apart), as a message that does not parse does (the guard). The end of the
+cell's request stream lets the requests in flight finish, then ends the call; the call's
+cancellation cancels them (a claim whose answer is lost is a lease that expires; an ack is
+idempotent and resent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, status_for
+from gyre.grpcx.auth import check_own
+from gyre.v1 import packer_pb2 as pb
+from services.packer.model import length_delimited
+
+log = logging.getLogger(__name__)
+
+Serve = Callable[[Any], Awaitable[Any]]
+"""Serves one request as its unary RPC does: the response (a message, or for a claim the
+serialized ClaimMicroStepsResponse when the packer pre-encodes), or raises a GyreError."""
+
+Answer = pb.ClaimStreamResponse | bytes
+"""One answer: a message, or its serialization (the service passes bytes through)."""
+
+_KINDS = ("claim", "ack")
+
+
+def answer(tag: int, kind: str, response: Any) -> Answer:
+    """The answer to request ``tag`` of ``kind`` with the unary RPC's ``response``; bytes
+    (a pre-encoded ClaimMicroStepsResponse) become the serialized ClaimStreamResponse."""
+    if isinstance(response, bytes):
+        head = pb.ClaimStreamResponse(tag=tag).SerializeToString()
+        return head + length_delimited(_FIELDS[kind], response)
+    return pb.ClaimStreamResponse(tag=tag, **{kind: response})
+
+
+_FIELDS = {"claim": pb.ClaimStreamResponse.CLAIM_FIELD_NUMBER, "ack": pb.ClaimStreamResponse.ACK_FIELD_NUMBER}
+
+
+def failure(tag: int, error: BaseException) -> pb.ClaimStreamResponse:
+    """The answer to request ``tag`` that failed with ``error``: the status its unary RPC
+    would have ended with."""
+    code, message = status_for(error)
+    return pb.ClaimStreamResponse(tag=tag, code=code.value[0], message=message)
+
+
+class ClaimStreamSession:
+    """The state of one ClaimStream call: its requests' tasks and the answers not yet sent."""
+
+    def __init__(self, claim: Serve, ack: Serve, max_requests: int) -> None:
+        self._serve = {"claim": claim, "ack": ack}
+        self._max_requests = max_requests
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._out: list[Answer] = []
+        self._wake = asyncio.Event()
+        self._reading = True
+
+    async def serve(self, requests: AsyncIterator[pb.ClaimStreamRequest]) -> AsyncIterator[Answer]:
+        reader = asyncio.create_task(self._read(requests), name="claim-stream.read")
+        try:
+            while True:
+                if not self._out:
+                    if reader.done() and reader.exception() is not None:
+                        raise reader.exception()  # type: ignore[misc]  # a reused tag, a malformed message
+                    if not self._reading and not self._tasks:
+                        break
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                out, self._out = self._out, []
+                for item in out:
+                    yield item
+        finally:
+            reader.cancel()
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.ClaimStreamRequest]) -> None:
+        try:
+            async for msg in requests:
+                self._begin(msg)
+        finally:
+            self._reading = False
+            self._wake.set()
+
+    def _begin(self, msg: pb.ClaimStreamRequest) -> None:
+        tag = int(msg.tag)
+        if tag in self._tasks:  # the two answers could not be told apart: the caller is broken
+            raise InvalidArgument(f"tag {tag} is already in flight on this stream")
+        kind = msg.WhichOneof("request")
+        if kind not in _KINDS:
+            self._send(failure(tag, InvalidArgument("the request carries neither a claim nor an ack")))
+            return
+        if len(self._tasks) >= self._max_requests:
+            self._send(failure(tag, ResourceExhausted(f"more than {self._max_requests} requests in flight")))
+            return
+        request = getattr(msg, kind)
+        try:
+            check_own(request, "cell_id")  # the unary RPCs' rule: allow(CELL_AGENT, own="cell_id")
+        except GyreError as exc:
+            self._send(failure(tag, exc))
+            return
+        self._tasks[tag] = asyncio.create_task(self._run(tag, kind, request), name=f"claim-stream.{tag}")
+
+    async def _run(self, tag: int, kind: str, request: Any) -> None:
+        try:
+            response = await self._serve[kind](request)
+        except asyncio.CancelledError:
+            return  # the call ended: nothing to send
+        except GyreError as exc:
+            self._send(failure(tag, exc))
+        except Exception as exc:  # a bug fails this request (INTERNAL), never the others
+            log.exception("claim stream request crashed", extra={"tag": tag, "kind": kind})
+            self._send(failure(tag, exc))
+        else:
+            self._send(answer(tag, kind, response))
+        finally:
+            if self._tasks.get(tag) is asyncio.current_task():
+                del self._tasks[tag]
+
+    def _send(self, item: Answer) -> None:
+        self._out.append(item)
+        if not self._wake.is_set():
+            self._wake.set()
