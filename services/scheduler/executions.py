@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from gyre.errors import Conflict, FailedPrecondition, Unauthenticated, Unavailable
 from gyre.etcd.values import Route, token_sha256
+from gyre.evolve import evolve
 from gyre.failpoints import failpoint
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import Fleet
@@ -253,8 +254,8 @@ class Executions:
                     return False
             raise
         failpoint("scheduler.launch.landed")  # in etcd, not yet in memory nor the history
-        self.ledger.apply(dataclasses.replace(rec, revision=rev), self._deadline())
-        self.fleet.routes.put(dataclasses.replace(route, epoch=1, mod_revision=rev))
+        self.ledger.apply(evolve(rec, revision=rev), self._deadline())
+        self.fleet.routes.put(evolve(route, epoch=1, mod_revision=rev))
         self._record_launch(rec, route, rev)
         self.telemetry.gauges()
         return True
@@ -376,7 +377,7 @@ class Executions:
                 return False
             else:
                 raise
-        self.ledger.apply(dataclasses.replace(closed, revision=rev))
+        self.ledger.apply(evolve(closed, revision=rev))
         self.fleet.routes.drop(closed.execution_id)  # the route is gone from etcd too: the token is revoked
         if old is None:  # withdrawn from the queue: it left the queue without a launch
             self.history.append(

@@ -52,7 +52,9 @@ class GroupCommit:
         if self._flusher is None or self._flusher.done():
             # A task of its own: a caller that is cancelled does not strand the others.
             self._flusher = asyncio.create_task(self._flush(), name="scheduler.group_commit")
-        return await asyncio.shield(unit.done)
+        # Not shielded: a caller cancelled here cancels only its own future (the unit still
+        # goes out with its group, and its outcome is dropped, as a shield would drop it).
+        return await unit.done
 
     async def _flush(self) -> None:
         while self._queue:

@@ -45,6 +45,7 @@ from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from gyre.etcd.values import token_sha256
+from gyre.evolve import evolve
 from services.scheduler.policy import LedgerCounts
 
 
@@ -505,7 +506,7 @@ class Ledger:
             raise NotFound(f"unknown execution {execution_id!r}")
         if rec.state.final:
             return FinishOutcome(rec, True)
-        closed = dataclasses.replace(
+        closed = evolve(
             rec,
             state=finish.status,
             reward=finish.reward,
