@@ -62,20 +62,10 @@ class PackerSource:
         :meth:`claim`."""
         resp = await unary(
             self._stub.ClaimMicroSteps,
-            ppb.ClaimMicroStepsRequest(
-                cell_id=self.cell_id,
-                batch_id=batch_id,
-                policy_version=policy_version,
-                wait_s=wait_s,
-                claim_id=claim_id,
-                max_micro_steps=max_micro_steps,
-            ),
+            _claims_request(self.cell_id, batch_id, policy_version, wait_s, claim_id, max_micro_steps),
             timeout_s=wait_s + self.rpc_timeout_s,
         )
-        outcome = Outcome.from_proto(resp.outcome)
-        if outcome is not Outcome.CLAIMED:
-            return [Claim(outcome, None, resp.claim_ttl_s)]
-        return [Claim(outcome, MicroStep.from_proto(m), resp.claim_ttl_s) for m in resp.micro_steps]
+        return _claims(resp)
 
     async def ack_many(self, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
         """Acknowledges several micro-steps in one AckMicroSteps call (all or nothing, one
@@ -201,20 +191,9 @@ class StreamingPackerSource(PackerSource):
         """:meth:`PackerSource.claim_many` over the stream."""
         msg = await self._request(
             wait_s + self.rpc_timeout_s,
-            claim=ppb.ClaimMicroStepsRequest(
-                cell_id=self.cell_id,
-                batch_id=batch_id,
-                policy_version=policy_version,
-                wait_s=wait_s,
-                claim_id=claim_id,
-                max_micro_steps=max_micro_steps,
-            ),
+            claim=_claims_request(self.cell_id, batch_id, policy_version, wait_s, claim_id, max_micro_steps),
         )
-        resp = msg.claim
-        outcome = Outcome.from_proto(resp.outcome)
-        if outcome is not Outcome.CLAIMED:
-            return [Claim(outcome, None, resp.claim_ttl_s)]
-        return [Claim(outcome, MicroStep.from_proto(m), resp.claim_ttl_s) for m in resp.micro_steps]
+        return _claims(msg.claim)
 
     async def ack_many(self, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
         """:meth:`PackerSource.ack_many` over the stream."""
@@ -234,3 +213,25 @@ class StreamingPackerSource(PackerSource):
             with contextlib.suppress(asyncio.CancelledError):
                 await stream.reader
         await super().close()
+
+
+def _claims_request(
+    cell_id: str, batch_id: int, policy_version: int, wait_s: float, claim_id: str, max_micro_steps: int
+) -> ppb.ClaimMicroStepsRequest:
+    """The ClaimMicroSteps request, the same unary and on the claim stream."""
+    return ppb.ClaimMicroStepsRequest(
+        cell_id=cell_id,
+        batch_id=batch_id,
+        policy_version=policy_version,
+        wait_s=wait_s,
+        claim_id=claim_id,
+        max_micro_steps=max_micro_steps,
+    )
+
+
+def _claims(resp: ppb.ClaimMicroStepsResponse) -> list[Claim]:
+    """One CLAIMED claim per micro-step, or a single WAIT / CLOSED claim."""
+    outcome = Outcome.from_proto(resp.outcome)
+    if outcome is not Outcome.CLAIMED:
+        return [Claim(outcome, None, resp.claim_ttl_s)]
+    return [Claim(outcome, MicroStep.from_proto(m), resp.claim_ttl_s) for m in resp.micro_steps]
