@@ -198,13 +198,28 @@ def _methods() -> list[tuple[str, type, type, str]]:
 METHODS = _methods()
 
 
+BIDI_TRIES = 30
+"""How often a bidirectional stream's refusal is read (a write racing it turned one in about
+12 into INTERNAL)."""
+
+
+def _bidi(table: AccessTable, method: str) -> bool:
+    return bool(
+        descriptor_pool.Default().FindServiceByName(table.service).methods_by_name[method].client_streaming
+    )
+
+
 def _request(table: AccessTable, method: str, cell_id: str = "") -> Any:
     desc = descriptor_pool.Default().FindServiceByName(table.service).methods_by_name[method]
     msg = message_factory.GetMessageClass(desc.input_type)()
     if cell_id and "cell_id" in desc.input_type.fields_by_name:
         msg.cell_id = cell_id
     if desc.client_streaming:
-        return [msg], True  # a bidirectional stream of this one message
+        # A bidirectional stream is opened and read, never written: its role is checked when
+        # it opens, and a client write that meets the server's early end replaces the status
+        # the server sent with INTERNAL "Internal error from Core" (grpc/grpc#36066: one
+        # refusal in about 12 read that way when the stream carried one message).
+        return None, True
     return msg, desc.server_streaming
 
 
@@ -214,7 +229,8 @@ async def _call(
     """The status a call ends with (OK when it returned or streamed a first message)."""
     try:
         if streaming:
-            call = getattr(stub, method)(request, timeout=timeout)
+            rpc = getattr(stub, method)
+            call = rpc(timeout=timeout) if request is None else rpc(request, timeout=timeout)
             try:
                 await call.read()
             finally:
@@ -327,10 +343,12 @@ async def test_a_role_the_table_does_not_admit_gets_permission_denied_and_change
                 if key not in channels:
                     channels[key] = channel(cluster.target(service), name, role, EXPECT[service])
                 request, streaming = _request(servicer.ACCESS, method, cell_id="cell-0")
-                code = await _call(stub_cls(channels[key]), method, request, streaming)
-                assert code == grpc.StatusCode.PERMISSION_DENIED, (
-                    f"{service} {method} as {role.value}: {code}"
-                )
+                # A stream's refusal races the call's opening: it is read many times.
+                for _ in range(BIDI_TRIES if _bidi(servicer.ACCESS, method) else 1):
+                    code = await _call(stub_cls(channels[key]), method, request, streaming)
+                    assert code == grpc.StatusCode.PERMISSION_DENIED, (
+                        f"{service} {method} as {role.value}: {code}"
+                    )
                 checked += 1
             if rule.own:  # an admitted role, acting for another cell
                 key = f"{service}/cell-1"
