@@ -238,8 +238,12 @@ async def test_scheduler_leader_steps_down_and_leads_again(fresh_etcd, tmp_path,
         assert int(dict(err.value.trailing_metadata() or ()).get("retry-after-ms", 0)) > 0
         await asyncio.sleep(down_s - 1.0)
         fresh_etcd.resume()
-        out, _ = await _finish_with_retries(h, e1, 30)
-        assert not out.duplicate
+        # The first try's transaction may still apply: etcd was stopped, not cut off, so the
+        # request waits in its socket and can commit when etcd resumes, before the leader's
+        # lease is revoked (its fence still holds), while the scheduler, timed out, answered
+        # UNAVAILABLE. The retry then reads the first outcome (duplicate). UNAVAILABLE
+        # promises only that the same call with the same key is safe; what counts is below.
+        await _finish_with_retries(h, e1, 30)
         after = await h.wait_leader(20)
         assert after.epoch > before.epoch  # a new session, a new campaign, a new epoch
         assert (after.total.launched, after.total.finished) == (2, 1)  # nothing lost, nothing twice
