@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import pytest
@@ -41,12 +42,43 @@ def _scenario(label: str) -> tuple[SimConfig, ScenarioConfig, PolicySpec]:
     return cfg, sc.model_copy(update=update), spec
 
 
+SIGNIFICANT = 9
+"""Digits the digest keeps of each float, and the relative tolerance (1e-9) of the pinned
+floats: libm's exp and log differ in the last bit between CPUs (an AMD EPYC and the
+machine that made the pins: 1514.3256225833825 against ...823 GPU-s), which no speed-up of
+the simulator causes and none should hide behind."""
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.{SIGNIFICANT}g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def _same(got: Any, pinned: Any) -> bool:
+    """Equal, floats (kept as their repr) within 1e-9 relative."""
+    if isinstance(got, dict) and isinstance(pinned, dict):
+        return got.keys() == pinned.keys() and all(_same(got[k], pinned[k]) for k in got)
+    if isinstance(got, list) and isinstance(pinned, list):
+        return len(got) == len(pinned) and all(_same(a, b) for a, b in zip(got, pinned, strict=True))
+    if isinstance(got, str) and isinstance(pinned, str) and got != pinned:
+        try:
+            return math.isclose(float(got), float(pinned), rel_tol=10.0**-SIGNIFICANT)
+        except ValueError:
+            return False
+    return bool(got == pinned)
+
+
 def fingerprint(label: str) -> dict[str, Any]:
     """The numbers of one run that a pure speed-up must leave unchanged (floats by repr)."""
     cfg, sc, spec = _scenario(label)
     r = run_policy(cfg, sc, spec, record_every_s=1.0)
     digest = hashlib.sha256(
-        json.dumps({"series": r.timeseries, "actions": r.actions}, sort_keys=True).encode()
+        json.dumps({"series": _rounded(r.timeseries), "actions": _rounded(r.actions)}, sort_keys=True).encode()
     ).hexdigest()[:16]
     return {
         "time_to_n_s": repr(r.time_to_n_s),
@@ -96,7 +128,7 @@ PINS: dict[str, Any] = {
             "p90": "111.31589595930808",
             "p99": "144.2312377042067",
         },
-        "series_actions": "9d525f62d46cbbe8",
+        "series_actions": "a5c96da98ce14aec",
     },
     "colocated": {
         "time_to_n_s": "2008.5523129052397",
@@ -117,7 +149,7 @@ PINS: dict[str, Any] = {
             "p90": "151.0322789447002",
             "p99": "600.0398004159266",
         },
-        "series_actions": "8cd0fc7592aa19c9",
+        "series_actions": "5829d759362c572a",
     },
     "gyre": {
         "time_to_n_s": "295.4866835761473",
@@ -138,7 +170,7 @@ PINS: dict[str, Any] = {
             "p90": "112.43652561929431",
             "p99": "143.9113391727946",
         },
-        "series_actions": "95ab8e4b380b522d",
+        "series_actions": "0084603d89cd7125",
     },
     "gyre loaded": {
         "time_to_n_s": "355.85259470185673",
@@ -159,7 +191,7 @@ PINS: dict[str, Any] = {
             "p90": "113.46120331860449",
             "p99": "167.97534737690995",
         },
-        "series_actions": "cada756b379b42a3",
+        "series_actions": "81e0f4b7d52c7c60",
     },
     "static T=3": {
         "time_to_n_s": "440.5767102215117",
@@ -180,7 +212,7 @@ PINS: dict[str, Any] = {
             "p90": "114.197549172901",
             "p99": "221.9288598385886",
         },
-        "series_actions": "fb64356fd4612c42",
+        "series_actions": "ae3cbb93d2b6c63c",
     },
     "waterlevel": {
         "time_to_n_s": "403.1266482522085",
@@ -201,7 +233,7 @@ PINS: dict[str, Any] = {
             "p90": "113.87463406967714",
             "p99": "220.56360312909172",
         },
-        "series_actions": "31017bfa9943b01b",
+        "series_actions": "f1615a0973fc71f8",
     },
     "waterlevel loaded": {
         "time_to_n_s": "447.0184892016676",
@@ -222,7 +254,7 @@ PINS: dict[str, Any] = {
             "p90": "113.84025574863507",
             "p99": "221.15962270600346",
         },
-        "series_actions": "60fc8a197e2d1990",
+        "series_actions": "eba8dcbcc2d31b78",
     },
     "waterlevel loaded least-loaded": {
         "time_to_n_s": "446.62100736565645",
@@ -243,7 +275,7 @@ PINS: dict[str, Any] = {
             "p90": "113.82344407608305",
             "p99": "221.1357294005286",
         },
-        "series_actions": "9965aa9425c93433",
+        "series_actions": "1c601db4389d6c66",
     },
     "bound": {
         "critical_path_s": "147.79350069323502",
@@ -259,11 +291,13 @@ PINS: dict[str, Any] = {
 
 @pytest.mark.parametrize("label", sorted(SPECS))
 def test_small_scenario_results_are_pinned(label: str) -> None:
-    assert fingerprint(label) == PINS[label]
+    got = fingerprint(label)
+    assert _same(got, PINS[label]), (got, PINS[label])
 
 
 def test_physical_limit_is_pinned() -> None:
-    assert bound_fingerprint() == PINS["bound"]
+    got = bound_fingerprint()
+    assert _same(got, PINS["bound"]), (got, PINS["bound"])
 
 
 if __name__ == "__main__":
