@@ -78,7 +78,9 @@ def fingerprint(label: str) -> dict[str, Any]:
     cfg, sc, spec = _scenario(label)
     r = run_policy(cfg, sc, spec, record_every_s=1.0)
     digest = hashlib.sha256(
-        json.dumps({"series": _rounded(r.timeseries), "actions": _rounded(r.actions)}, sort_keys=True).encode()
+        json.dumps(
+            {"series": _rounded(r.timeseries), "actions": _rounded(r.actions)}, sort_keys=True
+        ).encode()
     ).hexdigest()[:16]
     return {
         "time_to_n_s": repr(r.time_to_n_s),
