@@ -1,8 +1,9 @@
 """The simulator's results are pinned: a small scenario of each policy, and the physical
 limit, give these numbers on seed 3 (floats within 1e-9 relative: libm's last bits differ
-between CPUs). Speed-ups of the simulator must not change them. A change of the *mechanism* that changes them on purpose
-regenerates the pins: ``PYTHONPATH=. .venv/bin/python tests/unit/test_sim_pinned.py``
-prints the new table, which replaces ``PINS`` in the same commit (with the reason)."""
+between CPUs). Speed-ups of the simulator must not change them. A change of the
+*mechanism* that changes them on purpose regenerates the pins:
+``PYTHONPATH=. .venv/bin/python tests/unit/test_sim_pinned.py`` prints the new table,
+which replaces ``PINS`` in the same commit (with the reason)."""
 
 from __future__ import annotations
 
