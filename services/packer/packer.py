@@ -225,6 +225,14 @@ class Packer:
         """Claims the next free micro-step of a batch, waiting up to ``wait_s`` for one.
         Idempotent on ``claim_id``: a retry answers the micro-step the first call claimed
         while the cell still holds it."""
+        result = await self._claim_unsynced(cell_id, batch_id, version, wait_s, claim_id)
+        await self.log.sync()
+        return result
+
+    async def _claim_unsynced(
+        self, cell_id: str, batch_id: int, version: int, wait_s: float, claim_id: str
+    ) -> ClaimResult:
+        """:meth:`claim` up to the WAL flush: the caller syncs the log before it answers."""
         cell = check_cell(cell_id)
         if claim_id:
             check_id(claim_id, "claim_id", MAX_CLAIM_ID_CHARS)
@@ -251,7 +259,6 @@ class Packer:
         if result.outcome is ClaimOutcome.CLAIMED:
             # The claim in memory and the WAL buffer, not durable, the cell not told:
             failpoint("packer.claim.granted")
-        await self.log.sync()
         return result
 
     def _try_claim(self, cell: CellId, batch_id: int, version: int, claim_id: str = "") -> ClaimResult:
@@ -299,18 +306,45 @@ class Packer:
             check_id(claim_id, "claim_id", MAX_CLAIM_ID_CHARS - 8)
         if not 1 <= max_n <= MAX_CLAIMS_PER_CALL:
             raise InvalidArgument(f"max_micro_steps must be in 1..{MAX_CLAIMS_PER_CALL}, got {max_n}")
-        first = await self.claim(cell_id, batch_id, version, wait_s, _nth_key(claim_id, 0))
-        if first.micro_step is None:
-            return first, []
-        views = [first.micro_step]
-        cell = CellId(cell_id)
-        for k in range(1, max_n):
-            more = self._try_claim(cell, first.batch_id, version, _nth_key(claim_id, k))
-            if more.micro_step is None:
-                break
-            views.append(more.micro_step)
-        await self.log.sync()
+        first = await self._claim_unsynced(cell_id, batch_id, version, wait_s, _nth_key(claim_id, 0))
+        views = [first.micro_step] if first.micro_step is not None else []
+        if views and max_n > 1:
+            views += self._claim_more(CellId(cell_id), first.batch_id, version, claim_id, max_n)
+        await self.log.sync()  # one flush for the whole claim (and whatever else is queued)
         return first, views
+
+    def _claim_more(
+        self, cell: CellId, batch_id: int, version: int, claim_id: str, max_n: int
+    ) -> list[MicroStepView]:
+        """The 2nd..``max_n``-th micro-steps of a batched claim whose first went through (so
+        the batch is open to the cell on ``version``): what ``_try_claim`` under the keys
+        ``claim_id#k`` would give, one after the other, with the per-claim bookkeeping
+        (reaping, the cell's lease renewal, pumping, waking waiters) done once for all."""
+        st = self.state
+        batch = self._batch(batch_id)
+        views: list[MicroStepView] = []
+        pumped = False
+        deadline = self.clock() + self.cfg.claim_ttl_s
+        for k in range(1, max_n):
+            key = _nth_key(claim_id, k)
+            earlier = st.micro_steps.get(batch.claim_keys.get((cell, key), "")) if claim_id else None
+            if earlier is not None and earlier.holder == cell:  # a retry: answer what it claimed
+                views.append(self._view(earlier, batch))
+                continue
+            if not batch.free and not pumped:
+                self._pump({batch.id})  # a claimer is demand: partial bins go out
+                pumped = True
+            if not batch.free:
+                break
+            ms = st.micro_steps[next(iter(batch.free))]
+            self._commit(
+                {"t": "claim", "ms": ms.id, "cell": cell, "v": version, **({"key": key} if claim_id else {})}
+            )
+            ms.deadline = deadline
+            views.append(self._view(ms, batch))
+        self._touch(cell)
+        self._after()
+        return views
 
     async def ack(self, cell_id: str, batch_id: int, micro_step_id: str) -> bool:
         """Records a micro-step trained; True when it had been acknowledged before."""

@@ -108,3 +108,39 @@ async def test_batched_claim_refuses_bad_sizes_and_changes_nothing():
     with pytest.raises(InvalidArgument):
         await p.claim_many("a", 0, 0, 0, "k" * 121, 2)
     assert tk.snapshot(p.state) == before and len(log.events) == n
+
+
+async def test_batched_claim_is_durable_with_one_flush_after_all_its_claims():
+    """One WAL flush per batched claim, after every one of its claims is in the log (a
+    claim answered is durable); the cell's leases are renewed for all of them."""
+
+    class SyncPoints(CountingLog):
+        def __init__(self) -> None:
+            super().__init__()
+            self.at: list[int] = []
+
+        async def sync(self) -> None:
+            await super().sync()
+            self.at.append(len(self.events))
+
+    log = SyncPoints()
+    from services.packer.packer import Packer
+
+    clock = tk.ManualClock()
+    p = Packer(tk.config(batch_size=2, micro_step_token_budget=8), log, clock=clock)
+    p.recover([])
+    for g in ("g1", "g2"):
+        await tk.feed_group(p, g, size=3)  # six micro-steps of 8 tokens
+    syncs = log.syncs
+    first, views = await p.claim_many("a", 0, 0, 0, "k", 4)
+    assert first.outcome is ClaimOutcome.CLAIMED and len(views) == 4
+    assert log.syncs == syncs + 1
+    claims = [e for e in log.events if e["t"] == "claim"]
+    assert [e["ms"] for e in claims] == [v.micro_step_id for v in views]
+    assert [e.get("key") for e in claims] == ["k", "k#1", "k#2", "k#3"]
+    assert log.at[-1] == len(log.events)  # the flush came after the last claim
+    held = [p.state.micro_steps[v.micro_step_id] for v in views]
+    assert len({m.deadline for m in held}) == 1 and all(m.holder == "a" for m in held)
+    # The rest (two), then nothing free: a batched claim takes what there is.
+    _, rest = await p.claim_many("b", 1, 0, 0, "", 4)
+    assert len(rest) == 2 and log.syncs == syncs + 2
