@@ -13,7 +13,8 @@ the same run on the same machine, and the ratio between them:
 - claims (gRPC): claim + ack pairs/s by 16 claimers, one channel each, to a packer process
   (one micro-step per call; several per claim, acks one by one or batched; the same claims
   and batched acks on one ``ClaimStream`` per claimer, one after the other or with the next
-  claim sent while the ack goes through; and the trainer's own client with its default
+  claim sent while the ack goes through; each ack carried in the next claim's message
+  (``ack_first``); and the trainer's own client with its default
   ``claim_batch``),
   against plain GetBatch calls/s from the same 16 callers (the ratio is what a claim costs
   beyond a round trip); the packer process's and the claimers' CPU per pair; with
@@ -261,10 +262,15 @@ async def _stream_claimer(
     pipelined: bool,
     claimed: list[str],
     calls: list[int],
+    ack_with_claim: bool = False,
 ) -> None:
     """:func:`_claimer`'s batched mode (claims of up to ``claim_n``, their acks in one request)
     on the claimer's stream; ``pipelined``: the next claim is sent with the ack, both in flight
-    at once. ``calls[0]`` counts the requests (messages, not calls)."""
+    at once; ``ack_with_claim``: the ack rides in the next claim's message (``ack_first``), one
+    request and one answer for both. ``calls[0]`` counts the requests (messages, not calls)."""
+    if ack_with_claim:
+        await _ack_with_claim_claimer(stream, cell, batch, claim_n, claimed, calls)
+        return
 
     def claim() -> Any:
         return packer_pb2.ClaimMicroStepsRequest(
@@ -293,6 +299,29 @@ async def _stream_claimer(
         assert a.code == 0, a
         if not pipelined:
             pending = await stream.send(claim=claim())
+
+
+async def _ack_with_claim_claimer(
+    stream: _ClaimStream, cell: str, batch: int, claim_n: int, claimed: list[str], calls: list[int]
+) -> None:
+    """Claims, then each ack carried with the next claim (ClaimStream's ``ack_first``)."""
+    ids: list[str] = []
+    while True:
+        claim = packer_pb2.ClaimMicroStepsRequest(
+            cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
+        )
+        if ids:
+            acks = packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch, micro_step_ids=ids)
+            r = await (await stream.send(claim=claim, ack_first=acks))
+            assert r.HasField("acked"), r
+        else:
+            r = await (await stream.send(claim=claim))
+        calls[0] += 1
+        assert r.code == 0, r
+        if r.claim.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
+            return
+        ids = [m.micro_step_id for m in r.claim.micro_steps]
+        claimed.extend(ids)
 
 
 def _cpu_s(pid: int) -> float:
@@ -415,13 +444,21 @@ class _Target:
         stream: str | None = None,
     ) -> None:
         """The claimers drain the batch just ingested (timed): one round of mode ``name``
-        (``stream``: on one ClaimStream per claimer, opened before the clock starts, "serial"
-        or "pipelined")."""
+        (``stream``: on one ClaimStream per claimer, opened before the clock starts, "serial",
+        "pipelined" or "ack_with_claim")."""
         m = self.modes.setdefault(
             name,
             {"claim_micro_steps_per_call": claim_n, "ack_batched": ack_batched, "claims": 0, "seconds": 0.0}
             | {"rpcs": 0, "packer_cpu_s": 0.0, "claimers_cpu_s": 0.0}
-            | ({"transport": "stream", "pipelined": stream == "pipelined"} if stream else {}),
+            | (
+                {
+                    "transport": "stream",
+                    "pipelined": stream == "pipelined",
+                    "ack_with_claim": stream == "ack_with_claim",
+                }
+                if stream
+                else {}
+            ),
         )
         got: list[str] = []
         calls = [0]
@@ -430,7 +467,16 @@ class _Target:
         if stream is not None:
             streams = [_ClaimStream(self.stubs[i]) for i in range(args.claimers)]
             runs = [
-                _stream_claimer(s, f"cell{i}", self.batch, claim_n, stream == "pipelined", got, calls)
+                _stream_claimer(
+                    s,
+                    f"cell{i}",
+                    self.batch,
+                    claim_n,
+                    stream == "pipelined",
+                    got,
+                    calls,
+                    stream == "ack_with_claim",
+                )
                 for i, s in enumerate(streams)
             ]
         elif ack_batched is None:
@@ -512,6 +558,7 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         batched = f"claim_{args.claim_batch}_ack_batched"
         stream = f"stream_claim_{args.claim_batch}_ack_batched"
         piped = f"{stream}_pipelined"
+        with_claim = f"stream_claim_{args.claim_batch}_ack_with_claim"
         modes: dict[str, tuple[int, bool | None, str | None]] = {
             "one_by_one": (1, False, None),
             f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False, None),
@@ -519,6 +566,8 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             # The batched mode's claims and acks on one ClaimStream per claimer.
             stream: (args.claim_batch, True, "serial"),
             piped: (args.claim_batch, True, "pipelined"),
+            # Each ack carried in the next claim's message (ack_first): one request, one answer.
+            with_claim: (args.claim_batch, True, "ack_with_claim"),
             f"trainer_client_claim_{trainer_n}": (trainer_n, None, None),  # PackerSource, as the trainer
         }
         for name, (claim_n, ack_batched, over) in modes.items():
@@ -536,6 +585,8 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
             "stream_vs_roundtrip": per_mode[stream]["claim_vs_roundtrip"],
             "stream_pipelined_claims_per_s": per_mode[piped]["claims_per_s"],
             "stream_pipelined_vs_roundtrip": per_mode[piped]["claim_vs_roundtrip"],
+            "stream_ack_with_claim_claims_per_s": per_mode[with_claim]["claims_per_s"],
+            "stream_ack_with_claim_vs_roundtrip": per_mode[with_claim]["claim_vs_roundtrip"],
             "claims": one["claims"],
             "claims_per_s": one["claims_per_s"],
             "claim_vs_roundtrip": one["claim_vs_roundtrip"],
@@ -560,6 +611,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     run (``best_mode`` names it), and its baseline; ``batched_unary_per_s`` is the batched mode
     over unary calls, ``stream_per_s`` / ``stream_pipelined_per_s`` the same claims and acks on
     one ClaimStream per claimer (serial / the next claim sent with the ack);
+    ``stream_ack_with_claim_per_s`` the same with each ack carried in the next claim's message;
     ``one_by_one_per_s`` is the same with one micro-step per call;
     ``trainer_client_per_s`` the trainer's own client (``PackerSource.claim_many`` /
     ``ack_many`` with the trainer's default ``claim_batch``)."""
@@ -599,6 +651,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if "trainer_claims_per_s" in grpc_
         else None,
         **old,
+        # Runs since the ack carried with the next claim (ack_first) was built.
+        **(
+            {"stream_ack_with_claim_per_s": round(grpc_["stream_ack_with_claim_claims_per_s"], 1)}
+            if "stream_ack_with_claim_claims_per_s" in grpc_
+            else {}
+        ),
     }
 
 

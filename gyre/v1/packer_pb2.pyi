@@ -200,28 +200,32 @@ class AckMicroStepsResponse(_message.Message):
     def __init__(self, duplicate: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ClaimStreamRequest(_message.Message):
-    __slots__ = ("tag", "claim", "ack")
+    __slots__ = ("tag", "claim", "ack", "ack_first")
     TAG_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIRST_FIELD_NUMBER: _ClassVar[int]
     tag: int
     claim: ClaimMicroStepsRequest
     ack: AckMicroStepsRequest
-    def __init__(self, tag: _Optional[int] = ..., claim: _Optional[_Union[ClaimMicroStepsRequest, _Mapping]] = ..., ack: _Optional[_Union[AckMicroStepsRequest, _Mapping]] = ...) -> None: ...
+    ack_first: AckMicroStepsRequest
+    def __init__(self, tag: _Optional[int] = ..., claim: _Optional[_Union[ClaimMicroStepsRequest, _Mapping]] = ..., ack: _Optional[_Union[AckMicroStepsRequest, _Mapping]] = ..., ack_first: _Optional[_Union[AckMicroStepsRequest, _Mapping]] = ...) -> None: ...
 
 class ClaimStreamResponse(_message.Message):
-    __slots__ = ("tag", "claim", "ack", "code", "message")
+    __slots__ = ("tag", "claim", "ack", "code", "message", "acked")
     TAG_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
     tag: int
     claim: ClaimMicroStepsResponse
     ack: AckMicroStepsResponse
     code: int
     message: str
-    def __init__(self, tag: _Optional[int] = ..., claim: _Optional[_Union[ClaimMicroStepsResponse, _Mapping]] = ..., ack: _Optional[_Union[AckMicroStepsResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    acked: AckMicroStepsResponse
+    def __init__(self, tag: _Optional[int] = ..., claim: _Optional[_Union[ClaimMicroStepsResponse, _Mapping]] = ..., ack: _Optional[_Union[AckMicroStepsResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acked: _Optional[_Union[AckMicroStepsResponse, _Mapping]] = ...) -> None: ...
 
 class CommitBatchRequest(_message.Message):
     __slots__ = ("cell_id", "batch_id")

@@ -18,6 +18,12 @@ not be told apart), as a message that does not parse does (the guard). The end o
 cell's request stream lets the requests in flight finish, then ends the call; the call's
 cancellation cancels them (a claim whose answer is lost is a lease that expires; an ack is
 idempotent and resent).
+
+A claim may carry the cell's previous ack (``ack_first``): one request and one answer for
+both, served by ``ack_claim`` (the servicer's ``_ack_then_claim``: the ack, all or nothing,
+then the claim, one WAL flush for both). The ack's cell id is checked like the claim's; a
+failed ack is the answer (no claim made); a claim that fails after its ack went through is
+answered with ``acked`` and the claim's status.
 """
 
 from __future__ import annotations
@@ -44,30 +50,43 @@ Answer = pb.ClaimStreamResponse | bytes
 _KINDS = ("claim", "ack")
 
 
-def answer(tag: int, kind: str, response: Any) -> Answer:
-    """The answer to request ``tag`` of ``kind`` with the unary RPC's ``response``; bytes
-    (a pre-encoded ClaimMicroStepsResponse) become the serialized ClaimStreamResponse."""
+def answer(tag: int, kind: str, response: Any, acked: pb.AckMicroStepsResponse | None = None) -> Answer:
+    """The answer to request ``tag`` of ``kind`` with the unary RPC's ``response`` (and,
+    for a claim that carried an ack, the ack's response ``acked``); bytes (a pre-encoded
+    ClaimMicroStepsResponse) become the serialized ClaimStreamResponse."""
     if isinstance(response, bytes):
-        head = pb.ClaimStreamResponse(tag=tag).SerializeToString()
+        head = pb.ClaimStreamResponse(tag=tag, acked=acked).SerializeToString()
         return head + length_delimited(_FIELDS[kind], response)
-    return pb.ClaimStreamResponse(tag=tag, **{kind: response})
+    return pb.ClaimStreamResponse(tag=tag, acked=acked, **{kind: response})
 
 
 _FIELDS = {"claim": pb.ClaimStreamResponse.CLAIM_FIELD_NUMBER, "ack": pb.ClaimStreamResponse.ACK_FIELD_NUMBER}
 
 
-def failure(tag: int, error: BaseException) -> pb.ClaimStreamResponse:
+def failure(
+    tag: int, error: BaseException, acked: pb.AckMicroStepsResponse | None = None
+) -> pb.ClaimStreamResponse:
     """The answer to request ``tag`` that failed with ``error``: the status its unary RPC
-    would have ended with."""
+    would have ended with (``acked``: a claim that failed after the ack it carried went
+    through)."""
     code, message = status_for(error)
-    return pb.ClaimStreamResponse(tag=tag, code=code.value[0], message=message)
+    return pb.ClaimStreamResponse(tag=tag, code=code.value[0], message=message, acked=acked)
+
+
+AckClaim = Callable[[Any, Any], Awaitable[tuple[Any, Any]]]
+"""Serves an ack carried with a claim (``ack_first``): the ack first, raising a GyreError
+when it fails (no claim made), then the claim; returns the ack's response and the claim's
+(as :data:`Serve` gives it) or the exception the claim failed with, both durable."""
 
 
 class ClaimStreamSession:
     """The state of one ClaimStream call: its requests' tasks and the answers not yet sent."""
 
-    def __init__(self, claim: Serve, ack: Serve, max_requests: int) -> None:
+    def __init__(
+        self, claim: Serve, ack: Serve, max_requests: int, ack_claim: AckClaim | None = None
+    ) -> None:
         self._serve = {"claim": claim, "ack": ack}
+        self._ack_claim = ack_claim
         self._max_requests = max_requests
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._out: list[Answer] = []
@@ -116,12 +135,23 @@ class ClaimStreamSession:
             self._send(failure(tag, ResourceExhausted(f"more than {self._max_requests} requests in flight")))
             return
         request = getattr(msg, kind)
+        ack_first = msg.ack_first if msg.HasField("ack_first") else None
+        if ack_first is not None and (kind != "claim" or self._ack_claim is None):
+            self._send(failure(tag, InvalidArgument("ack_first goes with a claim")))
+            return
         try:
             check_own(request, "cell_id")  # the unary RPCs' rule: allow(CELL_AGENT, own="cell_id")
+            if ack_first is not None:
+                check_own(ack_first, "cell_id")
         except GyreError as exc:
             self._send(failure(tag, exc))
             return
-        self._tasks[tag] = asyncio.create_task(self._run(tag, kind, request), name=f"claim-stream.{tag}")
+        run = (
+            self._run(tag, kind, request)
+            if ack_first is None
+            else self._run_ack_claim(tag, ack_first, request)
+        )
+        self._tasks[tag] = asyncio.create_task(run, name=f"claim-stream.{tag}")
 
     async def _run(self, tag: int, kind: str, request: Any) -> None:
         try:
@@ -135,6 +165,28 @@ class ClaimStreamSession:
             self._send(failure(tag, exc))
         else:
             self._send(answer(tag, kind, response))
+        finally:
+            if self._tasks.get(tag) is asyncio.current_task():
+                del self._tasks[tag]
+
+    async def _run_ack_claim(self, tag: int, ack: Any, claim: Any) -> None:
+        assert self._ack_claim is not None
+        try:
+            acked, claimed = await self._ack_claim(ack, claim)
+        except asyncio.CancelledError:
+            return
+        except GyreError as exc:  # the ack failed: nothing was done
+            self._send(failure(tag, exc))
+        except Exception as exc:
+            log.exception("claim stream request crashed", extra={"tag": tag, "kind": "ack+claim"})
+            self._send(failure(tag, exc))
+        else:
+            if isinstance(claimed, BaseException):
+                if not isinstance(claimed, GyreError):
+                    log.error("claim stream claim crashed", exc_info=claimed, extra={"tag": tag})
+                self._send(failure(tag, claimed, acked))
+            else:
+                self._send(answer(tag, "claim", claimed, acked))
         finally:
             if self._tasks.get(tag) is asyncio.current_task():
                 del self._tasks[tag]

@@ -350,9 +350,12 @@ class Packer:
         """Records a micro-step trained; True when it had been acknowledged before."""
         return (await self.ack_many(cell_id, batch_id, [micro_step_id]))[0]
 
-    async def ack_many(self, cell_id: str, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
+    async def ack_many(
+        self, cell_id: str, batch_id: int, micro_step_ids: list[str], sync: bool = True
+    ) -> list[bool]:
         """Records micro-steps trained, all or nothing, with one WAL flush; per micro-step,
-        True when it had been acknowledged before."""
+        True when it had been acknowledged before. ``sync=False``: without the flush (the
+        caller flushes with :meth:`sync` before it answers, e.g. with a claim after it)."""
         cell = check_cell(cell_id)
         if not 1 <= len(micro_step_ids) <= MAX_ACKS_PER_CALL:
             raise InvalidArgument(
@@ -371,8 +374,13 @@ class Packer:
                     self._commit({"t": "ack", "ms": m, "cell": cell})
             self._touch(cell)
             self._after()
-        await self.log.sync()
+        if sync:
+            await self.log.sync()
         return dups
+
+    async def sync(self) -> None:
+        """Makes everything changed so far durable (one WAL flush, shared with the others)."""
+        await self.log.sync()
 
     def _check_ack(self, cell: CellId, batch_id: int, micro_step_id: str) -> bool:
         """Raises when ``cell`` may not acknowledge the micro-step; True when it already did."""

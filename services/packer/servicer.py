@@ -184,12 +184,35 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         dups = await self._packer.ack_many(request.cell_id, request.batch_id, list(request.micro_step_ids))
         return packer_pb2.AckMicroStepsResponse(duplicate=dups)
 
+    async def _ack_then_claim(
+        self,
+        ack: packer_pb2.AckMicroStepsRequest,
+        claim: packer_pb2.ClaimMicroStepsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[packer_pb2.AckMicroStepsResponse, Any]:
+        """An ack carried with the next claim (ClaimStream's ``ack_first``): the ack first (its
+        failure raises: no claim), then the claim; one WAL flush for both before the answer.
+        Returns the ack's response and the claim's (or the exception the claim failed with)."""
+        dups = await self._packer.ack_many(ack.cell_id, ack.batch_id, list(ack.micro_step_ids), sync=False)
+        acked = packer_pb2.AckMicroStepsResponse(duplicate=dups)
+        try:
+            claimed = await self._claim_many(claim, context)  # flushes the ack's events too
+        except asyncio.CancelledError:
+            raise  # the call ended: nothing is answered (the ack is flushed with the next sync)
+        except Exception as exc:  # the ack stands: make it durable, answer it with the failure
+            await self._packer.sync()
+            return acked, exc
+        return acked, claimed
+
     @rpc_stream
     async def ClaimStream(
         self, requests: AsyncIterator[packer_pb2.ClaimStreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         session = ClaimStreamSession(
-            lambda r: self._claim_many(r, context), self._ack_many, self._cfg.max_stream_requests
+            lambda r: self._claim_many(r, context),
+            self._ack_many,
+            self._cfg.max_stream_requests,
+            ack_claim=lambda a, c: self._ack_then_claim(a, c, context),
         )
         async for answer in session.serve(requests):
             yield answer

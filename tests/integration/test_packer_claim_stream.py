@@ -321,3 +321,72 @@ async def test_the_streaming_client_fails_in_flight_requests_and_reopens(packer_
         await source.close()
         await ch.close()
         await stub.close()
+
+
+async def test_an_ack_carried_with_the_next_claim(packer_proc):
+    """ClaimStream's ``ack_first``: the ack, then the claim, one request and one answer; a
+    failing ack makes no claim; a claim failing after its ack leaves the ack done; cells
+    draining a batch that way train every micro-step once, and what was answered survives
+    a crash of the packer (one WAL flush made both durable before the answer)."""
+    proc = packer_proc(batch_size=4, claim_ttl_s=30.0)
+    stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
+    cell, other = Cell(proc.target, "cell0"), Cell(proc.target, "cell1")
+    try:
+        await feed(stub, 4, size=3, turns=2)
+        first = await cell.ask(1, claim=claim("cell0", n=2, key="c0"))
+        ids = [m.micro_step_id for m in first.claim.micro_steps]
+        assert first.code == 0 and len(ids) == 2
+        # Another cell's ack (of cell 0's micro-steps) fails: its status, nothing claimed.
+        refused = await other.ask(1, claim=claim("cell1", n=2, key="c1"), ack_first=ack("cell1", ids))
+        assert refused.code == Code.FAILED_PRECONDITION.value[0]
+        assert not refused.HasField("acked") and not refused.HasField("claim")
+        assert (await stub.KeepClaims(packer_pb2.KeepClaimsRequest(cell_id="cell1"), timeout=5)).claims == 0
+        # The ack goes through, the claim fails (another policy version): `acked`, the claim's status.
+        half = await cell.ask(2, claim=claim("cell0", n=2, version=7), ack_first=ack("cell0", ids[:1]))
+        assert half.code == Code.FAILED_PRECONDITION.value[0] and list(half.acked.duplicate) == [False]
+        # Both go through: one answer.
+        both = await cell.ask(3, claim=claim("cell0", n=2, key="c2"), ack_first=ack("cell0", ids))
+        assert both.code == 0 and list(both.acked.duplicate) == [True, False]
+        assert both.claim.outcome == CLAIMED and len(both.claim.micro_steps) == 2
+        held = [m.micro_step_id for m in both.claim.micro_steps]
+        # The same retried (its claim_id): the ack answers duplicate, the claim the same micro-steps.
+        retry = await cell.ask(4, claim=claim("cell0", n=2, key="c2"), ack_first=ack("cell0", ids))
+        assert list(retry.acked.duplicate) == [True, True] and retry.claim == both.claim
+
+        async def drain(name: str, start: list[str]) -> list[str]:
+            source = StreamingPackerSource(proc.target, name, channel=channel(proc.target, name))
+            mine, pending = list(start), list(start)
+            try:
+                claims = await source.claim_many(1, 0, 0.5, 3, f"{name}-0") if not pending else None
+                while True:
+                    if claims is not None:
+                        if claims[0].outcome is Outcome.CLOSED:
+                            return mine
+                        pending = [c.micro_step.micro_step_id for c in claims if c.micro_step is not None]
+                        mine += pending
+                    if not pending:
+                        claims = await source.claim_many(1, 0, 0.5, 3, f"{name}-{len(mine)}")
+                        continue
+                    dups, claims = await source.ack_and_claim_many(
+                        1, pending, 0, 0.5, 3, f"{name}-{len(mine)}"
+                    )
+                    assert dups == [False] * len(pending)
+                    pending = []
+            finally:
+                await source.close()
+                await source._channel.close()
+
+        mine = await asyncio.gather(drain("cell0", held), drain("cell2", []))
+        trained = ids + mine[0] + mine[1]
+        status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+        assert status.done and len(trained) == len(set(trained)) == status.micro_steps == status.acked
+    finally:
+        await cell.close()
+        await other.close()
+        await stub.close()
+    # Every answered ack was durable: a crash loses none of them.
+    proc.kill()
+    proc = packer_proc(batch_size=4, claim_ttl_s=30.0)
+    async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
+        again = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+        assert again.done and again.acked == again.micro_steps == status.micro_steps

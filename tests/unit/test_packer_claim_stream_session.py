@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gyre.errors import InvalidArgument, NotFound, PermissionDenied
+from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from gyre.grpcx import auth
 from gyre.identity import Identity, Role
 from gyre.v1 import packer_pb2 as pb
@@ -154,3 +154,86 @@ async def test_each_message_may_act_only_for_the_caller() -> None:
     finally:
         auth._caller.reset(token)
     auth.check_own(_claim(cell="anyone"), "cell_id")  # no verified caller (tls.insecure)
+
+
+def _ack_claim_session() -> tuple[ClaimStreamSession, list[tuple[Any, Any]]]:
+    """A session whose acks carried with a claim (``ack_first``) are served by a fake: an
+    ack of batch 98 fails (nothing done), a claim of batch 99 fails after its ack went
+    through; the pairs it served are recorded."""
+    served: list[tuple[Any, Any]] = []
+
+    async def ack_claim(ack: pb.AckMicroStepsRequest, claim: pb.ClaimMicroStepsRequest) -> tuple[Any, Any]:
+        if ack.batch_id == 98:
+            raise FailedPrecondition("held by another cell")
+        served.append((ack, claim))
+        acked = pb.AckMicroStepsResponse(duplicate=[False] * len(ack.micro_step_ids))
+        if claim.batch_id == 99:
+            return acked, NotFound("no batch 99")
+        return acked, _claim_response(claim.max_micro_steps).SerializeToString()
+
+    async def never(request: Any) -> Any:
+        raise AssertionError("an ack carried with a claim is served as one request")
+
+    return ClaimStreamSession(never, never, 4, ack_claim=ack_claim), served
+
+
+def test_an_answer_with_its_ack_parses_to_the_message() -> None:
+    resp, acked = _claim_response(2), pb.AckMicroStepsResponse(duplicate=[False, True])
+    raw = answer(5, "claim", resp.SerializeToString(), acked)
+    assert isinstance(raw, bytes)
+    assert pb.ClaimStreamResponse.FromString(raw) == pb.ClaimStreamResponse(tag=5, claim=resp, acked=acked)
+    assert answer(5, "claim", resp, acked) == pb.ClaimStreamResponse(tag=5, claim=resp, acked=acked)
+
+
+async def test_an_ack_carried_with_a_claim_is_one_request_and_one_answer() -> None:
+    session, served = _ack_claim_session()
+    feed = Feed(session)
+    feed.send(1, claim=_claim(3), ack_first=pb.AckMicroStepsRequest(batch_id=1, micro_step_ids=["a", "b"]))
+    got = await feed.answer(1)
+    assert got.code == OK and list(got.acked.duplicate) == [False, False] and len(got.claim.micro_steps) == 3
+    assert len(served) == 1
+    # The ack fails: its status, no `acked`, no claim made.
+    feed.send(2, claim=_claim(3), ack_first=pb.AckMicroStepsRequest(batch_id=98, micro_step_ids=["a"]))
+    got = await feed.answer(2)
+    assert (got.code, got.message) == (grpc.StatusCode.FAILED_PRECONDITION.value[0], "held by another cell")
+    assert not got.HasField("acked") and not got.HasField("claim") and len(served) == 1
+    # The ack goes through and the claim fails: `acked` with the claim's status.
+    feed.send(3, claim=_claim(batch=99), ack_first=pb.AckMicroStepsRequest(batch_id=1, micro_step_ids=["c"]))
+    got = await feed.answer(3)
+    assert got.code == grpc.StatusCode.NOT_FOUND.value[0] and list(got.acked.duplicate) == [False]
+    # With an ack instead of a claim: INVALID_ARGUMENT, nothing served.
+    feed.send(4, ack=pb.AckMicroStepsRequest(micro_step_ids=["x"]), ack_first=pb.AckMicroStepsRequest())
+    got = await feed.answer(4)
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "ack_first" in got.message
+    assert len(served) == 2
+    feed.queue.put_nowait(None)
+    await asyncio.wait_for(feed.task, 5)
+
+
+async def test_an_ack_carried_with_a_claim_may_act_only_for_the_caller() -> None:
+    token = auth._caller.set(Identity(Role.CELL_AGENT, "cell-1"))
+    try:
+        session, served = _ack_claim_session()
+        feed = Feed(session)
+        mine = pb.AckMicroStepsRequest(cell_id="cell-1", batch_id=1, micro_step_ids=["a"])
+        theirs = pb.AckMicroStepsRequest(cell_id="cell-0", batch_id=1, micro_step_ids=["a"])
+        feed.send(1, claim=_claim(cell="cell-1"), ack_first=theirs)
+        feed.send(2, claim=_claim(cell="cell-0"), ack_first=mine)
+        feed.send(3, claim=_claim(cell="cell-1"), ack_first=mine)
+        codes = [(await feed.answer(t)).code for t in (1, 2, 3)]
+        assert codes == [grpc.StatusCode.PERMISSION_DENIED.value[0]] * 2 + [OK]
+        assert len(served) == 1
+        feed.queue.put_nowait(None)
+        await asyncio.wait_for(feed.task, 5)
+    finally:
+        auth._caller.reset(token)
+
+
+async def test_a_session_without_ack_claim_refuses_ack_first() -> None:
+    release = asyncio.Event()
+    release.set()
+    feed = Feed(_session(release))
+    feed.send(1, claim=_claim(), ack_first=pb.AckMicroStepsRequest(micro_step_ids=["a"]))
+    assert (await feed.answer(1)).code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    feed.queue.put_nowait(None)
+    await asyncio.wait_for(feed.task, 5)

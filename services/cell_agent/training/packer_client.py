@@ -205,6 +205,34 @@ class StreamingPackerSource(PackerSource):
         )
         return list(msg.ack.duplicate)
 
+    async def ack_and_claim_many(
+        self,
+        batch_id: int,
+        ack_ids: list[str],
+        policy_version: int,
+        wait_s: float,
+        max_micro_steps: int,
+        claim_id: str = "",
+    ) -> tuple[list[bool], list[Claim]]:
+        """``ack_many(batch_id, ack_ids)`` and then ``claim_many(...)`` in one request and one
+        answer (ClaimStream's ``ack_first``): the ack's duplicate flags and the claims. The
+        ack is done first, all or nothing: when it fails its error is raised and nothing was
+        claimed; when it went through and the claim failed, the claim's error is raised (the
+        ack stands; resent, it answers duplicate). A packer that predates ``ack_first``
+        answers the claim alone; the ack is then sent by itself."""
+        msg = await self._request(
+            wait_s + self.rpc_timeout_s,
+            claim=_claims_request(self.cell_id, batch_id, policy_version, wait_s, claim_id, max_micro_steps),
+            ack_first=ppb.AckMicroStepsRequest(
+                cell_id=self.cell_id, batch_id=batch_id, micro_step_ids=ack_ids
+            ),
+        )
+        if msg.HasField("acked"):
+            dups = list(msg.acked.duplicate)
+        else:  # an older packer: it claimed and ignored the ack
+            dups = await self.ack_many(batch_id, ack_ids)
+        return dups, _claims(msg.claim)
+
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
