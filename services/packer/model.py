@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import enum
+import functools
 import math
 import zlib
 from collections.abc import Container, Iterable
@@ -90,12 +91,18 @@ class Turn:
         """All tokens of the packed sequence (what the micro-step budget bounds)."""
         return len(self.prompt) + len(self.output)
 
-    @property
+    @functools.cached_property
     def loss_tokens(self) -> int:
+        # Cached (the fields are tuples, never changed): every emit and claim reads it.
         return sum(self.mask)
 
+    @functools.cached_property
+    def _min_version(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
     def oldest_version(self, fallback: int) -> int:
-        return min(self.versions) if self.versions else fallback
+        v = self._min_version  # cached: every claimed sequence asks (a min over its tokens)
+        return fallback if v is None else v
 
     def digest(self) -> int:
         """A content checksum, to tell an idempotent retry from a conflicting duplicate

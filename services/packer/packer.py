@@ -691,7 +691,7 @@ class Packer:
         if not batch.pending:
             return
         st, budget = self.state, self.cfg.micro_step_token_budget
-        sizes = {ref: st.segment(ref).tokens for ref in batch.pending}
+        sizes = {ref: st.segment_tokens(ref) for ref in batch.pending}
         bins = first_fit_decreasing([(ref, sizes[ref]) for ref in batch.pending], budget)
         threshold = self.cfg.emit_fill_fraction * budget
         emitted = len(batch.micro_steps)

@@ -75,6 +75,12 @@ class PackerState:
         ex = self.execs[ref[0]]
         return Segment(tuple(ex.turns[i] for i in ex.segments[ref[1]]))
 
+    def segment_tokens(self, ref: SeqRef) -> int:
+        """``segment(ref).tokens`` without building the segment (packing asks for every one)."""
+        ex = self.execs[ref[0]]
+        last = ex.turns[ex.segments[ref[1]][-1]]
+        return len(last.prompt) + len(last.output)
+
     def segment_turns(self, ref: SeqRef) -> int:
         return len(self.execs[ref[0]].segments[ref[1]])
 
@@ -288,15 +294,23 @@ class PackerState:
             raise FatalError(f"emit {ev['ms']}: sequences not pending in batch {batch.id}")
         for r in refs:
             del batch.pending[r]
-        segments = [self.segment(r) for r in refs]
+        n_seqs = loss_tokens = packed_tokens = 0
+        for x, i in refs:  # what the segments (Segment) would sum, without building them
+            ex = self.execs[x]
+            indexes = ex.segments[i]
+            n_seqs += len(indexes)
+            for k in indexes:
+                loss_tokens += ex.turns[k].loss_tokens
+            last = ex.turns[indexes[-1]]
+            packed_tokens += len(last.prompt) + len(last.output)
         ms = MicroStep(
             id=ev["ms"],
             batch_id=batch.id,
             index=len(batch.micro_steps),
             seqs=refs,
-            n_seqs=sum(len(s.turns) for s in segments),
-            loss_tokens=sum(s.loss_tokens for s in segments),
-            packed_tokens=sum(s.tokens for s in segments),
+            n_seqs=n_seqs,
+            loss_tokens=loss_tokens,
+            packed_tokens=packed_tokens,
         )
         batch.micro_steps.append(ms)
         batch.free[ms.id] = None

@@ -71,8 +71,12 @@ class MemoryLog:
         return None
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+"""One encoder for every event (``json.dumps`` with these options builds one per call)."""
+
+
 def encode(event: Event) -> str:
-    body = json.dumps(event, separators=(",", ":"), allow_nan=False)
+    body = _JSON.encode(event)
     return f"{zlib.crc32(body.encode()):08x} {body}\n"
 
 

@@ -127,3 +127,29 @@ def test_split_segments_rule():
     # trained, since nothing recorded their log-probs).
     del turns[2]
     assert split_segments(turns) == [(0, 1, 3), (4, 5)]
+
+
+async def test_emits_sum_what_the_segments_hold_and_turns_cache_their_sums():
+    """A micro-step's counts (computed from the executions' segments without building a
+    Segment) equal the Segment sums; a Turn's cached loss tokens and oldest version equal
+    the plain sums, and the cache does not change equality."""
+    from services.packer.model import Turn
+    from services.packer.segments import Segment
+
+    p, _, _ = tk.make_packer(batch_size=3, micro_step_token_budget=40)
+    for g in range(3):
+        await tk.feed_group(p, f"g{g}", size=3, turns=3, prompt=3 + g, output=2 + g)
+    await p.claim("c", 0, 0, 0)  # activates and packs the batch
+    st = p.state
+    batch = st.batches[1]
+    assert batch.micro_steps
+    for ms in batch.micro_steps:
+        segs: list[Segment] = [st.segment(r) for r in ms.seqs]
+        assert ms.n_seqs == sum(len(s.turns) for s in segs)
+        assert ms.loss_tokens == sum(sum(t.mask) for s in segs for t in s.turns)
+        assert ms.packed_tokens == sum(s.tokens for s in segs) == sum(st.segment_tokens(r) for r in ms.seqs)
+    t = Turn.validated("x", "g", 0, [1, 2], [3, 4, 5], [-0.1] * 3, [7, 5, 6], [1, 0, 1], 100)
+    fresh = Turn.validated("x", "g", 0, [1, 2], [3, 4, 5], [-0.1] * 3, [7, 5, 6], [1, 0, 1], 100)
+    assert (t.loss_tokens, t.oldest_version(9)) == (2, 5)
+    assert t == fresh and hash(t) == hash(fresh)
+    assert Turn.validated("x", "g", 0, [1], [3], [-0.1], [], [1], 100).oldest_version(9) == 9
