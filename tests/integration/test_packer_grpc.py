@@ -147,8 +147,11 @@ async def test_batched_claims_and_acks_over_grpc(packer_proc):
         assert len(trained) == len(set(trained)) == 8 * 3 * 2
         bad = packer_pb2.ClaimMicroStepsRequest(cell_id="cell0", batch_id=0, max_micro_steps=0)
         assert await _code(stubs[0].ClaimMicroSteps(bad, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        # A cell's own micro-step with an unknown one (any cell that trained one: cell 0,
+        # claiming one at a time against cells claiming up to 4, may have trained none).
+        owner, mine = next((i, ids) for i, ids in enumerate(results[1:]) if ids)
         unknown = packer_pb2.AckMicroStepsRequest(
-            cell_id="cell0", batch_id=1, micro_step_ids=[claimed[0], "nope"]
+            cell_id=f"cell{owner}", batch_id=1, micro_step_ids=[mine[0], "nope"]
         )
         assert await _code(stubs[0].AckMicroSteps(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
         theirs = next(ids for ids in results[2:] if ids)  # trained by another cell
