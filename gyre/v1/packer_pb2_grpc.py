@@ -179,7 +179,8 @@ class PackerServicer:
         A request whose unary RPC would have failed gets its status in its answer (code and
         message) and the stream goes on; among them PERMISSION_DENIED when its cell_id is not
         the caller's own identity (the role is checked once, when the call opens),
-        INVALID_ARGUMENT when it carries neither a claim nor an ack, and RESOURCE_EXHAUSTED when
+        INVALID_ARGUMENT when it carries neither a claim nor an ack (or an ack_first without a
+        claim; a claim may carry the cell's previous ack: see ack_first), and RESOURCE_EXHAUSTED when
         the stream already has max_stream_requests (packer config, default 64) in flight.
         The call itself ends with INVALID_ARGUMENT when a message does not parse or a tag is
         reused while its request is in flight (the answers could not be told apart). When the
