@@ -24,6 +24,13 @@ class GyreSettings(BaseModel):
     gyre_hysteresis: float = Field(
         GyreConfig.hysteresis, ge=0, description="Gyre: cells kept beyond the target, fraction of it."
     )
+    gyre_saturated_share: float = Field(
+        GyreConfig.saturated_share,
+        gt=0,
+        le=1,
+        description="Gyre: share of the rate target the training prefix is sized to while rollout "
+        "is saturated (W_eta exceeds the slots the target leaves to rollout); 1: off.",
+    )
     gyre_plan_ahead: int = Field(
         GyreConfig.plan_ahead, ge=0, description="Gyre: cells planned beyond the next moves."
     )

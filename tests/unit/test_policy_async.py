@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,6 +227,7 @@ CONFIGS = st.builds(
     plan=st.booleans(),
     migrate=st.booleans(),
     hysteresis=st.sampled_from([0.0, 0.2, 1.0]),
+    saturated_share=st.sampled_from([0.6, 1.0]),
 )
 
 
@@ -438,6 +440,50 @@ def test_gyre_does_not_return_cells_when_w_eta_jumps_past_the_capacity():
     idle = Pipeline(**{**p.__dict__, "ready_rate": 0.0})
     acts = GyrePolicy().decide(_snap(_cells([T, T, T, T, R, R]), idle))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c3"]
+
+
+def test_gyre_sizes_the_prefix_to_a_share_of_the_rate_target_while_rollout_is_saturated():
+    # 20 cells of 10 slots; the rate target is 10 cells (0.2 groups/s x 5e4 tokens at
+    # 1000 tok/s per cell), which would leave 10 x 10 = 100 slots to rollout.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+
+    def pipeline(open_executions):
+        return Pipeline(
+            max_staleness=4,
+            group_size=4,
+            batch_groups=20,
+            train_rate_per_cell=1000.0,
+            ready_rate=0.2,
+            tokens_per_group=5e4,
+            versions=(
+                VersionCounts(
+                    1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
+                ),
+            ),
+            published_version=1,
+        )
+
+    cells = _cells([T, T] + [R] * 18)
+    elastic = list(cells)
+    # W_eta 80 fits the 100 slots the target leaves: the rate target as it is, any share.
+    s = _snap(cells, pipeline(80))
+    for share in (0.6, 1.0):
+        assert GyrePolicy(GyreConfig(saturated_share=share)).target(s, elastic, 80)[:2] == (10, 10)
+    # W_eta 120 does not: rollout is the bottleneck (executions wait for a slot), so the
+    # prefix is sized to 0.6 of the target (6 cells, under the W_eta cap of 20 - 12 = 8).
+    s = _snap(cells, pipeline(120))
+    assert staleness.waterlevel(s.pipeline, 1) == 120
+    target, keep, why = GyrePolicy(GyreConfig(saturated_share=0.6)).target(s, elastic, 120)
+    assert (target, keep) == (6, 6) and "saturated" in why
+    # Share 1 turns it off: the cap (8) holds the moves, returns measure against 10.
+    assert GyrePolicy(GyreConfig(saturated_share=1.0)).target(s, elastic, 120)[:2] == (8, 10)
+    # The default is the share.
+    assert GyreConfig().saturated_share == 0.6
+    moves = [a for a in GyrePolicy().decide(s) if isinstance(a, MoveToTraining)]
+    assert [a.cell_id for a in moves] == ["c2"]
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="saturated_share"):
+            GyreConfig(saturated_share=bad)
 
 
 def test_gyre_plans_next_cells_and_migrates_the_tail_off_crowded_engines():

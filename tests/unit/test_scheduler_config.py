@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.policy import GyreConfig
 
 
 @pytest.mark.parametrize(
@@ -22,3 +24,15 @@ def test_matches_the_simulator_rule():
         for op in (0.0, 0.1, 0.25, 0.3, 0.5, 1.0):
             sim_rule = max(batch, math.ceil(batch * (1 + op) - 1e-9))  # sim/driver.py
             assert SchedulerConfig(batch_size=batch, over_provision=op).groups_per_burst() == sim_rule
+
+
+def test_gyre_settings_reach_the_policy_and_bad_ones_are_refused():
+    """Every ``gyre_*`` setting of the scheduler's config is a GyreConfig field (the simulator
+    reads the same settings), with the policy's defaults."""
+    cfg = SchedulerConfig(gyre_saturated_share=0.8, gyre_hysteresis=0.5)
+    gyre = cfg.gyre_config(drain_grace_s=2.0)
+    assert (gyre.saturated_share, gyre.hysteresis) == (0.8, 0.5)
+    assert SchedulerConfig().gyre_config(2.0) == GyreConfig()
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValidationError, match="gyre_saturated_share"):
+            SchedulerConfig(gyre_saturated_share=bad)

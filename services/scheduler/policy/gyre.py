@@ -36,6 +36,19 @@ eta = 4, 3 updates: 2,060 s; returns from the uncapped target: 1,781 s; the fixe
 split: 1,809 s). At eta <= 1 the two rules ran identically on A64 and B64. The executions
 W_eta counts beyond the capacity wait for a slot: they serve later batches.
 
+**Saturated rollout: a share of the target.** When W_eta exceeds the slots of the cells
+the target would leave to rollout (``W_eta > slots x (elastic - T_rate)``: executions wait
+for a slot, which happens at eta >= 2, where W_eta counts eta + 1 batches of work), rollout
+is the bottleneck and every cell it keeps turns directly into ready groups, while the
+pool of ready groups (up to eta batches ahead) feeds the trainer between dispatch waves.
+The prefix is then sized to ``saturated_share`` (0.6) of ``T_rate``. Measured on B64 at
+eta = 4 (seeds 1-2, 10 updates): the full target kept the trainer idle 22-24% and ran
+1,827-1,841 s; shares 0.9 / 0.8 / 0.7 / 0.6 / 0.5 of it ran 1,822 / 1,801-1,805 /
+1,783-1,793 / 1,772-1,778 / 1,784-1,797 s (trainer idle 18 / 15 / 9 / 3 / 0%). The same
+shares applied everywhere cost B64 at eta = 1 up to 6% (0.6: 2,537 s against 2,386 s) and
+A64 2-6%, where rollout is latency-bound and the trainer must absorb each dispatch wave;
+the saturation condition never holds there, so those runs are unchanged.
+
 **The supply gate disappears into this rule**:
 "enough ready supply, held for an interval" was a proxy for "training would not starve";
 the rate rule states that directly (no supply -> no work -> T = 1) and reacts within one
@@ -111,12 +124,17 @@ class GyreConfig:
     """Migrations per decision."""
     migrate_min_load: float = 0.5
     """Only engines above this fraction of their slots give tail executions away."""
+    saturated_share: float = 0.6
+    """Share of the rate target the prefix is sized to while rollout is saturated (W_eta
+    exceeds the slots of the cells the target leaves to rollout); 1 turns this off."""
     drain_grace_s: float = 2.0
     """How long W must stay 0 before a partial batch is sealed (task source exhausted)."""
 
     def __post_init__(self) -> None:
         if not (self.min_horizon_s > 0 and math.isfinite(self.min_horizon_s)):
             raise ValueError("min_horizon_s must be finite and > 0")
+        if not 0 < self.saturated_share <= 1:
+            raise ValueError("saturated_share must be in (0, 1]")
         if self.hysteresis < 0 or self.plan_ahead < 0 or self.migrate_max < 0:
             raise ValueError("hysteresis, plan_ahead and migrate_max must be >= 0")
 
@@ -167,9 +185,14 @@ class GyrePolicy:
             )
             why = f"ready {p.ready_groups} of {p.batch_groups} (threshold)"
         keep = t if t <= len(elastic) else max(1, len(elastic))
-        if t > t_max:
+        share = self.config.saturated_share
+        if self.config.rates and share < 1 and w - standalone > slots * (len(elastic) - keep):
+            # Rollout saturated: W_eta would not fit the cells the target leaves to rollout.
+            keep = max(1, round(keep * share))
+            why += f"; rollout saturated (W_eta {w} > the slots the target leaves): x{share:g}"
+        if keep > t_max:
             return max(1, t_max), keep, f"{why}; capped at {t_max} to cover W_eta {w}"
-        return t, keep, why
+        return keep, keep, why
 
     # -- decide ------------------------------------------------------------------------------
 
