@@ -319,7 +319,10 @@ class Packer:
         """The 2nd..``max_n``-th micro-steps of a batched claim whose first went through (so
         the batch is open to the cell on ``version``): what ``_try_claim`` under the keys
         ``claim_id#k`` would give, one after the other, with the per-claim bookkeeping
-        (reaping, the cell's lease renewal, pumping, waking waiters) done once for all."""
+        (reaping, the cell's lease renewal, pumping, waking waiters) done once for all. It
+        stops while as many micro-steps are free as other claims wait for one: when a
+        batch streams in, a cell that joined it (waiting) gets its share instead of
+        watching one batched claim take every micro-step that became free."""
         st = self.state
         batch = self._batch(batch_id)
         views: list[MicroStepView] = []
@@ -334,8 +337,8 @@ class Packer:
             if not batch.free and not pumped:
                 self._pump({batch.id})  # a claimer is demand: partial bins go out
                 pumped = True
-            if not batch.free:
-                break
+            if len(batch.free) <= self._waiting.get(batch.id, 0):
+                break  # leave one to each cell waiting for a micro-step (a satellite joining)
             ms = st.micro_steps[next(iter(batch.free))]
             self._commit(
                 {"t": "claim", "ms": ms.id, "cell": cell, "v": version, **({"key": key} if claim_id else {})}

@@ -70,6 +70,29 @@ async def test_batched_claim_is_idempotent_on_its_claim_id():
     assert (await p.claim_many("b", 1, 0, 0, "k2", 3))[0].outcome is ClaimOutcome.CLOSED
 
 
+async def test_a_batched_claim_leaves_a_micro_step_to_each_cell_waiting_for_one():
+    # "b" joined the batch and waits; four micro-steps become free at once. A batched claim
+    # of "a" for 4 takes 3 and leaves one to b (it took all 4 before, and b trained none:
+    # tests/integration/test_training_packer.py's satellite, in CI).
+    p, _, _ = tk.make_packer(batch_size=2, micro_step_token_budget=8)
+    await tk.feed_group(p, "g1", size=2)  # two micro-steps
+    first, views = await p.claim_many("a", 0, 0, 0, "k0", 2)
+    assert first.outcome is ClaimOutcome.CLAIMED and len(views) == 2
+    waiter = asyncio.create_task(p.claim_many("b", 1, 0, 5.0, "kb", 4))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # b waits for a micro-step of batch 1
+    await tk.feed_group(p, "g2", size=2)  # two more: the batch is complete
+    first, views = await p.claim_many("a", 1, 0, 0, "k1", 4)
+    b_first, b_views = await asyncio.wait_for(waiter, 5)
+    assert b_first.outcome is ClaimOutcome.CLAIMED and len(b_views) >= 1
+    assert len(views) + len(b_views) == 2
+    # With nobody waiting a batched claim takes what there is.
+    p2, _, _ = tk.make_packer(batch_size=2, micro_step_token_budget=8)
+    for g in ("g1", "g2"):
+        await tk.feed_group(p2, g, size=2)
+    assert len((await p2.claim_many("a", 0, 0, 0, "k", 4))[1]) == 4
+
+
 async def test_batched_ack_is_all_or_nothing_with_one_flush():
     log = CountingLog()
     from services.packer.packer import Packer
