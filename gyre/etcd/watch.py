@@ -92,6 +92,7 @@ class PrefixMirror:
     async def run(self) -> None:
         """Mirrors forever; survives etcd restarts (backs off and relists)."""
         backoff = Backoff(0.1, 2.0)
+        task = asyncio.current_task()
         while True:
             try:
                 await self.relist()
@@ -105,6 +106,12 @@ class PrefixMirror:
                     extra={"prefix": self._prefix.decode(), "error": repr(exc)},
                 )
                 await backoff.sleep()
+            # aetcd can swallow our cancellation (Watcher._terminate_stream awaits its
+            # request handler under ``except CancelledError: pass``): the watch then just
+            # ends, and this loop would relist and watch forever while whoever cancelled it
+            # (a service shutting down, a wait_for) waits forever.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
 
     async def _watch_until_resync(self) -> None:
         # Bounded like the rest (see WATCH_CANCEL_TIMEOUT_S): a creation that never answers is
