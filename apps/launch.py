@@ -41,7 +41,8 @@ from apps.limits import check_sequence_limits, check_shared_settings
 from apps.pki import LaunchPki
 from apps.procs import ServiceProcess
 from apps.supervise import RestartPolicy, Supervisor, SupervisorEvent
-from gyre.etcd.server import EtcdServer, free_port
+from gyre.etcd.server import EtcdServer
+from gyre.ports import free_port
 
 _PORT_RE = re.compile(r"(?P<pre>(?:127\.0\.0\.1|localhost):|port: )(?P<port>\d{2,5})\b")
 

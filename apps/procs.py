@@ -94,11 +94,27 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode} before ready; log: {self.log_path}"
+                    + self._log_tail()
                 )
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"{self.name} not ready after {timeout_s}s; log: {self.log_path}")
+                raise RuntimeError(
+                    f"{self.name} not ready after {timeout_s}s; log: {self.log_path}" + self._log_tail()
+                )
         return self
+
+    def _log_tail(self, lines: int = 15) -> str:
+        """The end of the log, for the error of a start that failed: the log itself is gone
+        with the run folder when a test fails on CI."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                tail = f.read().decode(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "".join(f"\n  | {line}" for line in tail)
 
     def _read_stdout(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None

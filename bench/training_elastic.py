@@ -37,8 +37,9 @@ from bench.support.fake_packer import FakePacker, synthetic_batch  # noqa: E402
 from bench.support.pki import BenchPki  # noqa: E402
 from bench.support.training_rig import join_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
-from gyre.etcd.server import EtcdServer, free_port  # noqa: E402
+from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
+from gyre.ports import free_port  # noqa: E402
 
 
 async def _join(

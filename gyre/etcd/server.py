@@ -21,12 +21,7 @@ import time
 from pathlib import Path
 
 from gyre.lifeline import spawn
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from gyre.ports import free_port
 
 
 class EtcdServer:

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import free_port
 from gyre.grpcx.tls import TlsFiles
+from gyre.ports import free_port
 from tests.support.processes import kill_leftovers, survivors, tree
 
 pytestmark = pytest.mark.timeout(180)

@@ -64,8 +64,8 @@ from bench.support.router_rig import (
     write_config,
 )
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import free_port
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
+from gyre.ports import free_port
 from tests.support.demo import restarted, short_demo
 from tests.tls import tls
 

@@ -39,7 +39,7 @@ from bench.support.router_rig import (
     write_config,
 )
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from gyre.v1 import router_pb2_grpc
 from services.router.servicer import RouterServicer
 from services.scheduler.config import SchedulerConfig

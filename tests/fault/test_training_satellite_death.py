@@ -23,7 +23,7 @@ from bench.support.fake_packer import FakePacker, synthetic_batch
 from bench.support.training_rig import join_batch
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from tests.leader import leader_epoch
 from tests.tls import channel, tls

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.support.fake_packer import synthetic_batch
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups

@@ -57,7 +57,7 @@ async def _generate(stub, rid, prompt, n, **kw):
 
 
 async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
-    from gyre.etcd.server import free_port
+    from gyre.ports import free_port
 
     metrics_port = free_port()
     path = write_config(tmp_path, etcd_server, cluster_name, metrics_port=metrics_port)

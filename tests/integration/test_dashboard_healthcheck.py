@@ -76,7 +76,7 @@ async def test_healthcheck_follows_serving_status() -> None:
 
 
 async def test_the_plaintext_health_port_serves_health_only() -> None:
-    from gyre.etcd.server import free_port
+    from gyre.ports import free_port
 
     cfg = ServiceConfig(port=0, grace_s=0, health_port=free_port(), tls=TlsConfig(dir=str(PKI / "scheduler")))
     server = GrpcServer(

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from apps.demo.runner import run_demo
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from tests.support.browser import CHROMIUM, chromium_page
 from tests.support.demo import short_demo
 

@@ -274,7 +274,7 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
 ):
     import urllib.request
 
-    from gyre.etcd.server import free_port
+    from gyre.ports import free_port
 
     port = free_port()
     path = tk.write_config(tmp_path, etcd_server, cluster_name, metrics_port=port)

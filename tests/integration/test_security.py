@@ -35,11 +35,12 @@ from bench.support.router_rig import build_tokenizer_dir
 from gyre import apikeys, certs
 from gyre.errors import PermissionDenied, Unavailable
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import EtcdServer, free_port
+from gyre.etcd.server import EtcdServer
 from gyre.grpcx.auth import EVERY_ROLE, AccessTable
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles
 from gyre.identity import Identity, Role
+from gyre.ports import free_port
 from gyre.v1 import (
     cell_agent_pb2,
     cell_agent_pb2_grpc,

@@ -21,7 +21,7 @@ from apps.checker import check_files
 from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb

@@ -19,7 +19,7 @@ from apps.procs import ServiceProcess
 from bench.support.fake_packer import FakePacker, synthetic_batch
 from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer

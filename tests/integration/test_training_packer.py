@@ -17,7 +17,7 @@ import yaml
 from apps.procs import ServiceProcess
 from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
-from gyre.etcd.server import free_port
+from gyre.ports import free_port
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc

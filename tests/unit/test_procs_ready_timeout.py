@@ -31,3 +31,16 @@ def test_a_restart_waits_as_long_as_the_first_start(monkeypatch: pytest.MonkeyPa
         proc.start()  # as the supervisor restarts it
     assert proc.ready_timeout_s == 0.3 and len(started) == 2
     assert all(p.poll() is not None for p in started)  # killed at the deadline
+
+
+def test_a_process_that_dies_before_ready_reports_its_log_tail(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    def dies(cmd, **kw):  # writes a cause to its log (stderr) and exits 1
+        kw.pop("start_new_session", None)
+        code = "import sys; print('first line', file=sys.stderr); sys.exit('cannot bind 127.0.0.1:1')"
+        return subprocess.Popen([sys.executable, "-c", code], **kw)
+
+    monkeypatch.setattr(procs, "spawn", dies)
+    monkeypatch.setattr(procs, "ensure_process_identity", lambda *a: None)
+    proc = ServiceProcess("router", None, name="router", log_path=tmp_path / "router.log")
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 1 before ready.*first line.*cannot bind"):
+        proc.start(timeout_s=30)

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from gyre.ports import free_port
+
 log = logging.getLogger(__name__)
 
 MEDIUMS = ("tcp", "nccl", "cuda_ipc")
@@ -529,7 +531,7 @@ def _read_nccl(
 ) -> None:
     device = next(iter(caches.tensors.values())).device
     host = sock.getsockname()[0]
-    port = _free_port(host)
+    port = free_port(host)
     _send_msg(sock, {"host": host, "port": port})
     comm = _nccl_pair(host, port, rank=0, device=device)
     for layer in layers:
@@ -548,12 +550,6 @@ def _nccl_pair(host: str, port: int, rank: int, device: torch.device) -> Any:
 
     group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=2)
     return PyNcclCommunicator(group, device=device)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _sync(device: torch.device) -> None:
