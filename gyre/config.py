@@ -70,6 +70,13 @@ class ServiceConfig(BaseSettings):
         default_factory=lambda: ["127.0.0.1:23790"], description="etcd client endpoints, host:port."
     )
     etcd_timeout_s: float = Field(5.0, gt=0, description="Deadline of each etcd call.")
+    etcd_start_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a starting process retries while etcd does not answer (connect and "
+        "lease grant) before it gives up: an etcd outage or restart while a service starts or "
+        "restarts delays the start instead of ending the process.",
+    )
     lease_ttl_s: int = Field(
         10,
         ge=2,

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from gyre import config as config_mod
 from gyre.config import ServiceConfig
-from gyre.errors import FatalError
+from gyre.errors import FatalError, Unavailable
 from gyre.etcd import Etcd, Keys, LeaseKeeper
 from gyre.etcd.client import LeaseNotFound
 from gyre.grpcx.server import GrpcServer, Registrar
@@ -63,6 +63,30 @@ AfterStart = Callable[[Runtime], Awaitable[None]]
 Prepare = Callable[[ServiceConfig], None]
 
 
+async def until_etcd_answers(etcd: Etcd, lease: LeaseKeeper, wait_s: float) -> None:
+    """Connects to etcd and takes the process lease, retrying with back-off while etcd does
+    not answer (an outage, or etcd restarting while this process starts) for up to
+    ``wait_s``; past it the last error ends the start. Anything but unavailability (a
+    refused certificate, a permission) ends it at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    delay_s = 0.2
+    while True:
+        try:
+            await etcd.connect()
+            await lease.grant()
+            return
+        except Unavailable as exc:
+            left_s = deadline - loop.time()
+            if left_s <= 0:
+                raise
+            log.warning(
+                "etcd does not answer; retrying", extra={"error": str(exc), "left_s": round(left_s, 1)}
+            )
+            await asyncio.sleep(min(delay_s, left_s))
+            delay_s = min(delay_s * 2, 2.0)
+
+
 async def serve(
     name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None
 ) -> None:
@@ -71,9 +95,8 @@ async def serve(
     tls = TlsFiles.resolve(cfg.tls, cfg.identity_name())
     set_process_tls(tls)
     etcd = Etcd(cfg.etcd_endpoints, cfg.etcd_timeout_s, tls=tls)
-    await etcd.connect()
     lease = LeaseKeeper(etcd, cfg.lease_ttl_s)
-    await lease.grant()
+    await until_etcd_answers(etcd, lease, cfg.etcd_start_wait_s)
     sup = Supervisor(name)
     sup.install_signal_handlers()
     rt = Runtime(name, instance, cfg, etcd, lease, Keys(cfg.cluster_name), sup)

@@ -170,7 +170,10 @@ class Etcd:
         return self._client
 
     async def connect(self) -> None:
-        """Connects to the first endpoint that answers a status call."""
+        """Connects to the first endpoint that answers a status call (once: a connected
+        client stays connected, gRPC reconnects it)."""
+        if self._client is not None:
+            return
         last: Exception | None = None
         for endpoint in self._endpoints:
             host, port, secure = parse_endpoint(endpoint, self._tls is not None)
