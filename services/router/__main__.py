@@ -108,7 +108,9 @@ async def build(rt: Runtime) -> Services:
     if servicer.leader_mirror is not None:
         rt.supervisor.spawn("leader", servicer.leader_mirror.run())
     rt.supervisor.spawn("turns", turns.run())
-    await asyncio.wait_for(store.mirror.synced.wait(), cfg.etcd_timeout_s * 2)
+    # Routes listed before the first call (etcd slow or out while this router starts: it
+    # waits as long as the start-up connect does, gyre.runtime.until_etcd_answers).
+    await asyncio.wait_for(store.mirror.synced.wait(), max(cfg.etcd_timeout_s * 2, cfg.etcd_start_wait_s))
 
     if cfg.tracing != "off":  # OpenTelemetry spans for every HTTP request (gRPC is wired in gyre.grpcx)
         from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor

@@ -263,40 +263,42 @@ async def test_scheduler_leader_steps_down_and_leads_again(fresh_etcd, tmp_path,
         await etcd.close()
 
 
-async def test_a_service_started_during_an_outage_waits_for_etcd(fresh_etcd, tmp_path):
+@pytest.mark.parametrize("service", ["packer", "router"])
+async def test_a_service_started_during_an_outage_waits_for_etcd(fresh_etcd, tmp_path, service):
     """A process (re)started while etcd is out waits for it (``etcd_start_wait_s``) instead
     of exiting: before, the first connect or lease grant that timed out ended the process
     with status 1, and a launcher's first start of it ended the whole run."""
     cluster = "es" + secrets.token_hex(4)
+    common = {"lease_ttl_s": TTL_S, "etcd_timeout_s": 1.0, "log_json": False}
+    own = (
+        {"wal_dir": str(tmp_path / "wal")}
+        if service == "packer"
+        else {"model_dir": str(build_tokenizer_dir(tmp_path / "model")), "http_port": 0}
+    )
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
                 "cluster": {"name": cluster, "etcd_endpoints": [fresh_etcd.endpoint]},
-                "packer": {
-                    "lease_ttl_s": TTL_S,
-                    "etcd_timeout_s": 1.0,
-                    "log_json": False,
-                    "wal_dir": str(tmp_path / "wal"),
-                },
+                service: {**common, **own},
             }
         )
     )
-    packer = ServiceProcess("packer", cfg, log_path=tmp_path / "packer.log")
+    proc = ServiceProcess(service, cfg, log_path=tmp_path / f"{service}.log")
     fresh_etcd.pause()
     try:
-        starting = asyncio.create_task(asyncio.to_thread(packer.start, 60))
+        starting = asyncio.create_task(asyncio.to_thread(proc.start, 60))
         await asyncio.sleep(4.0)  # several 1 s etcd deadlines pass while it starts
-        assert not starting.done() and packer.alive()
+        assert not starting.done() and proc.alive()
         fresh_etcd.resume()
         await asyncio.wait_for(starting, 60)
-        assert "etcd does not answer; retrying" in (tmp_path / "packer.log").read_text()
+        assert "etcd does not answer; retrying" in (tmp_path / f"{service}.log").read_text()
         etcd = Etcd([fresh_etcd.endpoint], 2.0)
         await etcd.connect()
         try:
-            assert (await _registrations(etcd, Keys(cluster))).keys() == {"packer"}
+            assert (await _registrations(etcd, Keys(cluster))).keys() == {service}
         finally:
             await etcd.close()
     finally:
         fresh_etcd.resume()
-        packer.stop()
+        proc.stop()
