@@ -18,7 +18,9 @@ etcd runs with TLS and a user per identity (see :mod:`apps.pki`). Logs go to ``<
 The launcher supervises what it started like an orchestrator (:mod:`apps.supervise`): a
 process that exits is restarted with back-off and jitter and rejoins (etcd too, on its
 data); ``launch.restart`` tunes the policy (``enabled: false`` turns restarts off) and
-``restart: false`` on a process exempts it. Events go to ``<run-dir>/supervisor.jsonl``.
+``restart: false`` on a process exempts it. A first start that fails (exits or is not
+ready in time) is tried again up to ``FIRST_START_RETRIES`` times after the same back-off,
+except a configuration error (status 2). Events go to ``<run-dir>/supervisor.jsonl``.
 Everything it started dies with it, however it dies (:mod:`gyre.lifeline`). It stops
 everything in reverse order on Ctrl-C, SIGTERM, or when a process is given up on
 (restarted too often: ``launch.restart.max_restarts`` within ``window_s``).
@@ -27,6 +29,7 @@ everything in reverse order on Ctrl-C, SIGTERM, or when a process is given up on
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import signal
 import sys
@@ -43,6 +46,9 @@ from apps.procs import ServiceProcess
 from apps.supervise import RestartPolicy, Supervisor, SupervisorEvent
 from gyre.etcd.server import EtcdServer
 from gyre.ports import free_port
+
+FIRST_START_RETRIES = 2
+"""How many times the launcher tries a process's first start again before the launch fails."""
 
 _PORT_RE = re.compile(r"(?P<pre>(?:127\.0\.0\.1|localhost):|port: )(?P<port>\d{2,5})\b")
 
@@ -102,6 +108,7 @@ class Cluster:
         self.supervisor = Supervisor(
             RestartPolicy.from_config(self.launch.get("restart")), journal=self.run_dir / "supervisor.jsonl"
         )
+        self._rng = random.Random()
 
     def _has_cells(self) -> bool:
         return any(p.get("service") == "cell_agent" for p in (self.launch.get("processes") or []))
@@ -142,8 +149,26 @@ class Cluster:
             name=name,
         )
         self.procs[name] = proc
-        proc.start(timeout_s=spec.get("ready_timeout_s", timeout_s))
-        return proc
+        # A first start that fails (a port taken meanwhile, etcd slow to answer, ...) is tried
+        # again like a restart, after the policy's back-off: it would otherwise end the whole
+        # launch. Not a configuration error (status 2), which fails the same way every time.
+        policy = self.supervisor.policy
+        retries = FIRST_START_RETRIES if policy.enabled and spec.get("restart") is not False else 0
+        for attempt in range(1, retries + 2):
+            try:
+                proc.start(timeout_s=spec.get("ready_timeout_s", timeout_s))
+                return proc
+            except RuntimeError as exc:
+                proc.after_exit()
+                if attempt > retries or proc.returncode() == 2:
+                    raise
+                delay_s = policy.delay_s(attempt, self._rng)
+                error = str(exc).splitlines()[0]
+                self.supervisor.record(
+                    name, "start_failed", error=error, attempt=attempt, delay_s=round(delay_s, 2)
+                )
+                time.sleep(delay_s)
+        raise AssertionError("unreachable")
 
     def start(self, progress: Any = None) -> Cluster:
         issued = self.pki.prepare()

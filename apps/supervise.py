@@ -22,8 +22,9 @@ API (for the launcher, the demo and fault injection)::
     sup.stop()                 # no more restarts (then stop the children yourself)
 
 Event kinds: ``exited`` (rc), ``restarting`` (delay_s, attempt), ``restarted`` (pid,
-down_s), ``restart_failed`` (error), ``gave_up`` (restarts, window_s). Each is also one
-JSON line in the journal.
+down_s), ``restart_failed`` (error), ``gave_up`` (restarts, window_s), and the launcher's
+``start_failed`` (error, attempt, delay_s: a first start that failed and is tried again,
+:meth:`Supervisor.record`). Each is also one JSON line in the journal.
 """
 
 from __future__ import annotations
@@ -182,6 +183,11 @@ class Supervisor:
         for t in list(self._restarting):
             t.join(max(0.0, deadline - time.monotonic()))
 
+    def record(self, name: str, kind: str, **detail: Any) -> None:
+        """An event about a process that is not supervised yet (the launcher's first
+        starts): kept with the others and journaled."""
+        self._emit(name, kind, **detail)
+
     # Queries ---------------------------------------------------------------------------------
 
     def restarts(self) -> dict[str, int]:
@@ -221,7 +227,7 @@ class Supervisor:
         if self._journal is not None:
             with self._journal.open("a") as f:
                 f.write(json.dumps(event.to_json()) + "\n")
-        (log.warning if kind in ("exited", "restart_failed", "gave_up") else log.info)(
+        (log.warning if kind in ("exited", "restart_failed", "gave_up", "start_failed") else log.info)(
             "supervisor: %s %s %s", name, kind, detail
         )
         for cb in self._on_event:

@@ -9,13 +9,16 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
 
 from apps.launch import Cluster
 from gyre.etcd import Etcd, Keys
+from gyre.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,3 +94,42 @@ async def test_killed_cell_agent_and_etcd_come_back(tmp_path, monkeypatch):
         assert journal[0]["rc"] == -signal.SIGKILL and cluster.dead() == []
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+def test_a_first_start_that_fails_is_tried_again(tmp_path, monkeypatch):
+    """The packer's port is taken when the launcher first starts it (what a port chosen
+    free and then taken by another socket does): its start fails, is journaled as
+    ``start_failed`` and tried again after the back-off; once the port is free the launch
+    completes. Before, the first failure ended the launch."""
+    for key in [k for k in os.environ if k.endswith("__TLS__DIR")]:
+        monkeypatch.delenv(key)
+    port = free_port()
+    config = json.loads(json.dumps(CONFIG))
+    config["cluster"]["etcd_endpoints"] = [f"127.0.0.1:{free_port()}"]
+    config["packer"]["port"] = port
+    config["launch"]["restart"] = {"backoff_initial_s": 2.0, "backoff_max_s": 2.0, "jitter": 0.0}
+    config["launch"]["processes"] = config["launch"]["processes"][:1]
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    journal = tmp_path / "run" / "supervisor.jsonl"
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+
+    def start_failed() -> bool:
+        return journal.exists() and '"start_failed"' in journal.read_text()
+
+    cluster = Cluster(path, tmp_path / "run")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(cluster.start)
+            wait_for(start_failed, 120, "no start_failed event")
+            holder.close()  # free before the retry (2 s back-off)
+            started.result(timeout=120)
+        assert cluster.procs["packer"].alive() and cluster.procs["packer"].target.endswith(f":{port}")
+        (event,) = [json.loads(line) for line in journal.read_text().splitlines() if "start_failed" in line]
+        assert event["name"] == "packer" and event["attempt"] == 1, event
+        assert "exited with 1 before ready" in event["error"], event
+    finally:
+        holder.close()
+        cluster.stop()
