@@ -473,8 +473,8 @@ def test_gyre_sizes_the_prefix_to_a_share_of_the_rate_target_while_rollout_is_sa
     # prefix is sized to 0.6 of the target (6 cells, under the W_eta cap of 20 - 12 = 8).
     s = _snap(cells, pipeline(120))
     assert staleness.waterlevel(s.pipeline, 1) == 120
-    target, keep, why = GyrePolicy(GyreConfig(saturated_share=0.6)).target(s, elastic, 120)
-    assert (target, keep) == (6, 6) and "saturated" in why
+    target, keep, band, why = GyrePolicy(GyreConfig(saturated_share=0.6)).target(s, elastic, 120)
+    assert (target, keep, band) == (6, 6, 10) and "saturated" in why
     # Share 1 turns it off: the cap (8) holds the moves, returns measure against 10.
     assert GyrePolicy(GyreConfig(saturated_share=1.0)).target(s, elastic, 120)[:2] == (8, 10)
     # The default is the share.
@@ -484,6 +484,41 @@ def test_gyre_sizes_the_prefix_to_a_share_of_the_rate_target_while_rollout_is_sa
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="saturated_share"):
             GyreConfig(saturated_share=bad)
+
+
+def test_gyre_measures_the_hysteresis_band_against_the_rate_target_while_saturated():
+    """While rollout is saturated the prefix is sized to a share of the rate target, but the
+    band a satellite must exceed before it returns stays a fraction of the rate target
+    itself: measured against the share (6 cells here) it was narrower, and satellites went
+    back and forth as saturation came and went (B64, eta = 4: 2.1% of GPU-seconds in role
+    switches and reroutes, past the 2% limit; 1.7-1.9% with this band, 1,765 s median
+    against 1,772 s)."""
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = Pipeline(
+        max_staleness=4,
+        group_size=4,
+        batch_groups=20,
+        train_rate_per_cell=1000.0,
+        ready_rate=0.2,  # rate target 10 cells
+        tokens_per_group=5e4,
+        versions=(VersionCounts(1, groups=30, dispatched=120, launched=120),),
+        published_version=1,
+    )
+
+    def returns(training: int, hysteresis: float) -> list[str]:
+        cells = _cells([T] * training + [R] * (20 - training))
+        acts = GyrePolicy(GyreConfig(saturated_share=0.6, hysteresis=hysteresis)).decide(_snap(cells, p))
+        return [a.cell_id for a in acts if isinstance(a, ReturnToRollout)]
+
+    # keep 6 (0.6 x 10); band h = ceil(0.5 x 10) = 5: a satellite returns only past 11.
+    assert returns(10, 0.5) == [] and returns(11, 0.5) == []
+    assert returns(12, 0.5) == ["c11"]
+    # Unsaturated (share 1) the band is the same fraction of the same target.
+    cells = _cells([T] * 12 + [R] * 8)
+    assert GyrePolicy(GyreConfig(saturated_share=1.0)).target(_snap(cells, p), list(cells), 0)[1:3] == (
+        10,
+        10,
+    )
 
 
 def test_gyre_plans_next_cells_and_migrates_the_tail_off_crowded_engines():
