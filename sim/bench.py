@@ -17,6 +17,7 @@ Scenario x seed units are independent: ``run_all`` spreads them over worker proc
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
 import json
 import math
@@ -48,8 +49,24 @@ the cache and list the others as not run (regenerating a report from a partial r
 
 CACHE_ENV = "GYRE_SIM_CACHE"
 """A directory where finished runs are kept, keyed by everything that determines them (the
-config minus the rows and suites, the scenario with its seed and horizon, the policy spec):
-runs are deterministic, so a rerun of the benchmark reuses them. Unset: no cache."""
+config minus the rows and suites, the scenario with its seed and horizon, the policy spec,
+and the source of the simulator and of the scheduler's policies: a policy change makes new
+keys, so a rerun never reports a run of the code before it): runs are deterministic, so a
+rerun of the benchmark reuses them. Unset: no cache."""
+
+_CODE_DIRS = ("sim", "services/scheduler/policy")
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code a simulated run depends on: every module of the simulator and of
+    the scheduler's policies (any change there may change a run)."""
+    h = hashlib.sha256()
+    for d in _CODE_DIRS:
+        for path in sorted((_ROOT / d).rglob("*.py")):
+            h.update(path.relative_to(_ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _cache_path(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_every_s: float) -> Path | None:
@@ -74,6 +91,7 @@ def _cache_path(cfg: SimConfig, sc: ScenarioConfig, spec: PolicySpec, record_eve
             "sc": sc.model_dump(mode="json", exclude={"seeds"}),
             "spec": vars(spec),
             "record": record_every_s,
+            "code": code_digest(),
         },
         sort_keys=True,
     )

@@ -123,6 +123,22 @@ def test_the_run_cache_returns_the_same_runs(tmp_path: Path, monkeypatch) -> Non
     assert sorted((tmp_path / "cache").glob("*.pkl")) == files
 
 
+def test_the_run_cache_misses_after_a_policy_change(tmp_path: Path, monkeypatch) -> None:
+    """A cached run is keyed by the simulator's and the policies' source too: a rerun after
+    a policy change recomputes instead of reporting the run of the code before it."""
+    import sim.bench as B
+
+    cfg = tiny().model_copy(update={"variants": {}, "static_training_cells": [2]})
+    sc = cfg.scenarios[0]
+    monkeypatch.setenv(B.CACHE_ENV, str(tmp_path / "cache"))
+    run_scenario(cfg, sc, log=lambda m: None)
+    before = set((tmp_path / "cache").glob("*.pkl"))
+    monkeypatch.setattr(B, "code_digest", lambda: "changed-policy")
+    run_scenario(cfg, sc, log=lambda m: None)
+    after = set((tmp_path / "cache").glob("*.pkl"))
+    assert before < after and len(after) == 2 * len(before)
+
+
 def test_merge_keeps_the_scenarios_this_run_did_not_measure(tmp_path: Path) -> None:
     mod = runpy.run_path("bench/cluster.py", run_name="bench_cluster")
     out = tmp_path / "cluster.json"
