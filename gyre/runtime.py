@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gyre import config as config_mod
+from gyre.backoff import Backoff
 from gyre.config import ServiceConfig
 from gyre.errors import FatalError, Unavailable
 from gyre.etcd import Etcd, Keys, LeaseKeeper
@@ -70,7 +71,7 @@ async def until_etcd_answers(etcd: Etcd, lease: LeaseKeeper, wait_s: float) -> N
     refused certificate, a permission) ends it at once."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    delay_s = 0.2
+    backoff = Backoff(0.2, 2.0)
     while True:
         try:
             await etcd.connect()
@@ -83,8 +84,7 @@ async def until_etcd_answers(etcd: Etcd, lease: LeaseKeeper, wait_s: float) -> N
             log.warning(
                 "etcd does not answer; retrying", extra={"error": str(exc), "left_s": round(left_s, 1)}
             )
-            await asyncio.sleep(min(delay_s, left_s))
-            delay_s = min(delay_s * 2, 2.0)
+            await asyncio.sleep(min(backoff.next(), left_s))
 
 
 async def serve(
