@@ -144,3 +144,37 @@ async def test_in_training_the_abandoned_batch_is_joined_again_and_trained(tmp_p
     out = await asyncio.wait_for(core.wait_batch(1), 60)
     assert out.local_micro_steps == STEPS and out.new_version == 2
     assert packer.status(1) == (2, STEPS, True)
+
+
+async def test_a_training_build_that_fails_is_tried_again(tmp_path, monkeypatch):
+    """A satellite whose prefix-group setup met the core's death (CI: DistNetworkError
+    'Failed to recv' when the core was SIGKILLed mid-setup) builds again after a back-off
+    instead of never training; meanwhile JoinBatch answers the failure. Before, one failure
+    was final and the restarted core waited for this cell forever."""
+    service = TrainingService(TrainingSettings(model_dir=str(tmp_path)), cell_id="c1", index=1, target="c1:1")
+    builds: list[int] = []
+    answered: list[str] = []
+    kept = asyncio.Event()
+
+    async def build():
+        builds.append(1)
+        if len(builds) == 1:
+            raise RuntimeError("DistNetworkError('Failed to recv, got 0 bytes.')")
+        with pytest.raises(Unavailable) as err:  # between the attempts: the failure is the answer
+            await service.ready(0.1)
+        answered.append(str(err.value))
+        service.controller = object()  # type: ignore[assignment]
+        return service.controller
+
+    async def keep_groups(every_s: float = 0.5) -> None:
+        kept.set()
+
+    async def close() -> None:
+        pass
+
+    monkeypatch.setattr(service, "build", build)
+    monkeypatch.setattr(service, "keep_groups", keep_groups)
+    monkeypatch.setattr(service, "close", close)
+    await asyncio.wait_for(service.run(retry_base_s=0.01), 10)
+    assert kept.is_set() and len(builds) == 2 and service._failed is None
+    assert "Failed to recv" in answered[0]

@@ -89,25 +89,44 @@ class TrainingService:
     def target(self, value: str) -> None:
         self._target = value
 
-    async def run(self) -> None:
-        """Builds everything, then stays up until cancelled (a supervised task). A failed
-        build is logged and kept as the answer to every JoinBatch; it does not end the
-        process (the cell still serves rollouts)."""
+    async def run(self, retry_base_s: float = 1.0) -> None:
+        """Builds everything, then stays up until cancelled (a supervised task). A build that
+        fails (the core killed while the prefix groups formed, a peer not up yet) is logged,
+        kept as the answer to every JoinBatch meanwhile, and tried again with back-off; it
+        never ends the process (the cell still serves rollouts). Before, one failure was
+        final: a satellite whose setup met the core's death never trained again, and the
+        restarted core waited for it forever."""
         try:
-            try:
-                await self.build()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._failed = exc
-                log.error("training failed to start; this cell will not train", extra={"error": repr(exc)})
-            finally:
-                self._ready.set()
-            if self.controller is None:
-                await asyncio.Event().wait()
+            backoff = Backoff(retry_base_s, 30.0)
+            while True:
+                try:
+                    await self.build()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self._failed = exc
+                    await self._discard()
+                    delay_s = backoff.next()
+                    log.error(
+                        "training failed to start; retrying",
+                        extra={"error": repr(exc), "retry_in_s": round(delay_s, 1)},
+                    )
+                    self._ready.set()  # JoinBatch answers the failure meanwhile
+                    await asyncio.sleep(delay_s)
+            self._failed = None
+            self._ready.set()
             await self.keep_groups()
         finally:
             await self.close()
+
+    async def _discard(self) -> None:
+        """Closes what a failed build made, so the next one starts clean."""
+        try:
+            await self.close()
+        except Exception as exc:  # noqa: BLE001 (half-built parts: nothing more to do)
+            log.warning("closing a failed training build", extra={"error": repr(exc)})
+        self.controller, self.groups, self._source = None, None, None
 
     async def keep_groups(self, every_s: float = 0.5) -> None:
         """Re-forms the prefix groups after a failed collective, or when a peer asks (a
