@@ -442,26 +442,30 @@ def test_gyre_does_not_return_cells_when_w_eta_jumps_past_the_capacity():
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c3"]
 
 
+def _eta4_pipeline(open_executions: int) -> Pipeline:
+    """eta = 4, batches of 20 groups of 4, a rate target of 10 cells (0.2 groups/s x 5e4
+    tokens at 1000 tok/s per cell), ``open_executions`` dispatched and running."""
+    return Pipeline(
+        max_staleness=4,
+        group_size=4,
+        batch_groups=20,
+        train_rate_per_cell=1000.0,
+        ready_rate=0.2,
+        tokens_per_group=5e4,
+        versions=(
+            VersionCounts(
+                1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
+            ),
+        ),
+        published_version=1,
+    )
+
+
 def test_gyre_sizes_the_prefix_to_a_share_of_the_rate_target_while_rollout_is_saturated():
     # 20 cells of 10 slots; the rate target is 10 cells (0.2 groups/s x 5e4 tokens at
     # 1000 tok/s per cell), which would leave 10 x 10 = 100 slots to rollout.
     R, T = CellState.ROLLOUT, CellState.TRAINING
-
-    def pipeline(open_executions):
-        return Pipeline(
-            max_staleness=4,
-            group_size=4,
-            batch_groups=20,
-            train_rate_per_cell=1000.0,
-            ready_rate=0.2,
-            tokens_per_group=5e4,
-            versions=(
-                VersionCounts(
-                    1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
-                ),
-            ),
-            published_version=1,
-        )
+    pipeline = _eta4_pipeline
 
     cells = _cells([T, T] + [R] * 18)
     elastic = list(cells)
@@ -494,16 +498,7 @@ def test_gyre_measures_the_hysteresis_band_against_the_rate_target_while_saturat
     switches and reroutes, past the 2% limit; 1.7-1.9% with this band, 1,765 s median
     against 1,772 s)."""
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    p = Pipeline(
-        max_staleness=4,
-        group_size=4,
-        batch_groups=20,
-        train_rate_per_cell=1000.0,
-        ready_rate=0.2,  # rate target 10 cells
-        tokens_per_group=5e4,
-        versions=(VersionCounts(1, groups=30, dispatched=120, launched=120),),
-        published_version=1,
-    )
+    p = _eta4_pipeline(120)  # rate target 10 cells; W_eta 120: saturated
 
     def returns(training: int, hysteresis: float) -> list[str]:
         cells = _cells([T] * training + [R] * (20 - training))
