@@ -100,9 +100,13 @@ class _App:
             metrics = CellMetrics(cfg.cell_id)
             metrics.serve(cfg.host, cfg.metrics_port)
             rt.supervisor.spawn("metrics", metrics.run(cell))
+        engine = EngineServicer(cell, cfg.max_prompt_tokens, cfg.max_tokens_limit)
+        # Before the server's drain: the routers' engine streams end once their requests have
+        # finished, instead of holding the drain for its whole grace period.
+        rt.supervisor.on_stop_intake(engine.drain_streams)
         return [
             (
-                EngineServicer(cell, cfg.max_prompt_tokens, cfg.max_tokens_limit),
+                engine,
                 pb_grpc.add_EngineServicer_to_server,
                 "gyre.v1.Engine",
             ),

@@ -19,6 +19,12 @@ outputs could not be told apart). Cancelling a tag aborts its engine request (cl
 engine stream does, as cancelling a ``Generate`` call does); the end of the router's
 request stream lets the running requests finish and then ends the call; the call's
 cancellation (the router died or gave up the stream) cancels every request on it.
+
+When the cell stops (:meth:`EngineStreamSession.drain`, at the start of its graceful
+shutdown), new starts are answered UNAVAILABLE (the router continues them at another
+engine), the running requests finish, and then the call ends: a stopping cell waits for its
+requests, not for the router to close a stream that would otherwise stay open for the whole
+grace period (every cell of a demo waited its full 5 s).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 from opentelemetry import propagate, trace
 
-from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, status_for
+from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, Unavailable, status_for
 from gyre.telemetry import tag_execution
 from gyre.tokens import Chunk
 from gyre.v1 import cell_agent_pb2 as pb
@@ -54,6 +60,12 @@ class EngineStreamSession:
         self._ends: list[pb.EngineStreamEnd] = []
         self._wake = asyncio.Event()
         self._reading = True
+        self._draining = False
+
+    def drain(self) -> None:
+        """The cell is stopping: refuse new starts, end the call once nothing runs."""
+        self._draining = True
+        self._wake.set()
 
     async def serve(self, requests: AsyncIterator[pb.EngineStreamRequest]) -> AsyncIterator[pb.EngineStep]:
         reader = asyncio.create_task(self._read(requests), name="engine-stream.read")
@@ -62,7 +74,7 @@ class EngineStreamSession:
                 if not self._chunks and not self._ends:
                     if reader.done() and reader.exception() is not None:
                         raise reader.exception()  # type: ignore[misc]  # e.g. a malformed message
-                    if not self._reading and not self._tasks:
+                    if (not self._reading or self._draining) and not self._tasks:
                         break
                     self._wake.clear()
                     await self._wake.wait()
@@ -94,6 +106,9 @@ class EngineStreamSession:
         tag = int(start.tag)
         if tag in self._tasks:  # its outputs could not be told apart: the caller is broken
             raise InvalidArgument(f"tag {tag} is already running on this stream")
+        if self._draining:
+            self._end(tag, error=Unavailable("the engine is stopping"))
+            return
         if len(self._tasks) >= self._max_requests:
             self._end(tag, error=ResourceExhausted(f"more than {self._max_requests} requests on one stream"))
             return

@@ -88,6 +88,15 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._max_prompt = max_prompt_tokens
         self._max_tokens = max_tokens_limit
         self._vocab_limit = vocab_limit
+        self._sessions: set[EngineStreamSession] = set()
+        self._draining = False
+
+    async def drain_streams(self) -> None:
+        """The cell is stopping (a stop-intake hook): every GenerateStream call refuses new
+        starts and ends once its running requests have finished."""
+        self._draining = True
+        for session in self._sessions:
+            session.drain()
 
     @rpc_stream
     async def Generate(
@@ -103,8 +112,14 @@ class EngineServicer(pb_grpc.EngineServicer):
         self, requests: AsyncIterator[pb.EngineStreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EngineStep]:
         session = EngineStreamSession(self._start, MAX_STREAM_REQUESTS)
-        async for step in session.serve(requests):
-            yield step
+        if self._draining:
+            session.drain()
+        self._sessions.add(session)
+        try:
+            async for step in session.serve(requests):
+                yield step
+        finally:
+            self._sessions.discard(session)
 
     def _start(self, request: pb.EngineGenerateRequest) -> AsyncIterator[Chunk]:
         """Validates a generate request and starts it at the cell (raises for bad input)."""

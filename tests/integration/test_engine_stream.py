@@ -2,7 +2,8 @@
 stream carries many requests; each engine step comes back as one message with every
 request's new tokens; the tokens are those Engine.Generate gives for the same request; bad
 starts end their own request with Generate's status and leave the others running; a cancel
-aborts its engine request; ending the call aborts every request on it."""
+aborts its engine request; ending the call aborts every request on it; a cell that stops
+finishes the requests running on the stream, refuses new ones and ends the call."""
 
 from __future__ import annotations
 
@@ -197,5 +198,40 @@ async def test_generate_stream(tmp_path, etcd_server, cluster_name):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await denied.read()
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        proc.stop()
+
+
+async def test_a_stopping_cell_finishes_the_streams_requests_and_ends_the_call(
+    tmp_path, etcd_server, cluster_name
+):
+    """SIGTERM while a request runs on a router's stream: the request still ends with all its
+    tokens, a start sent after the signal is answered UNAVAILABLE (the router continues it at
+    another engine), the call then ends OK, and the cell's drain did not wait out its grace
+    period for the stream (before: every cell of a demo waited its full 5 s)."""
+    path = write_config(tmp_path, etcd_server, cluster_name, slots=8)
+    log = tmp_path / "cell.log"
+    proc = ServiceProcess("cell_agent", path, log_path=log).start(timeout_s=60)
+    try:
+        async with RoleStubs(proc.target, pb_grpc.EngineStub, EngineServicer.ACCESS) as engine:
+            call = engine.as_("router", Role.ROUTER).GenerateStream(timeout=60)
+            long = pb.EngineStreamStart(tag=1, request=_request("long", [3, 4], 300))
+            await call.write(pb.EngineStreamRequest(starts=[long]))
+            reader = Reader(call)
+            await reader.until(lambda: len(reader.tokens[1]) > 0)
+            proc.proc.terminate()  # the graceful stop: drain, then cancel past grace_s
+            await asyncio.sleep(0.3)
+            late = pb.EngineStreamStart(tag=2, request=_request("late", [5], 4))
+            await call.write(pb.EngineStreamRequest(starts=[late]))
+            await reader.until(lambda: 1 in reader.ends and 2 in reader.ends)
+            assert reader.ends[1].code == 0, reader.ends[1]
+            assert reader.ends[1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert len(reader.tokens[1]) == 300
+            assert reader.ends[2].code == grpc.StatusCode.UNAVAILABLE.value[0], reader.ends[2]
+            assert 2 not in reader.tokens
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+        assert await asyncio.to_thread(proc.proc.wait, 30) == 0
+        assert "drain grace period passed" not in log.read_text()
     finally:
         proc.stop()
