@@ -29,6 +29,7 @@ everything in reverse order on Ctrl-C, SIGTERM, or when a process is given up on
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import random
 import re
 import signal
@@ -241,10 +242,16 @@ class Cluster:
         return self.supervisor.failed() + gone
 
     def stop(self) -> None:
+        """Stops every process, the last started first; the processes of one service (the
+        cells) stop together, each with its own graceful drain."""
         self.supervisor.stop()
         for _ in range(2):  # again for a restart that was still starting during the first pass
-            for proc in reversed(list(self.procs.values())):
-                proc.stop()
+            for group in reversed(_same_service(list(self.procs.values()))):
+                if len(group) == 1:
+                    group[0].stop()
+                    continue
+                with concurrent.futures.ThreadPoolExecutor(len(group)) as pool:
+                    list(pool.map(lambda p: p.stop(), group))
             self.supervisor.join_restarts(30.0)
         if self.etcd is not None:
             self.etcd.stop()
@@ -282,6 +289,17 @@ class _EtcdChild:
 
     def returncode(self) -> int | None:
         return self.server.returncode
+
+
+def _same_service(procs: list[ServiceProcess]) -> list[list[ServiceProcess]]:
+    """Runs of consecutive processes of one service, in order."""
+    out: list[list[ServiceProcess]] = []
+    for proc in procs:
+        if out and out[-1][0].service == proc.service:
+            out[-1].append(proc)
+        else:
+            out.append([proc])
+    return out
 
 
 def _batches(specs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
