@@ -11,15 +11,20 @@ nothing unless armed by name in
 
 Modes: none (exit at once with status 17, like a SIGKILL: nothing is flushed or closed),
 ``raise`` (raise :class:`FailpointCrash`, for in-process tests), ``enospc`` (raise
-``OSError(ENOSPC)``: the disk is full). Unarmed, a failpoint costs a dict lookup, or a
-``stat`` with the file variable set.
+``OSError(ENOSPC)``: the disk is full). Unarmed, a failpoint costs two environment lookups
+and a dict lookup (the variable's parse is cached by its value), or an ``open`` with the
+file variable set. (It parsed the variable at every hit: 5 % of the packer's CPU under a
+claim load, most of it in the WAL's write path.)
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
+import types
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +47,19 @@ def parse(spec: str) -> dict[str, str]:
     return out
 
 
-def _armed_now() -> dict[str, str]:
-    armed = parse(os.environ.get(FAILPOINT_ENV, ""))
+@functools.lru_cache(maxsize=16)
+def _parsed(spec: str) -> Mapping[str, str]:
+    """:func:`parse` of an environment value, once per value (read-only)."""
+    return types.MappingProxyType(parse(spec))
+
+
+def _armed_now() -> Mapping[str, str]:
+    armed = _parsed(os.environ.get(FAILPOINT_ENV, ""))
     path = os.environ.get(FAILPOINT_FILE_ENV, "")
     if path:
         try:
             with open(path) as f:
-                armed |= parse(f.read())
+                return {**armed, **parse(f.read())}
         except FileNotFoundError:
             pass
     return armed

@@ -288,7 +288,7 @@ class Wal:
         assert self._fd is not None, "Wal.open() first"
         view = memoryview(data)
         full_since = 0.0
-        backoff = Backoff(0.05, DISK_FULL_RETRY_S)
+        backoff: Backoff | None = None  # made on a full disk only (its Random seeds from urandom)
         while view:
             try:
                 failpoint("packer.wal.write")  # "=enospc": the disk under the WAL is full
@@ -302,6 +302,7 @@ class Wal:
                     log.error(
                         "the disk under the WAL is full; writes wait for space", extra={"wal": str(self.path)}
                     )
+                backoff = backoff or Backoff(0.05, DISK_FULL_RETRY_S)
                 time.sleep(backoff.next())
                 continue
             view = view[n:]

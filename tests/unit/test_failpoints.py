@@ -55,3 +55,22 @@ def test_the_default_mode_exits_at_once_like_a_kill():
     env = {FAILPOINT_ENV: "here", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == EXIT_STATUS and "went on" not in out.stdout
+
+
+def test_the_environment_is_parsed_once_per_value(monkeypatch):
+    """A failpoint sits on hot paths (the packer's WAL write, every claim and turn): the
+    variable is parsed once per value, not at every hit; a new value still takes effect."""
+    import gyre.failpoints as fp
+
+    calls: list[str] = []
+    real = fp.parse
+    monkeypatch.setattr(fp, "parse", lambda spec: calls.append(spec) or real(spec))
+    monkeypatch.delenv(FAILPOINT_FILE_ENV, raising=False)
+    monkeypatch.setenv(FAILPOINT_ENV, "only.here=raise,not.this")
+    fp._parsed.cache_clear()
+    for _ in range(100):
+        failpoint("elsewhere")
+    assert calls == ["only.here=raise,not.this"]
+    monkeypatch.setenv(FAILPOINT_ENV, "elsewhere=raise")
+    with pytest.raises(FailpointCrash):
+        failpoint("elsewhere")
