@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import random
 import re
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -181,7 +183,7 @@ class Cluster:
         try:
             # Consecutive processes of the same service (the cells) start together: each
             # engine start is mostly waiting on its own model load.
-            for batch in _batches(self.process_specs()):
+            for batch in _runs(self.process_specs(), lambda spec: spec["service"]):
                 errors: list[BaseException] = []
 
                 def start_one(spec: dict[str, Any], errors: list[BaseException] = errors) -> None:
@@ -246,10 +248,7 @@ class Cluster:
         cells) stop together, each with its own graceful drain."""
         self.supervisor.stop()
         for _ in range(2):  # again for a restart that was still starting during the first pass
-            for group in reversed(_same_service(list(self.procs.values()))):
-                if len(group) == 1:
-                    group[0].stop()
-                    continue
+            for group in reversed(_runs(self.procs.values(), lambda proc: proc.service)):
                 with concurrent.futures.ThreadPoolExecutor(len(group)) as pool:
                     list(pool.map(lambda p: p.stop(), group))
             self.supervisor.join_restarts(30.0)
@@ -291,25 +290,13 @@ class _EtcdChild:
         return self.server.returncode
 
 
-def _same_service(procs: list[ServiceProcess]) -> list[list[ServiceProcess]]:
-    """Runs of consecutive processes of one service, in order."""
-    out: list[list[ServiceProcess]] = []
-    for proc in procs:
-        if out and out[-1][0].service == proc.service:
-            out[-1].append(proc)
-        else:
-            out.append([proc])
-    return out
+T = TypeVar("T")
 
 
-def _batches(specs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    out: list[list[dict[str, Any]]] = []
-    for spec in specs:
-        if out and out[-1][0]["service"] == spec["service"]:
-            out[-1].append(spec)
-        else:
-            out.append([spec])
-    return out
+def _runs(items: Iterable[T], service: Callable[[T], str]) -> list[list[T]]:
+    """Runs of consecutive items of one service, in order (the processes that start, or
+    stop, together)."""
+    return [list(run) for _, run in itertools.groupby(items, key=service)]
 
 
 def _status_table(cluster: Cluster) -> Any:
