@@ -39,7 +39,7 @@ import grpc
 
 from gyre.apikeys import METADATA_KEY
 from gyre.backoff import Backoff
-from gyre.errors import GyreError, InvalidArgument, Unavailable, from_http_status, from_rpc_error
+from gyre.errors import GyreError, InvalidArgument, NotFound, Unavailable, from_http_status, from_rpc_error
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
 from gyre.identity import Role
@@ -52,12 +52,13 @@ _STATUS = {
     "failed": common_pb2.EXECUTION_STATUS_FAILED,
     "cancelled": common_pb2.EXECUTION_STATUS_CANCELLED,
 }
-_FINAL_NAMES: dict[int, str] = {
-    common_pb2.EXECUTION_STATUS_COMPLETED: "COMPLETED",
-    common_pb2.EXECUTION_STATUS_FAILED: "FAILED",
-    common_pb2.EXECUTION_STATUS_TIMED_OUT: "TIMED_OUT",
-    common_pb2.EXECUTION_STATUS_CANCELLED: "CANCELLED",
+_FINAL_STATUS: dict[str, common_pb2.ExecutionStatus] = {
+    "COMPLETED": common_pb2.EXECUTION_STATUS_COMPLETED,
+    "FAILED": common_pb2.EXECUTION_STATUS_FAILED,
+    "TIMED_OUT": common_pb2.EXECUTION_STATUS_TIMED_OUT,
+    "CANCELLED": common_pb2.EXECUTION_STATUS_CANCELLED,
 }
+_FINAL_NAMES: dict[int, str] = {status: name for name, status in _FINAL_STATUS.items()}
 
 
 LEADER_METADATA = "x-gyre-leader"
@@ -275,7 +276,9 @@ class ExecutionHandle:
         ("COMPLETED", "FAILED", "TIMED_OUT", "CANCELLED"; "" while it runs). "CANCELLED"
         without a cancel from this harness means the scheduler cancelled it (its group could
         no longer be trained within the staleness bound): its model calls end with HTTP 409,
-        heartbeats stop, and a finish report is answered as a duplicate."""
+        heartbeats stop, and a finish report is answered as a duplicate (by this client
+        itself when the scheduler has archived the burst since, and forgotten the execution:
+        a harness waiting on a long tool call reports after the archive grace)."""
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -311,6 +314,9 @@ class ExecutionHandle:
             await asyncio.sleep(interval)
             try:
                 reply = await self.heartbeat()
+            except NotFound as exc:  # closed and archived while this harness was away: nothing to keep alive
+                log.info("heartbeats stop", extra={"execution_id": self.execution_id, "error": str(exc)})
+                return
             except GyreError as exc:
                 log.warning("heartbeat failed", extra={"execution_id": self.execution_id, "error": str(exc)})
                 continue
@@ -358,11 +364,20 @@ class ExecutionHandle:
             reward=reward,
             idempotency_key=self._idempotency_key,
         )
-        reply: scheduler_pb2.FinishExecutionResponse = await self._client.call(
-            "finish",
-            lambda stub, t: stub.FinishExecution(request, timeout=t, metadata=self._metadata),
-            self._timeout_s,
-        )
+        try:
+            reply: scheduler_pb2.FinishExecutionResponse = await self._client.call(
+                "finish",
+                lambda stub, t: stub.FinishExecution(request, timeout=t, metadata=self._metadata),
+                self._timeout_s,
+            )
+        except NotFound:
+            if not self.closed_as:
+                raise
+            # The scheduler closed it (its heartbeat or a model call said so) and has since
+            # archived its burst: the report is the duplicate it would have been answered as.
+            reply = scheduler_pb2.FinishExecutionResponse(
+                status=_FINAL_STATUS[self.closed_as], duplicate=True
+            )
         self.finished = True
         self._reported_cancel = status == "cancelled" and not reply.duplicate
         self._closed(reply.status)

@@ -92,7 +92,8 @@ class SchedulerConfig(ServiceConfig, GyreSettings):
         le=86_400.0,
         description="A burst older than the newest, fully closed and reported to the packer, is archived "
         "(folded into the ledger summary, its records deleted from etcd) once its last close is this old; "
-        "until then a harness's late finish retry is still answered as a duplicate.",
+        "until then a harness's late finish retry is still answered as a duplicate, after it with NOT_FOUND "
+        "saying the burst was archived (the shipped harness client answers that as the duplicate).",
     )
 
     # Task source.

@@ -480,13 +480,32 @@ class Ledger:
         if rec is None:
             if self.is_queued(execution_id):
                 raise FailedPrecondition(f"{execution_id} is queued, not launched")
-            raise NotFound(f"unknown execution {execution_id!r}")
+            raise self._unknown(execution_id)
         digest = token_sha256(token)
         if digest != rec.token_sha256:
             if digest in self._by_token:
                 raise PermissionDenied(f"the token does not hold {execution_id}")
             raise Unauthenticated("the token names no execution")
         return rec
+
+    def is_archived(self, execution_id: str) -> bool:
+        """True for an execution id ("b<burst>-t<task>-<member>") of an archived burst: it
+        was closed, and its record is gone (only the burst's counts remain)."""
+        try:
+            b, _, _ = _parse_member(execution_id)
+        except ValueError:
+            return False
+        return 0 < b <= self.archived.through
+
+    def _unknown(self, execution_id: str) -> NotFound:
+        """NOT_FOUND for an execution without a record, saying why when its burst was
+        archived (a late report of an execution the scheduler closed, e.g. cancelled under
+        the staleness bound while its harness waited on a long tool call)."""
+        if self.is_archived(execution_id):
+            return NotFound(
+                f"execution {execution_id!r} was closed and its burst archived; its record is gone"
+            )
+        return NotFound(f"unknown execution {execution_id!r}")
 
     def is_queued(self, execution_id: str) -> bool:
         """True for a dispatched execution ("b<burst>-t<task>-<member>") with no record yet."""
@@ -503,7 +522,7 @@ class Ledger:
         """The closed record, or (duplicate=True) the first outcome when already closed."""
         rec = self.records.get(execution_id)
         if rec is None:
-            raise NotFound(f"unknown execution {execution_id!r}")
+            raise self._unknown(execution_id)
         if rec.state.final:
             return FinishOutcome(rec, True)
         closed = evolve(
@@ -667,7 +686,7 @@ class Ledger:
         """Pushes the deadline of a running execution; returns seconds left."""
         rec = self.records.get(execution_id)
         if rec is None:
-            raise NotFound(f"unknown execution {execution_id!r}")
+            raise self._unknown(execution_id)
         if rec.state is ExecState.RUNNING:
             self._deadline[execution_id] = now_s + deadline_after_s
             return deadline_after_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from apps.procs import ServiceProcess
@@ -56,6 +57,7 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
         max_staleness=1,
         packer_target=packer.target,
         heartbeat_interval_s=0.2,
+        archive_grace_s=2.0,
     )
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
     h = Harness(proc.target)
@@ -130,8 +132,6 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
 
         await wait_until(told, what="the harness client sees CANCELLED")
         assert held.cancelled_by_scheduler
-        await held.__aexit__(None, None, None)
-        await client.__aexit__(None, None, None)
 
         async def reported():
             return all(packer.reports.get(e.execution_id) is not None for e in running)
@@ -140,6 +140,24 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
         assert {packer.reports[e.execution_id].status for e in running} == {
             common_pb2.EXECUTION_STATUS_CANCELLED
         }
+
+        # Burst 1 is archived (closed, reported, archive_grace_s later): its records are
+        # gone. A harness that reports only now (a long tool call) gets a clear NOT_FOUND
+        # from the scheduler, and the shipped client answers its own finish as the
+        # duplicate it was.
+        async def archived():
+            try:
+                await h.finish(running[1])
+            except grpc.aio.AioRpcError as err:
+                return err.code() == grpc.StatusCode.NOT_FOUND and "archived" in (err.details() or "")
+            return False
+
+        await wait_until(archived, what="burst 1 archived", timeout_s=15)
+        out = await held.finish(status="cancelled")
+        assert out.duplicate and out.status == common_pb2.EXECUTION_STATUS_CANCELLED
+        assert held.cancelled_by_scheduler and held.finished
+        await held.__aexit__(None, None, None)
+        await client.__aexit__(None, None, None)
         events = await read_events(h)
         assert any(ev.kind == "cancelled" and "max_staleness 1" in ev.message for ev in events)
         assert any(ev.kind == "migrated" for ev in events)
