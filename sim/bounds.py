@@ -41,6 +41,21 @@ speed (alone on an engine) with its sandbox, tool and reward waits.
   drift the shortest). A policy that burns more tasks than that per version could beat
   the bound; efficiency > 1 in a report would say so.
 
+* ``gate_path`` — the dispatch gate's latency path, a lower bound for the policies that
+  dispatch under the staleness gate (``gyre``, ``async-static``, ``async-static-lend``): the
+  mechanism those policies share, played with every group at its alone latency, unlimited
+  rollout slots and every cell training. Tasks go out in trace order, each stamped with the
+  version it is dispatched at, whenever the gate ``(v + eta + 1) B + X`` has room (not at
+  eta = 0 while the batch in progress is full); batch v takes the ready groups it may
+  consume first-come first-served; when it has B, the unassigned groups stamped v - eta or
+  older are cancelled and replaced; it publishes at ``max(t_v + train_v / cells, f_v +
+  train_last / cells) + tau_opt`` (f_v: when its last group was assigned). Every policy
+  under the gate waits at least this long, because everything it does is this schedule with
+  slower groups (shared engines decode each sequence slower than alone), fewer training
+  cells, or later decisions. The gap between this path and a policy's time is what decode
+  sharing, queueing for slots and role switches cost; the gap between T*_eta and this path
+  is what the gate and the cancel rule cost (T*_eta lets each batch pick from a wide window).
+
 Both are lower bounds under the simulator's assumptions (the trace, the cost model, one
 batch of B groups per update); role switches, reroutes, weight sync, queueing and the work
 of cancelled groups are costs of a policy, not of the bound. Efficiency = bound / T.
@@ -48,6 +63,7 @@ of cancelled groups are costs of a policy, not of the bound. Efficiency = bound 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -344,3 +360,161 @@ def limits(cfg: SimConfig, sc: ScenarioConfig) -> tuple[Bound, StalenessBound]:
     """Both bounds, sharing the group costs."""
     costs = _Costs(cfg, sc)
     return _physical_limit(cfg, sc, costs), _staleness_limit(cfg, sc, costs)
+
+
+@dataclass(frozen=True)
+class GatePath:
+    """The gate's latency path (``gate_path``): its publish times and what it dispatched."""
+
+    t_s: float
+    publish_times_s: tuple[float, ...]  # t_1 .. t_N
+    dispatched: int
+    cancelled: int
+
+
+def gate_schedule(
+    latency: Callable[[int, int], float],
+    train: Callable[[int, int], float],
+    *,
+    batch_groups: int,
+    extra_groups: int,
+    eta: int,
+    updates: int,
+    cells: int,
+    tau_opt: float,
+) -> GatePath:
+    """The gate's latency path (module docstring) for groups whose alone latency and training
+    GPU-s are ``latency(task, stamp)`` and ``train(task, stamp)`` (task: trace order, stamp:
+    the version it is dispatched at)."""
+    if batch_groups < 1 or extra_groups < 0 or eta < 0 or updates < 1 or cells < 1:
+        raise ValueError("batch_groups, updates, cells >= 1; extra_groups, eta >= 0")
+    b = batch_groups
+    stamp: list[int] = []  # per dispatched task
+    train_s: list[float] = []
+    state: list[str] = []  # "open", "ready" (in the pool), "assigned", "cancelled"
+    running: list[tuple[float, int]] = []  # (ready time, task)
+    pool: list[tuple[float, int]] = []  # ready, unassigned, in ready order
+    batch: list[tuple[float, int]] = []  # (assigned at, task) of batch v
+    usable = cancelled = 0
+    v, t = 0, [0.0]
+
+    def dispatch(now: float) -> None:
+        nonlocal usable
+        if eta == 0 and len(batch) >= b:
+            return  # a group stamped v would be unconsumable at once: wait for the update
+        while usable < (v + eta + 1) * b + extra_groups:
+            task = len(stamp)
+            stamp.append(v)
+            train_s.append(train(task, v))
+            state.append("open")
+            usable += 1
+            heapq.heappush(running, (now + latency(task, v), task))
+
+    def assign(now: float) -> None:
+        """Ready groups of the pool into batch v, first come first served; when it is full,
+        the cancel-early rule."""
+        nonlocal usable, cancelled, pool
+        rest = []
+        for r, task in pool:
+            if len(batch) < b and v - stamp[task] <= eta:
+                batch.append((max(r, now), task))
+                state[task] = "assigned"
+            else:
+                rest.append((r, task))
+        pool = rest
+        if len(batch) < b:
+            return
+        for task, u in enumerate(stamp):
+            if u <= v - eta and state[task] in ("open", "ready"):
+                state[task] = "cancelled"
+                usable -= 1
+                cancelled += 1
+        pool = [(r, task) for r, task in pool if state[task] == "ready"]
+
+    dispatch(0.0)
+    while v < updates:
+        if len(batch) < b:
+            now, task = heapq.heappop(running)
+            if state[task] == "cancelled":
+                continue
+            state[task] = "ready"
+            pool.append((now, task))
+            assign(now)
+            dispatch(now)
+            continue
+        last_at, last = max(batch)
+        work = sum(train_s[task] for _, task in batch)
+        publish = max(t[v] + work / cells, last_at + train_s[last] / cells) + tau_opt
+        while running and running[0][0] <= publish:  # ready while batch v trains: the pool
+            r, task = heapq.heappop(running)
+            if state[task] != "cancelled":
+                state[task] = "ready"
+                pool.append((r, task))
+        v += 1
+        t.append(publish)
+        batch = []
+        if v < updates:
+            assign(publish)
+            dispatch(publish)
+    return GatePath(t[-1], tuple(t[1:]), len(stamp), cancelled)
+
+
+def gate_path(cfg: SimConfig, sc: ScenarioConfig) -> GatePath:
+    """The gate's latency path for N = ``sc.training.updates`` updates of ``sc``."""
+    costs = _Costs(cfg, sc)
+    tr = sc.training
+
+    def group(task: int, version: int) -> GroupCost:
+        return costs.tasks(range(task, task + 1), version, fast=True)[0]
+
+    return gate_schedule(
+        lambda task, u: group(task, u).alone_s,
+        lambda task, u: group(task, u).train_gpu_s,
+        batch_groups=tr.batch_groups,
+        extra_groups=costs.per_burst - tr.batch_groups,
+        eta=tr.max_staleness,
+        updates=tr.updates,
+        cells=sc.cluster.cells,
+        tau_opt=cfg.cost.train_step_fixed_s,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sim.bounds [--config FILE] [--scenario NAME ...] [--seeds 1,2,3]``: T*,
+    T*_eta and the gate's latency path of each scenario and seed, one JSON line each."""
+    import argparse
+    import json
+
+    from sim.config import load_config
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", default="bench/cluster.yaml")
+    ap.add_argument("--scenario", action="append", default=[], help="default: every scenario")
+    ap.add_argument("--seeds", default="", help="comma-separated (default: the scenario's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    base = load_config(args.config, args.set)
+    for name in args.scenario or [s.name for s in base.scenarios]:
+        seeds = [int(x) for x in args.seeds.split(",") if x] or [base.scenario(name).seed]
+        for seed in seeds:
+            cfg = load_config(args.config, [*args.set, f"scenarios.{name}.seed={seed}"])
+            sc = cfg.scenario(name)
+            one, eta = limits(cfg, sc)
+            gate = gate_path(cfg, sc)
+            row = {
+                "scenario": name,
+                "seed": seed,
+                "eta": eta.eta,
+                "t_star_s": round(one.t_star_s, 1),
+                "t_star_eta_s": round(eta.t_star_eta_s, 1),
+                "gate_path_s": round(gate.t_s, 1),
+                "gate_publish_times_s": [round(x, 1) for x in gate.publish_times_s],
+                "gate_dispatched": gate.dispatched,
+                "gate_cancelled": gate.cancelled,
+            }
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

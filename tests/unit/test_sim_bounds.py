@@ -1,6 +1,8 @@
-"""The lower bound T*_eta (sim/bounds.py): the publish-time recursion on cases computed by
+"""The lower bounds (sim/bounds.py). T*_eta: the publish-time recursion on cases computed by
 hand, and on a small scenario: below every policy's time, never below the work bound, and
-no larger when the staleness bound loosens."""
+no larger when the staleness bound loosens. The gate's latency path: by hand (the gate, the
+pool, the cancel-early rule), and on the small scenario below every policy that dispatches
+under the gate."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import itertools
 
 import pytest
 
-from sim.bounds import limits, physical_limit, publish_times, staleness_limit
+from sim.bounds import gate_path, gate_schedule, limits, physical_limit, publish_times, staleness_limit
 from sim.driver import PolicySpec, run_policy
 from tests.unit.test_sim_conservation import small_config
 
@@ -92,3 +94,48 @@ def test_vectorized_episode_costs_match_the_turn_by_turn_ones() -> None:
             assert _episode_costs_np(ep, cost, batch) == pytest.approx(
                 _episode_costs(ep, cost, batch), rel=1e-12
             )
+
+
+def _gate(latency, eta: int, extra: int = 0, updates: int = 2):
+    return gate_schedule(
+        lambda task, u: latency[task] if task < len(latency) else 10.0,
+        lambda task, u: 1.0,
+        batch_groups=1,
+        extra_groups=extra,
+        eta=eta,
+        updates=updates,
+        cells=1,
+        tau_opt=2.0,
+    )
+
+
+def test_gate_path_by_hand() -> None:
+    # B = 1, 10 s per group, 1 GPU-s of training, a 2 s optimizer step, one cell.
+    # eta = 0: one group at t_0 (ready at 10, t_1 = 10 + 1 + 2), the next only at t_1.
+    g = _gate([], eta=0)
+    assert g.publish_times_s == (13.0, 26.0) and (g.dispatched, g.cancelled) == (2, 0)
+    # eta = 1: two groups at t_0; the second waits in the pool and batch 1 takes it at t_1.
+    g = _gate([], eta=1)
+    assert g.publish_times_s == (13.0, 16.0) and (g.dispatched, g.cancelled) == (3, 0)
+    # X = 1 at eta = 0: the faster of two groups closes batch 0 at 5 s and the other is
+    # cancelled then; its replacement waits for t_1 (the batch in progress is full).
+    g = _gate([10.0, 5.0], eta=0, extra=1, updates=1)
+    assert g.publish_times_s == (8.0,) and (g.dispatched, g.cancelled) == (2, 1)
+    with pytest.raises(ValueError):
+        _gate([], eta=-1)
+
+
+def test_small_scenario_gate_path_is_below_every_gated_policy() -> None:
+    cfg, sc = small_config()
+    paths = [gate_path(cfg, _with_eta(sc, eta)).t_s for eta in (0, 1, 2)]
+    assert all(a >= b - 1e-9 for a, b in itertools.pairwise(paths)), paths
+    g = gate_path(cfg, sc)
+    assert len(g.publish_times_s) == sc.training.updates and 0 < g.cancelled < g.dispatched
+    for spec in (
+        PolicySpec("gyre"),
+        PolicySpec("async-static", training_cells=2),
+        PolicySpec("async-static", training_cells=4),
+        PolicySpec("async-static-lend", training_cells=2),
+    ):
+        r = run_policy(cfg, sc, spec)
+        assert r.reached and r.time_to_n_s >= g.t_s, spec.label
