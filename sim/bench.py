@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from services.scheduler import policy as P
-from sim.bounds import Bound, StalenessBound, limits
+from sim.bounds import Bound, GatePath, StalenessBound, all_limits
 from sim.config import PolicyEntry, ScenarioConfig, SimConfig, apply_variant
 from sim.driver import PolicySpec, run_policy
 from sim.metrics import RunResult
@@ -163,6 +163,8 @@ class ScenarioResult:
     scenario: ScenarioConfig
     bound: Bound
     bound_eta: StalenessBound
+    gate: GatePath | None = None
+    """The gate's latency path (a bound for the policies that dispatch under the gate)."""
     runs: dict[str, RunResult] = field(default_factory=dict)  # by label
     roles: dict[str, RoleResult] = field(default_factory=dict)
     variants: dict[str, RunResult] = field(default_factory=dict)
@@ -177,6 +179,7 @@ class ScenarioResult:
             "scenario": self.scenario.model_dump(),
             "bound": vars(self.bound),
             "bound_eta": vars(self.bound_eta),
+            "gate_path": vars(self.gate) if self.gate is not None else None,
             "roles": {k: vars(v) | {"sweep": [vars(p) for p in v.sweep]} for k, v in self.roles.items()},
             "runs": {k: r.to_json(with_series=False) for k, r in self.runs.items()},
             "variants": {k: r.to_json(with_series=False) for k, r in self.variants.items()},
@@ -332,11 +335,11 @@ def run_scenario(
     """Every row of ``cfg.policies`` (and, with ``variants``, the what-ifs of the gyre row's
     policy) on scenario ``sc`` at its ``seed``."""
     t0 = time.perf_counter()
-    bound, bound_eta = limits(cfg, sc)
-    res = ScenarioResult(sc, bound, bound_eta)
+    bound, bound_eta, gate = all_limits(cfg, sc)
+    res = ScenarioResult(sc, bound, bound_eta, gate)
     log(
         f"[{sc.name} seed {sc.seed}] T*_eta = {bound_eta.t_star_eta_s:.0f} s (eta {bound_eta.eta}); "
-        f"one-burst T* = {bound.t_star_s:.0f} s"
+        f"gate path {gate.t_s:.0f} s; one-burst T* = {bound.t_star_s:.0f} s"
     )
     runner = _Runner(cfg, sc, res, record_every_s, log)
     for entry in cfg.policies:
@@ -428,6 +431,8 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
     }
     eff = [r.bound_eta.t_star_eta_s / g if g else None for r, g in zip(rs, gyre)]
     eff_old = [r.bound.t_star_s / g if g else None for r, g in zip(rs, gyre)]
+    gate_bound = [max(r.bound_eta.t_star_eta_s, r.gate.t_s) if r.gate is not None else None for r in rs]
+    eff_gate = [b / g if (b is not None and g) else None for b, g in zip(gate_bound, gyre)]
     hyg = [hygiene(run) for r in rs if (run := r.run("gyre")) is not None]
     hyg_med = {k: _median([h[k] for h in hyg]) for k in (hyg[0] if hyg else {})}
     out: dict[str, Any] = {
@@ -445,11 +450,14 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
         "t_star_eta_s": _median([r.bound_eta.t_star_eta_s for r in rs]),
         "t_star_one_burst_s": _median([r.bound.t_star_s for r in rs]),
         "efficiency_t_star_one_burst": _median(eff_old),
+        "gate_path_s": _median([r.gate.t_s if r.gate is not None else None for r in rs]),
+        "efficiency_gate_bound": _median(eff_gate),
         "spread": {
             "gyre_s": _spread(gyre),
             **{f"{role}_s": _spread(ts) for role, ts in base.items()},
             **{f"vs_{role}": _spread(x) for role, x in ratios.items()},
             "efficiency_t_star_eta": _spread(eff),
+            "efficiency_gate_bound": _spread(eff_gate),
         },
         "ran": {
             role: sorted({rr.label or "" for r in rs if (rr := r.roles.get(role)) is not None and rr.label})

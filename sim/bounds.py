@@ -461,7 +461,16 @@ def gate_schedule(
 
 def gate_path(cfg: SimConfig, sc: ScenarioConfig) -> GatePath:
     """The gate's latency path for N = ``sc.training.updates`` updates of ``sc``."""
+    return _gate_path(cfg, sc, _Costs(cfg, sc))
+
+
+def all_limits(cfg: SimConfig, sc: ScenarioConfig) -> tuple[Bound, StalenessBound, GatePath]:
+    """T*, T*_eta and the gate's latency path, sharing the group costs."""
     costs = _Costs(cfg, sc)
+    return _physical_limit(cfg, sc, costs), _staleness_limit(cfg, sc, costs), _gate_path(cfg, sc, costs)
+
+
+def _gate_path(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> GatePath:
     tr = sc.training
 
     def group(task: int, version: int) -> GroupCost:
@@ -499,8 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in seeds:
             cfg = load_config(args.config, [*args.set, f"scenarios.{name}.seed={seed}"])
             sc = cfg.scenario(name)
-            one, eta = limits(cfg, sc)
-            gate = gate_path(cfg, sc)
+            one, eta, gate = all_limits(cfg, sc)
             row = {
                 "scenario": name,
                 "seed": seed,

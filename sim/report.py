@@ -108,9 +108,9 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         "",
         (
             "| scenario | η | seeds | Gyre (s) | vs oracle async static | vs oracle bursty static | vs colocated | "
-            "efficiency T\\*_η/T | target | met |"
+            "efficiency T\\*_η/T | efficiency, gate bound | target | met |"
         ),
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, s in summary.items():
         sp = s["spread"]
@@ -125,7 +125,8 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {s['eta']} | {','.join(map(str, s['seeds']))} | {_f(s['gyre_s'])} | "
             f"{_spread_x(sp['vs_oracle_async_static'])} | {_spread_x(sp['vs_oracle_bursty_static'])} | "
-            f"{_spread_x(sp['vs_colocated'])} | {_f(s['efficiency_t_star_eta'], 2)} | {want} | {met} |"
+            f"{_spread_x(sp['vs_colocated'])} | {_f(s['efficiency_t_star_eta'], 2)} | "
+            f"{_f(s.get('efficiency_gate_bound'), 2)} | {want} | {met} |"
         )
     ran = sorted({label for s in summary.values() for label in s["ran"].get("gyre", [])})
     if ran:
@@ -146,9 +147,9 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         "",
         (
             "| scenario | dropped or cancelled groups / dispatched | switch + reroute GPU-s share | trainer idle | "
-            "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | one-burst T\\* (s) |"
+            "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | gate path (s) | one-burst T\\* (s) |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
         h, ok = s["hygiene"], s["hygiene_met"]
@@ -163,7 +164,7 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {cell('dropped_share')} | {cell('switch_reroute_gpu_share')} | {cell('trainer_idle')} | "
             f"{cell('rollout_idle')} | {cell('length_bias', pct=False)} | {_f(s['t_star_eta_s'])} | "
-            f"{_f(s['t_star_one_burst_s'])} |"
+            f"{_f(s.get('gate_path_s'))} | {_f(s['t_star_one_burst_s'])} |"
         )
     return "\n".join(lines) + "\n"
 

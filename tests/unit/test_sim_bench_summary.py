@@ -25,6 +25,8 @@ KEYS = {
     "vs_oracle_bursty_static",
     "vs_colocated",
     "efficiency_t_star_eta",
+    "efficiency_gate_bound",
+    "gate_path_s",
     "dropped_share",
     "seeds",
 }
@@ -86,6 +88,10 @@ def test_summary_schema_through_the_cli(tmp_path: Path) -> None:
         assert runs[roles["oracle_bursty_static"]["label"]]["time_to_n_s"] == best
     assert s["vs_colocated"] == statistics.median(ratios)
     assert 0 < s["efficiency_t_star_eta"] <= 1
+    # The gate bound: the larger of T*_eta and the gate's latency path, per seed.
+    gate = [per_seed[seed]["gate_path"]["t_s"] for seed in ("3", "4")]
+    assert s["gate_path_s"] == statistics.median(gate)
+    assert s["efficiency_t_star_eta"] <= s["efficiency_gate_bound"] <= 1
     assert 0 <= s["dropped_share"] <= 1
     assert set(s["hygiene"]) >= {"dropped_share", "switch_reroute_gpu_share", "trainer_idle", "rollout_idle"}
     assert s["target"]["baseline"] == "oracle_bursty_static" and isinstance(s["target"]["met"], bool)
