@@ -278,7 +278,8 @@ class ExecutionHandle:
         no longer be trained within the staleness bound): its model calls end with HTTP 409,
         heartbeats stop, and a finish report is answered as a duplicate (by this client
         itself when the scheduler has archived the burst since, and forgotten the execution:
-        a harness waiting on a long tool call reports after the archive grace)."""
+        a harness waiting on a long tool call reports after the archive grace; its heartbeats
+        then get NOT_FOUND, logged once)."""
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -310,13 +311,21 @@ class ExecutionHandle:
 
     async def _beat(self) -> None:
         interval = max(self.proto.heartbeat_interval_s or 2.0, 0.1)
+        unknown = False
         while True:
             await asyncio.sleep(interval)
             try:
                 reply = await self.heartbeat()
-            except NotFound as exc:  # closed and archived while this harness was away: nothing to keep alive
-                log.info("heartbeats stop", extra={"execution_id": self.execution_id, "error": str(exc)})
-                return
+            except NotFound as exc:
+                # Closed and archived while this harness was away (or a scheduler that does
+                # not know it yet): beating on costs nothing and is safe, saying so once is enough.
+                if not unknown:
+                    log.info(
+                        "the scheduler does not know this execution",
+                        extra={"execution_id": self.execution_id, "error": str(exc)},
+                    )
+                unknown = True
+                continue
             except GyreError as exc:
                 log.warning("heartbeat failed", extra={"execution_id": self.execution_id, "error": str(exc)})
                 continue
