@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from services.scheduler import policy as P
-from sim.bounds import Bound, GatePath, StalenessBound, all_limits
+from sim.bounds import Bound, GatePath, StalenessBound, limits
 from sim.config import PolicyEntry, ScenarioConfig, SimConfig, apply_variant
 from sim.driver import PolicySpec, run_policy
 from sim.metrics import RunResult
@@ -335,7 +335,7 @@ def run_scenario(
     """Every row of ``cfg.policies`` (and, with ``variants``, the what-ifs of the gyre row's
     policy) on scenario ``sc`` at its ``seed``."""
     t0 = time.perf_counter()
-    bound, bound_eta, gate = all_limits(cfg, sc)
+    bound, bound_eta, gate = limits(cfg, sc)
     res = ScenarioResult(sc, bound, bound_eta, gate)
     log(
         f"[{sc.name} seed {sc.seed}] T*_eta = {bound_eta.t_star_eta_s:.0f} s (eta {bound_eta.eta}); "

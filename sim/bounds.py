@@ -359,10 +359,10 @@ def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Stale
     )
 
 
-def limits(cfg: SimConfig, sc: ScenarioConfig) -> tuple[Bound, StalenessBound]:
-    """Both bounds, sharing the group costs."""
+def limits(cfg: SimConfig, sc: ScenarioConfig) -> tuple[Bound, StalenessBound, GatePath]:
+    """T*, T*_eta and the gate's latency path, sharing the group costs."""
     costs = _Costs(cfg, sc)
-    return _physical_limit(cfg, sc, costs), _staleness_limit(cfg, sc, costs)
+    return _physical_limit(cfg, sc, costs), _staleness_limit(cfg, sc, costs), _gate_path(cfg, sc, costs)
 
 
 @dataclass(frozen=True)
@@ -376,8 +376,7 @@ class GatePath:
 
 
 def gate_schedule(
-    latency: Callable[[int, int], float],
-    train: Callable[[int, int], float],
+    group: Callable[[int, int], tuple[float, float]],
     *,
     batch_groups: int,
     extra_groups: int,
@@ -387,8 +386,8 @@ def gate_schedule(
     tau_opt: float,
 ) -> GatePath:
     """The gate's latency path (module docstring) for groups whose alone latency and training
-    GPU-s are ``latency(task, stamp)`` and ``train(task, stamp)`` (task: trace order, stamp:
-    the version it is dispatched at)."""
+    GPU-s are ``group(task, stamp)`` (task: trace order, stamp: the version it is dispatched
+    at)."""
     if batch_groups < 1 or extra_groups < 0 or eta < 0 or updates < 1 or cells < 1:
         raise ValueError("batch_groups, updates, cells >= 1; extra_groups, eta >= 0")
     b = batch_groups
@@ -399,6 +398,7 @@ def gate_schedule(
     pool: list[tuple[float, int]] = []  # ready, unassigned, in ready order
     batch: list[tuple[float, int]] = []  # (assigned at, task) of batch v
     usable = cancelled = 0
+    settled = 0  # tasks before it are past the cancel rule (stamps grow with the task index)
     v, t = 0, [0.0]
 
     def dispatch(now: float) -> None:
@@ -407,16 +407,17 @@ def gate_schedule(
             return  # a group stamped v would be unconsumable at once: wait for the update
         while usable < (v + eta + 1) * b + extra_groups:
             task = len(stamp)
+            alone, train = group(task, v)
             stamp.append(v)
-            train_s.append(train(task, v))
+            train_s.append(train)
             state.append("open")
             usable += 1
-            heapq.heappush(running, (now + latency(task, v), task))
+            heapq.heappush(running, (now + alone, task))
 
     def assign(now: float) -> None:
         """Ready groups of the pool into batch v, first come first served; when it is full,
         the cancel-early rule."""
-        nonlocal usable, cancelled, pool
+        nonlocal usable, cancelled, pool, settled
         rest = []
         for r, task in pool:
             if len(batch) < b and v - stamp[task] <= eta:
@@ -427,11 +428,12 @@ def gate_schedule(
         pool = rest
         if len(batch) < b:
             return
-        for task, u in enumerate(stamp):
-            if u <= v - eta and state[task] in ("open", "ready"):
-                state[task] = "cancelled"
+        while settled < len(stamp) and stamp[settled] <= v - eta:
+            if state[settled] in ("open", "ready"):
+                state[settled] = "cancelled"
                 usable -= 1
                 cancelled += 1
+            settled += 1
         pool = [(r, task) for r, task in pool if state[task] == "ready"]
 
     dispatch(0.0)
@@ -467,21 +469,15 @@ def gate_path(cfg: SimConfig, sc: ScenarioConfig) -> GatePath:
     return _gate_path(cfg, sc, _Costs(cfg, sc))
 
 
-def all_limits(cfg: SimConfig, sc: ScenarioConfig) -> tuple[Bound, StalenessBound, GatePath]:
-    """T*, T*_eta and the gate's latency path, sharing the group costs."""
-    costs = _Costs(cfg, sc)
-    return _physical_limit(cfg, sc, costs), _staleness_limit(cfg, sc, costs), _gate_path(cfg, sc, costs)
-
-
 def _gate_path(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> GatePath:
     tr = sc.training
 
-    def group(task: int, version: int) -> GroupCost:
-        return costs.tasks(range(task, task + 1), version, fast=True)[0]
+    def group(task: int, version: int) -> tuple[float, float]:
+        g = costs.tasks(range(task, task + 1), version, fast=True)[0]
+        return g.alone_s, g.train_gpu_s
 
     return gate_schedule(
-        lambda task, u: group(task, u).alone_s,
-        lambda task, u: group(task, u).train_gpu_s,
+        group,
         batch_groups=tr.batch_groups,
         extra_groups=costs.per_burst - tr.batch_groups,
         eta=tr.max_staleness,
@@ -511,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in seeds:
             cfg = load_config(args.config, [*args.set, f"scenarios.{name}.seed={seed}"])
             sc = cfg.scenario(name)
-            one, eta, gate = all_limits(cfg, sc)
+            one, eta, gate = limits(cfg, sc)
             row = {
                 "scenario": name,
                 "seed": seed,

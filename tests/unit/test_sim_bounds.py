@@ -63,7 +63,7 @@ def test_small_scenario_bound_is_below_every_policy_and_loosens_with_eta() -> No
     bounds = [staleness_limit(cfg, _with_eta(sc, eta)).t_star_eta_s for eta in (0, 1, 2, 8)]
     assert all(a >= b - 1e-9 for a, b in itertools.pairwise(bounds))
     assert bounds[0] > bounds[-1]  # a tight staleness bound costs latency
-    old, eta1 = limits(cfg, sc)
+    old, eta1, _ = limits(cfg, sc)
     assert old == physical_limit(cfg, sc)
     assert eta1.t_star_eta_s == pytest.approx(bounds[1])
     assert eta1.t_star_eta_s >= eta1.work_bound_s * (1 - 1e-9)
@@ -98,8 +98,7 @@ def test_vectorized_episode_costs_match_the_turn_by_turn_ones() -> None:
 
 def _gate(latency, eta: int, extra: int = 0, updates: int = 2):
     return gate_schedule(
-        lambda task, u: latency[task] if task < len(latency) else 10.0,
-        lambda task, u: 1.0,
+        lambda task, u: (latency[task] if task < len(latency) else 10.0, 1.0),
         batch_groups=1,
         extra_groups=extra,
         eta=eta,
