@@ -1,15 +1,34 @@
 """The staleness bound eta and the one rule for groups that can no longer be trained, shared
-by every service that applies it (the scheduler cancels their open members, the packer drops
-their ready copies) and by the policies and the simulator.
+by every service that applies it (the scheduler cancels or restamps their open members, the
+packer drops their ready copies) and by the policies and the simulator.
 
 A group is stamped with the policy version it was dispatched with (the version it serves).
 The batch that trains on version k may consume a group stamped u only if ``0 <= k - u <=
-eta`` (``max_staleness``). **Cancel early:** once the trainer is past version ``u + eta``, or
-at it with the batch full (every group it needs assigned), a group stamped u that is not
-assigned can never be trained within eta: it is cancelled at once, not dropped later.
+eta`` (``max_staleness``). Once the trainer is past version ``u + eta``, or at it with the
+batch full (every group it needs assigned), an unassigned group stamped u can never be
+trained within eta (:func:`unconsumable`). What happens to it is the rule
+(``stale_rule``), the same for every policy:
+
+* **cancel** (cancel early): its open members are cancelled at once, its ready copy is
+  dropped; nothing is kept that cannot be used, and every consumed token is at most eta
+  versions old.
+* **partial** (partial rollouts, as AReaL's interruptible generation and slime's partial
+  rollout): a group with a member already launched goes on, restamped with
+  :func:`restamp_version` (the member records carry the new stamp; the engines already
+  serve the newest weights). A group none of whose members has started is withdrawn as
+  under cancel (a fresh one replaces it at the current version), and a ready copy is still
+  dropped. Nothing started is thrown away; the price is that the tokens a group generated
+  before its restamp keep their older version, so a consumed token may be more than eta
+  versions old (the stamp, not every token, is within eta).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+CANCEL = "cancel"
+PARTIAL = "partial"
+STALE_RULES = (CANCEL, PARTIAL)
 
 
 def consumable(group_version: int, trainer_version: int, max_staleness: int) -> bool:
@@ -18,9 +37,8 @@ def consumable(group_version: int, trainer_version: int, max_staleness: int) -> 
 
 
 def unconsumable(group_version: int, trainer_version: int, batch_full: bool, max_staleness: int) -> bool:
-    """The cancel-early rule: True once no batch within eta can take an unassigned group
-    stamped ``group_version`` (the trainer is past batch ``u + eta``, or at it with the
-    batch full)."""
+    """True once no batch within eta can take an unassigned group stamped ``group_version``
+    (the trainer is past batch ``u + eta``, or at it with the batch full)."""
     last = group_version + max_staleness
     return trainer_version > last or (trainer_version == last and batch_full)
 
@@ -28,3 +46,23 @@ def unconsumable(group_version: int, trainer_version: int, batch_full: bool, max
 def oldest_usable(trainer_version: int, batch_full: bool, max_staleness: int) -> int:
     """The oldest stamp whose unassigned groups can still be consumed."""
     return trainer_version - max_staleness + (1 if batch_full else 0)
+
+
+def restamp_version(trainer_version: int, batch_full: bool, max_staleness: int) -> int:
+    """The partial rule's new stamp: the trainer's version, or the next one when no batch
+    within eta could take a group stamped with it (eta = 0 and the batch full)."""
+    return max(oldest_usable(trainer_version, batch_full, max_staleness), trainer_version)
+
+
+def goes_on(rule: str, started: bool) -> bool:
+    """Whether an unconsumable group that is still open goes on (restamped) rather than being
+    cancelled: under the partial rule, once any of its members has started."""
+    if rule not in STALE_RULES:
+        raise ValueError(f"stale_rule must be one of {', '.join(STALE_RULES)}, got {rule!r}")
+    return rule == PARTIAL and started
+
+
+def group_stamp(member_stamps: Iterable[int], default: int) -> int:
+    """A group's stamp from its members' (a restamp moves the open members, so the newest
+    one is the group's; ``default``, the burst's stamp, when none is known)."""
+    return max(member_stamps, default=default)

@@ -401,7 +401,9 @@ def hygiene(r: RunResult) -> dict[str, float]:
     """The issue's hygiene figures of one run: dropped or cancelled groups / dispatched,
     role-switch + reroute/migration GPU-s / all GPU-s, idle shares of both sides, and the
     length bias (mean generated tokens of consumed / of dispatched groups: < 1 means
-    over-provision and dropping favour short episodes)."""
+    over-provision and dropping favour short episodes), and the share of consumed tokens
+    generated more than eta versions before their batch (0 under the cancel rule; the
+    partial rule's price)."""
     total = r.gpu_s_total or 1.0
     return {
         "dropped_share": r.dropped_share,
@@ -409,6 +411,7 @@ def hygiene(r: RunResult) -> dict[str, float]:
         "trainer_idle": r.trainer_idle_ratio,
         "rollout_idle": r.rollout_idle_ratio,
         "length_bias": r.length_bias,
+        "beyond_eta_token_share": r.beyond_eta_token_fraction,
     }
 
 
@@ -447,6 +450,7 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
         "dropped_share": hyg_med.get("dropped_share"),
         "seeds": [r.scenario.seed for r in rs],
         "eta": sc.training.max_staleness,
+        "stale_rule": sc.training.stale_rule,
         "t_star_eta_s": _median([r.bound_eta.t_star_eta_s for r in rs]),
         "t_star_one_burst_s": _median([r.bound.t_star_s for r in rs]),
         "efficiency_t_star_one_burst": _median(eff_old),

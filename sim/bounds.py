@@ -39,7 +39,9 @@ speed (alone on an engine) with its sandbox, tool and reward waits.
   may carry (``max(0, k - eta)``); the work terms take, for each range of batches, the
   cheapest distinct groups of the tasks they may come from, at version 0 (under growing
   drift the shortest). A policy that burns more tasks than that per version could beat
-  the bound; efficiency > 1 in a report would say so.
+  the bound; efficiency > 1 in a report would say so. Under the partial rule
+  (``stale_rule: partial``) a restamped group may be consumed any number of versions after
+  its dispatch, so the recursion runs with eta = N: the work and optimizer chain.
 
 * ``gate_path`` — the dispatch gate's latency path, a lower bound for the policies that
   dispatch under the staleness gate (``gyre``, ``async-static``, ``async-static-lend``): the
@@ -57,7 +59,9 @@ speed (alone on an engine) with its sandbox, tool and reward waits.
   of ``bench/results/cluster.json`` (each at least 1.11x its path). The gap between this
   path and a policy's time is what decode sharing, queueing for slots and role switches
   cost; the gap between T*_eta and this path is what the gate and the cancel rule cost
-  (T*_eta lets each batch pick from a wide window).
+  (T*_eta lets each batch pick from a wide window). Under the partial rule the path plays
+  it too: an open group that the cancel rule would stop is restamped and goes on, and only
+  ready copies are dropped.
 
 Both are lower bounds under the simulator's assumptions (the trace, the cost model, one
 batch of B groups per update); role switches, reroutes, weight sync, queueing and the work
@@ -302,7 +306,10 @@ def staleness_limit(cfg: SimConfig, sc: ScenarioConfig) -> StalenessBound:
 
 def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> StalenessBound:
     tr = sc.training
-    eta = tr.max_staleness
+    # Under the partial rule a restamped group may have been dispatched any number of
+    # versions before the batch that takes it: the recursion runs with eta = N (no latency
+    # window), a weaker bound that still holds.
+    eta = tr.max_staleness if tr.stale_rule == "cancel" else tr.updates
     cells = sc.cluster.cells
     tau_opt = cfg.cost.train_step_fixed_s
     b = tr.batch_groups
@@ -384,10 +391,12 @@ def gate_schedule(
     updates: int,
     cells: int,
     tau_opt: float,
+    partial: bool = False,
 ) -> GatePath:
     """The gate's latency path (module docstring) for groups whose alone latency and training
     GPU-s are ``group(task, stamp)`` (task: trace order, stamp: the version it is dispatched
-    at)."""
+    at). ``partial``: the partial rule instead of cancel early (an open group is restamped
+    and goes on; only ready copies are dropped)."""
     if batch_groups < 1 or extra_groups < 0 or eta < 0 or updates < 1 or cells < 1:
         raise ValueError("batch_groups, updates, cells >= 1; extra_groups, eta >= 0")
     b = batch_groups
@@ -399,6 +408,7 @@ def gate_schedule(
     batch: list[tuple[float, int]] = []  # (assigned at, task) of batch v
     usable = cancelled = 0
     settled = 0  # tasks before it are past the cancel rule (stamps grow with the task index)
+    carried: list[int] = []  # restamped open tasks (the partial rule): checked again each batch
     v, t = 0, [0.0]
 
     def dispatch(now: float) -> None:
@@ -417,7 +427,7 @@ def gate_schedule(
     def assign(now: float) -> None:
         """Ready groups of the pool into batch v, first come first served; when it is full,
         the cancel-early rule."""
-        nonlocal usable, cancelled, pool, settled
+        nonlocal usable, cancelled, pool, settled, carried
         rest = []
         for r, task in pool:
             if len(batch) < b and v - stamp[task] <= eta:
@@ -428,12 +438,21 @@ def gate_schedule(
         pool = rest
         if len(batch) < b:
             return
+        doomed = list(carried)
         while settled < len(stamp) and stamp[settled] <= v - eta:
-            if state[settled] in ("open", "ready"):
-                state[settled] = "cancelled"
+            doomed.append(settled)
+            settled += 1
+        carried = []
+        for task in doomed:
+            if stamp[task] > v - eta:
+                carried.append(task)
+            elif state[task] == "open" and partial:
+                stamp[task] = max(v - eta + 1, v)
+                carried.append(task)
+            elif state[task] in ("open", "ready"):
+                state[task] = "cancelled"
                 usable -= 1
                 cancelled += 1
-            settled += 1
         pool = [(r, task) for r, task in pool if state[task] == "ready"]
 
     dispatch(0.0)
@@ -484,6 +503,7 @@ def _gate_path(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> GatePath:
         updates=tr.updates,
         cells=sc.cluster.cells,
         tau_opt=cfg.cost.train_step_fixed_s,
+        partial=tr.stale_rule == "partial",
     )
 
 

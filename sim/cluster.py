@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gyre.staleness import goes_on, restamp_version
 from services.scheduler.policy import staleness
 from sim.config import CostConfig
 from sim.cost import CostModel, DecodeRate
@@ -384,6 +385,7 @@ class Cluster:
         max_staleness: int,
         placement: str = "scheduler",
         rate_window_s: float = 600.0,
+        stale_rule: str = "cancel",
     ) -> None:
         self.loop = loop
         self.cost = CostModel(cost_cfg)
@@ -415,8 +417,10 @@ class Cluster:
         # overlapping bursts: the per-version ledger, live groups, the cancel-early rule
         self.versions: dict[int, VersionLedger] = {}
         self.live: dict[int, dict[int, Group]] = {}  # version -> unconsumed, uncancelled groups
+        self.stale_rule = stale_rule
         self.cancelled_groups = 0
         self.cancelled_executions = 0
+        self.restamped_groups = 0
         self.migrations = 0
         self.ready_log: deque[tuple[float, int]] = deque()  # (time, tokens) of ready groups
         self.ready_log_tokens = 0
@@ -812,21 +816,40 @@ class Cluster:
         vl.ready -= 1
 
     def cancel_unconsumable(self) -> int:
-        """The cancel-early rule (services.scheduler.policy.staleness.unconsumable), the same
-        for every policy: every group that no batch within the staleness bound can take any
-        more is cancelled now; its ready copy leaves the pool, its open members are stopped
-        (their slots freed). Returns the groups cancelled."""
+        """The rule for unconsumable groups (gyre.staleness), the same for every policy: every
+        group that no batch within the staleness bound can take any more is cancelled now (its
+        ready copy leaves the pool, its open members are stopped, their slots freed), or, under
+        the partial rule, a group with a member started is restamped and goes on. Returns the
+        groups cancelled."""
         tr = self.trainer
         lo = staleness.oldest_usable(tr.version, tr.needs == 0, tr.max_staleness)
         gone = [u for u in self.live if u < lo]
         n = 0
         for u in gone:
             for g in list(self.live.pop(u).values()):
+                started = any(ex.launched_s >= 0 for ex in g.members)
+                if g.closed < g.size and goes_on(self.stale_rule, started):
+                    self._restamp(g, restamp_version(tr.version, tr.needs == 0, tr.max_staleness))
+                    continue
                 self._cancel_group(g)
                 n += 1
         if n:
             self.fill()
         return n
+
+    def _restamp(self, g: Group, version: int) -> None:
+        """Moves an open group to ``version`` in the per-version ledger (the partial rule)."""
+        old = self.versions[g.version]
+        new = self.versions.setdefault(version, VersionLedger())
+        launched = sum(1 for ex in g.members if ex.launched_s >= 0)
+        for vl, sign in ((old, -1), (new, 1)):
+            vl.groups += sign
+            vl.dispatched += sign * g.size
+            vl.launched += sign * launched
+            vl.finished += sign * g.closed
+        g.version = version
+        self.live.setdefault(version, {})[g.gid] = g
+        self.restamped_groups += 1
 
     def _cancel_group(self, g: Group) -> None:
         tr = self.trainer

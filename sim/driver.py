@@ -96,6 +96,7 @@ class Driver:
             sc.training.max_staleness,
             self._placement(),
             pp.rate_window_s,
+            sc.training.stale_rule,
         )
         gyre = pp.gyre_config(pp.drain_grace_s)
         self.policy = P.make_policy(

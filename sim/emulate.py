@@ -136,6 +136,8 @@ def render_config(
     """The cluster YAML (as a dict) of the emulated scenario; ports are placeholders that
     ``Cluster(free_ports=True)`` remaps."""
     c, pp, tr = cfg.cost, cfg.policy, sc.training
+    if tr.stale_rule != "cancel":
+        raise ValueError(f"the emulated cluster's services apply the cancel rule only, not {tr.stale_rule!r}")
     prof = cfg.profiles[sc.profile]
     ts = time_scale
     scale = 1.0 / ts

@@ -42,6 +42,8 @@ class RunResult:
     staleness_mean: float
     staleness_max: int
     stale_token_fraction: float
+    beyond_eta_token_fraction: float  # consumed tokens generated more than eta versions back
+    restamped_groups: int  # groups the partial rule moved to a newer stamp
     dropped_groups: int  # cancelled early (staleness rule) + dropped stale at assignment
     cancelled_executions: int
     dispatched_groups: int
@@ -85,6 +87,7 @@ def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
     n_tok = sum(lag_tokens.values())
     mean_lag = sum(k * v for k, v in lag_tokens.items()) / n_tok if n_tok else 0.0
     stale = sum(v for k, v in lag_tokens.items() if k > 0) / n_tok if n_tok else 0.0
+    beyond = sum(v for k, v in lag_tokens.items() if k > tr.max_staleness) / n_tok if n_tok else 0.0
     lat = [
         ex.closed_s - ex.launched_s
         for ex in cl.executions
@@ -121,6 +124,8 @@ def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
         staleness_mean=mean_lag,
         staleness_max=max(lag_tokens) if lag_tokens else 0,
         stale_token_fraction=stale,
+        beyond_eta_token_fraction=beyond,
+        restamped_groups=cl.restamped_groups,
         dropped_groups=tr.dropped_groups + cl.cancelled_groups,
         cancelled_executions=cl.cancelled_executions,
         dispatched_groups=len(cl.groups),

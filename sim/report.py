@@ -147,9 +147,10 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
         "",
         (
             "| scenario | dropped or cancelled groups / dispatched | switch + reroute GPU-s share | trainer idle | "
-            "rollout idle | length bias (consumed / dispatched) | T\\*_η (s) | gate path (s) | one-burst T\\* (s) |"
+            "rollout idle | length bias (consumed / dispatched) | consumed tokens > η versions old | "
+            "T\\*_η (s) | gate path (s) | one-burst T\\* (s) |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
         h, ok = s["hygiene"], s["hygiene_met"]
@@ -163,7 +164,8 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
 
         lines.append(
             f"| {name} | {cell('dropped_share')} | {cell('switch_reroute_gpu_share')} | {cell('trainer_idle')} | "
-            f"{cell('rollout_idle')} | {cell('length_bias', pct=False)} | {_f(s['t_star_eta_s'])} | "
+            f"{cell('rollout_idle')} | {cell('length_bias', pct=False)} | {cell('beyond_eta_token_share')} | "
+            f"{_f(s['t_star_eta_s'])} | "
             f"{_f(s.get('gate_path_s'))} | {_f(s['t_star_one_burst_s'])} |"
         )
     return "\n".join(lines) + "\n"
@@ -218,7 +220,8 @@ def scenario_markdown(
         f"Profile {sc.profile}"
         + (f" mixed with {', '.join(f'{k} ×{w:g}' for k, w in sc.mix.items())}" if sc.mix else "")
         + f", {sc.cluster.cells} cells × {sc.cluster.slots_per_cell} slots, batch {tr.batch_groups} groups "
-        f"(over-provision {tr.overprovision:.0%}), η = {tr.max_staleness}, N = {tr.updates} updates, placement "
+        f"(over-provision {tr.overprovision:.0%}), η = {tr.max_staleness} ({tr.stale_rule} rule), N = {tr.updates} "
+        "updates, placement "
         f"`{sc.cluster.placement}`"
         + (
             f", drift +{drift.growth_per_version:.1%}/version{' (turns too)' if drift.turns_too else ''}"

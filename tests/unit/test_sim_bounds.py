@@ -96,7 +96,7 @@ def test_vectorized_episode_costs_match_the_turn_by_turn_ones() -> None:
             )
 
 
-def _gate(latency, eta: int, extra: int = 0, updates: int = 2):
+def _gate(latency, eta: int, extra: int = 0, updates: int = 2, partial: bool = False):
     return gate_schedule(
         lambda task, u: (latency[task] if task < len(latency) else 10.0, 1.0),
         batch_groups=1,
@@ -105,6 +105,7 @@ def _gate(latency, eta: int, extra: int = 0, updates: int = 2):
         updates=updates,
         cells=1,
         tau_opt=2.0,
+        partial=partial,
     )
 
 
@@ -124,6 +125,18 @@ def test_gate_path_by_hand() -> None:
         _gate([], eta=-1)
 
 
+def test_gate_path_under_the_partial_rule_by_hand() -> None:
+    # X = 1 at eta = 0, groups of 10 s and 5 s. Cancel early: the 10 s group is cancelled at
+    # 5 s (batch 0 full, t_1 = 5 + 1 + 2 = 8); batch 1 waits for the two replacements
+    # dispatched at t_1 (8 + 10 + 1 + 2 = 21), and the one it does not take is cancelled.
+    g = _gate([10.0, 5.0], eta=0, extra=1)
+    assert g.publish_times_s == (8.0, 21.0) and (g.dispatched, g.cancelled) == (4, 2)
+    # Partial: it is restamped to v1 and goes on; batch 1 takes it at 10 s: 10 + 1 + 2 = 13.
+    # Nothing is cancelled; one replacement is dispatched at t_1 (the gate counts it still).
+    g = _gate([10.0, 5.0], eta=0, extra=1, partial=True)
+    assert g.publish_times_s == (8.0, 13.0) and (g.dispatched, g.cancelled) == (3, 0)
+
+
 def test_small_scenario_gate_path_is_below_every_gated_policy() -> None:
     cfg, sc = small_config()
     paths = [gate_path(cfg, _with_eta(sc, eta)).t_s for eta in (0, 1, 2)]
@@ -137,4 +150,10 @@ def test_small_scenario_gate_path_is_below_every_gated_policy() -> None:
         PolicySpec("async-static-lend", training_cells=2),
     ):
         r = run_policy(cfg, sc, spec)
+        assert r.reached and r.time_to_n_s >= g.t_s, spec.label
+    partial = sc.model_copy(update={"training": sc.training.model_copy(update={"stale_rule": "partial"})})
+    g = gate_path(cfg, partial)
+    assert g.cancelled < g.dispatched
+    for spec in (PolicySpec("gyre"), PolicySpec("async-static", training_cells=2)):
+        r = run_policy(cfg, partial, spec)
         assert r.reached and r.time_to_n_s >= g.t_s, spec.label

@@ -201,3 +201,41 @@ def test_migrate_moves_one_execution_as_a_continuation() -> None:
     d.boundary()
     r = d.run()
     assert r.reached and r.gpu_s_total == pytest.approx(r.cell_seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["gyre", "async-static"])
+def test_partial_rule_restamps_open_groups_instead_of_cancelling(name: str) -> None:
+    """The partial rule: an open group no batch within eta can take goes on under a newer
+    stamp (nothing is cancelled, the gate still holds, every consumed group's stamp is within
+    eta of its batch); only ready copies are dropped; the tokens generated before the
+    restamp keep their version, so some consumed tokens lag more than eta."""
+    cfg, sc = small_config()
+    sc = sc.model_copy(
+        update={"training": sc.training.model_copy(update={"stale_rule": "partial", "updates": 6})}
+    )
+    d = CheckingDriver(cfg, sc, PolicySpec(name, training_cells=3))
+    consumed_at: list[tuple[int, int]] = []  # (stamp, batch version) of each consumed group
+    tr = d.cluster.trainer
+    on_consumed = tr.on_consumed
+    tr.on_consumed = lambda g: (consumed_at.append((g.version, tr.version)), on_consumed(g))
+    r = d.run()
+    assert r.reached and r.updates == 6
+    cl = d.cluster
+    assert r.restamped_groups > 0
+    assert r.cancelled_executions == 0 and all(not ex.cancelled for ex in cl.executions)
+    assert all(g.closed == g.size for g in cl.groups if g.cancelled)  # only ready copies go
+    gate = P.staleness.gate(r.updates, sc.training.max_staleness, sc.training.batch_groups, d.extra_groups)
+    assert len(cl.groups) - cl.cancelled_groups <= gate
+    assert consumed_at and all(0 <= v - u <= sc.training.max_staleness for u, v in consumed_at)
+    assert r.staleness_max > sc.training.max_staleness and 0 < r.beyond_eta_token_fraction < 1
+    # The per-version ledger moved with the groups: it still adds up to the whole run's.
+    assert sum(vl.dispatched for vl in cl.versions.values()) == r.ledger["dispatched"]
+    assert sum(vl.launched for vl in cl.versions.values()) == cl.ledger.launched
+    assert sum(vl.finished for vl in cl.versions.values()) == r.ledger["finished"]
+    assert sum(vl.groups for vl in cl.versions.values()) == len(cl.groups)
+
+
+def test_the_cancel_rule_keeps_every_token_within_eta() -> None:
+    cfg, sc = small_config()
+    r = run_policy(cfg, sc, PolicySpec("gyre"))
+    assert r.restamped_groups == 0 and r.beyond_eta_token_fraction == 0.0

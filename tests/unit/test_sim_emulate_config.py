@@ -189,3 +189,10 @@ def test_driver_counts_a_scheduler_cancel_apart_from_a_failure(scaled, closed_as
     assert handle.reports == ["failed"]
     assert (d.stats.failed, d.stats.cancelled, d.stats.finished) == (failed, cancelled, 0)
     assert len(d.stats.errors) == failed
+
+
+def test_the_partial_rule_is_refused_until_the_services_apply_it() -> None:
+    cfg = load_config("bench/cluster.yaml")
+    sc = cfg.scenario("B64-partial")
+    with pytest.raises(ValueError, match="cancel rule only"):
+        render_config(cfg, sc, time_scale=1.0, model_dir="/nonexistent")
