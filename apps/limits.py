@@ -1,7 +1,8 @@
 """Cluster-wide limits, checked when a cluster config is loaded (by the launcher, before
 any process starts): the longest trajectory segment the configuration allows must fit one
 micro-step and the trained model's context; and the scheduler and the packer must agree on
-the staleness bound eta (``max_staleness``).
+the staleness bound eta (``max_staleness``) and the rule for groups beyond it
+(``stale_rule``).
 
 An execution's tokens only grow (services/router/trajectory.py), and the packer trains each
 segment as one sequence (services/packer/segments.py). A segment is as long as its last
@@ -24,7 +25,7 @@ from services.packer.config import PackerConfig
 from services.router.config import RouterConfig
 from services.scheduler.config import SchedulerConfig
 
-SHARED = ("max_staleness",)
+SHARED = ("max_staleness", "stale_rule")
 """Settings the scheduler and the packer must agree on (set them once, in ``cluster:``)."""
 
 

@@ -136,8 +136,6 @@ def render_config(
     """The cluster YAML (as a dict) of the emulated scenario; ports are placeholders that
     ``Cluster(free_ports=True)`` remaps."""
     c, pp, tr = cfg.cost, cfg.policy, sc.training
-    if tr.stale_rule != "cancel":
-        raise ValueError(f"the emulated cluster's services apply the cancel rule only, not {tr.stale_rule!r}")
     prof = cfg.profiles[sc.profile]
     ts = time_scale
     scale = 1.0 / ts
@@ -150,6 +148,7 @@ def render_config(
             "etcd_endpoints": ["127.0.0.1:23890"],
             "lease_ttl_s": 10,
             "max_staleness": tr.max_staleness,
+            "stale_rule": tr.stale_rule,
         },
         "scheduler": {
             "port": 50151,

@@ -10,7 +10,9 @@ How it behaves, in one place (details in each module):
   (FAILED_PRECONDITION, counted as ``late_turns``). A finish for an execution with no turn is accepted: it made no call.
 - Failed/timed-out/cancelled members: ``failed_member_rule`` drop_group (reason
   failed_group) or keep_rest (their turns: failed_execution). Zero-variance groups and
-  groups older than ``max_staleness`` versions are dropped with their reason. Every turn is
+  groups older than ``max_staleness`` versions (by their oldest token; by their stamp under
+  ``stale_rule: partial``, where a restamped group keeps older tokens) are dropped with
+  their reason. Every turn is
   accounted for: produced = consumed + buffered + sum(dropped), rechecked on every change.
 - Batches: batch 1 exists from the start; the first claim pins its weight version and
   activates it; ready groups are then assigned to it and packed (first-fit decreasing under

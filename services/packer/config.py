@@ -73,7 +73,15 @@ class PackerConfig(ServiceConfig):
         1,
         ge=0,
         description="A group whose oldest output token came from a policy more than this many "
-        "versions behind the newest known version is dropped (reason stale).",
+        "versions behind the newest known version is dropped (reason stale); under the partial rule, "
+        "one whose stamp lags more than this (a restamped group keeps its older tokens).",
+    )
+    stale_rule: Literal["cancel", "partial"] = Field(
+        "cancel",
+        description="The scheduler's rule for groups that cannot be trained within max_staleness "
+        "(gyre.staleness; set it once, in ``cluster:``). Under partial, a restamped group's older "
+        "tokens are kept: staleness is judged by the group's stamp (its members' newest reported "
+        "policy_version), not by its oldest token.",
     )
     claim_ttl_s: float = Field(
         10.0, gt=0, le=600, description="A claim not kept (KeepClaims/claim/ack) this long returns."

@@ -611,7 +611,7 @@ class Packer:
             if e.finish is not None
             for t in e.turns.values()
         )
-        if is_stale(oldest, self.state.policy_version, cfg.max_staleness):
+        if is_stale(self._age_of(group, oldest), self.state.policy_version, cfg.max_staleness):
             return self._drop(group, "stale")
         adv = group_advantages(rewards, cfg.advantage_std_normalize, cfg.advantage_eps)
         if not all(math.isfinite(a) for a in adv.values()):
@@ -628,6 +628,11 @@ class Packer:
     def _drop(self, group: Group, reason: str) -> None:
         log.info("group dropped", extra={"group_id": group.id, "reason": reason, "turns": group.turns})
         self._commit({"t": "drop", "g": group.id, "reason": reason})
+
+    def _age_of(self, group: Group, oldest: int) -> int:
+        """The version staleness is judged by: the oldest token's (cancel rule), or the
+        group's stamp (partial rule: a restamped group keeps its older tokens)."""
+        return self.state.stamp(group) if self.cfg.stale_rule == "partial" else oldest
 
     def _pump(self, demand: set[BatchId] | None = None) -> None:
         """Moves work forward: stale ready groups out, ready groups into the active batch,
@@ -646,7 +651,7 @@ class Packer:
         # scan was O(ready groups x members) on every claim and change.
         for gid in list(st.ready) if self._scan_key(full) != self._scanned else ():
             group = st.groups[gid]
-            if is_stale(group.oldest_version, st.policy_version, cfg.max_staleness):
+            if is_stale(self._age_of(group, group.oldest_version), st.policy_version, cfg.max_staleness):
                 self._drop(group, "stale")
             elif unconsumable(st.stamp(group), st.policy_version, full, cfg.max_staleness):
                 # The scheduler's cancel-early rule (gyre.staleness): no batch within eta can

@@ -112,8 +112,10 @@ class PackerState:
         return out
 
     def stamp(self, group: Group) -> int:
-        """The policy version a group was dispatched with (its members' finish reports)."""
-        return min(
+        """The policy version a group serves: the newest its members' finish reports carry
+        (one version under the cancel rule; under the partial rule the members that closed
+        after the scheduler restamped the group carry the newer one)."""
+        return max(
             (ex.finish.policy_version for ex in group.execs.values() if ex.finish is not None), default=0
         )
 

@@ -22,11 +22,13 @@ What it writes in etcd (all with ``LeaderElection.fenced_txn``):
 * ``keys.execution(b, id)``: ``{"execution_id", "burst_id", "seq", "group_id", "task_id",
   "policy_version", "state" (RUNNING | COMPLETED | FAILED | TIMED_OUT | CANCELLED),
   "token_sha256", "harness_id", "launched_s", "finished_s", "reward", "idempotency_key"}``,
-  created at launch (L), rewritten once at close (F). Execution ids: ``b<burst>-t<i>-<m>``,
-  groups ``b<burst>-t<i>``. A close by the scheduler's cancel-early rule has
-  ``idempotency_key`` ``scheduler-cancel``; a queued execution it withdraws gets its record
-  created closed (no token). The per-version ledger is derived from these records (each
-  burst's ``policy_version`` is the stamp of its groups): no counter key is shared.
+  created at launch (L), rewritten once at close (F) and, under the partial rule, when its
+  group is restamped (``policy_version`` raised while it runs). Execution ids:
+  ``b<burst>-t<i>-<m>``, groups ``b<burst>-t<i>``. A close by the scheduler's cancel-early
+  rule has ``idempotency_key`` ``scheduler-cancel``; a queued execution it withdraws gets its
+  record created closed (no token). The per-version ledger is derived from these records
+  (each burst's ``policy_version`` is the stamp of its groups, unless a member's record
+  carries a newer one): no counter key is shared.
 * ``keys.route(id)`` as in the conventions (deleted at close; version = route epoch).
 * ``keys.transition(cell)``: ``{"cell_id", "target", "reason", "epoch"}`` while a move runs.
 * the leader key's value: ``{"instance", "target"}`` (a standby names the leader in its
@@ -37,5 +39,5 @@ version ends the burst), ``services/router/*`` (MoveExecutions targets), and the
 WatchSupply stream. Event kinds on WatchEvents: burst_started, cell_to_training,
 cell_to_rollout, core_kept, policy_published, batch_sealed, hold, reroute, rescued,
 cell_in_training, cell_in_rollout, joined_batch, timed_out, leader, transition_resumed,
-cancelled, migrated, moves_planned, ...
+cancelled, restamped, migrated, moves_planned, ...
 """

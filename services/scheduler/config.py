@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -136,6 +136,14 @@ class SchedulerConfig(ServiceConfig, GyreSettings):
         "whole cluster (put it in the ``cluster:`` section: the packer's field has the same name, and the "
         "launcher refuses a config where they differ); the policy cancels groups that cannot be trained "
         "within it, the packer drops them.",
+    )
+    stale_rule: Literal["cancel", "partial"] = Field(
+        "cancel",
+        description="What happens to a group that cannot be trained within max_staleness (gyre.staleness): "
+        "cancel (its open members are cancelled, every consumed token is within eta) or partial (a group "
+        "with a member started goes on restamped with a newer version; only unstarted groups are "
+        "withdrawn; a consumed token may be older than eta). One setting for the whole cluster, like "
+        "max_staleness.",
     )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")

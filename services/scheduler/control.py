@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from gyre.errors import StaleEpoch
-from gyre.staleness import oldest_usable, unconsumable
+from gyre.staleness import goes_on, oldest_usable, restamp_version, unconsumable
 from services.scheduler.bursts import Bursts
 from services.scheduler.commands import Commands
 from services.scheduler.config import SchedulerConfig
@@ -113,16 +113,37 @@ class ControlLoop:
         self.telemetry.gauges()
 
     async def cancel_unconsumable(self) -> list[str]:
-        """The cancel-early rule (:mod:`gyre.staleness`, the same for every policy): the open
-        members of groups that no batch within eta can take are cancelled (running ones lose
+        """The rule for groups that no batch within eta can take (:mod:`gyre.staleness`, the
+        same for every policy). Cancel: their open members are cancelled (running ones lose
         their route, queued ones are withdrawn); the packer drops their ready copies by the
-        same rule. Returns the executions cancelled."""
+        same rule. Partial: a group with a member started goes on, its running members'
+        records restamped (members launched later take the stamp too); an unstarted one is
+        withdrawn as under cancel. Returns the executions cancelled."""
         version, eta, full = self.publication.version, self.cfg.max_staleness, self._batch_full()
         doomed = [
             (u, g, left) for u, g, left in self.ledger.open_groups() if unconsumable(u, version, full, eta)
         ]
         if not doomed:
             return []
+        records = self.ledger.records
+        going = [
+            d
+            for d in doomed
+            if goes_on(self.cfg.stale_rule, any(e in records for e in self.ledger.members(d[1])))
+        ]
+        if going:
+            stamp = restamp_version(version, full, eta)
+            moved = await self.executions.restamp([e for _, _, left in going for e in left], stamp)
+            self.telemetry.emit(
+                "restamped",
+                f"{len(going)} groups stamped v{', v'.join(map(str, sorted({u for u, _, _ in going})))} go on as "
+                f"partial rollouts, restamped v{stamp} ({len(moved)} running executions; trainer at v{version}"
+                f"{', batch full' if full else ''}, max_staleness {eta})",
+                execution_id=moved[0] if len(moved) == 1 else "",
+            )
+            doomed = [d for d in doomed if d not in going]
+            if not doomed:
+                return []
         stamps = sorted({u for u, _, _ in doomed})
         why = (
             f"{len(doomed)} groups stamped v{', v'.join(map(str, stamps))} can no longer be trained within "
@@ -212,9 +233,7 @@ class ControlLoop:
         """The asynchronous view of the cluster (see policy.snapshot.Pipeline)."""
         cfg, ledger, raw, rates = self.cfg, self.ledger, self.supply.raw, self.supply.rates
         eta, version = cfg.max_staleness, self.publication.version
-        groups: dict[int, int] = {}
-        for burst in ledger.bursts.values():
-            groups[burst.policy_version] = groups.get(burst.policy_version, 0) + len(burst.tasks)
+        groups = ledger.groups_by_version()
         cancelled: dict[int, int] = {}
         for stamp in ledger.cancelled_groups.values():
             cancelled[stamp] = cancelled.get(stamp, 0) + 1
@@ -253,8 +272,8 @@ class ControlLoop:
         now, out = self.wall(), []
         for route in self.fleet.routes.routes.values():
             rec = self.ledger.records.get(route.execution_id)
-            if route.policy_version != lo or rec is None or route.mod_revision == 0:
-                continue
+            if rec is None or rec.policy_version != lo or route.mod_revision == 0:
+                continue  # the record's stamp: the partial rule restamps records, not routes
             out.append(
                 ExecView(
                     route.execution_id,

@@ -351,6 +351,27 @@ class Executions:
             )
         return done
 
+    async def restamp(self, execution_ids: Iterable[str], version: int) -> list[str]:
+        """Restamps these running executions with ``version`` (the partial rule: their group
+        goes on; a close reports the new stamp to the packer). Returns the ids restamped now
+        (closed, queued or already restamped ones are skipped: a queued member takes its
+        group's stamp at launch)."""
+        self.lead.require()
+        done = []
+        for eid in execution_ids:
+            async with self._lock_of(eid):
+                rec = self.ledger.plan_restamp(eid, version)
+                if rec is None:
+                    continue
+                try:
+                    rev = await self.lead.fenced(self.lead.store.restamp(rec, rec.revision))
+                except (Conflict, Unavailable):
+                    await self.resolve(rec)  # closed meanwhile, or our write's fate unknown: adopt etcd's
+                    continue
+                self.ledger.apply(evolve(rec, revision=rev))
+                done.append(eid)
+        return done
+
     def _lock_of(self, execution_id: str) -> asyncio.Lock:
         """Closes of one execution are serialized; different executions close in parallel
         (their records are independent keys)."""

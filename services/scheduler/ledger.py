@@ -294,6 +294,14 @@ def validate_finish(
     return Finish(status, float(reward), key)
 
 
+def _parse_group(group_id: str) -> tuple[int, int]:
+    """(burst, task) of "b<burst>-t<task>"; ValueError otherwise."""
+    parts = group_id.split("-")
+    if len(parts) != 2 or not parts[0].startswith("b") or not parts[1].startswith("t"):
+        raise ValueError(group_id)
+    return int(parts[0][1:]), int(parts[1][1:])
+
+
 def _parse_member(execution_id: str) -> tuple[int, int, int]:
     """(burst, task, member) of "b<burst>-t<task>-<member>"; ValueError otherwise."""
     parts = execution_id.split("-")
@@ -320,6 +328,9 @@ class Ledger:
         self.cancelled_groups: dict[str, int] = {}
         """Groups the scheduler cancelled (cancel early) -> their stamp version; kept when
         their burst is archived (a new leader rebuilds it from the unarchived records)."""
+        self.restamped: dict[str, int] = {}
+        """Groups the partial rule restamped -> their stamp (newer than their burst's): the
+        newest ``policy_version`` among their members' records, so a rebuild recovers it."""
         self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
@@ -336,17 +347,35 @@ class Ledger:
         return LedgerCounts(d, lc, f)
 
     def counts_by_version(self) -> dict[int, LedgerCounts]:
-        """D / L / F per policy version (the version each burst was dispatched with),
-        archived bursts included."""
-        out: dict[int, tuple[int, int, int]] = {v: (n, n, n) for v, n in self.archived.by_version}
+        """D / L / F per stamp (the version each burst was dispatched with, or the one the
+        partial rule restamped a group with), archived bursts included (counted at their
+        bursts' versions)."""
+        out: dict[int, list[int]] = {v: [n, n, n] for v, n in self.archived.by_version}
         for b, burst in self.bursts.items():
-            d, lc, f = out.get(burst.policy_version, (0, 0, 0))
-            out[burst.policy_version] = (
-                d + burst.quota,
-                lc + self._launched.get(b, 0),
-                f + self._finished.get(b, 0),
-            )
+            c = out.setdefault(burst.policy_version, [0, 0, 0])
+            c[0] += burst.quota
+            c[1] += self._launched.get(b, 0)
+            c[2] += self._finished.get(b, 0)
+        for group, stamp in self.restamped.items():
+            burst = self.bursts[_parse_group(group)[0]]
+            recs = [r for e in self.members(group) if (r := self.records.get(e)) is not None]
+            moved = (burst.group_size, len(recs), sum(1 for r in recs if r.state.final))
+            old, new = out[burst.policy_version], out.setdefault(stamp, [0, 0, 0])
+            for i, n in enumerate(moved):
+                old[i] -= n
+                new[i] += n
         return {v: LedgerCounts(*c) for v, c in sorted(out.items())}
+
+    def groups_by_version(self) -> dict[int, int]:
+        """Dispatched groups of the live bursts per stamp."""
+        out: dict[int, int] = {}
+        for burst in self.bursts.values():
+            out[burst.policy_version] = out.get(burst.policy_version, 0) + len(burst.tasks)
+        for group, stamp in self.restamped.items():
+            old = self.bursts[_parse_group(group)[0]].policy_version
+            out[old] -= 1
+            out[stamp] = out.get(stamp, 0) + 1
+        return out
 
     def open_bursts(self) -> list[int]:
         """Bursts with an execution not yet closed (several while bursts overlap)."""
@@ -363,7 +392,7 @@ class Ledger:
                 members = [f"{group}-{m}" for m in range(burst.group_size)]
                 left = [e for e in members if (r := self.records.get(e)) is None or not r.state.final]
                 if left:
-                    out.append((burst.policy_version, group, left))
+                    out.append((self.stamp(group, burst), group, left))
         return out
 
     def finished_by_status(self, burst_id: int | None = None) -> dict[str, int]:
@@ -457,7 +486,7 @@ class Ledger:
             seq,
             group_id,
             task.task_id,
-            burst.policy_version,
+            self.stamp(group_id, burst),
             ExecState.RUNNING,
             token_sha256,
             harness_id,
@@ -557,20 +586,29 @@ class Ledger:
             seq,
             group_id,
             task.task_id,
-            burst.policy_version,
+            self.stamp(group_id, burst),
             ExecState.CANCELLED,
             "",
             idempotency_key=CANCEL_KEY,
             finished_s=now_s,
         )
 
+    def stamp(self, group_id: str, burst: Burst) -> int:
+        """A group's stamp: its burst's, or the newer one the partial rule gave it."""
+        return self.restamped.get(group_id, burst.policy_version)
+
+    def plan_restamp(self, execution_id: str, version: int) -> ExecutionRecord | None:
+        """The running execution's record restamped with ``version`` (the partial rule; not
+        applied). None when it is not running or already carries that stamp or a newer one."""
+        rec = self.records.get(execution_id)
+        if rec is None or rec.state is not ExecState.RUNNING or rec.policy_version >= version:
+            return None
+        return dataclasses.replace(rec, policy_version=version)
+
     def members(self, group_id: str) -> list[str]:
         """The execution ids of a dispatched group ("b<burst>-t<task>"); [] if unknown."""
-        parts = group_id.split("-")
-        if len(parts) != 2 or not parts[0].startswith("b") or not parts[1].startswith("t"):
-            return []
         try:
-            b, t = int(parts[0][1:]), int(parts[1][1:])
+            b, t = _parse_group(group_id)
         except ValueError:
             return []
         burst = self.bursts.get(b)
@@ -598,6 +636,8 @@ class Ledger:
         transition the table does not allow; re-applying the same state is a no-op."""
         if rec.burst_id not in self.bursts:
             raise FailedPrecondition(f"{rec.execution_id}: unknown burst {rec.burst_id}")
+        if rec.policy_version > self.stamp(rec.group_id, self.bursts[rec.burst_id]):
+            self.restamped[rec.group_id] = rec.policy_version
         old = self.records.get(rec.execution_id)
         old_state = old.state if old is not None else ExecState.QUEUED
         if old is not None and old_state is rec.state:
@@ -624,7 +664,7 @@ class Ledger:
             self._by_status[rec.state.value] = self._by_status.get(rec.state.value, 0) + 1
             self._deadline.pop(rec.execution_id, None)
             if rec.idempotency_key == CANCEL_KEY:
-                self.cancelled_groups[rec.group_id] = self.bursts[rec.burst_id].policy_version
+                self.cancelled_groups[rec.group_id] = rec.policy_version
 
     def load(self, rec: ExecutionRecord, deadline_s: float) -> None:
         """Rebuild: applies a record read back from etcd (any state); a record of an
@@ -671,6 +711,7 @@ class Ledger:
             self._last_close.pop(b, None)
         for eid in [e for e, r in self.records.items() if r.burst_id <= summary.through]:
             rec = self.records.pop(eid)
+            self.restamped.pop(rec.group_id, None)
             self._by_token.pop(rec.token_sha256, None)
             self._by_acquire_key.pop(rec.acquire_key_sha256, None)
             self._deadline.pop(eid, None)

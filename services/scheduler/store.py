@@ -80,6 +80,8 @@ class Store(Protocol):
 
     async def close(self, rec: ExecutionRecord, expected_revision: int) -> int: ...
 
+    async def restamp(self, rec: ExecutionRecord, expected_revision: int) -> int: ...
+
     async def move_routes(self, routes: Sequence[tuple[Route, Route]]) -> list[int]: ...
 
     async def put_transition(self, cell_id: str, body: dict[str, Any]) -> int: ...
@@ -166,6 +168,15 @@ class SchedulerStore:
             [mod_revision_is(key, expected_revision)],
             [Op(key, rec.to_json()), Op(self.keys.route(rec.execution_id), None)],
         )
+        if not ok:
+            raise Conflict(f"{rec.execution_id} changed since revision {expected_revision}")
+        return rev
+
+    async def restamp(self, rec: ExecutionRecord, expected_revision: int) -> int:
+        """Writes a running record with its new stamp (the partial rule), if unchanged since
+        ``expected_revision``; its route stays as it is."""
+        key = self.keys.execution(rec.burst_id, rec.execution_id)
+        ok, rev = await self.group.write([mod_revision_is(key, expected_revision)], [Op(key, rec.to_json())])
         if not ok:
             raise Conflict(f"{rec.execution_id} changed since revision {expected_revision}")
         return rev

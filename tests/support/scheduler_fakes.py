@@ -147,6 +147,14 @@ class FakeStore:
             raise Unavailable("etcd (fake) applied the close, then its answer was lost")
         return rev
 
+    async def restamp(self, rec: ExecutionRecord, expected_revision: int) -> int:
+        rev = self._write()
+        cur = self.execs.get(rec.execution_id)
+        if cur is None or cur.mod_revision != expected_revision:
+            raise Conflict("changed")
+        self.execs[rec.execution_id] = _Val(rec.to_json(), rev, cur.version + 1)
+        return rev
+
     async def move_routes(self, routes: Sequence[tuple[Route, Route]]) -> list[int]:
         rev = self._write()
         for old, _ in routes:

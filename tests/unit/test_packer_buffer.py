@@ -339,3 +339,22 @@ async def test_invariants_are_recounted_by_the_reaper_when_not_after_every_chang
     await p.record_turn(tk.turn("x1", "g", 0))  # not checked on the change itself
     with pytest.raises(FatalError, match="conservation broken"):
         await asyncio.wait_for(p.run_reaper(), 5)
+
+
+@pytest.mark.parametrize("rule", ["cancel", "partial"])
+async def test_a_restamped_group_is_judged_by_its_stamp_under_the_partial_rule(rule):
+    """A group the scheduler restamped (partial rule): its first member closed before the
+    restamp (reported v1), the second after (v3); its first tokens came from v1. Trainer
+    at v3, eta 1. Under partial its stamp is the newest report (3) and its old tokens are
+    kept: ready. Under cancel the oldest token (v1) makes it stale."""
+    p, _, _ = tk.make_packer(max_staleness=1, stale_rule=rule)
+    await p.observe_policy(3)
+    await p.record_turn(tk.turn("a0", "g", 0, version=1))
+    await p.record_turn(tk.turn("a1", "g", 0, version=3))
+    await p.report_finish(tk.finish("a0", "g", 2, reward=0.0, version=1))
+    await p.report_finish(tk.finish("a1", "g", 2, reward=1.0, version=3))
+    if rule == "partial":
+        assert p.state.stamp(p.state.groups["g"]) == 3
+        assert p.supply()["ready_unassigned"] == 1 and not p.state.counters()["dropped"]
+    else:
+        assert p.state.counters()["dropped"] == {"stale": 2}

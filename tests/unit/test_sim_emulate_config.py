@@ -191,8 +191,16 @@ def test_driver_counts_a_scheduler_cancel_apart_from_a_failure(scaled, closed_as
     assert len(d.stats.errors) == failed
 
 
-def test_the_partial_rule_is_refused_until_the_services_apply_it() -> None:
+def test_the_rule_for_unconsumable_groups_reaches_scheduler_and_packer(tmp_path) -> None:
+    import json
+
+    from gyre.config import load
+
     cfg = load_config("bench/cluster.yaml")
-    sc = cfg.scenario("B64-partial")
-    with pytest.raises(ValueError, match="cancel rule only"):
-        render_config(cfg, sc, time_scale=1.0, model_dir="/nonexistent")
+    doc = render_config(cfg, cfg.scenario("B64-partial"), time_scale=1.0, model_dir="/nonexistent")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(json.dumps(doc))
+    assert (
+        load(SchedulerConfig, path).stale_rule == "partial"
+        and load(PackerConfig, path).stale_rule == "partial"
+    )
