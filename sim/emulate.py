@@ -62,6 +62,8 @@ class EmulationResult:
     policy: str = "waterlevel"
     """The policy both ran (the live scheduler's and the simulator's)."""
     simulated_reroutes: int = 0
+    simulated_stale_groups: tuple[int, int] = (0, 0)
+    """Groups the simulator's rule for unconsumable groups cancelled and restamped."""
 
     @property
     def within_tolerance(self) -> bool:
@@ -322,6 +324,22 @@ async def _emulate(
         await etcd.close()
 
 
+async def _stale_groups(cluster: Any) -> dict[str, int]:
+    """What the live scheduler's rule for unconsumable groups did (GetStatus, as an operator)."""
+    from gyre.grpcx.channel import dial
+    from gyre.identity import Role
+    from gyre.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    channel = dial(cluster.procs["scheduler"].target, cluster.pki.tls("operator"), Role.SCHEDULER)
+    try:
+        st = await scheduler_pb2_grpc.SchedulerControlStub(channel).GetStatus(
+            scheduler_pb2.GetStatusRequest(), timeout=10.0
+        )
+    finally:
+        await channel.close()
+    return {"groups_cancelled": st.groups_cancelled, "groups_restamped": st.groups_restamped}
+
+
 def run_emulated(
     cfg: SimConfig,
     scenario: ScenarioConfig,
@@ -374,6 +392,7 @@ def run_emulated(
         conf["scheduler"]["_target"] = cluster.procs["scheduler"].target
         conf["router"]["_target"] = cluster.procs["router"].target
         times, stats = asyncio.run(_emulate(cluster, cfg, sc, time_scale, ready_timeout_s, run_timeout_s))
+        stats.update(asyncio.run(_stale_groups(cluster)))
     except Exception as exc:  # the reason is the result: a failed run is reported, not raised
         return EmulationResult(
             False, f"emulation failed: {type(exc).__name__}: {exc}", wall_s=time.monotonic() - wall0, **common
@@ -405,6 +424,7 @@ def run_emulated(
         simulated_time_to_n_s=simt,
         relative_difference=rel,
         simulated_reroutes=int(sim_res.reroutes) + int(sim_res.migrations),
+        simulated_stale_groups=(int(sim_res.dropped_groups), int(sim_res.restamped_groups)),
         wall_s=wall,
         emulated_update_times_s=emu_times,
         simulated_update_times_s=list(sim_res.update_times_s),
@@ -455,6 +475,7 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
     ]
     for r in results:
         if r.ran:
+            rule = r.scenario.get("training", {}).get("stale_rule", "cancel")
             emu = ", ".join(f"{t:.0f}" for t in r.emulated_update_times_s)
             sim = ", ".join(f"{t:.0f}" for t in r.simulated_update_times_s)
             lines.append("")
@@ -465,7 +486,10 @@ def emulation_markdown(results: list[EmulationResult], scenario_label: str) -> s
                 f"scheduler's staleness rule, {r.replay.get('turns', 0)} turns, "
                 f"{r.replay.get('reroutes', 0)} calls continued on another engine (reroutes and "
                 f"migrations as the harnesses saw them); the simulator rerouted or migrated "
-                f"{r.simulated_reroutes} executions."
+                f"{r.simulated_reroutes} executions. The rule for unconsumable groups ({rule}): the live "
+                f"scheduler cancelled {r.replay.get('groups_cancelled', '—')} groups and restamped "
+                f"{r.replay.get('groups_restamped', '—')}, the simulator cancelled or dropped "
+                f"{r.simulated_stale_groups[0]} and restamped {r.simulated_stale_groups[1]}."
             )
     return "\n".join(lines) + "\n"
 

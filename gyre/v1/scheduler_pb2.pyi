@@ -161,7 +161,7 @@ class CellInfo(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.CellKind, str]] = ..., index: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.CellState, str]] = ..., slots: _Optional[int] = ..., routed: _Optional[int] = ..., target: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader", "versions", "migrations", "open_bursts")
+    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader", "versions", "migrations", "open_bursts", "stale_rule", "groups_cancelled", "groups_restamped")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,9 @@ class SchedulerStatus(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_BURSTS_FIELD_NUMBER: _ClassVar[int]
+    STALE_RULE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_RESTAMPED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ledger: Ledger
     capacity: int
@@ -196,7 +199,10 @@ class SchedulerStatus(_message.Message):
     versions: _containers.RepeatedCompositeFieldContainer[Ledger]
     migrations: int
     open_bursts: int
-    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[Ledger, _Mapping]]] = ..., migrations: _Optional[int] = ..., open_bursts: _Optional[int] = ...) -> None: ...
+    stale_rule: str
+    groups_cancelled: int
+    groups_restamped: int
+    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[Ledger, _Mapping]]] = ..., migrations: _Optional[int] = ..., open_bursts: _Optional[int] = ..., stale_rule: _Optional[str] = ..., groups_cancelled: _Optional[int] = ..., groups_restamped: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_seq",)

@@ -331,6 +331,8 @@ class Ledger:
         self.restamped: dict[str, int] = {}
         """Groups the partial rule restamped -> their stamp (newer than their burst's): the
         newest ``policy_version`` among their members' records, so a rebuild recovers it."""
+        self.restamps = 0
+        """Groups restamped so far (each counted once; archived ones included)."""
         self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
@@ -637,6 +639,7 @@ class Ledger:
         if rec.burst_id not in self.bursts:
             raise FailedPrecondition(f"{rec.execution_id}: unknown burst {rec.burst_id}")
         if rec.policy_version > self.stamp(rec.group_id, self.bursts[rec.burst_id]):
+            self.restamps += rec.group_id not in self.restamped
             self.restamped[rec.group_id] = rec.policy_version
         old = self.records.get(rec.execution_id)
         old_state = old.state if old is not None else ExecState.QUEUED

@@ -388,4 +388,7 @@ class Scheduler:
             versions=ledger.counts_by_version(),
             migrations=self.transitions.migrations,
             open_bursts=len(ledger.open_bursts()),
+            stale_rule=self.cfg.stale_rule,
+            groups_cancelled=len(ledger.cancelled_groups),
+            groups_restamped=ledger.restamps,
         )

@@ -243,6 +243,9 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
             versions=[_ledger(0, c, policy_version=v) for v, c in st.versions.items()],
             migrations=st.migrations,
             open_bursts=st.open_bursts,
+            stale_rule=st.stale_rule,
+            groups_cancelled=st.groups_cancelled,
+            groups_restamped=st.groups_restamped,
         )
 
     @rpc

@@ -55,6 +55,10 @@ class SchedulerStatus:
     migrations: int = 0
     open_bursts: int = 0
     """Bursts with an execution not yet closed (more than one while bursts overlap)."""
+    stale_rule: str = "cancel"
+    groups_cancelled: int = 0
+    groups_restamped: int = 0
+    """Groups the rule for unconsumable groups cancelled / restamped (gyre.staleness)."""
 
 
 def cell_statuses(fleet: Fleet) -> tuple[CellStatus, ...]:

@@ -204,11 +204,17 @@ async def test_partial_rule_restamps_started_groups_and_survives_a_takeover(
         assert [(v.policy_version, v.dispatched) for v in st.versions] == [(0, 8)]
         running = [await h.acquire() for _ in range(4)]  # groups b1-t0 and b1-t1, both started
         assert all(e is not None and e.policy_version == 0 for e in running)
-        await etcd.put(keys.policy(), json.dumps({"version": 1, "batch_id": 1}).encode())
-        await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
 
         def by_version(s):
             return {v.policy_version: (v.dispatched, v.launched, v.finished) for v in s.versions}
+
+        await etcd.put(keys.policy(), json.dumps({"version": 1, "batch_id": 1}).encode())
+
+        async def v1_out():
+            return 1 in by_version(await h.status())
+
+        await wait_until(v1_out, what="a burst at v1")
+        await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
 
         async def restamped():
             return by_version(await h.status()).get(2, (0, 0, 0))[1] == 4
@@ -220,6 +226,7 @@ async def test_partial_rule_restamps_started_groups_and_survives_a_takeover(
         # the withdrawn ones'.
         assert by_version(st)[0] == (4, 4, 4)
         assert by_version(st)[1] == (4, 0, 0) and by_version(st)[2] == (12, 4, 0)
+        assert (st.stale_rule, st.groups_restamped, st.groups_cancelled) == ("partial", 2, 2)
         assert st.total.finished_by_status["CANCELLED"] == 4
         for e in running:
             route, _ = await _route(etcd, keys, e.execution_id)
@@ -241,7 +248,8 @@ async def test_partial_rule_restamps_started_groups_and_survives_a_takeover(
         await h.close()
         h = Harness(proc.target)
         await h.wait_leader()
-        assert by_version(await h.status())[2] == (12, 4, 0)
+        st = await h.status()
+        assert by_version(st)[2] == (12, 4, 0) and (st.groups_restamped, st.groups_cancelled) == (2, 2)
 
         out = await h.finish(running[0], reward=0.5)
         assert out.status == common_pb2.EXECUTION_STATUS_COMPLETED

@@ -36,6 +36,7 @@ def test_a_restamp_moves_the_group_and_its_counts() -> None:
     assert (
         led.stamp("b1-t0", burst) == 2 and led.stamp("b1-t1", burst) == 2 and led.stamp("b1-t2", burst) == 0
     )
+    assert led.restamps == 2  # groups, each once
     assert [(u, g) for u, g, _ in led.open_groups()] == [(2, "b1-t0"), (2, "b1-t1"), (0, "b1-t2")]
     assert led.counts_by_version() == {0: LedgerCounts(2, 0, 0), 2: LedgerCounts(4, 3, 0)}
     assert led.groups_by_version() == {0: 1, 2: 2}
@@ -58,5 +59,5 @@ def test_a_rebuild_recovers_the_stamps_from_the_records() -> None:
     again.apply_burst(led.bursts[1])
     for r in led.records.values():
         again.load(r, 100.0)
-    assert again.restamped == {"b1-t0": 2}
+    assert again.restamped == {"b1-t0": 2} and again.restamps == 1
     assert again.counts_by_version() == led.counts_by_version()
