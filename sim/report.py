@@ -168,6 +168,12 @@ def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:
             f"{_f(s['t_star_eta_s'])} | "
             f"{_f(s.get('gate_path_s'))} | {_f(s['t_star_one_burst_s'])} |"
         )
+    lines += [
+        "",
+        "Consumed tokens > η versions old: 0 under the cancel rule by construction; — for results "
+        "stored before the column existed. Under the partial rule T\\*_η runs with η = N (no "
+        "latency window, `sim/bounds.py`).",
+    ]
     return "\n".join(lines) + "\n"
 
 
