@@ -19,7 +19,11 @@ trained within eta (:func:`unconsumable`). What happens to it is the rule
   under cancel (a fresh one replaces it at the current version), and a ready copy is still
   dropped. Nothing started is thrown away; the price is that the tokens a group generated
   before its restamp keep their older version, so a consumed token may be more than eta
-  versions old (the stamp, not every token, is within eta).
+  versions old (the stamp, not every token, is within eta). ``partial_max_versions`` L
+  bounds that: a group goes on only while its new stamp is at most L versions past its
+  dispatch, so a consumed group was dispatched at most eta + L versions before its batch
+  (its tokens are no older, once the engines serve the version it was dispatched at); past
+  it, it is cancelled.
 """
 
 from __future__ import annotations
@@ -54,12 +58,15 @@ def restamp_version(trainer_version: int, batch_full: bool, max_staleness: int) 
     return max(oldest_usable(trainer_version, batch_full, max_staleness), trainer_version)
 
 
-def goes_on(rule: str, started: bool) -> bool:
+def goes_on(rule: str, started: bool, moved: int = 0, max_moved: int | None = None) -> bool:
     """Whether an unconsumable group that is still open goes on (restamped) rather than being
-    cancelled: under the partial rule, once any of its members has started."""
+    cancelled: under the partial rule, once any of its members has started, and while its new
+    stamp would be at most ``max_moved`` versions past the one it was dispatched with
+    (``moved``; None: no limit). A batch takes a group stamped at most eta versions back, so
+    with a limit L a consumed group was dispatched at most eta + L versions before its batch."""
     if rule not in STALE_RULES:
         raise ValueError(f"stale_rule must be one of {', '.join(STALE_RULES)}, got {rule!r}")
-    return rule == PARTIAL and started
+    return rule == PARTIAL and started and (max_moved is None or moved <= max_moved)
 
 
 def group_stamp(member_stamps: Iterable[int], default: int) -> int:

@@ -307,9 +307,12 @@ def staleness_limit(cfg: SimConfig, sc: ScenarioConfig) -> StalenessBound:
 def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> StalenessBound:
     tr = sc.training
     # Under the partial rule a restamped group may have been dispatched any number of
-    # versions before the batch that takes it: the recursion runs with eta = N (no latency
-    # window), a weaker bound that still holds.
-    eta = tr.max_staleness if tr.stale_rule == "cancel" else tr.updates
+    # versions before the batch that takes it (at most eta + L with partial_max_versions L):
+    # the recursion runs with eta = N (no latency window) or eta + L, a weaker bound that
+    # still holds.
+    eta = tr.max_staleness
+    if tr.stale_rule == "partial":
+        eta = tr.updates if tr.partial_max_versions is None else eta + tr.partial_max_versions
     cells = sc.cluster.cells
     tau_opt = cfg.cost.train_step_fixed_s
     b = tr.batch_groups
@@ -392,6 +395,7 @@ def gate_schedule(
     cells: int,
     tau_opt: float,
     partial: bool = False,
+    partial_max_versions: int | None = None,
 ) -> GatePath:
     """The gate's latency path (module docstring) for groups whose alone latency and training
     GPU-s are ``group(task, stamp)`` (task: trace order, stamp: the version it is dispatched
@@ -401,6 +405,7 @@ def gate_schedule(
         raise ValueError("batch_groups, updates, cells >= 1; extra_groups, eta >= 0")
     b = batch_groups
     stamp: list[int] = []  # per dispatched task
+    origin: list[int] = []  # its first stamp
     train_s: list[float] = []
     state: list[str] = []  # "open", "ready" (in the pool), "assigned", "cancelled"
     running: list[tuple[float, int]] = []  # (ready time, task)
@@ -419,6 +424,7 @@ def gate_schedule(
             task = len(stamp)
             alone, train = group(task, v)
             stamp.append(v)
+            origin.append(v)
             train_s.append(train)
             state.append("open")
             usable += 1
@@ -446,7 +452,13 @@ def gate_schedule(
         for task in doomed:
             if stamp[task] > v - eta:
                 carried.append(task)
-            elif state[task] == "open" and partial:
+            elif (
+                state[task] == "open"
+                and partial
+                and (
+                    partial_max_versions is None or max(v - eta + 1, v) - origin[task] <= partial_max_versions
+                )
+            ):
                 stamp[task] = max(v - eta + 1, v)
                 carried.append(task)
             elif state[task] in ("open", "ready"):
@@ -504,6 +516,7 @@ def _gate_path(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> GatePath:
         cells=sc.cluster.cells,
         tau_opt=cfg.cost.train_step_fixed_s,
         partial=tr.stale_rule == "partial",
+        partial_max_versions=tr.partial_max_versions,
     )
 
 

@@ -68,6 +68,7 @@ class Group:
     consumed: bool = False  # assigned to a batch
     cancelled: bool = False  # unconsumable within the staleness bound (cancel early)
     length: int = 0  # generated tokens of its members at dispatch (for the length bias)
+    dispatched_version: int = 0  # its first stamp (the partial rule restamps ``version``)
 
 
 @dataclass(slots=True)
@@ -386,6 +387,7 @@ class Cluster:
         placement: str = "scheduler",
         rate_window_s: float = 600.0,
         stale_rule: str = "cancel",
+        partial_max_versions: int | None = None,
     ) -> None:
         self.loop = loop
         self.cost = CostModel(cost_cfg)
@@ -418,6 +420,7 @@ class Cluster:
         self.versions: dict[int, VersionLedger] = {}
         self.live: dict[int, dict[int, Group]] = {}  # version -> unconsumed, uncancelled groups
         self.stale_rule = stale_rule
+        self.partial_max_versions = partial_max_versions
         self.cancelled_groups = 0
         self.cancelled_executions = 0
         self.restamped_groups = 0
@@ -434,7 +437,7 @@ class Cluster:
         vl = self.versions.setdefault(version, VersionLedger())
         live = self.live.setdefault(version, {})
         for task, eps in zip(tasks, episodes):
-            g = Group(len(self.groups), task, burst, version, len(eps))
+            g = Group(len(self.groups), task, burst, version, len(eps), dispatched_version=version)
             g.length = sum(ep.total_output for ep in eps)
             self.groups.append(g)
             live[g.gid] = g
@@ -828,8 +831,10 @@ class Cluster:
         for u in gone:
             for g in list(self.live.pop(u).values()):
                 started = any(ex.launched_s >= 0 for ex in g.members)
-                if g.closed < g.size and goes_on(self.stale_rule, started):
-                    self._restamp(g, restamp_version(tr.version, tr.needs == 0, tr.max_staleness))
+                new = restamp_version(tr.version, tr.needs == 0, tr.max_staleness)
+                moved = new - g.dispatched_version
+                if g.closed < g.size and goes_on(self.stale_rule, started, moved, self.partial_max_versions):
+                    self._restamp(g, new)
                     continue
                 self._cancel_group(g)
                 n += 1

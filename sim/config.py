@@ -154,6 +154,13 @@ class TrainingConfig(_Frozen):
         "open members and drop its ready copy, or (partial) let its open members go on under the "
         "newest version, restamped, and drop only ready copies.",
     )
+    partial_max_versions: int | None = Field(
+        None,
+        ge=0,
+        description="Under the partial rule: a group goes on only while its new stamp is at most this many "
+        "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
+        "versions before its batch; past it, it is cancelled (null: no limit).",
+    )
     updates: int = Field(20, ge=1, description="Stop after this many policy updates.")
     horizon_s: float = Field(7 * 86400.0, gt=0, description="Give up after this much simulated time.")
 

@@ -97,6 +97,7 @@ class Driver:
             self._placement(),
             pp.rate_window_s,
             sc.training.stale_rule,
+            sc.training.partial_max_versions,
         )
         gyre = pp.gyre_config(pp.drain_grace_s)
         self.policy = P.make_policy(

@@ -145,6 +145,13 @@ class SchedulerConfig(ServiceConfig, GyreSettings):
         "withdrawn; a consumed token may be older than eta). One setting for the whole cluster, like "
         "max_staleness.",
     )
+    partial_max_versions: int | None = Field(
+        None,
+        ge=0,
+        description="Under the partial rule: a group goes on only while its new stamp is at most this many "
+        "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
+        "versions before its batch; past it, it is cancelled (null: no limit).",
+    )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")
 

@@ -117,22 +117,28 @@ class ControlLoop:
         same for every policy). Cancel: their open members are cancelled (running ones lose
         their route, queued ones are withdrawn); the packer drops their ready copies by the
         same rule. Partial: a group with a member started goes on, its running members'
-        records restamped (members launched later take the stamp too); an unstarted one is
-        withdrawn as under cancel. Returns the executions cancelled."""
+        records restamped (members launched later take the stamp too), while the new stamp is
+        at most ``partial_max_versions`` past its dispatch; an unstarted one, or one past
+        that limit, is cancelled as under cancel. Returns the executions cancelled."""
         version, eta, full = self.publication.version, self.cfg.max_staleness, self._batch_full()
         doomed = [
             (u, g, left) for u, g, left in self.ledger.open_groups() if unconsumable(u, version, full, eta)
         ]
         if not doomed:
             return []
-        records = self.ledger.records
+        records, cfg = self.ledger.records, self.cfg
+        stamp = restamp_version(version, full, eta)
         going = [
             d
             for d in doomed
-            if goes_on(self.cfg.stale_rule, any(e in records for e in self.ledger.members(d[1])))
+            if goes_on(
+                cfg.stale_rule,
+                any(e in records for e in self.ledger.members(d[1])),
+                stamp - self.ledger.dispatched_version(d[1]),
+                cfg.partial_max_versions,
+            )
         ]
         if going:
-            stamp = restamp_version(version, full, eta)
             moved = await self.executions.restamp([e for _, _, left in going for e in left], stamp)
             self.telemetry.emit(
                 "restamped",

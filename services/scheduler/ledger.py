@@ -595,6 +595,10 @@ class Ledger:
             finished_s=now_s,
         )
 
+    def dispatched_version(self, group_id: str) -> int:
+        """The version a group of a live burst was dispatched with (its burst's)."""
+        return self.bursts[_parse_group(group_id)[0]].policy_version
+
     def stamp(self, group_id: str, burst: Burst) -> int:
         """A group's stamp: its burst's, or the newer one the partial rule gave it."""
         return self.restamped.get(group_id, burst.policy_version)

@@ -265,3 +265,48 @@ async def test_partial_rule_restamps_started_groups_and_survives_a_takeover(
         for x in (cell, router, packer):
             await x.stop()
         await etcd.close()
+
+
+async def test_partial_rule_past_its_limit_cancels(etcd_server, cluster_name, tmp_path):
+    """partial_max_versions 1: the v0 groups would be restamped v2, two versions past their
+    dispatch, so they are cancelled as under the cancel rule, started or not."""
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
+    router = await FakeRouter(etcd, keys).start()
+    packer = await FakePacker().start(tls("packer"))
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="gyre",
+        batch_size=2,
+        group_size=2,
+        max_staleness=1,
+        stale_rule="partial",
+        partial_max_versions=1,
+        packer_target=packer.target,
+    )
+    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
+    h = Harness(proc.target)
+    try:
+        await h.wait_leader()
+        running = [await h.acquire() for _ in range(4)]
+        assert all(e is not None for e in running)
+        await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
+
+        async def cancelled():
+            st = await h.status()
+            return st.groups_cancelled == 4
+
+        await wait_until(cancelled, what="the v0 groups cancelled")
+        st = await h.status()
+        assert st.groups_restamped == 0 and st.total.finished_by_status["CANCELLED"] == 8
+        for e in running:
+            assert (await _route(etcd, keys, e.execution_id))[0] is None
+    finally:
+        await h.close()
+        proc.stop()
+        for x in (cell, router, packer):
+            await x.stop()
+        await etcd.close()

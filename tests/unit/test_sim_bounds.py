@@ -96,7 +96,9 @@ def test_vectorized_episode_costs_match_the_turn_by_turn_ones() -> None:
             )
 
 
-def _gate(latency, eta: int, extra: int = 0, updates: int = 2, partial: bool = False):
+def _gate(
+    latency, eta: int, extra: int = 0, updates: int = 2, partial: bool = False, limit: int | None = None
+):
     return gate_schedule(
         lambda task, u: (latency[task] if task < len(latency) else 10.0, 1.0),
         batch_groups=1,
@@ -106,6 +108,7 @@ def _gate(latency, eta: int, extra: int = 0, updates: int = 2, partial: bool = F
         cells=1,
         tau_opt=2.0,
         partial=partial,
+        partial_max_versions=limit,
     )
 
 
@@ -135,6 +138,9 @@ def test_gate_path_under_the_partial_rule_by_hand() -> None:
     # Nothing is cancelled; one replacement is dispatched at t_1 (the gate counts it still).
     g = _gate([10.0, 5.0], eta=0, extra=1, partial=True)
     assert g.publish_times_s == (8.0, 13.0) and (g.dispatched, g.cancelled) == (3, 0)
+    # Restamped from v0 to v1: one version past its dispatch. A limit of 1 lets it; 0 is cancel.
+    assert _gate([10.0, 5.0], eta=0, extra=1, partial=True, limit=1) == g
+    assert _gate([10.0, 5.0], eta=0, extra=1, partial=True, limit=0) == _gate([10.0, 5.0], eta=0, extra=1)
 
 
 def test_small_scenario_gate_path_is_below_every_gated_policy() -> None:

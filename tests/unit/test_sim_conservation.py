@@ -239,3 +239,25 @@ def test_the_cancel_rule_keeps_every_token_within_eta() -> None:
     cfg, sc = small_config()
     r = run_policy(cfg, sc, PolicySpec("gyre"))
     assert r.restamped_groups == 0 and r.beyond_eta_token_fraction == 0.0
+
+
+def test_the_partial_rule_with_a_limit() -> None:
+    """partial_max_versions L: no consumed token is more than eta + L versions old; L = 0 is
+    the cancel rule, to the event."""
+    cfg, sc = small_config()
+    tr = sc.training.model_copy(update={"updates": 6})
+
+    def run(**kw):
+        return run_policy(
+            cfg, sc.model_copy(update={"training": tr.model_copy(update=kw)}), PolicySpec("gyre")
+        )
+
+    cancel, free = run(), run(stale_rule="partial")
+    zero, one = (
+        run(stale_rule="partial", partial_max_versions=0),
+        run(stale_rule="partial", partial_max_versions=1),
+    )
+    assert zero.update_times_s == cancel.update_times_s and zero.restamped_groups == 0
+    assert zero.dropped_groups == cancel.dropped_groups
+    assert one.staleness_max <= tr.max_staleness + 1 < free.staleness_max
+    assert 0 < one.restamped_groups < free.restamped_groups
