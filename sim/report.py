@@ -226,7 +226,13 @@ def scenario_markdown(
         f"Profile {sc.profile}"
         + (f" mixed with {', '.join(f'{k} ×{w:g}' for k, w in sc.mix.items())}" if sc.mix else "")
         + f", {sc.cluster.cells} cells × {sc.cluster.slots_per_cell} slots, batch {tr.batch_groups} groups "
-        f"(over-provision {tr.overprovision:.0%}), η = {tr.max_staleness} ({tr.stale_rule} rule), N = {tr.updates} "
+        f"(over-provision {tr.overprovision:.0%}), η = {tr.max_staleness} ({tr.stale_rule} rule"
+        + (
+            f", at most {tr.partial_max_versions} versions past dispatch"
+            if tr.partial_max_versions is not None
+            else ""
+        )
+        + f"), N = {tr.updates} "
         "updates, placement "
         f"`{sc.cluster.placement}`"
         + (
