@@ -332,7 +332,8 @@ class Ledger:
         """Groups the partial rule restamped -> their stamp (newer than their burst's): the
         newest ``policy_version`` among their members' records, so a rebuild recovers it."""
         self.restamps = 0
-        """Groups restamped so far (each counted once; archived ones included)."""
+        """Groups restamped so far, each counted once (archived ones stay counted; a new
+        leader counts those of the records it rebuilt from)."""
         self.archived = ArchiveSummary()
 
     # Counts -------------------------------------------------------------------------------
