@@ -23,7 +23,8 @@ trained within eta (:func:`unconsumable`). What happens to it is the rule
   bounds that: a group goes on only while its new stamp is at most L versions past its
   dispatch, so a consumed group was dispatched at most eta + L versions before its batch
   (its tokens are no older, once the engines serve the version it was dispatched at); past
-  it, it is cancelled.
+  it, it is cancelled. A first restamp already moves a group ``max(eta, 1)`` versions (it
+  happens when the trainer reaches ``u + eta``), so L below that is the cancel rule.
 """
 
 from __future__ import annotations

@@ -159,7 +159,9 @@ class TrainingConfig(_Frozen):
         ge=0,
         description="Under the partial rule: a group goes on only while its new stamp is at most this many "
         "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
-        "versions before its batch; past it, it is cancelled (null: no limit).",
+        "versions before its batch; past it, it is cancelled (null: no limit). A first restamp already "
+        "moves a group max(max_staleness, 1) versions (to the trainer's version), so a smaller limit is "
+        "the cancel rule.",
     )
     updates: int = Field(20, ge=1, description="Stop after this many policy updates.")
     horizon_s: float = Field(7 * 86400.0, gt=0, description="Give up after this much simulated time.")

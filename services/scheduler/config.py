@@ -150,7 +150,9 @@ class SchedulerConfig(ServiceConfig, GyreSettings):
         ge=0,
         description="Under the partial rule: a group goes on only while its new stamp is at most this many "
         "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
-        "versions before its batch; past it, it is cancelled (null: no limit).",
+        "versions before its batch; past it, it is cancelled (null: no limit). A first restamp already "
+        "moves a group max(max_staleness, 1) versions (to the trainer's version), so a smaller limit is "
+        "the cancel rule.",
     )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")

@@ -26,3 +26,14 @@ def test_goes_on_only_under_partial_once_started_and_within_the_limit() -> None:
     assert not goes_on("partial", True, 1, 0)  # a limit of 0 is the cancel rule
     with pytest.raises(ValueError, match="stale_rule"):
         goes_on("drop", True)
+
+
+@given(st.integers(0, 50), st.integers(0, 4), st.integers(0, 3), st.booleans())
+def test_a_first_restamp_moves_a_group_at_least_max_eta_1_versions(
+    u: int, eta: int, past: int, full: bool
+) -> None:
+    """So a partial_max_versions below max(eta, 1) lets no group go on: it is the cancel rule."""
+    v = u + eta + past
+    if not unconsumable(u, v, full, eta):
+        return
+    assert restamp_version(v, full, eta) - u >= max(eta, 1)
