@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.scheduler.config import GyreSettings
+from services.scheduler.config import GyreSettings, StaleRuleSettings
 
 
 class _Frozen(BaseModel):
@@ -142,27 +142,13 @@ class ClusterConfig(_Frozen):
     )
 
 
-class TrainingConfig(_Frozen):
-    """Bursts and batches."""
+class TrainingConfig(_Frozen, StaleRuleSettings):
+    """Bursts and batches, and the rule for unconsumable groups (the scheduler's own
+    :class:`StaleRuleSettings`)."""
 
     batch_groups: int = Field(64, ge=1, description="Groups per training batch (one update each).")
     overprovision: float = Field(0.25, ge=0, le=4, description="Extra executions dispatched per burst.")
     max_staleness: int = Field(1, ge=0, description="Oldest policy lag a consumed group may have.")
-    stale_rule: Literal["cancel", "partial"] = Field(
-        "cancel",
-        description="What happens to a group no batch within eta can take (gyre.staleness): cancel its "
-        "open members and drop its ready copy, or (partial) let its open members go on under the "
-        "newest version, restamped, and drop only ready copies.",
-    )
-    partial_max_versions: int | None = Field(
-        None,
-        ge=0,
-        description="Under the partial rule: a group goes on only while its new stamp is at most this many "
-        "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
-        "versions before its batch; past it, it is cancelled (null: no limit). A first restamp already "
-        "moves a group max(max_staleness, 1) versions (to the trainer's version), so a smaller limit is "
-        "the cancel rule.",
-    )
     updates: int = Field(20, ge=1, description="Stop after this many policy updates.")
     horizon_s: float = Field(7 * 86400.0, gt=0, description="Give up after this much simulated time.")
 

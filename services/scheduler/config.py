@@ -65,7 +65,30 @@ class GyreSettings(BaseModel):
         )
 
 
-class SchedulerConfig(ServiceConfig, GyreSettings):
+class StaleRuleSettings(BaseModel):
+    """The rule for groups no batch within max_staleness can take (:mod:`gyre.staleness`):
+    one definition for the scheduler's config and the simulator's."""
+
+    stale_rule: Literal["cancel", "partial"] = Field(
+        "cancel",
+        description="What happens to a group that cannot be trained within max_staleness (gyre.staleness): "
+        "cancel (its open members are cancelled, every consumed token is within eta) or partial (a group "
+        "with a member started goes on restamped with a newer version; only unstarted groups are "
+        "withdrawn; a consumed token may be older than eta). In a cluster, one setting for the scheduler and "
+        "the packer, like max_staleness.",
+    )
+    partial_max_versions: int | None = Field(
+        None,
+        ge=0,
+        description="Under the partial rule: a group goes on only while its new stamp is at most this many "
+        "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
+        "versions before its batch; past it, it is cancelled (null: no limit). A first restamp already "
+        "moves a group max(max_staleness, 1) versions (to the trainer's version), so a smaller limit is "
+        "the cancel rule.",
+    )
+
+
+class SchedulerConfig(ServiceConfig, GyreSettings, StaleRuleSettings):
     """Bursts, the waterlevel policy, heartbeats, peers and observability."""
 
     SECTION: ClassVar[str] = "scheduler"
@@ -136,23 +159,6 @@ class SchedulerConfig(ServiceConfig, GyreSettings):
         "whole cluster (put it in the ``cluster:`` section: the packer's field has the same name, and the "
         "launcher refuses a config where they differ); the policy cancels groups that cannot be trained "
         "within it, the packer drops them.",
-    )
-    stale_rule: Literal["cancel", "partial"] = Field(
-        "cancel",
-        description="What happens to a group that cannot be trained within max_staleness (gyre.staleness): "
-        "cancel (its open members are cancelled, every consumed token is within eta) or partial (a group "
-        "with a member started goes on restamped with a newer version; only unstarted groups are "
-        "withdrawn; a consumed token may be older than eta). One setting for the whole cluster, like "
-        "max_staleness.",
-    )
-    partial_max_versions: int | None = Field(
-        None,
-        ge=0,
-        description="Under the partial rule: a group goes on only while its new stamp is at most this many "
-        "versions past its dispatch, so a consumed group was dispatched at most max_staleness + this "
-        "versions before its batch; past it, it is cancelled (null: no limit). A first restamp already "
-        "moves a group max(max_staleness, 1) versions (to the trainer's version), so a smaller limit is "
-        "the cancel rule.",
     )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")

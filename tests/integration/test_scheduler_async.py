@@ -12,6 +12,7 @@ heartbeat and finish answer CANCELLED, and the packer is told.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import grpc
@@ -174,6 +175,36 @@ async def test_gyre_overlapping_bursts_migrate_and_cancel_early(etcd_server, clu
         await etcd.close()
 
 
+@contextlib.asynccontextmanager
+async def _one_cell(etcd_server, cluster_name, tmp_path, **scheduler):
+    """etcd, one standalone cell of 4 slots, router and packer stand-ins, and the config of a
+    gyre scheduler (batches of 2 groups of 2, eta 1, the partial rule) with ``scheduler`` on
+    top: (etcd client, keys, packer, config path)."""
+    etcd = await connect(etcd_server.endpoint)
+    keys = Keys(cluster_name)
+    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
+    router = await FakeRouter(etcd, keys).start()
+    packer = await FakePacker().start(tls("packer"))
+    cfg = write_config(
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        policy="gyre",
+        batch_size=2,
+        group_size=2,
+        max_staleness=1,
+        stale_rule="partial",
+        packer_target=packer.target,
+        **scheduler,
+    )
+    try:
+        yield etcd, keys, packer, cfg
+    finally:
+        for x in (cell, router, packer):
+            await x.stop()
+        await etcd.close()
+
+
 async def test_partial_rule_restamps_started_groups_and_survives_a_takeover(
     etcd_server, cluster_name, tmp_path
 ):
@@ -181,132 +212,100 @@ async def test_partial_rule_restamps_started_groups_and_survives_a_takeover(
     on restamped v2 (records in etcd, routes and tokens kept, the packer told the new stamp at
     close) and the v0 groups none of whose members started are withdrawn; a new leader
     rebuilds the stamps from the records."""
-    etcd = await connect(etcd_server.endpoint)
-    keys = Keys(cluster_name)
-    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
-    router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start(tls("packer"))
-    cfg = write_config(
-        tmp_path,
-        etcd_server.endpoint,
-        cluster_name,
-        policy="gyre",
-        batch_size=2,
-        group_size=2,
-        max_staleness=1,
-        stale_rule="partial",
-        packer_target=packer.target,
-    )
-    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
-    h = Harness(proc.target)
-    try:
-        st = await h.wait_leader()
-        assert [(v.policy_version, v.dispatched) for v in st.versions] == [(0, 8)]
-        running = [await h.acquire() for _ in range(4)]  # groups b1-t0 and b1-t1, both started
-        assert all(e is not None and e.policy_version == 0 for e in running)
-
-        def by_version(s):
-            return {v.policy_version: (v.dispatched, v.launched, v.finished) for v in s.versions}
-
-        await etcd.put(keys.policy(), json.dumps({"version": 1, "batch_id": 1}).encode())
-
-        async def v1_out():
-            return 1 in by_version(await h.status())
-
-        await wait_until(v1_out, what="a burst at v1")
-        await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
-
-        async def restamped():
-            return by_version(await h.status()).get(2, (0, 0, 0))[1] == 4
-
-        await wait_until(restamped, what="the started v0 groups restamped v2")
-        st = await h.status()
-        # v0 keeps the two unstarted groups, withdrawn (closed at once); the started ones run
-        # on at v2, beside the 4 groups the gate (2 + 1 + 1) x 2 let out in their place and in
-        # the withdrawn ones'.
-        assert by_version(st)[0] == (4, 4, 4)
-        assert by_version(st)[1] == (4, 0, 0) and by_version(st)[2] == (12, 4, 0)
-        assert (st.stale_rule, st.groups_restamped, st.groups_cancelled) == ("partial", 2, 2)
-        assert st.total.finished_by_status["CANCELLED"] == 4
-        for e in running:
-            route, _ = await _route(etcd, keys, e.execution_id)
-            assert route is not None  # still routed, its token still good
-            kv = await etcd.get(keys.execution(1, e.execution_id))
-            assert json.loads(kv.value)["policy_version"] == 2
-        beat = await h.h.Heartbeat(
-            scheduler_pb2.HeartbeatRequest(execution_id=running[0].execution_id),
-            metadata=(("authorization", f"Bearer {running[0].token}"),),
-            timeout=5,
-        )
-        assert beat.status == common_pb2.EXECUTION_STATUS_RUNNING
-        events = await read_events(h)
-        assert any(ev.kind == "restamped" and "restamped v2" in ev.message for ev in events)
-
-        # A new leader reads the stamps back from the records.
-        proc.stop()
-        proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler2.log").start()
-        await h.close()
+    async with _one_cell(etcd_server, cluster_name, tmp_path) as (etcd, keys, packer, cfg):
+        proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
         h = Harness(proc.target)
-        await h.wait_leader()
-        st = await h.status()
-        assert by_version(st)[2] == (12, 4, 0) and (st.groups_restamped, st.groups_cancelled) == (2, 2)
+        try:
+            st = await h.wait_leader()
+            assert [(v.policy_version, v.dispatched) for v in st.versions] == [(0, 8)]
+            running = [await h.acquire() for _ in range(4)]  # groups b1-t0 and b1-t1, both started
+            assert all(e is not None and e.policy_version == 0 for e in running)
 
-        out = await h.finish(running[0], reward=0.5)
-        assert out.status == common_pb2.EXECUTION_STATUS_COMPLETED
+            def by_version(s):
+                return {v.policy_version: (v.dispatched, v.launched, v.finished) for v in s.versions}
 
-        async def reported():
-            return packer.reports.get(running[0].execution_id) is not None
+            await etcd.put(keys.policy(), json.dumps({"version": 1, "batch_id": 1}).encode())
 
-        await wait_until(reported, what="the packer told of the close")
-        assert packer.reports[running[0].execution_id].policy_version == 2
-    finally:
-        await h.close()
-        proc.stop()
-        for x in (cell, router, packer):
-            await x.stop()
-        await etcd.close()
+            async def v1_out():
+                return 1 in by_version(await h.status())
+
+            await wait_until(v1_out, what="a burst at v1")
+            await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
+
+            async def restamped():
+                return by_version(await h.status()).get(2, (0, 0, 0))[1] == 4
+
+            await wait_until(restamped, what="the started v0 groups restamped v2")
+            st = await h.status()
+            # v0 keeps the two unstarted groups, withdrawn (closed at once); the started ones run
+            # on at v2, beside the 4 groups the gate (2 + 1 + 1) x 2 let out in their place and in
+            # the withdrawn ones'.
+            assert by_version(st)[0] == (4, 4, 4)
+            assert by_version(st)[1] == (4, 0, 0) and by_version(st)[2] == (12, 4, 0)
+            assert (st.stale_rule, st.groups_restamped, st.groups_cancelled) == ("partial", 2, 2)
+            assert st.total.finished_by_status["CANCELLED"] == 4
+            for e in running:
+                route, _ = await _route(etcd, keys, e.execution_id)
+                assert route is not None  # still routed, its token still good
+                kv = await etcd.get(keys.execution(1, e.execution_id))
+                assert json.loads(kv.value)["policy_version"] == 2
+            beat = await h.h.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(execution_id=running[0].execution_id),
+                metadata=(("authorization", f"Bearer {running[0].token}"),),
+                timeout=5,
+            )
+            assert beat.status == common_pb2.EXECUTION_STATUS_RUNNING
+            events = await read_events(h)
+            assert any(ev.kind == "restamped" and "restamped v2" in ev.message for ev in events)
+
+            # A new leader reads the stamps back from the records.
+            proc.stop()
+            proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler2.log").start()
+            await h.close()
+            h = Harness(proc.target)
+            await h.wait_leader()
+            st = await h.status()
+            assert by_version(st)[2] == (12, 4, 0) and (st.groups_restamped, st.groups_cancelled) == (2, 2)
+
+            out = await h.finish(running[0], reward=0.5)
+            assert out.status == common_pb2.EXECUTION_STATUS_COMPLETED
+
+            async def reported():
+                return packer.reports.get(running[0].execution_id) is not None
+
+            await wait_until(reported, what="the packer told of the close")
+            assert packer.reports[running[0].execution_id].policy_version == 2
+        finally:
+            await h.close()
+            proc.stop()
 
 
 async def test_partial_rule_past_its_limit_cancels(etcd_server, cluster_name, tmp_path):
     """partial_max_versions 1: the v0 groups would be restamped v2, two versions past their
     dispatch, so they are cancelled as under the cancel rule, started or not."""
-    etcd = await connect(etcd_server.endpoint)
-    keys = Keys(cluster_name)
-    cell = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 4).start()
-    router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start(tls("packer"))
-    cfg = write_config(
-        tmp_path,
-        etcd_server.endpoint,
-        cluster_name,
-        policy="gyre",
-        batch_size=2,
-        group_size=2,
-        max_staleness=1,
-        stale_rule="partial",
-        partial_max_versions=1,
-        packer_target=packer.target,
-    )
-    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
-    h = Harness(proc.target)
-    try:
-        await h.wait_leader()
-        running = [await h.acquire() for _ in range(4)]
-        assert all(e is not None for e in running)
-        await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
+    async with _one_cell(etcd_server, cluster_name, tmp_path, partial_max_versions=1) as (
+        etcd,
+        keys,
+        packer,
+        cfg,
+    ):
+        proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
+        h = Harness(proc.target)
+        try:
+            await h.wait_leader()
+            running = [await h.acquire() for _ in range(4)]
+            assert all(e is not None for e in running)
+            await etcd.put(keys.policy(), json.dumps({"version": 2, "batch_id": 2}).encode())
 
-        async def cancelled():
+            async def cancelled():
+                st = await h.status()
+                return st.groups_cancelled == 4
+
+            await wait_until(cancelled, what="the v0 groups cancelled")
             st = await h.status()
-            return st.groups_cancelled == 4
-
-        await wait_until(cancelled, what="the v0 groups cancelled")
-        st = await h.status()
-        assert st.groups_restamped == 0 and st.total.finished_by_status["CANCELLED"] == 8
-        for e in running:
-            assert (await _route(etcd, keys, e.execution_id))[0] is None
-    finally:
-        await h.close()
-        proc.stop()
-        for x in (cell, router, packer):
-            await x.stop()
-        await etcd.close()
+            assert st.groups_restamped == 0 and st.total.finished_by_status["CANCELLED"] == 8
+            for e in running:
+                assert (await _route(etcd, keys, e.execution_id))[0] is None
+        finally:
+            await h.close()
+            proc.stop()
