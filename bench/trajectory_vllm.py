@@ -38,7 +38,7 @@ async def episode(
     from apps.harness.env import TOOLS
     from services.cell_agent.engines.base import Sampling
     from services.router.tokenization import normalize_messages
-    from services.router.trajectory import ChatState, TrajectoryStore, canonical_tools, chat_prompt, reply_key
+    from services.router.trajectory import ChatState, TrajectoryStore, chat_prompt
 
     store = TrajectoryStore()
     messages: list[dict[str, Any]] = [
@@ -61,8 +61,7 @@ async def episode(
         )
         out = [t async for c in engine.generate(rid, prompt, sampling) for t in c.token_ids]
         text = tok.decode(out)
-        traj = store.record("x", prompt, out)
-        store.attach_chat("x", traj, ChatState(tuple(norm), canonical_tools(TOOLS), reply_key(text, [])))
+        store.record("x", prompt, out, ChatState.of(norm, TOOLS, text, []))
         rows.append(
             {
                 "prompt": len(prompt),

@@ -20,7 +20,7 @@ CLAIM_OUTCOME_WAIT: ClaimOutcome
 CLAIM_OUTCOME_CLOSED: ClaimOutcome
 
 class TurnRecord(_message.Message):
-    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask", "idempotency_key")
+    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask", "idempotency_key", "chat_state")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class TurnRecord(_message.Message):
     OUTPUT_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHAT_STATE_FIELD_NUMBER: _ClassVar[int]
     execution_id: str
     group_id: str
     turn_index: int
@@ -39,13 +40,30 @@ class TurnRecord(_message.Message):
     output_policy_versions: _containers.RepeatedScalarFieldContainer[int]
     output_loss_mask: _containers.RepeatedScalarFieldContainer[int]
     idempotency_key: str
-    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    chat_state: str
+    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ..., idempotency_key: _Optional[str] = ..., chat_state: _Optional[str] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("duplicate",)
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class GetTrajectoryRequest(_message.Message):
+    __slots__ = ("execution_id", "idempotency_key")
+    EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    execution_id: str
+    idempotency_key: str
+    def __init__(self, execution_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class GetTrajectoryResponse(_message.Message):
+    __slots__ = ("last", "next_turn_index")
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    last: TurnRecord
+    next_turn_index: int
+    def __init__(self, last: _Optional[_Union[TurnRecord, _Mapping]] = ..., next_turn_index: _Optional[int] = ...) -> None: ...
 
 class FinishReport(_message.Message):
     __slots__ = ("execution_id", "group_id", "group_size", "status", "reward", "policy_version")

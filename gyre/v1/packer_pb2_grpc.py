@@ -39,6 +39,11 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.TurnRecord.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.RecordTurnResponse.FromString,
                 _registered_method=True)
+        self.GetTrajectory = channel.unary_unary(
+                '/gyre.v1.Packer/GetTrajectory',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.GetTrajectoryRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.GetTrajectoryResponse.FromString,
+                _registered_method=True)
         self.ReportFinish = channel.unary_unary(
                 '/gyre.v1.Packer/ReportFinish',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.FinishReport.SerializeToString,
@@ -111,6 +116,17 @@ class PackerServicer:
         log-probs, bad ids or mask; RESOURCE_EXHAUSTED: longer than the micro-step token budget
         (or the buffer is full); FAILED_PRECONDITION: the same key with other content, or a late
         turn whose group is already ready (counted in PackerCounters.late_turns).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTrajectory(self, request, context):
+        """Router -> packer: where an execution's token sequence stands, so that any router can
+        continue it (routers keep no state another needs): the turn a new model call continues
+        and the index its turn takes. With the call's idempotency key, a retry of a call the
+        packer holds continues the turn before that call's first try. An execution the packer
+        holds no turn of answers no turn and index 0. INVALID_ARGUMENT: a bad id or key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,6 +266,11 @@ def add_PackerServicer_to_server(servicer, server):
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.TurnRecord.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.RecordTurnResponse.SerializeToString,
             ),
+            'GetTrajectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrajectory,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.GetTrajectoryRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.GetTrajectoryResponse.SerializeToString,
+            ),
             'ReportFinish': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFinish,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.FinishReport.FromString,
@@ -338,6 +359,33 @@ class Packer:
             '/gyre.v1.Packer/RecordTurn',
             gyre_dot_v1_dot_packer__pb2.TurnRecord.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.RecordTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrajectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.v1.Packer/GetTrajectory',
+            gyre_dot_v1_dot_packer__pb2.GetTrajectoryRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.GetTrajectoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,9 @@ from services.packer.segments import Segment
 MAX_ID_CHARS = 256
 """Longest accepted execution, group or cell id."""
 
+MAX_CHAT_STATE_CHARS = 256
+"""Longest accepted TurnRecord.chat_state."""
+
 MAX_ABS_REWARD = 1e9
 """Default bound on |reward| (PackerConfig.max_abs_reward). Finite bounds on both ends keep
 the group statistics finite: the squares in a std overflow to inf near 1e154, and an
@@ -81,6 +84,9 @@ class Turn:
     mask: tuple[int, ...]  # per output token, 0/1; never empty after validation
     call_key: str = ""
     """The harness's idempotency key for the model call ("": none); not part of the digest."""
+    chat_state: str = ""
+    """The router's digest of what a chat call was rendered from and answered ("": a
+    token-level call); kept for GetTrajectory, opaque here, not part of the digest."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -129,6 +135,7 @@ class Turn:
         mask: Iterable[int],
         max_tokens: int,
         call_key: str = "",
+        chat_state: str = "",
     ) -> Turn:
         """Checks every field; raises InvalidArgument or ResourceExhausted (too long)."""
         check_id(execution_id, "execution_id")
@@ -173,6 +180,8 @@ class Turn:
             mask_t = (1,) * len(output_t)
         if call_key:
             check_idempotency_key(call_key)
+        if chat_state:
+            check_id(chat_state, "chat_state", MAX_CHAT_STATE_CHARS)
         return cls(
             ExecutionId(execution_id),
             GroupId(group_id),
@@ -183,6 +192,7 @@ class Turn:
             versions_t,
             mask_t,
             call_key,
+            chat_state,
         )
 
     @classmethod
@@ -198,6 +208,21 @@ class Turn:
             msg.output_loss_mask,
             max_tokens,
             msg.idempotency_key,
+            msg.chat_state,
+        )
+
+    def to_proto(self) -> packer_pb2.TurnRecord:
+        return packer_pb2.TurnRecord(
+            execution_id=self.execution_id,
+            group_id=self.group_id,
+            turn_index=self.turn_index,
+            prompt_token_ids=self.prompt,
+            output_token_ids=self.output,
+            output_logprobs=self.logprobs,
+            output_policy_versions=self.versions,
+            output_loss_mask=self.mask,
+            idempotency_key=self.call_key,
+            chat_state=self.chat_state,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -213,6 +238,8 @@ class Turn:
         }
         if self.call_key:
             out["k"] = self.call_key
+        if self.chat_state:
+            out["c"] = self.chat_state
         return out
 
     @classmethod
@@ -227,6 +254,7 @@ class Turn:
             tuple(d["v"]),
             tuple(d["m"]),
             str(d.get("k", "")),
+            str(d.get("c", "")),
         )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
 from gyre.failpoints import failpoint
 from gyre.fencing import FenceGuard
-from gyre.ids import BatchId, CellId
+from gyre.ids import BatchId, CellId, check_idempotency_key
 from gyre.staleness import unconsumable
 from services.packer.advantages import group_advantages, is_stale, reward_std
 from services.packer.config import PackerConfig
@@ -514,6 +514,23 @@ class Packer:
             await self.reap()
 
     # Queries -----------------------------------------------------------------------------
+
+    def trajectory(self, execution_id: str, call_key: str = "") -> tuple[Turn | None, int]:
+        """Where an execution's token sequence stands (GetTrajectory): the turn a new model
+        call of it continues (None: there is none) and the index that call's turn takes. A
+        call whose idempotency key the execution holds is a retry of that call: it continues
+        the turn before its first try's, and takes the first try's index."""
+        check_id(execution_id, "execution_id")
+        if call_key:
+            check_idempotency_key(call_key)
+        ex = self.state.execs.get(execution_id)
+        if ex is None or not ex.turns:
+            return None, 0
+        index = ex.call_keys.get(call_key) if call_key else None
+        if index is None:
+            index = max(ex.turns) + 1
+        before = [i for i in ex.turns if i < index]
+        return (ex.turns[max(before)] if before else None), index
 
     def batch_status(self, batch_id: int) -> dict[str, Any]:
         b = self._batch(batch_id)

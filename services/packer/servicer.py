@@ -98,6 +98,7 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         SERVICE_NAME,
         {
             "RecordTurn": allow(Role.ROUTER),
+            "GetTrajectory": allow(Role.ROUTER),
             "ReportFinish": allow(Role.SCHEDULER),
             "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
             "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
@@ -245,6 +246,16 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
     @rpc
     async def GetBatch(self, request: packer_pb2.GetBatchRequest, context: grpc.aio.ServicerContext) -> Any:
         return batch_to_proto(self._packer.batch_status(request.batch_id))
+
+    @rpc
+    async def GetTrajectory(
+        self, request: packer_pb2.GetTrajectoryRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        turn, index = self._packer.trajectory(request.execution_id, request.idempotency_key)
+        reply = packer_pb2.GetTrajectoryResponse(next_turn_index=index)
+        if turn is not None:
+            reply.last.CopyFrom(turn.to_proto())
+        return reply
 
     @rpc
     async def SealBatch(self, request: packer_pb2.SealBatchRequest, context: grpc.aio.ServicerContext) -> Any:

@@ -69,7 +69,7 @@ async def build(rt: Runtime) -> Services:
     )
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
-    manager = CallManager(table, engines, policy, turns, reporter=reporter)
+    manager = CallManager(table, engines, policy, turns, reporter=reporter, turn_source=sink)
     context = cfg.max_model_len or model_context(cfg.model_dir)
     limits: dict[str, Any] = dict(
         max_prompt_tokens=cfg.max_prompt_tokens,

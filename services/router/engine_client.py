@@ -1,6 +1,6 @@
 """The gRPC clients the router uses: cell agents' Engine service (one cached channel per
-target) and the packer's RecordTurn. Every call carries a deadline; failures come back as
-domain errors."""
+target) and the packer's RecordTurn and GetTrajectory. Every call carries a deadline;
+failures come back as domain errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gyre.errors import from_rpc_error
 from gyre.grpcx.channel import open_channel, unary
 from gyre.identity import Role
 from gyre.tokens import Chunk
-from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, packer_pb2_grpc
+from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, packer_pb2, packer_pb2_grpc
 from services.router.engine import EngineRequest, KvHandle
 from services.router.turns import Turn
 
@@ -68,7 +68,7 @@ class GrpcEngineClient:
 
 
 class PackerTurnSink:
-    """Packer.RecordTurn with a deadline."""
+    """Packer.RecordTurn and GetTrajectory with a deadline."""
 
     def __init__(self, target: str, config: ServiceConfig) -> None:
         self._channel = open_channel(target, config, Role.PACKER)
@@ -77,6 +77,11 @@ class PackerTurnSink:
 
     async def record(self, turn: Turn) -> None:
         await unary(self._stub.RecordTurn, turn.to_proto(), self._timeout_s)
+
+    async def trajectory(self, execution_id: str, idempotency_key: str) -> tuple[Turn | None, int]:
+        request = packer_pb2.GetTrajectoryRequest(execution_id=execution_id, idempotency_key=idempotency_key)
+        reply = await unary(self._stub.GetTrajectory, request, self._timeout_s)
+        return (Turn.from_proto(reply.last) if reply.HasField("last") else None), reply.next_turn_index
 
     async def close(self) -> None:
         await self._channel.close()

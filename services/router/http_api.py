@@ -31,7 +31,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -57,7 +57,7 @@ from services.router.stops import OutputText, parse_stop
 from services.router.store import RouteStore
 from services.router.tokenization import Tokenizer, normalize_messages, normalize_tools
 from services.router.toolcalls import ToolCallParser, ToolCallParsers
-from services.router.trajectory import ChatState, canonical_tools, chat_prompt, reply_key
+from services.router.trajectory import ChatState, Prompt, chat_prompt
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,11 @@ class OpenAIApi:
             route = await self._authorize(request)  # 1. who (headers only: nothing read yet)
             tag_execution(route.execution_id, cell_id=route.cell_id)
             body = await self._read_json(request)  # 2. what (413 / 400)
-            prompt, sampling, opts = await self._parse(body, chat, route)  # 3. validate, tokenize
-            timeout_s = self._timeout(request)
             idempotency_key = check_idempotency_key(request.headers.get("Idempotency-Key", ""))
+            timeout_s = self._timeout(request)
+            prompt, sampling, opts = await self._parse(
+                body, chat, route, idempotency_key
+            )  # 3. validate, tokenize
         except GyreError as exc:
             return _error_response(exc)
         gen = self._manager.generate(
@@ -151,6 +153,7 @@ class OpenAIApi:
             opts["break_reason"],
             whole=not opts["stream"],  # a JSON answer is written once: no wake per engine step
             idempotency_key=idempotency_key,
+            chat_state=self._chat_state(opts),
         )
         async with contextlib.aclosing(gen):
             if opts["stream"]:
@@ -189,7 +192,7 @@ class OpenAIApi:
         return min(value, self._request_timeout_s)
 
     async def _parse(
-        self, body: dict[str, Any], chat: bool, route: Route
+        self, body: dict[str, Any], chat: bool, route: Route, idempotency_key: str = ""
     ) -> tuple[list[int], Sampling, dict[str, Any]]:
         model = body.get("model")
         if model not in (None, "", self.model_name):
@@ -220,8 +223,7 @@ class OpenAIApi:
         if chat:
             messages = normalize_messages(body.get("messages"))
             tools, parse_tools = normalize_tools(body.get("tools"), body.get("tool_choice"))
-            previous = self._manager.trajectories.get(route.execution_id)
-            planned = await asyncio.to_thread(chat_prompt, self._tok, previous, messages, tools)
+            planned = await self._plan_chat(route.execution_id, idempotency_key, messages, tools)
             prompt, break_reason, chat_input = planned.token_ids, planned.break_reason, (messages, tools)
             if parse_tools:
                 parser = await self._tools.new(tools, self.model_name)
@@ -249,17 +251,52 @@ class OpenAIApi:
         }
         return prompt, sampling, opts
 
-    def _remember_chat(
-        self, opts: dict[str, Any], content: str | None, tool_calls: list[dict[str, Any]]
-    ) -> None:
-        """The completed call's messages, tools and answer join the execution's trajectory,
-        so that the next call can continue its tokens."""
-        box: list[ModelCall] = opts["box"]
-        if opts["chat"] is None or not box or box[0].trajectory is None:
-            return
+    async def _plan_chat(
+        self,
+        execution_id: str,
+        idempotency_key: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+    ) -> Prompt:
+        """The prompt of a chat call: continuing this router's trajectory of the execution
+        when the history extends it, else the packer's record of the execution's turns when
+        the history has answers (another router served the calls since, or this one
+        restarted), else rendered afresh."""
+        tok = self._tok
+        previous = self._manager.trajectories.base(execution_id, idempotency_key)
+        planned = None
+        if previous is not None:
+            planned = await asyncio.to_thread(chat_prompt, tok, previous, messages, tools)
+            if planned.break_reason is None and previous.chat is not None:
+                if not _answered(messages, previous.chat.count + 1):
+                    return planned  # the history ends with this router's state
+        if _answered(messages, 0):
+            resumed = await self._manager.resume(execution_id, idempotency_key)
+            if resumed is not None:
+                again = await asyncio.to_thread(chat_prompt, tok, resumed.trajectory, messages, tools)
+                if again.break_reason is None:
+                    self._manager.adopt(execution_id, resumed)
+                    return again
+                planned = planned or again
+        if planned is None:
+            planned = await asyncio.to_thread(chat_prompt, tok, None, messages, tools)
+        return planned
+
+    @staticmethod
+    def _chat_state(opts: dict[str, Any]) -> Callable[[str], ChatState] | None:
+        """A chat call's state from its whole output text (the call manager asks once the call
+        completed); its parse is kept for the answer (``opts["parsed"]``)."""
+        if opts["chat"] is None:
+            return None
         messages, tools = opts["chat"]
-        state = ChatState(tuple(messages), canonical_tools(tools), reply_key(content, tool_calls))
-        self._manager.trajectories.attach_chat(opts["execution_id"], box[0].trajectory, state)
+        parser: ToolCallParser | None = opts["parser"]
+
+        def state(text: str) -> ChatState:
+            content, calls = parser.parse(text) if parser is not None else (text, [])
+            opts["parsed"] = (content, calls)
+            return ChatState.of(messages, tools, content, calls)
+
+        return state
 
     async def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -294,8 +331,8 @@ class OpenAIApi:
         except GyreError as exc:
             return _error_response(exc)
         parser: ToolCallParser | None = opts["parser"]
-        content, tool_calls = parser.parse(text) if parser is not None else (text, [])
-        self._remember_chat(opts, content, tool_calls)
+        parsed = opts.get("parsed")
+        content, tool_calls = parsed or (parser.parse(text) if parser is not None else (text, []))
         reason = finish.openai if finish else None
         if tool_calls and finish is FinishReason.STOP:
             reason = "tool_calls"
@@ -363,8 +400,6 @@ class OpenAIApi:
                     # Complete the call first (its turn is recorded, the trajectory updated),
                     # so a harness that acts on the finish reason finds it continued.
                     await anext(gen, None)
-                    whole = opts["box"][0].text if opts["box"] else text
-                    self._remember_chat(opts, *(parser.parse(whole) if parser is not None else (whole, [])))
                 reason = chunk.finish_reason.openai if chunk.finish_reason else None
                 choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
                 if chat and parser is not None:
@@ -449,6 +484,11 @@ async def _send(resp: web.StreamResponse, envelope: dict[str, Any], choice: dict
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _answered(messages: list[dict[str, Any]], start: int) -> bool:
+    """Whether ``messages[start:]`` hold an assistant message (an answer of an earlier call)."""
+    return any(m["role"] == "assistant" for m in messages[start:])
 
 
 def _error_response(exc: GyreError) -> web.Response:

@@ -11,9 +11,10 @@ import itertools
 import logging
 import os
 import struct
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from gyre.errors import GyreError
 from gyre.failpoints import failpoint
 from gyre.telemetry import execution_id_var
 from gyre.tokens import Chunk, FinishReason
@@ -22,8 +23,8 @@ from services.router.engine import EngineClient, Sampling
 from services.router.failures import FailureReporter
 from services.router.routes import Route, RouteTable
 from services.router.stops import OutputText
-from services.router.trajectory import TrajectoryStore
-from services.router.turns import Turn, TurnRecorder
+from services.router.trajectory import ChatState, Trajectory, TrajectoryStore
+from services.router.turns import Turn, TurnRecorder, TurnSource
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,10 @@ class CallManager:
         turns: TurnRecorder,
         stats: RouterStats | None = None,
         reporter: FailureReporter | None = None,
+        turn_source: TurnSource | None = None,
     ) -> None:
         self.routes = routes
+        self._turn_source = turn_source
         self._reporter = reporter
         self.stats = stats or RouterStats()
         self._engines = engines
@@ -74,6 +77,7 @@ class CallManager:
         break_reason: str | None = None,
         whole: bool = False,
         idempotency_key: str = "",
+        chat_state: Callable[[str], ChatState] | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """Runs one model call of ``route``'s execution (the caller already authorized it).
 
@@ -83,7 +87,9 @@ class CallManager:
         (HTTP calls); ``break_reason`` names why the prompt does not continue the
         trajectory, if it does not; ``whole``: the caller wants the answer at once (chunks
         come when the call ends, one per policy version); ``idempotency_key``: the harness's
-        key for this call (validated), carried by its turn record.
+        key for this call (validated), carried by its turn record; ``chat_state``: a chat
+        call's state from its output text, once it completed (kept with the trajectory and
+        carried by the turn record).
         """
         execution_id = route.execution_id
         execution_id_var.set(execution_id)
@@ -113,11 +119,17 @@ class CallManager:
             async for chunk in call.stream():
                 yield chunk
             if call.finish in (FinishReason.STOP, FinishReason.LENGTH):
+                chat = chat_state(call.text) if chat_state is not None else None
                 call.trajectory = self.trajectories.record(
-                    execution_id, call.prompt_token_ids, call.output_ids, break_reason=break_reason
+                    execution_id,
+                    call.prompt_token_ids,
+                    call.output_ids,
+                    chat,
+                    break_reason,
+                    idempotency_key,
                 )
                 failpoint("router.turn.completed")  # every token streamed, the turn not yet queued
-                recorded = self._record(route, call, idempotency_key)
+                recorded = self._record(route, call, idempotency_key, chat)
                 if recorded is not None and self._policy.turn_record_wait_s > 0:
                     # The call ends for the harness once the packer holds its turn (bounded):
                     # the harness reports the execution's finish only after its last call, so
@@ -132,7 +144,9 @@ class CallManager:
                 if not calls:
                     del self._calls[execution_id]
 
-    def _record(self, route: Route, call: ModelCall, idempotency_key: str) -> asyncio.Future[bool] | None:
+    def _record(
+        self, route: Route, call: ModelCall, idempotency_key: str, chat: ChatState | None
+    ) -> asyncio.Future[bool] | None:
         current = self.routes.get(route.execution_id) or route
         index = self._turn_index.get(route.execution_id, 0)
         self._turn_index[route.execution_id] = index + 1
@@ -146,8 +160,41 @@ class CallManager:
                 output_logprobs=tuple(call.logprobs),
                 output_policy_versions=tuple(call.policy_versions),
                 idempotency_key=idempotency_key,
+                chat_state=chat.encode() if chat is not None else "",
             )
         )
+
+    async def resume(self, execution_id: str, idempotency_key: str) -> Resumed | None:
+        """Where the packer's record of this execution's turns stands: the trajectory a call
+        with this idempotency key continues and the index its turn takes (None when the
+        packer holds no turn of it, or cannot be asked: the call is then rendered afresh).
+        For a call whose history has answers this router's state does not end with (another
+        router served the calls since, or this one restarted). :meth:`adopt` installs it."""
+        if self._turn_source is None:
+            return None
+        try:
+            turn, index = await self._turn_source.trajectory(execution_id, idempotency_key)
+        except GyreError as exc:
+            self.trajectories.resume_failed += 1
+            log.warning("could not resume a trajectory from the packer", extra={"error": str(exc)})
+            return None
+        if turn is None:
+            return None
+        trajectory = Trajectory(
+            tokens=turn.prompt_token_ids + turn.output_token_ids,
+            prompt_len=len(turn.prompt_token_ids),
+            segment=0,
+            turns=turn.turn_index + 1,
+            chat=ChatState.decode(turn.chat_state),
+            call_key=turn.idempotency_key,
+        )
+        return Resumed(trajectory, index)
+
+    def adopt(self, execution_id: str, resumed: Resumed) -> None:
+        """A resumed trajectory the call continues becomes this router's state of the
+        execution; its turns are numbered on from the packer's."""
+        self.trajectories.install(execution_id, resumed.trajectory)
+        self._turn_index[execution_id] = max(self._turn_index.get(execution_id, 0), resumed.next_turn_index)
 
     def _renumber(self, turn: Turn) -> Turn:
         """The next index past ``turn``'s for its execution (its index was taken)."""
@@ -192,6 +239,14 @@ class CallManager:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """An execution's trajectory as the packer's record of its turns has it."""
+
+    trajectory: Trajectory
+    next_turn_index: int
 
 
 def call_seed(execution_id: str, prompt_token_ids: list[int]) -> int:

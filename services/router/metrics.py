@@ -74,6 +74,21 @@ class RouterCollector:
             for reason, n in sorted(t.breaks.items()):
                 breaks.add_metric([reason], n)
             yield breaks
+            yield CounterMetricFamily(
+                "gyre_router_trajectories_resumed",
+                "Executions this router continued from the packer's record of their turns.",
+                value=t.resumed,
+            )
+            yield CounterMetricFamily(
+                "gyre_router_trajectory_resumes_failed",
+                "Packer GetTrajectory calls that failed (the call was rendered afresh).",
+                value=t.resume_failed,
+            )
+            yield CounterMetricFamily(
+                "gyre_router_calls_retried",
+                "Completed calls that retried the call of the same idempotency key.",
+                value=t.retried,
+            )
 
 
 def serve(host: str, port: int, collector: RouterCollector) -> None:

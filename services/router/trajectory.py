@@ -25,14 +25,20 @@ Verl's agent loop and slime keep multi-turn rollouts token-in/token-out the same
 differs in checking the history instead of trusting it, so a harness that edits history
 costs a counted segment, not silently wrong training data.
 
-:class:`TrajectoryStore` holds the state in this router's memory: it is the one class to
-replace with a durable store (etcd, the packer) when routers become stateless.
+:class:`TrajectoryStore` holds the state in this router's memory, and no router holds state
+another needs: every turn record carries its call's :class:`ChatState` (digests), so a router
+that holds nothing of an execution, or an older state than its history shows (another router
+served the calls since, or this one restarted), continues it from the packer's last turn
+(``Packer.GetTrajectory``; :meth:`services.router.manager.CallManager.continued`). A retried
+call (the harness's idempotency key of the call that made the state) continues what that
+call continued.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -44,11 +50,45 @@ _SENTINEL = "\x00gyre-assistant-content\x00"
 
 @dataclasses.dataclass(frozen=True)
 class ChatState:
-    """What a completed chat call was rendered from, and what it answered."""
+    """What a completed chat call was rendered from and answered, as digests: the number of
+    its messages and digests of those messages, of its tools and of its reply (what the
+    template renders of it). It travels in the call's turn record (:meth:`encode`), so any
+    router can check that a next call's history extends it."""
 
-    messages: tuple[dict[str, Any], ...]
-    tools: str  # canonical JSON of the tools (the template renders them)
-    reply: tuple[str, tuple[tuple[str, str], ...]]  # (content, ((name, canonical arguments), ...))
+    count: int
+    messages: str
+    tools: str
+    reply: str
+
+    @classmethod
+    def of(
+        cls,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        content: str | None,
+        tool_calls: Sequence[dict[str, Any]],
+    ) -> ChatState:
+        return cls(len(messages), _digest(messages), _digest(tools), _digest(reply_key(content, tool_calls)))
+
+    def encode(self) -> str:
+        return f"{_VERSION}:{self.count}:{self.messages}:{self.tools}:{self.reply}"
+
+    @classmethod
+    def decode(cls, text: str) -> ChatState | None:
+        """None for "" (a token-level call) or a form this router does not know."""
+        parts = text.split(":")
+        if len(parts) != 5 or parts[0] != _VERSION or not parts[1].isdigit():
+            return None
+        return cls(int(parts[1]), parts[2], parts[3], parts[4])
+
+
+_VERSION = "c1"
+
+
+def _digest(value: Any) -> str:
+    """A digest of a JSON value (messages, tools, a reply key); key order does not matter."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +100,11 @@ class Trajectory:
     segment: int
     turns: int
     chat: ChatState | None = None
+    call_key: str = ""
+    """The harness's idempotency key of the call that made it ("": none)."""
+    before: Trajectory | None = None
+    """The trajectory that call continued (its own ``before`` dropped): what a retry of
+    the call continues."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +114,6 @@ class Prompt:
 
     token_ids: list[int]
     break_reason: str | None
-
-
-def canonical_tools(tools: Sequence[dict[str, Any]]) -> str:
-    return json.dumps(list(tools), sort_keys=True, separators=(",", ":"))
 
 
 def reply_key(
@@ -105,7 +146,7 @@ def chat_prompt(
     if reason is not None:
         return Prompt(tok.encode(full), reason)
     assert prev.chat is not None
-    k = len(prev.chat.messages)
+    k = prev.chat.count
     with_reply = tok.render(messages[: k + 1], tools, add_generation_prompt=False)
     if not full.startswith(with_reply):
         return Prompt(tok.encode(full), "template_not_prefix_stable")
@@ -123,13 +164,16 @@ def _history_differs(
     chat = prev.chat
     if chat is None:
         return "no_chat_state"  # the previous call was token-level
-    k = len(chat.messages)
-    if canonical_tools(tools) != chat.tools:
+    k = chat.count
+    if _digest(tools) != chat.tools:
         return "tools_changed"
-    if len(messages) <= k or tuple(messages[:k]) != chat.messages:
+    if len(messages) <= k or _digest(messages[:k]) != chat.messages:
         return "history_edited"
     reply = messages[k]
-    if reply["role"] != "assistant" or reply_key(reply["content"], reply.get("tool_calls", ())) != chat.reply:
+    if (
+        reply["role"] != "assistant"
+        or _digest(reply_key(reply["content"], reply.get("tool_calls", ()))) != chat.reply
+    ):
         return "reply_edited"
     return None
 
@@ -154,16 +198,33 @@ def _overlap(generated: str, closing: str) -> int:
 
 class TrajectoryStore:
     """Every live execution's trajectory, in this router's memory, and the consistency
-    counters (turns that continued their execution's sequence, segment breaks by reason)."""
+    counters (turns that continued their execution's sequence, segment breaks by reason,
+    trajectories resumed from the packer)."""
 
     def __init__(self) -> None:
         self._by_execution: dict[str, Trajectory] = {}
         self.turns = 0
         self.continued = 0
+        self.retried = 0
+        self.resumed = 0
+        self.resume_failed = 0
         self.breaks: collections.Counter[str] = collections.Counter()
 
     def get(self, execution_id: str) -> Trajectory | None:
         return self._by_execution.get(execution_id)
+
+    def base(self, execution_id: str, call_key: str = "") -> Trajectory | None:
+        """The trajectory a new call continues: the execution's, or for a retry of the call
+        that made it (the same idempotency key) the one that call continued."""
+        traj = self._by_execution.get(execution_id)
+        if traj is not None and call_key and traj.call_key == call_key:
+            return traj.before
+        return traj
+
+    def install(self, execution_id: str, trajectory: Trajectory) -> None:
+        """A trajectory resumed from the packer replaces what this router held."""
+        self._by_execution[execution_id] = trajectory
+        self.resumed += 1
 
     def record(
         self,
@@ -172,11 +233,16 @@ class TrajectoryStore:
         output: Sequence[int],
         chat: ChatState | None = None,
         break_reason: str | None = None,
+        call_key: str = "",
     ) -> Trajectory:
         """A call completed: its tokens become the execution's sequence. Whether it
         continued the sequence is decided on the tokens (the prompt extends the previous
-        call's prompt + output), ``break_reason`` only names why not."""
+        call's prompt + output), ``break_reason`` only names why not. A retry of the call
+        that made the current trajectory replaces it."""
         prev = self._by_execution.get(execution_id)
+        if prev is not None and call_key and prev.call_key == call_key:
+            prev = prev.before
+            self.retried += 1
         self.turns += 1
         if prev is None:
             segment = 0
@@ -187,18 +253,16 @@ class TrajectoryStore:
             self.breaks[break_reason or "prompt_differs"] += 1
             segment = prev.segment + 1
         traj = Trajectory(
-            tuple(prompt) + tuple(output), len(prompt), segment, (prev.turns if prev else 0) + 1, chat
+            tuple(prompt) + tuple(output),
+            len(prompt),
+            segment,
+            (prev.turns if prev else 0) + 1,
+            chat,
+            call_key,
+            dataclasses.replace(prev, before=None) if prev is not None and prev.before is not None else prev,
         )
         self._by_execution[execution_id] = traj
         return traj
-
-    def attach_chat(self, execution_id: str, trajectory: Trajectory, chat: ChatState) -> bool:
-        """Adds what a chat call was rendered from and answered to the trajectory it made;
-        False (nothing changes) when another call completed since."""
-        if self._by_execution.get(execution_id) is not trajectory:
-            return False
-        self._by_execution[execution_id] = dataclasses.replace(trajectory, chat=chat)
-        return True
 
     def forget(self, execution_id: str) -> None:
         self._by_execution.pop(execution_id, None)

@@ -7,9 +7,11 @@ RecordTurn is idempotent on (execution_id, turn_index), so a retry after an ambi
 failure (UNAVAILABLE / DEADLINE_EXCEEDED do not prove the call did nothing) is safe. The
 buffer is bounded; when it is full the oldest record is dropped and counted.
 
-Turn indexes are counted in the router's memory. After a router restart (or with two
-routers on one execution) an index can already hold another turn at the packer, which
-refuses it ("recorded with other content"); the recorder then renumbers the turn past it
+Turn indexes are counted in the router's memory, from the packer's when the router resumed
+the execution from it (a chat call whose history this router's state does not end with:
+``CallManager.resume``). After a router restart (or with two routers on one execution) a
+token-level call's index can already hold another turn at the packer, which refuses it
+("recorded with other content"); the recorder then renumbers the turn past it
 (``renumber``) instead of losing it.
 """
 
@@ -53,6 +55,9 @@ class Turn:
     idempotency_key: str = ""
     """The harness's key for the model call: the packer keeps one turn per key (a retried
     call's answer replaces its first try's)."""
+    chat_state: str = ""
+    """A chat call's :class:`~services.router.trajectory.ChatState`, encoded ("": a
+    token-level call): what another router needs to continue the execution."""
 
     def to_proto(self) -> packer_pb2.TurnRecord:
         return packer_pb2.TurnRecord(
@@ -65,6 +70,22 @@ class Turn:
             output_policy_versions=self.output_policy_versions,
             output_loss_mask=self.output_loss_mask,
             idempotency_key=self.idempotency_key,
+            chat_state=self.chat_state,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: packer_pb2.TurnRecord) -> Turn:
+        return cls(
+            execution_id=msg.execution_id,
+            group_id=msg.group_id,
+            turn_index=msg.turn_index,
+            prompt_token_ids=tuple(msg.prompt_token_ids),
+            output_token_ids=tuple(msg.output_token_ids),
+            output_logprobs=tuple(msg.output_logprobs),
+            output_policy_versions=tuple(msg.output_policy_versions),
+            output_loss_mask=tuple(msg.output_loss_mask),
+            idempotency_key=msg.idempotency_key,
+            chat_state=msg.chat_state,
         )
 
 
@@ -72,6 +93,14 @@ class TurnSink(Protocol):
     """Where turns go (the packer's RecordTurn); raises a GyreError on failure."""
 
     async def record(self, turn: Turn) -> None: ...
+
+
+class TurnSource(Protocol):
+    """Where an execution's recorded turns stand (the packer's GetTrajectory): the turn a new
+    call with this idempotency key continues (None: none) and the index its turn takes;
+    raises a GyreError on failure."""
+
+    async def trajectory(self, execution_id: str, idempotency_key: str) -> tuple[Turn | None, int]: ...
 
 
 # RESOURCE_EXHAUSTED: a turn over the packer's limits never fits, so retrying would loop forever.

@@ -87,3 +87,30 @@ def test_a_good_key_travels_through_the_wal_form():
     t = Turn.from_proto(msg, 1 << 16)
     assert Turn.from_json(t.to_json()) == t and t.call_key == "a" * 128
     assert "k" not in tk.turn("x0", "g", 0).to_json()  # no key: the WAL form as before
+
+
+async def test_where_a_call_stands_for_any_router():
+    """GetTrajectory: the turn a new call continues and the index its turn takes; a retry
+    (the key of a call the packer holds) stands where its first try stood."""
+    p, _, _ = tk.make_packer()
+    assert p.trajectory("x0") == (None, 0)
+    await _three_turns(p)
+    last, index = p.trajectory("x0")
+    assert index == 3 and last is not None and last.turn_index == 2
+    last, index = p.trajectory("x0", "call-2")
+    assert index == 2 and last is not None and last.turn_index == 1
+    assert p.trajectory("x0", "call-0") == (None, 0)
+    assert p.trajectory("x0", "new-call")[1] == 3
+    with pytest.raises(InvalidArgument):
+        p.trajectory("x0", "has space")
+    with pytest.raises(InvalidArgument):
+        p.trajectory("")
+
+
+def test_a_chat_state_travels_through_the_wal_form_and_is_bounded():
+    t = tk.turn("x0", "g", 0, chat_state="c1:2:ab:cd:ef")
+    assert Turn.from_json(t.to_json()) == t and Turn.from_proto(t.to_proto(), 1 << 16) == t
+    assert t.digest() == tk.turn("x0", "g", 0).digest()  # not part of the content
+    assert "c" not in tk.turn("x0", "g", 0).to_json()
+    with pytest.raises(InvalidArgument, match="chat_state"):
+        tk.turn("x0", "g", 0, chat_state="x" * 257)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.tokenization import Tokenizer, normalize_messages
-from services.router.trajectory import ChatState, TrajectoryStore, canonical_tools, chat_prompt, reply_key
+from services.router.trajectory import ChatState, Trajectory, TrajectoryStore, chat_prompt
 
 TOOLS = [
     {
@@ -37,11 +37,9 @@ def _turn(tok, store, messages, output, tools=(), reply=None):
     """Plans a call, 'generates' ``output``, records it; returns (prompt, break reason)."""
     norm = normalize_messages(messages)
     planned = chat_prompt(tok, store.get("x"), norm, list(tools))
-    traj = store.record("x", planned.token_ids, output, break_reason=planned.break_reason)
     content, calls = reply if reply is not None else (tok.decode(output), [])
-    store.attach_chat(
-        "x", traj, ChatState(tuple(norm), canonical_tools(list(tools)), reply_key(content, calls))
-    )
+    chat = ChatState.of(norm, list(tools), content, calls)
+    store.record("x", planned.token_ids, output, chat, planned.break_reason)
     return planned.token_ids, planned.break_reason
 
 
@@ -171,3 +169,32 @@ def test_first_prompt_with_tools_is_what_vllms_server_renders(tok):
         conversation, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
     )
     assert planned.token_ids == list(reference)
+
+
+def test_a_chat_state_survives_its_record_and_a_retry_continues_what_its_first_try_did(tok):
+    """What another router rebuilds from a turn record (tokens + the encoded chat state)
+    plans the same next prompt as the router that served the call; a retried call (same
+    idempotency key) continues the trajectory its first try continued."""
+    store = TrajectoryStore()
+    end = tok.stop_token_ids[0]
+    m1 = [{"role": "user", "content": "hi"}]
+    out1 = [t for ch in "hello" for t in tok.encode(ch)] + [end]
+    planned = chat_prompt(tok, None, normalize_messages(m1), [])
+    chat = ChatState.of(normalize_messages(m1), [], "hello", [])
+    assert ChatState.decode(chat.encode()) == chat and ChatState.decode("") is None
+    here = store.record("x", planned.token_ids, out1, chat, planned.break_reason, "k1")
+    rebuilt = Trajectory(here.tokens, here.prompt_len, 0, 1, ChatState.decode(chat.encode()))
+    m2 = normalize_messages(
+        [*m1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    )
+    assert chat_prompt(tok, rebuilt, m2, []) == chat_prompt(tok, here, m2, [])
+    assert chat_prompt(tok, rebuilt, m2, []).break_reason is None
+    # Turn 1 (key k2); its retry plans from turn 0 and replaces it in the store.
+    p2 = chat_prompt(tok, store.base("x", "k2"), m2, []).token_ids
+    store.record("x", p2, tok.encode("ok") + [end], None, None, "k2")
+    assert store.base("x", "k2") is not None and store.base("x", "k2").tokens == here.tokens
+    retry = chat_prompt(tok, store.base("x", "k2"), m2, [])
+    assert retry.token_ids == p2 and retry.break_reason is None
+    store.record("x", retry.token_ids, tok.encode("no") + [end], None, None, "k2")
+    assert store.retried == 1 and store.continued == 2 and not store.breaks
+    assert store.get("x").turns == 2 and store.get("x").before.before is None
