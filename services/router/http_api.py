@@ -57,7 +57,7 @@ from services.router.stops import OutputText, parse_stop
 from services.router.store import RouteStore
 from services.router.tokenization import Tokenizer, normalize_messages, normalize_tools
 from services.router.toolcalls import ToolCallParser, ToolCallParsers
-from services.router.trajectory import ChatState, Prompt, chat_prompt
+from services.router.trajectory import ChatState, Prompt, Trajectory, chat_prompt
 
 log = logging.getLogger(__name__)
 
@@ -259,9 +259,10 @@ class OpenAIApi:
         tools: list[dict[str, Any]],
     ) -> Prompt:
         """The prompt of a chat call: continuing this router's trajectory of the execution
-        when the history extends it, else the packer's record of the execution's turns when
-        the history has answers (another router served the calls since, or this one
-        restarted), else rendered afresh."""
+        when the history extends it and has no answer after it; else, when the history has
+        answers, the packer's record of the execution's turns if that is later than this
+        router's state or this one does not fit (another router served the calls since, or
+        this one restarted); else rendered afresh."""
         tok = self._tok
         previous = self._manager.trajectories.base(execution_id, idempotency_key)
         planned = None
@@ -272,7 +273,10 @@ class OpenAIApi:
                     return planned  # the history ends with this router's state
         if _answered(messages, 0):
             resumed = await self._manager.resume(execution_id, idempotency_key)
-            if resumed is not None:
+            local_ok = planned is not None and planned.break_reason is None
+            # Any earlier state passes the history check; the packer's wins only when it is
+            # later than this router's (or this router's does not fit at all).
+            if resumed is not None and (not local_ok or _calls(resumed.trajectory) > _calls(previous)):
                 again = await asyncio.to_thread(chat_prompt, tok, resumed.trajectory, messages, tools)
                 if again.break_reason is None:
                     self._manager.adopt(execution_id, resumed)
@@ -484,6 +488,11 @@ async def _send(resp: web.StreamResponse, envelope: dict[str, Any], choice: dict
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _calls(trajectory: Trajectory | None) -> int:
+    """How many messages the chat call that made ``trajectory`` had (-1: none, or token-level)."""
+    return trajectory.chat.count if trajectory is not None and trajectory.chat is not None else -1
 
 
 def _answered(messages: list[dict[str, Any]], start: int) -> bool:
