@@ -31,6 +31,42 @@ class GenerateResponse(_message.Message):
     reroutes: int
     def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., reroutes: _Optional[int] = ...) -> None: ...
 
+class StreamCall(_message.Message):
+    __slots__ = ("tag", "token", "request")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    token: str
+    request: GenerateRequest
+    def __init__(self, tag: _Optional[int] = ..., token: _Optional[str] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("calls", "cancels")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[StreamCall]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, calls: _Optional[_Iterable[_Union[StreamCall, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamAnswer(_message.Message):
+    __slots__ = ("tag", "responses", "code", "message")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    code: int
+    message: str
+    def __init__(self, tag: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[StreamAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[StreamAnswer, _Mapping]]] = ...) -> None: ...
+
 class Move(_message.Message):
     __slots__ = ("execution_id", "from_cell", "to_cell", "route_epoch")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class RouterStub:
                 request_serializer=gyre_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/gyre.v1.Router/GenerateStream',
+                request_serializer=gyre_dot_v1_dot_router__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_router__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.MoveExecutions = channel.unary_unary(
                 '/gyre.v1.Router/MoveExecutions',
                 request_serializer=gyre_dot_v1_dot_router__pb2.MoveExecutionsRequest.SerializeToString,
@@ -58,6 +63,25 @@ class RouterServicer:
         """Generates for one model call of an execution. The execution token travels in the
         `authorization` metadata ("Bearer <token>"). The stream survives reroutes: the
         caller sees one unbroken sequence of tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Harness -> router: many model calls on one stream, each answered once (Generate with
+        answer_once, without a gRPC call per model call: for a harness process that runs many
+        executions; a call costs the router about as much as the tokens it relays otherwise).
+        Each call carries a tag of the caller's choosing and its execution's token (what
+        Generate reads from the authorization metadata); answers come tagged, in the order the
+        calls end, several to a message. A call's answer holds its GenerateResponse messages
+        (one per policy version its tokens came from) or the status Generate would have ended
+        with (code and message; UNAUTHENTICATED, PERMISSION_DENIED, INVALID_ARGUMENT, ...), and
+        the stream goes on. RESOURCE_EXHAUSTED answers a call beyond router.max_stream_calls in
+        flight on the stream. A cancel ends a call (its engine request is aborted; no answer).
+        A tag reused while its call is in flight ends the stream with INVALID_ARGUMENT. The
+        harness's half-close lets the calls in flight finish; the stream's cancellation (or its
+        deadline) cancels them. Each call's deadline is router.request_timeout_s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +109,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=gyre_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=gyre_dot_v1_dot_router__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_router__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'MoveExecutions': grpc.unary_unary_rpc_method_handler(
                     servicer.MoveExecutions,
@@ -124,6 +153,33 @@ class Router:
             '/gyre.v1.Router/Generate',
             gyre_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             gyre_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gyre.v1.Router/GenerateStream',
+            gyre_dot_v1_dot_router__pb2.GenerateStreamRequest.SerializeToString,
+            gyre_dot_v1_dot_router__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

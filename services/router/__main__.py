@@ -85,6 +85,7 @@ async def build(rt: Runtime) -> Services:
         vocab_size=tokenizer.vocab_size,
         stop_token_ids=tokenizer.stop_token_ids,
         move_route_wait_s=cfg.move_route_wait_s,
+        max_stream_calls=cfg.max_stream_calls,
         **limits,
     )
     api = OpenAIApi(

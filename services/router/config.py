@@ -63,6 +63,13 @@ class RouterConfig(ServiceConfig):
             "Deadline of one HTTP model call (gRPC calls use the caller's deadline, capped by this)."
         ),
     )
+    max_stream_calls: int = Field(
+        4096,
+        ge=1,
+        le=1 << 20,
+        description="Calls one Router.GenerateStream may have in flight; a call beyond is answered "
+        "RESOURCE_EXHAUSTED.",
+    )
     retry_budget: int = Field(
         2,
         ge=0,

@@ -17,6 +17,7 @@ from gyre.identity import Role
 from gyre.ids import check_idempotency_key
 from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
+from services.router.call_stream import CallStreamSession
 from services.router.calls import ModelCall
 from services.router.engine import Sampling
 from services.router.limits import CallLimits
@@ -32,12 +33,14 @@ def _peer_host(context: grpc.aio.ServicerContext) -> str:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Generate (token level), MoveExecutions (fenced, from the scheduler), GetRouterStatus."""
+    """Generate (token level), GenerateStream (many calls answered once on one stream),
+    MoveExecutions (fenced, from the scheduler), GetRouterStatus."""
 
     ACCESS = AccessTable(
         "gyre.v1.Router",
         {
             "Generate": allow(Role.HARNESS),  # and the execution's token
+            "GenerateStream": allow(Role.HARNESS),  # and each call's execution token
             "MoveExecutions": allow(Role.SCHEDULER),
             "GetRouterStatus": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
         },
@@ -57,8 +60,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         move_route_wait_s: float,
         context_tokens: int = 0,
         turn_tokens: int = 0,
+        max_stream_calls: int = 4096,
     ) -> None:
         self._manager = manager
+        self._max_stream_calls = max_stream_calls
         self._store = store
         self._turns = turns
         self._vocab_size = vocab_size
@@ -80,11 +85,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        token = bearer_token(context)
+        remaining = context.time_remaining()
+        timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
+        async for response in self._generate(bearer_token(context), request, _peer_host(context), timeout_s):
+            yield response
+
+    @rpc_stream
+    async def GenerateStream(
+        self, requests: AsyncIterator[router_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateStreamResponse]:
+        peer = _peer_host(context)
+
+        async def serve(token: str, request: router_pb2.GenerateRequest) -> list[router_pb2.GenerateResponse]:
+            request.answer_once = True
+            return [r async for r in self._generate(token, request, peer, self._request_timeout_s)]
+
+        async for message in CallStreamSession(serve, self._max_stream_calls).serve(requests):
+            yield message
+
+    async def _generate(
+        self, token: str, request: router_pb2.GenerateRequest, peer: str, timeout_s: float
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One model call (Generate's, or one on a GenerateStream): authorized by the
+        execution's token, checked, run; raises a GyreError."""
         if not request.execution_id:
             raise InvalidArgument("execution_id is required")
         if self._store is not None:
-            route = await self._store.authorize(token, request.execution_id, peer=_peer_host(context))
+            route = await self._store.authorize(token, request.execution_id, peer=peer)
         else:
             route = self._manager.routes.authorize(token, request.execution_id)
         tag_execution(route.execution_id, cell_id=route.cell_id)
@@ -98,8 +125,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling = Sampling.from_proto(request.sampling, self._max_tokens_limit, self._stop_token_ids)
         sampling = self._limits.fit(len(prompt), sampling)
         idempotency_key = check_idempotency_key(request.idempotency_key)
-        remaining = context.time_remaining()
-        timeout_s = self._request_timeout_s if remaining is None else min(remaining, self._request_timeout_s)
         box: list[ModelCall] = []
         # answer_once: the call wakes this task only when it ended, and its buffer yields one
         # chunk per policy version (one message, unless a move crossed a weight update).
