@@ -16,7 +16,9 @@ same machine at the same time: ``direct`` vs ``direct_plain`` and ``router_grpc`
 ``router_grpc_plain``. The routers read the engine over one ``Engine.GenerateStream`` per
 engine (the default, ``engine_stream: true``); a fourth router with ``engine_stream: false``
 (one ``Engine.Generate`` call per request, the path before issue 20's multiplexed stream)
-serves the ``*_percall`` rows of the same run, streamed and answered once. Reroute
+serves the ``*_percall`` rows of the same run, streamed and answered once. ``router_grpc_mux``:
+the same calls answered once, all of them on one Router.GenerateStream of this client (a
+harness process's calls multiplexed, ``gyre.client.router_stream``). Reroute
 latency: a stream runs on engine A; the "scheduler" (this script) rewrites the route to
 engine B in etcd and calls Router.MoveExecutions; we measure from the start of that move
 to B's first token (B runs in this process so its clock is ours) and to the next token the
@@ -50,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench.support.fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
 from bench.support.router_rig import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
 from gyre import certs  # noqa: E402
+from gyre.client.router_stream import RouterStream  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.grpcx.channel import dial  # noqa: E402
@@ -121,6 +124,19 @@ async def one_router(stub: Any, ex: str, token: str, answer_once: bool = False) 
     return first, time.perf_counter() - t0
 
 
+async def one_mux(stream: RouterStream, ex: str, token: str) -> tuple[float, float]:
+    """One call on the harness's shared Router.GenerateStream (answered once: first token
+    and completion are the same moment)."""
+    t0 = time.perf_counter()
+    req = router_pb2.GenerateRequest(
+        execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=TOKENS)
+    )
+    responses = await stream.generate(token, req)
+    assert sum(len(r.chunk.token_ids) for r in responses) == TOKENS
+    done = time.perf_counter() - t0
+    return done, done
+
+
 async def one_sse(session: aiohttp.ClientSession, url: str, token: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = 0.0
@@ -170,6 +186,8 @@ async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[flo
         coros = [one_router(stub, ex, tok, answer_once=True) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_once":
         coros = [one_router(ctx["router_stub"], ex, tok, answer_once=True) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_mux":
+        coros = [one_mux(ctx["router_stream"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_http_json":
         coros = [one_json(ctx["session"], ctx["url"], tok) for _, tok in ctx["execs"][:conc]]
     else:
@@ -317,6 +335,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "router2_stub": router_pb2_grpc.RouterStub(rch2),
             "router_percall_stub": router_pb2_grpc.RouterStub(rch_percall),
             "mover_stub": router_pb2_grpc.RouterStub(mover),
+            "router_stream": RouterStream(rch),  # every call of the harness on one stream
             "epoch": epoch,
             "session": session,
             "url": url,
@@ -331,6 +350,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "router_sse",
             "router_grpc_nowindow",
             "router_grpc_once",
+            "router_grpc_mux",
             "router_http_json",
             "router_grpc_percall",
             "router_grpc_once_percall",
@@ -414,6 +434,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             f"-> next token at harness p50 {reroute['move_to_next_token_at_harness']['p50_ms']:.1f} ms"
         )
         await session.close()
+        await ctx["router_stream"].close()
         for ch in (ech, ech_plain, rch, rch2, rch_plain, rch_percall, mover):
             await ch.close()
         await dest.stop(0)
@@ -463,6 +484,8 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     - ``routers_per_1000_streams``: router processes the run used per 1,000 streams (one router
       carried the largest concurrency), and ``router_cores_per_1000_streams``: the CPU cores
       1,000 streams at the benchmark's token rate would keep busy at the measured cost;
+    - ``*_stream_mux``: the same calls answered once, all of the harness's calls on one
+      Router.GenerateStream (``router_grpc_mux``);
     - ``*_per_call_path``: the same figures on the router that reads engines with one
       Generate call per request (``engine_stream: false``), measured in the same run.
     """
@@ -490,6 +513,9 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "router_cpu_us_per_token_answer_once": cpu_of("router_grpc_once"),
         "ratio_256_answer_once": ratio("256", "router_grpc_once"),
         "ratio_1024_answer_once": ratio("1024", "router_grpc_once"),
+        "router_cpu_us_per_token_stream_mux": cpu_of("router_grpc_mux"),
+        "ratio_256_stream_mux": ratio("256", "router_grpc_mux"),
+        "ratio_1024_stream_mux": ratio("1024", "router_grpc_mux"),
         "router_cpu_us_per_token_per_call_path": cpu_of("router_grpc_percall"),
         "router_cpu_us_per_token_answer_once_per_call_path": cpu_of("router_grpc_once_percall"),
         "ratio_256_per_call_path": ratio("256", "router_grpc_percall"),
@@ -498,7 +524,8 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "ratio_256_no_window": ratio("256", "router_grpc_nowindow"),
         "ratio_1024_no_window": ratio("1024", "router_grpc_nowindow"),
         "calls": "streamed (Router.Generate, mTLS); *_answer_once: Router.Generate with answer_once "
-        "(one message a call); the OpenAI API's non-streaming rows are router_http_json; the router "
+        "(one message a call); *_stream_mux: the same calls all on one Router.GenerateStream; "
+        "the OpenAI API's non-streaming rows are router_http_json; the router "
         "reads engines over GenerateStream, *_per_call_path over one Generate call per request; streamed "
         "calls hold each message after the first up to coalesce_ms (10), *_no_window forward every chunk",
     }
