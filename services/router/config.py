@@ -60,7 +60,8 @@ class RouterConfig(ServiceConfig):
         600.0,
         gt=0,
         description=(
-            "Deadline of one HTTP model call (gRPC calls use the caller's deadline, capped by this)."
+            "Deadline of one HTTP model call and of one call on a Router.GenerateStream (Generate "
+            "calls use the caller's deadline, capped by this)."
         ),
     )
     max_stream_calls: int = Field(
