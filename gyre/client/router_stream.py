@@ -62,8 +62,12 @@ class RouterStream:
             return await done
         except asyncio.CancelledError:
             if self._waiting.pop(tag, None) is not None and self._call is not None:
-                self._cancels.append(tag)
-                self._queued.set()
+                unsent = [c for c in self._calls if c.tag != tag]
+                if len(unsent) < len(self._calls):
+                    self._calls = unsent  # not written yet: it never reaches the router
+                else:
+                    self._cancels.append(tag)
+                    self._queued.set()
             raise
 
     @property

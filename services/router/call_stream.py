@@ -85,12 +85,12 @@ class CallStreamSession:
     async def _read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
         try:
             async for msg in requests:
-                for tag in msg.cancels:
+                for call in msg.calls:
+                    self._begin(call)
+                for tag in msg.cancels:  # after the calls: a cancel may end a call of the same message
                     task = self._tasks.pop(int(tag), None)
                     if task is not None:
                         task.cancel()
-                for call in msg.calls:
-                    self._begin(call)
         finally:
             self._reading = False
             self._wake.set()
