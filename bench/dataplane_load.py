@@ -14,7 +14,11 @@ tokens, as an agent's next turn); even executions stream (SSE), odd ones do not.
 
 - *direct* (the baseline): the same calls straight to the cell agents' ``Engine.Generate``
   (no router, nothing recorded);
-- *routed*: through the routers' OpenAI API, turns recorded at the packer, finishes reported.
+- *routed*: through the routers' OpenAI API, turns recorded at the packer, finishes reported;
+- *routed, one stream*: another set of as many executions, every call answered once over
+  ``Router.GenerateStream``, one stream per router shared by the executions that use it (a
+  harness process's calls multiplexed, ``gyre.client.router_stream``), turns recorded,
+  finishes reported.
 
 Reported: throughput (tokens/s), p50/p99 call completion and first-token time of each phase
 and what the routers added (streamed and non-streamed calls apart), CPU time per relayed
@@ -51,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 from apps.procs import ServiceProcess  # noqa: E402
 from bench.support.pki import BenchPki  # noqa: E402
 from bench.support.router_rig import build_tokenizer_dir, put_route, start_router  # noqa: E402
+from gyre.client.router_stream import RouterStream  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
@@ -60,6 +65,7 @@ from gyre.v1 import (  # noqa: E402
     common_pb2,
     packer_pb2,
     packer_pb2_grpc,
+    router_pb2,
 )
 
 GROUP_SIZE = 8
@@ -180,10 +186,38 @@ async def routed_execution(i: int, ctx: dict[str, Any], calls: Calls) -> None:
             return
         calls.add(stream, ttft, time.perf_counter() - start, len(out))
         prompt = prompt + out + [5 + turn] * NEXT_TOKENS
-    finish = ctx["finish_stub"].ReportFinish(
+    await report_finish(ctx, ex, f"g{i // GROUP_SIZE}", i)
+
+
+async def stream_execution(i: int, ctx: dict[str, Any], calls: Calls) -> None:
+    """An execution whose calls go on its router's shared GenerateStream, answered once."""
+    router: RouterStream = ctx["router_streams"][i % len(ctx["router_streams"])]
+    ex, tok = ctx["stream_execs"][i]
+    prompt = prompt_of(i)
+    for turn in range(ctx["turns"]):
+        start = time.perf_counter()
+        request = router_pb2.GenerateRequest(
+            execution_id=ex,
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=ctx["max_tokens"]),
+        )
+        try:
+            out = [t for r in await router.generate(tok, request) for t in r.chunk.token_ids]
+        except Exception as exc:  # noqa: BLE001 (counted, reported)
+            calls.errors.append(f"stream {ex} turn {turn}: {exc!r}"[:300])
+            return
+        took = time.perf_counter() - start
+        calls.add(False, took, took, len(out))
+        prompt = prompt + out + [5 + turn] * NEXT_TOKENS
+    await report_finish(ctx, ex, f"gs{i // GROUP_SIZE}", i)
+
+
+async def report_finish(ctx: dict[str, Any], ex: str, group: str, i: int) -> None:
+    """The scheduler's finish report of an execution whose calls all returned."""
+    await ctx["finish_stub"].ReportFinish(
         packer_pb2.FinishReport(
             execution_id=ex,
-            group_id=f"g{i // GROUP_SIZE}",
+            group_id=group,
             group_size=GROUP_SIZE,
             status=common_pb2.EXECUTION_STATUS_COMPLETED,
             reward=float(i % 3),
@@ -191,11 +225,13 @@ async def routed_execution(i: int, ctx: dict[str, Any], calls: Calls) -> None:
         ),
         timeout=60,
     )
-    await finish
+
+
+PHASES = {"direct": direct_execution, "routed": routed_execution, "routed_stream": stream_execution}
 
 
 async def phase(name: str, ctx: dict[str, Any], pids: dict[str, list[int]]) -> dict[str, Any]:
-    run = direct_execution if name == "direct" else routed_execution
+    run = PHASES[name]
     calls = Calls()
     before = {svc: sum(cpu_s(p) for p in ps) for svc, ps in pids.items()}
     client0 = time.process_time()
@@ -316,15 +352,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await etcd.connect()
         keys = Keys(cluster)
         execs = [(f"ex-{i}", secrets.token_hex(12)) for i in range(args.executions)]
-        for i, (ex, tok) in enumerate(execs):
+        stream_execs = [(f"ex-s{i}", secrets.token_hex(12)) for i in range(args.executions)]
+        for i in range(args.executions):
             cell = cells[i % len(cells)]
-            await put_route(
-                etcd, keys, ex, cell_ids[i % len(cells)], cell.target, tok, group_id=f"g{i // GROUP_SIZE}"
-            )
+            for (ex, tok), group in (
+                (execs[i], f"g{i // GROUP_SIZE}"),
+                (stream_execs[i], f"gs{i // GROUP_SIZE}"),
+            ):
+                await put_route(etcd, keys, ex, cell_ids[i % len(cells)], cell.target, tok, group_id=group)
         opts: list[tuple[str, object]] = [("grpc.max_concurrent_streams", 8192)]
         engine_chs = [pki.channel(c.target, "router", Role.ROUTER, Role.CELL_AGENT, opts) for c in cells]
         finish_ch = pki.channel(packer.target, "scheduler", Role.SCHEDULER, Role.PACKER, opts)
-        channels = [*engine_chs, finish_ch]
+        router_chs = [pki.channel(p.target, "harness", Role.HARNESS, Role.ROUTER, opts) for p, _ in routers]
+        channels = [*engine_chs, finish_ch, *router_chs]
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
         )
@@ -333,6 +373,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "finish_stub": packer_pb2_grpc.PackerStub(finish_ch),
             "urls": [u for _, u in routers],
             "execs": execs,
+            "stream_execs": stream_execs,
+            "router_streams": [RouterStream(ch) for ch in router_chs],
             "turns": args.turns,
             "max_tokens": args.max_tokens,
             "executions": args.executions,
@@ -353,8 +395,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             f"  {direct['tokens_per_s']:.0f} tokens/s in {direct['seconds']:.1f} s; routed phase", flush=True
         )
         routed = await phase("routed", ctx, pids)
-        print(f"  {routed['tokens_per_s']:.0f} tokens/s in {routed['seconds']:.1f} s", flush=True)
-        want_turns = routed["calls"]
+        print(
+            f"  {routed['tokens_per_s']:.0f} tokens/s in {routed['seconds']:.1f} s; routed phase, one stream",
+            flush=True,
+        )
+        routed_stream = await phase("routed_stream", ctx, pids)
+        print(
+            f"  {routed_stream['tokens_per_s']:.0f} tokens/s in {routed_stream['seconds']:.1f} s", flush=True
+        )
+        for rs in ctx["router_streams"]:
+            await rs.close()
+        want_turns = routed["calls"] + routed_stream["calls"]
         got_turns = await recorded_turns(ctx["finish_stub"], want_turns)
         await etcd.close()
         result = {
@@ -373,7 +424,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             },
             "direct": direct,
             "routed": routed,
-            "turns_expected": args.executions * args.turns,
+            "routed_stream": routed_stream,
+            "turns_expected": 2 * args.executions * args.turns,
             "turns_recorded": got_turns,
         }
         result["summary"] = summarize(result)
@@ -391,8 +443,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """What the load test says, from its rows: throughput, what the routers added to a call
     (p50/p99 completion through routers minus direct, streamed and non-streamed apart), CPU
-    per relayed token per service, and losses (calls that failed, turns not recorded)."""
-    d, r = result["direct"], result["routed"]
+    per relayed token per service, and losses (calls that failed, turns not recorded); the
+    ``stream_*`` fields: the phase with every call on its router's GenerateStream (its
+    completion p50 over the direct phase's non-streamed calls)."""
+    d, r, m = result["direct"], result["routed"], result["routed_stream"]
 
     def added(kind: str, q: str) -> float:
         return round(r[kind]["call"][f"{q}_ms"] - d[kind]["call"][f"{q}_ms"], 1)
@@ -414,7 +468,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "ratio_streamed_p50": ratio("streamed"),
         "ratio_non_streamed_p50": ratio("non_streamed"),
         "cpu_us_per_token": {k: round(v, 1) for k, v in r["cpu_us_per_token"].items()},
-        "harness_errors": r["errors"] + d["errors"],
+        "stream_tokens_per_s": round(m["tokens_per_s"], 1),
+        "ratio_stream_p50": round(
+            m["non_streamed"]["call"]["p50_ms"] / d["non_streamed"]["call"]["p50_ms"], 3
+        )
+        if d["non_streamed"]["call"]["p50_ms"]
+        else None,
+        "stream_cpu_us_per_token": {k: round(v, 1) for k, v in m["cpu_us_per_token"].items()},
+        "harness_errors": r["errors"] + d["errors"] + m["errors"],
         "turns_lost": result["turns_expected"] - result["turns_recorded"],
     }
 
