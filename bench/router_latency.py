@@ -18,7 +18,8 @@ engine (the default, ``engine_stream: true``); a fourth router with ``engine_str
 (one ``Engine.Generate`` call per request, the path before issue 20's multiplexed stream)
 serves the ``*_percall`` rows of the same run, streamed and answered once. ``router_grpc_mux``:
 the same calls answered once, all of them on one Router.GenerateStream of this client (a
-harness process's calls multiplexed, ``gyre.client.router_stream``). Reroute
+harness process's calls multiplexed, ``gyre.client.router_stream``), and
+``router_grpc_mux_streamed`` the same calls streamed on it. Reroute
 latency: a stream runs on engine A; the "scheduler" (this script) rewrites the route to
 engine B in etcd and calls Router.MoveExecutions; we measure from the start of that move
 to B's first token (B runs in this process so its clock is ours) and to the next token the
@@ -137,6 +138,22 @@ async def one_mux(stream: RouterStream, ex: str, token: str) -> tuple[float, flo
     return done, done
 
 
+async def one_mux_streamed(stream: RouterStream, ex: str, token: str) -> tuple[float, float]:
+    """One streamed call on the harness's shared Router.GenerateStream."""
+    t0 = time.perf_counter()
+    first = 0.0
+    req = router_pb2.GenerateRequest(
+        execution_id=ex, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=TOKENS)
+    )
+    n = 0
+    async for response in stream.generate_stream(token, req):
+        if not first:
+            first = time.perf_counter() - t0
+        n += len(response.chunk.token_ids)
+    assert n == TOKENS
+    return first, time.perf_counter() - t0
+
+
 async def one_sse(session: aiohttp.ClientSession, url: str, token: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = 0.0
@@ -188,6 +205,8 @@ async def run_round(kind: str, conc: int, ctx: dict[str, Any]) -> list[tuple[flo
         coros = [one_router(ctx["router_stub"], ex, tok, answer_once=True) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_grpc_mux":
         coros = [one_mux(ctx["router_stream"], ex, tok) for ex, tok in ctx["execs"][:conc]]
+    elif kind == "router_grpc_mux_streamed":
+        coros = [one_mux_streamed(ctx["router_stream"], ex, tok) for ex, tok in ctx["execs"][:conc]]
     elif kind == "router_http_json":
         coros = [one_json(ctx["session"], ctx["url"], tok) for _, tok in ctx["execs"][:conc]]
     else:
@@ -351,6 +370,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "router_grpc_nowindow",
             "router_grpc_once",
             "router_grpc_mux",
+            "router_grpc_mux_streamed",
             "router_http_json",
             "router_grpc_percall",
             "router_grpc_once_percall",
@@ -485,7 +505,7 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
       carried the largest concurrency), and ``router_cores_per_1000_streams``: the CPU cores
       1,000 streams at the benchmark's token rate would keep busy at the measured cost;
     - ``*_stream_mux``: the same calls answered once, all of the harness's calls on one
-      Router.GenerateStream (``router_grpc_mux``);
+      Router.GenerateStream (``router_grpc_mux``); ``*_stream_mux_streamed``: streamed on it;
     - ``*_per_call_path``: the same figures on the router that reads engines with one
       Generate call per request (``engine_stream: false``), measured in the same run.
     """
@@ -516,6 +536,9 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "router_cpu_us_per_token_stream_mux": cpu_of("router_grpc_mux"),
         "ratio_256_stream_mux": ratio("256", "router_grpc_mux"),
         "ratio_1024_stream_mux": ratio("1024", "router_grpc_mux"),
+        "router_cpu_us_per_token_stream_mux_streamed": cpu_of("router_grpc_mux_streamed"),
+        "ratio_256_stream_mux_streamed": ratio("256", "router_grpc_mux_streamed"),
+        "ratio_1024_stream_mux_streamed": ratio("1024", "router_grpc_mux_streamed"),
         "router_cpu_us_per_token_per_call_path": cpu_of("router_grpc_percall"),
         "router_cpu_us_per_token_answer_once_per_call_path": cpu_of("router_grpc_once_percall"),
         "ratio_256_per_call_path": ratio("256", "router_grpc_percall"),
@@ -524,7 +547,8 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         "ratio_256_no_window": ratio("256", "router_grpc_nowindow"),
         "ratio_1024_no_window": ratio("1024", "router_grpc_nowindow"),
         "calls": "streamed (Router.Generate, mTLS); *_answer_once: Router.Generate with answer_once "
-        "(one message a call); *_stream_mux: the same calls all on one Router.GenerateStream; "
+        "(one message a call); *_stream_mux: the same calls all on one Router.GenerateStream "
+        "(*_stream_mux_streamed: streamed on it); "
         "the OpenAI API's non-streaming rows are router_http_json; the router "
         "reads engines over GenerateStream, *_per_call_path over one Generate call per request; streamed "
         "calls hold each message after the first up to coalesce_ms (10), *_no_window forward every chunk",

@@ -7,6 +7,7 @@ and the router answers calls that end together in one message, so a model call c
 few hundred bytes on a stream instead of a call's frames, TLS records and objects at both
 ends (docs/benchmarks/router.md).
 
+:meth:`RouterStream.generate_stream` streams a call's tokens instead, as ``Generate`` does.
 A call whose stream breaks fails UNAVAILABLE, like a ``Generate`` call whose router died;
 send it again with the same ``idempotency_key`` (the next call opens a new stream, at
 whichever router the channel reaches). Cancelling the awaiting task cancels the call at
@@ -19,7 +20,7 @@ import asyncio
 import copy
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -40,6 +41,7 @@ class RouterStream:
         self._call: Any = None
         self._tasks: tuple[asyncio.Task[None], ...] = ()
         self._waiting: dict[int, asyncio.Future[list[router_pb2.GenerateResponse]]] = {}
+        self._streaming: dict[int, asyncio.Queue[list[router_pb2.GenerateResponse] | GyreError | None]] = {}
         self._calls: list[router_pb2.StreamCall] = []
         self._cancels: list[int] = []
         self._queued = asyncio.Event()
@@ -61,18 +63,54 @@ class RouterStream:
         try:
             return await done
         except asyncio.CancelledError:
-            if self._waiting.pop(tag, None) is not None and self._call is not None:
-                unsent = [c for c in self._calls if c.tag != tag]
-                if len(unsent) < len(self._calls):
-                    self._calls = unsent  # not written yet: it never reaches the router
-                else:
-                    self._cancels.append(tag)
-                    self._queued.set()
+            if tag in self._waiting:
+                self._forget(tag)
             raise
+
+    async def generate_stream(
+        self, token: str, request: router_pb2.GenerateRequest
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One model call, streamed: its responses as the router sends them (coalesced as
+        ``Generate``'s messages are; the last carries the finish reason). Raises as
+        :meth:`generate`; closing the iterator early cancels the call at the router."""
+        self._open()
+        tag = next(self._tags)
+        inbox: asyncio.Queue[list[router_pb2.GenerateResponse] | GyreError | None] = asyncio.Queue()
+        self._streaming[tag] = inbox
+        self._calls.append(router_pb2.StreamCall(tag=tag, token=token, request=request, stream=True))
+        self._queued.set()
+        ended = False
+        try:
+            while True:
+                item = await inbox.get()
+                if item is None:
+                    ended = True
+                    return
+                if isinstance(item, GyreError):
+                    ended = True
+                    raise item
+                for response in item:
+                    yield response
+        finally:
+            if not ended:
+                self._forget(tag)
+
+    def _forget(self, tag: int) -> None:
+        """A call its caller gave up: never sent, or cancelled at the router."""
+        self._waiting.pop(tag, None)
+        self._streaming.pop(tag, None)
+        if self._call is None:
+            return  # the stream broke: the router ended its calls
+        unsent = [c for c in self._calls if c.tag != tag]
+        if len(unsent) < len(self._calls):
+            self._calls = unsent  # not written yet: it never reaches the router
+        else:
+            self._cancels.append(tag)
+            self._queued.set()
 
     @property
     def in_flight(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._streaming)
 
     def _open(self) -> None:
         if self._call is not None:
@@ -104,6 +142,17 @@ class RouterStream:
         try:
             async for message in call:
                 for answer in message.answers:
+                    inbox = self._streaming.get(answer.tag)
+                    if inbox is not None:
+                        if answer.code:
+                            del self._streaming[answer.tag]
+                            inbox.put_nowait(from_status(answer.code, answer.message))
+                            continue
+                        inbox.put_nowait(list(answer.responses))
+                        if not answer.more:
+                            del self._streaming[answer.tag]
+                            inbox.put_nowait(None)
+                        continue
                     done = self._waiting.pop(answer.tag, None)
                     if done is None or done.done():
                         continue  # cancelled meanwhile
@@ -124,12 +173,17 @@ class RouterStream:
             return
         self._call = None
         waiting, self._waiting = self._waiting, {}
+        streaming, self._streaming = self._streaming, {}
         self._calls, self._cancels = [], []
         for done in waiting.values():
             if not done.done():
                 done.set_exception(copy.copy(error))
-        if waiting:
-            log.warning("router stream broke", extra={"calls": len(waiting), "error": str(error)})
+        for inbox in streaming.values():
+            inbox.put_nowait(copy.copy(error))
+        if waiting or streaming:
+            log.warning(
+                "router stream broke", extra={"calls": len(waiting) + len(streaming), "error": str(error)}
+            )
         call.cancel()
         current = asyncio.current_task()
         for task in self._tasks:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gyre.v1 import common_pb2 as gyre_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14gyre/v1/router.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"\xb4\x01\n\x0fGenerateRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.gyre.v1.SamplingParams\x12\x18\n\x10prompt_loss_mask\x18\x04 \x03(\x05\x12\x13\n\x0b\x61nswer_once\x18\x05 \x01(\x08\x12\x17\n\x0fidempotency_key\x18\x06 \x01(\t\"H\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.gyre.v1.TokenChunk\x12\x10\n\x08reroutes\x18\x02 \x01(\x05\"S\n\nStreamCall\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\t\x12)\n\x07request\x18\x03 \x01(\x0b\x32\x18.gyre.v1.GenerateRequest\"L\n\x15GenerateStreamRequest\x12\"\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x13.gyre.v1.StreamCall\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\"h\n\x0cStreamAnswer\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12,\n\tresponses\x18\x02 \x03(\x0b\x32\x19.gyre.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"@\n\x16GenerateStreamResponse\x12&\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x15.gyre.v1.StreamAnswer\"U\n\x04Move\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x11\n\tfrom_cell\x18\x02 \x01(\t\x12\x0f\n\x07to_cell\x18\x03 \x01(\t\x12\x13\n\x0broute_epoch\x18\x04 \x01(\x03\"T\n\x15MoveExecutionsRequest\x12\x1d\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x0e.gyre.v1.Fence\x12\x1c\n\x05moves\x18\x02 \x03(\x0b\x32\r.gyre.v1.Move\"M\n\x16MoveExecutionsResponse\x12\x16\n\x0emoved_requests\x18\x01 \x01(\x05\x12\x1b\n\x13remaining_at_source\x18\x02 \x01(\x05\"\x18\n\x16GetRouterStatusRequest\"\x8a\x01\n\x0cRouterStatus\x12\x10\n\x08inflight\x18\x01 \x01(\x05\x12\x10\n\x08reroutes\x18\x02 \x01(\x03\x12\x14\n\x0c\x66\x61iled_calls\x18\x03 \x01(\x03\x12\x14\n\x0cturn_records\x18\x04 \x01(\x03\x12\x13\n\x0bkv_handoffs\x18\x05 \x01(\x03\x12\x15\n\rkv_recomputes\x18\x06 \x01(\x03\x32\xc0\x02\n\x06Router\x12\x41\n\x08Generate\x12\x18.gyre.v1.GenerateRequest\x1a\x19.gyre.v1.GenerateResponse0\x01\x12U\n\x0eGenerateStream\x12\x1e.gyre.v1.GenerateStreamRequest\x1a\x1f.gyre.v1.GenerateStreamResponse(\x01\x30\x01\x12Q\n\x0eMoveExecutions\x12\x1e.gyre.v1.MoveExecutionsRequest\x1a\x1f.gyre.v1.MoveExecutionsResponse\x12I\n\x0fGetRouterStatus\x12\x1f.gyre.v1.GetRouterStatusRequest\x1a\x15.gyre.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14gyre/v1/router.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"\xb4\x01\n\x0fGenerateRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.gyre.v1.SamplingParams\x12\x18\n\x10prompt_loss_mask\x18\x04 \x03(\x05\x12\x13\n\x0b\x61nswer_once\x18\x05 \x01(\x08\x12\x17\n\x0fidempotency_key\x18\x06 \x01(\t\"H\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.gyre.v1.TokenChunk\x12\x10\n\x08reroutes\x18\x02 \x01(\x05\"c\n\nStreamCall\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\t\x12)\n\x07request\x18\x03 \x01(\x0b\x32\x18.gyre.v1.GenerateRequest\x12\x0e\n\x06stream\x18\x04 \x01(\x08\"L\n\x15GenerateStreamRequest\x12\"\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x13.gyre.v1.StreamCall\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\"v\n\x0cStreamAnswer\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12,\n\tresponses\x18\x02 \x03(\x0b\x32\x19.gyre.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04more\x18\x05 \x01(\x08\"@\n\x16GenerateStreamResponse\x12&\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x15.gyre.v1.StreamAnswer\"U\n\x04Move\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x11\n\tfrom_cell\x18\x02 \x01(\t\x12\x0f\n\x07to_cell\x18\x03 \x01(\t\x12\x13\n\x0broute_epoch\x18\x04 \x01(\x03\"T\n\x15MoveExecutionsRequest\x12\x1d\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x0e.gyre.v1.Fence\x12\x1c\n\x05moves\x18\x02 \x03(\x0b\x32\r.gyre.v1.Move\"M\n\x16MoveExecutionsResponse\x12\x16\n\x0emoved_requests\x18\x01 \x01(\x05\x12\x1b\n\x13remaining_at_source\x18\x02 \x01(\x05\"\x18\n\x16GetRouterStatusRequest\"\x8a\x01\n\x0cRouterStatus\x12\x10\n\x08inflight\x18\x01 \x01(\x05\x12\x10\n\x08reroutes\x18\x02 \x01(\x03\x12\x14\n\x0c\x66\x61iled_calls\x18\x03 \x01(\x03\x12\x14\n\x0cturn_records\x18\x04 \x01(\x03\x12\x13\n\x0bkv_handoffs\x18\x05 \x01(\x03\x12\x15\n\rkv_recomputes\x18\x06 \x01(\x03\x32\xc0\x02\n\x06Router\x12\x41\n\x08Generate\x12\x18.gyre.v1.GenerateRequest\x1a\x19.gyre.v1.GenerateResponse0\x01\x12U\n\x0eGenerateStream\x12\x1e.gyre.v1.GenerateStreamRequest\x1a\x1f.gyre.v1.GenerateStreamResponse(\x01\x30\x01\x12Q\n\x0eMoveExecutions\x12\x1e.gyre.v1.MoveExecutionsRequest\x1a\x1f.gyre.v1.MoveExecutionsResponse\x12I\n\x0fGetRouterStatus\x12\x1f.gyre.v1.GetRouterStatusRequest\x1a\x15.gyre.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=238
   _globals['_GENERATERESPONSE']._serialized_end=310
   _globals['_STREAMCALL']._serialized_start=312
-  _globals['_STREAMCALL']._serialized_end=395
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=397
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=473
-  _globals['_STREAMANSWER']._serialized_start=475
-  _globals['_STREAMANSWER']._serialized_end=579
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=581
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=645
-  _globals['_MOVE']._serialized_start=647
-  _globals['_MOVE']._serialized_end=732
-  _globals['_MOVEEXECUTIONSREQUEST']._serialized_start=734
-  _globals['_MOVEEXECUTIONSREQUEST']._serialized_end=818
-  _globals['_MOVEEXECUTIONSRESPONSE']._serialized_start=820
-  _globals['_MOVEEXECUTIONSRESPONSE']._serialized_end=897
-  _globals['_GETROUTERSTATUSREQUEST']._serialized_start=899
-  _globals['_GETROUTERSTATUSREQUEST']._serialized_end=923
-  _globals['_ROUTERSTATUS']._serialized_start=926
-  _globals['_ROUTERSTATUS']._serialized_end=1064
-  _globals['_ROUTER']._serialized_start=1067
-  _globals['_ROUTER']._serialized_end=1387
+  _globals['_STREAMCALL']._serialized_end=411
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=413
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=489
+  _globals['_STREAMANSWER']._serialized_start=491
+  _globals['_STREAMANSWER']._serialized_end=609
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=611
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=675
+  _globals['_MOVE']._serialized_start=677
+  _globals['_MOVE']._serialized_end=762
+  _globals['_MOVEEXECUTIONSREQUEST']._serialized_start=764
+  _globals['_MOVEEXECUTIONSREQUEST']._serialized_end=848
+  _globals['_MOVEEXECUTIONSRESPONSE']._serialized_start=850
+  _globals['_MOVEEXECUTIONSRESPONSE']._serialized_end=927
+  _globals['_GETROUTERSTATUSREQUEST']._serialized_start=929
+  _globals['_GETROUTERSTATUSREQUEST']._serialized_end=953
+  _globals['_ROUTERSTATUS']._serialized_start=956
+  _globals['_ROUTERSTATUS']._serialized_end=1094
+  _globals['_ROUTER']._serialized_start=1097
+  _globals['_ROUTER']._serialized_end=1417
 # @@protoc_insertion_point(module_scope)

@@ -32,14 +32,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., reroutes: _Optional[int] = ...) -> None: ...
 
 class StreamCall(_message.Message):
-    __slots__ = ("tag", "token", "request")
+    __slots__ = ("tag", "token", "request", "stream")
     TAG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     tag: int
     token: str
     request: GenerateRequest
-    def __init__(self, tag: _Optional[int] = ..., token: _Optional[str] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+    stream: bool
+    def __init__(self, tag: _Optional[int] = ..., token: _Optional[str] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("calls", "cancels")
@@ -50,16 +52,18 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[StreamCall, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamAnswer(_message.Message):
-    __slots__ = ("tag", "responses", "code", "message")
+    __slots__ = ("tag", "responses", "code", "message", "more")
     TAG_FIELD_NUMBER: _ClassVar[int]
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     tag: int
     responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
     code: int
     message: str
-    def __init__(self, tag: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, tag: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("answers",)

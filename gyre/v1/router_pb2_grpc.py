@@ -70,8 +70,9 @@ class RouterServicer:
 
     def GenerateStream(self, request_iterator, context):
         """Harness -> router: many model calls on one stream, each answered once (Generate with
-        answer_once, without a gRPC call per model call: for a harness process that runs many
-        executions; a call costs the router about as much as the tokens it relays otherwise).
+        answer_once) or streamed (StreamCall.stream), without a gRPC call per model call: for a
+        harness process that runs many executions; a call costs the router about as much as the
+        tokens it relays otherwise.
         Each call carries a tag of the caller's choosing and its execution's token (what
         Generate reads from the authorization metadata); answers come tagged, in the order the
         calls end, several to a message. A call's answer holds its GenerateResponse messages

@@ -3,9 +3,10 @@
 A gRPC call costs the router about as much CPU as the 32 tokens a short model call relays
 (its HTTP/2 frames, TLS records, call object and task, the access guard: profiled in
 docs/benchmarks/router.md), so a harness process that runs many executions may send every
-call on one stream instead, each with a tag of its own and its execution's token; each
-answer is the call's whole output (``answer_once``) or the status ``Generate`` would have
-ended with, and answers that are ready together go out as one message.
+call on one stream instead, each with a tag of its own and its execution's token; a call
+is answered once with its whole output (``answer_once``), or streamed (``StreamCall.stream``:
+partial answers as ``Generate``'s messages would come, then the last), or with the status
+``Generate`` would have ended with; answers that are ready together go out as one message.
 
 Each call runs in a task of its own through the same code ``Generate`` runs (the servicer
 passes it in): the token is checked against the call's execution per call (the caller's
@@ -33,9 +34,13 @@ from gyre.v1 import router_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-Serve = Callable[[str, pb.GenerateRequest], Awaitable[list[pb.GenerateResponse]]]
-"""Serves one call as ``Generate`` with ``answer_once`` does, given the execution's token:
-its responses, or raises a GyreError."""
+Part = Callable[[pb.GenerateResponse], None]
+"""Sends a streamed call's partial answer."""
+
+Serve = Callable[[str, pb.GenerateRequest, Part | None], Awaitable[list[pb.GenerateResponse]]]
+"""Serves one call as ``Generate`` does, given the execution's token: answered once (no
+``Part``), or streamed (every response but the last through ``Part``); returns the
+responses of its last answer, or raises a GyreError."""
 
 
 def failure(tag: int, error: BaseException) -> pb.StreamAnswer:
@@ -102,13 +107,15 @@ class CallStreamSession:
         if len(self._tasks) >= self._max_calls:
             self._send(failure(tag, ResourceExhausted(f"more than {self._max_calls} calls in flight")))
             return
-        self._tasks[tag] = asyncio.create_task(
-            self._run(tag, call.token, call.request), name=f"call-stream.{tag}"
-        )
+        run = self._run(tag, call.token, call.request, call.stream)
+        self._tasks[tag] = asyncio.create_task(run, name=f"call-stream.{tag}")
 
-    async def _run(self, tag: int, token: str, request: pb.GenerateRequest) -> None:
+    async def _run(self, tag: int, token: str, request: pb.GenerateRequest, stream: bool) -> None:
+        def part(response: pb.GenerateResponse) -> None:
+            self._send(pb.StreamAnswer(tag=tag, responses=[response], more=True))
+
         try:
-            responses = await self._serve(token, request)
+            responses = await self._serve(token, request, part if stream else None)
         except asyncio.CancelledError:
             return  # cancelled by the caller, or the stream ended: nothing to send
         except GyreError as exc:

@@ -17,7 +17,7 @@ from gyre.identity import Role
 from gyre.ids import check_idempotency_key
 from gyre.telemetry import tag_execution
 from gyre.v1 import router_pb2, router_pb2_grpc
-from services.router.call_stream import CallStreamSession
+from services.router.call_stream import CallStreamSession, Part
 from services.router.calls import ModelCall
 from services.router.engine import Sampling
 from services.router.limits import CallLimits
@@ -96,9 +96,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateStreamResponse]:
         peer = _peer_host(context)
 
-        async def serve(token: str, request: router_pb2.GenerateRequest) -> list[router_pb2.GenerateResponse]:
-            request.answer_once = True
-            return [r async for r in self._generate(token, request, peer, self._request_timeout_s)]
+        async def serve(
+            token: str, request: router_pb2.GenerateRequest, part: Part | None
+        ) -> list[router_pb2.GenerateResponse]:
+            request.answer_once = part is None
+            responses = self._generate(token, request, peer, self._request_timeout_s)
+            if part is None:
+                return [r async for r in responses]
+            last = None
+            async for response in responses:  # every message but the last goes out as a part
+                if last is not None:
+                    part(last)
+                last = response
+            return [last] if last is not None else []
 
         async for message in CallStreamSession(serve, self._max_stream_calls).serve(requests):
             yield message

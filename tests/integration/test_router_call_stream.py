@@ -7,6 +7,7 @@ process, mutual TLS, the deterministic fake engine, a recording packer):
   status in its answer and the calls beside it on the stream complete;
 - a cancelled call's engine request ends, and the stream serves the next call;
 - a call beyond ``max_stream_calls`` in flight is RESOURCE_EXHAUSTED;
+- a streamed call comes in parts with the same tokens, and one given up early is cancelled;
 - a tag reused while its call is in flight ends the stream with INVALID_ARGUMENT."""
 
 from __future__ import annotations
@@ -185,3 +186,35 @@ async def test_a_reused_tag_in_flight_ends_the_stream(env):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tag 7" in (err.value.details() or "")
+
+
+async def test_streamed_calls_come_in_parts_with_generates_tokens(env):
+    execs = await _executions(env, 8)
+    stream = RouterStream(env["channel"])
+    want = reference(1, PROMPT, TOKENS)
+
+    async def one(ex: str, token: str) -> list[router_pb2.GenerateResponse]:
+        return [r async for r in stream.generate_stream(token, _request(ex))]
+
+    try:
+        answers = await asyncio.gather(*(one(ex, token) for ex, token in execs))
+        # A streamed call given up early is cancelled at the router: its engine request ends.
+        (ex, token), *_ = await _executions(env, 1)
+        parts = stream.generate_stream(token, _request(ex, max_tokens=2000))
+        first = await anext(parts)
+        assert first.chunk.token_ids
+        await parts.aclose()
+        fake = env["engine"].engine
+        rid = next(r.request_id for r in fake.requests if r.execution_id == ex)
+        for _ in range(400):
+            if rid not in fake.running:
+                break
+            await asyncio.sleep(0.01)
+        assert rid not in fake.running and fake.progress.get(rid, 0) < 2000
+    finally:
+        await stream.close()
+    for responses in answers:
+        assert _tokens(responses) == want
+        assert len(responses) > 1  # as the engine stepped, not once
+        assert responses[-1].chunk.finish_reason and not any(r.chunk.finish_reason for r in responses[:-1])
+    assert stream.streams == 1

@@ -25,9 +25,13 @@ class Generate:
         self.cancelled: list[str] = []
         self.answered: list[str] = []
 
-    async def __call__(self, token: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    async def __call__(self, token: str, request: pb.GenerateRequest, part=None) -> list[pb.GenerateResponse]:
         if token == "bad":
             raise PermissionDenied("another execution's token")
+        if part is not None:  # streamed: two parts, then the last answer
+            part(pb.GenerateResponse(reroutes=100))
+            part(pb.GenerateResponse(reroutes=101))
+            return [pb.GenerateResponse(reroutes=102)]
         gate = self.gates.setdefault(request.execution_id, asyncio.Event())
         try:
             await gate.wait()
@@ -92,3 +96,18 @@ async def test_a_tag_reused_in_flight_ends_the_stream():
     with pytest.raises(InvalidArgument, match="tag 7"):
         await anext(out)
     assert generate.cancelled == ["a"]  # the call in flight was cancelled with the stream
+
+
+async def test_a_streamed_call_is_answered_in_parts_then_once_more():
+    queue: asyncio.Queue[pb.GenerateStreamRequest | None] = asyncio.Queue()
+    out = CallStreamSession(Generate(), max_calls=8).serve(_requests(queue))
+    call = _call(3, "s")
+    call.stream = True
+    await queue.put(pb.GenerateStreamRequest(calls=[call]))
+    await queue.put(None)
+    answers = [a async for msg in out for a in msg.answers]
+    assert [(a.tag, a.more, [r.reroutes for r in a.responses]) for a in answers] == [
+        (3, True, [100]),
+        (3, True, [101]),
+        (3, False, [102]),
+    ]
