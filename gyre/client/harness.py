@@ -39,6 +39,7 @@ import grpc
 
 from gyre.apikeys import METADATA_KEY
 from gyre.backoff import Backoff
+from gyre.client.router_stream import RouterStream
 from gyre.errors import GyreError, InvalidArgument, NotFound, Unavailable, from_http_status, from_rpc_error
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
@@ -128,6 +129,7 @@ class HarnessClient:
         self.metadata: tuple[tuple[str, str], ...] = ((METADATA_KEY, key),) if key else ()
         self._tls: TlsFiles | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._router_streams: dict[str, tuple[grpc.aio.Channel, RouterStream]] = {}
         self._http: aiohttp.ClientSession | None = None
         self.retries = 0
         """Attempts retried so far (UNAVAILABLE / DEADLINE_EXCEEDED), for monitoring."""
@@ -152,10 +154,29 @@ class HarnessClient:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        for ch, stream in self._router_streams.values():
+            await stream.close()
+            await ch.close()
+        self._router_streams.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
         self._tls = None
+
+    def router_stream(self, target: str) -> RouterStream:
+        """The ``Router.GenerateStream`` of this client to the router at ``target`` (an
+        execution's ``router_target``), shared by every execution it runs there and closed
+        with the client: their token-level model calls on one stream instead of a gRPC call
+        each (:mod:`gyre.client.router_stream`)."""
+        if self._tls is None:
+            raise RuntimeError("use `async with HarnessClient(...)`")
+        if not target:
+            raise InvalidArgument("no router target (the scheduler's router_target is not set)")
+        held = self._router_streams.get(target)
+        if held is None:
+            ch = dial(target, self._tls, Role.ROUTER)
+            held = self._router_streams[target] = (ch, RouterStream(ch))
+        return held[1]
 
     @property
     def target(self) -> str:
@@ -263,6 +284,8 @@ class ExecutionHandle:
         self.policy_version = proto.policy_version
         self.task: dict[str, Any] = json.loads(proto.task_json) if proto.task_json else {}
         self.openai_base_url = proto.openai_base_url.rstrip("/")
+        self.router_target = proto.router_target
+        """The router's gRPC address (``HarnessClient.router_stream``)."""
         self.model = proto.model
         self._http = http
         self._timeout_s = timeout_s

@@ -45,6 +45,7 @@ class RouterStream:
         self._calls: list[router_pb2.StreamCall] = []
         self._cancels: list[int] = []
         self._queued = asyncio.Event()
+        self._closed = False
         self.streams = 0
         """Streams opened so far (1 unless one broke)."""
 
@@ -113,6 +114,8 @@ class RouterStream:
         return len(self._waiting) + len(self._streaming)
 
     def _open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the RouterStream is closed")
         if self._call is not None:
             return
         self._call = self._stub.GenerateStream(metadata=self._metadata)
@@ -191,7 +194,8 @@ class RouterStream:
                 task.cancel()
 
     async def close(self) -> None:
-        """Ends the stream (calls still waiting fail Unavailable)."""
+        """Ends the stream (calls still waiting fail Unavailable); no call may follow."""
+        self._closed = True
         call, tasks = self._call, self._tasks
         if call is not None:
             self._broke(call, Unavailable("router stream closed"))

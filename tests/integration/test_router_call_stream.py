@@ -22,12 +22,13 @@ import pytest_asyncio
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
 from bench.support.fake_packer import FakePacker
 from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from gyre.client import HarnessClient
 from gyre.client.router_stream import RouterStream
 from gyre.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 from gyre.etcd import Etcd, Keys
 from gyre.identity import Role
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.tls import channel, tls
+from tests.tls import PKI, channel, tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -58,7 +59,14 @@ async def env(etcd_server, tmp_path_factory):
     await etcd.connect()
     ch = channel(proc.target, "harness-mux", Role.HARNESS, Role.ROUTER)
     try:
-        yield {"etcd": etcd, "keys": Keys(cluster), "engine": engine, "packer": packer, "channel": ch}
+        yield {
+            "etcd": etcd,
+            "keys": Keys(cluster),
+            "engine": engine,
+            "packer": packer,
+            "channel": ch,
+            "router": proc.target,
+        }
     finally:
         proc.stop()
         await ch.close()
@@ -218,3 +226,14 @@ async def test_streamed_calls_come_in_parts_with_generates_tokens(env):
         assert len(responses) > 1  # as the engine stepped, not once
         assert responses[-1].chunk.finish_reason and not any(r.chunk.finish_reason for r in responses[:-1])
     assert stream.streams == 1
+
+
+async def test_the_harness_client_keeps_one_stream_per_router(env):
+    tls("harness-client", Role.HARNESS)
+    ((ex, token),) = await _executions(env, 1)
+    async with HarnessClient("127.0.0.1:1", harness_id="h", tls_dir=PKI / "harness-client") as client:
+        stream = client.router_stream(env["router"])
+        assert client.router_stream(env["router"]) is stream
+        assert _tokens(await stream.generate(token, _request(ex))) == reference(1, PROMPT, TOKENS)
+    with pytest.raises(RuntimeError, match="closed"):  # closed with the client
+        await stream.generate(token, _request(ex))
