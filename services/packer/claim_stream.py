@@ -35,6 +35,7 @@ from typing import Any
 
 from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, status_for
 from gyre.grpcx.auth import check_own
+from gyre.grpcx.tagged import TaggedRequests
 from gyre.v1 import packer_pb2 as pb
 from services.packer.model import length_delimited
 
@@ -80,59 +81,34 @@ when it fails (no claim made), then the claim; returns the ack's response and th
 
 
 class ClaimStreamSession:
-    """The state of one ClaimStream call: its requests' tasks and the answers not yet sent."""
+    """The state of one ClaimStream call: its requests in flight and the answers not yet sent."""
 
     def __init__(
         self, claim: Serve, ack: Serve, max_requests: int, ack_claim: AckClaim | None = None
     ) -> None:
         self._serve = {"claim": claim, "ack": ack}
         self._ack_claim = ack_claim
-        self._max_requests = max_requests
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._out: list[Answer] = []
-        self._wake = asyncio.Event()
-        self._reading = True
+        self._requests: TaggedRequests[Answer] = TaggedRequests(max_requests)
 
     async def serve(self, requests: AsyncIterator[pb.ClaimStreamRequest]) -> AsyncIterator[Answer]:
-        reader = asyncio.create_task(self._read(requests), name="claim-stream.read")
-        try:
-            while True:
-                if not self._out:
-                    if reader.done() and reader.exception() is not None:
-                        raise reader.exception()  # type: ignore[misc]  # a reused tag, a malformed message
-                    if not self._reading and not self._tasks:
-                        break
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                out, self._out = self._out, []
-                for item in out:
-                    yield item
-        finally:
-            reader.cancel()
-            tasks = list(self._tasks.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(reader, *tasks, return_exceptions=True)
-
-    async def _read(self, requests: AsyncIterator[pb.ClaimStreamRequest]) -> None:
-        try:
+        async def read() -> None:
             async for msg in requests:
                 self._begin(msg)
-        finally:
-            self._reading = False
-            self._wake.set()
+
+        async for out in self._requests.serve(read):
+            for item in out:
+                yield item
 
     def _begin(self, msg: pb.ClaimStreamRequest) -> None:
         tag = int(msg.tag)
-        if tag in self._tasks:  # the two answers could not be told apart: the caller is broken
-            raise InvalidArgument(f"tag {tag} is already in flight on this stream")
+        self._requests.check_tag(tag)  # the two answers could not be told apart: the call ends
         kind = msg.WhichOneof("request")
         if kind not in _KINDS:
             self._send(failure(tag, InvalidArgument("the request carries neither a claim nor an ack")))
             return
-        if len(self._tasks) >= self._max_requests:
-            self._send(failure(tag, ResourceExhausted(f"more than {self._max_requests} requests in flight")))
+        if self._requests.full():
+            limit = self._requests.max_requests
+            self._send(failure(tag, ResourceExhausted(f"more than {limit} requests in flight")))
             return
         request = getattr(msg, kind)
         ack_first = msg.ack_first if msg.HasField("ack_first") else None
@@ -151,7 +127,7 @@ class ClaimStreamSession:
             if ack_first is None
             else self._run_ack_claim(tag, ack_first, request)
         )
-        self._tasks[tag] = asyncio.create_task(run, name=f"claim-stream.{tag}")
+        self._requests.start(tag, run, f"claim-stream.{tag}")
 
     async def _run(self, tag: int, kind: str, request: Any) -> None:
         try:
@@ -165,9 +141,6 @@ class ClaimStreamSession:
             self._send(failure(tag, exc))
         else:
             self._send(answer(tag, kind, response))
-        finally:
-            if self._tasks.get(tag) is asyncio.current_task():
-                del self._tasks[tag]
 
     async def _run_ack_claim(self, tag: int, ack: Any, claim: Any) -> None:
         assert self._ack_claim is not None
@@ -187,11 +160,6 @@ class ClaimStreamSession:
                 self._send(failure(tag, claimed, acked))
             else:
                 self._send(answer(tag, "claim", claimed, acked))
-        finally:
-            if self._tasks.get(tag) is asyncio.current_task():
-                del self._tasks[tag]
 
     def _send(self, item: Answer) -> None:
-        self._out.append(item)
-        if not self._wake.is_set():
-            self._wake.set()
+        self._requests.send(item)

@@ -18,9 +18,9 @@ INVALID_ARGUMENT (the two answers could not be told apart), as a message that do
 parse does. The end of the harness's request stream lets the calls in flight finish, then
 ends the stream; the stream's cancellation cancels them.
 
-The same shape as the packer's ClaimStream (``services/packer/claim_stream.py``), with the
-answers batched per message: a router's answers arrive at the rate calls end, hundreds a
-second, where a cell's claims come a few at a time.
+The same shape as the packer's ClaimStream (both run on :class:`gyre.grpcx.tagged.TaggedRequests`),
+with the answers batched per message: a router's answers arrive at the rate calls end,
+hundreds a second, where a cell's claims come a few at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, status_for
+from gyre.errors import GyreError, ResourceExhausted, status_for
+from gyre.grpcx.tagged import TaggedRequests
 from gyre.v1 import router_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,86 +51,51 @@ def failure(tag: int, error: BaseException) -> pb.StreamAnswer:
 
 
 class CallStreamSession:
-    """The state of one GenerateStream: its calls' tasks and the answers not yet sent."""
+    """The state of one GenerateStream: its calls in flight and the answers not yet sent."""
 
     def __init__(self, serve: Serve, max_calls: int) -> None:
         self._serve = serve
-        self._max_calls = max_calls
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._out: list[pb.StreamAnswer] = []
-        self._wake = asyncio.Event()
-        self._reading = True
+        self._calls: TaggedRequests[pb.StreamAnswer] = TaggedRequests(max_calls)
 
     async def serve(
         self, requests: AsyncIterator[pb.GenerateStreamRequest]
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        reader = asyncio.create_task(self._read(requests), name="call-stream.read")
-        try:
-            while True:
-                if not self._out:
-                    if reader.done() and reader.exception() is not None:
-                        raise reader.exception()  # type: ignore[misc]  # a reused tag, a malformed message
-                    if not self._reading and not self._tasks:
-                        break
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                out, self._out = self._out, []
-                yield pb.GenerateStreamResponse(answers=out)
-        finally:
-            reader.cancel()
-            tasks = list(self._tasks.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(reader, *tasks, return_exceptions=True)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
-
-    async def _read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
-        try:
+        async def read() -> None:
             async for msg in requests:
                 for call in msg.calls:
                     self._begin(call)
                 for tag in msg.cancels:  # after the calls: a cancel may end a call of the same message
-                    task = self._tasks.pop(int(tag), None)
-                    if task is not None:
-                        task.cancel()
-        finally:
-            self._reading = False
-            self._wake.set()
+                    self._calls.cancel(int(tag))
+
+        async for answers in self._calls.serve(read):
+            yield pb.GenerateStreamResponse(answers=answers)
+
+    @property
+    def in_flight(self) -> int:
+        return self._calls.in_flight
 
     def _begin(self, call: pb.StreamCall) -> None:
         tag = int(call.tag)
-        if tag in self._tasks:  # the two answers could not be told apart: the caller is broken
-            raise InvalidArgument(f"tag {tag} is already in flight on this stream")
-        if len(self._tasks) >= self._max_calls:
-            self._send(failure(tag, ResourceExhausted(f"more than {self._max_calls} calls in flight")))
+        self._calls.check_tag(tag)
+        if self._calls.full():
+            self._calls.send(
+                failure(tag, ResourceExhausted(f"more than {self._calls.max_requests} calls in flight"))
+            )
             return
-        run = self._run(tag, call.token, call.request, call.stream)
-        self._tasks[tag] = asyncio.create_task(run, name=f"call-stream.{tag}")
+        self._calls.start(tag, self._run(tag, call.token, call.request, call.stream), f"call-stream.{tag}")
 
     async def _run(self, tag: int, token: str, request: pb.GenerateRequest, stream: bool) -> None:
         def part(response: pb.GenerateResponse) -> None:
-            self._send(pb.StreamAnswer(tag=tag, responses=[response], more=True))
+            self._calls.send(pb.StreamAnswer(tag=tag, responses=[response], more=True))
 
         try:
             responses = await self._serve(token, request, part if stream else None)
         except asyncio.CancelledError:
             return  # cancelled by the caller, or the stream ended: nothing to send
         except GyreError as exc:
-            self._send(failure(tag, exc))
+            self._calls.send(failure(tag, exc))
         except Exception as exc:  # a bug fails this call (INTERNAL), never the others
             log.exception("call stream call crashed", extra={"tag": tag})
-            self._send(failure(tag, exc))
+            self._calls.send(failure(tag, exc))
         else:
-            self._send(pb.StreamAnswer(tag=tag, responses=responses))
-        finally:
-            if self._tasks.get(tag) is asyncio.current_task():
-                del self._tasks[tag]
-
-    def _send(self, answer: pb.StreamAnswer) -> None:
-        self._out.append(answer)
-        if not self._wake.is_set():
-            self._wake.set()
+            self._calls.send(pb.StreamAnswer(tag=tag, responses=responses))
