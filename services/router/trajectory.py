@@ -29,9 +29,9 @@ costs a counted segment, not silently wrong training data.
 another needs: every turn record carries its call's :class:`ChatState` (digests), so a router
 that holds nothing of an execution, or an older state than its history shows (another router
 served the calls since, or this one restarted), continues it from the packer's last turn
-(``Packer.GetTrajectory``; :meth:`services.router.manager.CallManager.continued`). A retried
-call (the harness's idempotency key of the call that made the state) continues what that
-call continued.
+(``Packer.GetTrajectory``: :meth:`services.router.manager.CallManager.resume`, chosen by
+``OpenAIApi._plan_chat``). A retried call (the harness's idempotency key of the call that
+made the state) continues what that call continued.
 """
 
 from __future__ import annotations
