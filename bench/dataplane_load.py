@@ -386,23 +386,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "packer": [packer.pid],
             "etcd": [etcd_server.pid],
         }
-        print(
-            f"{args.executions} executions, {args.routers} routers, {args.cells} cells: direct phase",
-            flush=True,
-        )
-        direct = await phase("direct", ctx, pids)
-        print(
-            f"  {direct['tokens_per_s']:.0f} tokens/s in {direct['seconds']:.1f} s; routed phase", flush=True
-        )
-        routed = await phase("routed", ctx, pids)
-        print(
-            f"  {routed['tokens_per_s']:.0f} tokens/s in {routed['seconds']:.1f} s; routed phase, one stream",
-            flush=True,
-        )
-        routed_stream = await phase("routed_stream", ctx, pids)
-        print(
-            f"  {routed_stream['tokens_per_s']:.0f} tokens/s in {routed_stream['seconds']:.1f} s", flush=True
-        )
+        print(f"{args.executions} executions, {args.routers} routers, {args.cells} cells", flush=True)
+        phases: dict[str, dict[str, Any]] = {}
+        for name in PHASES:
+            print(f"  {name} phase ...", end=" ", flush=True)
+            phases[name] = p = await phase(name, ctx, pids)
+            print(f"{p['tokens_per_s']:.0f} tokens/s in {p['seconds']:.1f} s", flush=True)
+        direct, routed, routed_stream = phases["direct"], phases["routed"], phases["routed_stream"]
         for rs in ctx["router_streams"]:
             await rs.close()
         want_turns = routed["calls"] + routed_stream["calls"]
@@ -451,9 +441,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     def added(kind: str, q: str) -> float:
         return round(r[kind]["call"][f"{q}_ms"] - d[kind]["call"][f"{q}_ms"], 1)
 
-    def ratio(kind: str) -> float | None:
+    def ratio(kind: str, phase: dict[str, Any] = r) -> float | None:
         base = d[kind]["call"]["p50_ms"]
-        return round(r[kind]["call"]["p50_ms"] / base, 3) if base else None
+        return round(phase[kind]["call"]["p50_ms"] / base, 3) if base else None
+
+    def cpu(phase: dict[str, Any]) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in phase["cpu_us_per_token"].items()}
 
     return {
         "executions": result["params"]["executions"],
@@ -467,14 +460,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "added_ms_non_streamed_p99": added("non_streamed", "p99"),
         "ratio_streamed_p50": ratio("streamed"),
         "ratio_non_streamed_p50": ratio("non_streamed"),
-        "cpu_us_per_token": {k: round(v, 1) for k, v in r["cpu_us_per_token"].items()},
+        "cpu_us_per_token": cpu(r),
         "stream_tokens_per_s": round(m["tokens_per_s"], 1),
-        "ratio_stream_p50": round(
-            m["non_streamed"]["call"]["p50_ms"] / d["non_streamed"]["call"]["p50_ms"], 3
-        )
-        if d["non_streamed"]["call"]["p50_ms"]
-        else None,
-        "stream_cpu_us_per_token": {k: round(v, 1) for k, v in m["cpu_us_per_token"].items()},
+        "ratio_stream_p50": ratio("non_streamed", m),
+        "stream_cpu_us_per_token": cpu(m),
         "harness_errors": r["errors"] + d["errors"] + m["errors"],
         "turns_lost": result["turns_expected"] - result["turns_recorded"],
     }
