@@ -115,8 +115,9 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
             except GyreError as exc:  # etcd away (a test pausing it): try again next round
                 log.info("fake cell %s: keepalive failed: %s", self.cell_id, exc)
 
-    def _state_json(self, epoch: int) -> bytes:
-        return json.dumps({"state": self.state, "epoch": epoch, "updated_s": time.time()}).encode()
+    def _state_json(self, epoch: int, state: str | None = None) -> bytes:
+        state = self.state if state is None else state
+        return json.dumps({"state": state, "epoch": epoch, "updated_s": time.time()}).encode()
 
     async def stop(self) -> None:
         if self._keep is not None:
@@ -149,15 +150,15 @@ class FakeCellAgent(cell_agent_pb2_grpc.CellControlServicer, cell_agent_pb2_grpc
         await self._held(want)
         async with self._lock:
             if want != self.state:
-                prev = self.state
-                self.state = want
                 ok, _ = await self.etcd.txn(
                     [create_revision_is(self.keys.leader(), epoch)],
-                    [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch), self.lease)],
+                    [Op(self.keys.cell_state(self.cell_id), self._state_json(epoch, want), self.lease)],
                 )
                 if not ok:
-                    self.state = prev
                     raise StaleEpoch(f"epoch {epoch} is not the leader's")
+            # The state and its command change together (no await between them): a test
+            # that sees the new state also sees the command.
+            self.state = want
             self.commands.append(("set_state", epoch, want))
         return cell_agent_pb2.SetStateResponse(state=request.target)
 
