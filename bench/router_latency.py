@@ -274,7 +274,9 @@ def _engine(*args: str) -> subprocess.Popen[str]:
     )
 
 
-async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, Any]:
+async def main(
+    rounds: int, concurrencies: list[int], trials: int, only: list[str] | None = None
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-router-"))
     pki = tmp / "certs"  # the bench's own CA: every TLS hop authenticates both ends
     certs.ensure(
@@ -377,6 +379,8 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
             "direct_plain",
             "router_grpc_plain",
         ]
+        if only:  # a subset (an A/B of one path): direct stays, as every ratio's baseline
+            kinds = [k for k in kinds if k == "direct" or k in only]
         for kind in kinds:  # warm-up: channels, connections, TLS sessions
             await run_round(kind, 8, ctx)
         results: dict[str, Any] = {}
@@ -429,6 +433,7 @@ async def main(rounds: int, concurrencies: list[int], trials: int) -> dict[str, 
                     },
                 }
                 for kind, plain in (("direct", "direct_plain"), ("router_grpc", "router_grpc_plain"))
+                if kind in per and plain in per
             }
             results[str(conc)] = per
             print(f"[{conc} streams]")
@@ -567,13 +572,21 @@ if __name__ == "__main__":
         action="store_true",
         help="a timer per request in the fake engines, no step clock",
     )
+    ap.add_argument(
+        "--kinds",
+        default="",
+        help="measure only these kinds, comma-separated (direct always runs); for an A/B of "
+        "one path, with --out elsewhere: the summary needs every kind",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_latency.json"))
     a = ap.parse_args()
     TOKENS = a.tokens
     STEP_CLOCK = not a.timer_per_request
     concs = [64] if a.quick else [int(c) for c in a.streams.split(",")]
-    out = asyncio.run(main(1 if a.quick else a.rounds, concs, 5 if a.quick else a.trials))
-    out["summary"] = summarize(out)
+    only = [k for k in a.kinds.split(",") if k]
+    out = asyncio.run(main(1 if a.quick else a.rounds, concs, 5 if a.quick else a.trials, only))
+    if not only:
+        out["summary"] = summarize(out)
     dest = Path(a.out)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=2))

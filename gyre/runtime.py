@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -87,6 +88,17 @@ async def until_etcd_answers(etcd: Etcd, lease: LeaseKeeper, wait_s: float) -> N
             await asyncio.sleep(min(backoff.next(), left_s))
 
 
+def freeze_startup_heap() -> None:
+    """Collects once, then moves every object alive into the collector's permanent
+    generation (``gc.freeze``). A process starts with a large heap that lives as long as it
+    does (the router's tokenizer and imports: ≈380 K objects), and every full collection
+    walked all of it: ≈100 ms of CPU each, a third of a busy router's time. What is
+    allocated afterwards is collected as before."""
+    gc.collect()
+    gc.freeze()
+    log.info("start-up heap frozen", extra={"objects": gc.get_freeze_count()})
+
+
 async def serve(
     name: str, instance: str, cfg: ServiceConfig, build: Build, after_start: AfterStart | None = None
 ) -> None:
@@ -117,6 +129,8 @@ async def serve(
         log.warning("lease lapsed during start-up; registering with the next session")
     if after_start is not None:
         await after_start(rt)
+    if cfg.gc_freeze:
+        freeze_startup_heap()
     log.info("service ready", extra={"service": name, "target": rt.target})
     print(json.dumps({"ready": name, "instance": instance, "target": rt.target}), flush=True)
 
