@@ -5,17 +5,21 @@ generated with the remaining budget, so the harness sees one unbroken response.
 Pure asyncio: the engine is behind :class:`~services.router.engine.EngineClient` and routes
 come from a :class:`~services.router.routes.RouteTable`. The loop is:
 
-1. read the execution's current route; start an attempt (a *pump* task streaming from the
-   engine, appending to the call's output, and handing chunks to the consumer);
-2. wait for the pump to end or for a move;
-3. on a move: optionally export the KV blocks at the source, cancel the pump, abort the
+1. read the execution's current route; start an attempt (the engine client's reader hands
+   it each chunk, or, for a client that only streams, a *pump* task reads the stream; each
+   chunk is appended to the call's output and handed to the consumer);
+2. wait for the attempt to end or for a move (one future: no task of its own);
+3. on a move: optionally export the KV blocks at the source, stop the attempt, abort the
    source request, and go to 1 (a move costs no retry budget);
 4. on an engine failure: spend one unit of retry budget, report the engine to the scheduler
    (which probes it and, if it is dead, moves the route within about a second), hold the
    call open up to ``failover_wait_s`` for the move (no longer once the scheduler answered
    that the engine lives), then go to 1; past the budget, fail cleanly.
 
-Tokens are appended to the call's output by the pump only, on the one event loop, so the
+A call answered once (``whole``) runs in its caller's task; a streamed one runs in a task
+of its own while the caller takes its chunks.
+
+Tokens are appended to the call's output by the attempt only, on the one event loop, so the
 continuation prompt is exactly prompt + what the harness has been (or will be) given: no
 token is duplicated or lost. An HTTP call also carries an :class:`OutputText` (its text and
 stop strings): a stop string ends the call here, at the token that completed it, so the
@@ -130,16 +134,20 @@ class ModelCall:
         self._background = background
         self._report = report
         self._stops = frozenset(sampling.stop_token_ids)
-        self._whole = whole  # the caller wants the whole answer: wake it at the end only
+        self._whole = whole  # the caller wants the whole answer: run and answer at the end
+        self._version = 0
+        """The policy version of the last engine chunk taken (an empty answer's)."""
         self.output_text = output_text
         self.trajectory: Any = None
         """The execution's trajectory this call produced, once it completed (the manager's)."""
-        self._moved = asyncio.Event()
+        self._attempt: _Attempt | None = None
+        """The attempt running now (set with ``route``)."""
         self._closed = False
         self._route_changed = asyncio.Event()
         self._move_waiters: list[asyncio.Future[None]] = []
         self._buf: collections.deque[Any] = collections.deque()
         self._ready = asyncio.Event()
+        self._started = False
         self._runner: asyncio.Task[None] | None = None
 
     # Control ---------------------------------------------------------------------------
@@ -161,7 +169,8 @@ class ModelCall:
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._move_waiters.append(fut)
-        self._moved.set()
+        if self._attempt is not None:
+            self._attempt.wake_up()
         return fut
 
     def end_execution(self) -> None:
@@ -170,7 +179,8 @@ class ModelCall:
         the call fails with FAILED_PRECONDITION (HTTP 409) naming the closed execution."""
         self._closed = True
         self._route_changed.set()
-        self._moved.set()
+        if self._attempt is not None:
+            self._attempt.wake_up()
 
     @property
     def at_cell(self) -> str:
@@ -182,13 +192,22 @@ class ModelCall:
         """Yields coalesced chunks; the last one carries the finish reason. Raises a
         GyreError when the call cannot complete. Closing or cancelling the iterator aborts
         the engine request."""
-        if self._runner is not None:
+        if self._started:
             raise RuntimeError("ModelCall.stream() runs once")
-        self._runner = asyncio.create_task(self._run(), name=f"call.{self.call_id}")
+        self._started = True
+        if self._whole:  # nothing to hand out before the end: run in the caller's task
+            await self._run()
+            outcome = self._buf.popleft()  # only the end was buffered
+            if isinstance(outcome, BaseException):
+                raise outcome
+            for chunk in self._answer():
+                yield chunk
+            return
         first = True
+        self._runner = asyncio.create_task(self._run(), name=f"call.{self.call_id}")
         try:
             while True:
-                while not self._buf or (self._whole and isinstance(self._buf[-1], Chunk)):
+                while not self._buf:
                     self._ready.clear()
                     await self._ready.wait()
                 if self._policy.coalesce_s > 0 and not first and _open_ended(self._buf[-1]):
@@ -226,10 +245,30 @@ class ModelCall:
                 self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
 
+    def _answer(self) -> list[Chunk]:
+        """A whole call's answer: its output, one chunk per run of one policy version (one
+        chunk unless a move crossed a weight update); the last carries the finish reason and
+        the text."""
+        ids, logprobs, versions = self.output_ids, self.logprobs, self.policy_versions
+        chunks: list[Chunk] = []
+        if ids and versions[0] == versions[-1]:
+            chunks.append(Chunk(list(ids), list(logprobs), versions[0]))
+        else:
+            start = 0
+            for i in range(1, len(ids) + 1):
+                if i == len(ids) or versions[i] != versions[start]:
+                    chunks.append(Chunk(ids[start:i], logprobs[start:i], versions[start]))
+                    start = i
+        if not chunks:
+            chunks.append(Chunk([], [], self._version))
+        chunks[-1].finish_reason = self.finish
+        if self.output_text is not None:
+            chunks[-1].text = self.output_text.take(finished=True)
+        return chunks
+
     def _emit(self, item: Any) -> None:
         self._buf.append(item)
-        if not (self._whole and isinstance(item, Chunk)):
-            self._ready.set()
+        self._ready.set()
 
     # The attempt loop --------------------------------------------------------------------
 
@@ -249,7 +288,7 @@ class ModelCall:
             self._stats.failed_calls += 1
             self._emit(GyreError(f"internal error: {type(exc).__name__}"))
         finally:
-            self.route = None
+            self.route, self._attempt = None, None
             self._resolve_move_waiters()
 
     async def _attempts(self) -> None:
@@ -268,31 +307,28 @@ class ModelCall:
             if self.attempts > 1 and kv is None:
                 self._stats.kv_recomputes += 1
             self._resolve_move_waiters()  # the previous attempt, if any, is stopped
-            self.route = route
+            attempt = self._start(route, request, kv)
+            self.route, self._attempt = route, attempt
             self.cells_visited.append(route.cell_id)
-            self._moved.clear()
-            pump = asyncio.create_task(self._pump(route, request, kv), name=f"pump.{request.request_id}")
             kv = None
-            moved = asyncio.create_task(self._moved.wait())
             try:
-                await asyncio.wait({pump, moved}, return_when=asyncio.FIRST_COMPLETED)
+                await attempt.woken
             except asyncio.CancelledError:
-                await self._stop(pump, route, request)
+                await self._stop(attempt, route, request)
                 raise
-            finally:
-                moved.cancel()
-            if pump.done():
-                exc = pump.exception()
-                if exc is None and pump.result() in (FinishReason.STOP, FinishReason.LENGTH):
+            if attempt.ended:
+                if attempt.error is None and attempt.finish in (FinishReason.STOP, FinishReason.LENGTH):
+                    await attempt.close()
                     return
-                self.route = None
+                await attempt.close()
+                self.route, self._attempt = None, None
                 if self._closed:
                     raise self._closed_error()
-                await self._failed(route, request, exc)
+                await self._failed(route, request, attempt.error)
                 continue
             if self._closed:
-                await self._stop(pump, route, request)
-                self.route = None
+                await self._stop(attempt, route, request)
+                self.route, self._attempt = None, None
                 raise self._closed_error()
             # A move: 3. export (optional), stop the source, continue at the new route.
             self._stats.moves += 1
@@ -301,9 +337,9 @@ class ModelCall:
             if self._policy.kv_handoff:
                 handle = await self._export(route, request)
                 kv = (handle, route.target) if handle is not None else None
-            await self._stop(pump, route, request)
+            await self._stop(attempt, route, request)
             failpoint("router.move.stopped")  # the source attempt stopped, the continuation not started
-            self.route = None
+            self.route, self._attempt = None, None
             self._resolve_move_waiters()
 
     def _closed_error(self) -> FailedPrecondition:
@@ -318,6 +354,8 @@ class ModelCall:
             self.finish = FinishReason.LENGTH
         else:
             return False
+        if self._whole:
+            return True  # the answer is built from the output at the end (_answer)
         version = self.policy_versions[-1] if self.policy_versions else 0
         text = self.output_text.take(finished=True) if self.output_text is not None else ""
         self._emit(Chunk([], [], version, self.finish, text))
@@ -336,32 +374,23 @@ class ModelCall:
             kv_handle=kv_handle,
         )
 
-    async def _pump(
-        self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None
-    ) -> FinishReason | None:
-        """Runs one attempt into the call; returns the engine's finish reason (None when the
-        engine ended it without one). An engine silent for ``engine_idle_timeout_s`` is a
-        failure: a watchdog timer (re-armed lazily, not per chunk) cancels the attempt."""
+    def _start(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> _Attempt:
+        """Starts one attempt at ``route``: the engine client's reader hands it each chunk
+        (a client that can ``attach``), or a pump task reads the engine's stream. An engine
+        silent for ``engine_idle_timeout_s`` fails the attempt (a watchdog timer, re-armed
+        lazily, not per chunk)."""
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        idle = self._policy.engine_idle_timeout_s
-        attempt = _Attempt(self, loop, kv)
-        dog = _Watchdog(loop, idle, task, attempt)
+        attempt = _Attempt(self, loop, kv, self._policy.engine_idle_timeout_s, route.target)
         timeout_s = max(0.001, self._deadline - loop.time())
         attach = getattr(self._engines, "attach", None)
+        if attach is None:
+            attempt.iterate(self._engines.generate(route.target, request, timeout_s), request.request_id)
+            return attempt
         try:
-            if attach is not None:
-                return await attempt.run(attach, route.target, request, timeout_s)
-            return await attempt.iterate(self._engines.generate(route.target, request, timeout_s))
-        except asyncio.CancelledError as exc:
-            if dog.expired and task.uncancel() == 0:
-                raise Unavailable(f"engine at {route.target} sent nothing for {idle}s") from exc
-            raise
-        finally:
-            dog.cancel()
-            if attempt.first and kv is not None:
-                self._background(self._release(kv))  # the destination never took over
+            attempt.detach = attach(route.target, request, timeout_s, attempt)
+        except Exception as exc:  # the engine client refused it: a failed attempt
+            attempt.on_end(None, exc)
+        return attempt
 
     def _take(self, chunk: Chunk) -> FinishReason | None:
         """Appends an engine chunk to the output and hands it to the consumer."""
@@ -396,8 +425,11 @@ class ModelCall:
         self.output_ids.extend(ids)
         self.logprobs.extend(logprobs)
         self.policy_versions.extend([version] * len(ids))
+        self._version = version
         if finish is not None:
             self.finish = finish
+        if self._whole:
+            return  # the answer is built from the output at the end (_answer)
         text = self.output_text.take(finished=finish is not None) if self.output_text is not None else ""
         self._emit(Chunk(ids, logprobs, version, finish, text))
 
@@ -465,11 +497,11 @@ class ModelCall:
                 async with asyncio.timeout_at(until):
                     await self._route_changed.wait()
 
-    async def _stop(self, pump: asyncio.Task[Any], route: Route, request: EngineRequest) -> None:
-        """Cancels an attempt (closing its stream cancels the engine call) and aborts it."""
-        pump.cancel()
+    async def _stop(self, attempt: _Attempt, route: Route, request: EngineRequest) -> None:
+        """Stops an attempt (detaching or closing its stream cancels the engine call) and
+        aborts it."""
         self._abort(route, request)
-        await asyncio.gather(pump, return_exceptions=True)
+        await attempt.close()
 
     def _abort(self, route: Route, request: EngineRequest) -> None:
         self._stats.aborts_sent += 1
@@ -506,19 +538,41 @@ class ModelCall:
 
 
 class _Attempt:
-    """One attempt's side of the engine: takes its chunks into the call.
+    """One attempt's side of the engine: takes its chunks into the call, and wakes the call's
+    loop (:attr:`woken`, one future) when the attempt ended or the call must move.
 
     With an engine client that can *attach* (``attach(target, request, timeout_s, sink)``,
     the router's GenerateStream client), the engine's reader hands each chunk to
     :meth:`on_chunk` synchronously and :meth:`on_end` once, so a token costs the router no
-    task wake-up and no iterator step; the attempt task only waits for the end. Otherwise
-    :meth:`iterate` reads the engine's stream of chunks (one Generate call per request).
+    task wake-up and no iterator step, and the attempt no task at all. Otherwise
+    :meth:`iterate` starts a pump task reading the engine's stream of chunks (one Generate
+    call per request).
     """
 
-    __slots__ = ("call", "loop", "kv", "first", "last", "done")
+    __slots__ = (
+        "call",
+        "loop",
+        "kv",
+        "first",
+        "last",
+        "woken",
+        "ended",
+        "finish",
+        "error",
+        "detach",
+        "_pump",
+        "_idle_s",
+        "_target",
+        "_dog",
+    )
 
     def __init__(
-        self, call: ModelCall, loop: asyncio.AbstractEventLoop, kv: tuple[KvHandle, str] | None
+        self,
+        call: ModelCall,
+        loop: asyncio.AbstractEventLoop,
+        kv: tuple[KvHandle, str] | None,
+        idle_s: float,
+        target: str,
     ) -> None:
         self.call = call
         self.loop = loop
@@ -526,7 +580,37 @@ class _Attempt:
         self.first = True
         self.last = loop.time()
         """When the engine last sent something (the watchdog reads it)."""
-        self.done: asyncio.Future[FinishReason | None] = loop.create_future()
+        self.woken: asyncio.Future[None] = loop.create_future()
+        self.ended = False
+        self.finish: FinishReason | None = None
+        self.error: BaseException | None = None
+        self.detach: Callable[[], None] | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._idle_s = idle_s
+        self._target = target
+        self._dog: asyncio.TimerHandle | None = loop.call_at(self.last + idle_s, self._watch)
+
+    def wake_up(self) -> None:
+        """Wakes the call's loop (the attempt ended, or the call must move)."""
+        if not self.woken.done():
+            self.woken.set_result(None)
+
+    def _end(self, finish: FinishReason | None, error: BaseException | None) -> None:
+        if self.ended:
+            return
+        self.ended, self.finish, self.error = True, finish, error
+        if self._dog is not None:
+            self._dog.cancel()
+            self._dog = None
+        self.wake_up()
+
+    def _watch(self) -> None:
+        """The watchdog: an engine silent for ``idle_s`` fails the attempt."""
+        if self.loop.time() - self.last >= self._idle_s:
+            self._dog = None
+            self._end(None, Unavailable(f"engine at {self._target} sent nothing for {self._idle_s}s"))
+        else:
+            self._dog = self.loop.call_at(self.last + self._idle_s, self._watch)
 
     def _arrived(self) -> None:
         self.last = self.loop.time()
@@ -536,37 +620,32 @@ class _Attempt:
                 self.call._stats.kv_handoffs += 1
                 self.call._background(self.call._release(self.kv))
 
-    async def iterate(self, stream: AsyncIterator[Chunk]) -> FinishReason | None:
-        try:
-            async for chunk in stream:
-                self._arrived()
-                finish = self.call._take(chunk)
-                if finish is not None:
-                    return finish
-        finally:
-            await _aclose(stream)
-        return None
+    def iterate(self, stream: AsyncIterator[Chunk], name: str) -> None:
+        async def pump() -> None:
+            try:
+                async for chunk in stream:
+                    self.on_chunk(chunk)
+                    if self.ended:
+                        return
+                self._end(None, None)  # the stream ended without a finish: it stopped early
+            except Exception as exc:  # a domain error, or a bug: the attempt failed
+                self._end(None, exc)
+            finally:
+                await _aclose(stream)
 
-    async def run(
-        self, attach: Callable[..., Callable[[], None]], target: str, request: EngineRequest, timeout_s: float
-    ) -> FinishReason | None:
-        detach = attach(target, request, timeout_s, self)
-        try:
-            return await self.done
-        finally:
-            detach()  # a no-op once the engine ended it; cancels the engine request otherwise
+        self._pump = asyncio.create_task(pump(), name=f"pump.{name}")
 
     def on_chunk(self, chunk: Chunk) -> None:
-        if self.done.done():
+        if self.ended:
             return  # the call already had what it needs (a stop token, max_tokens)
         self._arrived()
         try:
             finish = self.call._take(chunk)
         except Exception as exc:  # a bug must fail this call, not the engine's reader
-            self.done.set_exception(exc)
+            self._end(None, exc)
             return
         if finish is not None:
-            self.done.set_result(finish)
+            self._end(finish, None)
 
     def on_end(self, finish: FinishReason | None, error: BaseException | None) -> None:
         """The engine ended the request: ``finish`` (its last tokens came before), ``error``,
@@ -574,39 +653,25 @@ class _Attempt:
         if finish is not None and error is None:
             versions = self.call.policy_versions
             self.on_chunk(Chunk([], [], versions[-1] if versions else 0, finish))
-        if self.done.done():
-            return
-        if error is not None:
-            self.done.set_exception(error)
-        else:
-            self.done.set_result(None)
+        self._end(None, error)
 
-
-class _Watchdog:
-    """Cancels ``task`` once the attempt heard nothing for ``idle_s`` (re-armed lazily from
-    the attempt's last arrival, not per chunk)."""
-
-    __slots__ = ("expired", "_loop", "_idle", "_task", "_attempt", "_handle")
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, idle_s: float, task: asyncio.Task[Any], attempt: _Attempt
-    ) -> None:
-        self.expired = False
-        self._loop = loop
-        self._idle = idle_s
-        self._task = task
-        self._attempt = attempt
-        self._handle = loop.call_at(attempt.last + idle_s, self._check)
-
-    def _check(self) -> None:
-        if self._loop.time() - self._attempt.last >= self._idle:
-            self.expired = True
-            self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(self._attempt.last + self._idle, self._check)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
+    async def close(self) -> None:
+        """Stops what still runs: the watchdog, the engine request (detach, a no-op once
+        the engine ended it), the pump; releases a KV hand-off the destination never
+        took."""
+        if self._dog is not None:
+            self._dog.cancel()
+            self._dog = None
+        if self.detach is not None:
+            detach, self.detach = self.detach, None
+            detach()
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+            self._pump = None
+        if self.first and self.kv is not None:
+            kv, self.kv = self.kv, None
+            self.call._background(self.call._release(kv))  # the destination never took over
 
 
 def _open_ended(item: Any) -> bool:

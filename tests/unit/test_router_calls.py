@@ -531,3 +531,85 @@ async def test_a_completed_call_ends_once_its_turn_is_recorded():
     assert len(sink.turns) == 1 and list(sink.turns[0].output_token_ids) == out
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+# Calls answered once (``whole``: Router.Generate's answer_once, the OpenAI API's JSON) ----------
+
+
+async def run_whole(mgr: CallManager, max_tokens: int, timeout_s: float = 10.0) -> list[Chunk]:
+    r = mgr.routes.get("e1")
+    assert r is not None
+    return [c async for c in mgr.generate(r, PROMPT, Sampling(max_tokens=max_tokens), timeout_s, whole=True)]
+
+
+async def when_sent(engines: FakeEngines, n: int) -> None:
+    """Until the engines sent ``n`` tokens of the call's requests (a whole call wakes its
+    caller at the end only, so tests act from beside it)."""
+    while sum(engines.tokens_sent.values()) < n:
+        await asyncio.sleep(0.001)
+
+
+async def test_a_whole_call_moved_mid_call_is_one_token_identical_answer():
+    mgr, table, engines, _, _ = setup({"a": Script(), "b": Script()})
+
+    async def move() -> None:
+        await when_sent(engines, 5)
+        table.apply(route("b", 2))
+
+    mover = asyncio.create_task(move())
+    chunks = await run_whole(mgr, 30)
+    await mover
+    assert len(chunks) == 1 and chunks[0].token_ids == reference(1, PROMPT, 30)
+    assert chunks[0].finish_reason is FinishReason.LENGTH and chunks[0].policy_version == 1
+    assert [t for t, _ in engines.requests] == ["a", "b"]
+    assert mgr.stats.inflight == 0
+
+
+async def test_a_whole_call_runs_in_its_callers_task(engine_client):
+    """No task of the call's own (no runner, no move wait); a pump only for an engine client
+    that can only be iterated."""
+    mgr, _, engines, _, _ = setup({"a": Script(delay_s=0.002)})
+    seen: set[str] = set()
+
+    async def watch() -> None:
+        while True:
+            seen.update(t.get_name().split(".")[0] for t in asyncio.all_tasks())
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    chunks = await run_whole(mgr, 20)
+    watcher.cancel()
+    assert chunks[0].token_ids == reference(1, PROMPT, 20)
+    assert "call" not in seen
+    assert ("pump" in seen) == (engine_client == "iterate")
+
+
+async def test_a_whole_call_across_a_weight_update_answers_a_chunk_per_policy_version():
+    scripts = {"a": Script(delay_s=0.002)}
+    mgr, _, engines, _, _ = setup(scripts)
+
+    async def update() -> None:  # the engine's weights change in place mid-request
+        await when_sent(engines, 6)
+        scripts["a"].policy_version = 2
+
+    updater = asyncio.create_task(update())
+    chunks = await run_whole(mgr, 20)
+    await updater
+    assert [c.policy_version for c in chunks] == [1, 2]
+    assert sum(len(c.token_ids) for c in chunks) == 20 and 6 <= len(chunks[0].token_ids) < 20
+    assert [c.finish_reason for c in chunks] == [None, FinishReason.LENGTH]
+
+
+async def test_a_whole_call_past_its_deadline_or_cancelled_ends_cleanly_and_aborts():
+    mgr, _, engines, _, _ = setup({"a": Script(delay_s=0.01)})
+    with pytest.raises(DeadlineExceeded):
+        await run_whole(mgr, 1000, timeout_s=0.1)
+    task = asyncio.create_task(run_whole(mgr, 1000))
+    await when_sent(engines, 15)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.01)
+    for _, request in engines.requests:
+        assert request.request_id in engines.cancelled and ("a", request.request_id) in engines.aborts
+    assert mgr.stats.inflight == 0
