@@ -1,6 +1,7 @@
 """The requests in flight on one bidirectional stream of tagged requests (``Packer.ClaimStream``,
-``Router.GenerateStream``): each request runs in a task of its own, so a slow one does not
-hold up the others, and answers go out in the order they are ready.
+``Router.GenerateStream``, ``Engine.GenerateStream``): each request runs in a task of its
+own, so a slow one does not hold up the others, and answers go out in the order they are
+ready.
 
 A service's session reads the caller's messages and starts each request with :meth:`start`
 (checking :meth:`full` first: it answers a request beyond the limit itself); its request
@@ -8,7 +9,9 @@ coroutines :meth:`send` their answers. :meth:`serve` yields the answers ready si
 last yield, as a list, until the caller's request stream ended and no request is in flight;
 a tag reused while its request is in flight ends the call with INVALID_ARGUMENT (the two
 answers could not be told apart), as whatever the reading raises does. The call's end
-cancels the requests still in flight.
+cancels the requests still in flight. :meth:`close_when_idle` ends the call once nothing is
+in flight even while the caller still sends (a stopping service: its session refuses new
+requests itself).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class TaggedRequests(Generic[A]):
         self._out: list[A] = []
         self._wake = asyncio.Event()
         self._reading = True
+        self._closing = False
 
     @property
     def in_flight(self) -> int:
@@ -59,24 +63,36 @@ class TaggedRequests(Generic[A]):
         if task is not None:
             task.cancel()
 
+    def close_when_idle(self) -> None:
+        """Ends :meth:`serve` once nothing is in flight, whether or not the caller's request
+        stream ended."""
+        self._closing = True
+        self._wake.set()
+
     def send(self, answer: A) -> None:
         self._out.append(answer)
         if not self._wake.is_set():
             self._wake.set()
 
-    async def serve(self, read: Callable[[], Awaitable[None]]) -> AsyncIterator[list[A]]:
+    async def serve(
+        self, read: Callable[[], Awaitable[None]], one_turn: bool = False
+    ) -> AsyncIterator[list[A]]:
         """Runs ``read`` (the session's loop over the caller's messages) and yields the
-        answers ready, as lists, until it ended and nothing is in flight."""
+        answers ready, as lists, until it ended and nothing is in flight. ``one_turn``: once
+        woken, wait one loop turn before yielding, so that every request woken by the same
+        event (an engine step) joins the same list."""
         reader = asyncio.create_task(self._read(read), name="tagged-stream.read")
         try:
             while True:
                 if not self._out:
                     if reader.done() and reader.exception() is not None:
                         raise reader.exception()  # type: ignore[misc]  # a reused tag, a malformed message
-                    if not self._reading and not self._tasks:
+                    if (not self._reading or self._closing) and not self._tasks:
                         break
                     self._wake.clear()
                     await self._wake.wait()
+                    if one_turn:
+                        await asyncio.sleep(0)
                     continue
                 out, self._out = self._out, []
                 yield out

@@ -38,7 +38,8 @@ from typing import Any
 
 from opentelemetry import propagate, trace
 
-from gyre.errors import GyreError, InvalidArgument, ResourceExhausted, Unavailable, status_for
+from gyre.errors import GyreError, ResourceExhausted, Unavailable, status_for
+from gyre.grpcx.tagged import TaggedRequests
 from gyre.telemetry import tag_execution
 from gyre.tokens import Chunk
 from gyre.v1 import cell_agent_pb2 as pb
@@ -49,73 +50,51 @@ Start = Callable[[pb.EngineGenerateRequest], AsyncIterator[Chunk]]
 """Validates a request and starts it: the engine's chunks (raises a GyreError for bad input)."""
 
 
+Answer = tuple[int, Chunk] | pb.EngineStreamEnd
+"""A request's new tokens (its tag and chunk), or its end."""
+
+
 class EngineStreamSession:
-    """The state of one GenerateStream call: its requests' tasks and what is pending."""
+    """The state of one GenerateStream call: its requests in flight and what is pending
+    (on :class:`gyre.grpcx.tagged.TaggedRequests`, as the router's and the packer's tagged
+    streams are)."""
 
     def __init__(self, start: Start, max_requests: int) -> None:
         self._start = start
-        self._max_requests = max_requests
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._chunks: list[tuple[int, Chunk]] = []
-        self._ends: list[pb.EngineStreamEnd] = []
-        self._wake = asyncio.Event()
-        self._reading = True
+        self._requests: TaggedRequests[Answer] = TaggedRequests(max_requests)
         self._draining = False
 
     def drain(self) -> None:
         """The cell is stopping: refuse new starts, end the call once nothing runs."""
         self._draining = True
-        self._wake.set()
+        self._requests.close_when_idle()
 
     async def serve(self, requests: AsyncIterator[pb.EngineStreamRequest]) -> AsyncIterator[pb.EngineStep]:
-        reader = asyncio.create_task(self._read(requests), name="engine-stream.read")
-        try:
-            while True:
-                if not self._chunks and not self._ends:
-                    if reader.done() and reader.exception() is not None:
-                        raise reader.exception()  # type: ignore[misc]  # e.g. a malformed message
-                    if (not self._reading or self._draining) and not self._tasks:
-                        break
-                    self._wake.clear()
-                    await self._wake.wait()
-                    await asyncio.sleep(0)  # the other requests woken by this engine step join
-                step = self._step()
-                if step is not None:
-                    yield step
-        finally:
-            reader.cancel()
-            tasks = list(self._tasks.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(reader, *tasks, return_exceptions=True)
-
-    async def _read(self, requests: AsyncIterator[pb.EngineStreamRequest]) -> None:
-        try:
+        async def read() -> None:
             async for msg in requests:
                 for start in msg.starts:
                     self._begin(start)
                 for tag in msg.cancels:
-                    task = self._tasks.pop(int(tag), None)
-                    if task is not None:
-                        task.cancel()
-        finally:
-            self._reading = False
-            self._wake.set()
+                    self._requests.cancel(int(tag))
+
+        # one_turn: the other requests woken by the same engine step join its message.
+        async for answers in self._requests.serve(read, one_turn=True):
+            yield _step(answers)
 
     def _begin(self, start: pb.EngineStreamStart) -> None:
         tag = int(start.tag)
-        if tag in self._tasks:  # its outputs could not be told apart: the caller is broken
-            raise InvalidArgument(f"tag {tag} is already running on this stream")
+        self._requests.check_tag(tag)  # its outputs could not be told apart: the caller is broken
         if self._draining:
             self._end(tag, error=Unavailable("the engine is stopping"))
             return
-        if len(self._tasks) >= self._max_requests:
-            self._end(tag, error=ResourceExhausted(f"more than {self._max_requests} requests on one stream"))
+        if self._requests.full():
+            self._end(
+                tag,
+                error=ResourceExhausted(f"more than {self._requests.max_requests} requests on one stream"),
+            )
             return
         carrier = dict(start.trace_context)
-        self._tasks[tag] = asyncio.create_task(
-            self._run(tag, start.request, carrier), name=f"engine-stream.{tag}"
-        )
+        self._requests.start(tag, self._run(tag, start.request, carrier), f"engine-stream.{tag}")
 
     async def _run(self, tag: int, request: pb.EngineGenerateRequest, carrier: dict[str, str]) -> None:
         with _request_span(carrier):
@@ -126,10 +105,8 @@ class EngineStreamSession:
         try:
             tag_execution(request.execution_id, request_id=request.request_id)
             async for chunk in self._start(request):
-                self._chunks.append((tag, chunk))
+                self._requests.send((tag, chunk))
                 finish = chunk.finish_reason
-                if not self._wake.is_set():
-                    self._wake.set()
         except asyncio.CancelledError:
             return  # cancelled by the router (nothing to send) or by the call's end
         except GyreError as exc:
@@ -139,41 +116,41 @@ class EngineStreamSession:
             self._end(tag, error=exc)
         else:
             self._end(tag, finish=finish.value if finish is not None else 0)
-        finally:
-            if self._tasks.get(tag) is asyncio.current_task():
-                del self._tasks[tag]
 
     def _end(self, tag: int, finish: int = 0, error: BaseException | None = None) -> None:
         if error is not None:
             code, message = status_for(error)
-            self._ends.append(pb.EngineStreamEnd(tag=tag, code=code.value[0], message=message))
+            self._requests.send(pb.EngineStreamEnd(tag=tag, code=code.value[0], message=message))
         else:
-            self._ends.append(pb.EngineStreamEnd(tag=tag, finish_reason=finish))  # type: ignore[arg-type]
-        self._wake.set()
+            self._requests.send(pb.EngineStreamEnd(tag=tag, finish_reason=finish))  # type: ignore[arg-type]
 
-    def _step(self) -> pb.EngineStep | None:
-        chunks, self._chunks = self._chunks, []
-        ends, self._ends = self._ends, []
-        if not chunks and not ends:
-            return None
-        tags: list[int] = []
-        counts: list[int] = []
-        versions: list[int] = []
-        ids: list[int] = []
-        logprobs: list[float] = []
-        for tag, chunk in chunks:
-            n = len(chunk.token_ids)
-            if not n:
-                continue
-            tags.append(tag)
-            counts.append(n)
-            versions.append(chunk.policy_version)
-            ids.extend(chunk.token_ids)
-            lp = chunk.logprobs
-            logprobs.extend(lp if len(lp) == n else (list(lp) + [0.0] * n)[:n])
-        return pb.EngineStep(
-            tags=tags, counts=counts, policy_versions=versions, token_ids=ids, logprobs=logprobs, ends=ends
-        )
+
+def _step(answers: list[Answer]) -> pb.EngineStep:
+    """One message of the answers pending: the requests' new tokens in columns (a tag may
+    appear more than once, in order), then the ends (each after its request's tokens)."""
+    tags: list[int] = []
+    counts: list[int] = []
+    versions: list[int] = []
+    ids: list[int] = []
+    logprobs: list[float] = []
+    ends: list[pb.EngineStreamEnd] = []
+    for answer in answers:
+        if isinstance(answer, pb.EngineStreamEnd):
+            ends.append(answer)
+            continue
+        tag, chunk = answer
+        n = len(chunk.token_ids)
+        if not n:
+            continue
+        tags.append(tag)
+        counts.append(n)
+        versions.append(chunk.policy_version)
+        ids.extend(chunk.token_ids)
+        lp = chunk.logprobs
+        logprobs.extend(lp if len(lp) == n else (list(lp) + [0.0] * n)[:n])
+    return pb.EngineStep(
+        tags=tags, counts=counts, policy_versions=versions, token_ids=ids, logprobs=logprobs, ends=ends
+    )
 
 
 def _request_span(carrier: dict[str, str]) -> AbstractContextManager[Any]:
