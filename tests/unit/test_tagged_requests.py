@@ -18,25 +18,25 @@ async def _answer_on(calls: TaggedRequests[int], tag: int, event: asyncio.Event)
     calls.send(tag)
 
 
-async def test_requests_woken_by_one_event_answer_in_one_list_with_one_turn():
-    for one_turn, expected in ((True, [[1, 2, 3]]), (False, [[1], [2, 3]])):
-        calls: TaggedRequests[int] = TaggedRequests(8)
-        step, rest = asyncio.Event(), asyncio.Event()
+@pytest.mark.parametrize(("one_turn", "expected"), [(True, [[1, 2, 3]]), (False, [[1], [2, 3]])])
+async def test_requests_woken_by_one_event_answer_in_one_list_with_one_turn(one_turn, expected):
+    calls: TaggedRequests[int] = TaggedRequests(8)
+    step, rest = asyncio.Event(), asyncio.Event()
 
-        async def first() -> None:
-            await step.wait()
-            calls.send(1)  # wakes the serve loop before the others of this step run
-            rest.set()
+    async def first() -> None:
+        await step.wait()
+        calls.send(1)  # wakes the serve loop before the others of this step run
+        rest.set()
 
-        async def read() -> None:
-            calls.start(1, first(), "t1")
-            for tag in (2, 3):
-                calls.start(tag, _answer_on(calls, tag, rest), f"t{tag}")
-            await asyncio.sleep(0.01)
-            step.set()
+    async def read() -> None:
+        calls.start(1, first(), "t1")
+        for tag in (2, 3):
+            calls.start(tag, _answer_on(calls, tag, rest), f"t{tag}")
+        await asyncio.sleep(0.01)
+        step.set()
 
-        got = [answers async for answers in calls.serve(read, one_turn=one_turn)]
-        assert got == expected, one_turn
+    got = [answers async for answers in calls.serve(read, one_turn=one_turn)]
+    assert got == expected
 
 
 async def test_close_when_idle_ends_the_call_while_the_caller_still_sends():
