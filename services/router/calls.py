@@ -317,10 +317,9 @@ class ModelCall:
                 await self._stop(attempt, route, request)
                 raise
             if attempt.ended:
-                if attempt.error is None and attempt.finish in (FinishReason.STOP, FinishReason.LENGTH):
-                    await attempt.close()
-                    return
                 await attempt.close()
+                if attempt.error is None and attempt.finish in (FinishReason.STOP, FinishReason.LENGTH):
+                    return
                 self.route, self._attempt = None, None
                 if self._closed:
                     raise self._closed_error()
