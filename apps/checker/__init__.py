@@ -219,13 +219,21 @@ def check_late_turns(router: list[dict[str, Any]], packer: list[dict[str, Any]])
     return bad
 
 
+def closed_executions(sched: list[dict[str, Any]], complete: bool) -> set[str]:
+    """The executions the scheduler closed. In a run that ended quiet (``complete``) that
+    includes a close whose line a killed leader never wrote: it took effect only if its
+    successor relayed it (it found the execution closed in etcd and never closed it again),
+    which the cross check verifies at the packer."""
+    closed = {str(op["execution_id"]) for op in sched if op.get("op") == "close"}
+    if complete:
+        closed |= scheduler_history.indeterminate_closes(sched)
+    return closed
+
+
 def check_cross(sched: list[dict[str, Any]], packer: list[dict[str, Any]]) -> list[str]:
     """With both histories of a run that ended quiet: every close reached the packer, and
     the packer trained nothing the scheduler did not close."""
-    closed = {str(op["execution_id"]) for op in sched if op.get("op") == "close"}
-    # A close whose line a killed leader never wrote took effect only if its successor
-    # relayed it (it found the execution closed in etcd and never closed it again).
-    closed |= scheduler_history.indeterminate_closes(sched)
+    closed = closed_executions(sched, complete=True)
     refused = {str(op["execution_id"]) for op in sched if op.get("op") == "report_refused"}
     finished = {str(op["execution_id"]) for op in packer if op.get("op") == "finish"}
     bad = [
@@ -251,7 +259,7 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> Verdict:
                 int(op.get("quota", 0)) for op in sched if op.get("op") == "dispatch"
             ),
             "executions_launched": sum(1 for op in sched if op.get("op") == "launch"),
-            "executions_closed": sum(1 for op in sched if op.get("op") == "close"),
+            "executions_closed": len(closed_executions(sched, complete)),
             "reroutes": sum(1 for op in sched if op.get("op") == "reroute"),
             "leader_terms": sum(1 for op in sched if op.get("op") == "leader"),
         }
