@@ -20,7 +20,7 @@ CLAIM_OUTCOME_WAIT: ClaimOutcome
 CLAIM_OUTCOME_CLOSED: ClaimOutcome
 
 class TurnRecord(_message.Message):
-    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask", "idempotency_key", "chat_state")
+    __slots__ = ("execution_id", "group_id", "turn_index", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_policy_versions", "output_loss_mask", "idempotency_key", "chat_state", "temperature")
     EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class TurnRecord(_message.Message):
     OUTPUT_LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     CHAT_STATE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     execution_id: str
     group_id: str
     turn_index: int
@@ -41,7 +42,8 @@ class TurnRecord(_message.Message):
     output_loss_mask: _containers.RepeatedScalarFieldContainer[int]
     idempotency_key: str
     chat_state: str
-    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ..., idempotency_key: _Optional[str] = ..., chat_state: _Optional[str] = ...) -> None: ...
+    temperature: float
+    def __init__(self, execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_policy_versions: _Optional[_Iterable[int]] = ..., output_loss_mask: _Optional[_Iterable[int]] = ..., idempotency_key: _Optional[str] = ..., chat_state: _Optional[str] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class RecordTurnResponse(_message.Message):
     __slots__ = ("duplicate",)
@@ -118,7 +120,7 @@ class MicroStep(_message.Message):
     def __init__(self, micro_step_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PackedSequence, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., packed_tokens: _Optional[int] = ...) -> None: ...
 
 class PackedSequence(_message.Message):
-    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id", "group_id", "turn_index", "policy_version", "token_policy_versions", "turns")
+    __slots__ = ("token_ids", "loss_mask", "logprobs", "advantage", "execution_id", "group_id", "turn_index", "policy_version", "token_policy_versions", "turns", "temperature")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class PackedSequence(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -139,7 +142,8 @@ class PackedSequence(_message.Message):
     policy_version: int
     token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
     turns: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., turns: _Optional[int] = ...) -> None: ...
+    temperature: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., turns: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ClaimMicroStepResponse(_message.Message):
     __slots__ = ("outcome", "micro_step", "claim_ttl_s", "batch_id", "policy_version")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from typing import Any
 
 import torch
 
@@ -102,7 +103,9 @@ class InProcessCollective:
     def for_rank(self, rank: int) -> _RankView:
         return _RankView(self, rank)
 
-    def _run(self, kind: str, k: int, rank: int, tensor: torch.Tensor, timeout_s: float = 60.0) -> None:
+    def _run(
+        self, kind: str, k: int, rank: int, tensor: torch.Tensor, timeout_s: float = 60.0, op: str = "sum"
+    ) -> None:
         with self._cond:
             seq_key = (kind, k, rank)
             seq = self._seq.get(seq_key, 0)
@@ -116,7 +119,7 @@ class InProcessCollective:
             if kind == "reduce" and rank == 0:
                 total = parts[0].clone()
                 for r in range(1, k):
-                    total += parts[r]
+                    total = torch.maximum(total, parts[r]) if op == "max" else total + parts[r]
                 tensor.copy_(total)
             elif kind == "broadcast" and rank != 0:
                 tensor.copy_(parts[0])
@@ -134,8 +137,8 @@ class _RankView:
     parent: InProcessCollective
     rank: int
 
-    def reduce_to_core(self, k: int, tensor: torch.Tensor) -> None:
-        self.parent._run("reduce", k, self.rank, tensor)
+    def reduce_to_core(self, k: int, tensor: torch.Tensor, op: str = "sum") -> None:
+        self.parent._run("reduce", k, self.rank, tensor, op=op)
 
     def broadcast_from_core(self, k: int, tensor: torch.Tensor) -> None:
         self.parent._run("broadcast", k, self.rank, tensor)
@@ -146,9 +149,11 @@ class RecordingPublisher:
 
     def __init__(self) -> None:
         self.published: list[tuple[int, int]] = []
+        self.diagnostics: dict[int, dict[str, Any]] = {}  # by version
 
-    async def publish(self, version: int, batch_id: int) -> None:
+    async def publish(self, version: int, batch_id: int, diagnostics: dict[str, Any] | None = None) -> None:
         self.published.append((version, batch_id))
+        self.diagnostics[version] = dict(diagnostics or {})
 
 
 def tiny_lm(seed: int = 0, dtype: torch.dtype = torch.float64, vocab: int = 512, hidden: int = 64):

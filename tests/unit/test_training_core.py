@@ -108,7 +108,7 @@ def test_crash_between_step_and_record_resumes_with_one_step(model, tmp_path, mo
     assert c3.steps == 1 and torch.equal(t3.flat_params(), expected)
 
 
-def test_token_loss_matches_the_clipped_objective():
+def test_coupled_token_loss_matches_the_clipped_objective():
     v = 5
     logits = torch.randn(1, 4, v, dtype=torch.float64)
     ids = (1, 2, 3, 4)
@@ -116,7 +116,7 @@ def test_token_loss_matches_the_clipped_objective():
     true = [float(logp[j - 1, ids[j]]) for j in range(1, 4)]
     old = (0.0, true[0] - 1.0, true[1] + 0.01, true[2] - 0.05)  # ratio e^1 clips; others do not
     seq = Sequence(ids, (0, 1, 1, 0), tuple(min(o, 0.0) for o in old), advantage=2.0)
-    loss, n = token_losses(logits, [seq], LossConfig(0.2, 0.2))
+    loss, n, _ = token_losses(logits, [seq], LossConfig(0.2, 0.2, objective="coupled"))
     assert n == 2
     r1 = math.exp(true[0] - min(old[1], 0.0))
     r2 = math.exp(true[1] - min(old[2], 0.0))

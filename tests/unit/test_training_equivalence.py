@@ -114,7 +114,7 @@ def reference(base_model):
         await cl.run_batch(1, 1, [])
         await cl.run_batch(2, 2, [])
         assert cl.publisher.published == [(2, 1), (3, 2)]
-        return _params(cl.cells[0])
+        return _params(cl.cells[0]), cl.publisher.diagnostics
 
     return asyncio.run(run())
 
@@ -127,6 +127,7 @@ def reference(base_model):
     ],
 )
 async def test_k_cells_equal_one_cell(base_model, reference, joins):
+    reference, diagnostics = reference
     k = 1 + len(joins[0])
     cl = Cluster(k, base_model, _batches())
     await cl.run_batch(1, 1, joins[0])
@@ -135,6 +136,19 @@ async def test_k_cells_equal_one_cell(base_model, reference, joins):
         got = _params(cell)
         assert cell.version == 3
         assert torch.allclose(got, reference, rtol=0, atol=TOL), (cell.cell_id, (got - reference).abs().max())
+    # The loss diagnostics cover every participant's tokens: the same as one cell's.
+    for version, want in diagnostics.items():
+        got = cl.publisher.diagnostics[version]
+        assert want["tokens"] > 0 and got["tokens"] == want["tokens"]
+        for name in (
+            "behaviour_weight_mean",
+            "behaviour_weight_max",
+            "entropy",
+            "clip_fraction",
+            "grad_norm",
+        ):
+            assert got[name] == pytest.approx(want[name], rel=1e-9), name
+        assert got["lag_hist"] == want["lag_hist"]
     # Satellites did train part of the batch (the test is not 1-cell in disguise).
     for b in (1, 2):
         owners = set(cl.packer.claimed_by(b).values())
@@ -142,6 +156,7 @@ async def test_k_cells_equal_one_cell(base_model, reference, joins):
 
 
 async def test_satellite_without_the_version_contributes_nothing(base_model, reference):
+    reference, _ = reference
     cl = Cluster(3, base_model, _batches(), fail_pull=frozenset({2}))
     outs = await cl.run_batch(1, 1, [1, 2])
     assert outs[2].stale and outs[2].local_micro_steps == 0 and outs[0].stale_participants == 1
@@ -154,6 +169,7 @@ async def test_satellite_without_the_version_contributes_nothing(base_model, ref
 
 
 async def test_the_check_is_sensitive(base_model, reference):
+    reference, _ = reference
     batches = _batches()
     batches[1] = batches[1][:-1]  # one micro-step missing
     cl = Cluster(1, base_model, batches)

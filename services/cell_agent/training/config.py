@@ -40,7 +40,16 @@ class TrainingSettings(BaseModel):
     initial_policy_version: int = Field(
         0, ge=0, description="Version of the weights loaded from model_dir (the cluster starts at 0)."
     )
-    # Loss (token-level PPO-clip / GRPO).
+    # Loss (token-level PPO-clip / GRPO; services/cell_agent/training/trainer.py).
+    objective: Literal["decoupled", "coupled"] = Field(
+        "decoupled",
+        description="decoupled: clip against the proximal policy (the batch's weights) and weight each "
+        "token by pi_prox/pi_behaviour (AReaL), for asynchronous training; coupled: standard PPO, the "
+        "ratio clipped against the engine's log-probs (learns little from stale data).",
+    )
+    behaviour_weight_cap: float = Field(
+        5.0, gt=1, description="decoupled: tokens whose pi_prox/pi_behaviour exceeds this are masked out."
+    )
     clip_eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the importance ratio: 1 - eps.")
     clip_eps_high: float = Field(0.2, ge=0, le=10, description="Upper clip of the importance ratio: 1 + eps.")
     # Optimizer (AdamW on the core only).
@@ -80,6 +89,15 @@ class TrainingSettings(BaseModel):
     pull_timeout_s: float = Field(300.0, gt=0, description="Deadline of one snapshot pull.")
     checkpoint_dir: str = Field("", description="Where the core writes a checkpoint per step; empty: none.")
     checkpoint_keep: int = Field(2, ge=1, le=100, description="Checkpoints kept on disk.")
+    keep_versions_every: int = Field(
+        0,
+        ge=0,
+        description="The core also keeps the weights of every N-th version (and the last) under "
+        "checkpoint_dir/versions/ for evaluation; 0: none.",
+    )
+    tensorboard_dir: str = Field(
+        "", description="The core writes TensorBoard event files here (a scalar set per step); empty: none."
+    )
 
 
 class MockTrainerSettings(BaseModel):

@@ -39,6 +39,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ from services.cell_agent.training.ports import (
     Puller,
 )
 from services.cell_agent.training.retry import keep_claims, retrying
-from services.cell_agent.training.trainer import Trainer
+from services.cell_agent.training.trainer import LossStats, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class BatchOutcome:
     joined_s: float = 0.0  # satellite: join → weights ready (pull) seconds
     first_micro_step_s: float = 0.0  # join → first micro-step accumulated
     seconds: float = 0.0
+    diagnostics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Core only: the batch's loss diagnostics over every participant's tokens
+    (:meth:`LossStats.summary`) and the gradient norm before clipping."""
 
 
 class TrainingController:
@@ -109,6 +113,7 @@ class TrainingController:
         params: ControllerParams | None = None,
         clock: Callable[[], float] = time.monotonic,
         history: History | None = None,
+        on_step: Callable[[BatchOutcome], None] | None = None,
     ) -> None:
         if (index == 0) != (core is not None):
             raise ValueError("the core (index 0) and only the core owns the optimizer")
@@ -124,6 +129,9 @@ class TrainingController:
         self.publisher = publisher
         self.puller = puller
         self.core = core
+        self.on_step = on_step
+        """Core only: called with each applied step's outcome (its diagnostics), e.g. by
+        the TensorBoard writer."""
         self.params = params or ControllerParams()
         self.clock = clock
         self.outcomes: dict[int, BatchOutcome] = {}
@@ -379,15 +387,28 @@ class TrainingController:
         out.prefix_size = k
         # 4. Reduce to the core, step once.
         grad = self.trainer.flat_grads()
-        header = torch.tensor([float(self.trainer.tokens), 0.0], dtype=torch.float64, device=grad.device)
+        header, peak = self._header(stale=False, device=grad.device)
         if k > 1:
             await self._collective(self.collective.reduce_to_core, k, grad)
             await self._collective(self.collective.reduce_to_core, k, header)
+            await self._collective(functools.partial(self.collective.reduce_to_core, op="max"), k, peak)
         out.total_tokens, out.stale_participants = int(header[0].item()), int(header[1].item())
+        stats = LossStats.from_tensors(header[2:], float(peak[0].item()))
         result = await asyncio.to_thread(self.core.step, batch_id, grad, out.total_tokens)
         self.trainer.close_window()
         out.new_version, out.applied = result.version, result.applied
-        self.history.append("step", 0, b=batch_id, v=version, new_v=result.version, applied=result.applied)
+        out.diagnostics = {**stats.summary(), "grad_norm": result.grad_norm}
+        self.history.append(
+            "step",
+            0,
+            b=batch_id,
+            v=version,
+            new_v=result.version,
+            applied=result.applied,
+            diag=out.diagnostics,
+        )
+        if self.on_step is not None and result.applied:
+            await asyncio.to_thread(self.on_step, out)
         failpoint("training.before_commit")
         await self._commit(batch_id)  # the step is durable: the micro-steps are trained for good
         # 5. Share: broadcast to the prefix, expose, publish.
@@ -404,7 +425,7 @@ class TrainingController:
                 )
         await asyncio.to_thread(self.snapshots.publish, result.version, self.trainer.state_dict())
         if self.publisher is not None and result.applied:
-            await self.publisher.publish(result.version, batch_id)
+            await self.publisher.publish(result.version, batch_id, out.diagnostics)
             self.history.append("publish", 0, b=batch_id, v=result.version)
         out.seconds = self.clock() - started
         self.outcomes[batch_id] = out
@@ -440,13 +461,10 @@ class TrainingController:
         grad = self.trainer.flat_grads()
         if out.stale:
             grad.zero_()
-        header = torch.tensor(
-            [0.0 if out.stale else float(self.trainer.tokens), 1.0 if out.stale else 0.0],
-            dtype=torch.float64,
-            device=grad.device,
-        )
+        header, peak = self._header(stale=out.stale, device=grad.device)
         await self._collective(self.collective.reduce_to_core, k, grad)
         await self._collective(self.collective.reduce_to_core, k, header)
+        await self._collective(functools.partial(self.collective.reduce_to_core, op="max"), k, peak)
         self.trainer.close_window()
         # 5. Receive the new weights.
         ver = torch.zeros(1, dtype=torch.float64, device=grad.device)
@@ -460,6 +478,17 @@ class TrainingController:
         self.outcomes[batch_id] = out
         log.info("batch done", extra=dataclasses.asdict(out))
         return out
+
+    def _header(self, stale: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this cell reduces to the core beside its gradient: [tokens, stale, the
+        diagnostics' sums] (SUM) and [the largest behaviour weight] (MAX). A stale satellite
+        contributes nothing but its stale mark."""
+        stats = LossStats() if stale else self.trainer.stats
+        head = torch.tensor(
+            [0.0 if stale else float(self.trainer.tokens), 1.0 if stale else 0.0], dtype=torch.float64
+        )
+        header = torch.cat([head, stats.sums_tensor()]).to(device)
+        return header, torch.tensor([stats.weight_max], dtype=torch.float64, device=device)
 
     async def _consume(self, batch_id: int, version: int, out: BatchOutcome, started: float) -> None:
         """Claims and trains micro-steps until the packer says CLOSED: up to ``claim_batch``

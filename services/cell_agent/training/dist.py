@@ -200,8 +200,9 @@ class PrefixGroups:
             raise ValueError(f"rank {self.rank} is not in the prefix of size {k}")
         return self.groups[k]
 
-    def reduce_to_core(self, k: int, tensor: torch.Tensor) -> None:
-        dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM, group=self._group(k))
+    def reduce_to_core(self, k: int, tensor: torch.Tensor, op: str = "sum") -> None:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.reduce(tensor, dst=0, op=reduce_op, group=self._group(k))
 
     def broadcast_from_core(self, k: int, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self._group(k))

@@ -19,6 +19,11 @@ class Sequence:
     logprobs: tuple[float, ...]
     advantage: float
     execution_id: str = ""
+    policy_versions: tuple[int, ...] = ()
+    """Policy version of each token (0 where not generated); empty: unknown (lag 0)."""
+    temperature: float = 1.0
+    """The temperature the engine sampled at; the trainer scores tokens at it (0: greedy,
+    scored at 1)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -32,6 +37,10 @@ class Sequence:
             raise InvalidArgument("loss_mask values must be 0 or 1")
         if any(t < 0 for t in self.token_ids):
             raise InvalidArgument("negative token id")
+        if self.policy_versions and len(self.policy_versions) != n:
+            raise InvalidArgument(f"policy_versions has {len(self.policy_versions)} entries for {n} tokens")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument("temperature must be finite and >= 0")
         if not math.isfinite(self.advantage):
             raise InvalidArgument("advantage must be finite")
         if any(not math.isfinite(lp) or lp > 1e-6 for lp, m in zip(self.logprobs, self.loss_mask) if m):
@@ -50,6 +59,8 @@ class Sequence:
             logprobs=tuple(m.logprobs),
             advantage=m.advantage,
             execution_id=m.execution_id,
+            policy_versions=tuple(m.token_policy_versions),
+            temperature=m.temperature if m.HasField("temperature") else 1.0,
         )
 
     def to_proto(self) -> ppb.PackedSequence:
@@ -59,6 +70,8 @@ class Sequence:
             logprobs=list(self.logprobs),
             advantage=self.advantage,
             execution_id=self.execution_id,
+            token_policy_versions=list(self.policy_versions),
+            temperature=self.temperature,
         )
 
 

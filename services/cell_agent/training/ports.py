@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -71,7 +71,9 @@ class Collective(Protocol):
     """Collectives over the prefix group of size ``k`` (ranks 0..k-1; rank 0 is the core).
     Blocking calls; every member of the prefix calls each one in the same order."""
 
-    def reduce_to_core(self, k: int, tensor: torch.Tensor) -> None: ...
+    def reduce_to_core(self, k: int, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Reduces ``tensor`` into the core's copy: ``op`` "sum" or "max"."""
+        ...
 
     def broadcast_from_core(self, k: int, tensor: torch.Tensor) -> None: ...
 
@@ -79,7 +81,9 @@ class Collective(Protocol):
 class PolicyPublisher(Protocol):
     """Announces a new policy version (etcd ``keys.policy()``)."""
 
-    async def publish(self, version: int, batch_id: int) -> None: ...
+    async def publish(self, version: int, batch_id: int, diagnostics: dict[str, Any] | None = None) -> None:
+        """Announces ``version`` (made by ``batch_id``), with the step's loss diagnostics."""
+        ...
 
 
 Puller = Callable[[str, int], Awaitable[tuple[int, dict[str, torch.Tensor]]]]

@@ -29,10 +29,11 @@ from gyre.history import History
 from services.cell_agent.snapshots import SnapshotStore, pull_snapshot
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.config import TrainingSettings
-from services.cell_agent.training.controller import ControllerParams, TrainingController
+from services.cell_agent.training.controller import BatchOutcome, ControllerParams, TrainingController
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups, StoreMembership
 from services.cell_agent.training.packer_client import PackerSource
+from services.cell_agent.training.steplog import step_recorder
 from services.cell_agent.training.store import EtcdPolicyPublisher
 from services.cell_agent.training.trainer import LossConfig, Trainer
 
@@ -76,6 +77,7 @@ class TrainingService:
         self._ready = asyncio.Event()
         self._failed: BaseException | None = None
         self._source: PackerSource | None = None
+        self._close_steps: Callable[[], None] | None = None
         self.training = False
         """The cell is in TRAINING (between the lifecycle hooks): a batch attempt that failed
         is joined again after the prefix groups are re-formed."""
@@ -169,7 +171,7 @@ class TrainingService:
             s.initial_policy_version,
             s.dtype,
             str(device),
-            LossConfig(s.clip_eps_low, s.clip_eps_high),
+            LossConfig(s.clip_eps_low, s.clip_eps_high, s.objective, s.behaviour_weight_cap),
         )
         groups = PrefixGroups(
             self.index, s.world_size, s.dist_master, s.dist_backend, device, s.dist_timeout_s
@@ -187,6 +189,18 @@ class TrainingService:
         publisher = None
         if self.index == 0 and self.etcd is not None and self.keys is not None:
             publisher = EtcdPolicyPublisher(self.etcd, self.keys, self.target)
+        on_step = None
+        if self.index == 0 and (s.tensorboard_dir or s.keep_versions_every):
+            record, self._close_steps = step_recorder(
+                tensorboard_dir=s.tensorboard_dir,
+                checkpoint_dir=s.checkpoint_dir,
+                keep_every=s.keep_versions_every,
+                state=trainer.state_dict,
+            )
+
+            def on_step(out: BatchOutcome) -> None:
+                record(out.new_version, out.diagnostics)
+
         self._source = PackerSource(s.packer_target, self.cell_id)
         assert groups.store is not None
         self.controller = TrainingController(
@@ -201,6 +215,7 @@ class TrainingService:
             puller=functools.partial(_pull, chunk_bytes=s.snapshot_chunk_bytes, timeout_s=s.pull_timeout_s),
             core=core,
             history=self.history,
+            on_step=on_step,
             params=ControllerParams(
                 claim_wait_s=s.claim_wait_s,
                 join_wait_s=s.join_wait_s,
@@ -247,6 +262,9 @@ class TrainingService:
             await self._source.close()
         if self.groups is not None:
             await asyncio.to_thread(self.groups.close)
+        if self._close_steps is not None:
+            self._close_steps()
+            self._close_steps = None
 
 
 async def _pull(target: str, version: int, *, chunk_bytes: int, timeout_s: float):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from gyre.etcd import Etcd, Keys
 from gyre.etcd.client import Op, mod_revision_is
@@ -20,10 +21,15 @@ class EtcdPolicyPublisher:
         self.key = keys.policy()
         self.source_target = source_target
 
-    async def publish(self, version: int, batch_id: int) -> None:
-        value = json.dumps(
-            {"version": version, "source_target": self.source_target, "batch_id": batch_id}
-        ).encode()
+    async def publish(self, version: int, batch_id: int, diagnostics: dict[str, Any] | None = None) -> None:
+        record: dict[str, Any] = {
+            "version": version,
+            "source_target": self.source_target,
+            "batch_id": batch_id,
+        }
+        if diagnostics:
+            record["training"] = diagnostics  # the step's loss diagnostics, for the status and dashboard
+        value = json.dumps(record).encode()
         while True:
             cur = await self.etcd.get(self.key)
             if cur is not None and int(json.loads(cur.value).get("version", 0)) >= version:

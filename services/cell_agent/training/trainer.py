@@ -1,5 +1,6 @@
-"""The per-cell trainer: the causal LM, the clipped policy-gradient token loss, and the
-gradient accumulator that sums token-loss gradients on exactly one weight version.
+"""The per-cell trainer: the causal LM, the policy-gradient token loss (decoupled or coupled
+PPO) with its diagnostics, and the gradient accumulator that sums token-loss gradients on
+exactly one weight version.
 
 Everything here is blocking torch work: callers run it off the event loop.
 """
@@ -24,39 +25,170 @@ class StaleGradient(FailedPrecondition):
     """A gradient computed on a weight version other than the accumulation window's."""
 
 
+OBJECTIVES = ("decoupled", "coupled")
+LAG_BUCKETS = 8
+"""Version-lag histogram buckets of the trained tokens: lag 0 .. 6, and 7 or more."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """PPO-clip / GRPO token loss: ``-min(r A, clip(r, 1-lo, 1+hi) A)`` per loss token."""
+    """The token-level policy-gradient loss.
+
+    ``decoupled`` (the default; AReaL's decoupled PPO objective, Fu et al. 2025): the
+    trust region is anchored to the *proximal* policy, the weights the batch trains on, and
+    each token is weighted by ``w = π_prox / π_behaviour``, the correction for having been
+    sampled by an older policy::
+
+        loss = -w · min(r·A, clip(r, 1-lo, 1+hi)·A),   r = π_θ / π_prox
+
+    ``w`` is capped: a token with ``w > behaviour_weight_cap`` is masked out (its sampling
+    policy is too far from the proximal one to correct for). With one optimizer step per
+    batch, π_prox is the trainer's own log-prob at the batch's weights, detached, so no
+    extra forward pass is needed (``r`` is 1 in value and its gradient is ∇log π_θ).
+
+    ``coupled`` (standard PPO / GRPO): ``r = π_θ / π_behaviour`` clipped against the
+    engine's log-probs. Under asynchrony the weights have already left the behaviour
+    policy, so the clip zeroes the gradient of the tokens that moved the way their
+    advantage wanted: it learns little from stale data.
+
+    Log-probs are computed at each sequence's sampling ``temperature`` (logits / T), the
+    distribution the engine sampled from; a greedy turn (T = 0) is scored at T = 1.
+    """
 
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
+    objective: str = "decoupled"
+    behaviour_weight_cap: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise InvalidArgument(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if not self.behaviour_weight_cap > 1.0:
+            raise InvalidArgument("behaviour_weight_cap must be > 1")
 
 
-def token_losses(logits: torch.Tensor, seqs: list[Sequence], cfg: LossConfig) -> tuple[torch.Tensor, int]:
-    """Sum of the clipped policy-gradient losses of every loss token of ``seqs`` (padded
-    right into ``logits`` [B, T, V]) and the number of loss tokens."""
+@dataclasses.dataclass
+class LossStats:
+    """Diagnostics of the trained tokens, as sums (they add across micro-steps and cells).
+
+    ``tokens``: loss tokens; ``clipped``: tokens whose clipped branch was taken (the ratio
+    outside the clip range in the direction the advantage pushes); ``weight_sum`` /
+    ``weight_max`` / ``capped``: the behaviour weight π_prox / π_behaviour (decoupled) or the
+    ratio π_θ / π_behaviour (coupled) and the tokens masked for exceeding the cap;
+    ``entropy_sum``: the policy's entropy at each trained position; ``gap_sum`` /
+    ``gap_tokens``: |log π_trainer − log π_engine| over the tokens of lag 0 (the two
+    implementations' disagreement on the same weights); ``lag``: tokens per version lag.
+    """
+
+    tokens: float = 0.0
+    clipped: float = 0.0
+    weight_sum: float = 0.0
+    weight_max: float = 0.0
+    capped: float = 0.0
+    entropy_sum: float = 0.0
+    gap_sum: float = 0.0
+    gap_tokens: float = 0.0
+    lag: list[float] = dataclasses.field(default_factory=lambda: [0.0] * LAG_BUCKETS)
+
+    SUMS = ("tokens", "clipped", "weight_sum", "capped", "entropy_sum", "gap_sum", "gap_tokens")
+
+    def add(self, other: LossStats) -> None:
+        for name in self.SUMS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.weight_max = max(self.weight_max, other.weight_max)
+        self.lag = [a + b for a, b in zip(self.lag, other.lag, strict=True)]
+
+    def sums_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The additive part as one float64 vector (reduced with SUM across cells)."""
+        return torch.tensor(
+            [getattr(self, n) for n in self.SUMS] + self.lag, dtype=torch.float64, device=device
+        )
+
+    @classmethod
+    def from_tensors(cls, sums: torch.Tensor, weight_max: float) -> LossStats:
+        values = [float(x) for x in sums.tolist()]
+        n = len(cls.SUMS)
+        return cls(**dict(zip(cls.SUMS, values[:n], strict=True)), weight_max=weight_max, lag=values[n:])
+
+    def summary(self) -> dict[str, float | list[float]]:
+        """Per-token means and shares (what the metrics, the history and the demo report)."""
+        n = max(self.tokens, 1.0)
+        return {
+            "tokens": self.tokens,
+            "clip_fraction": self.clipped / n,
+            "behaviour_weight_mean": self.weight_sum / n,
+            "behaviour_weight_max": self.weight_max,
+            "behaviour_weight_capped_share": self.capped / n,
+            "entropy": self.entropy_sum / n,
+            "logprob_gap_lag0": self.gap_sum / self.gap_tokens if self.gap_tokens else 0.0,
+            "lag_hist": list(self.lag),
+            "lag_mean": sum(i * c for i, c in enumerate(self.lag)) / n,
+        }
+
+
+def token_losses(
+    logits: torch.Tensor, seqs: list[Sequence], cfg: LossConfig, version: int | None = None
+) -> tuple[torch.Tensor, int, LossStats]:
+    """Sum of the policy-gradient losses of every loss token of ``seqs`` (padded right into
+    ``logits`` [B, T, V]), the number of loss tokens, and their diagnostics. ``version``: the
+    weights' version (for the lag of each token; None: every token counts as lag 0)."""
     device = logits.device
     # The loss in at least float32 (bf16 log-softmax over a vocabulary is too coarse).
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     b, t = logits.shape[0], logits.shape[1]
     ids = torch.zeros(b, t, dtype=torch.long, device=device)
     mask = torch.zeros(b, t, dtype=dtype, device=device)
-    old = torch.zeros(b, t, dtype=dtype, device=device)
+    behav = torch.zeros(b, t, dtype=dtype, device=device)
+    lag = torch.zeros(b, t, dtype=torch.long, device=device)
     adv = torch.tensor([s.advantage for s in seqs], dtype=dtype, device=device)
+    temp = torch.tensor(
+        [s.temperature if s.temperature > 0 else 1.0 for s in seqs], dtype=dtype, device=device
+    )
     for i, s in enumerate(seqs):
         n = len(s.token_ids)
         ids[i, :n] = torch.tensor(s.token_ids, device=device)
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=dtype, device=device)
-        old[i, :n] = torch.tensor(s.logprobs, dtype=dtype, device=device)
+        behav[i, :n] = torch.tensor(s.logprobs, dtype=dtype, device=device)
+        if version is not None and s.policy_versions:
+            lag[i, :n] = (version - torch.tensor(s.policy_versions, device=device)).clamp(0, LAG_BUCKETS - 1)
     # Token j is predicted from the logits at j-1: position 0 is never trained.
-    logp = torch.log_softmax(logits[:, :-1].to(dtype), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    m, old = mask[:, 1:], old[:, 1:]
-    ratio = torch.exp((logp - old) * m)  # masked positions: ratio 1, loss multiplied by 0
+    logsm = torch.log_softmax(logits[:, :-1].to(dtype) / temp[:, None, None], dim=-1)
+    logp = logsm.gather(-1, ids[:, 1:, None])[..., 0]
+    m, behav, lag = mask[:, 1:], behav[:, 1:], lag[:, 1:]
     a = adv[:, None]
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * a
-    loss = -torch.minimum(unclipped, clipped) * m
-    return loss.sum(), int(m.sum().item())
+    lo, hi = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
+    with torch.no_grad():
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    if cfg.objective == "decoupled":
+        prox = logp.detach()
+        ratio = torch.exp((logp - prox) * m)  # 1 in value; gradient ∇log π_θ
+        weight = torch.exp((prox - behav) * m)
+        keep = m * (weight <= cfg.behaviour_weight_cap).to(dtype)
+        surrogate = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)
+        loss = -(weight * surrogate * keep)
+        clipped_branch = (ratio * a > torch.clamp(ratio, lo, hi) * a).detach()
+    else:
+        ratio = torch.exp((logp - behav) * m)  # masked positions: ratio 1, loss multiplied by 0
+        weight = ratio.detach()
+        keep = m
+        unclipped, clipped = ratio * a, torch.clamp(ratio, lo, hi) * a
+        loss = -torch.minimum(unclipped, clipped) * m
+        clipped_branch = (unclipped > clipped).detach()
+    with torch.no_grad():
+        mb = m > 0
+        lag0 = mb & (lag == 0)
+        stats = LossStats(
+            tokens=float(m.sum()),
+            clipped=float((clipped_branch & mb).sum()),
+            weight_sum=float((weight * m).sum()),
+            weight_max=float(weight[mb].max()) if bool(mb.any()) else 0.0,
+            capped=float((m - keep).sum()),
+            entropy_sum=float((entropy * m).sum()),
+            gap_sum=float((logp.detach() - behav).abs()[lag0].sum()),
+            gap_tokens=float(lag0.sum()),
+            lag=[float((lag[mb] == k).sum()) for k in range(LAG_BUCKETS)],
+        )
+    return loss.sum(), int(m.sum().item()), stats
 
 
 class Trainer:
@@ -76,6 +208,8 @@ class Trainer:
         self.tokens = 0
         self.micro_steps = 0
         self.window_version: int | None = None
+        self.stats = LossStats()
+        """Diagnostics of the tokens accumulated in the open window."""
         self._lock = threading.Lock()
         model.train()
         for p in self.params:
@@ -133,12 +267,13 @@ class Trainer:
             ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids, device=self.device)
             att[i, : len(s.token_ids)] = 1
         logits = self.model(input_ids=ids, attention_mask=att).logits
-        loss, n = token_losses(logits, seqs, self.loss)
+        loss, n, stats = token_losses(logits, seqs, self.loss, version)
         if n:
             loss.backward()
         with self._lock:
             self.tokens += n
             self.micro_steps += 1
+            self.stats.add(stats)
         return n
 
     def add_gradient(self, grads: Iterable[torch.Tensor], tokens: int, version: int) -> None:
@@ -164,6 +299,7 @@ class Trainer:
             self.tokens = 0
             self.micro_steps = 0
             self.window_version = None
+            self.stats = LossStats()
 
     # Weights -------------------------------------------------------------------------
 
