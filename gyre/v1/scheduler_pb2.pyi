@@ -161,7 +161,7 @@ class CellInfo(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.CellKind, str]] = ..., index: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.CellState, str]] = ..., slots: _Optional[int] = ..., routed: _Optional[int] = ..., target: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader", "versions", "migrations", "open_bursts", "stale_rule", "groups_cancelled", "groups_restamped")
+    __slots__ = ("epoch", "ledger", "capacity", "ready_groups", "batch_size", "cells", "policy_version", "reroutes", "bursts_completed", "transitions_to_training", "transitions_to_rollout", "total", "policy", "leader", "versions", "migrations", "open_bursts", "stale_rule", "groups_cancelled", "groups_restamped", "training")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class SchedulerStatus(_message.Message):
     STALE_RULE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     GROUPS_RESTAMPED_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ledger: Ledger
     capacity: int
@@ -202,7 +203,34 @@ class SchedulerStatus(_message.Message):
     stale_rule: str
     groups_cancelled: int
     groups_restamped: int
-    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[Ledger, _Mapping]]] = ..., migrations: _Optional[int] = ..., open_bursts: _Optional[int] = ..., stale_rule: _Optional[str] = ..., groups_cancelled: _Optional[int] = ..., groups_restamped: _Optional[int] = ...) -> None: ...
+    training: TrainingDiagnostics
+    def __init__(self, epoch: _Optional[int] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., capacity: _Optional[int] = ..., ready_groups: _Optional[int] = ..., batch_size: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[CellInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ..., reroutes: _Optional[int] = ..., bursts_completed: _Optional[int] = ..., transitions_to_training: _Optional[int] = ..., transitions_to_rollout: _Optional[int] = ..., total: _Optional[_Union[Ledger, _Mapping]] = ..., policy: _Optional[str] = ..., leader: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[Ledger, _Mapping]]] = ..., migrations: _Optional[int] = ..., open_bursts: _Optional[int] = ..., stale_rule: _Optional[str] = ..., groups_cancelled: _Optional[int] = ..., groups_restamped: _Optional[int] = ..., training: _Optional[_Union[TrainingDiagnostics, _Mapping]] = ...) -> None: ...
+
+class TrainingDiagnostics(_message.Message):
+    __slots__ = ("policy_version", "tokens", "clip_fraction", "behaviour_weight_mean", "behaviour_weight_max", "behaviour_weight_capped_share", "entropy", "logprob_gap_lag0", "lag_hist", "lag_mean", "grad_norm")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_WEIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_WEIGHT_CAPPED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_GAP_LAG0_FIELD_NUMBER: _ClassVar[int]
+    LAG_HIST_FIELD_NUMBER: _ClassVar[int]
+    LAG_MEAN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    tokens: float
+    clip_fraction: float
+    behaviour_weight_mean: float
+    behaviour_weight_max: float
+    behaviour_weight_capped_share: float
+    entropy: float
+    logprob_gap_lag0: float
+    lag_hist: _containers.RepeatedScalarFieldContainer[float]
+    lag_mean: float
+    grad_norm: float
+    def __init__(self, policy_version: _Optional[int] = ..., tokens: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., behaviour_weight_mean: _Optional[float] = ..., behaviour_weight_max: _Optional[float] = ..., behaviour_weight_capped_share: _Optional[float] = ..., entropy: _Optional[float] = ..., logprob_gap_lag0: _Optional[float] = ..., lag_hist: _Optional[_Iterable[float]] = ..., lag_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_seq",)

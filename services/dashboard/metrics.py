@@ -2,11 +2,14 @@
 
 A custom collector reads the timeline's latest status at scrape time (no copies to keep in
 sync); each dashboard has its own registry, so several can live in one process (the demo).
+The training diagnostics of the newest policy version (SchedulerStatus.training) are
+``gyre_training_*`` gauges, present only while the status carries them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,6 +38,19 @@ _COUNTERS = {
     "bursts_completed": "Completed bursts",
     "transitions_to_training": "Cell transitions rollout -> training",
     "transitions_to_rollout": "Cell transitions training -> rollout",
+}
+
+
+_TRAINING = {
+    "tokens": "Loss tokens of the training step that produced the newest policy version",
+    "clip_fraction": "Share of loss tokens whose ratio the PPO clip cut off",
+    "behaviour_weight_mean": "Mean behaviour weight pi_prox / pi_behaviour over the loss tokens",
+    "behaviour_weight_max": "Largest behaviour weight pi_prox / pi_behaviour",
+    "behaviour_weight_capped_share": "Share of loss tokens masked for a behaviour weight above the cap",
+    "entropy": "Mean per-token entropy of the trained policy (nats)",
+    "logprob_gap_lag0": "Mean |trainer - engine| log-prob of lag-0 tokens",
+    "lag_mean": "Mean version lag of the loss tokens",
+    "grad_norm": "Global gradient norm before clipping",
 }
 
 
@@ -77,6 +93,32 @@ class StatusCollector(Collector):
         yield state
         yield slots
         yield routed
+        yield from _training(latest["training"])
+
+
+def _training(training: dict[str, Any] | None) -> Iterator[Metric]:
+    """The ``gyre_training_*`` gauges (none while the status carries no diagnostics; a
+    non-finite value, which the timeline keeps as None, is left out)."""
+    if training is None:
+        return
+    yield GaugeMetricFamily(
+        "gyre_training_policy_version",
+        "Policy version the training diagnostics belong to",
+        value=training["policy_version"],
+    )
+    for name, doc in _TRAINING.items():
+        if training[name] is not None:
+            yield GaugeMetricFamily(f"gyre_training_{name}", doc, value=training[name])
+    hist = training["lag_hist"]
+    lag = GaugeMetricFamily(
+        "gyre_training_lag_tokens",
+        "Loss tokens by version lag (the last bucket: that lag or more)",
+        labels=["lag"],
+    )
+    for i, count in enumerate(hist):
+        if count is not None:
+            lag.add_metric([f"{i}+" if i == len(hist) - 1 else str(i)], count)
+    yield lag
 
 
 def make_registry(timeline: Timeline) -> CollectorRegistry:

@@ -9,6 +9,9 @@ dict (the proto's field names; enums as names with or without their prefix, or n
 - series of the gauges (waterlevel W, capacity, ready groups, policy version, reroutes, ...),
 - policy-version markers, the open work (W) per policy version the bursts serve (several
   at once while bursts overlap), and the latest counters,
+- the training diagnostics per policy version (SchedulerStatus.training: the loss
+  diagnostics the core publishes with each version; one entry per version, the newest
+  ``max_training`` kept),
 
 bounded to ``max_samples`` samples, plus the latest scheduler events (decisions with their
 reasons), deduplicated.  A status from a standby (``leader`` false, where the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -65,6 +69,20 @@ SERIES_FIELDS = (
 VERSION_FIELDS = ("policy_version", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
 """A per-version ledger (SchedulerStatus.versions): bursts overlap, each serving its version."""
 MAX_VERSIONS = 64
+TRAINING_FIELDS = (
+    "tokens",
+    "clip_fraction",
+    "behaviour_weight_mean",
+    "behaviour_weight_max",
+    "behaviour_weight_capped_share",
+    "entropy",
+    "logprob_gap_lag0",
+    "lag_mean",
+    "grad_norm",
+)
+"""The scalar training diagnostics (SchedulerStatus.training), kept per policy version."""
+MAX_LAG_BUCKETS = 16
+MAX_TRAINING = 256
 
 
 def _enum(value: Any, prefix: str, by_number: Mapping[int, str], allowed: tuple[str, ...]) -> str:
@@ -93,6 +111,39 @@ def _int(raw: Mapping[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{key}: not a number: {value!r}")
     return int(value)  # proto3 JSON renders int64 as strings
+
+
+def _float(raw: Mapping[str, Any], key: str) -> float | None:
+    """A double (missing: 0.0); None for NaN or an infinity, which plain JSON cannot carry
+    (proto3 JSON renders them as the strings "NaN", "Infinity", "-Infinity")."""
+    return _finite(key, raw.get(key, 0.0))
+
+
+def _finite(key: str, value: Any) -> float | None:
+    if value is None or value == "":
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{key}: not a number: {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{key}: not a number: {value!r}") from None
+    return number if math.isfinite(number) else None
+
+
+def _training(raw: Any) -> dict[str, Any] | None:
+    """SchedulerStatus.training, or None when the status has none (absent or empty)."""
+    if raw is None or (isinstance(raw, Mapping) and not raw):
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError("training must be a mapping")
+    hist = raw.get("lag_hist") or []
+    if not isinstance(hist, list | tuple):
+        raise ValueError("training.lag_hist must be a list")
+    out: dict[str, Any] = {"policy_version": _int(raw, "policy_version")}
+    out.update({k: _float(raw, k) for k in TRAINING_FIELDS})
+    out["lag_hist"] = [_finite("training.lag_hist", x) for x in hist[:MAX_LAG_BUCKETS]]
+    return out
 
 
 def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,6 +201,7 @@ def normalize_status(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("total must be a mapping")
     out["total"] = {k: _int(total_raw, k) for k in LEDGER_FIELDS if k != "burst_id"}
     out["versions"] = _versions(raw.get("versions") or [])
+    out["training"] = _training(raw.get("training"))
     return out
 
 
@@ -224,10 +276,15 @@ class Timeline:
     Times are seconds on the caller's clock (the dashboard passes seconds since it started).
     """
 
-    def __init__(self, max_samples: int = 7200, max_events: int = 200) -> None:
-        if max_samples < 2 or max_events < 1:
-            raise ValueError("max_samples must be >= 2 and max_events >= 1")
+    def __init__(
+        self, max_samples: int = 7200, max_events: int = 200, max_training: int = MAX_TRAINING
+    ) -> None:
+        if max_samples < 2 or max_events < 1 or max_training < 1:
+            raise ValueError("max_samples must be >= 2, max_events and max_training >= 1")
         self.max_samples = max_samples
+        self.max_training = max_training
+        self._training: dict[int, dict[str, Any]] = {}
+        """Training diagnostics by the policy version they produced (the newest kept)."""
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._t: deque[float] = deque()
         self._series: dict[str, deque[int]] = {k: deque() for k in SERIES_FIELDS}
@@ -295,9 +352,23 @@ class Timeline:
         self._update_bands(t_s, status)
         if self._latest is None or status["policy_version"] != self._latest["policy_version"]:
             self._policy_marks.append([t_s, status["policy_version"]])
+        self._add_training(t_s, status["training"])
         self._latest = status
         self._trim()
         return True
+
+    def _add_training(self, t_s: float, training: dict[str, Any] | None) -> None:
+        """One entry per version, stamped when first seen (every poll repeats the newest)."""
+        if training is None or training["policy_version"] in self._training:
+            return
+        version = training["policy_version"]
+        self._training[version] = {
+            "version": version,
+            "t_s": t_s,
+            **{k: training[k] for k in TRAINING_FIELDS},
+        }
+        while len(self._training) > self.max_training:
+            del self._training[min(self._training)]
 
     def _append_series(self, t_s: float, status: dict[str, Any]) -> None:
         self._t.append(t_s)
@@ -358,7 +429,8 @@ class Timeline:
 
     def to_json(self, now_s: float, window_s: float | None = None) -> dict[str, Any]:
         """What ``GET /api/timeline`` returns (plain JSON types only); with ``window_s``, only
-        the samples, bands and marks of the last ``window_s`` seconds of the timeline."""
+        the samples, bands and marks of the last ``window_s`` seconds of the timeline (the
+        per-version ``training`` list is not cut: versions, not samples, are its axis)."""
         latest = self._latest
         cells = sorted(self._cells.values(), key=cell_order)
         counters: dict[str, Any] = {}
@@ -386,5 +458,11 @@ class Timeline:
             "version_w": {str(v): list(vs)[first:] for v, vs in sorted(self._version_w.items())},
             "events": sorted(self._events, key=lambda e: (e["time_s"], e["seq"]), reverse=True),
             "counters": counters,
+            "training": [dict(self._training[v]) for v in sorted(self._training)],
+            "training_latest": _copy_training(latest["training"]) if latest is not None else None,
             "source": dataclasses.asdict(self.stats),
         }
+
+
+def _copy_training(training: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if training is None else {**training, "lag_hist": list(training["lag_hist"])}

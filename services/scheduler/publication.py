@@ -20,6 +20,7 @@ from services.scheduler.fleet import CellGone, Fleet
 from services.scheduler.leadership import Leadership
 from services.scheduler.peers import Peers
 from services.scheduler.policy import CellState
+from services.scheduler.status import TrainingDiagnostics
 from services.scheduler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class Publication:
         """Where engines load it from (the core's target)."""
         self.published = 0
         """The newest version we have sent to rollout engines."""
+        self.training: TrainingDiagnostics | None = None
+        """The newest record's training diagnostics (None: it carries none)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def on_policy(self, items: Mapping[bytes, Any]) -> None:
@@ -49,11 +52,13 @@ class Publication:
                 log.warning("malformed policy key ignored")
 
     def observe(self, body: Mapping[str, Any]) -> None:
-        """A policy record (the key's JSON): a newer version replaces ours."""
+        """A policy record (the key's JSON): a newer version replaces ours, and its training
+        diagnostics (``training``, absent from mock trainers' and older records) ours."""
         version = int(body.get("version", 0))
         if version > self.version:
             self.version = version
             self.source = str(body.get("source_target", ""))
+            self.training = TrainingDiagnostics.from_record(version, body.get("training"))
             self._telemetry.emit("policy_version", f"policy v{version} published by {self.source or '?'}")
 
     def publish(self, version: int, moving: Callable[[str], bool]) -> bool:

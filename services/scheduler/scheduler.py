@@ -391,4 +391,5 @@ class Scheduler:
             stale_rule=self.cfg.stale_rule,
             groups_cancelled=len(ledger.cancelled_groups),
             groups_restamped=ledger.restamps,
+            training=self.publication.training,
         )

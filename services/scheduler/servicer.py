@@ -31,7 +31,7 @@ from services.scheduler.events import Event
 from services.scheduler.ledger import ExecState
 from services.scheduler.policy import LedgerCounts
 from services.scheduler.scheduler import Launched, Scheduler
-from services.scheduler.status import CellStatus
+from services.scheduler.status import CellStatus, TrainingDiagnostics
 
 _STATUS_FROM = {
     common_pb2.EXECUTION_STATUS_COMPLETED: ExecState.COMPLETED,
@@ -122,6 +122,24 @@ def _ledger(
         waterlevel=c.waterlevel,
         finished_by_status=dict(by_status or {}),
         policy_version=policy_version,
+    )
+
+
+def _training(t: TrainingDiagnostics | None) -> scheduler_pb2.TrainingDiagnostics | None:
+    if t is None:
+        return None  # unset: the newest policy record carries no diagnostics
+    return scheduler_pb2.TrainingDiagnostics(
+        policy_version=t.policy_version,
+        tokens=t.tokens,
+        clip_fraction=t.clip_fraction,
+        behaviour_weight_mean=t.behaviour_weight_mean,
+        behaviour_weight_max=t.behaviour_weight_max,
+        behaviour_weight_capped_share=t.behaviour_weight_capped_share,
+        entropy=t.entropy,
+        logprob_gap_lag0=t.logprob_gap_lag0,
+        lag_hist=list(t.lag_hist),
+        lag_mean=t.lag_mean,
+        grad_norm=t.grad_norm,
     )
 
 
@@ -246,6 +264,7 @@ class ControlServicer(scheduler_pb2_grpc.SchedulerControlServicer):
             stale_rule=st.stale_rule,
             groups_cancelled=st.groups_cancelled,
             groups_restamped=st.groups_restamped,
+            training=_training(st.training),
         )
 
     @rpc

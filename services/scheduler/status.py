@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from services.scheduler.fleet import Fleet
 from services.scheduler.policy import CellKind, CellState, LedgerCounts
@@ -22,6 +23,60 @@ class CellStatus:
     """Executions routed to it (reservations included)."""
     target: str
     policy_version: int
+
+
+TRAINING_SCALARS = (
+    "tokens",
+    "clip_fraction",
+    "behaviour_weight_mean",
+    "behaviour_weight_max",
+    "behaviour_weight_capped_share",
+    "entropy",
+    "logprob_gap_lag0",
+    "lag_mean",
+    "grad_norm",
+)
+"""The scalar diagnostics of a training step, as the policy record's ``training`` names them."""
+MAX_LAG_BUCKETS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingDiagnostics:
+    """The loss diagnostics of the training step that produced ``policy_version`` (the
+    ``training`` object of the policy record at ``keys.policy()``)."""
+
+    policy_version: int
+    tokens: float = 0.0
+    clip_fraction: float = 0.0
+    behaviour_weight_mean: float = 0.0
+    behaviour_weight_max: float = 0.0
+    behaviour_weight_capped_share: float = 0.0
+    entropy: float = 0.0
+    logprob_gap_lag0: float = 0.0
+    lag_hist: tuple[float, ...] = ()
+    """Loss tokens by version lag: 0 .. 6, then 7 or more."""
+    lag_mean: float = 0.0
+    grad_norm: float = 0.0
+
+    @classmethod
+    def from_record(cls, version: int, raw: Any) -> TrainingDiagnostics | None:
+        """The diagnostics of a policy record's ``training`` value; None when it has none (or
+        it is not an object). A missing or non-numeric scalar reads as 0, a non-finite one
+        is kept (a diverging step is what operators must see)."""
+        if not isinstance(raw, Mapping) or not raw:
+            return None
+        hist = raw.get("lag_hist")
+        lag_hist = tuple(_number(x) for x in hist[:MAX_LAG_BUCKETS]) if isinstance(hist, list | tuple) else ()
+        return cls(version, lag_hist=lag_hist, **{k: _number(raw.get(k)) for k in TRAINING_SCALARS})
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return 0.0
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +114,8 @@ class SchedulerStatus:
     groups_cancelled: int = 0
     groups_restamped: int = 0
     """Groups the rule for unconsumable groups cancelled / restamped (gyre.staleness)."""
+    training: TrainingDiagnostics | None = None
+    """The newest policy record's training diagnostics (None: it carries none)."""
 
 
 def cell_statuses(fleet: Fleet) -> tuple[CellStatus, ...]:

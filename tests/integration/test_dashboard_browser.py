@@ -111,6 +111,23 @@ def scripted_status(step: int) -> scheduler_pb2.SchedulerStatus:
         )
     if "policy" in fields:
         status.policy = "waterlevel"
+    if "training" in fields and status.policy_version > 0:  # the newest version's loss diagnostics
+        v = status.policy_version
+        status.training.CopyFrom(
+            scheduler_pb2.TrainingDiagnostics(
+                policy_version=v,
+                tokens=1024.0,
+                clip_fraction=0.05 * v,
+                behaviour_weight_mean=1.0 - 0.01 * v,
+                behaviour_weight_max=2.0 + v,
+                behaviour_weight_capped_share=0.002 * v,
+                entropy=2.0 - 0.2 * v,
+                logprob_gap_lag0=0.01,
+                lag_hist=[800.0, 200.0, 24.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                lag_mean=0.24,
+                grad_norm=0.5 + 0.1 * v,
+            )
+        )
     return status
 
 
@@ -198,6 +215,8 @@ async def test_dashboard_renders_scripted_scheduler_in_chromium(tmp_out: Path) -
         assert core_states.count("TRAINING") == 3
         assert {b[2] for b in timeline["bands"]["cell-9"]} == {"ROLLOUT"}
         assert timeline["counters"]["policy_version"] == 3
+        assert [e["version"] for e in timeline["training"]] == [1, 2, 3]
+        assert timeline["training_latest"]["clip_fraction"] == pytest.approx(0.15)
         assert [m[1] for m in timeline["policy_marks"]] == [0, 1, 2, 3]
         assert max(timeline["series"]["waterlevel"]) == 32 and min(timeline["series"]["capacity"]) == 8
         health = await asyncio.to_thread(_get_json, url + "healthz")
@@ -209,6 +228,7 @@ async def test_dashboard_renders_scripted_scheduler_in_chromium(tmp_out: Path) -
         for cell_id in ("cell-0", "cell-1", "cell-2", "cell-9"):
             assert f'data-cell-id="{cell_id}"' in dom, f"{cell_id} missing from the DOM"
         assert "policy v3" in dom
+        assert 'id="training-clip_fraction"' in dom and "newest v3" in dom
         assert 'data-kind="cell_to_training"' in dom and "capacity 24 &gt;= W 20" in dom
         assert timeline["source"]["events"] == 3 and timeline["events"][0]["kind"] == "reroute"
         conn = re.search(r'<span id="conn"[^>]*>([^<]*)</span>', dom)

@@ -3,8 +3,9 @@ polled by ``python -m services.dashboard``.
 
 Invariants: the scheduler's GetStatus, as the scheduler really answers it, is accepted by
 the dashboard (the leader's status with its fencing epoch lands in /api/timeline and
-/metrics); when the scheduler dies the dashboard keeps serving and reports the failure,
-keeping the last good state.
+/metrics); the training diagnostics of a policy record written to etcd reach /api/timeline
+and /metrics through GetStatus; when the scheduler dies the dashboard keeps serving and
+reports the failure, keeping the last good state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 import pytest
 
 from apps.procs import ServiceProcess
+from gyre.etcd import Keys
 from gyre.etcd.server import EtcdServer
+from tests.support.scheduler_peers import connect
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +77,32 @@ async def test_dashboard_follows_real_scheduler(
         assert body["source"]["ok"] >= 1 and body["cells"] == []  # no cell agent registered
         _, metrics = await asyncio.to_thread(_get, base + "/metrics")
         assert f"gyre_status_epoch {float(epoch)}" in metrics.decode()
+        assert body["training"] == [] and body["training_latest"] is None
+
+        # The core publishes v1 with its step's loss diagnostics (EtcdPolicyPublisher's record).
+        training = {
+            "tokens": 96.0,
+            "clip_fraction": 0.25,
+            "behaviour_weight_mean": 1.0,
+            "behaviour_weight_max": 2.5,
+            "behaviour_weight_capped_share": 0.0,
+            "entropy": 1.5,
+            "logprob_gap_lag0": 0.01,
+            "lag_hist": [64.0, 32.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            "lag_mean": 0.333,
+            "grad_norm": 0.75,
+        }
+        etcd = await connect(etcd_server.endpoint)
+        try:
+            record = {"version": 1, "source_target": "", "batch_id": 1, "training": training}
+            await etcd.put(Keys(cluster_name).policy(), json.dumps(record).encode())
+        finally:
+            await etcd.close()
+        body = await _wait_for(base + "/api/timeline", lambda b: b["training_latest"] is not None)
+        assert body["training_latest"] == {"policy_version": 1, **training}
+        assert [(e["version"], e["clip_fraction"]) for e in body["training"]] == [(1, 0.25)]
+        _, metrics = await asyncio.to_thread(_get, base + "/metrics")
+        assert "gyre_training_clip_fraction 0.25" in metrics.decode()
 
         sched.kill()  # SIGKILL: the dashboard must notice and keep its last good state
         body = await _wait_for(base + "/api/timeline", lambda b: b["source"]["errors"] >= 3)
