@@ -99,6 +99,15 @@ class DeadlineExceeded(GyreError):
     http_status = 504
 
 
+class Internal(GyreError):
+    """A component broke its contract (e.g. an engine answered tokens without a behaviour
+    log-prob each): the request failed and nothing was made of its answer. A router takes it
+    from an engine as a failed attempt (retried within its budget, elsewhere if it can)."""
+
+    code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
 class FatalError(Exception):
     """The process must stop (engine dead, lease lost, etcd gone past its budget)."""
 
@@ -115,6 +124,7 @@ _FROM_GRPC: dict[grpc.StatusCode, type[GyreError]] = {
         ResourceExhausted,
         Unavailable,
         DeadlineExceeded,
+        Internal,
     )
 }
 

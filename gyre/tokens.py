@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from gyre.errors import Internal
 from gyre.v1 import common_pb2
 
 
@@ -40,13 +41,21 @@ class Chunk:
     """The text these tokens add (the router's HTTP calls only; it detokenizes, see
     ``services/router/stops.py``); not on the wire."""
 
+    def check(self, source: str = "engine") -> Chunk:
+        """This chunk, when it has one behaviour log-prob per token; raises
+        :class:`~gyre.errors.Internal` otherwise (a log-prob is never made up: the trainer's
+        importance ratios need the sampler's own)."""
+        if len(self.logprobs) != len(self.token_ids):
+            raise missing_logprobs(len(self.token_ids), len(self.logprobs), source)
+        return self
+
     @classmethod
     def from_proto(cls, msg: common_pb2.TokenChunk) -> Chunk:
+        """Raises :class:`~gyre.errors.Internal` when the chunk lacks a log-prob per token."""
         ids = list(msg.token_ids)
         logprobs = list(msg.logprobs)
         if len(logprobs) != len(ids):
-            # An engine that sends no log-probs still produces a well-formed record.
-            logprobs = (logprobs + [0.0] * len(ids))[: len(ids)]
+            raise missing_logprobs(len(ids), len(logprobs), "engine")
         return cls(ids, logprobs, int(msg.policy_version), FinishReason.from_proto(msg.finish_reason))
 
     def to_proto(self) -> common_pb2.TokenChunk:
@@ -58,3 +67,11 @@ class Chunk:
             if self.finish_reason
             else common_pb2.FINISH_REASON_UNSPECIFIED,
         )
+
+
+def missing_logprobs(tokens: int, logprobs: int, source: str) -> Internal:
+    """The error for an answer with ``tokens`` tokens but ``logprobs`` log-probs."""
+    return Internal(
+        f"{source} answered {tokens} token(s) with {logprobs} log-prob(s): every generated "
+        "token needs its behaviour log-prob (none is made up)"
+    )

@@ -21,6 +21,7 @@ from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, Unavail
 from gyre.etcd.values import CellRecord
 from gyre.failpoints import failpoint
 from gyre.history import History
+from gyre.tokens import missing_logprobs
 from services.cell_agent.engines.base import Chunk, Engine, EngineDead, KvHandle, Sampling
 from services.cell_agent.hooks import JoinBatch, NoopTrainingHook, SnapshotPuller, TrainingHook, default_pull
 from services.cell_agent.lifecycle import ENGINE_UP, SERVING, CellKind, CellState, Lifecycle, Transition
@@ -163,6 +164,10 @@ class Cell:
             request_id, prompt_token_ids, sampling, required_policy_version, kv_handle
         )
         async for chunk in stream:
+            if len(chunk.logprobs) != len(chunk.token_ids):  # never padded: INTERNAL
+                raise missing_logprobs(
+                    len(chunk.token_ids), len(chunk.logprobs), f"{self.engine.kind} engine"
+                )
             self.tokens_generated += len(chunk.token_ids)
             yield chunk
 

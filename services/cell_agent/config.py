@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -89,7 +90,16 @@ class CellAgentConfig(ServiceConfig):
     max_model_len: int = Field(4096, ge=16, description="vLLM: longest context (prompt + output) in tokens.")
     max_num_seqs: int = Field(64, ge=1, description="vLLM: most sequences in one batch.")
     dtype: str = Field("bfloat16", description="vLLM: weight dtype.")
-    seed: int = Field(0, ge=0, description="Engine seed (vLLM sampling seed; mock token hash seed).")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Engine sampling seed: what a sampled request without a seed of its own "
+        "draws from (vLLM's global seed; the mock's salt for such requests). 0 (the default): "
+        "derived from cell_id (engine_seed: a stable hash, in 1..2**31-1), so that cells do "
+        "not all sample one stream; set it per cell to pin one. A request's own seed "
+        "(the router gives every sampled call one) is used as is: a rerouted call's "
+        "continuation keeps its stream.",
+    )
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description="vLLM on GPU: memory fraction.")
     kv_handoff: bool = Field(
         True,
@@ -147,3 +157,15 @@ class CellAgentConfig(ServiceConfig):
         description="How this cell trains (services/cell_agent/training/config.py): mode torch "
         "(the real trainer) or mock (the cost model); absent: this cluster does not train.",
     )
+
+    @property
+    def engine_seed(self) -> int:
+        """The engine's sampling seed: ``seed``, or when it is 0 a stable hash of the cell id."""
+        return self.seed or cell_seed(self.cell_id)
+
+
+def cell_seed(cell_id: str) -> int:
+    """A cell's own engine seed: a stable hash of its id (the same in every process and
+    incarnation, unlike ``hash``), in 1..2**31-1 (vLLM seeds numpy with it: < 2**32)."""
+    h = hashlib.blake2b(f"gyre-cell-seed\0{cell_id}".encode(), digest_size=8)
+    return 1 + int.from_bytes(h.digest(), "little") % (2**31 - 1)

@@ -105,7 +105,9 @@ class EngineStreamSession:
         try:
             tag_execution(request.execution_id, request_id=request.request_id)
             async for chunk in self._start(request):
-                self._requests.send((tag, chunk))
+                # A chunk short of log-probs fails its request (INTERNAL), never the step's
+                # columns: every other request's tokens stay aligned with their log-probs.
+                self._requests.send((tag, chunk.check()))
                 finish = chunk.finish_reason
         except asyncio.CancelledError:
             return  # cancelled by the router (nothing to send) or by the call's end
@@ -146,8 +148,7 @@ def _step(answers: list[Answer]) -> pb.EngineStep:
         counts.append(n)
         versions.append(chunk.policy_version)
         ids.extend(chunk.token_ids)
-        lp = chunk.logprobs
-        logprobs.extend(lp if len(lp) == n else (list(lp) + [0.0] * n)[:n])
+        logprobs.extend(chunk.logprobs)  # one per token (checked in _serve)
     return pb.EngineStep(
         tags=tags, counts=counts, policy_versions=versions, token_ids=ids, logprobs=logprobs, ends=ends
     )

@@ -23,6 +23,9 @@ MAX_ID_CHARS = 256
 MAX_CHAT_STATE_CHARS = 256
 """Longest accepted TurnRecord.chat_state."""
 
+DEFAULT_TEMPERATURE = 1.0
+"""A turn's sampling temperature when its record has none (TurnRecord.temperature unset)."""
+
 MAX_ABS_REWARD = 1e9
 """Default bound on |reward| (PackerConfig.max_abs_reward). Finite bounds on both ends keep
 the group statistics finite: the squares in a std overflow to inf near 1e154, and an
@@ -87,6 +90,10 @@ class Turn:
     chat_state: str = ""
     """The router's digest of what a chat call was rendered from and answered ("": a
     token-level call); kept for GetTrajectory, opaque here, not part of the digest."""
+    temperature: float = DEFAULT_TEMPERATURE
+    """The call's sampling temperature (0: greedy), finite and >= 0; a record without one
+    (and a WAL entry from before the field) has 1. The trainer scores the tokens at it, so a
+    segment never mixes temperatures (:func:`services.packer.segments.continues`)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -120,6 +127,9 @@ class Turn:
         h = zlib.crc32(head.encode())
         for ints in (self.prompt, self.output, self.versions, self.mask):
             h = zlib.crc32(array.array("q", ints).tobytes(), h)
+        if self.temperature != DEFAULT_TEMPERATURE:
+            # Only then: the digests of turns from before the field (kept in snapshots) stay.
+            h = zlib.crc32(array.array("d", (self.temperature,)).tobytes(), h)
         return zlib.crc32(array.array("d", self.logprobs).tobytes(), h)
 
     @classmethod
@@ -136,6 +146,7 @@ class Turn:
         max_tokens: int,
         call_key: str = "",
         chat_state: str = "",
+        temperature: float = DEFAULT_TEMPERATURE,
     ) -> Turn:
         """Checks every field; raises InvalidArgument or ResourceExhausted (too long)."""
         check_id(execution_id, "execution_id")
@@ -182,6 +193,8 @@ class Turn:
             check_idempotency_key(call_key)
         if chat_state:
             check_id(chat_state, "chat_state", MAX_CHAT_STATE_CHARS)
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature!r}")
         return cls(
             ExecutionId(execution_id),
             GroupId(group_id),
@@ -193,6 +206,7 @@ class Turn:
             mask_t,
             call_key,
             chat_state,
+            float(temperature) + 0.0,  # + 0.0: -0.0 is 0.0 (one digest, one JSON form)
         )
 
     @classmethod
@@ -209,6 +223,7 @@ class Turn:
             max_tokens,
             msg.idempotency_key,
             msg.chat_state,
+            msg.temperature if msg.HasField("temperature") else DEFAULT_TEMPERATURE,
         )
 
     def to_proto(self) -> packer_pb2.TurnRecord:
@@ -223,6 +238,7 @@ class Turn:
             output_loss_mask=self.mask,
             idempotency_key=self.call_key,
             chat_state=self.chat_state,
+            temperature=self.temperature,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -240,6 +256,8 @@ class Turn:
             out["k"] = self.call_key
         if self.chat_state:
             out["c"] = self.chat_state
+        if self.temperature != DEFAULT_TEMPERATURE:
+            out["T"] = self.temperature  # absent: 1 (so WALs from before the field read alike)
         return out
 
     @classmethod
@@ -255,6 +273,7 @@ class Turn:
             tuple(d["m"]),
             str(d.get("k", "")),
             str(d.get("c", "")),
+            float(d.get("T", DEFAULT_TEMPERATURE)),
         )
 
 
@@ -378,6 +397,7 @@ class PackedSequence:
             policy_version=self.policy_version,
             token_policy_versions=versions,
             turns=len(self.segment.turns),
+            temperature=first.temperature,  # every turn's (a segment never mixes them)
         )
 
 

@@ -1,7 +1,9 @@
 """Trajectory segments: the unit the packer trains. One execution's consecutive turns form
 one segment while each turn's prompt extends the previous turn's tokens (its prompt + its
 output), which is how the router builds a token-consistent trajectory; a turn whose prompt
-does not (the harness edited history, or a record is missing) starts the next segment.
+does not (the harness edited history, or a record is missing) starts the next segment, as
+does a turn sampled at another temperature than the previous one (a segment is scored at one
+temperature: ``PackedSequence.temperature``).
 
 A segment is trained as one sequence: all its tokens once (the last turn's prompt + its
 output), the loss mask on every member turn's generated tokens only (prompts, observations,
@@ -13,8 +15,9 @@ of the tokens.
 
 The rule, for anything that must mirror it (the simulator): per execution, turns sorted by
 index; turn k+1 joins turn k's segment iff ``prompt[k+1][:len(prompt[k]) + len(output[k])]
-== prompt[k] + output[k]``; a segment costs ``len(prompt[last]) + len(output[last])``
-packed tokens and ``sum(loss_mask)`` of its turns' outputs as loss tokens.
+== prompt[k] + output[k]`` and ``temperature[k+1] == temperature[k]``; a segment costs
+``len(prompt[last]) + len(output[last])`` packed tokens and ``sum(loss_mask)`` of its
+turns' outputs as loss tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ if TYPE_CHECKING:
 
 
 def continues(prev: Turn, nxt: Turn) -> bool:
-    """True when ``nxt``'s prompt is ``prev``'s prompt + output followed by more tokens."""
+    """True when ``nxt``'s prompt is ``prev``'s prompt + output followed by more tokens, and
+    ``nxt`` was sampled at ``prev``'s temperature (a segment never mixes temperatures)."""
+    if nxt.temperature != prev.temperature:
+        return False
     n, m = len(prev.prompt), len(prev.output)
     return len(nxt.prompt) >= n + m and nxt.prompt[:n] == prev.prompt and nxt.prompt[n : n + m] == prev.output
 

@@ -392,7 +392,10 @@ class ModelCall:
         return attempt
 
     def _take(self, chunk: Chunk) -> FinishReason | None:
-        """Appends an engine chunk to the output and hands it to the consumer."""
+        """Appends an engine chunk to the output and hands it to the consumer. A chunk
+        without a log-prob per token raises Internal (the attempt failed: nothing of it is
+        taken, and the turn is never recorded with a made-up log-prob)."""
+        chunk.check()
         room = self.sampling.max_tokens - len(self.output_ids)
         ids, logprobs = chunk.token_ids, chunk.logprobs
         if len(ids) > room:

@@ -28,14 +28,14 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 from opentelemetry import propagate, trace
 
 from gyre.config import ServiceConfig
 from gyre.errors import DeadlineExceeded, GyreError, Unavailable, from_rpc_error, from_status
-from gyre.tokens import Chunk, FinishReason
+from gyre.tokens import Chunk, FinishReason, missing_logprobs
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc
 from services.router.engine import ChunkSink, EngineRequest
@@ -169,11 +169,14 @@ class EngineStream:
 
     def _dispatch(self, step: pb.EngineStep) -> None:
         sinks = self._sinks
-        if step.tags:
-            ids = step.token_ids
-            logprobs = step.logprobs
-            if len(logprobs) != len(ids):  # an engine without log-probs: still well-formed
-                logprobs = (list(logprobs) + [0.0] * len(ids))[: len(ids)]
+        ids = step.token_ids
+        logprobs = step.logprobs
+        if len(logprobs) != len(ids):
+            # Whose tokens lack a log-prob cannot be told: every request with tokens in the
+            # step fails (a failed engine attempt: the call loop retries it), none is recorded
+            # with a made-up log-prob. Their sinks are gone, so their ends below are skipped.
+            self._refuse(step.tags, missing_logprobs(len(ids), len(logprobs), f"engine {self.target}"))
+        elif step.tags:
             pos = 0
             for tag, n, version in zip(step.tags, step.counts, step.policy_versions, strict=True):
                 end = pos + n
@@ -190,6 +193,16 @@ class EngineStream:
                 sink.on_end(None, from_status(end_.code, end_.message))
             else:
                 sink.on_end(FinishReason.from_proto(end_.finish_reason), None)
+
+    def _refuse(self, tags: Iterable[int], error: GyreError) -> None:
+        """Ends these requests with ``error`` and cancels them (their engine requests are
+        aborted); the stream goes on for the others."""
+        for tag in dict.fromkeys(tags):
+            sink = self._sinks.get(tag)
+            if sink is not None:
+                self.cancel(tag)
+                sink.on_end(None, error)
+        log.error("engine step refused", extra={"target": self.target, "error": str(error)})
 
     def _break(self, error: Callable[[], GyreError]) -> None:
         """Fails every open request (each with its own error instance), ends the call and the

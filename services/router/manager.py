@@ -161,6 +161,7 @@ class CallManager:
                 output_policy_versions=tuple(call.policy_versions),
                 idempotency_key=idempotency_key,
                 chat_state=chat.encode() if chat is not None else "",
+                temperature=call.sampling.temperature,
             )
         )
 

@@ -58,6 +58,9 @@ class Turn:
     chat_state: str = ""
     """A chat call's :class:`~services.router.trajectory.ChatState`, encoded ("": a
     token-level call): what another router needs to continue the execution."""
+    temperature: float = 1.0
+    """The call's sampling temperature (0: greedy): the trainer scores the turn's tokens at
+    it (the engines report log-probs after temperature). A packer record without one: 1."""
 
     def to_proto(self) -> packer_pb2.TurnRecord:
         return packer_pb2.TurnRecord(
@@ -71,6 +74,7 @@ class Turn:
             output_loss_mask=self.output_loss_mask,
             idempotency_key=self.idempotency_key,
             chat_state=self.chat_state,
+            temperature=self.temperature,
         )
 
     @classmethod
@@ -86,6 +90,7 @@ class Turn:
             output_loss_mask=tuple(msg.output_loss_mask),
             idempotency_key=msg.idempotency_key,
             chat_state=msg.chat_state,
+            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         )
 
 

@@ -5,8 +5,9 @@ tags in one step, a tag twice in one step), the end's finish reason rides on the
 (an empty chunk when the end brings no tokens), an error end raises its domain error, an end
 with neither just stops; closing a request early or passing its deadline cancels its tag; a
 broken stream fails every open request with UNAVAILABLE and the next request opens a new
-stream. Real gRPC with mutual TLS on loopback: a scripted Engine servicer (steps written by
-the test) and the router's fake engine (whose tokens are known in advance)."""
+stream; a step with fewer log-probs than tokens fails the requests in it with INTERNAL.
+Real gRPC with mutual TLS on loopback: a scripted Engine servicer (steps written by the
+test) and the router's fake engine (whose tokens are known in advance)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
 from bench.support.loopback import serve_loopback
 from gyre.config import TlsConfig
-from gyre.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from gyre.errors import DeadlineExceeded, FailedPrecondition, Internal, Unavailable
 from gyre.tokens import Chunk, FinishReason
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
@@ -190,6 +191,43 @@ async def test_broken_stream_fails_every_request_and_the_next_reopens(scripted):
     )
     assert await asyncio.wait_for(again, 10) == [Chunk([4], [0.0], 1, FinishReason.STOP)]
     assert engine.calls == 2
+
+
+async def test_a_step_short_of_logprobs_fails_its_requests_and_the_stream_goes_on(scripted):
+    """Whose tokens lack a log-prob cannot be told: every request with tokens in the step
+    fails with INTERNAL (none gets a made-up 0.0) and its tag is cancelled; a request not in
+    the step goes on, on the same stream."""
+    engine, client, target = scripted
+    one = asyncio.create_task(_collect(client.generate(target, _request("r1"), 10)))
+    two = asyncio.create_task(_collect(client.generate(target, _request("r2"), 10)))
+    three = asyncio.create_task(_collect(client.generate(target, _request("r3"), 10)))
+    tags = await engine.tags(3)
+    await engine.steps.put(
+        pb.EngineStep(
+            tags=[tags["r1"], tags["r2"], tags["r1"]],
+            counts=[1, 2, 1],
+            policy_versions=[1, 1, 1],
+            token_ids=[10, 20, 21, 11],
+            logprobs=[-0.1, -0.2, -0.3],
+            ends=[pb.EngineStreamEnd(tag=tags["r2"], finish_reason=STOP)],
+        )
+    )
+    for task in (one, two):
+        with pytest.raises(Internal, match="4 token\\(s\\) with 3 log-prob"):
+            await asyncio.wait_for(task, 10)
+    assert sorted(await engine.cancels()) == sorted([tags["r1"], tags["r2"]])
+    await engine.steps.put(
+        pb.EngineStep(
+            tags=[tags["r3"]],
+            counts=[1],
+            policy_versions=[1],
+            token_ids=[30],
+            logprobs=[-0.5],
+            ends=[pb.EngineStreamEnd(tag=tags["r3"], finish_reason=LENGTH)],
+        )
+    )
+    assert await asyncio.wait_for(three, 10) == [Chunk([30], [-0.5], 1, FinishReason.LENGTH)]
+    assert engine.calls == 1
 
 
 class Sink:

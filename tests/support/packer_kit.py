@@ -60,6 +60,7 @@ def turn(x: str, g: str, i: int = 0, prompt: int = 4, output: int = 4, version: 
         kw.get("max_tokens", 1 << 20),
         kw.get("call_key", ""),
         kw.get("chat_state", ""),
+        kw.get("temperature", 1.0),
     )
 
 

@@ -35,6 +35,7 @@ class Script:
     hang_after: int = 0
     export_ok: bool = True
     export_delay_s: float = 0.0
+    short_logprobs: int = 0  # the first this many chunks lack their last token's log-prob
 
 
 class FakeEngines:
@@ -72,6 +73,9 @@ class FakeEngines:
                         finish = FinishReason.LENGTH
                         break
                 await asyncio.sleep(s.delay_s)
+                if s.short_logprobs:
+                    s.short_logprobs -= 1
+                    lps = lps[:-1]  # an engine that answered a token without its log-prob
                 yield Chunk(ids, lps, s.policy_version, finish)
                 sent += len(ids)
                 self.tokens_sent[request.request_id] = sent
@@ -431,6 +435,60 @@ async def test_coalescing_window_merges_tokens_without_changing_them():
     assert len(chunks) < 15  # ~10 tokens per message instead of 1
     assert chunks[-1].finish_reason is FinishReason.LENGTH
     assert len(chunks[0].token_ids) == 1  # the first token is not held: no window before it
+
+
+def _reference_logprobs(prompt: list[int], n: int, version: int = 1) -> tuple[float, ...]:
+    state, out = context_state(version, prompt), []
+    for _ in range(n):
+        tok, lp = token_for(state, 512)
+        out.append(lp)
+        state = next_state(state, tok)
+    return tuple(out)
+
+
+async def test_a_chunk_short_of_logprobs_fails_the_attempt_and_the_retry_records_real_ones():
+    """No log-prob is made up: the attempt whose engine answered a token without one fails
+    (an engine failure, retried within the budget) and takes none of that chunk's tokens;
+    the turn recorded has the engine's own log-prob for every token."""
+    mgr, _, engines, sink, turns = setup({"a": Script(per_chunk=2, short_logprobs=1)}, retry_budget=1)
+    task = asyncio.create_task(turns.run())
+    out, chunks = await run_call(mgr, 10)
+    assert out == reference(1, PROMPT, 10)
+    assert [lp for c in chunks for lp in c.logprobs] == list(_reference_logprobs(PROMPT, 10))
+    assert mgr.stats.engine_failures == 1 and [t for t, _ in engines.requests] == ["a", "a"]
+    assert engines.aborts == [("a", engines.requests[0][1].request_id)]
+    assert await turns.flush(2.0)
+    assert len(sink.turns) == 1
+    assert sink.turns[0].output_logprobs == _reference_logprobs(PROMPT, 10)
+    task.cancel()
+
+
+async def test_an_engine_without_logprobs_fails_the_call_and_records_nothing():
+    mgr, _, _, sink, turns = setup({"a": Script(short_logprobs=1 << 30)}, retry_budget=1)
+    task = asyncio.create_task(turns.run())
+    got: list[int] = []
+    with pytest.raises(Unavailable, match="log-prob") as err:
+        async for chunk in mgr.generate(mgr.routes.get("e1"), PROMPT, Sampling(max_tokens=8), 5.0):
+            got.extend(chunk.token_ids)
+    assert "retry budget 1" in str(err.value)
+    assert got == [] and mgr.stats.engine_failures == 2 and mgr.stats.failed_calls == 1
+    assert turns.pending == 0 and sink.turns == []
+    task.cancel()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+async def test_the_recorded_turn_carries_the_calls_temperature(temperature):
+    mgr, _, _, sink, turns = setup({"a": Script()})
+    task = asyncio.create_task(turns.run())
+    sampling = Sampling(max_tokens=6, temperature=temperature)
+    async for _ in mgr.generate(mgr.routes.get("e1"), PROMPT, sampling, 5.0):
+        pass
+    assert await turns.flush(2.0)
+    assert [t.temperature for t in sink.turns] == [temperature]
+    msg = sink.turns[0].to_proto()
+    assert msg.HasField("temperature") and msg.temperature == temperature
+    assert Turn.from_proto(msg) == sink.turns[0]
+    task.cancel()
 
 
 def test_sampled_calls_without_seed_get_distinct_reproducible_seeds():

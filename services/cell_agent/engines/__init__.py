@@ -24,7 +24,7 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
             cfg.model_dir,
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
-            seed=cfg.seed,
+            seed=cfg.engine_seed,
             dtype=cfg.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             policy_version=cfg.policy_version,
@@ -46,7 +46,9 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
         faults=faults,
         vocab_size=mock.vocab_size,
         max_batch=mock.max_batch,
-        seed=cfg.seed,
+        # The mock's model (its fingerprint: model_dir's weights, or a fixed one) is the same
+        # on every cell; only what unseeded sampled requests draw is the cell's own.
+        sampling_seed=cfg.engine_seed,
         model_dir=cfg.model_dir,
         cell_id=cfg.cell_id,
         kv_dir=cfg.kv_dir or mock.kv_dir,

@@ -7,12 +7,15 @@ requests are prefilled in the step that admits them), charges each step the cost
 ``time_scale``; a :class:`VirtualClock` makes tests exact and instant).
 
 Tokens are deterministic: token ``i`` is a hash of the weights' fingerprint and the last
-``window`` tokens of the context, so a continuation from prompt + k generated tokens yields
-exactly the tokens an uninterrupted run would have produced. Log-probs are derived from
-the same hash. Weights are fingerprinted by content, so restoring old weights restores old
-output. KV export/import pins a request's context under a handle (in memory, or as a file
-when ``kv_dir`` is set) and lets another mock engine skip prefilling it. Faults are
-scriptable (die after k tokens, hang after k tokens) for fault tests.
+``window`` tokens of the context (and, when sampled at a temperature > 0, of the request's
+seed, or of the engine's ``sampling_seed`` for a request without one), so a continuation
+from prompt + k generated tokens yields exactly the tokens an uninterrupted run would have
+produced. Log-probs are the emitted token's under a model distribution derived from the
+same hash and tempered like the real engine's (see :func:`mock_logprob`). Weights are
+fingerprinted by content, so restoring old weights restores old output. KV export/import
+pins a request's context under a handle (in memory, or as a file when ``kv_dir`` is set)
+and lets another mock engine skip prefilling it. Faults are scriptable (die after k
+tokens, hang after k tokens) for fault tests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -198,7 +202,11 @@ class MockEngine(Engine):
         prefix_cache_tokens: int = 1 << 20,
         block_tokens: int = 16,
         policy_version: int = 0,
+        sampling_seed: int = 0,
     ) -> None:
+        """``seed`` names the mock's model (its fingerprint when ``model_dir`` holds no
+        weights); ``sampling_seed`` is the engine's own random stream: what a request sampled
+        without a seed of its own draws from (the cell's ``engine_seed``)."""
         super().__init__(policy_version)
         if vocab_size <= token_floor:
             raise ValueError("vocab_size must exceed token_floor")
@@ -211,6 +219,9 @@ class MockEngine(Engine):
         self._window = window
         self._max_batch = max_batch
         self._seed = seed
+        self._sampling_salt = struct.pack("<q", sampling_seed)
+        """What a sampled request without a seed of its own is salted with (the engine's own
+        random stream, as vLLM's global seed; 0: the salt of request seed 0, as before)."""
         self._model_dir = model_dir
         self._cell_id = cell_id
         self._kv_dir = kv_dir
@@ -421,7 +432,12 @@ class MockEngine(Engine):
 
     def _token(self, context: list[int], sampling: Sampling) -> tuple[int, float]:
         tail = context[-self._window :]
-        salt = struct.pack("<q", sampling.seed) if sampling.temperature > 0 else b""
+        if sampling.temperature <= 0:
+            salt = b""
+        elif sampling.seed:
+            salt = struct.pack("<q", sampling.seed)
+        else:
+            salt = self._sampling_salt
         x = int.from_bytes(
             hashlib.blake2b(
                 self._fingerprint + salt + struct.pack(f"<{len(tail)}i", *tail), digest_size=8
@@ -429,8 +445,8 @@ class MockEngine(Engine):
             "little",
         )
         token = self._floor + x % (self._vocab - self._floor)
-        logprob = -0.001 - ((x >> 32) % 8000) / 1000.0
-        return token, logprob
+        raw = -0.001 - ((x >> 32) % 8000) / 1000.0
+        return token, mock_logprob(raw, sampling.temperature, self._vocab)
 
     async def _run(self) -> None:
         try:
@@ -508,6 +524,28 @@ class MockEngine(Engine):
             self._drop(req)
         if self._loop_task is not None and self._loop_task is not asyncio.current_task():
             self._loop_task.cancel()
+
+
+def mock_logprob(raw: float, temperature: float, vocab_size: int) -> float:
+    """The log-prob the mock reports for an emitted token: what vLLM's processed log-probs
+    are (the distribution after temperature), for the mock's model distribution.
+
+    The mock's untempered model puts probability ``p = exp(raw)`` on the emitted token (raw
+    is hash-derived, in [-8, -0.001]) and spreads the rest evenly over the other
+    ``vocab_size - 1`` ids. Sampled at temperature ``T`` the logits are divided by ``T``:
+    the emitted token's log-prob is ``raw/T - log(exp(raw/T) + (V-1) * q**(1/T))`` with
+    ``q = (1-p)/(V-1)``. ``T == 1`` gives ``raw`` itself; greedy (``T == 0``) is scored
+    untempered (``raw``), as vLLM reports it and the trainer scores it. (The token itself is
+    a hash, not a draw from this distribution: the mock's log-probs are consistent numbers
+    for the trainer's importance ratios, not a model of sampling.)"""
+    if temperature <= 0 or temperature == 1.0 or vocab_size <= 1:
+        return raw
+    others = math.log(vocab_size - 1)
+    log_q = math.log1p(-math.exp(raw)) - others  # each other id's untempered log-prob
+    a = raw / temperature  # the emitted token's tempered logit
+    b = others + log_q / temperature  # log of every other id's tempered weight, summed
+    m = max(a, b)
+    return min(0.0, a - (m + math.log(math.exp(a - m) + math.exp(b - m))))
 
 
 def fingerprint_weights(weights: Mapping[str, Any] | bytes) -> bytes:

