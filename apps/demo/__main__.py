@@ -1,4 +1,5 @@
-"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--chaos] [--run-dir DIR] [--dashboard-port P]"""
+"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--chaos] [--run-dir DIR] [--dashboard-port P]
+[--eval-tasks N] [--no-warm-start]"""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         help="kill (SIGKILL) and pause (SIGSTOP) processes on a schedule while the demo runs (apps/demo/chaos.py)",
     )
     parser.add_argument("--no-live", action="store_true", help="plain output (no live panel)")
+    parser.add_argument(
+        "--no-warm-start", action="store_true", help="v0 = the random tiny model (no supervised warm start)"
+    )
+    parser.add_argument(
+        "--eval-tasks",
+        type=int,
+        default=32,
+        help="held-out tasks evaluated at v0, every few versions and the last (0: none)",
+    )
+    parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task and version")
+    parser.add_argument(
+        "--eval-every", type=int, default=4, help="evaluate every N-th version (and v0 and the last)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     opts = DemoOptions(
@@ -44,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         env=EnvConfig(**json.loads(args.env)),
         live=not args.no_live,
         chaos=Chaos() if args.chaos else None,
+        warm_start=not args.no_warm_start,
+        eval_tasks=args.eval_tasks,
+        eval_samples=args.eval_samples,
+        eval_every=args.eval_every,
     )
     if args.run_dir is not None:
         opts.run_dir = args.run_dir

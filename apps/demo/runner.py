@@ -34,7 +34,17 @@ from rich.table import Table
 
 from apps.checker import Verdict, check_files
 from apps.demo.chaos import Chaos
-from apps.harness.env import EnvConfig
+from apps.demo.learning import (
+    diagnostics_summary,
+    evaluate_version,
+    plot_learning,
+    reward_by_generating_version,
+    separated,
+    step_diagnostics,
+    versions_to_evaluate,
+    write_tensorboard,
+)
+from apps.harness.env import EVAL_SEED, EnvConfig, eval_tasks
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
 from services.scheduler.config import SchedulerConfig
@@ -63,6 +73,17 @@ class DemoOptions:
     chaos: Chaos | None = None
     """``--chaos``: its schedule of faults runs as ``during``, the run ends only once every
     fault was injected and survived (or the timeout), and summary.json reports them."""
+    warm_start: bool = True
+    """v0 is the tiny model after a short supervised warm start on expert trajectories
+    (apps/model/warmstart.py), so the reward RL adds is measured from a policy that can
+    already call tools. Off: the random model (the fault tests, whose engines are mocks)."""
+    eval_tasks: int = 32
+    """Held-out tasks of the evaluation (never trained on); 0: no evaluation."""
+    eval_samples: int = 4
+    """Episodes per held-out task and version evaluated."""
+    eval_every: int = 4
+    """The core keeps every N-th version's weights; each is evaluated after the run, with v0
+    and the last version."""
 
 
 @dataclass
@@ -86,6 +107,13 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
         data.setdefault(section, {})
     data["router"]["model_dir"] = str(model_dir)
     data["cell_agent"]["model_dir"] = str(model_dir)
+    training = data["cell_agent"].get("training")
+    if isinstance(training, dict) and training.get("mode", "torch") == "torch":
+        # The core's step scalars beside the demo's own curves (tensorboard --logdir runs/),
+        # and every few versions' weights for the held-out evaluation after the run.
+        training.setdefault("tensorboard_dir", "{run_dir}/tensorboard/train")
+        if opts.eval_tasks and opts.eval_every:
+            training.setdefault("keep_versions_every", opts.eval_every)
     data["cell_agent"]["engine"] = opts.engine
     data["scheduler"]["max_bursts"] = opts.bursts
     # The dashboard is the service itself (one dashboard, one behaviour); the launcher gives
@@ -231,7 +259,7 @@ def _progress_view(
     foot = (
         f"executions: dispatched {sum(tally.dispatched.values())}, finished {sum(tally.finished.values())}; "
         f"harness completed {stats.completed}, failed {stats.failed}\n"
-        f"reward by policy version: {rew}\ndashboard: {dashboard_url}"
+        f"reward by dispatch version: {rew}\ndashboard: {dashboard_url}"
     )
     return Panel(Group(head, cells, foot), title="gyre demo")
 
@@ -249,11 +277,19 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     console = Console()
     started = time.monotonic()
     model_dir = build_model(console)
+    loop = asyncio.get_running_loop()
+    if opts.warm_start:
+        model_dir = await loop.run_in_executor(None, warm_start_model, console, model_dir)
+    held_out = eval_tasks(opts.eval_tasks) if opts.eval_tasks else []
+    evals: list[dict[str, Any]] = []
+    if held_out:
+        with console.status(f"evaluating v0 on {len(held_out)} held-out tasks ..."):
+            evals.append(await loop.run_in_executor(None, _evaluate, opts, model_dir, None, 0, held_out))
+        _print_eval(console, evals[-1])
     template = render_config(opts, model_dir)
     cluster = Cluster(template, opts.run_dir, free_ports=True)
     planned = planned_executions(cluster.section("scheduler"))
     console.print(f"run folder: {opts.run_dir}")
-    loop = asyncio.get_running_loop()
     await loop.run_in_executor(
         None,
         lambda: cluster.start(
@@ -346,6 +382,24 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     if outcome == "completed" and not verdict.ok:
         outcome = f"history checker: {len(verdict.violations)} violations"
     trajectories = _trajectories(opts.run_dir / "packer-wal")
+    # What the policy learned: every kept version and the last, on the held-out tasks.
+    if held_out:
+        kept = versions_to_evaluate(opts.run_dir)
+        for n, (version, state) in enumerate(kept.items(), 1):
+            with console.status(
+                f"evaluating v{version} ({n}/{len(kept)}) on {len(held_out)} held-out tasks ..."
+            ):
+                evals.append(
+                    await loop.run_in_executor(None, _evaluate, opts, model_dir, state(), version, held_out)
+                )
+            _print_eval(console, evals[-1])
+    generated = _reward_by_generating_version(opts.run_dir / "packer-wal")
+    steps = step_diagnostics(opts.run_dir / "history" / "cell_agent.jsonl")
+    learning = {
+        "eval": _eval_summary(evals, opts),
+        "reward_by_generating_version": {str(v): r for v, r in generated.items()},
+        "training": diagnostics_summary(steps),
+    }
     summary = {
         "outcome": outcome,
         "engine": opts.engine,
@@ -364,9 +418,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             "harness_cancelled": stats.cancelled,
             "harness_calls": stats.calls,
         },
-        "reward_by_policy_version": {str(v): rewards[v] for v in versions},
-        "reward_first_version": rewards[versions[0]]["mean"] if versions else None,
-        "reward_last_version": rewards[versions[-1]]["mean"] if versions else None,
+        **learning,
+        "reward_by_dispatch_version": {str(v): rewards[v] for v in versions},
         "trajectories": trajectories,
         "restarts": {name: n for name, n in cluster.restarts().items() if n},
         "checker": verdict.to_json(),
@@ -375,6 +428,9 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     }
     (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (opts.run_dir / "timeline.json").write_text(json.dumps(timeline))
+    if evals or generated:
+        plot_learning(evals, generated, opts.run_dir / "learning.png", steps)
+        write_tensorboard(opts.run_dir / "tensorboard" / "demo", evals, generated)
     plot_timeline(
         timeline,
         opts.run_dir / "timeline.png",
@@ -382,6 +438,73 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     )
     _print_summary(console, summary, opts.run_dir)
     return summary
+
+
+def warm_start_model(console: Console, model_dir: Path) -> Path:
+    """v0: the tiny model after the supervised warm start (cached beside it)."""
+    from apps.model.warmstart import warm_start
+
+    with console.status("warm start: supervised fine-tune on expert trajectories (v0) ..."):
+        t0 = time.monotonic()
+        path = warm_start(model_dir)
+    console.print(f"[green]v0[/] {path} ({time.monotonic() - t0:.0f} s)")
+    return path
+
+
+def _evaluate(opts: DemoOptions, v0_dir: Path, state: Any, version: int, tasks: list[Any]) -> dict[str, Any]:
+    return evaluate_version(v0_dir, state, version, tasks, opts.env, opts.eval_samples, seed=EVAL_SEED)
+
+
+def _print_eval(console: Console, e: dict[str, Any]) -> None:
+    console.print(
+        f"[green]eval[/] v{e['version']}: {e['mean']:.3f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}] "
+        f"(n={e['n']}, success {e['success']:.2f}, {e['seconds']:.0f} s)"
+    )
+
+
+def _eval_summary(evals: list[dict[str, Any]], opts: DemoOptions) -> dict[str, Any]:
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    return {
+        "tasks": opts.eval_tasks,
+        "samples_per_task": opts.eval_samples,
+        "first": first,
+        "last": last,
+        "by_version": evals,
+        "last_above_first": separated(first, last),
+    }
+
+
+def _eval_row(e: dict[str, Any]) -> str:
+    if not e:
+        return "-"
+    parts = [
+        f"v{x['version']}: {x['mean']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]" for x in e["by_version"]
+    ]
+    verdict = "last above first (intervals apart)" if e["last_above_first"] else "intervals overlap"
+    return ", ".join(parts) + f"; {verdict}"
+
+
+def _diag_row(t: dict[str, Any]) -> str:
+    if not t:
+        return "-"
+    m = t["mean"]
+    return (
+        f"{t['steps']} steps: clip {m['clip_fraction']:.3f}, behaviour weight {m['behaviour_weight_mean']:.3f} "
+        f"(max {t['behaviour_weight_max']:.2f}, capped {m['behaviour_weight_capped_share']:.4f}), "
+        f"entropy {m['entropy']:.3f}, grad norm {m['grad_norm']:.3f}, lag {m['lag_mean']:.2f}, "
+        f"gap at lag 0 {m['logprob_gap_lag0']:.4f}"
+    )
+
+
+def _reward_by_generating_version(wal_dir: Path) -> dict[int, dict[str, float]]:
+    from apps.demo.trajectories import read_events
+
+    try:
+        return reward_by_generating_version(read_events(wal_dir))
+    except FileNotFoundError:
+        return {}
 
 
 def planned_executions(section: dict[str, Any]) -> int:
@@ -470,10 +593,13 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ),
         ("executions dispatched / finished / lost", f"{ex['dispatched']} / {ex['finished']} / {ex['lost']}"),
         ("episodes completed / failed (harness)", f"{ex['harness_completed']} / {ex['harness_failed']}"),
+        ("held-out eval (mean [95% CI])", _eval_row(summary.get("eval") or {})),
         (
-            "reward by policy version",
-            ", ".join(f"v{v}: {r['mean']:.3f}" for v, r in summary["reward_by_policy_version"].items()),
+            "training reward by generating version",
+            ", ".join(f"v{v}: {r['mean']:.2f}" for v, r in summary["reward_by_generating_version"].items())
+            or "-",
         ),
+        ("training diagnostics (mean per step)", _diag_row(summary.get("training") or {})),
         ("token-consistent consecutive turns", _consistency(summary.get("trajectories") or {})),
         ("training tokens per episode (per segment / per turn)", _tokens(summary.get("trajectories") or {})),
         ("wall time", f"{summary['wall_s']} s"),

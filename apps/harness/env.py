@@ -1,21 +1,29 @@
 """An example agent environment: multi-turn episodes with tools acting on a per-execution
-workspace, heavy-tailed turn counts and tool latencies, and a reward a tiny model can learn.
+workspace, heavy-tailed tool latencies, a per-task turn budget, and a reward that depends on
+what the agent does with its tools.
+
+The task: the workspace holds ``notes.txt`` (``secret=NN``) and one to three distractor
+files from a small pool (``todo.txt``, ``data.txt``, ...), each holding another number
+(``count=NN``, ...). The user turn lists the files (a JSON list, shuffled per task) and asks
+for the secret. The agent is offered three tools the standard way (OpenAI ``tools``:
+``list_files``, ``read_file``, ``write_file``); the calls it makes come back parsed by the
+router (its own tokens choose the tool and its arguments) and are answered with
+``role: tool`` messages. A reply without a tool call runs nothing: it is answered with a
+short user nudge. The episode ends when the agent calls ``write_file`` (which writes
+``answer.txt``) or at the task's turn budget.
+
+The reward is computed from the workspace alone: 1.0 when ``answer.txt`` holds exactly the
+secret, ``number_credit`` when it holds another number (one read from a distractor), 0
+otherwise. The secret is only in ``notes.txt``: the best reward needs a ``read_file`` of the
+right file and a ``write_file`` of what it said (a guess is right one time in 90). The
+warm-started policy (:mod:`apps.model.warmstart`) reads a listed file at random; policy
+gradient learns which one to read.
 
 The shapes follow WORKLOADS.md profile A (SWE / terminal agent), scaled down so a demo run
-takes minutes: turns ~ LN(median, sigma) clipped, tool latency a three-way lognormal
-mixture (fast / medium / rare slow calls times a per-task factor). Everything the agent
-does lands in its workspace, a temporary directory that lives with the harness, outside any
-GPU cell: that is what survives a role change.
-
-The task: the workspace holds ``notes.txt`` with a secret number. The agent is offered its
-tools the standard way (OpenAI ``tools``); a tool call it makes comes back as
-``tool_calls`` and is answered with a ``role: tool`` message. A reply without a tool call
-(what a random tiny model writes) is run ReAct-style through a tool chosen from the reply
-and answered with a user message. Written replies land in ``answer.txt``. The reward is
-computed from the workspace alone: the fraction of characters in ``answer.txt`` that are
-digits, plus a bonus when the secret appears. A random tiny model writes few digits;
-group-relative policy gradient on this reward visibly raises it within a few policy
-versions, which is what the demo shows.
+takes minutes: the turn budget ~ LN(median, sigma) clipped, tool latency a three-way
+lognormal mixture (fast / medium / rare slow calls times a per-task factor). Everything the
+agent does lands in its workspace, a temporary directory that lives with the harness,
+outside any GPU cell: that is what survives a role change.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -37,11 +46,11 @@ class EnvConfig(BaseModel):
     """Episode shape. Times are in seconds of wall-clock (already scaled)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    turns_median: float = Field(3.0, gt=0, description="Median turns per episode (lognormal).")
-    turns_sigma: float = Field(0.6, ge=0, description="Log-sd of turns per episode.")
-    turns_min: int = Field(1, ge=1)
+    turns_median: float = Field(4.0, gt=0, description="Median turn budget per task (lognormal).")
+    turns_sigma: float = Field(0.5, ge=0, description="Log-sd of the turn budget.")
+    turns_min: int = Field(2, ge=1, description="2: a read and a write fit every budget.")
     turns_max: int = Field(12, ge=1)
-    max_tokens: int = Field(16, ge=1, le=4096, description="Model tokens per turn.")
+    max_tokens: int = Field(48, ge=1, le=4096, description="Model tokens per turn (a tool call is ~30).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (>0 for GRPO variance).")
     time_scale: float = Field(0.05, ge=0, description="Multiplies every tool latency of profile A.")
     tool_mix: tuple[float, float, float] = Field((0.60, 0.35, 0.05), description="P(fast, medium, slow).")
@@ -49,7 +58,32 @@ class EnvConfig(BaseModel):
     tool_sigmas: tuple[float, float, float] = Field((0.8, 1.0, 1.0))
     task_factor_sigma: float = Field(1.2, ge=0, description="Log-sd of the per-task slow-tool factor.")
     tool_cap_s: float = Field(600.0, gt=0, description="Cap before scaling.")
-    digit_bonus: float = Field(0.5, ge=0, description="Reward bonus when the secret number appears.")
+    distractors_min: int = Field(1, ge=0, le=4, description="Distractor files per task.")
+    distractors_max: int = Field(3, ge=0, le=4)
+    number_credit: float = Field(
+        0.1, ge=0, le=1, description="Reward for writing a number that is not the secret."
+    )
+    digit_credit: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="An episode that never wrote an answer earns this times the share of digits in its last "
+        "reply: a policy that cannot call tools yet (a random model, the mock engines) still gets groups "
+        "whose rewards differ, so GRPO has a signal; tiny next to a written number.",
+    )
+
+
+SECRET_FILE = "notes.txt"
+ANSWER_FILE = "answer.txt"
+DISTRACTORS: tuple[tuple[str, str], ...] = (
+    ("todo.txt", "count"),
+    ("data.txt", "value"),
+    ("log.txt", "code"),
+    ("config.txt", "port"),
+)
+"""The distractor pool: (file name, the key of the number it holds)."""
+NUDGE = "Use a tool."
+"""The user turn that answers a reply without a tool call."""
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
@@ -58,7 +92,9 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
 
 @dataclasses.dataclass
 class Task:
-    """One task; the executions of a group share it (and its random draws)."""
+    """One task; the executions of a group share it (and its random draws). Its files follow
+    from ``(secret, seed)``: the JSON the scheduler generates (``task_id``, ``secret``,
+    ``seed``) is all it needs."""
 
     task_id: str
     secret: int
@@ -71,88 +107,101 @@ class Task:
     def from_json(cls, data: dict[str, object]) -> Task:
         return cls(str(data["task_id"]), int(str(data["secret"])), int(str(data["seed"])))
 
+    def files(self, config: EnvConfig | None = None) -> dict[str, str]:
+        """The workspace's files (name -> content), in the order the prompt lists them."""
+        c = config or EnvConfig()
+        rng = random.Random(self.seed ^ 0x5EC12E7)
+        lo, hi = min(c.distractors_min, c.distractors_max), max(c.distractors_min, c.distractors_max)
+        chosen = rng.sample(DISTRACTORS, rng.randint(lo, hi))
+        numbers = rng.sample([n for n in range(10, 100) if n != self.secret], len(chosen))
+        files = {SECRET_FILE: f"secret={self.secret}\n"}
+        files.update({name: f"{key}={n}\n" for (name, key), n in zip(chosen, numbers, strict=True)})
+        order = list(files)
+        rng.shuffle(order)
+        return {name: files[name] for name in order}
+
 
 def make_tasks(n: int, seed: int = 0, prefix: str = "task") -> list[Task]:
+    """``n`` tasks named ``{prefix}-{i}``. Held-out tasks use another prefix and seed
+    (:func:`eval_tasks`): their ids never collide with the scheduler's ``task-{i}``."""
     rng = random.Random(seed)
     return [Task(f"{prefix}-{i}", rng.randrange(10, 100), rng.randrange(2**31)) for i in range(n)]
+
+
+EVAL_SEED = 1_000_003
+"""The held-out tasks' seed: the scheduler's generator (``services/scheduler/tasks.py``)
+draws task i from ``Random(seed * 1_000_003 + i)``, ``make_tasks`` from ``Random(seed)``."""
+
+
+def eval_tasks(n: int = 32, seed: int = EVAL_SEED) -> list[Task]:
+    """Held-out tasks (``eval-{i}``), never trained on."""
+    return make_tasks(n, seed=seed, prefix="eval")
 
 
 class Workspace:
     """A per-execution directory with the task's files."""
 
-    def __init__(self, task: Task, root: str | None = None) -> None:
+    def __init__(self, task: Task, root: str | None = None, config: EnvConfig | None = None) -> None:
         self.path = Path(tempfile.mkdtemp(prefix=f"gyre-ws-{task.task_id}-", dir=root))
-        (self.path / "notes.txt").write_text(f"The secret number is {task.secret}.\n")
-        (self.path / "answer.txt").write_text("")
+        self.names = list(task.files(config))
+        for name, content in task.files(config).items():
+            (self.path / name).write_text(content)
 
     def list_files(self) -> str:
-        return " ".join(sorted(p.name for p in self.path.iterdir()))
+        """The file names as a JSON list (as the prompt lists them): names are then the same
+        tokens in a listing and in a call's arguments."""
+        return json.dumps(sorted(p.name for p in self.path.iterdir()))
 
     def read_file(self, name: str) -> str:
         target = (self.path / name).resolve()
-        if target.parent != self.path.resolve() or not target.exists():
+        if target.parent != self.path.resolve() or not target.is_file():
             return f"error: no file {name}"
         return target.read_text()[:200]
 
-    def append_answer(self, text: str) -> str:
-        with open(self.path / "answer.txt", "a") as f:
-            f.write(text + "\n")
+    def write_answer(self, text: str) -> str:
+        (self.path / ANSWER_FILE).write_text(text)
         return "ok"
 
     def answer(self) -> str:
-        return (self.path / "answer.txt").read_text()
+        path = self.path / ANSWER_FILE
+        return path.read_text() if path.exists() else ""
 
     def cleanup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def reward_of(answer: str, secret: int, bonus: float) -> float:
-    """Fraction of non-space characters that are digits, plus a bonus for the secret."""
-    chars = [c for c in answer if not c.isspace()]
-    if not chars:
-        return 0.0
-    frac = sum(c.isdigit() for c in chars) / len(chars)
-    return frac + (bonus if str(secret) in answer else 0.0)
+def reply_credit(reply: str, digit_credit: float) -> float:
+    """``digit_credit`` times the share of digits among the reply's non-space characters."""
+    chars = [c for c in reply if not c.isspace()]
+    return digit_credit * sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def reward_of(answer: str, secret: int, number_credit: float = 0.1) -> float:
+    """1.0 for exactly the secret, ``number_credit`` for another number, else 0."""
+    text = answer.strip()
+    if text == str(secret):
+        return 1.0
+    return number_credit if re.fullmatch(r"\d+", text) else 0.0
 
 
 Chat = Callable[[list[dict[str, Any]], int, float, list[dict[str, Any]]], Awaitable[dict[str, Any]]]
 """(messages, max_tokens, temperature, tools) -> the assistant message (OpenAI's
 ``choices[0].message``: ``content`` and, when the model called tools, ``tool_calls``)."""
 
+
+def _tool(name: str, description: str, arg: str | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {"type": "object", "properties": {}}
+    if arg is not None:
+        params = {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
+
+
 TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "list_files",
-            "description": "List the workspace files.",
-            "parameters": {"type": "object", "properties": {}},
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read a file.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}},
-                "required": ["path"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "write_file",
-            "description": "Append text to answer.txt.",
-            "parameters": {
-                "type": "object",
-                "properties": {"text": {"type": "string"}},
-                "required": ["text"],
-            },
-        },
-    },
+    _tool("list_files", "List the files."),
+    _tool("read_file", "Read a file.", "path"),
+    _tool("write_file", "Write the answer.", "text"),
 ]
+"""Short schemas: the chat template renders them into every prompt's system turn."""
 Sleep = Callable[[float], Awaitable[None]]
 
 
@@ -160,19 +209,26 @@ Sleep = Callable[[float], Awaitable[None]]
 class EpisodeResult:
     reward: float
     turns: int
+    """Turns taken (model calls): the write's turn, or the budget."""
     tool_time_s: float
     answer: str
+    calls: list[str] = dataclasses.field(default_factory=list)
+    """The tool calls made, in order, as ``name(argument)``: ``read_file(notes.txt)``."""
+
+    @property
+    def success(self) -> bool:
+        return self.reward >= 1.0
 
 
 class Episode:
     """One execution of a task: the agent loop, its tools and its workspace."""
 
-    SYSTEM = "You are a coding agent. Use tools: list_files, read_file, write_file. Answer with the number."
+    SYSTEM = "You are an agent with tools."
 
     def __init__(self, task: Task, config: EnvConfig, member: int = 0) -> None:
         self.task = task
         self.config = config
-        # Turn count and tool-latency factor are per task (shared by the group), the
+        # Turn budget and tool-latency factor are per task (shared by the group), the
         # individual draws per member: groups differ in length, members a little.
         task_rng = random.Random(task.seed)
         self.turns = int(
@@ -184,6 +240,14 @@ class Episode:
         self.task_factor = _lognormal(task_rng, 1.0, config.task_factor_sigma)
         self.rng = random.Random(task.seed * 1000 + member)
 
+    def prompt(self) -> list[dict[str, Any]]:
+        """The first messages: the system turn and the task."""
+        files = json.dumps(list(self.task.files(self.config)))
+        return [
+            {"role": "system", "content": self.SYSTEM},
+            {"role": "user", "content": f"Files: {files}\nFind the secret number and write it."},
+        ]
+
     def tool_latency_s(self) -> float:
         c = self.config
         u = self.rng.random()
@@ -193,46 +257,36 @@ class Episode:
             latency *= self.task_factor
         return min(latency, c.tool_cap_s) * c.time_scale
 
-    def call_tool(self, workspace: Workspace, name: str, arguments: str) -> str:
-        """Runs a tool call the model made."""
+    def call_tool(self, workspace: Workspace, name: str, arguments: str) -> tuple[str, str]:
+        """Runs a tool call the model made: (result, the call as ``name(argument)``)."""
         try:
             args = json.loads(arguments) if arguments else {}
         except ValueError:
-            return f"error: arguments of {name} are not JSON"
+            return f"error: arguments of {name} are not JSON", f"{name}(?)"
         if not isinstance(args, dict):
-            return f"error: arguments of {name} must be an object"
+            return f"error: arguments of {name} must be an object", f"{name}(?)"
         if name == "list_files":
-            return "files: " + workspace.list_files()
+            return workspace.list_files(), "list_files()"
         if name == "read_file":
-            return workspace.read_file(str(args.get("path", "")))
+            path = str(args.get("path", ""))
+            return workspace.read_file(path), f"read_file({path})"
         if name == "write_file":
-            return workspace.append_answer(str(args.get("text", "")))
-        return f"error: no tool {name}"
-
-    def run_tool(self, workspace: Workspace, reply: str, turn: int) -> str:
-        """Picks a tool from a reply without tool calls (what a random tiny model writes) and
-        runs it, the way a ReAct harness reads an action out of text."""
-        choice = (sum(map(ord, reply)) + turn) % 3
-        if choice == 0:
-            return "files: " + workspace.list_files()
-        if choice == 1:
-            return "notes.txt: " + workspace.read_file("notes.txt")
-        return "write_file answer.txt: " + workspace.append_answer(reply)
+            text = str(args.get("text", ""))
+            return workspace.write_answer(text), f"write_file({text})"
+        return f"error: no tool {name}", f"{name}(?)"
 
     async def run(self, chat: Chat, sleep: Sleep, workspace_root: str | None = None) -> EpisodeResult:
-        workspace = Workspace(self.task, workspace_root)
+        workspace = Workspace(self.task, workspace_root, self.config)
         tool_time = 0.0
+        calls_made: list[str] = []
+        turns = 0
+        wrote = False
+        reply = ""
         try:
-            messages: list[dict[str, Any]] = [
-                {"role": "system", "content": self.SYSTEM},
-                {
-                    "role": "user",
-                    "content": f"Task {self.task.task_id}: find the secret number and write it.",
-                },
-            ]
-            for turn in range(self.turns):
+            messages = self.prompt()
+            for _ in range(self.turns):
+                turns += 1
                 message = await chat(messages, self.config.max_tokens, self.config.temperature, TOOLS)
-                reply = message.get("content") or ""
                 calls = message.get("tool_calls") or []
                 # The history carries the assistant message exactly as it came back, so the
                 # router continues the execution's tokens instead of re-rendering them.
@@ -243,27 +297,36 @@ class Episode:
                         **({"tool_calls": calls} if calls else {}),
                     }
                 )
+                reply = str(message.get("content") or "")
+                # Every turn waits for the environment (a tool, or the harness's nudge): the
+                # latencies of profile A make episodes long and uneven whatever the policy does.
                 latency = self.tool_latency_s()
                 await sleep(latency)
                 tool_time += latency
-                if calls:
-                    for call in calls:
-                        fn = call.get("function", {})
-                        result = self.call_tool(
-                            workspace, str(fn.get("name", "")), str(fn.get("arguments", ""))
-                        )
-                        messages.append(
-                            {"role": "tool", "tool_call_id": call.get("id", ""), "content": result[:120]}
-                        )
-                    observation = "tools called"
-                else:
-                    observation = self.run_tool(workspace, reply, turn)
-                    messages.append({"role": "user", "content": observation[:120]})
-                if turn == self.turns - 1 and "write_file" not in observation:
-                    workspace.append_answer(reply)  # the final reply is always the answer
+                if not calls:  # a reply is just a reply: nothing runs
+                    messages.append({"role": "user", "content": NUDGE})
+                    continue
+                for call in calls:
+                    fn = call.get("function", {})
+                    name = str(fn.get("name", ""))
+                    result, shown = self.call_tool(workspace, name, str(fn.get("arguments", "")))
+                    calls_made.append(shown)
+                    wrote = wrote or name == "write_file"
+                    messages.append(
+                        {"role": "tool", "tool_call_id": call.get("id", ""), "content": result[:120]}
+                    )
+                if wrote:
+                    break
             answer = workspace.answer()
+            reward = reward_of(answer, self.task.secret, self.config.number_credit)
+            if not wrote:
+                reward += reply_credit(reply, self.config.digit_credit)
             return EpisodeResult(
-                reward_of(answer, self.task.secret, self.config.digit_bonus), self.turns, tool_time, answer
+                reward,
+                turns,
+                tool_time,
+                answer,
+                calls_made,
             )
         finally:
             workspace.cleanup()

@@ -28,6 +28,8 @@ def short_demo(
         concurrency=24,
         timeout_s=400,
         live=False,
+        warm_start=False,  # mock engines: the model's skill does not matter, its start-up does
+        eval_tasks=0,
         env=EnvConfig(turns_median=3, turns_sigma=0.8, turns_max=10, time_scale=0.2, max_tokens=8),
         config_overrides={
             "cell_agent": {"mock": {"time_scale": 0.05}, "slots": 6},
