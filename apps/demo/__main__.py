@@ -15,6 +15,12 @@ from apps.demo.runner import DemoOptions, run_demo
 from apps.harness.env import EnvConfig
 
 
+def budget_s(bursts: int) -> float:
+    """The default time budget: start-up plus a minute per burst (15 bursts: 18 minutes,
+    three times what an idle 2-core machine needs; it only ends a run that is stuck)."""
+    return 180.0 + 60.0 * bursts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m apps.demo", description="Gyre end to end on this machine."
@@ -26,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--dashboard-port", type=int, default=8080)
     parser.add_argument("--concurrency", type=int, default=16, help="executions the harness runs at once")
-    parser.add_argument("--timeout-s", type=float, default=540.0)
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="the run's time budget (default: 180 s + 60 s per burst, so a longer run asked for fits)",
+    )
     parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
     parser.add_argument(
         "--chaos",
@@ -54,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         bursts=args.bursts,
         dashboard_port=args.dashboard_port,
         concurrency=args.concurrency,
-        timeout_s=args.timeout_s,
+        timeout_s=args.timeout_s if args.timeout_s is not None else budget_s(args.bursts),
         env=EnvConfig(**json.loads(args.env)),
         live=not args.no_live,
         chaos=Chaos() if args.chaos else None,
