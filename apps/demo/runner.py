@@ -288,7 +288,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         _print_eval(console, evals[-1])
     template = render_config(opts, model_dir)
     cluster = Cluster(template, opts.run_dir, free_ports=True)
-    planned = planned_executions(cluster.section("scheduler"))
+    end = RunEnd(opts.bursts, planned_executions(cluster.section("scheduler")))
     console.print(f"run folder: {opts.run_dir}")
     await loop.run_in_executor(
         None,
@@ -342,7 +342,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                     outcome = f"process given up on: {', '.join(cluster.dead())}"
                     break
                 faults_pending = opts.chaos is not None and during is not None and not during.done()
-                if status is not None and _all_done(status, opts.bursts, planned) and not faults_pending:
+                if status is not None and end.done(status, time.monotonic()) and not faults_pending:
                     break
                 if time.monotonic() - started > opts.timeout_s:
                     outcome = f"timed out after {opts.timeout_s:.0f} s"
@@ -514,20 +514,47 @@ def planned_executions(section: dict[str, Any]) -> int:
     return cfg.max_bursts * cfg.groups_per_burst() * cfg.group_size
 
 
-def _all_done(status: dict[str, Any], bursts: int, planned: int) -> bool:
-    """The run is over: the bursts completed, or every task was dispatched (the
-    asynchronous policies may dispatch several bursts' worth at once), all finished, and the
-    trainer has completed at least one burst from them (an RL demo that ends before its first
-    update, e.g. while a killed core's training recovers, has not done its work)."""
-    if status["ledger"]["waterlevel"] != 0:
-        return False
-    total = status.get("total") or {}
-    drained = (
-        planned > 0
-        and int(total.get("dispatched", 0)) >= planned
-        and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
-    )
-    return status["bursts_completed"] >= bursts or (drained and status["bursts_completed"] >= 1)
+class RunEnd:
+    """When the demo's work is done, however the scheduler's policy grouped it into bursts.
+
+    Done when ``bursts`` bursts completed (their versions published); or when every planned
+    task was dispatched and finished (the asynchronous policies may dispatch several bursts'
+    worth at once, so ``bursts`` may never complete) and the trainer has used that data:
+    every dispatched burst completed, or no full batch is left and the policy version held
+    still for ``settle_s`` (a last burst whose data cannot fill its batches never completes).
+    Never before the first update: an RL demo that ends while a killed core's training
+    recovers has not done its work. The drained case used to end the run right after the
+    first update, while the last burst's batch was still training (a sync run published 1
+    version of 2)."""
+
+    def __init__(self, bursts: int, planned: int, settle_s: float = 30.0) -> None:
+        self.bursts = bursts
+        self.planned = planned
+        self.settle_s = settle_s
+        self._version = -1
+        self._since = 0.0
+
+    def done(self, status: dict[str, Any], now_s: float) -> bool:
+        version = int(status.get("policy_version", 0))
+        if version != self._version:
+            self._version, self._since = version, now_s
+        if status["ledger"]["waterlevel"] != 0:
+            return False
+        completed = int(status["bursts_completed"])
+        if completed >= self.bursts:
+            return True
+        total = status.get("total") or {}
+        drained = (
+            self.planned > 0
+            and int(total.get("dispatched", 0)) >= self.planned
+            and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
+        )
+        if not drained or completed < 1:
+            return False
+        if completed >= int(status["ledger"].get("burst_id", 0)):
+            return True
+        no_batch_left = int(status.get("ready_groups", 0)) < max(1, int(status.get("batch_size", 1)))
+        return no_batch_left and now_s - self._since >= self.settle_s
 
 
 def _check_histories(run_dir: Path, complete: bool) -> Verdict:

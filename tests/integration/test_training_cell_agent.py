@@ -129,7 +129,10 @@ async def test_trainer_in_cell_agents(tmp_path, etcd_server, cluster_name):
                 break
             await asyncio.sleep(0.1)
         assert kv is not None, "no policy announced"
-        assert json.loads(kv.value) == {"version": 1, "source_target": core, "batch_id": 1}
+        record = json.loads(kv.value)
+        training = record.pop("training")  # the batch's loss diagnostics, reduced by the core
+        assert record == {"version": 1, "source_target": core, "batch_id": 1}
+        assert sum(training["lag_hist"]) == training["tokens"] > 0
         assert set(packer.claimed_by(1).values()) == {"e0", "e1"}
         _, got = await pull_snapshot(core, 1)
         for name, w in ref.state_dict().items():

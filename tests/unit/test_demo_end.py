@@ -5,17 +5,32 @@ that never came, until its timeout."""
 
 from __future__ import annotations
 
-from apps.demo.runner import _all_done, planned_executions
+from apps.demo.runner import RunEnd, planned_executions
 
 SECTION = {"batch_size": 4, "group_size": 4, "over_provision": 0.25, "batches_per_burst": 1, "max_bursts": 2}
 
 
-def _status(bursts: int, dispatched: int, finished: int, waterlevel: int = 0) -> dict:
+def _status(
+    bursts: int,
+    dispatched: int,
+    finished: int,
+    waterlevel: int = 0,
+    burst_id: int = 1,
+    ready_groups: int = 0,
+    version: int | None = None,
+) -> dict:
     return {
         "bursts_completed": bursts,
-        "ledger": {"waterlevel": waterlevel},
+        "policy_version": bursts if version is None else version,
+        "ready_groups": ready_groups,
+        "batch_size": 4,
+        "ledger": {"waterlevel": waterlevel, "burst_id": burst_id},
         "total": {"dispatched": dispatched, "finished": finished},
     }
+
+
+def _done(status: dict, planned: int = 40, now_s: float = 0.0, end: RunEnd | None = None) -> bool:
+    return (end or RunEnd(bursts=2, planned=planned)).done(status, now_s)
 
 
 def test_planned_executions_is_max_bursts_worth_of_groups():
@@ -24,24 +39,45 @@ def test_planned_executions_is_max_bursts_worth_of_groups():
 
 
 def test_all_tasks_dispatched_in_one_burst_and_finished_ends_the_run():
-    assert _all_done(_status(1, 40, 40), bursts=2, planned=40)
+    assert _done(_status(1, 40, 40, burst_id=1))
 
 
 def test_not_done_while_work_remains():
-    assert not _all_done(_status(1, 40, 39), bursts=2, planned=40)
-    assert not _all_done(_status(1, 20, 20), bursts=2, planned=40)
-    assert not _all_done(_status(2, 40, 38, waterlevel=2), bursts=2, planned=40)
-    assert not _all_done(_status(1, 40, 40), bursts=2, planned=0)
+    assert not _done(_status(1, 40, 39))
+    assert not _done(_status(1, 20, 20))
+    assert not _done(_status(2, 40, 38, waterlevel=2))
+    assert not _done(_status(1, 40, 40), planned=0)
 
 
 def test_not_done_before_the_first_update():
     """Every task finished, but nothing trained yet (the fault test with the core SIGKILLed
     ended here under load: 40/40 finished, 0 versions published)."""
-    assert not _all_done(_status(0, 40, 40), bursts=2, planned=40)
+    assert not _done(_status(0, 40, 40))
 
 
 def test_the_bursts_completed_still_end_it():
-    assert _all_done(_status(2, 40, 40), bursts=2, planned=40)
+    assert _done(_status(2, 40, 40, burst_id=2))
+
+
+def test_not_done_while_the_last_bursts_batch_trains():
+    """The burst-synchronous policy dispatched 2 bursts of 20; all 40 finished, burst 1 is
+    trained, burst 2's batch is ready or training. CI ended the run here ('1 version
+    published of 2') before the fix."""
+    end = RunEnd(bursts=2, planned=40, settle_s=30)
+    assert not end.done(_status(1, 40, 40, burst_id=2, ready_groups=5), 0.0)  # a batch to cut
+    assert not end.done(_status(1, 40, 40, burst_id=2, ready_groups=1), 1.0)  # cut, training
+    assert not end.done(_status(1, 40, 40, burst_id=2, ready_groups=1), 20.0)
+    assert end.done(_status(2, 40, 40, burst_id=2, ready_groups=1), 25.0)  # published
+
+
+def test_a_last_burst_that_cannot_complete_ends_the_run_once_training_settles():
+    """An asynchronous policy's last burst may aim at a version its leftover data cannot
+    reach: the run ends when no batch is left and the version held still for settle_s."""
+    end = RunEnd(bursts=15, planned=40, settle_s=30)
+    assert not end.done(_status(2, 40, 40, burst_id=3, ready_groups=1), 0.0)
+    assert not end.done(_status(2, 40, 40, burst_id=3, ready_groups=1), 29.0)
+    assert end.done(_status(2, 40, 40, burst_id=3, ready_groups=1), 30.0)
+    assert not end.done(_status(3, 40, 40, burst_id=4, ready_groups=1, version=3), 31.0)  # moved
 
 
 def test_vllm_cells_get_a_long_ready_wait_and_every_service_a_history(tmp_path):
