@@ -44,6 +44,7 @@ from apps.demo.learning import (
     versions_to_evaluate,
     write_tensorboard,
 )
+from apps.demo.moves import moves_from_histories
 from apps.harness.env import EVAL_SEED, EnvConfig, eval_tasks
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
@@ -406,8 +407,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - started, 1),
         "bursts": final.get("bursts_completed", 0),
         "policy_versions_published": final.get("policy_version", 0),
-        "transitions_to_training": final.get("transitions_to_training", 0),
-        "transitions_to_rollout": final.get("transitions_to_rollout", 0),
+        # From the histories, not the scheduler's counters: a failover resets those.
+        **moves_from_histories(opts.run_dir / "history"),
         "reroutes": final.get("reroutes", 0),
         "executions": {
             "dispatched": dispatched,
@@ -606,7 +607,8 @@ def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> 
         ("policy versions published", summary["policy_versions_published"]),
         (
             "transitions rollout→training / training→rollout",
-            f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}",
+            f"{summary['transitions_to_training']} / {summary['transitions_to_rollout']}"
+            f" ({summary['satellite_joins']} satellite joins)",
         ),
         ("reroutes", summary["reroutes"]),
         (

@@ -55,3 +55,6 @@ async def test_short_chaos_demo_survives_its_faults_with_nothing_lost(tmp_path: 
     restarts = summary["restarts"]
     assert restarts.get("scheduler") == restarts.get("packer") == restarts.get("router") == 1, restarts
     assert ex["harness_failed"] == 0, ex  # the calls the router held were retried
+    # The core's move to training counted from the histories: the restarted scheduler's
+    # counters start from 0 (a run with the scheduler killed used to report 0 moves).
+    assert summary["transitions_to_training"] >= 1, summary
