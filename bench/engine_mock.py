@@ -1,4 +1,4 @@
-"""Mock engine benchmark: (1) the timing model reproduces the WORKLOADS.md figures for a 7B
+"""Mock engine benchmark: (1) the timing model reproduces the figures of docs/design/workloads.md for a 7B
 model on an H200 (simulated decode throughput of 53 concurrent 35k-token sequences, prefill
 of a 35k context), measured in virtual time; (2) what a mock cell costs in real CPU, i.e.
 how many simulated tokens one core drives per second, batched vs one sequence (the

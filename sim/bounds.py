@@ -1,4 +1,5 @@
-"""Lower bounds on the time to N policy updates of a scenario (WORKLOADS.md, "Physical limit").
+"""Lower bounds on the time to N policy updates of a scenario (docs/design/workloads.md,
+"Physical limit").
 
 Both bounds share the per-group costs of the trace: for update k they look at the groups
 dispatched for it (a quota of ``batch_groups x (1 + over-provision)`` groups) and let the

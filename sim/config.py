@@ -1,7 +1,7 @@
 """Simulator configuration: workload profiles, drift, the GPU cost model, the cluster and the
 scenarios, as pydantic models read from one YAML file with dotted ``--set`` overrides.
 
-Every number the simulator uses lives here (defaults follow docs/WORKLOADS.md); nothing is
+Every number the simulator uses lives here (defaults follow docs/design/workloads.md); nothing is
 hard-coded in the engine. ``load_config(path, overrides)`` is the one entry point.
 """
 
@@ -38,7 +38,7 @@ class ToolComponent(_Frozen):
 
 
 class ProfileConfig(_Frozen):
-    """An agent workload: episode shapes as lognormals (WORKLOADS.md, profiles A/B/C)."""
+    """An agent workload: episode shapes as lognormals (docs/design/workloads.md, profiles A/B/C)."""
 
     name: str = Field("A", description="Short name used in reports.")
     turns: LogNormal = Field(
@@ -95,7 +95,7 @@ class DriftConfig(_Frozen):
 
 
 class CostConfig(_Frozen):
-    """The GPU cost model of WORKLOADS.md (defaults: a 7B model, one H200 per cell)."""
+    """The GPU cost model of docs/design/workloads.md (defaults: a 7B model, one H200 per cell)."""
 
     n_params: float = Field(7.6e9, gt=0, description="Model parameters N.")
     weight_bytes: float = Field(15.2e9, gt=0, description="Bytes of weights read per decode step.")

@@ -1,10 +1,11 @@
 """The GPU cost model: decode as bytes read, prefill as FLOPs, training steps, role switches.
 
-Decode (WORKLOADS.md): one step of a batch of B sequences with total context S costs
-``max((weights + S*kv_bytes) / (hbm_eff*BW), 2*N*B / (eff*FLOPS)) + overhead`` and emits one
-token per sequence. Every sequence in the batch gains a token per step, so S grows by B per
-step: the step time is linear in the engine's virtual token clock V (tokens emitted per
-sequence), which ``DecodeRate`` integrates exactly instead of assuming a constant rate.
+Decode (docs/design/workloads.md, "GPU cost model"): one step of a batch of B sequences with
+total context S costs ``max((weights + S*kv_bytes) / (hbm_eff*BW), 2*N*B / (eff*FLOPS)) +
+overhead`` and emits one token per sequence. Every sequence in the batch gains a token per
+step, so S grows by B per step: the step time is linear in the engine's virtual token clock V
+(tokens emitted per sequence), which ``DecodeRate`` integrates exactly instead of assuming a
+constant rate.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An episode's random draws depend only on (seed, task index, member), never on the policy or
 on when it runs, so every policy sees the same trace. Drift scales the output lengths by a
-factor of the policy version the episode is dispatched with (WORKLOADS.md, "Drift").
+factor of the policy version the episode is dispatched with (docs/design/workloads.md, "Drift").
 
 Drawing an episode costs tens of microseconds and every policy of a benchmark replays the
 same trace, so episodes are memoized per trace (``_EpisodeCache``: the few most recent

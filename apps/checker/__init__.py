@@ -1,7 +1,7 @@
 """The offline history checker: ``python -m apps.checker [--complete] HISTORY...``.
 
 Reads the JSONL histories services append when ``history_file`` is set (gyre/history.py),
-merges them, and verifies the promises of RELIABILITY.md:
+merges them, and verifies the promises of docs/reliability.md:
 
 - scheduler (services/scheduler/history.py): every dispatched execution launched and closed
   exactly once, within its burst's quota; no write by a fenced-out leader;

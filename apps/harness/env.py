@@ -19,7 +19,7 @@ right file and a ``write_file`` of what it said (a guess is right one time in 90
 warm-started policy (:mod:`apps.model.warmstart`) reads a listed file at random; policy
 gradient learns which one to read.
 
-The shapes follow WORKLOADS.md profile A (SWE / terminal agent), scaled down so a demo run
+The shapes follow profile A of docs/design/workloads.md (SWE / terminal agent), scaled down so a demo run
 takes minutes: the turn budget ~ LN(median, sigma) clipped, tool latency a three-way
 lognormal mixture (fast / medium / rare slow calls times a per-task factor). Everything the
 agent does lands in its workspace, a temporary directory that lives with the harness,

@@ -38,7 +38,7 @@ class Keys:
     def cell_state(self, cell_id: str) -> bytes:
         return self._k("cell_state", cell_id)
 
-    # The execution ledger: one key per execution (independent records, see TOOLING.md).
+    # The execution ledger: one key per execution (independent records, see docs/design/tooling.md).
     def executions(self, burst_id: int | None = None) -> bytes:
         return (
             self._k("ledger", "exec", "")

@@ -32,7 +32,7 @@ RECONNECT_MAX_MS = 2000
 120 s: measured here, a channel whose server was down 40 s first answered 6.9 s after the
 server came back (1.4 s with this cap), and after longer outages it can be minutes, while
 the caller's retries all fail fast with UNAVAILABLE: every service must be back within
-seconds of an outage it survived (RELIABILITY.md)."""
+seconds of an outage it survived (docs/reliability.md, promise 7)."""
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:

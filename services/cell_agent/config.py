@@ -13,7 +13,7 @@ from services.cell_agent.training.config import TrainerSettings
 
 class MockEngineSettings(BaseModel):
     """The mock engine (``engine: mock``): its timing model (defaults: 7B on an H200,
-    WORKLOADS.md), its batch, and scripted faults. ``cell_agent.mock`` in the YAML,
+    docs/design/workloads.md), its batch, and scripted faults. ``cell_agent.mock`` in the YAML,
     ``GYRE_CELL_AGENT__MOCK__<FIELD>`` in the environment, ``--set mock.<field>=...``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

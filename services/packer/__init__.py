@@ -1,5 +1,5 @@
 """The packer: trajectory buffer, ready groups, GRPO advantages, micro-step packing and
-atomic claims (ARCHITECTURE.md, "Streaming training").
+atomic claims (docs/architecture.md, "Streaming training").
 
 How it behaves, in one place (details in each module):
 

@@ -4,7 +4,7 @@ With ``history_file`` set, every persisted change is appended as one JSON line a
 etcd write succeeded: ``{"op": "dispatch"|"launch"|"close"|"reroute"|"leader", "t": unix
 seconds, "epoch": fencing epoch, "rev": etcd revision of the write, ...}``. Several
 scheduler processes (a leader and its successors) may append to the same file. :func:`check`
-replays a history and returns the violations of RELIABILITY.md promise 1: an execution
+replays a history and returns the violations of docs/reliability.md promise 1: an execution
 launched twice, closed twice, closed without a launch or beyond its burst's quota, or
 (``complete=True``) dispatched and never closed; and of promise 4: a write at a revision
 after a newer leader was elected.

@@ -3,8 +3,8 @@
 Layout (gyre/etcd/keys.py): ``keys.burst(b)`` = a burst record (quota, tasks, versions);
 ``keys.execution(b, id)`` = one execution record, created at launch, rewritten once at close;
 ``keys.route(id)`` = the route (its version is the route epoch); ``keys.transition(cell)`` =
-a transition under way (resumable). Per-execution records are independent (TOOLING.md: a
-shared counter key collapses under contention), and the counts are derived by reading them.
+a transition under way (resumable). Per-execution records are independent (docs/design/tooling.md:
+a shared counter key collapses under contention), and the counts are derived by reading them.
 
 ``keys.ledger_summary()`` = the :class:`~services.scheduler.ledger.ArchiveSummary` of the
 archived bursts, whose burst and execution keys are gone (deleted in the same transaction

@@ -1,6 +1,6 @@
 """Transition orchestration: moving a cell rollout -> training and back, resumably.
 
-Rollout -> training (ARCHITECTURE.md "Rerouting a live execution"), for cell c:
+Rollout -> training (docs/architecture.md, "Rerouting a live execution"), for cell c:
   1. record the transition in etcd (``keys.transition(c)``), fenced;
   2. CellControl.SetState(c, DRAINING): c takes no new requests, no launch goes to c;
   3. for each execution routed to c, reserve a destination (standalone engines first, then

@@ -1,4 +1,4 @@
-"""Nobody gets in who doesn't belong (RELIABILITY.md, promise 6), shown on real processes:
+"""Nobody gets in who doesn't belong (docs/reliability.md, promise 6), shown on real processes:
 a packer, a scheduler, a router and an elastic cell agent (mock engine, with its trainer, so
 WeightSnapshots is served), against an etcd with TLS and a user per identity.
 

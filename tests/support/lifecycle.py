@@ -6,7 +6,7 @@ from gyre.etcd.values import CellState
 
 S = CellState
 
-# The lifecycle of the design (ARCHITECTURE.md, the seed's role switch), written out here
+# The lifecycle of the design (docs/architecture.md, "Rerouting a live execution"), written out here
 # rather than read from the code's table: STARTING -> ROLLOUT -> DRAINING -> TRAINING ->
 # RETURNING -> ROLLOUT, a drain may be called off (DRAINING -> ROLLOUT), anything may fail.
 ALLOWED = {

@@ -1,5 +1,5 @@
 """The offline history checker (apps/checker): a good history passes, and each violation of
-RELIABILITY.md's promises, put by hand into a history, is detected. The packer's history
+docs/reliability.md's promises, put by hand into a history, is detected. The packer's history
 (services/packer/history.py) written by a real packer through a crash-free run and a reopened
 attempt checks clean."""
 

@@ -1,4 +1,4 @@
-"""The GPU cost model matches WORKLOADS.md's arithmetic, and the exact integration of a
+"""The GPU cost model matches the arithmetic of docs/design/workloads.md, and the exact integration of a
 decode batch's step time agrees with summing the steps one by one (and inverts)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def cost() -> CostModel:
 
 
 def test_long_context_decode_is_kv_bandwidth_bound(cost: CostModel) -> None:
-    # WORKLOADS.md: ~53 concurrent 35k-token sequences, ~1.7k tok/s per GPU, ~32 tok/s each.
+    # docs/design/workloads.md: ~53 concurrent 35k-token sequences, ~1.7k tok/s per GPU, ~32 tok/s each.
     step = cost.decode_step_s(53, 53 * 35_000)
     assert 25 <= 1 / step <= 36
     assert 1_300 <= 53 / step <= 1_900
@@ -26,7 +26,7 @@ def test_long_context_decode_is_kv_bandwidth_bound(cost: CostModel) -> None:
 
 
 def test_prefill_recompute_of_35k_context(cost: CostModel) -> None:
-    # WORKLOADS.md: recomputing a 35k context takes about 1.6 s on an H200.
+    # docs/design/workloads.md: recomputing a 35k context takes about 1.6 s on an H200.
     assert 1.2 <= cost.prefill_s(35_000, 0) <= 2.0
     # A cached prefix makes the appended tokens cheap, but attention still reads the prefix.
     appended = cost.prefill_s(400, 35_000)

@@ -3,7 +3,7 @@
 It batches like a real engine (one step emits one token for every running request, new
 requests are prefilled in the step that admits them), charges each step the cost the
 :class:`MockTiming` roofline model gives (defaults: a 7B model on an H200, from
-``WORKLOADS.md``), and sleeps that long on an injectable :class:`Clock` (scaled by
+``docs/design/workloads.md``), and sleeps that long on an injectable :class:`Clock` (scaled by
 ``time_scale``; a :class:`VirtualClock` makes tests exact and instant).
 
 Tokens are deterministic: token ``i`` is a hash of the weights' fingerprint and the last
@@ -86,7 +86,7 @@ class VirtualClock:
 
 @dataclasses.dataclass(frozen=True)
 class MockTiming:
-    """Roofline cost model of one engine step (defaults: 7B on an H200, WORKLOADS.md).
+    """Roofline cost model of one engine step (defaults: 7B on an H200, docs/design/workloads.md).
 
     decode term = max((weights + sum(ctx) * kv_bytes) / (bw_eff * HBM_BW),
                       2 * N * B / (flop_eff * FLOPS))

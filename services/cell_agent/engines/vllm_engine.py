@@ -9,7 +9,7 @@ prefix cache, keep the memory); KV handoff engine to engine (``kv_handoff``): pi
 request's blocks, let a destination read them point to point, release on acknowledgement
 (the connector and its transports: :mod:`.vllm_kv`, :mod:`.kv_transport`).
 
-The environment settings VLLM_CPU.md measured are applied before vLLM is imported.
+The environment settings docs/design/vllm-cpu.md records are applied before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def cuda_available() -> bool:
 
 
 def apply_vllm_env() -> None:
-    """Sets the environment VLLM_CPU.md measured (without overriding what is set)."""
+    """Sets the environment docs/design/vllm-cpu.md records (without overriding what is set)."""
     env = dict(VLLM_ENV)
     if not cuda_available():
         env.update(VLLM_CPU_ENV)
@@ -351,7 +351,7 @@ class VllmEngine(Engine):
             self._sleeping = True
             return True
         # CPU fallback: vLLM-CPU accepts sleep() but frees nothing and blocks generation
-        # until wake (VLLM_CPU.md); clearing the prefix cache is all that can be released.
+        # until wake (docs/design/vllm-cpu.md); clearing the prefix cache is all that can be released.
         await llm.reset_prefix_cache()
         self._sleeping = True
         return False
