@@ -586,6 +586,7 @@ class Packer:
             "optimizing": st.optimizing(),
             "batch_assigned": len(batch.groups),
             "groups_ready_total": st.groups_ready_total,
+            "groups_filtered": st.groups_filtered,
         }
 
     async def wait_changed(self, timeout_s: float | None) -> None:

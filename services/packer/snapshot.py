@@ -86,6 +86,7 @@ def to_event(st: PackerState) -> Event:
         "consumed": st.consumed,
         "dropped": dict(st.dropped),
         "groups_dropped": dict(st.groups_dropped),
+        "groups_filtered": st.groups_filtered,
         "claims_expired": st.claims_expired,
         "policy_version": st.policy_version,
     }
@@ -171,6 +172,9 @@ def restore(st: PackerState, ev: Event) -> None:
     st.produced, st.consumed = int(ev["produced"]), int(ev["consumed"])
     st.dropped = collections.Counter({k: int(v) for k, v in ev["dropped"].items()})
     st.groups_dropped = collections.Counter({k: int(v) for k, v in ev["groups_dropped"].items()})
+    # A snapshot written before groups_filtered existed: its drops count as filtered (an
+    # overestimate lets the gate dispatch a few groups early; an underestimate could stall it).
+    st.groups_filtered = int(ev.get("groups_filtered", sum(st.groups_dropped.values())))
     st.claims_expired = int(ev["claims_expired"])
     st.policy_version = int(ev["policy_version"])
 

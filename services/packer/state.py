@@ -21,7 +21,7 @@ from typing import Any
 
 from gyre.errors import FatalError
 from gyre.ids import BatchId, CellId, ExecutionId, GroupId
-from services.packer.model import Finish, Turn
+from services.packer.model import ExecStatus, Finish, Turn
 from services.packer.records import (
     Batch,
     Event,
@@ -56,6 +56,11 @@ class PackerState:
         self.consumed = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.groups_dropped: collections.Counter[str] = collections.Counter()
+        self.groups_filtered = 0
+        """Groups dropped that the scheduler did not cancel (no member closed CANCELLED): zero
+        variance, failed members, stale, ... The scheduler's dispatch gate lets them go, as it
+        does its own cancelled groups, so that they are replaced (from the WAL: survives
+        restarts)."""
         self.claims_expired = 0
         self.tokens_trained = 0
         """Packed tokens of acknowledged micro-steps (since this process started)."""
@@ -233,8 +238,18 @@ class PackerState:
         group.transition(GroupState.DROPPED)
         self.dropped[ev["reason"]] += group.turns
         self.groups_dropped[ev["reason"]] += 1
+        if not self._cancelled_by_scheduler(group):
+            self.groups_filtered += 1
         self.ready.pop(group.id, None)
         self._free_group(group)
+
+    def _cancelled_by_scheduler(self, group: Group) -> bool:
+        """A member of ``group`` closed CANCELLED: the scheduler cancelled the group (cancel
+        early cancels every open member) and counts it itself."""
+        members = [*group.execs, *group.gone]
+        return any(
+            (f := self.finished.get(x)) is not None and f.status is ExecStatus.CANCELLED for x in members
+        )
 
     def _free_group(self, group: Group) -> None:
         members = {x: sorted(e.turns) for x, e in group.execs.items()} | group.gone

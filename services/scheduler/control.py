@@ -259,6 +259,7 @@ class ControlLoop:
             published_version=self.publication.published,
             groups_dispatched=ledger.tasks_taken,
             groups_cancelled=len(ledger.cancelled_groups),
+            groups_filtered=raw.groups_filtered,
             ready_groups=raw.ready_unassigned,
             batch_assigned=raw.batch_assigned,
             backlog_tokens=raw.backlog_tokens,

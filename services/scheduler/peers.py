@@ -66,6 +66,8 @@ class SupplyUpdate:
     """Groups that became ready since the packer started (the arrival rate)."""
     batch_assigned: int = 0
     """Groups assigned to the current batch."""
+    groups_filtered: int = 0
+    """Groups the packer dropped that the scheduler did not cancel (over the run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +165,7 @@ class GrpcPeers:
                     bool(sig.optimizing),
                     int(sig.groups_ready_total),
                     int(sig.batch_assigned),
+                    int(sig.groups_filtered),
                 )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err

@@ -264,6 +264,8 @@ async def test_policy_version_follows_etcd_and_supply_streams(packer_proc, etcd_
                 if sig.counters.policy_version == 4:
                     break
             assert sig.ready_groups == 0 and sig.dropped["stale"] == 2
+            # Not cancelled by the scheduler: it leaves the dispatch gate and is replaced.
+            assert sig.groups_filtered == 1
             stream.cancel()
     finally:
         await etcd.close()

@@ -306,6 +306,32 @@ def _snap(cells, p, v=1, needs=None, execs=()):
     )
 
 
+@pytest.mark.parametrize("policy", ["gyre", "async-static"])
+def test_groups_the_packer_filtered_leave_the_gate_and_are_replaced(policy):
+    """The demo's stall: the policy learned, burst 12's 4 groups all earned reward 1 and the
+    packer dropped them for zero variance. They stayed in the gate (68 dispatched, 8
+    cancelled > gate 57 at v11), so nothing was dispatched again: no batch 12, waterlevel 0
+    until the time budget ran out. Filtered groups leave the gate like cancelled ones."""
+    p = Pipeline(
+        max_staleness=2,
+        group_size=4,
+        batch_groups=4,
+        extra_groups=1,
+        published_version=11,
+        groups_dispatched=68,
+        groups_cancelled=8,
+    )
+    cells = _cells([CellState.TRAINING, CellState.ROLLOUT, CellState.ROLLOUT], slots=8)
+    stalled = make_policy(policy).decide(_snap(cells, p, v=11))
+    assert not [a for a in stalled if isinstance(a, DispatchBurst)]  # the gate is full ...
+    filtered = Pipeline(**{**p.__dict__, "groups_filtered": 12})
+    assert staleness.dispatch_room(filtered, 11) == 57 - (68 - 8 - 12)
+    (dispatch,) = [
+        a for a in make_policy(policy).decide(_snap(cells, filtered, v=11)) if isinstance(a, DispatchBurst)
+    ]
+    assert dispatch.quota == 9 * 4  # ... until the filtered groups leave it
+
+
 def test_rate_target_keeps_up_with_arrivals_and_drains_the_queue_within_the_horizon():
     # Arrivals 0.1 groups/s x 5e4 tokens = 5e3 tok/s; queue 2.5e5 backlog + 5 x 5e4 ready =
     # 5e5 tokens over 100 s = 5e3 tok/s; at 1000 tok/s per cell: 10 cells.

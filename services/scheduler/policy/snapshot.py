@@ -168,6 +168,9 @@ class Pipeline:
     """The version rollout engines serve."""
     groups_dispatched: int = 0
     groups_cancelled: int = 0
+    groups_filtered: int = 0
+    """Groups dropped after they closed without the scheduler cancelling them (the packer's
+    zero-variance, failed-member and stale drops): no batch will take them."""
     groups_consumed: int = 0
     ready_groups: int = 0
     """Ready, unassigned, consumable groups: uncapped (supply beyond the current batch)."""
@@ -199,8 +202,11 @@ class Pipeline:
 
     @property
     def usable_dispatched(self) -> int:
-        """Groups dispatched and not cancelled (what the staleness gate counts)."""
-        return self.groups_dispatched - self.groups_cancelled
+        """Groups dispatched and neither cancelled nor filtered out (what the staleness gate
+        counts): a group no batch will take leaves the gate and is replaced. Filtered groups
+        used to stay in it; once a learning policy's groups all earned reward 1 (dropped for
+        zero variance) the gate filled with them and dispatch stopped for good."""
+        return self.groups_dispatched - self.groups_cancelled - self.groups_filtered
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,12 @@ group stamped u only if ``k - u <= eta`` (``max_staleness``), so a group stamped
 consumed by batches ``u .. u + eta``.
 
 Gate (AReaL's, plus over-provision). With the trainer at version v, at most
-``(v + eta + 1) * B + X`` usable groups (dispatched minus cancelled) may have been
-dispatched: the batches up to ``v + eta`` can be served by groups of version >= v, and X
-extra groups (``extra_groups``, the over-provision) let the batches close on their fastest
-groups. A cancelled group leaves the gate (it is replaced).
+``(v + eta + 1) * B + X`` usable groups (dispatched minus cancelled minus filtered) may
+have been dispatched: the batches up to ``v + eta`` can be served by groups of version >= v,
+and X extra groups (``extra_groups``, the over-provision) let the batches close on their
+fastest groups. A cancelled group leaves the gate (it is replaced), and so does a group the
+packer filtered out after it closed (zero reward variance, failed members: AReaL's rejected
+rollouts, which leave its staleness count the same way).
 
 The rule for unconsumable groups: **cancel early**. Once batch ``u + eta`` has all its groups
 (assigned, or the trainer has moved past it) a group stamped u that is not assigned can never
