@@ -258,7 +258,7 @@ class ControlLoop:
             extra_groups=cfg.groups_per_burst() - cfg.batch_size * cfg.batches_per_burst,
             published_version=self.publication.published,
             groups_dispatched=ledger.tasks_taken,
-            groups_cancelled=len(ledger.cancelled_groups),
+            groups_cancelled=ledger.groups_cancelled,
             groups_filtered=raw.groups_filtered,
             ready_groups=raw.ready_unassigned,
             batch_assigned=raw.batch_assigned,

@@ -208,12 +208,16 @@ class ArchiveSummary:
     """etcd mod revision of the stored summary (0: none stored); not serialized."""
     by_version: tuple[tuple[int, int], ...] = ()
     """Executions per policy version the bursts were dispatched with."""
+    cancelled_groups: int = 0
+    """Groups of the archived bursts the scheduler cancelled: the dispatch gate counts every
+    cancelled group of the run, and a new leader rebuilds the others from the records."""
 
     def status_counts(self) -> dict[str, int]:
         return dict(self.by_status)
 
-    def add(self, burst: Burst, by_status: dict[str, int]) -> ArchiveSummary:
-        """The summary with ``burst`` (fully closed) folded in."""
+    def add(self, burst: Burst, by_status: dict[str, int], cancelled_groups: int = 0) -> ArchiveSummary:
+        """The summary with ``burst`` (fully closed, ``cancelled_groups`` of its groups
+        cancelled) folded in."""
         merged = self.status_counts()
         for k, v in by_status.items():
             merged[k] = merged.get(k, 0) + v
@@ -227,6 +231,7 @@ class ArchiveSummary:
             tuple(sorted(merged.items())),
             self.revision,
             tuple(sorted(versions.items())),
+            self.cancelled_groups + cancelled_groups,
         )
 
     def to_json(self) -> bytes:
@@ -238,6 +243,7 @@ class ArchiveSummary:
                 "executions": self.executions,
                 "by_status": dict(self.by_status),
                 "by_version": {str(v): n for v, n in self.by_version},
+                "cancelled_groups": self.cancelled_groups,
             }
         ).encode()
 
@@ -252,6 +258,7 @@ class ArchiveSummary:
             tuple(sorted((str(k), int(v)) for k, v in d["by_status"].items())),
             revision,
             tuple(sorted((int(k), int(v)) for k, v in d.get("by_version", {}).items())),
+            int(d.get("cancelled_groups", 0)),
         )
 
 
@@ -707,7 +714,18 @@ class Ledger:
 
     def plan_archive(self, burst: Burst) -> ArchiveSummary:
         """The summary with ``burst`` folded in (not applied)."""
-        return self.archived.add(burst, self.finished_by_status(burst.burst_id))
+        cancelled = sum(1 for g in self.cancelled_groups if _parse_group(g)[0] == burst.burst_id)
+        return self.archived.add(burst, self.finished_by_status(burst.burst_id), cancelled)
+
+    @property
+    def groups_cancelled(self) -> int:
+        """Groups the scheduler cancelled over the run, archived bursts' included (what the
+        dispatch gate subtracts). ``len(cancelled_groups)`` is not that: a new leader
+        rebuilds the dict from the unarchived records only, so after a failover the gate
+        counted every archived cancellation as a live group, and a long run with more of
+        them than the gate's margin ((eta + 1) x B + X groups) could never dispatch again."""
+        live = sum(1 for g in self.cancelled_groups if _parse_group(g)[0] > self.archived.through)
+        return self.archived.cancelled_groups + live
 
     def apply_archive(self, summary: ArchiveSummary) -> None:
         """Drops the bursts the (persisted) summary covers, and their records."""

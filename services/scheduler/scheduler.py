@@ -389,7 +389,7 @@ class Scheduler:
             migrations=self.transitions.migrations,
             open_bursts=len(ledger.open_bursts()),
             stale_rule=self.cfg.stale_rule,
-            groups_cancelled=len(ledger.cancelled_groups),
+            groups_cancelled=ledger.groups_cancelled,
             groups_restamped=ledger.restamps,
             training=self.publication.training,
         )
