@@ -2,9 +2,10 @@
 
 Modules, by concern (``scheduler`` composes them; each has a typed interface):
 
-* pure: ``policy`` (role decisions from a snapshot: waterlevel, colocated, static,
-  rollout_only), ``ledger`` (D / L / F, exactly-once close), ``placement`` (cell/route
-  tables, placement order);
+* pure: ``policy`` (role decisions from a snapshot: gyre, the default; waterlevel;
+  the baselines colocated, static, async-static, async-static-lend; rollout_only),
+  ``ledger`` (D / L / F, exactly-once close), ``placement`` (cell/route tables, placement
+  order);
 * ``leadership`` (epoch, deposition, the fenced ``store``: its ``Store`` protocol and the
   etcd ``SchedulerStore``), ``fleet`` (cells, routes, routers, engine versions, commands
   to cell agents), ``bursts`` (dispatch), ``executions`` (acquire, heartbeat, finish,

@@ -89,7 +89,7 @@ class StaleRuleSettings(BaseModel):
 
 
 class SchedulerConfig(ServiceConfig, GyreSettings, StaleRuleSettings):
-    """Bursts, the waterlevel policy, heartbeats, peers and observability."""
+    """Bursts, the role policy (``gyre`` unless configured), heartbeats, peers and observability."""
 
     SECTION: ClassVar[str] = "scheduler"
 
@@ -128,11 +128,11 @@ class SchedulerConfig(ServiceConfig, GyreSettings, StaleRuleSettings):
 
     # The role policy.
     policy: PolicyName = Field(
-        "waterlevel",
-        description="Role policy (services/scheduler/policy): gyre (overlapping bursts under the "
-        "staleness bound, cells sized from rates; the shipped configs run it), waterlevel / waterlevel-sync (the "
-        "seed's burst-synchronous policy), the baselines colocated, static, async-static, async-static-lend; "
-        "rollout_only never trains (bursts back to back).",
+        "gyre",
+        description="Role policy (services/scheduler/policy): gyre, the default (overlapping bursts under the "
+        "staleness bound, cells sized from rates), waterlevel / waterlevel-sync (the seed's burst-synchronous "
+        "policy), the baselines colocated, static, async-static, async-static-lend; rollout_only never trains "
+        "(bursts back to back).",
     )
     rate_window_s: float = Field(
         600.0,

@@ -194,6 +194,7 @@ async def _move_held(etcd_server, cluster_name, tmp_path, lease_ttl_s: int = 5, 
         batch_size=2,
         packer_target=packer.target,
         history_file=str(hist),
+        policy="waterlevel",  # the move follows the seed's rule: capacity without the core >= W
         **scheduler,
     )
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "sched.log")

@@ -142,7 +142,12 @@ async def test_leader_killed_mid_transition_standby_resumes(etcd_server, cluster
     packer = await FakePacker().start(tls("packer"))
     core.hold["TRAINING"] = asyncio.Event()  # the switch to training hangs: the leader dies there
     cfg = write_config(
-        tmp_path, etcd_server.endpoint, cluster_name, batch_size=2, packer_target=packer.target
+        tmp_path,
+        etcd_server.endpoint,
+        cluster_name,
+        batch_size=2,
+        packer_target=packer.target,
+        policy="waterlevel",  # the move follows the seed's rule: capacity without the core >= W
     )
     a = await _start(cfg, tmp_path, "sched-a")
     ha = Harness(a.target)
@@ -287,6 +292,7 @@ async def test_leader_killed_mid_burst_then_successor_killed_mid_transition(
         batch_size=2,
         packer_target=packer.target,
         history_file=str(hist),
+        policy="waterlevel",  # the move follows the seed's rule: capacity without the core >= W
     )
     procs = [await _start(cfg, tmp_path, "sched-a")]
     hs = [Harness(procs[0].target)]

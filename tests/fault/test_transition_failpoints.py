@@ -57,6 +57,7 @@ async def test_leader_dies_at_a_transition_failpoint(point, etcd_server, cluster
         batch_size=2,
         packer_target=packer.target,
         history_file=str(hist),
+        policy="waterlevel",  # the move follows the seed's rule: capacity without the core >= W
     )
     a = await _start(cfg, tmp_path, "sched-a", {FAILPOINT_ENV: point})
     ha = Harness(a.target)

@@ -138,7 +138,10 @@ async def test_burst_runs_through_transitions_both_ways(etcd_server, cluster_nam
     sat = await FakeCellAgent(etcd, keys, "sat1", "elastic", 1, 4).start()
     router = await FakeRouter(etcd, keys).start()
     packer = await FakePacker().start(tls("packer"))
-    cfg = write_config(tmp_path, etcd_server.endpoint, cluster_name, packer_target=packer.target)
+    # The seed's burst-synchronous moves: capacity without the cell >= W, then back at burst end.
+    cfg = write_config(
+        tmp_path, etcd_server.endpoint, cluster_name, packer_target=packer.target, policy="waterlevel"
+    )
     proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "scheduler.log").start()
     h = Harness(proc.target)
     try:

@@ -22,11 +22,11 @@ Modules:
   simulator), the gate ``(v + eta + 1) x B + X``, the **cancel-early** rule for groups that
   can no longer be consumed within eta (the same for every policy), and W_eta, the waterlevel
   of overlapping bursts, with its invariant.
-* :mod:`.gyre` — :class:`GyrePolicy` ("gyre", the default for the simulator): continuous
-  dispatch, a training prefix sized from rates, W_eta covered, hysteresis, PlanMoves and
-  Migrate for the tail.
+* :mod:`.gyre` — :class:`GyrePolicy` ("gyre", the default of the live scheduler, its configs
+  and the simulator): continuous dispatch, a training prefix sized from rates, W_eta
+  covered, hysteresis, PlanMoves and Migrate for the tail.
 * :mod:`.waterlevel` — the seed's burst-synchronous :class:`WaterlevelPolicy`
-  ("waterlevel-sync"; "waterlevel" is its old name, still what the live scheduler runs).
+  ("waterlevel-sync"; "waterlevel" is its old name, kept as an alias).
 * :mod:`.static` — the baselines: :class:`ColocatedSyncPolicy`, :class:`StaticSplitPolicy`
   (bursty), :class:`AsyncStaticPolicy` (AReaL-style), :class:`AsyncStaticLendPolicy` (verl's
   hybrid role switch), :class:`RolloutOnlyPolicy`.

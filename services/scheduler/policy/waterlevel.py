@@ -1,5 +1,5 @@
 """The seed's burst-synchronous waterlevel policy ("waterlevel-sync"; "waterlevel" is the same
-policy under its old name, which the live scheduler's config still uses).
+policy under its old name, kept as an alias; the default policy is "gyre").
 
 One burst per update: ``DispatchBurst`` only at burst end. Mid-burst, the next elastic cell
 moves to training only when the rollout capacity left behind covers the seed's waterlevel
