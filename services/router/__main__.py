@@ -66,6 +66,7 @@ async def build(rt: Runtime) -> Services:
         kv_timeout_s=cfg.kv_timeout_s,
         coalesce_s=cfg.coalesce_ms / 1000.0,
         turn_record_wait_s=cfg.turn_record_wait_s,
+        rebuild_wait_s=cfg.rebuild_wait_s,
     )
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None

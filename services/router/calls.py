@@ -64,6 +64,7 @@ class CallPolicy:
     kv_timeout_s: float = 1.0
     coalesce_s: float = 0.0
     turn_record_wait_s: float = 0.0  # a completed call ends once its turn is recorded (bounded)
+    rebuild_wait_s: float = 30.0  # a call waits this long at most for the packer's GetTrajectory
 
 
 @dataclasses.dataclass

@@ -160,6 +160,16 @@ class RouterConfig(ServiceConfig):
         "enough to outlast a packer restart: a turn that reaches the packer after its group's finish "
         "report is refused, and lost.",
     )
+    rebuild_wait_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="How long a chat call waits for the packer to say where its execution stands "
+        "(GetTrajectory) when this router does not hold the execution's token sequence (it restarted, or "
+        "the harness's calls moved here), retrying while the packer is unreachable; past it (or the "
+        "call's own deadline) the call fails UNAVAILABLE and the harness retries it. A prompt built "
+        "without that answer would not be the one its first try had: the packer refuses such a retry.",
+    )
     turn_senders: int = Field(
         32,
         ge=1,

@@ -139,7 +139,7 @@ class OpenAIApi:
             idempotency_key = check_idempotency_key(request.headers.get("Idempotency-Key", ""))
             timeout_s = self._timeout(request)
             prompt, sampling, opts = await self._parse(
-                body, chat, route, idempotency_key
+                body, chat, route, idempotency_key, timeout_s
             )  # 3. validate, tokenize
         except GyreError as exc:
             return _error_response(exc)
@@ -192,7 +192,12 @@ class OpenAIApi:
         return min(value, self._request_timeout_s)
 
     async def _parse(
-        self, body: dict[str, Any], chat: bool, route: Route, idempotency_key: str = ""
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        route: Route,
+        idempotency_key: str = "",
+        timeout_s: float | None = None,
     ) -> tuple[list[int], Sampling, dict[str, Any]]:
         model = body.get("model")
         if model not in (None, "", self.model_name):
@@ -223,7 +228,7 @@ class OpenAIApi:
         if chat:
             messages = normalize_messages(body.get("messages"))
             tools, parse_tools = normalize_tools(body.get("tools"), body.get("tool_choice"))
-            planned = await self._plan_chat(route.execution_id, idempotency_key, messages, tools)
+            planned = await self._plan_chat(route.execution_id, idempotency_key, messages, tools, timeout_s)
             prompt, break_reason, chat_input = planned.token_ids, planned.break_reason, (messages, tools)
             if parse_tools:
                 parser = await self._tools.new(tools, self.model_name)
@@ -257,12 +262,16 @@ class OpenAIApi:
         idempotency_key: str,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]],
+        wait_s: float | None = None,
     ) -> Prompt:
         """The prompt of a chat call: continuing this router's trajectory of the execution
         when the history extends it and has no answer after it; else, when the history has
         answers, the packer's record of the execution's turns if that is later than this
         router's state or this one does not fit (another router served the calls since, or
-        this one restarted); else rendered afresh."""
+        this one restarted); else rendered afresh. The packer is waited for (``wait_s`` at
+        most, and the router's ``rebuild_wait_s``): a packer that does not answer fails the
+        call UNAVAILABLE rather than continue an older state or render afresh, which a retry
+        after a router died would not match its first try with."""
         tok = self._tok
         previous = self._manager.trajectories.base(execution_id, idempotency_key)
         planned = None
@@ -272,7 +281,7 @@ class OpenAIApi:
                 if not _answered(messages, previous.chat.count + 1):
                     return planned  # the history ends with this router's state
         if _answered(messages, 0):
-            resumed = await self._manager.resume(execution_id, idempotency_key)
+            resumed = await self._manager.resume(execution_id, idempotency_key, wait_s)
             local_ok = planned is not None and planned.break_reason is None
             # Any earlier state passes the history check; the packer's wins only when it is
             # later than this router's (or this router's does not fit at all).

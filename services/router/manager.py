@@ -14,7 +14,8 @@ import struct
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from gyre.errors import GyreError
+from gyre.backoff import Backoff
+from gyre.errors import DeadlineExceeded, GyreError, Unavailable
 from gyre.failpoints import failpoint
 from gyre.telemetry import execution_id_var
 from gyre.tokens import Chunk, FinishReason
@@ -165,20 +166,47 @@ class CallManager:
             )
         )
 
-    async def resume(self, execution_id: str, idempotency_key: str) -> Resumed | None:
-        """Where the packer's record of this execution's turns stands: the trajectory a call
-        with this idempotency key continues and the index its turn takes (None when the
-        packer holds no turn of it, or cannot be asked: the call is then rendered afresh).
-        For a call whose history has answers this router's state does not end with (another
-        router served the calls since, or this one restarted). :meth:`adopt` installs it."""
+    async def resume(
+        self, execution_id: str, idempotency_key: str, wait_s: float | None = None
+    ) -> Resumed | None:
+        """Rebuilds the execution's token sequence from the packer's record of its turns: the
+        trajectory a call with this idempotency key continues and the index its turn takes
+        (None when the packer holds no turn of it: the call is then rendered afresh). For a
+        call whose history has answers this router's state does not end with (another
+        router served the calls since, or this one restarted). :meth:`adopt` installs it.
+
+        A packer that does not answer (down, restarting, a partition) is asked again with
+        back-off for up to ``rebuild_wait_s`` (and the call's ``wait_s``); past it the call
+        fails UNAVAILABLE (the harness retries it). A prompt rendered afresh instead is not
+        what the call's first try had, when this is a retry after a router died: the packer
+        refuses it (``recorded for another prompt``) and the turn is lost. Other failures
+        (a misconfigured router) still render afresh, counted."""
         if self._turn_source is None:
             return None
-        try:
-            turn, index = await self._turn_source.trajectory(execution_id, idempotency_key)
-        except GyreError as exc:
-            self.trajectories.resume_failed += 1
-            log.warning("could not resume a trajectory from the packer", extra={"error": str(exc)})
-            return None
+        limit = self._policy.rebuild_wait_s if wait_s is None else min(wait_s, self._policy.rebuild_wait_s)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + limit
+        backoff = Backoff(0.05, 1.0)
+        while True:
+            try:
+                async with asyncio.timeout_at(until):  # one hung answer never outlasts the wait
+                    turn, index = await self._turn_source.trajectory(execution_id, idempotency_key)
+                break
+            except (Unavailable, DeadlineExceeded, TimeoutError) as exc:
+                delay = backoff.next()
+                if loop.time() + delay >= until:
+                    self.trajectories.resume_failed += 1
+                    raise Unavailable(
+                        f"cannot continue execution {execution_id}: the packer did not say where its "
+                        f"token sequence stands within {limit:g} s ({exc}); retry the call",
+                        retry_after_s=1.0,
+                    ) from exc
+                log.info("packer did not answer GetTrajectory; asking again", extra={"error": str(exc)})
+                await asyncio.sleep(delay)
+            except GyreError as exc:
+                self.trajectories.resume_failed += 1
+                log.warning("could not resume a trajectory from the packer", extra={"error": str(exc)})
+                return None
         if turn is None:
             return None
         trajectory = Trajectory(

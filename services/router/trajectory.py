@@ -30,8 +30,9 @@ another needs: every turn record carries its call's :class:`ChatState` (digests)
 that holds nothing of an execution, or an older state than its history shows (another router
 served the calls since, or this one restarted), continues it from the packer's last turn
 (``Packer.GetTrajectory``: :meth:`services.router.manager.CallManager.resume`, chosen by
-``OpenAIApi._plan_chat``). A retried call (the harness's idempotency key of the call that
-made the state) continues what that call continued.
+``OpenAIApi._plan_chat``; a packer that does not answer is waited for, bounded, never
+guessed around). A retried call (the harness's idempotency key of the call that made the
+state) continues what that call continued.
 """
 
 from __future__ import annotations

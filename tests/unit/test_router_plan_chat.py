@@ -34,7 +34,9 @@ class Manager:
         self.asked = 0
         self.adopted: list[Resumed] = []
 
-    async def resume(self, execution_id: str, idempotency_key: str) -> Resumed | None:
+    async def resume(
+        self, execution_id: str, idempotency_key: str, wait_s: float | None = None
+    ) -> Resumed | None:
         self.asked += 1
         return self.packer
 
