@@ -276,7 +276,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from apps.demo.plot import plot_timeline
 
     console = Console()
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     model_dir = build_model(console)
     loop = asyncio.get_running_loop()
     if opts.warm_start:
@@ -403,6 +403,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     }
     summary = {
         "outcome": outcome,
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started_wall)),
+        "commit": _commit(),
         "engine": opts.engine,
         "wall_s": round(time.monotonic() - started, 1),
         "bursts": final.get("bursts_completed", 0),
@@ -439,6 +441,24 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     )
     _print_summary(console, summary, opts.run_dir)
     return summary
+
+
+def _commit() -> str:
+    """The checkout's commit (short), with ``+dirty`` for uncommitted changes; ``?`` outside
+    a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return f"{sha}+dirty" if dirty else sha
 
 
 def warm_start_model(console: Console, model_dir: Path) -> Path:
