@@ -55,7 +55,7 @@ def block(summaries: list[dict[str, Any]]) -> str:
         and e["last"]["ci95"][0] > e["first"]["ci95"][1]
     )
     engines = sorted({s["engine"] for s in summaries})
-    ev = next((s["eval"] for s in summaries if s.get("eval")), {})
+    ev: dict[str, Any] = next((s["eval"] for s in summaries if s.get("eval")), {})
     lines = [
         BEGIN,
         f"**Current result** ({n} `make demo` runs in a row with the defaults, {', '.join(engines)} engines, "
