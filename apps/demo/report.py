@@ -2,7 +2,7 @@
 README's "current result" block written from the newest runs (``--readme``), so the figure
 the README shows is always one a run produced, with its date, commit and configuration.
 
-    python -m apps.demo.report runs/demo-A runs/demo-B runs/demo-C --readme README.md
+    python -m apps.demo.report runs/demo-A runs/demo-B runs/demo-C --readme README.md --readme docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -79,9 +79,11 @@ def _moves(summaries: list[dict[str, Any]]) -> str:
     back = [s.get("transitions_to_rollout", 0) for s in summaries]
     if max(back, default=0) == 0:
         return (
-            "No cell returned to rollout in any run, and no satellite joined a batch: in this "
-            "demo the default policy keeps the committed rollout work above what the rollout "
-            "side would hold after a move, so the core moves once and stays (an open problem)."
+            "No cell returned to rollout in any run, and no satellite joined a batch: the core "
+            "alone keeps up with training here (its rate target never asks for a second "
+            "training cell) and the default policy never returns the core, so it moves once and "
+            "then idles in training between updates while executions queue for rollout slots "
+            "(an open problem)."
         )
     return f"Cells moved back to rollout {sum(back)} times over the runs."
 
@@ -101,7 +103,13 @@ def write_readme(readme: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (each with summary.json)")
-    parser.add_argument("--readme", type=Path, help="write the result block into this README")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        action="append",
+        default=[],
+        help="write the result block into this file (repeatable)",
+    )
     parser.add_argument("--commit", help="the commit the runs ran (for summaries that do not record it)")
     args = parser.parse_args(argv)
     summaries = [load(r) for r in args.runs]
@@ -110,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
             s.setdefault("commit", args.commit)
     text = block(summaries)
     print(text)
-    if args.readme:
-        write_readme(args.readme, text)
+    for path in args.readme:
+        write_readme(path, text)
 
 
 if __name__ == "__main__":

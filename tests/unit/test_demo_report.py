@@ -55,7 +55,12 @@ def test_the_readme_block_is_replaced_with_a_row_per_run(tmp_path: Path):
     (tmp_path / "again").mkdir()
     main([*_runs(tmp_path / "again", [learned]), "--readme", str(readme)])
     body = readme.read_text()
-    assert body.count(BEGIN) == 1 and "in 1 of 1 runs" in body and "No cell returned to rollout" in body
+    assert (
+        body.count(BEGIN) == 1
+        and "in 1 of 1 runs" in body
+        and "No cell returned to rollout" in body
+        and "never returns the core" in body
+    )
 
 
 def test_a_readme_without_a_block_is_an_error(tmp_path: Path):
