@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from gyre import heap
 from gyre.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, Unavailable
 from gyre.history import History
 from services.cell_agent.snapshots import SnapshotStore
@@ -70,6 +71,12 @@ class ControllerParams:
     prefetch: bool = True
     keep_claims_every_s: float = 2.0  # at most; a third of the packer's claim TTL when shorter
     claim_batch: int = 4  # micro-steps per ClaimMicroSteps call, acked together
+    keep_batches: int = 16
+    """The newest batches whose task and outcome the controller keeps (a redelivered
+    JoinBatch, ``wait_batch``, ``status``); older finished ones are forgotten, so a run of
+    days holds a bounded state, and a JoinBatch for one of them answers not joined."""
+    release_heap: bool = True
+    """After each batch, return the heap it freed to the system (:mod:`gyre.heap`)."""
 
 
 @dataclasses.dataclass
@@ -143,6 +150,7 @@ class TrainingController:
         self._broken: str | None = None
         self._last_join: tuple[int, int, int, str] | None = None  # the last JoinBatch that joined
         self._claimed_at: dict[str, float] = {}
+        self._forgotten = 0  # the newest batch id whose task was dropped (see keep_batches)
 
     @property
     def is_core(self) -> bool:
@@ -267,6 +275,9 @@ class TrainingController:
         if not self.is_core and not core_target:
             raise InvalidArgument("a satellite needs core_target")
         async with self._lock:
+            if batch_id <= self._forgotten:
+                log.info("batch long finished here; not joining", extra={"batch_id": batch_id})
+                return False
             if batch_id in self._tasks:
                 done = self._tasks[batch_id]
                 if not done.done() or (not done.cancelled() and done.exception() is None):
@@ -301,11 +312,25 @@ class TrainingController:
             task = asyncio.create_task(coro, name=f"train.b{batch_id}")
             task.add_done_callback(_log_failure)
             self._tasks[batch_id] = task
+            self._forget_old()
             self._last_join = (batch_id, policy_version, prefix_size, core_target)
             self._current = task
             self.history.append("join", 0, b=batch_id, v=version, index=self.index)
             log.info("joined batch", extra={"batch_id": batch_id, "version": version, "index": self.index})
             return True
+
+    def _forget_old(self) -> None:
+        """Drops the tasks and outcomes of finished batches older than the newest
+        ``keep_batches``. Before, every batch's task (its coroutine, its outcome and the
+        diagnostics; a failed one's traceback with its frames' tensors) stayed for the life
+        of the process: a few KB more per batch, without end."""
+        keep = max(1, self.params.keep_batches)
+        for b in sorted(self._tasks)[: max(0, len(self._tasks) - keep)]:
+            if self._tasks[b].done():
+                del self._tasks[b]
+                self._forgotten = max(self._forgotten, b)
+        for b in sorted(self.outcomes)[: max(0, len(self.outcomes) - keep)]:
+            del self.outcomes[b]
 
     async def _open_as_core(self, batch_id: int, named: int) -> int | None:
         assert self.core is not None
@@ -348,19 +373,29 @@ class TrainingController:
 
     async def _run_core(self, batch_id: int, version: int, started: float) -> BatchOutcome:
         try:
-            return await self._core_batch(batch_id, version, started)
+            out = await self._core_batch(batch_id, version, started)
         except BaseException:
             self.trainer.close_window()  # a failed batch leaves no gradient behind
             raise
+        await self._release_heap()
+        return out
 
     async def _run_satellite(
         self, batch_id: int, version: int, core_target: str, started: float
     ) -> BatchOutcome:
         try:
-            return await self._satellite_batch(batch_id, version, core_target, started)
+            out = await self._satellite_batch(batch_id, version, core_target, started)
         except BaseException:
             self.trainer.close_window()
             raise
+        await self._release_heap()
+        return out
+
+    async def _release_heap(self) -> None:
+        """Hands the memory the batch freed back to the system (see :mod:`gyre.heap`):
+        without it the allocator kept it resident, and the core's RSS crept up for hours."""
+        if self.params.release_heap:
+            await asyncio.to_thread(heap.release_free_heap)
 
     async def _collective(
         self, op: Callable[[int, torch.Tensor], None], k: int, tensor: torch.Tensor
@@ -429,6 +464,7 @@ class TrainingController:
             self.history.append("publish", 0, b=batch_id, v=result.version)
         out.seconds = self.clock() - started
         self.outcomes[batch_id] = out
+        self._forget_old()
         log.info("batch stepped", extra=dataclasses.asdict(out))
         return out
 
@@ -476,6 +512,7 @@ class TrainingController:
         await asyncio.to_thread(self.snapshots.publish, out.new_version, self.trainer.state_dict())
         out.seconds = self.clock() - started
         self.outcomes[batch_id] = out
+        self._forget_old()
         log.info("batch done", extra=dataclasses.asdict(out))
         return out
 
@@ -540,6 +577,9 @@ class TrainingController:
             if pending is not None and not pending.done():
                 pending.cancel()
             await asyncio.gather(keeper, *([pending] if pending else []), return_exceptions=True)
+            # One batch consumes at a time: what is left was claimed by this attempt and never
+            # acked (it failed, or a prefetched claim was abandoned); the packer hands it out again.
+            self._claimed_at.clear()
 
     async def _claim(self, batch_id: int, version: int) -> list[Claim]:
         key = uuid.uuid4().hex  # one key for every retry of this claim
