@@ -58,7 +58,30 @@ def _log_records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
-async def _call(rig: RouterCells, execution_id: str, token: str, on_tokens=None) -> list[int]:
+TIE_NATS = 0.01
+"""How close two greedy choices' log-probs must be for a divergence to count as a numerical
+tie rather than a wrong context (see ``_same_but_ties``)."""
+
+
+def _same_but_ties(out: tuple[list[int], list[float]], plain: tuple[list[int], list[float]]) -> bool:
+    """The moved call's tokens are the unmoved call's, except after a near-tie. Greedy
+    decoding on CPU is not bit-stable between paths that compute the same context
+    differently (the destination recomputes the last KV block, the source decoded it): on
+    the random tiny model two tokens can be within 1e-3 nats, and a full run under load once
+    diverged 35 tokens after the move. A wrong context would diverge at once and with a
+    different best log-prob; a tie has both calls' chosen tokens at the same log-prob."""
+    (toks, lps), (ref, ref_lps) = out, plain
+    if toks == ref:
+        return True
+    if len(toks) != len(ref):
+        return False
+    i = next(k for k, (a, b) in enumerate(zip(toks, ref, strict=True)) if a != b)
+    return abs(lps[i] - ref_lps[i]) < TIE_NATS
+
+
+async def _call(
+    rig: RouterCells, execution_id: str, token: str, on_tokens=None
+) -> tuple[list[int], list[float]]:
     call = rig.router.Generate(
         router_pb2.GenerateRequest(
             execution_id=execution_id,
@@ -69,11 +92,13 @@ async def _call(rig: RouterCells, execution_id: str, token: str, on_tokens=None)
         timeout=300,
     )
     out: list[int] = []
+    lps: list[float] = []
     async for msg in call:
         out.extend(msg.chunk.token_ids)
+        lps.extend(msg.chunk.logprobs)
         if on_tokens is not None:
             await on_tokens(len(out))
-    return out
+    return out, lps
 
 
 async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
@@ -81,7 +106,7 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
     await rig.route(ex0, "va", tok0)
     await asyncio.sleep(0.5)
     plain = await _call(rig, ex0, tok0)
-    assert len(plain) == MAX_TOKENS, plain
+    assert len(plain[0]) == MAX_TOKENS, plain
     handed_off = False
     for _ in range(5):
         # A call whose last tokens beat the move, or whose source request had already
@@ -102,7 +127,7 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
                 moved = await rig.move(ex1, "va", "vb", tok1, timeout_s=30)
 
         out = await _call(rig, ex1, tok1, move)
-        assert asked and out == plain, (moved, out, plain)
+        assert asked and _same_but_ties(out, plain), (moved, out, plain)
         after = await _status(rig)
         if moved and after.kv_handoffs - before.kv_handoffs == 1:
             assert after.reroutes - before.reroutes == 1, (before, after)
@@ -123,3 +148,11 @@ async def test_moved_call_hands_its_kv_off_and_continues_token_identically(rig):
             break
         await asyncio.sleep(0.05)
     assert load is not None and load.running_requests == 0, load
+
+
+async def test_a_divergence_passes_only_at_a_tie():
+    ref = ([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4])
+    assert _same_but_ties(([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4]), ref)
+    assert _same_but_ties(([1, 2, 9, 9], [-0.1, -0.2, -0.3004, -2.0]), ref)  # a tie at index 2
+    assert not _same_but_ties(([1, 2, 9, 4], [-0.1, -0.2, -1.3, -0.4]), ref)  # another context
+    assert not _same_but_ties(([1, 2, 3], [-0.1, -0.2, -0.3]), ref)
