@@ -1,0 +1,272 @@
+"""Soak: does anything grow without bound while Gyre runs for hours?
+
+Runs the demo with mock engines and the real trainers (``python -m apps.demo --engine mock``,
+the default policy) for ``--bursts`` bursts, and samples every ``--interval-s`` seconds:
+
+- each service's resident memory and open file descriptors (found in ``/proc`` by the run
+  folder in its command line: every process the launcher starts names its config there);
+- the run folder's disk: the packer's WAL, the checkpoints, the histories, the logs;
+- etcd's database file (``member/snap/db``, the bbolt file whose size is etcd's ``dbSize``).
+
+It reports each series' slope per hour, fitted by least squares after the warm-up (the first
+``--warmup`` share of the samples), with the executions, the versions and the history
+checker's verdict of the run, into ``bench/results/soak.json`` and a plot per series.
+
+    python bench/soak.py --bursts 60              # the quick mode: about 10 minutes on 2 cores
+    python bench/soak.py --bursts 900 --tag 2h     # about two hours
+
+What it does not do yet: repeat the chaos schedule while it soaks (the demo's ``--chaos``
+injects each fault once), or read etcd's revision (it needs a client certificate on the
+metrics endpoint); both are open (issue 36).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DISK_PARTS = ("packer-wal", "checkpoints", "history", "logs")
+
+
+def service_name(cmdline: Sequence[str]) -> str | None:
+    """``router``, ``cell-0``, ``etcd``, ... for a process the launcher started; None for
+    anything else (the demo itself, the harness)."""
+    if cmdline and cmdline[0].endswith("etcd"):
+        return "etcd"
+    if "-m" not in cmdline:
+        return None
+    module = cmdline[cmdline.index("-m") + 1] if cmdline.index("-m") + 1 < len(cmdline) else ""
+    if not module.startswith("services."):
+        return None
+    for arg in cmdline:
+        if arg.startswith("cell_id="):
+            return arg.split("=", 1)[1]
+    return module.split(".", 1)[1]
+
+
+def processes(run_dir: Path) -> dict[str, int]:
+    """Service name -> pid, for the processes whose command line names ``run_dir``."""
+    marker = str(run_dir.resolve())
+    out: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in cmd if a]
+        if not any(marker in a for a in args):
+            continue
+        name = service_name(args)
+        if name is not None:
+            out[name] = int(entry.name)
+    return out
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def open_fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def tree_mb(path: Path) -> float:
+    total = 0
+    for p in path.rglob("*") if path.exists() else ():
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total / 1e6
+
+
+def sample(run_dir: Path, t_s: float) -> dict[str, Any]:
+    procs = processes(run_dir)
+    db = run_dir / "etcd" / "data" / "member" / "snap" / "db"
+    return {
+        "t_s": round(t_s, 1),
+        "rss_mb": {n: r for n, pid in procs.items() if (r := rss_mb(pid)) is not None},
+        "fds": {n: f for n, pid in procs.items() if (f := open_fds(pid)) is not None},
+        "disk_mb": {part: round(tree_mb(run_dir / part), 3) for part in DISK_PARTS},
+        "etcd_db_mb": round(db.stat().st_size / 1e6, 3) if db.exists() else None,
+    }
+
+
+def slope_per_hour(points: Iterable[tuple[float, float]], warmup: float) -> float | None:
+    """Least-squares slope of (seconds, value) in units per hour, after dropping the first
+    ``warmup`` share of the points; None with fewer than 3 left."""
+    pts = sorted(points)
+    pts = pts[int(len(pts) * warmup) :]
+    if len(pts) < 3:
+        return None
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    if var == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in pts) / var * 3600.0
+
+
+def series(samples: list[dict[str, Any]], key: str) -> dict[str, list[tuple[float, float]]]:
+    """Per-name (t, value) series of a per-service or per-part key."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for s in samples:
+        for name, value in (s.get(key) or {}).items():
+            out.setdefault(name, []).append((s["t_s"], float(value)))
+    return out
+
+
+def summarize(samples: list[dict[str, Any]], demo: dict[str, Any], warmup: float) -> dict[str, Any]:
+    def slopes(key: str) -> dict[str, float | None]:
+        return {
+            n: None if (v := slope_per_hour(p, warmup)) is None else round(v, 2)
+            for n, p in sorted(series(samples, key).items())
+        }
+
+    disk = [(s["t_s"], sum(s["disk_mb"].values())) for s in samples]
+    db = [(s["t_s"], s["etcd_db_mb"]) for s in samples if s["etcd_db_mb"] is not None]
+    ex = demo.get("executions", {})
+    hours = (samples[-1]["t_s"] - samples[0]["t_s"]) / 3600 if len(samples) > 1 else 0.0
+    return {
+        "hours": round(hours, 3),
+        "samples": len(samples),
+        "warmup_share": warmup,
+        "rss_mb_per_hour": slopes("rss_mb"),
+        "fds_per_hour": slopes("fds"),
+        "disk_mb_per_hour": slope_per_hour(disk, warmup),
+        "disk_mb_per_hour_by_part": slopes("disk_mb"),
+        "etcd_db_mb_per_hour": slope_per_hour(db, warmup),
+        "executions": ex.get("finished", 0),
+        "lost": ex.get("lost"),
+        "versions": demo.get("policy_versions_published"),
+        "checker_ok": (demo.get("checker") or {}).get("ok"),
+        "outcome": demo.get("outcome"),
+    }
+
+
+def plot(samples: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    panels = [
+        (axes[0][0], series(samples, "rss_mb"), "resident memory, MB"),
+        (axes[0][1], series(samples, "fds"), "open file descriptors"),
+        (axes[1][0], series(samples, "disk_mb"), "run folder, MB"),
+        (
+            axes[1][1],
+            {"etcd db": [(s["t_s"], s["etcd_db_mb"]) for s in samples if s["etcd_db_mb"] is not None]},
+            "etcd database file, MB",
+        ),
+    ]
+    for ax, data, title in panels:
+        for name, pts in sorted(data.items()):
+            ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], label=name)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    for ax in axes[1]:
+        ax.set_xlabel("minutes")
+    fig.suptitle("Gyre soak (mock engines, real trainers, default policy)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bursts", type=int, default=60, help="bursts of the demo (60: about 10 minutes)")
+    parser.add_argument("--interval-s", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=0.25, help="share of the samples before the fit")
+    parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--tag", default="quick", help="names the result (quick, 2h, ...)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "soak.png")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir or ROOT / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "apps.demo",
+        "--engine",
+        "mock",
+        "--bursts",
+        str(args.bursts),
+        "--no-live",
+        "--no-warm-start",
+        "--eval-tasks",
+        "0",
+        "--dashboard-port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = (ROOT / "runs").joinpath(f"{run_dir.name}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    samples: list[dict[str, Any]] = []
+    with log.open("w") as out:
+        demo = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while demo.poll() is None:
+            time.sleep(args.interval_s)
+            if run_dir.exists():
+                s = sample(run_dir, time.monotonic() - started)
+                if s["rss_mb"]:
+                    samples.append(s)
+                    total = sum(s["rss_mb"].values())
+                    print(
+                        f"[{s['t_s'] / 60:5.1f} min] {len(s['rss_mb'])} processes, RSS {total:,.0f} MB, "
+                        f"disk {sum(s['disk_mb'].values()):.1f} MB, etcd db {s['etcd_db_mb']} MB",
+                        flush=True,
+                    )
+    summary_path = run_dir / "summary.json"
+    demo_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = summarize(samples, demo_summary, args.warmup)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "benchmark": "soak",
+        "tag": args.tag,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "config": {"bursts": args.bursts, "interval_s": args.interval_s, "engine": "mock", "chaos": False},
+        "summary": summary,
+        "samples": samples,
+        "run_dir": str(run_dir),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    if samples:
+        plot(samples, args.plot)
+    print(json.dumps(summary, indent=1))
+    return 0 if demo.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
