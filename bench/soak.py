@@ -53,9 +53,11 @@ def service_name(cmdline: Sequence[str]) -> str | None:
 
 
 def processes(run_dir: Path) -> dict[str, int]:
-    """Service name -> pid, for the processes whose command line names ``run_dir``."""
+    """Service name -> pid, for the processes whose command line names ``run_dir``. A
+    forked child keeps its parent's command line (until it execs): of the processes of one
+    name, the one whose parent is not among them."""
     marker = str(run_dir.resolve())
-    out: dict[str, int] = {}
+    found: dict[str, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -68,8 +70,22 @@ def processes(run_dir: Path) -> dict[str, int]:
             continue
         name = service_name(args)
         if name is not None:
-            out[name] = int(entry.name)
+            found.setdefault(name, []).append(int(entry.name))
+    out: dict[str, int] = {}
+    for name, pids in found.items():
+        tops = [p for p in pids if _parent(p) not in pids]
+        out[name] = min(tops or pids)
     return out
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 def rss_mb(pid: int) -> float | None:
