@@ -12,8 +12,8 @@ It reports each series' slope per hour, fitted by least squares after the warm-u
 ``--warmup`` share of the samples), with the executions, the versions and the history
 checker's verdict of the run, into ``bench/results/soak.json`` and a plot per series.
 
-    python bench/soak.py --bursts 60              # the quick mode: about 10 minutes on 2 cores
-    python bench/soak.py --bursts 900 --tag 2h     # about two hours
+    python bench/soak.py                          # the quick mode, 150 bursts: about 10 minutes on 2 cores
+    python bench/soak.py --bursts 1800 --tag 2h    # about two hours
 
 What it does not do yet: repeat the chaos schedule while it soaks (the demo's ``--chaos``
 injects each fault once), or read etcd's revision (it needs a client certificate on the
@@ -258,7 +258,7 @@ def write_doc(result: dict[str, Any], doc: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bursts", type=int, default=60, help="bursts of the demo (60: about 10 minutes)")
+    parser.add_argument("--bursts", type=int, default=150, help="bursts of the demo (150: about 10 minutes)")
     parser.add_argument("--interval-s", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=0.25, help="share of the samples before the fit")
     parser.add_argument("--run-dir", type=Path, default=None)
