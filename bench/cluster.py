@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from apps.docblock import replace_block
 from sim.bench import run_all, summarize
 from sim.config import load_config
 from sim.emulate import emulation_markdown, run_emulated, small_scenario, write_emulation_doc
@@ -47,17 +48,6 @@ def _json_safe(x):
     if isinstance(x, (list, tuple)):
         return [_json_safe(v) for v in x]
     return x
-
-
-def write_doc(doc: Path, section: str) -> None:
-    if doc.exists() and BEGIN in doc.read_text():
-        text = doc.read_text()
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1] if END in rest else ""
-        doc.write_text(head + BEGIN + "\n" + section + "\n" + END + tail)
-        return
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text("# Cluster benchmark\n\n" + BEGIN + "\n" + section + "\n" + END + "\n")
 
 
 def merge_results(out: Path, payload: dict) -> dict:
@@ -192,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(config `{Path(args.config).name}`{', suite ' + args.suite if args.suite else ''}"
         f"{', overrides ' + ' '.join(overrides) if overrides else ''})._\n"
     )
-    write_doc(doc, section)
+    replace_block(doc, BEGIN, END, f"{BEGIN}\n{section}\n{END}", title="Cluster benchmark")
     print(f"wrote {out} and {doc} in {payload['wall_s']:.0f} s")
     return 0
 

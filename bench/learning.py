@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from apps.docblock import replace_block  # noqa: E402
 from apps.eval.local import Policy, Rollout, evaluate, sample_rollouts  # noqa: E402
 from apps.eval.stats import bootstrap_ci  # noqa: E402
 from apps.harness.env import EnvConfig, eval_tasks, make_tasks  # noqa: E402
@@ -257,23 +258,6 @@ def render_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(result: dict[str, Any], doc: Path) -> None:
-    """Replaces the generated block at the top of ``doc`` (created if missing)."""
-    block = render_table(result)
-    text = (
-        doc.read_text()
-        if doc.exists()
-        else "# Learning under asynchrony (`bench/learning.py`)\n\n" + BEGIN + "\n" + END + "\n"
-    )
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + block + tail
-    else:
-        text = block + "\n\n" + text
-    doc.write_text(text)
-
-
 def plot(runs: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
@@ -376,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(runs, args.plot)
-    write_doc(result, args.doc)
+    replace_block(
+        args.doc, BEGIN, END, render_table(result), title="Learning under asynchrony (`bench/learning.py`)"
+    )
     print(json.dumps({k: v for k, v in summary.items() if k.endswith("onpolicy")}, indent=2))
     print(f"wrote {args.out}, {args.plot} and {args.doc}")
     return 0

@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from apps.docblock import replace_block  # noqa: E402
+
 DISK_PARTS = ("packer-wal", "checkpoints", "history", "logs")
 
 
@@ -249,13 +253,6 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(result: dict[str, Any], doc: Path) -> None:
-    text = doc.read_text() if doc.exists() else f"# Soak (`bench/soak.py`)\n\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(head + render(result) + tail)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bursts", type=int, default=150, help="bursts of the demo (150: about 10 minutes)")
@@ -324,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     if samples:
         plot(samples, args.plot)
-        write_doc(result, args.doc)
+        replace_block(args.doc, BEGIN, END, render(result), title="Soak (`bench/soak.py`)")
     print(json.dumps(summary, indent=1))
     return 0 if demo.returncode == 0 else 1
 

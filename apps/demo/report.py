@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
+
+from apps.docblock import replace_block
 
 BEGIN = "<!-- demo result (python -m apps.demo.report): begin -->"
 END = "<!-- demo result: end -->"
@@ -88,18 +89,6 @@ def _moves(summaries: list[dict[str, Any]]) -> str:
     return f"Cells moved back to rollout {sum(back)} times over the runs."
 
 
-def write_readme(readme: Path, text: str) -> None:
-    """Replaces the block between the markers (or a ``RESULT_PLACEHOLDER`` line)."""
-    body = readme.read_text()
-    if BEGIN in body:
-        body = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: text, body, flags=re.S)
-    elif "RESULT_PLACEHOLDER" in body:
-        body = body.replace("RESULT_PLACEHOLDER", text)
-    else:
-        raise SystemExit(f"{readme}: no result block to replace")
-    readme.write_text(body)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (each with summary.json)")
@@ -119,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     text = block(summaries)
     print(text)
     for path in args.readme:
-        write_readme(path, text)
+        replace_block(path, BEGIN, END, text, placeholder="RESULT_PLACEHOLDER")
 
 
 if __name__ == "__main__":
