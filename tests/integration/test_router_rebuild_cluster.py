@@ -18,24 +18,22 @@ that re-rendered an answer would show).
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
-from typing import Any
 
 import aiohttp
 import pytest
 import pytest_asyncio
-import yaml
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router
+from bench.support.router_rig import build_tokenizer_dir, start_router
 from gyre.etcd import Etcd, Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
-from gyre.v1 import packer_pb2, packer_pb2_grpc
+from gyre.v1 import packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from services.router.tokenization import Tokenizer
+from tests.support import router_packer as rp
 from tests.support.proxy import LinkProxy
 from tests.tls import RoleStubs
 
@@ -48,32 +46,12 @@ async def env(etcd_server, tmp_path_factory):
     tok_dir = build_tokenizer_dir(tmp / "tiny")
     cluster = "rb" + secrets.token_hex(4)
     engine = await FakeEngineServer(FakeOptions(cell_id="a")).start()
-    packer_cfg = tmp / "packer.yaml"
-    packer_cfg.write_text(
-        yaml.safe_dump(
-            {
-                "cluster": {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
-                "packer": {"wal_dir": str(tmp / "wal"), "log_level": "WARNING", "policy_from_etcd": False},
-            }
-        )
-    )
-    packer = ServiceProcess("packer", packer_cfg, log_path=tmp / "packer.log").start()
+    packer = ServiceProcess(
+        "packer", rp.packer_config(tmp, cluster, etcd_server.endpoint), log_path=tmp / "packer.log"
+    ).start()
     link = await LinkProxy(packer.target).start()  # router 1's link to the packer
     armed = tmp / "failpoints"
-    cfg = tmp / "cluster.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "cluster": {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
-                "router": {
-                    "model_dir": str(tok_dir),
-                    "packer_target": packer.target,
-                    "http_port": 0,
-                    "log_json": False,
-                },
-            }
-        )
-    )
+    cfg = rp.router_config(tmp, cluster, etcd_server.endpoint, tok_dir, packer.target)
     hist = [tmp / "router0.jsonl", tmp / "router1.jsonl"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FAILPOINT_FILE_ENV, str(armed))  # router 0 (and its restart) read it
@@ -118,90 +96,41 @@ async def env(etcd_server, tmp_path_factory):
         await engine.stop(0)
 
 
-def _chars(tok: Tokenizer, text: str) -> list[int]:
-    """``text`` one character per token, then the stop token."""
-    out = [t for ch in text for t in tok.encode(ch)] + [tok.stop_token_ids[0]]
-    assert tok.encode(text) != out[:-1]
-    return out
-
-
-async def _execution(env: dict[str, Any], *answers: str) -> tuple[str, str, list[list[int]]]:
-    """A new execution at cell a, the fake engine answering its calls with ``answers``."""
-    outs = [_chars(env["tok"], a) for a in answers]
-    fake = env["engine"].engine
-    fake.opts.script = tuple(tuple(o) for o in outs)
-    fake.requests.clear()
-    ex, token = new_execution()
-    await put_route(env["etcd"], env["keys"], ex, "a", env["engine"].target, token)
-    await asyncio.sleep(0.3)  # the routers' watches
-    return ex, token, outs
-
-
-async def _post(
-    env: dict[str, Any], router: int, token: str, messages: list[dict[str, str]], key: str
-) -> tuple[int, str]:
-    url = env["routers"][router][1]
-    headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": key}
-    body = {"messages": messages, "max_tokens": 32, "temperature": 0}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{url}/chat/completions", json=body, headers=headers) as r,
-    ):
-        return r.status, await r.text()
-
-
-async def _chat(
-    env: dict[str, Any], router: int, token: str, messages: list[dict[str, str]], key: str
-) -> str:
-    status, text = await _post(env, router, token, messages, key)
-    assert status == 200, text
-    return str(json.loads(text)["choices"][0]["message"]["content"])
-
-
-def _prompts(env: dict[str, Any]) -> list[list[int]]:
-    return [list(r.prompt_token_ids) for r in env["engine"].engine.requests]
-
-
-async def _where(env: dict[str, Any], ex: str, key: str = "") -> packer_pb2.GetTrajectoryResponse:
-    request = packer_pb2.GetTrajectoryRequest(execution_id=ex, idempotency_key=key)
-    return await env["packer"].GetTrajectory(request, timeout=10)
-
-
 def _next(messages: list[dict[str, str]], answer: str, k: int) -> list[dict[str, str]]:
     return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": f"go on {k}"}]
 
 
 async def test_rebuild_a_retry_after_a_router_death_at_turn_recorded_is_accepted(env):
-    ex, token, outs = await _execution(env, "hello", "first try", "second try", "more")
+    ex, token, outs = await rp.scripted_execution(env, "hello", "first try", "second try", "more")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    messages = _next(messages, await _chat(env, 0, token, messages, "call-0"), 0)
+    messages = _next(messages, await rp.chat(env, 0, token, messages, "call-0"), 0)
     # Router 0 dies once the packer holds call 1's turn, before the call ends.
     proc0 = env["routers"][0][0]
     env["armed"].write_text("router.turn.recorded\n")
     try:
         with pytest.raises(aiohttp.ClientError):
-            await _post(env, 0, token, messages, "call-1")
+            await rp.post_chat(env, 0, token, messages, "call-1")
         assert await asyncio.to_thread(proc0.proc.wait, 30) == EXIT_STATUS  # it died there
     finally:
         env["armed"].unlink(missing_ok=True)
-    first = await _where(env, ex, "call-1")
+    first = await rp.where(env, ex, "call-1")
     assert first.next_turn_index == 1  # the packer holds the first try as turn 1
 
     # The harness retries at router 1, which never saw the execution and whose link to the
     # packer is cut when the retry arrives, restored 2.5 s later (new connections then).
     env["link"].blackhole()
-    retry = asyncio.create_task(_chat(env, 1, token, messages, "call-1"))
+    retry = asyncio.create_task(rp.chat(env, 1, token, messages, "call-1"))
     await asyncio.sleep(2.5)
     assert not retry.done(), "router 1 answered without the packer"
     env["link"].heal()
     env["link"].reset()
     assert await asyncio.wait_for(retry, 60) == "second try"
-    prompts = _prompts(env)
+    prompts = rp.prompts(env)
     assert len(prompts) == 3
     assert prompts[2] == prompts[1], "the retry's prompt is not its first try's"
     before = prompts[0] + outs[0]
     assert prompts[1][: len(before)] == before
-    where = await _where(env, ex)
+    where = await rp.where(env, ex)
     assert where.next_turn_index == 2 and where.last.turn_index == 1  # replaced, none added
     assert list(where.last.output_token_ids) == outs[2] and where.last.idempotency_key == "call-1"
 
@@ -211,11 +140,11 @@ async def test_rebuild_a_retry_after_a_router_death_at_turn_recorded_is_accepted
         start_router, env["cfg"], env["tmp"] / "router0b.log", history_file=str(env["hist"][0])
     )
     messages = _next(messages, "second try", 1)
-    assert await _chat(env, 0, token, messages, "call-2") == "more"
-    prompts = _prompts(env)
+    assert await rp.chat(env, 0, token, messages, "call-2") == "more"
+    prompts = rp.prompts(env)
     before = prompts[2] + outs[2]
     assert prompts[3][: len(before)] == before
-    assert (await _where(env, ex)).next_turn_index == 3
+    assert (await rp.where(env, ex)).next_turn_index == 3
     # No router had a turn refused. Recorded: 0, the retry of 1, and 2 (router 0 died before
     # its history had the first try of 1).
     verdict = check_files(env["hist"])
@@ -228,11 +157,11 @@ async def test_rebuild_moving_calls_between_routers_mid_episode_is_token_identic
     answers = ("hello", "hello world", "the answer is", "Hello, hello!", "say hello")
 
     async def episode(routers: list[int]) -> tuple[str, list[list[int]]]:
-        ex, token, _ = await _execution(env, *answers)
+        ex, token, _ = await rp.scripted_execution(env, *answers)
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
         for k, router in enumerate(routers):
-            messages = _next(messages, await _chat(env, router, token, messages, f"{ex}-call-{k}"), k)
-        return ex, _prompts(env)
+            messages = _next(messages, await rp.chat(env, router, token, messages, f"{ex}-call-{k}"), k)
+        return ex, rp.prompts(env)
 
     if env["routers"][0][0].proc.poll() is not None:  # the test before failed while it was down
         env["routers"][0] = await asyncio.to_thread(
@@ -244,11 +173,11 @@ async def test_rebuild_moving_calls_between_routers_mid_episode_is_token_identic
     moved, moved_prompts = await episode([1, 0, 0, 1, 0])
     assert moved_prompts == one_prompts, "a moved execution's prompts differ from one router's"
     for k in range(1, len(answers)):  # and each continues the tokens before it exactly
-        before = one_prompts[k - 1] + _chars(env["tok"], answers[k - 1])
+        before = one_prompts[k - 1] + rp.chars(env["tok"], answers[k - 1])
         assert one_prompts[k][: len(before)] == before, k
     turns = []
     for ex in (one, moved):
-        where = await _where(env, ex)
+        where = await rp.where(env, ex)
         assert where.next_turn_index == len(answers) and where.last.turn_index == len(answers) - 1
         turns.append(
             (list(where.last.prompt_token_ids), list(where.last.output_token_ids), where.last.chat_state)

@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
-import yaml
 
 from apps.procs import ServiceProcess
 from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router
+from bench.support.router_rig import build_tokenizer_dir, start_router
 from gyre.etcd import Etcd, Keys
-from gyre.v1 import packer_pb2, packer_pb2_grpc
+from gyre.v1 import packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from services.router.tokenization import Tokenizer
+from tests.support import router_packer as rp
 from tests.tls import RoleStubs
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -44,30 +42,10 @@ async def env(etcd_server, tmp_path_factory):
     tok_dir = build_tokenizer_dir(tmp / "tiny")
     cluster = "sl" + secrets.token_hex(4)
     engine = await FakeEngineServer(FakeOptions(cell_id="a")).start()
-    packer_cfg = tmp / "packer.yaml"
-    packer_cfg.write_text(
-        yaml.safe_dump(
-            {
-                "cluster": {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
-                "packer": {"wal_dir": str(tmp / "wal"), "log_level": "WARNING", "policy_from_etcd": False},
-            }
-        )
-    )
-    packer = ServiceProcess("packer", packer_cfg, log_path=tmp / "packer.log").start()
-    cfg = tmp / "cluster.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "cluster": {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
-                "router": {
-                    "model_dir": str(tok_dir),
-                    "packer_target": packer.target,
-                    "http_port": 0,
-                    "log_json": False,
-                },
-            }
-        )
-    )
+    packer = ServiceProcess(
+        "packer", rp.packer_config(tmp, cluster, etcd_server.endpoint), log_path=tmp / "packer.log"
+    ).start()
+    cfg = rp.router_config(tmp, cluster, etcd_server.endpoint, tok_dir, packer.target)
     routers = list(
         await asyncio.gather(
             *(asyncio.to_thread(start_router, cfg, tmp / f"router{i}.log") for i in range(2))
@@ -96,99 +74,55 @@ async def env(etcd_server, tmp_path_factory):
         await engine.stop(0)
 
 
-def _chars(tok: Tokenizer, text: str) -> list[int]:
-    """``text`` one character per token, then the stop token: decoding and re-encoding
-    would merge the characters, so a prompt that re-rendered the answer would differ."""
-    out = [t for ch in text for t in tok.encode(ch)] + [tok.stop_token_ids[0]]
-    assert tok.encode(text) != out[:-1]
-    return out
-
-
-async def _execution(env: dict[str, Any], *answers: str) -> tuple[str, str, list[list[int]]]:
-    tok = env["tok"]
-    outs = [_chars(tok, a) for a in answers]
-    fake = env["engine"].engine
-    fake.opts.script = tuple(tuple(o) for o in outs)
-    fake.requests.clear()
-    ex, token = new_execution()
-    await put_route(env["etcd"], env["keys"], ex, "a", env["engine"].target, token)
-    await asyncio.sleep(0.3)  # the routers' watches
-    return ex, token, outs
-
-
-async def _chat(
-    env: dict[str, Any], router: int, token: str, messages: list[dict[str, str]], key: str
-) -> str:
-    url = env["routers"][router][1]
-    headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": key}
-    body = {"messages": messages, "max_tokens": 32, "temperature": 0}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{url}/chat/completions", json=body, headers=headers) as r,
-    ):
-        assert r.status == 200, await r.text()
-        answer = await r.json()
-    return str(answer["choices"][0]["message"]["content"])
-
-
-def _prompts(env: dict[str, Any]) -> list[list[int]]:
-    return [list(r.prompt_token_ids) for r in env["engine"].engine.requests]
-
-
-async def _where(env: dict[str, Any], ex: str, key: str = "") -> packer_pb2.GetTrajectoryResponse:
-    request = packer_pb2.GetTrajectoryRequest(execution_id=ex, idempotency_key=key)
-    return await env["packer"].GetTrajectory(request, timeout=10)
-
-
 async def test_any_router_continues_a_chat_execution_and_a_retry_keeps_its_turn(env):
-    ex, token, outs = await _execution(env, "hello", "world", "again", "first try", "second try")
+    ex, token, outs = await rp.scripted_execution(env, "hello", "world", "again", "first try", "second try")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     answers = []
     # Turn 0 at router 0; turn 1 at router 1 (which never saw the execution); turn 2 back at
     # router 0 (whose state is turn 0's: older than the history).
     for turn, router in enumerate((0, 1, 0)):
-        answers.append(await _chat(env, router, token, messages, f"call-{turn}"))
+        answers.append(await rp.chat(env, router, token, messages, f"call-{turn}"))
         messages += [
             {"role": "assistant", "content": answers[-1]},
             {"role": "user", "content": f"go on {turn}"},
         ]
     assert answers == ["hello", "world", "again"]
-    prompts = _prompts(env)
+    prompts = rp.prompts(env)
     for turn in (1, 2):
         before = prompts[turn - 1] + outs[turn - 1]
         assert prompts[turn][: len(before)] == before, f"turn {turn} did not continue the tokens"
     # The packer holds turns 0, 1, 2 (none renumbered past a conflict, none refused).
-    where = await _where(env, ex)
+    where = await rp.where(env, ex)
     assert where.next_turn_index == 3 and where.last.turn_index == 2
     assert list(where.last.prompt_token_ids) == prompts[2] and where.last.chat_state
 
     # Turn 3 at router 1; the harness did not get the answer and retries at router 0 with
     # the same idempotency key: the same prompt (the turn before the first try's continued),
     # and the packer's turn 3 is the retry's answer (it replaced the first try's).
-    first = await _chat(env, 1, token, messages, "call-3")
-    retried = await _chat(env, 0, token, messages, "call-3")
+    first = await rp.chat(env, 1, token, messages, "call-3")
+    retried = await rp.chat(env, 0, token, messages, "call-3")
     assert (first, retried) == ("first try", "second try")
-    prompts = _prompts(env)
+    prompts = rp.prompts(env)
     assert prompts[4] == prompts[3]
     assert prompts[3][: len(prompts[2]) + len(outs[2])] == prompts[2] + outs[2]
-    where = await _where(env, ex)
+    where = await rp.where(env, ex)
     assert where.next_turn_index == 4 and where.last.turn_index == 3
     assert list(where.last.output_token_ids) == outs[4]
     # Asked with the call's key, the packer says where the call stood: after turn 2.
-    again = await _where(env, ex, "call-3")
+    again = await rp.where(env, ex, "call-3")
     assert again.next_turn_index == 3 and again.last.turn_index == 2
 
 
 async def test_a_restarted_router_continues_from_the_packer(env):
-    ex, token, outs = await _execution(env, "hello", "world")
+    ex, token, outs = await rp.scripted_execution(env, "hello", "world")
     messages = [{"role": "user", "content": "hi"}]
-    answer = await _chat(env, 0, token, messages, "r-0")
+    answer = await rp.chat(env, 0, token, messages, "r-0")
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}]
     proc, _ = env["routers"][0]
     proc.stop()
     env["routers"][0] = await asyncio.to_thread(start_router, env["cfg"], env["tmp"] / "router0b.log")
-    assert await _chat(env, 0, token, messages, "r-1") == "world"
-    prompts = _prompts(env)
+    assert await rp.chat(env, 0, token, messages, "r-1") == "world"
+    prompts = rp.prompts(env)
     assert prompts[1][: len(prompts[0]) + len(outs[0])] == prompts[0] + outs[0]
-    where = await _where(env, ex)
+    where = await rp.where(env, ex)
     assert where.next_turn_index == 2

@@ -8,21 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from services.router.http_api import OpenAIApi
 from services.router.manager import Resumed
 from services.router.tokenization import Tokenizer, normalize_messages
 from services.router.trajectory import ChatState, Trajectory, TrajectoryStore, chat_prompt
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    from apps.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return Tokenizer.load(path)
 
 
 class Manager:

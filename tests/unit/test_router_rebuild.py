@@ -41,15 +41,6 @@ from tests.support.packer_kit import make_packer
 EX = "x-1"
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    from apps.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return Tokenizer.load(path)
-
-
 class Engine:
     """Answers call n with ``answers[n]`` (then the stop token) and keeps every prompt."""
 

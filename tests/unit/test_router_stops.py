@@ -12,16 +12,6 @@ import pytest
 
 from gyre.errors import InvalidArgument
 from services.router.stops import OutputText, check_stop_strings, parse_stop
-from services.router.tokenization import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    from apps.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return Tokenizer.load(path)
 
 
 def test_matches_vllm_check_stop_strings():

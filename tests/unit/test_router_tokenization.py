@@ -7,16 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gyre.errors import InvalidArgument
-from services.router.tokenization import Tokenizer, normalize_messages
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    from apps.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return Tokenizer.load(path)
+from services.router.tokenization import normalize_messages
 
 
 def test_chat_template_applied_once(tok):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.tokenization import Tokenizer, normalize_messages
+from services.router.tokenization import normalize_messages
 from services.router.trajectory import ChatState, Trajectory, TrajectoryStore, chat_prompt
 
 TOOLS = [
@@ -22,15 +22,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    from apps.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return Tokenizer.load(path)
 
 
 def _turn(tok, store, messages, output, tools=(), reply=None):
