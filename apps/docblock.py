@@ -1,10 +1,29 @@
 """Generated blocks in hand-written pages: a benchmark or the demo report writes its current
-figures between two HTML-comment markers and leaves the rest of the page as it was. One
-implementation for every page (the README, docs/benchmarks.md, docs/benchmarks/*.md)."""
+figures between two HTML-comment markers and leaves the rest of the page as it was, with the
+commit that produced them. One implementation for every page (the README,
+docs/benchmarks.md, docs/benchmarks/*.md) and every result file."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_commit() -> str:
+    """The checkout's commit (short), with ``+dirty`` for uncommitted changes to tracked
+    files; ``?`` outside a git checkout."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return f"{sha}+dirty" if dirty else sha
 
 
 def replace_block(

@@ -31,7 +31,6 @@ import copy
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from apps.docblock import replace_block  # noqa: E402
+from apps.docblock import checkout_commit, replace_block  # noqa: E402
 from apps.eval.local import Policy, Rollout, evaluate, sample_rollouts  # noqa: E402
 from apps.eval.stats import bootstrap_ci  # noqa: E402
 from apps.harness.env import EnvConfig, eval_tasks, make_tasks  # noqa: E402
@@ -330,9 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     summary = summarize(runs)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = checkout_commit()
     result = {
         "benchmark": "learning",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from apps.docblock import replace_block  # noqa: E402
+from apps.docblock import checkout_commit, replace_block  # noqa: E402
 
 DISK_PARTS = ("packer-wal", "checkpoints", "history", "logs")
 
@@ -304,9 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = run_dir / "summary.json"
     demo_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary = summarize(samples, demo_summary, args.warmup)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = checkout_commit()
     result = {
         "benchmark": "soak",
         "tag": args.tag,

@@ -45,6 +45,7 @@ from apps.demo.learning import (
     write_tensorboard,
 )
 from apps.demo.moves import moves_from_histories
+from apps.docblock import checkout_commit
 from apps.harness.env import EVAL_SEED, EnvConfig, eval_tasks
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
@@ -404,7 +405,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     summary = {
         "outcome": outcome,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started_wall)),
-        "commit": _commit(),
+        "commit": checkout_commit(),
         "engine": opts.engine,
         "wall_s": round(time.monotonic() - started, 1),
         "bursts": final.get("bursts_completed", 0),
@@ -441,24 +442,6 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     )
     _print_summary(console, summary, opts.run_dir)
     return summary
-
-
-def _commit() -> str:
-    """The checkout's commit (short), with ``+dirty`` for uncommitted changes; ``?`` outside
-    a git checkout."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-    return f"{sha}+dirty" if dirty else sha
 
 
 def warm_start_model(console: Console, model_dir: Path) -> Path:
