@@ -55,6 +55,10 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
         async with channel(proc.target, "router") as ch:
             stub = pb_grpc.EngineStub(ch)
 
+            # Kill once both streams are producing: a fixed sleep let a fast machine finish
+            # them (the context is capped at 2,048 tokens) before the kill (CI, 2026-12-06).
+            producing = [asyncio.Event(), asyncio.Event()]
+
             async def stream(i):
                 req = pb.EngineGenerateRequest(
                     request_id=f"s{i}",
@@ -65,12 +69,13 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
                 try:
                     async for c in stub.Generate(req, timeout=60):
                         got += len(c.token_ids)
+                        producing[i].set()
                 except grpc.aio.AioRpcError as err:
                     return got, err.code(), err.details()
                 return got, grpc.StatusCode.OK, ""
 
             tasks = [asyncio.create_task(stream(i)) for i in range(2)]
-            await asyncio.sleep(2.0)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in producing)), timeout=60)
             for c in cores:
                 os.kill(c.pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
