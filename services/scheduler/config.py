@@ -45,6 +45,17 @@ class GyreSettings(BaseModel):
     gyre_migrate: bool = Field(
         GyreConfig.migrate, description="Gyre lever: migrate tail executions off crowded engines."
     )
+    gyre_breathe: bool = Field(
+        GyreConfig.breathe,
+        description="Gyre lever: breathing (spare cells train while there is training work; the core "
+        "rolls out while there is none and committed work waits for slots).",
+    )
+    gyre_breathe_in: float = Field(
+        GyreConfig.breathe_in,
+        gt=0,
+        le=1,
+        description="Gyre: ready groups, as a fraction of the batch, that bring a breathing core back.",
+    )
     gyre_migrate_max: int = Field(GyreConfig.migrate_max, ge=0, description="Gyre: migrations per decision.")
     gyre_migrate_min_load: float = Field(
         GyreConfig.migrate_min_load,

@@ -228,6 +228,7 @@ CONFIGS = st.builds(
     migrate=st.booleans(),
     hysteresis=st.sampled_from([0.0, 0.2, 1.0]),
     saturated_share=st.sampled_from([0.6, 1.0]),
+    breathe=st.booleans(),
 )
 
 
@@ -246,8 +247,11 @@ def test_gyre_invariants_on_random_snapshots(s, cfg):
     planned = plans[-1] if plans else p.planned
     for m in moves:
         c = by_id[m.cell_id]
-        # Invariant: committed usable work stays covered.
-        assert capacity(s.cells) - c.slots >= w
+        # Invariant: committed usable work stays covered, except by a breathing core coming
+        # back to a batch's worth of ready groups (the trainer is then the next step).
+        policy = GyrePolicy(cfg)
+        core_back = cfg.breathe and c.is_core and p.ready_groups >= policy.breathe_in_groups(p)
+        assert capacity(s.cells) - c.slots >= w or core_back
         assert c.state is CellState.ROLLOUT
         assert not any(x.state is CellState.DRAINING for x in elastic)
         # The prefix grows by the lowest-index cell not training.
@@ -264,7 +268,13 @@ def test_gyre_invariants_on_random_snapshots(s, cfg):
             and training_set(s.cells)
             and training_set(s.cells)[0].is_core
         ):
-            assert not by_id[a.cell_id].is_core
+            # The core leaves only to breathe: nothing to train, and W_eta waits for slots.
+            assert not by_id[a.cell_id].is_core or (
+                cfg.breathe
+                and GyrePolicy(cfg).core_may_leave(
+                    s, [c for c in elastic if c.state is not CellState.FAILED], w
+                )
+            )
         if isinstance(a, DispatchBurst):
             assert a.quota % p.group_size == 0
             assert a.quota // p.group_size <= staleness.dispatch_room(p, s.policy_version)
@@ -466,6 +476,92 @@ def test_gyre_does_not_return_cells_when_w_eta_jumps_past_the_capacity():
     idle = Pipeline(**{**p.__dict__, "ready_rate": 0.0})
     acts = GyrePolicy().decide(_snap(_cells([T, T, T, T, R, R]), idle))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c3"]
+
+
+def _demo_pipeline(open_executions: int, **kw: Any) -> Pipeline:
+    """The demo's shape: eta = 1, batches of 4 groups of 4, one cell trains faster than
+    groups arrive (rate target 1), ``open_executions`` dispatched and running at v1."""
+    base: dict[str, Any] = {
+        "max_staleness": 1,
+        "group_size": 4,
+        "batch_groups": 4,
+        "train_rate_per_cell": 1000.0,
+        "ready_rate": 0.05,
+        "tokens_per_group": 1000.0,
+        "versions": (
+            VersionCounts(
+                1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
+            ),
+        ),
+        "published_version": 1,
+    }
+    return Pipeline(**{**base, **kw})
+
+
+def test_breathing_lends_the_cells_w_eta_leaves_idle_to_the_streaming_batch():
+    # 2 groups ready, 1 assigned: batches v1..v2 still need 8 - 3 = 5 groups, but only 8
+    # executions are open: W_eta = 8 needs one rollout cell of 10 slots, so two of the three
+    # rollout cells are spare. The rate target is 1; breathing lends them one move at a time.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = _demo_pipeline(8, ready_groups=2, batch_assigned=1, backlog_tokens=500.0)
+    assert staleness.waterlevel(p, 1) == 8
+    acts = GyrePolicy().decide(_snap(_cells([T, R, R, R]), p))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
+    acts = GyrePolicy().decide(_snap(_cells([T, T, R, R]), p))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c2"]
+    # A lent cell must be empty first: draining it would reroute work the rate rule did not
+    # ask to move (PlanMoves keeps new work off it meanwhile).
+    acts = GyrePolicy().decide(_snap(_cells([T, T, R, R], loads=[0, 0, 3, 0]), p))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    assert "c2" in next(a for a in acts if isinstance(a, PlanMoves)).cell_ids or p.planned
+    acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), p))  # the last cell covers W_eta
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    # Without breathing the rate target (1) keeps the satellites in rollout.
+    acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, R, R, R]), p))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    # When the next batch's work arrives (W_eta 32 > the 20 slots left), the lent cells go
+    # back beyond the hysteresis band, the last first.
+    busy = _demo_pipeline(32, ready_groups=1)
+    acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), busy))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
+
+
+def test_breathing_core_rolls_out_while_there_is_nothing_to_train_and_comes_back_at_half_a_batch():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    # Nothing ready or assigned, 40 executions open: W_eta 32 > the 30 slots without the core.
+    idle = _demo_pipeline(40)
+    acts = GyrePolicy().decide(_snap(_cells([T, R, R, R]), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c0"]
+    # Not mid-batch, not while one ready group waits (below half a batch it stays out, but a
+    # training core does not leave it), not without breathing.
+    for p in (
+        _demo_pipeline(40, batch_assigned=1, backlog_tokens=100.0),
+        _demo_pipeline(40, optimizing=True),
+        _demo_pipeline(40, ready_groups=2),
+    ):
+        assert not [
+            a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), p)) if isinstance(a, ReturnToRollout)
+        ]
+    assert not [
+        a
+        for a in GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, R, R, R]), idle))
+        if isinstance(a, ReturnToRollout)
+    ]
+    # Rollout could not use its slots (W_eta 20 fits the other 30): the core stays.
+    light = _demo_pipeline(20)
+    assert not [
+        a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), light)) if isinstance(a, ReturnToRollout)
+    ]
+    # Out of training (7-slot cells): one ready group keeps it out (W_eta 28 > the 21 slots
+    # it would leave); half a batch brings it back although 21 < W_eta 24 (the trainer is the
+    # next step: the gate waits for its version).
+    one = _demo_pipeline(40, ready_groups=1)
+    acts = GyrePolicy().decide(_snap(_cells([R, R, R, R], slots=7), one))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    half = _demo_pipeline(40, ready_groups=2)
+    assert staleness.waterlevel(half, 1) == 24
+    acts = GyrePolicy().decide(_snap(_cells([R, R, R, R], slots=7), half))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c0"]
 
 
 def _eta4_pipeline(open_executions: int) -> Pipeline:

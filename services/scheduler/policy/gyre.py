@@ -66,8 +66,28 @@ happens at an update: satellites stay across updates whenever the next batch's s
 the target up (there is no burst end any more).
 
 Invariant (tested with hypothesis): a move to training never leaves rollout capacity below
-``W_eta``; the training set is a prefix of the elastic cells; at most one move to training
+``W_eta`` (except a breathing core coming back to ``breathe_in`` x B ready groups); the core
+leaves only to breathe; the training set is a prefix of the elastic cells; at most one move to training
 is in flight; no dispatch exceeds the gate.
+
+Breathing (``breathe``, on by default). The rate rule answers 1 for a light trainer (one cell
+keeps up with the arrivals: the demo's batches train in seconds, every 10-40 s), and the core
+then sat in training between batches while committed work waited for slots. Only when the
+rate target is 1 and a training rate has been measured:
+
+* the core rolls out while the trainer has nothing to do (no batch in progress, fewer than
+  ``breathe_in`` x B groups ready) and W_eta exceeds what rollout holds without it; it comes
+  back once ``breathe_in`` x B groups are ready, even if W_eta is not covered then (the
+  trainer is the pipeline's next step: the gate waits for its version);
+* while there is training work, every cell W_eta leaves idle is lent to training (the
+  streaming batch takes it at once), but only once it is empty: PlanMoves keeps new work off
+  it meanwhile. Lending busy cells rerouted their executions and cost A64 4% and B64 at
+  eta = 0 2% in the simulator; lending empty ones costs A64 0.6% and leaves B64 at eta = 0
+  unchanged (seed 1). Lent cells go back beyond the hysteresis band when W_eta rises again.
+
+Above a rate target of 1 the trainer's work is continuous and the rate rule alone sizes the
+prefix (breathing there sent cells to training at every dip of W_eta; see
+docs/benchmarks/cluster.md).
 
 Tail control. ``PlanMoves`` names the next cells the target will take (plus
 ``plan_ahead``); placement launches nothing new on them while other cells have room, and
@@ -133,12 +153,21 @@ class GyreConfig:
     exceeds the slots of the cells the target leaves to rollout); 1 turns this off."""
     drain_grace_s: float = 2.0
     """How long W must stay 0 before a partial batch is sealed (task source exhausted)."""
+    breathe: bool = True
+    """Breathing: while there is training work, every cell W_eta leaves idle trains (spare
+    cells join the streaming batch); while there is none and committed work waits for slots,
+    the core goes back to rollout too; False: the rate target alone (the core never leaves)."""
+    breathe_in: float = 0.5
+    """Ready groups, as a fraction of the batch, that bring a breathing core back to training
+    even when rollout could use its slots (the trainer is then the pipeline's next step)."""
 
     def __post_init__(self) -> None:
         if not (self.min_horizon_s > 0 and math.isfinite(self.min_horizon_s)):
             raise ValueError("min_horizon_s must be finite and > 0")
         if not 0 < self.saturated_share <= 1:
             raise ValueError("saturated_share must be in (0, 1]")
+        if not 0 < self.breathe_in <= 1:
+            raise ValueError("breathe_in must be in (0, 1]")
         if self.hysteresis < 0 or self.plan_ahead < 0 or self.migrate_max < 0:
             raise ValueError("hysteresis, plan_ahead and migrate_max must be >= 0")
 
@@ -158,6 +187,11 @@ def rate_target(p: Pipeline, horizon_s: float) -> tuple[int, str]:
     return max(1, t), (
         f"arrivals {arrivals:.3g} tok/s + queue {queue:.3g} tok over {horizon_s:.0f} s at {r:.3g} tok/s/cell"
     )
+
+
+def training_work(p: Pipeline) -> bool:
+    """The trainer has something to do: a batch in progress or ready groups."""
+    return p.ready_groups > 0 or p.batch_assigned > 0 or p.optimizing or p.backlog_tokens > 0
 
 
 class GyrePolicy:
@@ -196,9 +230,45 @@ class GyrePolicy:
             # Rollout saturated: W_eta would not fit the cells the target leaves to rollout.
             keep = max(1, round(keep * share))
             why += f"; rollout saturated (W_eta {w} > the slots the target leaves): x{share:g}"
+        if self.config.breathe and band <= 1 and p.train_rate_per_cell > 0:
+            # Breathing is for a light trainer (one cell keeps up with the arrivals): its work
+            # comes a batch at a time and is short, and the rate rule would park the core on
+            # it between batches. Above that the rate rule sizes the prefix (see the docstring).
+            if training_work(p) and t_max > keep:
+                # Breathing in: the cells W_eta leaves idle train instead (rollout has no work
+                # for them; the streaming batch takes them at once).
+                why += f"; {t_max - keep} spare cell(s) lent: W_eta {w} leaves them idle"
+                keep = t_max
+            elif self.core_may_leave(s, elastic, w):
+                return (
+                    0,
+                    0,
+                    band,
+                    f"{why}; nothing to train and W_eta {w} waits for slots: the core rolls out",
+                )
         if keep > t_max:
             return max(1, t_max), keep, band, f"{why}; capped at {t_max} to cover W_eta {w}"
         return keep, keep, band, why
+
+    def core_may_leave(self, s: Snapshot, elastic: list[CellView], w: int) -> bool:
+        """Breathing out: the trainer has nothing to do (no batch in progress, fewer ready
+        groups than bring it back) and the committed work W_eta exceeds what rollout holds
+        without the core, so its slots would be used at once. (The caller also asks that one
+        cell keeps up with the arrivals: with a rate target above 1 groups arrive steadily and
+        an empty queue is a moment between them, not a lull.)"""
+        p = s.pipeline
+        assert p is not None
+        if p.batch_assigned > 0 or p.optimizing or p.backlog_tokens > 0:
+            return False
+        if p.ready_groups >= self.breathe_in_groups(p):
+            return False
+        slots = max((c.slots for c in elastic), default=0)
+        standalone = sum(c.slots for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT)
+        return w > standalone + slots * (len(elastic) - 1)
+
+    def breathe_in_groups(self, p: Pipeline) -> int:
+        """Ready groups that bring a breathing core back (at least one)."""
+        return max(1, math.ceil(self.config.breathe_in * p.batch_groups))
 
     # -- decide ------------------------------------------------------------------------------
 
@@ -254,7 +324,31 @@ class GyrePolicy:
             cand = rest[0]
             if cand.state is not CellState.ROLLOUT:
                 return [Hold(f"waiting: next cell {cand.cell_id} is {cand.state.value}", cand.cell_id)]
+            if t + 1 > band and not cand.is_core and cand.load > 0:
+                # A lent cell (beyond the rate target, breathing) joins only once it is empty:
+                # its slots are spare only if nothing runs there, and PlanMoves keeps new
+                # work off it meanwhile. Draining it would reroute its executions and
+                # recompute their prefixes for a join the rate rule did not ask for (lending
+                # busy cells cost A64 4% and B64 at eta 0 2% in the simulator).
+                return [Hold(f"waiting: {cand.cell_id} (lent, load {cand.load}) to empty", cand.cell_id)]
             after = capacity(s.cells) - cand.slots
+            assert s.pipeline is not None
+            ready = s.pipeline.ready_groups
+            if (
+                after < w
+                and cand.is_core
+                and self.config.breathe
+                and ready >= self.breathe_in_groups(s.pipeline)
+            ):
+                # The trainer is the next step: without a new version the gate stays shut and
+                # the work W_eta counts cannot grow; the core comes back whatever rollout holds.
+                return [
+                    MoveToTraining(
+                        cand.cell_id,
+                        f"moved core {cand.cell_id} back to training: {ready} groups ready "
+                        f"({why}); capacity {after} < W_eta {w}",
+                    )
+                ]
             if after < w:
                 return [Hold(f"kept {cand.cell_id} in rollout: capacity {after} < W_eta {w}", cand.cell_id)]
             return [
@@ -263,6 +357,10 @@ class GyrePolicy:
                     f"moved {cand.cell_id} to training: T {t} -> {t + 1} of target {target} ({why}); "
                     f"capacity {after} >= W_eta {w}",
                 )
+            ]
+        if target == 0 and t == 1 and prefix[0].is_core and prefix[0].state is CellState.TRAINING:
+            return [
+                ReturnToRollout(prefix[0].cell_id, f"returned core {prefix[0].cell_id} to rollout: {why}")
             ]
         h = max(1, math.ceil(self.config.hysteresis * band)) if self.config.keep else 0
         if t > keep + h:
