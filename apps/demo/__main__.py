@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from apps.demo.chaos import Chaos
-from apps.demo.runner import DemoOptions, run_demo
+from apps.demo.runner import DEMO_ENV, DemoOptions, run_demo
 from apps.harness.env import EnvConfig
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         dashboard_port=args.dashboard_port,
         concurrency=args.concurrency,
         timeout_s=args.timeout_s if args.timeout_s is not None else budget_s(args.bursts),
-        env=EnvConfig(**json.loads(args.env)),
+        env=EnvConfig(**{**DEMO_ENV.model_dump(), **json.loads(args.env)}),
         live=not args.no_live,
         chaos=Chaos() if args.chaos else None,
         warm_start=not args.no_warm_start,

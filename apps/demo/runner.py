@@ -57,6 +57,18 @@ VLLM_READY_TIMEOUT_S = 300.0
 """How long the launcher (and its supervisor, on a restart) waits for a vLLM cell agent."""
 
 
+DEMO_ENV = EnvConfig(phase_after=150, phase_time_scale=0.25)
+"""The demo's workload: halfway through (150 of the 300 executions the harness starts) its
+tools get 5x slower (time_scale 0.05 -> 0.25: the slow tool's median goes from 1 s to 5 s),
+as a phase of longer tasks follows shorter ones in real RL; the cells follow it."""
+
+DEMO_OVERRIDES: dict[str, dict[str, Any]] = {"cluster": {"max_staleness": 1}}
+"""The demo runs at eta = 1 (the template's is 2): its trainer is light (a batch trains in
+seconds), so at eta = 2 the committed work W_eta (three batches' worth) never fell below the
+rollout capacity and no cell was ever spare (1 satellite join in 300 executions). At eta = 1
+W_eta falls below it once a batch's groups are ready, and the spare cells join that batch."""
+
+
 @dataclass
 class DemoOptions:
     engine: str = "vllm"
@@ -66,8 +78,8 @@ class DemoOptions:
     dashboard_port: int = 8080
     concurrency: int = 16
     timeout_s: float = 540.0
-    env: EnvConfig = field(default_factory=EnvConfig)
-    config_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    env: EnvConfig = DEMO_ENV
+    config_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEMO_OVERRIDES))
     live: bool = True
     during: Callable[[Cluster], Awaitable[None]] | None = None
     """Runs alongside the harness once the cluster is up (fault injection: kill or pause

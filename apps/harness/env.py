@@ -60,6 +60,13 @@ class EnvConfig(BaseModel):
     tool_cap_s: float = Field(600.0, gt=0, description="Cap before scaling.")
     distractors_min: int = Field(1, ge=0, le=4, description="Distractor files per task.")
     distractors_max: int = Field(3, ge=0, le=4)
+    phase_after: int = Field(
+        0,
+        ge=0,
+        description="Executions a harness starts before its second phase (0: one phase). Real RL's "
+        "workload changes during a run; the demo's second phase has slower tools.",
+    )
+    phase_time_scale: float = Field(0.0, ge=0, description="time_scale of the second phase.")
     number_credit: float = Field(
         0.1, ge=0, le=1, description="Reward for writing a number that is not the secret."
     )
@@ -71,6 +78,13 @@ class EnvConfig(BaseModel):
         "reply: a policy that cannot call tools yet (a random model, the mock engines) still gets groups "
         "whose rewards differ, so GRPO has a signal; tiny next to a written number.",
     )
+
+    def at(self, started: int) -> EnvConfig:
+        """The episode shape of a harness's ``started``-th execution (counted from 0): the
+        second phase's tool latencies from ``phase_after`` on."""
+        if self.phase_after and started >= self.phase_after:
+            return self.model_copy(update={"time_scale": self.phase_time_scale, "phase_after": 0})
+        return self
 
 
 SECRET_FILE = "notes.txt"

@@ -128,10 +128,12 @@ async def run_harness(
                         running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED
                     )
                 continue
-            started += 1
             running.add(
-                asyncio.create_task(run_execution(execution, env, stats), name=execution.execution_id)
+                asyncio.create_task(
+                    run_execution(execution, env.at(started), stats), name=execution.execution_id
+                )
             )
+            started += 1
         if running:
             await asyncio.gather(*running, return_exceptions=True)
     return stats

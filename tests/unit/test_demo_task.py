@@ -158,6 +158,17 @@ def test_turn_budget_and_tool_latency_keep_the_profile_a_shape():
     assert 0.1 < med < 2.0 and p99 > 10 * med  # mostly fast calls, and a heavy tail
 
 
+def test_a_second_phase_of_slower_tools_follows_the_first():
+    from apps.demo.runner import DEMO_ENV
+
+    cfg = EnvConfig(phase_after=3, phase_time_scale=0.25)
+    assert [cfg.at(i).time_scale for i in range(5)] == [0.05, 0.05, 0.05, 0.25, 0.25]
+    assert EnvConfig().at(10_000) == EnvConfig()  # one phase unless asked
+    task = make_tasks(1, seed=3)[0]
+    fast, slow = (Episode(task, DEMO_ENV.at(i), member=1).tool_latency_s() for i in (0, DEMO_ENV.phase_after))
+    assert slow == pytest.approx(5 * fast)  # the demo's second phase: the same draws, 5x slower
+
+
 def test_tasks_are_the_schedulers_and_held_out_tasks_are_disjoint():
     generated = [Task.from_json(json.loads(t.task_json)) for t in GeneratedTasks(seed=0).take(0, 200)]
     assert all(10 <= t.secret < 100 and t.files(ENV)[SECRET_FILE] for t in generated)
