@@ -62,11 +62,13 @@ DEMO_ENV = EnvConfig(phase_after=150, phase_time_scale=0.25)
 tools get 5x slower (time_scale 0.05 -> 0.25: the slow tool's median goes from 1 s to 5 s),
 as a phase of longer tasks follows shorter ones in real RL; the cells follow it."""
 
-DEMO_OVERRIDES: dict[str, dict[str, Any]] = {"cluster": {"max_staleness": 1}}
-"""The demo runs at eta = 1 (the template's is 2): its trainer is light (a batch trains in
-seconds), so at eta = 2 the committed work W_eta (three batches' worth) never fell below the
-rollout capacity and no cell was ever spare (1 satellite join in 300 executions). At eta = 1
-W_eta falls below it once a batch's groups are ready, and the spare cells join that batch."""
+DEMO_OVERRIDES: dict[str, dict[str, Any]] = {"cluster": {"max_staleness": 1}, "cell_agent": {"slots": 12}}
+"""The demo runs at eta = 1 with 12 slots per cell (the template: eta = 2, 8 slots). Its
+harness runs 16 agents at once and its trainer is light (a batch trains in seconds), so most
+rollout slots have nothing to do. With the template's settings the committed work W_eta
+(eta + 1 batches' worth, counting executions the harness has not started yet) never fell
+below the rollout capacity, and no cell was ever spare: 1 satellite join in 300 executions.
+Here W_eta falls below it once half a batch is ready, and a spare cell joins that batch."""
 
 
 @dataclass

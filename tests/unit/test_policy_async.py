@@ -520,7 +520,7 @@ def test_breathing_lends_the_cells_w_eta_leaves_idle_to_the_streaming_batch():
     acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, R, R, R]), p))
     assert not [a for a in acts if isinstance(a, MoveToTraining)]
     # When the next batch's work arrives (W_eta 32 > the 20 slots left), the lent cells go
-    # back beyond the hysteresis band, the last first.
+    # back at once (no hysteresis for lent cells), the last first.
     busy = _demo_pipeline(32, ready_groups=1)
     acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), busy))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]

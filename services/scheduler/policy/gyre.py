@@ -230,16 +230,21 @@ class GyrePolicy:
             # Rollout saturated: W_eta would not fit the cells the target leaves to rollout.
             keep = max(1, round(keep * share))
             why += f"; rollout saturated (W_eta {w} > the slots the target leaves): x{share:g}"
-        if self.config.breathe and band <= 1 and p.train_rate_per_cell > 0:
+        if self.breathing(p, band):
             # Breathing is for a light trainer (one cell keeps up with the arrivals): its work
             # comes a batch at a time and is short, and the rate rule would park the core on
             # it between batches. Above that the rate rule sizes the prefix (see the docstring).
             if training_work(p) and t_max > keep:
                 # Breathing in: the cells W_eta leaves idle train instead (rollout has no work
-                # for them; the streaming batch takes them at once).
-                why += f"; {t_max - keep} spare cell(s) lent: W_eta {w} leaves them idle"
-                keep = t_max
-            elif self.core_may_leave(s, elastic, w):
+                # for them; the streaming batch takes them at once). ``keep`` stays the rate
+                # target: lent cells go back as soon as rollout needs their slots again.
+                return (
+                    t_max,
+                    keep,
+                    band,
+                    f"{why}; {t_max - keep} spare cell(s) lent: W_eta {w} leaves them idle",
+                )
+            if self.core_may_leave(s, elastic, w):
                 return (
                     0,
                     0,
@@ -249,6 +254,11 @@ class GyrePolicy:
         if keep > t_max:
             return max(1, t_max), keep, band, f"{why}; capped at {t_max} to cover W_eta {w}"
         return keep, keep, band, why
+
+    def breathing(self, p: Pipeline, band: int) -> bool:
+        """Breathing applies: on, a training rate measured, and one cell keeps up with the
+        arrivals (``band``: the rate target before the saturated share)."""
+        return self.config.breathe and band <= 1 and p.train_rate_per_cell > 0
 
     def core_may_leave(self, s: Snapshot, elastic: list[CellView], w: int) -> bool:
         """Breathing out: the trainer has nothing to do (no batch in progress, fewer ready
@@ -361,6 +371,19 @@ class GyrePolicy:
         if target == 0 and t == 1 and prefix[0].is_core and prefix[0].state is CellState.TRAINING:
             return [
                 ReturnToRollout(prefix[0].cell_id, f"returned core {prefix[0].cell_id} to rollout: {why}")
+            ]
+        lent = [c for c in prefix[max(1, keep) :] if c.state is CellState.TRAINING]
+        assert s.pipeline is not None
+        if self.breathing(s.pipeline, band) and lent and t > target and w > capacity(s.cells):
+            # A lent cell (beyond the rate target) goes back once rollout's committed work
+            # exceeds its slots again (at the next publication W_eta rises by a batch): no
+            # hysteresis, it was only ever there because rollout could spare it.
+            c = lent[-1]
+            return [
+                ReturnToRollout(
+                    c.cell_id,
+                    f"returned lent {c.cell_id} to rollout: W_eta {w} > capacity {capacity(s.cells)}",
+                )
             ]
         h = max(1, math.ceil(self.config.hysteresis * band)) if self.config.keep else 0
         if t > keep + h:
