@@ -526,6 +526,27 @@ def test_breathing_lends_the_cells_w_eta_leaves_idle_to_the_streaming_batch():
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
 
 
+def test_gyre_never_returns_a_cell_below_one_still_draining():
+    # Seen in the demo: cell-2 started DRAINING to training, the target fell in the next
+    # decision, and the hysteresis return picked cell-1 (the last TRAINING satellite): the
+    # prefix broke and the repair sent cell-2 back too. The return waits for the move.
+    R, T, D = CellState.ROLLOUT, CellState.TRAINING, CellState.DRAINING
+    idle = _demo_pipeline(8)  # nothing to train: target 1, band 1
+    for cfg in (GyreConfig(), GyreConfig(breathe=False), GyreConfig(keep=False)):
+        acts = GyrePolicy(cfg).decide(_snap(_cells([T, T, D, R]), idle))
+        assert not [a for a in acts if isinstance(a, ReturnToRollout)], (cfg, acts)
+    acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
+
+
+def test_breathing_lends_nothing_while_only_the_optimizer_step_is_left():
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    stepping = _demo_pipeline(8, batch_assigned=4, optimizing=True)
+    assert not [
+        a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), stepping)) if isinstance(a, MoveToTraining)
+    ]
+
+
 def test_breathing_core_rolls_out_while_there_is_nothing_to_train_and_comes_back_at_half_a_batch():
     R, T = CellState.ROLLOUT, CellState.TRAINING
     # Nothing ready or assigned, 40 executions open: W_eta 32 > the 30 slots without the core.

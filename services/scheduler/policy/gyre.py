@@ -189,9 +189,10 @@ def rate_target(p: Pipeline, horizon_s: float) -> tuple[int, str]:
     )
 
 
-def training_work(p: Pipeline) -> bool:
-    """The trainer has something to do: a batch in progress or ready groups."""
-    return p.ready_groups > 0 or p.batch_assigned > 0 or p.optimizing or p.backlog_tokens > 0
+def claimable_work(p: Pipeline) -> bool:
+    """Work a cell joining now could claim: ready groups or assigned tokens not trained yet
+    (not the optimizer step, which is the core's alone)."""
+    return not p.optimizing and (p.ready_groups > 0 or p.backlog_tokens > 0)
 
 
 class GyrePolicy:
@@ -234,7 +235,7 @@ class GyrePolicy:
             # Breathing is for a light trainer (one cell keeps up with the arrivals): its work
             # comes a batch at a time and is short, and the rate rule would park the core on
             # it between batches. Above that the rate rule sizes the prefix (see the docstring).
-            if training_work(p) and t_max > keep:
+            if claimable_work(p) and t_max > keep:
                 # Breathing in: the cells W_eta leaves idle train instead (rollout has no work
                 # for them; the streaming batch takes them at once). ``keep`` stays the rate
                 # target: lent cells go back as soon as rollout needs their slots again.
@@ -375,6 +376,10 @@ class GyrePolicy:
         lent = [c for c in prefix[max(1, keep) :] if c.state is CellState.TRAINING]
         assert s.pipeline is not None
         if self.breathing(s.pipeline, band) and lent and t > target and w > capacity(s.cells):
+            if lent[-1] is not prefix[-1]:
+                return [
+                    Hold(f"waiting: {prefix[-1].cell_id} is {prefix[-1].state.value}", prefix[-1].cell_id)
+                ]
             # A lent cell (beyond the rate target) goes back once rollout's committed work
             # exceeds its slots again (at the next publication W_eta rises by a batch): no
             # hysteresis, it was only ever there because rollout could spare it.
@@ -388,6 +393,12 @@ class GyrePolicy:
         h = max(1, math.ceil(self.config.hysteresis * band)) if self.config.keep else 0
         if t > keep + h:
             last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]
+            if last and last[-1] is not prefix[-1]:
+                # The prefix ends with a cell still DRAINING: returning the one below it
+                # would break the prefix (the repair then sends the drained one back too).
+                return [
+                    Hold(f"waiting: {prefix[-1].cell_id} is {prefix[-1].state.value}", prefix[-1].cell_id)
+                ]
             if last:
                 c = last[-1]
                 return [
