@@ -62,11 +62,7 @@ DEMO_ENV = EnvConfig(phase_after=150, phase_time_scale=0.25)
 tools get 5x slower (time_scale 0.05 -> 0.25: the slow tool's median goes from 1 s to 5 s),
 as a phase of longer tasks follows shorter ones in real RL; the cells follow it."""
 
-DEMO_OVERRIDES: dict[str, dict[str, Any]] = {
-    "cluster": {"max_staleness": 1, "stale_rule": "partial"},
-    "scheduler": {"partial_max_versions": 1},
-    "cell_agent": {"slots": 12},
-}
+DEMO_OVERRIDES: dict[str, dict[str, Any]] = {"cluster": {"max_staleness": 1}, "cell_agent": {"slots": 12}}
 """The demo runs at eta = 1 with 12 slots per cell (the template: eta = 2, 8 slots). Its
 harness runs 16 agents at once and its trainer is light (a batch trains in seconds), so most
 rollout slots have nothing to do. With the template's settings the committed work W_eta

@@ -438,14 +438,16 @@ def test_gyre_returns_satellites_only_beyond_the_hysteresis_band():
         tokens_per_group=5e4,
         published_version=1,
     )
+    # (Breathing off: with it on, rollout has no work here and would not use a returned cell.)
+    band = GyrePolicy(GyreConfig(breathe=False))
     # Target 1 (nothing to train): 3 training cells > 1 + h (h = 1) -> the last satellite returns.
-    acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), p))
+    acts = band.decide(_snap(_cells([T, T, T, R]), p))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
     # 2 training cells = 1 + h: kept (no flapping at the edge).
-    acts = GyrePolicy().decide(_snap(_cells([T, T, R, R]), p))
+    acts = band.decide(_snap(_cells([T, T, R, R]), p))
     assert not [a for a in acts if isinstance(a, ReturnToRollout)]
     # Without hysteresis it returns at once.
-    acts = GyrePolicy(GyreConfig(keep=False)).decide(_snap(_cells([T, T, R, R]), p))
+    acts = GyrePolicy(GyreConfig(keep=False, breathe=False)).decide(_snap(_cells([T, T, R, R]), p))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c1"]
 
 
@@ -535,7 +537,20 @@ def test_gyre_never_returns_a_cell_below_one_still_draining():
     for cfg in (GyreConfig(), GyreConfig(breathe=False), GyreConfig(keep=False)):
         acts = GyrePolicy(cfg).decide(_snap(_cells([T, T, D, R]), idle))
         assert not [a for a in acts if isinstance(a, ReturnToRollout)], (cfg, acts)
-    acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), idle))
+    acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, T, T, R]), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
+
+
+def test_breathing_keeps_a_lent_cell_while_rollout_could_not_use_it():
+    # Nothing to claim for a moment (the ready group was just claimed), but W_eta 8 fits the
+    # 20 slots rollout has: the lent cell stays for the next batch instead of flapping.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    lull = _demo_pipeline(8)
+    assert not [
+        a for a in GyrePolicy().decide(_snap(_cells([T, T, T, R, R]), lull)) if isinstance(a, ReturnToRollout)
+    ]
+    # Without breathing the hysteresis band returns it.
+    acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, T, T, R, R]), lull))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
 
 

@@ -390,6 +390,11 @@ class GyrePolicy:
                     f"returned lent {c.cell_id} to rollout: W_eta {w} > capacity {capacity(s.cells)}",
                 )
             ]
+        if self.breathing(s.pipeline, band) and w <= capacity(s.cells):
+            # Breathing: rollout could not use a returned cell (its committed work fits the
+            # slots it has); a lent cell stays for the next batch instead of flapping out and
+            # in as ready groups come and are claimed (seen in the demo: 4 moves in a second).
+            return []
         h = max(1, math.ceil(self.config.hysteresis * band)) if self.config.keep else 0
         if t > keep + h:
             last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]
