@@ -190,9 +190,10 @@ def rate_target(p: Pipeline, horizon_s: float) -> tuple[int, str]:
 
 
 def claimable_work(p: Pipeline) -> bool:
-    """Work a cell joining now could claim: ready groups or assigned tokens not trained yet
-    (not the optimizer step, which is the core's alone)."""
-    return not p.optimizing and (p.ready_groups > 0 or p.backlog_tokens > 0)
+    """Work a cell joining now could claim, now or as the batch in progress fills: ready
+    groups, or a batch with groups assigned (its stragglers' groups come next), and not only
+    the optimizer step, which is the core's alone."""
+    return not p.optimizing and (p.ready_groups > 0 or p.backlog_tokens > 0 or p.batch_assigned > 0)
 
 
 class GyrePolicy:
