@@ -77,16 +77,21 @@ def block(summaries: list[dict[str, Any]]) -> str:
 
 
 def _moves(summaries: list[dict[str, Any]]) -> str:
-    back = [s.get("transitions_to_rollout", 0) for s in summaries]
-    if max(back, default=0) == 0:
-        return (
-            "No cell returned to rollout in any run, and no satellite joined a batch: the core "
-            "alone keeps up with training here (its rate target never asks for a second "
-            "training cell) and the default policy never returns the core, so it moves once and "
-            "then idles in training between updates while executions queue for rollout slots "
-            "(an open problem)."
-        )
-    return f"Cells moved back to rollout {sum(back)} times over the runs."
+    """How the cells moved over the runs, against the bar of >= 3 moves each way and >= 2
+    satellite joins per run."""
+    n = len(summaries)
+    moves = [
+        (s.get("transitions_to_training", 0), s.get("transitions_to_rollout", 0), s.get("satellite_joins", 0))
+        for s in summaries
+    ]
+    if not any(back or joins for _, back, joins in moves):
+        return "No cell returned to rollout in any run, and no satellite joined a batch."
+    met = sum(1 for to, back, joins in moves if to >= 3 and back >= 3 and joins >= 2)
+    return (
+        f"Cells moved to training {sum(m[0] for m in moves)} times and back "
+        f"{sum(m[1] for m in moves)} times over the runs, with {sum(m[2] for m in moves)} satellite "
+        f"joins; {met} of {n} runs moved cells at least 3 times each way with at least 2 joins."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

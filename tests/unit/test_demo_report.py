@@ -50,7 +50,8 @@ def test_the_readme_block_is_replaced_with_a_row_per_run(tmp_path: Path):
     assert body.startswith("# x\n\n" + BEGIN) and body.endswith(END + "\n\nmore\n")
     assert "| v0 0.33 [0.25, 0.41] | v11 0.91 [0.85, 0.96] | yes |" in body
     assert "| v11 0.45 [0.38, 0.52] | no |" in body
-    assert "in 1 of 2 runs" in body and "moved back to rollout 3 times" in body
+    assert "in 1 of 2 runs" in body and "moved to training 2 times and back 3 times" in body
+    assert "0 of 2 runs moved cells at least 3 times each way with at least 2 joins" in body
     # A second run replaces the block, not the text around it.
     (tmp_path / "again").mkdir()
     main([*_runs(tmp_path / "again", [learned]), "--readme", str(readme)])
@@ -58,9 +59,13 @@ def test_the_readme_block_is_replaced_with_a_row_per_run(tmp_path: Path):
     assert (
         body.count(BEGIN) == 1
         and "in 1 of 1 runs" in body
-        and "No cell returned to rollout" in body
-        and "never returns the core" in body
+        and "No cell returned to rollout in any run, and no satellite joined a batch." in body
     )
+    # The bar of issue 33: >= 3 moves each way and >= 2 satellite joins in a run.
+    moving = {**_summary((0.33, 0.25, 0.41), (0.91, 0.85, 0.96), back=4), "transitions_to_training": 5}
+    (tmp_path / "moving").mkdir()
+    main([*_runs(tmp_path / "moving", [{**moving, "satellite_joins": 2}]), "--readme", str(readme)])
+    assert "1 of 1 runs moved cells at least 3 times each way" in readme.read_text()
 
 
 def test_a_readme_without_a_block_is_an_error(tmp_path: Path):
