@@ -273,6 +273,14 @@ class ScenarioConfig(_Frozen):
     """One benchmark scenario: a profile, a cluster and a seed."""
 
     name: str = Field(..., description="Scenario name (used in file names and tables).")
+    static_training_cells: list[int] | None = Field(
+        None, description="This scenario's split sweep (None: the config's `static_training_cells`)."
+    )
+    prior_from: str | None = Field(
+        None,
+        description="A neighbouring scenario whose oracle split (as a share of the cells) is this "
+        "one's prior static split when it runs one seed only (the 256- and 1,024-cell scenarios).",
+    )
     profile: str = Field(
         "A", description="Key of `profiles` (with `mix`: the one whose group size every task takes)."
     )
@@ -320,6 +328,19 @@ class PolicyEntry(_Frozen):
         default_factory=list,
         description="Placements of the sweep: every T on the first, the best T and its neighbours on the others "
         "(empty: the scenario's).",
+    )
+    split: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Run once with this share of the cells training (0.5: the 50:50 split a user picks "
+        "without measuring), on the first of `placements` (empty: the scenario's).",
+    )
+    prior: str | None = Field(
+        None,
+        description="Run once at the split that this (swept) row's oracle chose on another seed of the "
+        "scenario (the next seed, cyclically), or, with one seed, on the scenario's `prior_from`: the "
+        "split a user carries over from an earlier run, chosen without hindsight on this one.",
     )
 
 
@@ -369,6 +390,12 @@ class SimConfig(_Frozen):
         description="Split sweep: training-cell counts T (refined around the best).",
     )
     sweep_refine: bool = Field(True, description="Refine a sweep around its best coarse point.")
+    switch_sensitivity: float | None = Field(
+        5.0,
+        gt=0,
+        description="Rerun Gyre and the oracle async static split (at its best T, not re-swept) with the "
+        "role-switch and weight-sync costs times this factor (None: no sensitivity rows).",
+    )
     sweep_cutoff: float | None = Field(
         None,
         gt=1,

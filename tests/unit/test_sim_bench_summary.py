@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from sim.bench import run_scenario
+from sim.bench import run_all, run_scenario, summarize
 from sim.config import PolicyEntry, SimConfig, TargetConfig
 from tests.unit.test_sim_conservation import small_config
 
@@ -173,3 +173,48 @@ def test_merge_keeps_the_scenarios_this_run_did_not_measure(tmp_path: Path) -> N
         assert "not a cluster benchmark" in str(e)
     else:
         raise AssertionError("merged into another benchmark's file")
+
+
+def test_baselines_without_hindsight_and_the_switch_sensitivity() -> None:
+    """prior static runs at the oracle split of the *other* seed, 50:50 at half the cells, and
+    the switch rows rerun Gyre and the oracle's split with the switch costs x5."""
+    cfg = tiny().model_copy(
+        update={
+            "variants": {},
+            "static_training_cells": [2, 3, 4, 6],
+            "sweep_cutoff": None,
+            "switch_sensitivity": 5.0,
+            "policies": [
+                PolicyEntry(role="gyre", policy=["gyre"]),
+                PolicyEntry(role="oracle_async_static", policy=["async-static"], sweep=True),
+                PolicyEntry(role="prior_static", policy=["async-static"], prior="oracle_async_static"),
+                PolicyEntry(role="half_static", policy=["async-static"], split=0.5),
+            ],
+        }
+    )
+    results = run_all(cfg, cfg.scenarios, log=lambda m: None)
+    by_seed = {r.scenario.seed: r for r in results}
+    for seed, other in ((3, 4), (4, 3)):
+        res = by_seed[seed]
+        best_other = next(
+            p
+            for p in by_seed[other].roles["oracle_async_static"].sweep
+            if p.label == by_seed[other].roles["oracle_async_static"].label
+        )
+        assert res.run("prior_static").label == f"async-static T={best_other.training_cells} (scheduler)"
+        assert f"seed {other}'s oracle" in res.roles["prior_static"].note
+        # The oracle is never slower than a split chosen without hindsight.
+        assert res.run("oracle_async_static").time_to_n_s <= res.run("prior_static").time_to_n_s
+        assert res.run("half_static").label == "async-static T=4 (scheduler)"
+        x5 = res.run("gyre_switch_x5")
+        assert x5 is not None and x5.role_switches > 0
+        per_switch = x5.role_switch_s / x5.role_switches
+        assert 5 * 1.5 <= per_switch <= 5 * 2.0
+        assert res.run("oracle_async_static_switch_x5") is not None
+    s = summarize(cfg, results)["small"]
+    gyre = [by_seed[x].run("gyre").time_to_n_s for x in (3, 4)]
+    prior = [by_seed[x].run("prior_static").time_to_n_s for x in (3, 4)]
+    assert s["vs_prior_static"] == statistics.median([p / g for p, g in zip(prior, gyre)])
+    assert s["vs_half_static"] > 0 and s["vs_oracle_async_static_switch_x5"] > 0
+    assert len(s["prior_static_from"]) == 2
+    assert s["decide_ms_p99"] >= s["decide_ms_p50"] > 0 and s["gyre_sim_wall_s"] > 0
