@@ -121,7 +121,8 @@ def headline_markdown(summary: dict[str, dict[str, Any]], switch_key: str | None
     )
     lines = [
         "| scenario | cells | seeds | Gyre (s) | vs oracle async static (hindsight) | vs prior static | "
-        f"vs 50:50 static{sw} | preemptions / prefix evictions | decide() p50 / p99 (ms) | sim wall (s) |",
+        f"vs 50:50 static{sw} | preemptions / prefix evictions | decide() p50 / p99 (ms) | "
+        "simulator wall per Gyre run (s) |",
         "|---|---:|---|---:|---:|---:|---:|" + ("---:|" if switch_key else "") + "---:|---:|---:|",
     ]
     for name, s in summary.items():
