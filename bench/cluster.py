@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,10 +48,13 @@ HEAD_END = "<!-- END CLUSTER TABLE -->"
 def known_splits(out: Path) -> KnownSplits:
     """The oracle splits an earlier results file measured (a neighbouring scenario's split is
     the prior of a scenario run on its own, e.g. the 1,024-cell one)."""
-    if not out.exists():
-        return {}
+    return splits_of(json.loads(out.read_text()).get("summary", {})) if out.exists() else {}
+
+
+def splits_of(summary: dict) -> KnownSplits:
+    """Per scenario of a summary, its first seed's oracle async static split."""
     known: KnownSplits = {}
-    for name, s in json.loads(out.read_text()).get("summary", {}).items():
+    for name, s in summary.items():
         for seed, (t, where, cells) in sorted((s.get("oracle_splits") or {}).items()):
             known[name] = (t / cells, where, f"seed {seed}, T={t} of {cells} ({where})")
             break
@@ -93,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(ROOT / "bench" / "cluster.yaml"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     ap.add_argument(
-        "--suite", default=None, help="a named subset of the config's `suites` (default: everything)"
+        "--suite",
+        action="append",
+        default=[],
+        help="a named subset of the config's `suites` (default: everything); repeat to run several, each "
+        "with its own overrides, into one results file (later suites' prior splits may use earlier ones')",
     )
     ap.add_argument("--scenario", action="append", default=[], help="run only these scenarios")
     ap.add_argument(
@@ -131,60 +139,77 @@ def main(argv: list[str] | None = None) -> int:
     if args.emulate_only:
         return emulate(args)
 
-    overrides = list(args.set)
     base = load_config(args.config)
-    if args.suite is not None:
-        if args.suite not in base.suites:
-            ap.error(f"unknown suite {args.suite!r} (the config has {sorted(base.suites) or 'none'})")
-        suite = base.suites[args.suite]
-        overrides = list(suite.overrides) + overrides
-    cfg = load_config(args.config, overrides)
-    names = list(args.scenario) or (list(base.suites[args.suite].scenarios) if args.suite else [])
-    extra = []
-    if args.quick:
-        extra += [f"scenarios.{s.name}.training.updates=3" for s in cfg.scenarios] + ["variants={}"]
-    if args.seeds:
-        extra += [f"scenarios.{s.name}.seeds=[{args.seeds}]" for s in cfg.scenarios]
-    if extra:
-        cfg = load_config(args.config, overrides + extra)
-    wanted = [s for s in cfg.scenarios if not names or s.name in names]
-    unknown = set(names) - {s.name for s in cfg.scenarios}
-    if unknown:
-        ap.error(f"unknown scenarios {sorted(unknown)}")
+    suites = args.suite or [None]
+    for name in suites:
+        if name is not None and name not in base.suites:
+            ap.error(f"unknown suite {name!r} (the config has {sorted(base.suites) or 'none'})")
+    if args.scenario and len(suites) > 1:
+        ap.error("--scenario picks from one suite; give one --suite with it")
     t0 = time.perf_counter()
-    results = run_all(cfg, wanted, jobs=args.jobs, known=known_splits(Path(args.out)))
-    summary = summarize(cfg, results)
+    known = known_splits(Path(args.out))
     doc = Path(args.doc)
-    switch_key = (
-        f"vs_oracle_async_static_switch_x{cfg.switch_sensitivity:g}" if cfg.switch_sensitivity else None
-    )
-    sections = [summary_markdown(cfg, summary)]
-    for sc in wanted:
-        rs = [r for r in results if r.scenario.name == sc.name]
-        img = plot_scenario(rs[0], Path(args.img))
-        rel = Path(os.path.relpath(img, doc.parent)).as_posix()
-        sections.append(scenario_markdown(cfg, rs, summary[sc.name], rel))
-        s = summary[sc.name]
-        print(
-            f"[{sc.name}] Gyre {s['gyre_s'] or float('nan'):.0f} s (median of seeds {s['seeds']}): "
-            f"{s['vs_oracle_async_static'] or float('nan'):.2f}x vs oracle async static, "
-            f"{s['vs_oracle_bursty_static'] or float('nan'):.2f}x vs oracle bursty static, "
-            f"{s['vs_colocated'] or float('nan'):.2f}x vs colocated, "
-            f"{s['vs_prior_static'] or float('nan'):.2f}x vs prior static, "
-            f"{s['vs_half_static'] or float('nan'):.2f}x vs 50:50, "
-            f"{s.get(switch_key or '') or float('nan'):.2f}x vs oracle at switch costs x"
-            f"{cfg.switch_sensitivity}, "
-            f"efficiency T*_eta/T {s['efficiency_t_star_eta'] or float('nan'):.2f}; "
-            f"decide p99 {s['decide_ms_p99'] or float('nan'):.2f} ms, sim wall {s['gyre_sim_wall_s'] or 0:.0f} s"
-        )
+    sections: list[str] = []
+    summary: dict = {}
+    results: list = []
+    wanted: list = []
+    all_overrides: list[str] = []
+    switch_key: str | None = None
+    for name in suites:
+        overrides = (list(base.suites[name].overrides) if name else []) + list(args.set)
+        all_overrides += overrides
+        cfg = load_config(args.config, overrides)
+        names = list(args.scenario) or (list(base.suites[name].scenarios) if name else [])
+        extra = []
+        if args.quick:
+            extra += [f"scenarios.{s.name}.training.updates=3" for s in cfg.scenarios] + ["variants={}"]
+        if args.seeds:
+            extra += [f"scenarios.{s.name}.seeds=[{args.seeds}]" for s in cfg.scenarios]
+        if extra:
+            cfg = load_config(args.config, overrides + extra)
+        these = [s for s in cfg.scenarios if not names or s.name in names]
+        unknown = set(names) - {s.name for s in cfg.scenarios}
+        if unknown:
+            ap.error(f"unknown scenarios {sorted(unknown)}")
+        # A later suite's prior splits may come from an earlier suite's oracles (scale <- B64).
+        res = run_all(cfg, these, jobs=args.jobs, known=known)
+        summ = summarize(cfg, res)
+        known.update(splits_of(summ))
+        results += res
+        wanted += these
+        summary.update(summ)
+        if cfg.switch_sensitivity and switch_key is None:
+            switch_key = f"vs_oracle_async_static_switch_x{cfg.switch_sensitivity:g}"
+        sections.append(summary_markdown(cfg, summ))
+        for sc in these:
+            rs = [r for r in res if r.scenario.name == sc.name]
+            img = plot_scenario(rs[0], Path(args.img))
+            rel = Path(os.path.relpath(img, doc.parent)).as_posix()
+            sections.append(scenario_markdown(cfg, rs, summ[sc.name], rel))
+            s = summ[sc.name]
+            print(
+                f"[{sc.name}] Gyre {s['gyre_s'] or float('nan'):.0f} s (median of seeds {s['seeds']}): "
+                f"{s['vs_oracle_async_static'] or float('nan'):.2f}x vs oracle async static, "
+                f"{s['vs_oracle_bursty_static'] or float('nan'):.2f}x vs oracle bursty static, "
+                f"{s['vs_colocated'] or float('nan'):.2f}x vs colocated, "
+                f"{s['vs_prior_static'] or float('nan'):.2f}x vs prior static, "
+                f"{s['vs_half_static'] or float('nan'):.2f}x vs 50:50, "
+                f"{s.get(switch_key or '') or float('nan'):.2f}x vs oracle at switch costs x"
+                f"{cfg.switch_sensitivity}, "
+                f"efficiency T*_eta/T {s['efficiency_t_star_eta'] or float('nan'):.2f}; "
+                f"decide p99 {s['decide_ms_p99'] or float('nan'):.2f} ms, "
+                f"sim wall {s['gyre_sim_wall_s'] or 0:.0f} s"
+            )
+    overrides = all_overrides
+    suite_name = "+".join(x for x in suites if x) or None
     emulation = None
     if args.emulate:
         emulation = emulate(args)
-    payload = {
+    payload: dict[str, Any] = {
         "benchmark": "cluster",
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "jobs": args.jobs},
         "config": str(args.config),
-        "suite": args.suite,
+        "suite": suite_name,
         "overrides": overrides,
         "wall_s": time.perf_counter() - t0,
         "summary": summary,
@@ -204,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         section += "\nSimulator vs emulated cluster: see the emulation section below.\n"
     section += (
         f"\n_Generated by `bench/cluster.py` in {payload['wall_s']:.0f} s with {args.jobs} worker(s) "
-        f"(config `{Path(args.config).name}`{', suite ' + args.suite if args.suite else ''}"
+        f"(config `{Path(args.config).name}`{', suite ' + suite_name if suite_name else ''}"
         f"{', overrides ' + ' '.join(overrides) if overrides else ''})._\n"
     )
     replace_block(doc, BEGIN, END, f"{BEGIN}\n{section}\n{END}", title="Cluster benchmark")
@@ -254,7 +279,7 @@ def emulate(args: argparse.Namespace) -> int:
     )
     out = Path(args.out).with_name("cluster_emulate.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
+    payload: dict[str, Any] = {
         "benchmark": "cluster_emulate",
         "scenario": label,
         "machine": {"python": platform.python_version(), "platform": platform.platform()},

@@ -218,3 +218,40 @@ def test_baselines_without_hindsight_and_the_switch_sensitivity() -> None:
     assert s["vs_half_static"] > 0 and s["vs_oracle_async_static_switch_x5"] > 0
     assert len(s["prior_static_from"]) == 2
     assert s["decide_ms_p99"] >= s["decide_ms_p50"] > 0 and s["gyre_sim_wall_s"] > 0
+
+
+def test_several_suites_write_one_results_file(tmp_path: Path) -> None:
+    """``--suite a --suite b``: each suite with its own overrides, one results file and one
+    table; a later suite's prior split comes from an earlier suite's oracle (``prior_from``)."""
+    cfg = tiny()
+    small = cfg.scenarios[0].model_copy(update={"seeds": [3], "target": None})
+    wide = small.model_copy(update={"name": "wide", "prior_from": "small"})
+    rows = [
+        {"role": "gyre", "policy": ["gyre"]},
+        {"role": "oracle_async_static", "policy": ["async-static"], "sweep": True},
+        {"role": "prior_static", "policy": ["async-static"], "prior": "oracle_async_static"},
+    ]
+    data = cfg.model_copy(update={"scenarios": [small, wide], "variants": {}}).model_dump(mode="json")
+    data["static_training_cells"] = [2, 4]
+    data["suites"] = {
+        "first": {"scenarios": ["small"], "overrides": [f"policies={json.dumps(rows)}"]},
+        "second": {
+            "scenarios": ["wide"],
+            "overrides": [f"policies={json.dumps(rows)}", "switch_sensitivity=null"],
+        },
+    }
+    conf = tmp_path / "two.yaml"
+    conf.write_text(yaml.safe_dump(data, sort_keys=False))
+    out, doc, img = tmp_path / "cluster.json", tmp_path / "cluster.md", tmp_path / "img"
+    mod = runpy.run_path("bench/cluster.py", run_name="bench_cluster")
+    argv = ["--config", str(conf), "--out", str(out), "--doc", str(doc), "--img", str(img), "--jobs", "1"]
+    assert mod["main"]([*argv, "--suite", "first", "--suite", "second"]) == 0
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    assert set(s) == {"small", "wide"} and result["suite"] == "first+second"
+    assert "vs_oracle_async_static_switch_x5" in s["small"]
+    assert "vs_oracle_async_static_switch_x5" not in s["wide"]
+    assert s["wide"]["prior_static_from"] and "small's oracle" in s["wide"]["prior_static_from"][0]
+    text = doc.read_text()
+    assert text.index("BEGIN CLUSTER TABLE") < text.index("BEGIN CLUSTER RESULTS")
+    assert "| small |" in text and "| wide |" in text
