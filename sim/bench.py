@@ -11,6 +11,14 @@ each further placement, then refines around the best, and keeps the best as the 
 (chosen in hindsight, per seed). With ``sweep_cutoff`` a sweep point
 stops once it runs that factor past the best point so far: it cannot be the oracle.
 
+Beside that oracle, the baselines a user actually has (issue 33): a ``split`` row runs one
+fixed share of the cells in training (the 50:50 split), and a ``prior`` row runs the split
+the oracle chose on *another* seed (or a neighbouring scenario): chosen before the run,
+without hindsight. Prior rows need the other seeds' sweeps, so ``run_all`` runs them in a
+second pass. ``switch_sensitivity`` reruns Gyre and the oracle's best split with the switch
+costs multiplied (the oracle is not re-swept: a static split never switches roles, only its
+weight syncs get dearer, so its best T does not move).
+
 Scenario x seed units are independent: ``run_all`` spreads them over worker processes.
 """
 
@@ -36,8 +44,13 @@ from sim.config import PolicyEntry, ScenarioConfig, SimConfig, apply_variant
 from sim.driver import PolicySpec, run_policy
 from sim.metrics import RunResult
 
-SUMMARY_ROLES = ("oracle_async_static", "oracle_bursty_static", "colocated")
+SUMMARY_ROLES = ("oracle_async_static", "prior_static", "half_static", "oracle_bursty_static", "colocated")
 """Baselines of the summary's ratios (baseline time / Gyre time)."""
+
+SWITCH_COSTS = ("switch_to_train_s", "switch_to_rollout_s", "weight_sync_s")
+"""The costs ``switch_sensitivity`` multiplies."""
+
+PENDING = "runs in the second pass (needs the other seeds' oracles)"
 
 Log = Callable[[str], None]
 
@@ -154,6 +167,7 @@ class RoleResult:
     label: str | None
     missing: str = ""
     sweep: list[SweepPoint] = field(default_factory=list)
+    note: str = ""  # where a prior split came from
 
 
 @dataclass
@@ -248,6 +262,11 @@ class _Runner:
             why = f"no policy of {entry.policy} is in the scheduler's registry yet"
             self.log(f"[{self.sc.name} seed {self.sc.seed}] {entry.role}: MISSING ({why})")
             return RoleResult(entry.role, None, None, missing=why)
+        if entry.prior is not None:
+            return RoleResult(entry.role, None, None, missing=PENDING)
+        if entry.split is not None:
+            where = entry.placements[0] if entry.placements else self.sc.cluster.placement
+            return self.fixed(entry.role, name, _scaled(entry.split, self.sc.cluster.cells), where)
         if entry.at is not None:
             return self.at(entry, name)
         if not entry.sweep:
@@ -257,6 +276,44 @@ class _Runner:
             self.res.runs[name] = r
             return RoleResult(entry.role, name, name)
         return self.sweep(entry, name)
+
+    def fixed(
+        self, role: str, name: str, t: int, placement: str, cfg: SimConfig | None = None, suffix: str = ""
+    ) -> RoleResult:
+        """One run at T training cells (reusing a sweep point of the same label)."""
+        label = point_label(name, t, placement) + suffix
+        r = self.res.runs.get(label) if cfg is None else None
+        if r is None:
+            r = self.one(PolicySpec(name, training_cells=t), _with(self.sc, placement), label, cfg)
+        if r is None:
+            return RoleResult(role, None, None, missing=NOT_RUN)
+        self.res.runs[label] = r
+        return RoleResult(
+            role, name, label if r.reached else None, missing="" if r.reached else "did not reach N"
+        )
+
+    def switch_rows(self, factor: float) -> None:
+        """Gyre and the oracle async static split's best point with the switch costs x factor."""
+        c = self.cfg.cost
+        cost = c.model_copy(update={k: getattr(c, k) * factor for k in SWITCH_COSTS})
+        xcfg = self.cfg.model_copy(update={"cost": cost})
+        suffix = f" (switch x{factor:g})"
+        gyre = self.res.roles.get("gyre")
+        if gyre is not None and gyre.policy is not None:
+            label = gyre.policy + suffix
+            r = self.one(PolicySpec(gyre.policy), self.sc, label, xcfg)
+            ok = r is not None and r.reached
+            if r is not None:
+                self.res.runs[label] = r
+            self.res.roles[f"gyre_switch_x{factor:g}"] = RoleResult(
+                f"gyre_switch_x{factor:g}", gyre.policy, label if ok else None, missing="" if ok else NOT_RUN
+            )
+        best = oracle_point(self.res, "oracle_async_static")
+        if best is not None:
+            role = f"oracle_async_static_switch_x{factor:g}"
+            rr = self.fixed(role, best.policy, best.training_cells, best.placement, xcfg, suffix)
+            rr.note = f"the x1 oracle's split ({best.label}) rerun, not re-swept"
+            self.res.roles[role] = rr
 
     def at(self, entry: PolicyEntry, name: str) -> RoleResult:
         """One run at the split of another row's oracle."""
@@ -279,7 +336,7 @@ class _Runner:
         sc = self.sc
         cells = sc.cluster.cells
         placements = list(entry.placements) or [sc.cluster.placement]
-        coarse = [t for t in self.cfg.static_training_cells if 1 <= t < cells]
+        coarse = [t for t in (sc.static_training_cells or self.cfg.static_training_cells) if 1 <= t < cells]
         points: list[SweepPoint] = []
         best: SweepPoint | None = None
 
@@ -344,6 +401,8 @@ def run_scenario(
     runner = _Runner(cfg, sc, res, record_every_s, log)
     for entry in cfg.policies:
         res.roles[entry.role] = runner.row(entry)
+    if cfg.switch_sensitivity is not None:
+        runner.switch_rows(cfg.switch_sensitivity)
     gyre = res.roles.get("gyre")
     if variants and gyre is not None and gyre.policy is not None:
         for vname, overrides in cfg.variants.items():
@@ -359,25 +418,136 @@ def seeds_of(sc: ScenarioConfig) -> list[int]:
     return list(sc.seeds) or [sc.seed]
 
 
+def oracle_point(res: ScenarioResult, role: str) -> SweepPoint | None:
+    """The best point of a swept row (its oracle), if it has one."""
+    rr = res.roles.get(role)
+    if rr is None or not rr.label:
+        return None
+    return next((p for p in rr.sweep if p.label == rr.label), None)
+
+
+KnownSplits = dict[str, tuple[float, str, str]]
+"""Scenario name -> (oracle training share T/cells, placement, where it was measured): the
+oracle splits of earlier results, for the prior rows of scenarios run on their own."""
+
+
+def _prior_split(
+    res: ScenarioResult, role: str, results: list[ScenarioResult], known: KnownSplits
+) -> tuple[int, str, str] | None:
+    """(T, placement, where it comes from) of ``res``'s prior split: the oracle of ``role`` on
+    the next seed of the same scenario (cyclically), else on its ``prior_from`` scenario (as a
+    share of the cells, from this run or from ``known``)."""
+    sc = res.scenario
+    cells = sc.cluster.cells
+    same = sorted((r for r in results if r.scenario.name == sc.name), key=lambda r: r.scenario.seed)
+    if len(same) > 1:
+        i = next(i for i, r in enumerate(same) if r is res)
+        other = same[(i + 1) % len(same)]
+        best = oracle_point(other, role)
+        if best is not None:
+            return best.training_cells, best.placement, f"seed {other.scenario.seed}'s oracle, {best.label}"
+    src = sc.prior_from
+    if src is None:
+        return None
+    near = [r for r in results if r.scenario.name == src]
+    near.sort(key=lambda r: (r.scenario.seed != sc.seed, r.scenario.seed))
+    for r in near:
+        best = oracle_point(r, role)
+        if best is not None:
+            share, where, label = best.training_cells / r.scenario.cluster.cells, best.placement, best.label
+            return _scaled(share, cells), where, f"{src} seed {r.scenario.seed}'s oracle, {label}, scaled"
+    if src in known:
+        share, where, desc = known[src]
+        return _scaled(share, cells), where, f"{src}'s oracle ({desc}), scaled"
+    return None
+
+
+def _scaled(share: float, cells: int) -> int:
+    return min(cells - 1, max(1, round(share * cells)))
+
+
 def _unit(args: tuple[SimConfig, ScenarioConfig, bool]) -> ScenarioResult:
     cfg, sc, variants = args
     return run_scenario(cfg, sc, variants=variants, log=lambda m: print(m, flush=True))
 
 
+def _one_unit(args: tuple[SimConfig, ScenarioConfig, PolicySpec, str, float]) -> RunResult | None:
+    cfg, sc, spec, label, record_every_s = args
+    res = ScenarioResult(sc, None, None)  # type: ignore[arg-type]  # only the runner's log needs it
+    return _Runner(cfg, sc, res, record_every_s, lambda m: print(m, flush=True)).one(spec, sc, label)
+
+
+def run_priors(
+    cfg: SimConfig,
+    results: list[ScenarioResult],
+    *,
+    jobs: int = 1,
+    known: KnownSplits | None = None,
+    record_every_s: float = 5.0,
+) -> None:
+    """Fills the ``prior`` rows of ``results`` (the second pass): each runs at its prior split,
+    reusing the seed's own sweep point of that split when it has one."""
+    todo: list[tuple[ScenarioResult, str, str, tuple[SimConfig, ScenarioConfig, PolicySpec, str, float]]] = []
+    for res in results:
+        for entry in cfg.policies:
+            if entry.prior is None:
+                continue
+            ref = res.roles.get(entry.prior)
+            split = _prior_split(res, entry.prior, results, known or {})
+            if ref is None or ref.policy is None or split is None:
+                why = f"no oracle of {entry.prior!r} on another seed or a neighbouring scenario"
+                res.roles[entry.role] = RoleResult(entry.role, None, None, missing=why)
+                continue
+            t, where, note = split
+            label = point_label(ref.policy, t, where)
+            res.roles[entry.role] = RoleResult(entry.role, ref.policy, None, missing=NOT_RUN, note=note)
+            if label in res.runs:
+                res.roles[entry.role] = RoleResult(entry.role, ref.policy, label, note=note)
+                continue
+            spec = PolicySpec(ref.policy, training_cells=t)
+            todo.append(
+                (res, entry.role, label, (cfg, _with(res.scenario, where), spec, label, record_every_s))
+            )
+    if jobs <= 1 or len(todo) <= 1:
+        runs = [_one_unit(args) for *_, args in todo]
+    else:
+        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+            runs = list(pool.map(_one_unit, [args for *_, args in todo]))
+    for (res, role, label, _), r in zip(todo, runs):
+        if r is None:
+            continue
+        res.runs[label] = r
+        rr = res.roles[role]
+        rr.label, rr.missing = (label, "") if r.reached else (None, "did not reach N")
+
+
 def run_all(
-    cfg: SimConfig, scenarios: list[ScenarioConfig], *, jobs: int = 1, log: Log = print
+    cfg: SimConfig,
+    scenarios: list[ScenarioConfig],
+    *,
+    jobs: int = 1,
+    log: Log = print,
+    known: KnownSplits | None = None,
 ) -> list[ScenarioResult]:
     """Every scenario on each of its seeds (variants on the first seed only), over ``jobs``
-    worker processes; results in scenario, then seed order."""
+    worker processes, then the prior rows (``run_priors``); results in scenario, then seed
+    order."""
     units = [
         (cfg, sc.model_copy(update={"seed": seed}), i == 0)
         for sc in scenarios
         for i, seed in enumerate(seeds_of(sc))
     ]
     if jobs <= 1 or len(units) <= 1:
-        return [run_scenario(c, s, variants=v, log=log) for c, s, v in units]
-    with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_unit, units))
+        results = [run_scenario(c, s, variants=v, log=log) for c, s, v in units]
+    else:
+        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(_unit, units))
+    t0 = time.perf_counter()
+    run_priors(cfg, results, jobs=jobs, known=known)
+    extra = time.perf_counter() - t0
+    for res in results:  # the second pass's wall time, shared out
+        res.wall_s += extra / len(results)
+    return results
 
 
 # -- the summary across seeds ------------------------------------------------------------------
@@ -438,14 +608,29 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
     eff_gate = [b / g if (b is not None and g) else None for b, g in zip(gate_bound, gyre)]
     hyg = [hygiene(run) for r in rs if (run := r.run("gyre")) is not None]
     hyg_med = {k: _median([h[k] for h in hyg]) for k in (hyg[0] if hyg else {})}
+    gyre_runs = [run for r in rs if (run := r.run("gyre")) is not None]
     out: dict[str, Any] = {
         "gyre_s": _median(gyre),
-        "oracle_async_static_s": _median(base["oracle_async_static"]),
-        "oracle_bursty_static_s": _median(base["oracle_bursty_static"]),
-        "colocated_s": _median(base["colocated"]),
-        "vs_oracle_async_static": _median(ratios["oracle_async_static"]),
-        "vs_oracle_bursty_static": _median(ratios["oracle_bursty_static"]),
-        "vs_colocated": _median(ratios["colocated"]),
+        **{f"{role}_s": _median(base[role]) for role in SUMMARY_ROLES},
+        **{f"vs_{role}": _median(ratios[role]) for role in SUMMARY_ROLES},
+        "prior_static_from": [
+            f"seed {r.scenario.seed}: {rr.note}"
+            for r in rs
+            if (rr := r.roles.get("prior_static")) and rr.note
+        ],
+        "oracle_splits": {
+            str(r.scenario.seed): [p.training_cells, p.placement, r.scenario.cluster.cells]
+            for r in rs
+            if (p := oracle_point(r, "oracle_async_static")) is not None
+        },
+        **_switch_summary(cfg, rs),
+        "cells": sc.cluster.cells,
+        "decide_ms_p50": _median([run.decide_ms_p50 for run in gyre_runs]),
+        "decide_ms_p99": max((run.decide_ms_p99 for run in gyre_runs), default=None),
+        "gyre_sim_wall_s": _median([run.sim_wall_s for run in gyre_runs]),
+        "scenario_wall_s": _median([r.wall_s for r in rs]),
+        "preemptions": _median([run.preemptions for run in gyre_runs]),
+        "kv_evictions": _median([run.kv_evictions for run in gyre_runs]),
         "efficiency_t_star_eta": _median(eff),
         "dropped_share": hyg_med.get("dropped_share"),
         "seeds": [r.scenario.seed for r in rs],
@@ -460,6 +645,8 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
             "gyre_s": _spread(gyre),
             **{f"{role}_s": _spread(ts) for role, ts in base.items()},
             **{f"vs_{role}": _spread(x) for role, x in ratios.items()},
+            "decide_ms_p99": _spread([run.decide_ms_p99 for run in gyre_runs]),
+            "gyre_sim_wall_s": _spread([run.sim_wall_s for run in gyre_runs]),
             "efficiency_t_star_eta": _spread(eff),
             "efficiency_gate_bound": _spread(eff_gate),
         },
@@ -481,6 +668,23 @@ def _summary_one(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
             met = met and e is not None and e >= sc.target.min_efficiency
         out["target"] = {**sc.target.model_dump(), "measured": got, "met": met}
     return out
+
+
+def _switch_summary(cfg: SimConfig, rs: list[ScenarioResult]) -> dict[str, Any]:
+    """Gyre against the oracle's split with the switch costs x ``switch_sensitivity``."""
+    f = cfg.switch_sensitivity
+    if f is None:
+        return {}
+    x = f"switch_x{f:g}"
+    gyre = [_time(r.run(f"gyre_{x}")) for r in rs]
+    oracle = [_time(r.run(f"oracle_async_static_{x}")) for r in rs]
+    return {
+        f"gyre_{x}_s": _median(gyre),
+        f"oracle_async_static_{x}_s": _median(oracle),
+        f"vs_oracle_async_static_{x}": _median([o / g if (o and g) else None for o, g in zip(oracle, gyre)]),
+        f"oracle_async_static_{x}_how": "the x1 oracle's best split rerun at x"
+        f"{f:g} switch and weight-sync costs (not re-swept: static splits never switch roles)",
+    }
 
 
 def _hygiene_met(cfg: SimConfig, h: dict[str, float | None]) -> dict[str, bool | None]:

@@ -115,7 +115,7 @@ class GroupCost:
     decode_gpu_s: float
     prefill_gpu_s: float
     train_gpu_s: float
-    tokens: int
+    tokens: float  # training work, 6N-equivalent tokens (CostModel.train_work_tokens)
     alone_s: float
     work: float  # decode + prefill + train GPU-s
 
@@ -173,7 +173,7 @@ def _episode_costs_np(ep: Episode, cost: CostModel, best_batch: int) -> tuple[fl
 
 def group_cost(eps: Sequence[Episode], cost: CostModel, best_batch: int, fast: bool = False) -> GroupCost:
     parts = [(_episode_costs_np if fast else _episode_costs)(ep, cost, best_batch) for ep in eps]
-    tokens = sum(ep.total_tokens for ep in eps)
+    tokens = sum(cost.train_work_tokens(ep.total_tokens) for ep in eps)
     train = tokens / cost.train_tokens_per_cell_s()
     return GroupCost(
         decode_gpu_s=sum(d for d, _, _ in parts),
@@ -231,7 +231,7 @@ def _physical_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Bound:
     cells = sc.cluster.cells
     rollout = prefill = train = 0.0
     slowest = 0.0
-    last_train_tokens = 0
+    last_train_tokens = 0.0
     tok_s = costs.cost.train_tokens_per_cell_s()
     for k in range(tr.updates):
         groups = [(g.work, g.alone_s, g.decode_gpu_s, g.prefill_gpu_s, g.tokens) for g in costs.batch(k, k)]

@@ -6,8 +6,14 @@ policy through ``sim.driver``.
 Engines use a fluid decode model: every active sequence of an engine gains one token per
 step and the step time is the cost model's (bytes read), integrated exactly between events
 (``DecodeRate``). Prefill and weight loads stall the engine's decode (they are queued GPU
-work on the same device). Training consumes ready groups first-in first-out at the summed
-throughput of the cells that have joined the stream.
+work on the same device). An engine holds at most ``CostConfig.kv_capacity_tokens`` of KV, as
+vLLM's block manager does: a turn is admitted only when its context fits beside the running
+sequences' (else it waits, first in first out); the prefixes of executions waiting on a tool
+stay cached until the space is needed (least recently used first; an evicted prefix is
+prefilled again on the next turn); and when the running sequences' growth fills the KV, the
+youngest is preempted and recomputed on readmission (vLLM's recompute preemption).
+Training consumes ready groups first-in first-out at the summed throughput of the cells that
+have joined the stream.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Group:
     size: int
     closed: int = 0
     tokens: int = 0  # training tokens (final contexts of every member)
+    work: float = 0.0  # their training work in 6N-equivalent tokens (CostModel.train_work_tokens)
     ready_s: float = -1.0
     # tokens generated under each policy version (for per-token lag)
     gen_by_version: dict[int, int] = field(default_factory=dict)
@@ -95,6 +102,8 @@ class Execution:
     ctx: int = 0  # tokens in context (prompts, observations, outputs so far)
     remaining: int = 0  # tokens still to generate in the current turn
     recompute: bool = False  # its KV is not on its current engine (after a reroute)
+    fresh: int = 0  # tokens at the end of ctx that no engine has prefilled yet (this turn's prompt)
+    waiting: bool = False  # in its engine's admission queue (KV capacity)
     dispatched_s: float = 0.0
     launched_s: float = -1.0
     closed_s: float = -1.0
@@ -124,6 +133,51 @@ class Engine:
         self.gen = 0
         self.version = 0
         self.tokens = 0
+        # KV capacity (vLLM's block manager, in tokens): admission queue and prefix cache.
+        self.cap = cost.kv_capacity_tokens
+        self.bounded = self.cap != float("inf")
+        self.admit_cap = self.cap * (1.0 - cost.cfg.kv_watermark)
+        self.waiting: deque[Execution] = deque()  # arrived turns that do not fit yet
+        self.cached: dict[int, int] = {}  # xid -> cached prefix tokens (insertion order: LRU first)
+        self.cached_total = 0
+
+    def running_tokens(self) -> float:
+        """KV tokens of the running sequences (their contexts at the current V)."""
+        return self.a + len(self.active) * self.v
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` context may be admitted now (an empty engine
+        admits anything: a context longer than the KV still runs, alone)."""
+        return not self.active or self.running_tokens() + tokens <= self.admit_cap
+
+    def cache(self, ex: Execution) -> None:
+        """``ex``'s prefilled context stays cached while it waits for its next turn."""
+        n = ex.ctx - ex.fresh
+        if self.bounded and n > 0:
+            self.cached[ex.xid] = n
+            self.cached_total += n
+
+    def uncache(self, ex: Execution) -> bool:
+        """Takes ``ex``'s cached prefix out (it runs again, or leaves): whether it was there."""
+        n = self.cached.pop(ex.xid, None)
+        if n is None:
+            return False
+        self.cached_total -= n
+        return True
+
+    def trim(self) -> int:
+        """Evicts cached prefixes, least recently used first, until running and cached KV fit
+        the capacity; returns how many were evicted."""
+        over = self.running_tokens() + self.cached_total - self.cap
+        evicted = 0
+        cached = self.cached
+        while over > 0 and cached:
+            xid = next(iter(cached))
+            n = cached.pop(xid)
+            self.cached_total -= n
+            over -= n
+            evicted += 1
+        return evicted
 
     def stall_s(self) -> float:
         return self.stall_total if self.stalls else 0.0
@@ -321,7 +375,7 @@ class Trainer:
         self.consumed_tokens = 0
         self.lag_tokens: dict[int, int] = {}  # lag -> generated tokens consumed with that lag
         self.per_cell_rate = cost.train_tokens_per_cell_s()
-        self.pool_tokens = 0.0  # tokens of the groups in the pool
+        self.pool_tokens = 0.0  # training work (6N-equivalent tokens) of the groups in the pool
         self.on_consumed = lambda g: None  # set by the cluster
 
     @property
@@ -342,14 +396,14 @@ class Trainer:
             self.members and self.needs > 0 and self.work <= _EPS and self.optimizing_until < 0 and self.pool
         ):
             g = self.pool.popleft()
-            self.pool_tokens -= g.tokens
+            self.pool_tokens -= g.work
             if self.version - g.version > self.max_staleness:
                 self.dropped_groups += 1
                 continue
             g.consumed = True
             self.on_consumed(g)
             self.needs -= 1
-            self.work += g.tokens
+            self.work += g.work
             self.consumed_groups += 1
             self.consumed_tokens += g.tokens
             for v, n in g.gen_by_version.items():
@@ -360,7 +414,7 @@ class Trainer:
         keep = deque(g for g in self.pool if self.version - g.version <= self.max_staleness)
         self.dropped_groups += len(self.pool) - len(keep)
         self.pool = keep
-        self.pool_tokens = float(sum(g.tokens for g in keep))
+        self.pool_tokens = float(sum(g.work for g in keep))
 
 
 @dataclass
@@ -410,6 +464,10 @@ class Cluster:
         self.reroute_recompute_tokens = 0
         self.reroute_gpu_s = 0.0  # GPU-s that reroutes cost: prefix recompute or KV handoff
         self.kv_handoffs = 0
+        self.preemptions = 0  # running sequences preempted when the KV filled (recomputed)
+        self.kv_evictions = 0  # cached prefixes of tool-waiting executions evicted (recomputed)
+        self.kv_recompute_tokens = 0  # prefix tokens prefilled again after either
+        self.kv_recompute_gpu_s = 0.0  # the GPU-s of those prefills
         self.publishes = 0
         self.sealed_batches = 0
         self.elastic = [c for c in self.cells if not c.standalone]
@@ -425,8 +483,8 @@ class Cluster:
         self.cancelled_executions = 0
         self.restamped_groups = 0
         self.migrations = 0
-        self.ready_log: deque[tuple[float, int]] = deque()  # (time, tokens) of ready groups
-        self.ready_log_tokens = 0
+        self.ready_log: deque[tuple[float, float]] = deque()  # (time, training work) of ready groups
+        self.ready_log_tokens = 0.0
         self.rate_window_s = rate_window_s
         self.trainer.on_consumed = self._consumed
 
@@ -480,23 +538,74 @@ class Cluster:
         if c is None:  # homeless: it will be resumed when placed
             ex.state = ExecState.GPU
             return
-        t = self.loop.now
         ex.state = ExecState.GPU
-        eng = c.engine
-        c.account(t)
+        c.account(self.loop.now)
         prompt = ex.ep.prompt_tokens[ex.turn]
-        if ex.recompute:
-            p = self.cost.prefill_s(ex.ctx + prompt, 0)
-            self.reroute_recompute_tokens += ex.ctx
-            self.reroute_gpu_s += p - self.cost.prefill_s(prompt, ex.ctx)
-            ex.recompute = False
-        else:
-            p = self.cost.prefill_s(prompt, ex.ctx)
-        eng.add_stall("prefill", p)
         ex.ctx += prompt
+        ex.fresh = prompt
         ex.remaining = ex.ep.output_tokens[ex.turn]
-        eng.join(ex)
+        self._admit_or_wait(c, ex)
+
+    def _admit_or_wait(self, c: Cell, ex: Execution) -> None:
+        """Admits ``ex``'s turn on ``c`` if its context fits the KV (behind any earlier
+        waiter), else queues it."""
+        eng = c.engine
+        if eng.bounded and (eng.waiting or not eng.fits(ex.ctx)):
+            ex.waiting = True
+            eng.waiting.append(ex)
+            return
+        self._admit(c, ex)
         self._reschedule(c)
+
+    def _admit(self, c: Cell, ex: Execution) -> None:
+        """Prefills what ``ex``'s KV on ``c`` lacks (the new tokens after a cached prefix; the
+        whole context after a reroute, an eviction or a preemption) and starts its decode."""
+        eng = c.engine
+        prefix = ex.ctx - ex.fresh
+        hit = eng.uncache(ex) or not eng.bounded
+        if ex.recompute:  # rerouted: its KV is on another engine
+            p = self.cost.prefill_s(ex.ctx, 0)
+            self.reroute_recompute_tokens += prefix
+            self.reroute_gpu_s += p - self.cost.prefill_s(ex.fresh, prefix)
+            ex.recompute = False
+        elif not hit and prefix > 0:  # evicted while on a tool, or preempted
+            p = self.cost.prefill_s(ex.ctx, 0)
+            self.kv_recompute_tokens += prefix
+            self.kv_recompute_gpu_s += p - self.cost.prefill_s(ex.fresh, prefix)
+        else:
+            p = self.cost.prefill_s(ex.fresh, prefix)
+        eng.add_stall("prefill", p)
+        ex.fresh = 0
+        eng.join(ex)
+        if eng.bounded:
+            self.kv_evictions += eng.trim()
+
+    def _admit_waiting(self, c: Cell) -> None:
+        """Admits queued turns, first come first served, while they fit."""
+        eng = c.engine
+        while eng.waiting and eng.fits(eng.waiting[0].ctx):
+            ex = eng.waiting.popleft()
+            ex.waiting = False
+            self._admit(c, ex)
+
+    def _preempt(self, c: Cell) -> None:
+        """The running sequences' KV reached the capacity: preempts the youngest (the last
+        admitted) until the rest fit, as vLLM's recompute preemption does. A preempted
+        sequence keeps its generated tokens as context, loses its KV and goes to the front of
+        the queue; its readmission prefills the whole context again."""
+        eng = c.engine
+        first = True
+        while len(eng.active) > 1 and (first or eng.running_tokens() > eng.cap):
+            first = False
+            ex = next(reversed(eng.active.values()))
+            n = eng.leave(ex)
+            if n:
+                self._generated(ex, n, eng.version)
+            ex.ctx += n
+            ex.remaining -= n
+            ex.waiting = True
+            eng.waiting.appendleft(ex)
+            self.preemptions += 1
 
     def _reschedule(self, c: Cell) -> None:
         """Schedules the engine's next finish (``Engine.time_to`` inlined: the hot path)."""
@@ -505,28 +614,42 @@ class Cluster:
         fv = eng.next_finish_v()
         if fv is None:
             return
+        n = len(eng.active)
         rate = eng.rate
         if rate is None:
-            n = len(eng.active)
             eng.rate_base = eng.v
             rate = eng.rate = self.cost.decode_rate(n, eng.a + n * eng.v)
+        full = False  # the next event is the KV filling up, not a finish
+        if eng.bounded and n > 1:
+            v_full = (eng.cap - eng.a) / n  # running_tokens() reaches the capacity
+            if v_full < fv:
+                fv = max(v_full, eng.v)
+                full = True
         base = eng.rate_base
         t = self.loop.now + (eng.stall_total if eng.stalls else 0.0) + rate.time(eng.v - base, fv - base)
-        self.loop.schedule(t, self._engine_event, c, eng.gen)
+        self.loop.schedule(t, self._engine_event, c, eng.gen, full)
 
-    def _engine_event(self, c: Cell, gen: int) -> None:
+    def _engine_event(self, c: Cell, gen: int, full: bool = False) -> None:
         eng = c.engine
         if gen != eng.gen or c.mode != "rollout":
             return
         c.account(self.loop.now)
-        version = eng.version
-        for ex in eng.take_finished():  # V snaps to the first finish: float slack
-            eng.remove(ex)
-            n = ex.remaining
-            self._generated(ex, n, version)
-            ex.ctx += n
-            ex.remaining = 0
-            self._turn_done(ex)
+        if full:
+            self._preempt(c)
+        else:
+            version = eng.version
+            for ex in eng.take_finished():  # V snaps to the first finish: float slack
+                eng.remove(ex)
+                n = ex.remaining
+                self._generated(ex, n, version)
+                ex.ctx += n
+                ex.remaining = 0
+                if eng.bounded and ex.turn < ex.ep.turns - 1:
+                    eng.cache(ex)
+                self._turn_done(ex)
+            if eng.bounded:
+                self._admit_waiting(c)
+                self.kv_evictions += eng.trim()
         self._reschedule(c)
 
     def _generated(self, ex: Execution, n: int, version: int) -> None:
@@ -555,6 +678,7 @@ class Cluster:
         ex.closed_s = t
         if ex.cell is not None:
             del ex.cell.execs[ex.xid]
+            ex.cell.engine.uncache(ex)
             ex.cell = None
         elif ex in self.homeless:  # closed (tool or reward done) while waiting for a slot
             self.homeless.remove(ex)
@@ -564,14 +688,15 @@ class Cluster:
         vl.finished += 1
         g.closed += 1
         g.tokens += ex.ctx
+        g.work += self.cost.train_work_tokens(ex.ctx)
         if g.closed == g.size:
             g.ready_s = t
             vl.ready += 1
-            self.ready_log.append((t, g.tokens))
-            self.ready_log_tokens += g.tokens
+            self.ready_log.append((t, g.work))
+            self.ready_log_tokens += g.work
             self.trainer_progress()
             self.trainer.pool.append(g)
-            self.trainer.pool_tokens += g.tokens
+            self.trainer.pool_tokens += g.work
             self._trainer_kick()
         self.fill()
         self.on_boundary()
@@ -596,6 +721,9 @@ class Cluster:
         eng.heap.clear()
         eng.stalls.clear()
         eng.stall_total = 0.0
+        eng.waiting.clear()
+        eng.cached.clear()
+        eng.cached_total = 0
         eng.rate = None
         eng.gen += 1
 
@@ -609,8 +737,17 @@ class Cluster:
                 self._generated(ex, n, eng.version)
             ex.ctx += n
             ex.remaining -= n
+        self._unqueue(eng, ex)
         del src.execs[ex.xid]
         ex.cell = None
+
+    @staticmethod
+    def _unqueue(eng: Engine, ex: Execution) -> None:
+        """Takes ``ex`` out of ``eng``'s admission queue and prefix cache (it leaves)."""
+        if ex.waiting:
+            eng.waiting.remove(ex)
+            ex.waiting = False
+        eng.uncache(ex)
 
     def _place(self, ex: Execution, dst: Cell) -> None:
         t = self.loop.now
@@ -622,18 +759,12 @@ class Cluster:
             dst.engine.add_stall("prefill", handoff_s)
             self.kv_handoffs += 1
             self.reroute_gpu_s += handoff_s
+            dst.engine.cache(ex)  # the moved KV is there, as a cached prefix
         elif ex.ctx > 0:
             ex.recompute = True
         if ex.state is ExecState.GPU:
             if ex.remaining > 0:  # continuation of the cancelled request
-                if ex.recompute:
-                    p = self.cost.prefill_s(ex.ctx, 0)
-                    dst.engine.add_stall("prefill", p)
-                    self.reroute_gpu_s += p
-                    self.reroute_recompute_tokens += ex.ctx
-                    ex.recompute = False
-                dst.engine.join(ex)
-                self._reschedule(dst)
+                self._admit_or_wait(dst, ex)
             else:  # was homeless before its turn arrived
                 self._turn_arrives(ex)
 
@@ -865,7 +996,7 @@ class Cluster:
         if g.closed == g.size:  # ready, in the pool
             if g in tr.pool:
                 tr.pool.remove(g)
-                tr.pool_tokens -= g.tokens
+                tr.pool_tokens -= g.work
             vl.ready -= 1
             return
         for ex in g.members:
@@ -887,8 +1018,11 @@ class Cluster:
                 if n:
                     self._generated(ex, n, eng.version)
                 ex.ctx += n
+            self._unqueue(eng, ex)
             del c.execs[ex.xid]
             ex.cell = None
+            if eng.bounded:
+                self._admit_waiting(c)
             self._reschedule(c)
         else:
             try:
@@ -926,6 +1060,8 @@ class Cluster:
         self.migrations += 1
         ex.reroutes += 1
         self._place(ex, dst)
+        if src.engine.bounded:
+            self._admit_waiting(src)
         self._reschedule(src)
         return True
 
@@ -938,7 +1074,8 @@ class Cluster:
         return True
 
     def ready_rate(self) -> tuple[float, float]:
-        """(ready groups per second, tokens per ready group) over the last ``rate_window_s``
+        """(ready groups per second, training work per ready group in 6N-equivalent tokens) over
+        the last ``rate_window_s``
         (the live scheduler measures over its ``rate_window_s`` too); before a whole window
         has passed, over the time since the start."""
         log = self.ready_log

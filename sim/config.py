@@ -94,21 +94,74 @@ class DriftConfig(_Frozen):
         return f
 
 
-class CostConfig(_Frozen):
-    """The GPU cost model of docs/design/workloads.md (defaults: a 7B model, one H200 per cell)."""
+GPU_PRESETS: dict[str, dict[str, float]] = {
+    "h100": {"gpu_memory_bytes": 80e9, "hbm_bw": 3.35e12, "flops": 989e12},
+    "h200": {"gpu_memory_bytes": 141e9, "hbm_bw": 4.8e12, "flops": 989e12},
+}
+"""Published figures of one GPU (NVIDIA's H100 SXM and H200 data sheets): memory, HBM bandwidth,
+dense bf16 FLOP/s. ``CostConfig.gpu`` picks one; the preset wins over the fields it sets, so a
+what-if (``cost.gpu=h100``) changes all three at once."""
 
+
+class CostConfig(_Frozen):
+    """The GPU cost model of docs/design/workloads.md (defaults: a 7B model, one H200 per cell),
+    with the constants fitted to published measurements in docs/benchmarks/cluster.md
+    ("Cost model")."""
+
+    gpu: Literal["h100", "h200"] | None = Field(
+        "h200",
+        description="GPU preset (GPU_PRESETS: memory, bandwidth, FLOP/s; it overrides those fields). "
+        "None: take gpu_memory_bytes, hbm_bw and flops as given.",
+    )
     n_params: float = Field(7.6e9, gt=0, description="Model parameters N.")
     weight_bytes: float = Field(15.2e9, gt=0, description="Bytes of weights read per decode step.")
     n_layers: int = Field(28, ge=1, description="Transformer layers L.")
     d_model: int = Field(3584, ge=1, description="Hidden size d.")
-    kv_bytes_per_token: float = Field(57344, gt=0, description="KV-cache bytes per context token.")
-    hbm_bw: float = Field(4.8e12, gt=0, description="HBM bandwidth per GPU, bytes/s.")
-    hbm_eff: float = Field(0.8, gt=0, le=1, description="Achieved fraction of HBM bandwidth.")
-    flops: float = Field(989e12, gt=0, description="Dense bf16 FLOP/s per GPU.")
+    n_kv_heads: int = Field(4, ge=1, description="KV heads (grouped-query attention).")
+    head_dim: int = Field(128, ge=1, description="Dimension of one attention head.")
+    kv_dtype_bytes: int = Field(2, ge=1, description="Bytes of one KV element (bf16: 2).")
+    kv_bytes_per_token: float = Field(
+        57344,
+        gt=0,
+        description="KV-cache bytes per context token: derived, layers x kv_heads x head_dim x 2 (K and V) "
+        "x dtype bytes (Qwen2.5-7B: 28 x 4 x 128 x 2 x 2 = 57,344); a given value must agree.",
+    )
+    gpu_memory_bytes: float = Field(141e9, gt=0, description="Memory of one GPU (set by `gpu`).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory the engine takes (vLLM's default 0.9)."
+    )
+    activation_bytes: float = Field(
+        4e9,
+        ge=0,
+        description="Per GPU, what the engine reserves besides weights and KV (activations of the "
+        "largest batch, CUDA graphs): about 4 GB for a 7B model.",
+    )
+    kv_capacity: bool = Field(
+        True,
+        description="Engines hold at most kv_capacity_tokens of KV: they admit what fits, evict cached "
+        "prefixes (LRU) and preempt the youngest running sequence (recompute), as vLLM does. False: "
+        "unlimited KV (the model before issue 33).",
+    )
+    kv_watermark: float = Field(
+        0.01, ge=0, lt=1, description="Share of KV a waiting sequence must leave free to be admitted."
+    )
+    hbm_bw: float = Field(4.8e12, gt=0, description="HBM bandwidth per GPU, bytes/s (set by `gpu`).")
+    hbm_eff: float = Field(0.85, gt=0, le=1, description="Achieved fraction of HBM bandwidth.")
+    flops: float = Field(989e12, gt=0, description="Dense bf16 FLOP/s per GPU (set by `gpu`).")
     decode_flops_eff: float = Field(0.5, gt=0, le=1, description="Achieved FLOP fraction, decode.")
     prefill_flops_eff: float = Field(0.5, gt=0, le=1, description="Achieved FLOP fraction, prefill.")
     train_flops_eff: float = Field(0.35, gt=0, le=1, description="Achieved FLOP fraction (MFU), training.")
-    decode_step_overhead_s: float = Field(0.003, ge=0, description="Fixed cost of one decode step.")
+    train_logprob_pass: bool = Field(
+        True, description="Training adds the old-policy log-prob forward pass (2N per token)."
+    )
+    train_attention: bool = Field(
+        True,
+        description="Training adds attention FLOPs: 4*L*d per token per attended token forward, x3 "
+        "forward + backward, x1 more for the log-prob pass.",
+    )
+    decode_step_overhead_s: float = Field(
+        0.0015, ge=0, description="Fixed cost of one decode step (vLLM V1 with CUDA graphs)."
+    )
     gpus_per_cell: int = Field(1, ge=1, description="GPUs in one cell.")
     train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update.")
     switch_to_train_s: float = Field(2.0, ge=0, description="Rollout -> train (sleep + optimizer in).")
@@ -127,6 +180,42 @@ class CostConfig(_Frozen):
         "NCCL point to point); a handoff of ctx tokens adds ctx * kv_bytes_per_token / this.",
     )
     kv_handoff: bool = Field(False, description="Reroutes move KV (else the prefix is recomputed).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive(cls, data: Any) -> Any:
+        """Fills the GPU preset's fields and the KV bytes per token from the model's shapes, so
+        that capacity follows from the hardware and the model rather than a free constant."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        gpu = data.get("gpu", cls.model_fields["gpu"].default)
+        if gpu is not None:
+            if gpu not in GPU_PRESETS:
+                raise ValueError(f"cost.gpu: unknown preset {gpu!r} (known: {sorted(GPU_PRESETS)})")
+            data.update(GPU_PRESETS[gpu])
+        f = cls.model_fields
+        shape = [data.get(k, f[k].default) for k in ("n_layers", "n_kv_heads", "head_dim", "kv_dtype_bytes")]
+        derived = float(shape[0] * shape[1] * shape[2] * 2 * shape[3])
+        given = data.get("kv_bytes_per_token")
+        if given is not None and abs(float(given) - derived) > 0.5:
+            raise ValueError(
+                f"cost.kv_bytes_per_token {given} disagrees with the shapes "
+                f"(layers x kv_heads x head_dim x 2 x dtype bytes = {derived:.0f})"
+            )
+        data["kv_bytes_per_token"] = derived
+        return data
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        """KV tokens one cell's engine holds: the engine's share of GPU memory less the weights
+        (split over the cell's GPUs) and the activation reserve, over the KV bytes per token
+        (inf when ``kv_capacity`` is off)."""
+        if not self.kv_capacity:
+            return float("inf")
+        g = self.gpus_per_cell
+        free = g * (self.gpu_memory_bytes * self.gpu_memory_utilization - self.activation_bytes)
+        return max(0.0, free - self.weight_bytes) / self.kv_bytes_per_token
 
 
 class ClusterConfig(_Frozen):
@@ -184,6 +273,14 @@ class ScenarioConfig(_Frozen):
     """One benchmark scenario: a profile, a cluster and a seed."""
 
     name: str = Field(..., description="Scenario name (used in file names and tables).")
+    static_training_cells: list[int] | None = Field(
+        None, description="This scenario's split sweep (None: the config's `static_training_cells`)."
+    )
+    prior_from: str | None = Field(
+        None,
+        description="A neighbouring scenario whose oracle split (as a share of the cells) is this "
+        "one's prior static split when it runs one seed only (the 256- and 1,024-cell scenarios).",
+    )
     profile: str = Field(
         "A", description="Key of `profiles` (with `mix`: the one whose group size every task takes)."
     )
@@ -231,6 +328,19 @@ class PolicyEntry(_Frozen):
         default_factory=list,
         description="Placements of the sweep: every T on the first, the best T and its neighbours on the others "
         "(empty: the scenario's).",
+    )
+    split: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Run once with this share of the cells training (0.5: the 50:50 split a user picks "
+        "without measuring), on the first of `placements` (empty: the scenario's).",
+    )
+    prior: str | None = Field(
+        None,
+        description="Run once at the split that this (swept) row's oracle chose on another seed of the "
+        "scenario (the next seed, cyclically), or, with one seed, on the scenario's `prior_from`: the "
+        "split a user carries over from an earlier run, chosen without hindsight on this one.",
     )
 
 
@@ -280,6 +390,12 @@ class SimConfig(_Frozen):
         description="Split sweep: training-cell counts T (refined around the best).",
     )
     sweep_refine: bool = Field(True, description="Refine a sweep around its best coarse point.")
+    switch_sensitivity: float | None = Field(
+        5.0,
+        gt=0,
+        description="Rerun Gyre and the oracle async static split (at its best T, not re-swept) with the "
+        "role-switch and weight-sync costs times this factor (None: no sensitivity rows).",
+    )
     sweep_cutoff: float | None = Field(
         None,
         gt=1,

@@ -1,4 +1,5 @@
-"""The GPU cost model: decode as bytes read, prefill as FLOPs, training steps, role switches.
+"""The GPU cost model: decode as bytes read, prefill as FLOPs, training steps, role switches,
+and the KV capacity of one cell's engine.
 
 Decode (docs/design/workloads.md, "GPU cost model"): one step of a batch of B sequences with
 total context S costs ``max((weights + S*kv_bytes) / (hbm_eff*BW), 2*N*B / (eff*FLOPS)) +
@@ -6,6 +7,12 @@ overhead`` and emits one token per sequence. Every sequence in the batch gains a
 step, so S grows by B per step: the step time is linear in the engine's virtual token clock V
 (tokens emitted per sequence), which ``DecodeRate`` integrates exactly instead of assuming a
 constant rate.
+
+Training (``train_work_tokens``): a sequence of S tokens costs 6N per token for the update,
+2N more for the old-policy log-prob forward pass, and attention (4*L*d FLOPs per token per
+attended token forward, S/2 attended on average under the causal mask, x3 for forward and
+backward, x1 more for the log-prob pass). The trainer's rate stays the 6N rate and a group's
+work is counted in 6N-equivalent tokens, so the policies' arithmetic (tokens over a rate) holds.
 """
 
 from __future__ import annotations
@@ -128,10 +135,29 @@ class CostModel:
         c = self.cfg
         return c.kv_handoff_s + ctx * c.kv_bytes_per_token / c.kv_handoff_bytes_per_s
 
+    @property
+    def kv_capacity_tokens(self) -> float:
+        """KV tokens one engine holds (``CostConfig.kv_capacity_tokens``)."""
+        return self.cfg.kv_capacity_tokens
+
     def train_tokens_per_cell_s(self) -> float:
-        """Training throughput of one cell, tokens/s (6N FLOPs per token)."""
+        """Training throughput of one cell in 6N-equivalent tokens/s (see ``train_work_tokens``)."""
         return self._train_flops_per_cell / (6.0 * self.cfg.n_params)
 
+    def train_work_tokens(self, seq_tokens: float) -> float:
+        """The training work of one sequence of ``seq_tokens`` tokens in 6N-equivalent tokens:
+        the update's 6N, the log-prob pass's 2N and the attention FLOPs of both (module
+        docstring); at 44.5k tokens about 2.1x the bare 6N count, at 8k about 1.5x."""
+        c = self.cfg
+        per_token = 6.0 * c.n_params
+        if c.train_logprob_pass:
+            per_token += 2.0 * c.n_params
+        if c.train_attention:
+            passes = 4.0 if c.train_logprob_pass else 3.0
+            per_token += passes * 4.0 * c.n_layers * c.d_model * (seq_tokens / 2.0)
+        return seq_tokens * per_token / (6.0 * c.n_params)
+
     def train_s(self, tokens: float, cells: int) -> float:
-        """A whole synchronous step on ``cells`` cells: fixed cost + tokens*6N/(n*FLOPS*MFU)."""
+        """A whole synchronous step on ``cells`` cells: fixed cost + work/(n * 6N rate), with
+        ``tokens`` in 6N-equivalent tokens (``train_work_tokens``)."""
         return self.cfg.train_step_fixed_s + tokens / (cells * self.train_tokens_per_cell_s())

@@ -123,6 +123,7 @@ class Driver:
         self.done_s: float | None = None
         self.holds = 0
         self.decisions = 0
+        self.decide_s: list[float] = []  # wall time of each decide() call (decide_ms_p50/p99: scale)
         self._wake_at = -1.0
         self._views: tuple[P.CellView, ...] = ()
         self._drained_since: float | None = None
@@ -310,7 +311,9 @@ class Driver:
             for _ in range(MAX_ROUNDS):
                 self._again = False
                 snap = self.snapshot()
+                t0 = time.perf_counter()
                 actions = self.policy.decide(snap)
+                self.decide_s.append(time.perf_counter() - t0)
                 self.decisions += 1
                 acted = False
                 for a in actions:

@@ -39,6 +39,10 @@ class RunResult:
     reroute_recompute_tokens: int
     reroute_gpu_s: float  # prefix recompute (or KV handoff) that reroutes cost
     kv_handoffs: int
+    preemptions: int  # running sequences preempted when their engine's KV filled (recompute)
+    kv_evictions: int  # cached prefixes evicted while their execution waited on a tool
+    kv_recompute_tokens: int  # prefix tokens prefilled again after a preemption or an eviction
+    kv_recompute_gpu_s: float  # the GPU-s of those prefills (part of gpu_s["prefill"])
     staleness_mean: float
     staleness_max: int
     stale_token_fraction: float
@@ -61,7 +65,9 @@ class RunResult:
     decisions: int
     holds: int
     events_processed: int
-    sim_wall_s: float
+    sim_wall_s: float  # the simulator's own wall time for this run
+    decide_ms_p50: float  # wall time of one policy.decide() call, median
+    decide_ms_p99: float
     timeseries: list[dict[str, float]] = field(default_factory=list)
     actions: list[tuple[float, str, str]] = field(default_factory=list)
 
@@ -121,6 +127,10 @@ def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
         reroute_recompute_tokens=cl.reroute_recompute_tokens,
         reroute_gpu_s=cl.reroute_gpu_s,
         kv_handoffs=cl.kv_handoffs,
+        preemptions=cl.preemptions,
+        kv_evictions=cl.kv_evictions,
+        kv_recompute_tokens=cl.kv_recompute_tokens,
+        kv_recompute_gpu_s=cl.kv_recompute_gpu_s,
         staleness_mean=mean_lag,
         staleness_max=max(lag_tokens) if lag_tokens else 0,
         stale_token_fraction=stale,
@@ -151,6 +161,8 @@ def collect(drv: Driver, end_s: float, wall_s: float) -> RunResult:
         holds=drv.holds,
         events_processed=drv.loop.processed,
         sim_wall_s=wall_s,
+        decide_ms_p50=float(np.percentile(drv.decide_s, 50)) * 1e3 if drv.decide_s else 0.0,
+        decide_ms_p99=float(np.percentile(drv.decide_s, 99)) * 1e3 if drv.decide_s else 0.0,
         timeseries=[vars(s) for s in drv.samples],
         actions=list(drv.events),
     )

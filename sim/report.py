@@ -4,19 +4,26 @@ and the allocation / waterlevel plots (matplotlib, Agg)."""
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
-from sim.bench import SUMMARY_ROLES, ScenarioResult
+from sim.bench import ScenarioResult
 from sim.config import SimConfig
 from sim.metrics import RunResult
 
 ROLE_NAMES = {
     "gyre": "Gyre",
     "oracle_async_static": "oracle async static",
+    "prior_static": "prior static",
+    "half_static": "50:50 static",
     "oracle_bursty_static": "oracle bursty static",
     "colocated": "colocated sync",
 }
+
+
+PLOT_ROLES = ("gyre", "oracle_async_static", "oracle_bursty_static", "colocated")
+"""The rows the allocation plot shows (one panel each)."""
 
 
 def _f(x: float | None, nd: int = 0) -> str:
@@ -52,9 +59,7 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [
-        (role, r) for role in ("gyre", *SUMMARY_ROLES) if (r := res.run(role)) is not None and r.timeseries
-    ]
+    runs = [(role, r) for role in PLOT_ROLES if (r := res.run(role)) is not None and r.timeseries]
     fig, axes = plt.subplots(max(1, len(runs)), 1, figsize=(10, 3.1 * max(1, len(runs))), squeeze=False)
     for ax, (role, r) in zip(axes[:, 0], runs):
         ts = r.timeseries
@@ -99,6 +104,82 @@ def plot_scenario(res: ScenarioResult, out_dir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _ratios(summary: dict[str, dict[str, Any]], key: str) -> list[float]:
+    return [v for s in summary.values() if isinstance(v := s.get(key), float | int)]
+
+
+def headline_markdown(summary: dict[str, dict[str, Any]], switch_key: str | None) -> str:
+    """The page's opening table: Gyre against the hindsight oracle and the baselines a user
+    has (prior static, 50:50), the switch-cost sensitivity, KV pressure and the simulator's
+    cost per scenario; then the issue's checks over the scenarios."""
+    sw = (
+        f" | vs oracle, switch ×{switch_key.removeprefix('vs_oracle_async_static_switch_x')}"
+        if switch_key
+        else ""
+    )
+    lines = [
+        "| scenario | cells | seeds | Gyre (s) | vs oracle async static (hindsight) | vs prior static | "
+        f"vs 50:50 static{sw} | preemptions / prefix evictions | decide() p50 / p99 (ms) | "
+        "simulator wall per Gyre run (s) |",
+        "|---|---:|---|---:|---:|---:|---:|" + ("---:|" if switch_key else "") + "---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        sp = s.get("spread", {})
+        cells = [
+            name,
+            str(s.get("cells", "—")),
+            ",".join(map(str, s.get("seeds", []))),
+            _f(s.get("gyre_s")),
+            _spread_x(sp.get("vs_oracle_async_static", [None, s.get("vs_oracle_async_static"), None])),
+            _spread_x(sp.get("vs_prior_static", [None, s.get("vs_prior_static"), None])),
+            _spread_x(sp.get("vs_half_static", [None, s.get("vs_half_static"), None])),
+        ]
+        if switch_key:
+            cells.append(_x(s.get(switch_key)))
+        cells += [
+            f"{_f(s.get('preemptions'))} / {_f(s.get('kv_evictions'))}",
+            f"{_f(s.get('decide_ms_p50'), 2)} / {_f(s.get('decide_ms_p99'), 2)}",
+            _f(s.get("gyre_sim_wall_s")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    checks = [
+        ("vs_oracle_async_static", "median ≥ 1.00, worst ≥ 0.97", 1.00, 0.97),
+        ("vs_prior_static", "median ≥ 1.10", 1.10, None),
+        ("vs_half_static", "(no target)", None, None),
+    ]
+    if switch_key:
+        checks.append((switch_key, "worst ≥ 0.95", None, 0.95))
+    lines += ["", "Over the scenarios (issue 33's targets):", ""]
+    for key, want, med_min, worst_min in checks:
+        xs = _ratios(summary, key)
+        if not xs:
+            lines.append(f"- `{key}`: not measured.")
+            continue
+        med, worst = statistics.median(xs), min(xs)
+        ok = (med_min is None or med >= med_min) and (worst_min is None or worst >= worst_min)
+        verdict = "" if med_min is None and worst_min is None else (" — **met**" if ok else " — not met")
+        lines.append(
+            f"- `{key}`: median {med:.2f}×, worst {worst:.2f}× over {len(xs)} scenarios; target {want}{verdict}."
+        )
+    b = summary.get("B64-eta0", {}).get("vs_oracle_async_static")
+    lines.append(
+        f"- B64-eta0 vs its oracle: {_x(b)}; target ≥ 1.15×{' — **met**' if b and b >= 1.15 else ' — not met'}."
+    )
+    priors = [
+        f"{name}: " + "; ".join(s["prior_static_from"])
+        for name, s in summary.items()
+        if s.get("prior_static_from")
+    ]
+    if priors:
+        lines += [
+            "",
+            "Prior static split, per scenario and seed (chosen without hindsight on that seed):",
+            "",
+        ]
+        lines += [f"- {p}" for p in priors]
+    return "\n".join(lines) + "\n"
 
 
 def summary_markdown(cfg: SimConfig, summary: dict[str, dict[str, Any]]) -> str:

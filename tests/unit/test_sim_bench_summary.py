@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from sim.bench import run_scenario
+from sim.bench import run_all, run_scenario, summarize
 from sim.config import PolicyEntry, SimConfig, TargetConfig
 from tests.unit.test_sim_conservation import small_config
 
@@ -173,3 +173,85 @@ def test_merge_keeps_the_scenarios_this_run_did_not_measure(tmp_path: Path) -> N
         assert "not a cluster benchmark" in str(e)
     else:
         raise AssertionError("merged into another benchmark's file")
+
+
+def test_baselines_without_hindsight_and_the_switch_sensitivity() -> None:
+    """prior static runs at the oracle split of the *other* seed, 50:50 at half the cells, and
+    the switch rows rerun Gyre and the oracle's split with the switch costs x5."""
+    cfg = tiny().model_copy(
+        update={
+            "variants": {},
+            "static_training_cells": [2, 3, 4, 6],
+            "sweep_cutoff": None,
+            "switch_sensitivity": 5.0,
+            "policies": [
+                PolicyEntry(role="gyre", policy=["gyre"]),
+                PolicyEntry(role="oracle_async_static", policy=["async-static"], sweep=True),
+                PolicyEntry(role="prior_static", policy=["async-static"], prior="oracle_async_static"),
+                PolicyEntry(role="half_static", policy=["async-static"], split=0.5),
+            ],
+        }
+    )
+    results = run_all(cfg, cfg.scenarios, log=lambda m: None)
+    by_seed = {r.scenario.seed: r for r in results}
+    for seed, other in ((3, 4), (4, 3)):
+        res = by_seed[seed]
+        best_other = next(
+            p
+            for p in by_seed[other].roles["oracle_async_static"].sweep
+            if p.label == by_seed[other].roles["oracle_async_static"].label
+        )
+        assert res.run("prior_static").label == f"async-static T={best_other.training_cells} (scheduler)"
+        assert f"seed {other}'s oracle" in res.roles["prior_static"].note
+        # The oracle is never slower than a split chosen without hindsight.
+        assert res.run("oracle_async_static").time_to_n_s <= res.run("prior_static").time_to_n_s
+        assert res.run("half_static").label == "async-static T=4 (scheduler)"
+        x5 = res.run("gyre_switch_x5")
+        assert x5 is not None and x5.role_switches > 0
+        per_switch = x5.role_switch_s / x5.role_switches
+        assert 5 * 1.5 <= per_switch <= 5 * 2.0
+        assert res.run("oracle_async_static_switch_x5") is not None
+    s = summarize(cfg, results)["small"]
+    gyre = [by_seed[x].run("gyre").time_to_n_s for x in (3, 4)]
+    prior = [by_seed[x].run("prior_static").time_to_n_s for x in (3, 4)]
+    assert s["vs_prior_static"] == statistics.median([p / g for p, g in zip(prior, gyre)])
+    assert s["vs_half_static"] > 0 and s["vs_oracle_async_static_switch_x5"] > 0
+    assert len(s["prior_static_from"]) == 2
+    assert s["decide_ms_p99"] >= s["decide_ms_p50"] > 0 and s["gyre_sim_wall_s"] > 0
+
+
+def test_several_suites_write_one_results_file(tmp_path: Path) -> None:
+    """``--suite a --suite b``: each suite with its own overrides, one results file and one
+    table; a later suite's prior split comes from an earlier suite's oracle (``prior_from``)."""
+    cfg = tiny()
+    small = cfg.scenarios[0].model_copy(update={"seeds": [3], "target": None})
+    wide = small.model_copy(update={"name": "wide", "prior_from": "small"})
+    rows = [
+        {"role": "gyre", "policy": ["gyre"]},
+        {"role": "oracle_async_static", "policy": ["async-static"], "sweep": True},
+        {"role": "prior_static", "policy": ["async-static"], "prior": "oracle_async_static"},
+    ]
+    data = cfg.model_copy(update={"scenarios": [small, wide], "variants": {}}).model_dump(mode="json")
+    data["static_training_cells"] = [2, 4]
+    data["suites"] = {
+        "first": {"scenarios": ["small"], "overrides": [f"policies={json.dumps(rows)}"]},
+        "second": {
+            "scenarios": ["wide"],
+            "overrides": [f"policies={json.dumps(rows)}", "switch_sensitivity=null"],
+        },
+    }
+    conf = tmp_path / "two.yaml"
+    conf.write_text(yaml.safe_dump(data, sort_keys=False))
+    out, doc, img = tmp_path / "cluster.json", tmp_path / "cluster.md", tmp_path / "img"
+    mod = runpy.run_path("bench/cluster.py", run_name="bench_cluster")
+    argv = ["--config", str(conf), "--out", str(out), "--doc", str(doc), "--img", str(img), "--jobs", "1"]
+    assert mod["main"]([*argv, "--suite", "first", "--suite", "second"]) == 0
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    assert set(s) == {"small", "wide"} and result["suite"] == "first+second"
+    assert "vs_oracle_async_static_switch_x5" in s["small"]
+    assert "vs_oracle_async_static_switch_x5" not in s["wide"]
+    assert s["wide"]["prior_static_from"] and "small's oracle" in s["wide"]["prior_static_from"][0]
+    text = doc.read_text()
+    assert text.index("BEGIN CLUSTER TABLE") < text.index("BEGIN CLUSTER RESULTS")
+    assert "| small |" in text and "| wide |" in text

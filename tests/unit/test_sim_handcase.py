@@ -51,13 +51,20 @@ def _config() -> tuple[SimConfig, ScenarioConfig]:
     return cfg, sc
 
 
+def _train_flops(c: CostConfig, tokens: int) -> float:
+    """Training FLOPs of one sequence: 6N per token for the update, 2N for the log-prob pass,
+    and attention, 4 L d per token and attended token (tokens/2 of them on average), four
+    times (forward, backward = 2 forwards, the log-prob forward)."""
+    return tokens * 8 * c.n_params + 4 * (4 * c.n_layers * c.d_model) * tokens * (tokens / 2)
+
+
 def test_colocated_single_execution_by_hand() -> None:
     cfg, sc = _config()
     c = cfg.cost
     bw = c.hbm_eff * c.hbm_bw
     # Prefill of the prompt (no cached prefix): tokens * (2N + 4 L d ctx_avg) / (0.5 FLOPS).
     prefill = P_TOKENS * (2 * c.n_params + 4 * c.n_layers * c.d_model * (P_TOKENS / 2)) / (0.5 * c.flops)
-    # Decode alone: step(i) = (weights + kv * ctx_i) / bw + 3 ms, ctx growing by one per step
+    # Decode alone: step(i) = (weights + kv * ctx_i) / bw + step overhead, ctx growing by one per step
     # (memory-bound here: 2N/(0.5 FLOPS) is far smaller). Fluid form: integral over [0, n].
     decode = N_OUT * (c.weight_bytes / bw + c.decode_step_overhead_s) + c.kv_bytes_per_token / bw * (
         N_OUT * P_TOKENS + N_OUT**2 / 2
@@ -67,7 +74,7 @@ def test_colocated_single_execution_by_hand() -> None:
     # Barrier reached: both cells switch to training (2 s), then train the episode's tokens
     # on 2 cells, then the fixed optimizer cost.
     tokens = P_TOKENS + N_OUT
-    train = tokens * 6 * c.n_params / (2 * c.flops * c.train_flops_eff)
+    train = _train_flops(c, tokens) / (2 * c.flops * c.train_flops_eff)
     t_update = closed_at + c.switch_to_train_s + train + c.train_step_fixed_s
 
     r = run_policy(cfg, sc, PolicySpec("colocated"))
@@ -95,7 +102,7 @@ def test_waterlevel_single_execution_by_hand() -> None:
     r_col = run_policy(cfg, sc, PolicySpec("colocated"))
     closed_at = r_col.episode_latency_s["p50"]
     tokens = P_TOKENS + N_OUT
-    train1 = tokens * 6 * c.n_params / (1 * c.flops * c.train_flops_eff)
+    train1 = _train_flops(c, tokens) / (1 * c.flops * c.train_flops_eff)
     wait = min(cfg.policy.supply_interval_s, cfg.policy.drain_grace_s)
     t_update = closed_at + wait + c.switch_to_train_s + train1 + c.train_step_fixed_s
     r = run_policy(cfg, sc, PolicySpec("waterlevel"))
