@@ -559,14 +559,17 @@ class RunEnd:
         if status["ledger"]["waterlevel"] != 0:
             return False
         completed = int(status["bursts_completed"])
-        if completed >= self.bursts:
-            return True
         total = status.get("total") or {}
         drained = (
             self.planned > 0
             and int(total.get("dispatched", 0)) >= self.planned
             and int(total.get("finished", 0)) >= int(total.get("dispatched", 0))
         )
+        if completed >= self.bursts and (self.planned <= 0 or drained):
+            # With a known task supply, every execution must have finished too: at eta = 1
+            # bursts are small, 15 of them completed while 25 dispatched executions had not
+            # even launched, and the run ended with them counted as lost.
+            return True
         if not drained or completed < 1:
             return False
         if completed >= int(status["ledger"].get("burst_id", 0)):

@@ -57,6 +57,14 @@ def test_not_done_before_the_first_update():
 
 def test_the_bursts_completed_still_end_it():
     assert _done(_status(2, 40, 40, burst_id=2))
+    assert _done(_status(2, 40, 40, burst_id=2), planned=0)  # unbounded supply: bursts alone
+
+
+def test_the_bursts_completed_do_not_end_it_while_dispatched_work_remains():
+    """A demo at eta = 1 dispatched 24 small bursts; 15 completed while 25 of the 300
+    executions had not launched yet, and the run ended with them counted as lost."""
+    assert not _done(_status(2, 40, 35, burst_id=3))
+    assert not _done(_status(2, 30, 30, burst_id=3))  # the supply is not all dispatched yet
 
 
 def test_not_done_while_the_last_bursts_batch_trains():
