@@ -21,8 +21,15 @@ def test_die_with_parent_ignores_its_own_pid_and_absent_variable():
 
 
 def test_die_with_parent_leaves_a_grandparent_mark_alone():
-    env = {PARENT_ENV: "1"}  # alive, not our parent: a grandchild's case
-    assert die_with_parent(env) == 0 and env[PARENT_ENV] == "1"
+    # A live process that is not our parent: a grandchild's case. (Not pid 1: a pytest
+    # started under nohup is init's child, and pid 1 is then its parent.)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        env = {PARENT_ENV: str(other.pid)}
+        assert die_with_parent(env) == 0 and env[PARENT_ENV] == str(other.pid)
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_child_of_a_marked_parent_consumes_the_mark():
