@@ -89,7 +89,7 @@ rate target is 1 and a training rate has been measured:
   could not use it (it flapped out and in as ready groups came and were claimed).
 
 Above a rate target of 1 the trainer's work is continuous and the rate rule alone sizes the
-prefix: breathing at every rate target sent cells to training at every dip of W_eta and
+prefix: the first version, which lent busy cells at any rate target, sent cells to training at every dip of W_eta and
 back, and B64 at eta = 0 took 17,188 s instead of 3,659 s (1,140 switches instead of 164;
 docs/history.md).
 
