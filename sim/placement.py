@@ -12,7 +12,7 @@ from services.scheduler import placement as SP
 from services.scheduler.policy import CellKind, CellState
 
 if TYPE_CHECKING:
-    from sim.cluster import Cell
+    from sim.engine import Cell
 
 
 class Placement(Protocol):

@@ -21,9 +21,9 @@ def test_die_with_parent_ignores_its_own_pid_and_absent_variable():
 
 
 def test_die_with_parent_leaves_a_grandparent_mark_alone():
-    # A live process that is not our parent: a grandchild's case. (Not pid 1: a pytest
-    # started under nohup is init's child, and pid 1 is then its parent.)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # A live process that is not our parent (it waits on its stdin until killed): a
+    # grandchild's case. Not pid 1: a pytest started under nohup is init's child.
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         env = {PARENT_ENV: str(other.pid)}
         assert die_with_parent(env) == 0 and env[PARENT_ENV] == str(other.pid)
