@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from apps.demo.chaos import Chaos
-from apps.demo.runner import DEMO_ENV, DemoOptions, run_demo
+from apps.demo.runner import DEMO_CONCURRENCY, DEMO_ENV, DemoOptions, run_demo
 from apps.harness.env import EnvConfig
 
 
@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bursts", type=int, default=15)
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--dashboard-port", type=int, default=8080)
-    parser.add_argument("--concurrency", type=int, default=16, help="executions the harness runs at once")
+    parser.add_argument(
+        "--concurrency", type=int, default=DEMO_CONCURRENCY, help="executions the harness runs at once"
+    )
     parser.add_argument(
         "--timeout-s",
         type=float,

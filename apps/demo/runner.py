@@ -62,13 +62,17 @@ DEMO_ENV = EnvConfig(phase_after=150, phase_time_scale=0.25)
 tools get 5x slower (time_scale 0.05 -> 0.25: the slow tool's median goes from 1 s to 5 s),
 as a phase of longer tasks follows shorter ones in real RL; the cells follow it."""
 
-DEMO_OVERRIDES: dict[str, dict[str, Any]] = {"cluster": {"max_staleness": 1}, "cell_agent": {"slots": 12}}
-"""The demo runs at eta = 1 with 12 slots per cell (the template: eta = 2, 8 slots). Its
-harness runs 16 agents at once and its trainer is light (a batch trains in seconds), so most
-rollout slots have nothing to do. With the template's settings the committed work W_eta
-(eta + 1 batches' worth, counting executions the harness has not started yet) never fell
-below the rollout capacity, and no cell was ever spare: 1 satellite join in 300 executions.
-Here W_eta falls below it once half a batch is ready, and a spare cell joins that batch."""
+DEMO_OVERRIDES: dict[str, dict[str, Any]] = {"cluster": {"max_staleness": 1}}
+"""The demo runs at eta = 1 (the template: eta = 2) with the template's 8 slots per cell.
+At eta = 1 the committed work W_eta holds two batches' worth (32 executions), more than the
+24 slots rollout has while the core trains: between batches the core breathes out to give
+the waiting executions its slots, and comes back when half a batch is ready."""
+
+DEMO_CONCURRENCY = 40
+"""Executions the demo's harness runs at once: more than the gate lets out (W_eta <= 32 plus
+the over-provision), so every dispatched execution starts and the slots, not the harness,
+bound rollout, as with a harness that starts an agent per dispatched execution. (With 16 the
+harness held the dispatched work back and no rollout slot was ever scarce.)"""
 
 
 @dataclass
@@ -78,7 +82,7 @@ class DemoOptions:
     run_dir: Path = field(default_factory=lambda: ROOT / "runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     template: Path = ROOT / "deploy" / "local" / "cluster.yaml"
     dashboard_port: int = 8080
-    concurrency: int = 16
+    concurrency: int = DEMO_CONCURRENCY
     timeout_s: float = 540.0
     env: EnvConfig = DEMO_ENV
     config_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEMO_OVERRIDES))

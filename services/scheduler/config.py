@@ -56,6 +56,19 @@ class GyreSettings(BaseModel):
         le=1,
         description="Gyre: ready groups, as a fraction of the batch, that bring a breathing core back.",
     )
+    gyre_lend_min_s: float = Field(
+        GyreConfig.lend_min_s,
+        ge=0,
+        description="Gyre: training seconds a cell lent to the streaming batch must find (about a "
+        "switch each way).",
+    )
+    gyre_breathe_out: float = Field(
+        GyreConfig.breathe_out,
+        ge=0,
+        le=1,
+        description="Gyre: executions waiting for slots, as a fraction of the core's slots, that send "
+        "a breathing core to rollout.",
+    )
     gyre_migrate_max: int = Field(GyreConfig.migrate_max, ge=0, description="Gyre: migrations per decision.")
     gyre_migrate_min_load: float = Field(
         GyreConfig.migrate_min_load,

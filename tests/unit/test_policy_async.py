@@ -21,6 +21,7 @@ from services.scheduler.policy import (
     ExecView,
     GyreConfig,
     GyrePolicy,
+    Hold,
     LedgerCounts,
     Migrate,
     MoveToTraining,
@@ -300,7 +301,9 @@ def _cells(states, slots=10, loads=None):
     return tuple(CellView(f"c{i}", CellKind.ELASTIC, i, s, slots, loads[i]) for i, s in enumerate(states))
 
 
-def _snap(cells, p, v=1, needs=None, execs=()):
+def _snap(cells, p, v=1, needs=None, execs=(), quota=0):
+    """A snapshot of ``cells`` and pipeline ``p``; ``quota``: executions the task source still
+    has (0: nothing to dispatch, so W_eta is what ``p`` holds)."""
     needs = p.batch_groups - p.batch_assigned if needs is None else needs
     return Snapshot(
         100.0,
@@ -309,7 +312,7 @@ def _snap(cells, p, v=1, needs=None, execs=()):
         Supply(min(p.ready_groups, needs), p.batch_groups, needs, v),
         None,
         v,
-        1 << 30,
+        quota,
         None,
         p,
         execs,
@@ -332,12 +335,14 @@ def test_groups_the_packer_filtered_leave_the_gate_and_are_replaced(policy):
         groups_cancelled=8,
     )
     cells = _cells([CellState.TRAINING, CellState.ROLLOUT, CellState.ROLLOUT], slots=8)
-    stalled = make_policy(policy).decide(_snap(cells, p, v=11))
+    stalled = make_policy(policy).decide(_snap(cells, p, v=11, quota=1 << 30))
     assert not [a for a in stalled if isinstance(a, DispatchBurst)]  # the gate is full ...
     filtered = Pipeline(**{**p.__dict__, "groups_filtered": 12})
     assert staleness.dispatch_room(filtered, 11) == 57 - (68 - 8 - 12)
     (dispatch,) = [
-        a for a in make_policy(policy).decide(_snap(cells, filtered, v=11)) if isinstance(a, DispatchBurst)
+        a
+        for a in make_policy(policy).decide(_snap(cells, filtered, v=11, quota=1 << 30))
+        if isinstance(a, DispatchBurst)
     ]
     assert dispatch.quota == 9 * 4  # ... until the filtered groups leave it
 
@@ -505,7 +510,9 @@ def test_breathing_lends_the_cells_w_eta_leaves_idle_to_the_streaming_batch():
     # executions are open: W_eta = 8 needs one rollout cell of 10 slots, so two of the three
     # rollout cells are spare. The rate target is 1; breathing lends them one move at a time.
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    p = _demo_pipeline(8, ready_groups=2, batch_assigned=1, backlog_tokens=500.0)
+    # Claimable: a 14,000-token backlog and 2,000 ready, 8 s of training for two cells at
+    # 1,000 tokens/s each and 5.3 s for three (>= lend_min_s 5 s).
+    p = _demo_pipeline(8, ready_groups=2, ready_tokens=2000.0, batch_assigned=1, backlog_tokens=14000.0)
     assert staleness.waterlevel(p, 1) == 8
     acts = GyrePolicy().decide(_snap(_cells([T, R, R, R]), p))
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
@@ -518,6 +525,14 @@ def test_breathing_lends_the_cells_w_eta_leaves_idle_to_the_streaming_batch():
     assert "c2" in next(a for a in acts if isinstance(a, PlanMoves)).cell_ids or p.planned
     acts = GyrePolicy().decide(_snap(_cells([T, T, T, R]), p))  # the last cell covers W_eta
     assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    # 3,000 claimable tokens are 1.5 s of training for two cells: not worth a switch each way
+    # (the demo's lent cells were back within a second).
+    light = _demo_pipeline(8, ready_groups=2, ready_tokens=2000.0, batch_assigned=1, backlog_tokens=1000.0)
+    assert not [
+        a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), light)) if isinstance(a, MoveToTraining)
+    ]
+    acts = GyrePolicy(GyreConfig(lend_min_s=0.0)).decide(_snap(_cells([T, R, R, R]), light))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
     # Without breathing the rate target (1) keeps the satellites in rollout.
     acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, R, R, R]), p))
     assert not [a for a in acts if isinstance(a, MoveToTraining)]
@@ -564,9 +579,17 @@ def test_breathing_lends_nothing_while_only_the_optimizer_step_is_left():
 
 def test_breathing_core_rolls_out_while_there_is_nothing_to_train_and_comes_back_at_half_a_batch():
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    # Nothing ready or assigned, 40 executions open: W_eta 32 > the 30 slots without the core.
+    # Nothing ready or assigned, 40 executions open: W_eta 32 > the 24 slots without the
+    # core (cells of 8): 8 executions wait, a whole core's worth.
     idle = _demo_pipeline(40)
-    acts = GyrePolicy().decide(_snap(_cells([T, R, R, R]), idle))
+    acts = GyrePolicy().decide(_snap(_cells([T, R, R, R], slots=8), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c0"]
+    # Cells of 10: only 2 of the 32 wait (< breathe_out 0.5 x 10): not worth a switch each
+    # way (the demo's core left for 2 and came back a second later); breathe_out 0 goes.
+    assert not [
+        a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), idle)) if isinstance(a, ReturnToRollout)
+    ]
+    acts = GyrePolicy(GyreConfig(breathe_out=0.0)).decide(_snap(_cells([T, R, R, R]), idle))
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c0"]
     # Not mid-batch, not while one ready group waits (below half a batch it stays out, but a
     # training core does not leave it), not without breathing.
@@ -576,11 +599,13 @@ def test_breathing_core_rolls_out_while_there_is_nothing_to_train_and_comes_back
         _demo_pipeline(40, ready_groups=2),
     ):
         assert not [
-            a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), p)) if isinstance(a, ReturnToRollout)
+            a
+            for a in GyrePolicy().decide(_snap(_cells([T, R, R, R], slots=8), p))
+            if isinstance(a, ReturnToRollout)
         ]
     assert not [
         a
-        for a in GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, R, R, R]), idle))
+        for a in GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T, R, R, R], slots=8), idle))
         if isinstance(a, ReturnToRollout)
     ]
     # Rollout could not use its slots (W_eta 20 fits the other 30): the core stays.
@@ -705,7 +730,8 @@ def test_async_static_keeps_its_split_and_dispatches_to_the_gate():
         groups_dispatched=15,
         published_version=0,
     )
-    acts = AsyncStaticPolicy(AsyncStaticConfig(training_cells=2)).decide(_snap(_cells([T, R, T, R]), p, v=1))
+    s = _snap(_cells([T, R, T, R]), p, v=1, quota=1 << 30)
+    acts = AsyncStaticPolicy(AsyncStaticConfig(training_cells=2)).decide(s)
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c2"]
     pub = [a for a in acts if isinstance(a, PublishPolicy)]
@@ -753,3 +779,54 @@ def test_placement_spreads_and_keeps_planned_cells_last():
     assert order(spread=True) == ["c0", "c2", "c3", "c1"]  # least loaded first
     assert order(spread=True, avoid=["c0"]) == ["c2", "c3", "c1", "c0"]  # planned cells last
     assert order(avoid=["c3", "c2"]) == ["c1", "c0", "c3", "c2"]
+
+
+def test_breathing_core_rolls_out_at_the_publication_whose_dispatch_fills_rollout():
+    # Seen in the demo: the core published v2 and joined the next batch at once; the dispatch
+    # of that same decision raised W_eta past what rollout holds without the core only in
+    # the next decision, which then returned the core, and the core waited ~30 s in RETURNING
+    # (useless to both sides) for the batch it had just joined. The decision that dispatches
+    # counts its own dispatch: W_eta after it decides whether the core rolls out.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    p = _demo_pipeline(
+        8,
+        versions=(VersionCounts(1, groups=10, dispatched=40, launched=40, finished=32, consumed=4),),
+        groups_consumed=4,
+    )
+    s = _snap(_cells([T, R, R, R], slots=8), p, v=2, quota=1 << 30)
+    before = staleness.waterlevel(p, 2)
+    acts = GyrePolicy().decide(s)
+    quota = sum(a.quota for a in acts if isinstance(a, DispatchBurst))
+    assert before <= 24 and staleness.waterlevel(p, 2, dispatching=quota) >= 24 + 4, (before, quota)
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c0"], acts
+
+
+def test_breathing_lends_nothing_once_every_group_the_window_needs_is_in():
+    # W_eta 0: batches v1..v2 have all their groups ready or assigned; the batch steps in
+    # moments and the next publication's dispatch would send a lent cell straight back.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    full = _demo_pipeline(8, ready_groups=5, ready_tokens=5000.0, batch_assigned=3, backlog_tokens=9000.0)
+    assert staleness.waterlevel(full, 1) == 0
+    assert not [
+        a for a in GyrePolicy().decide(_snap(_cells([T, R, R, R]), full)) if isinstance(a, MoveToTraining)
+    ]
+    # One group short, its members still running: the spare cells are lent.
+    short = _demo_pipeline(8, ready_groups=4, ready_tokens=4000.0, batch_assigned=3, backlog_tokens=9000.0)
+    assert staleness.waterlevel(short, 1) == 4
+    acts = GyrePolicy().decide(_snap(_cells([T, R, R, R]), short))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1"]
+
+
+def test_gyre_moves_no_cell_whose_executions_have_nowhere_to_go():
+    # Seen in the demo: the breathing core came back to training with 5 executions on it and
+    # the other rollout cells full; its drain found no destination, the move was called off,
+    # and the next decisions moved it again: 4 moves called off in 2 s. It waits instead.
+    R = CellState.ROLLOUT
+    half = _demo_pipeline(24, ready_groups=2)
+    full = _cells([R, R, R, R], slots=8, loads=[5, 8, 8, 6])
+    acts = GyrePolicy().decide(_snap(full, half))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)], acts
+    assert any(isinstance(a, Hold) and a.cell_id == "c0" and "free slots" in a.reason for a in acts)
+    room = _cells([R, R, R, R], slots=8, loads=[5, 8, 8, 3])
+    acts = GyrePolicy().decide(_snap(room, half))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c0"]

@@ -792,3 +792,40 @@ async def test_continuous_policy_rejoins_training_cells_after_each_update():
         await asyncio.sleep(0.01)
     assert peers.commands("join_batch") == [("core:1", 7, 2, 1, 1, "core:1")]
     assert s.status().total.dispatched == 2 * 4 * 2 + 4 * 2  # v1's gate: (1 + 1 + 1) x 4 groups of 2
+
+
+async def test_a_core_returned_at_a_publication_is_not_joined_to_the_next_batch():
+    """Seen in the demo: the policy breathed the core out one decision after a publication,
+    when the core had already joined the next batch, so it sat RETURNING (useless to both
+    sides) until that batch stepped, ~30 s. The policy now decides at the publication itself
+    (W_eta counts its own dispatch, test_policy_async); this guards the loop's side: a core
+    returned in the publication's tick gets no JoinBatch (the join yields to the move)."""
+    from services.scheduler.policy import Hold, ReturnToRollout
+
+    s, store, peers, _ = make(policy="gyre", max_staleness=1)
+    await lead(s, store)
+    s.on_cell_states(
+        {
+            b"/s/core": KV(b"/s/core", json.dumps({"state": "TRAINING"}).encode()),
+            b"/s/sat1": KV(b"/s/sat1", json.dumps({"state": "ROLLOUT"}).encode()),
+            b"/s/sa": KV(b"/s/sa", json.dumps({"state": "ROLLOUT"}).encode()),
+        }
+    )
+    peers.batch_id = 2
+
+    class BreatheOut:
+        name = "breathe-out"
+
+        def decide(self, snap):
+            if snap.policy_version >= 1:
+                return [ReturnToRollout("core", "test: nothing to train, W_eta waits for slots")]
+            return [Hold("test")]
+
+    s.control.policy = BreatheOut()
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    await s.reconcile_once()
+    await settle(s)
+    await s.reconcile_once()
+    await asyncio.sleep(0.05)
+    assert peers.commands("join_batch") == []
+    assert s.cells.state("core") is CellState.ROLLOUT

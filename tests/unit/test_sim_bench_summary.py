@@ -139,10 +139,28 @@ def test_the_run_cache_misses_after_a_policy_change(tmp_path: Path, monkeypatch)
     monkeypatch.setenv(B.CACHE_ENV, str(tmp_path / "cache"))
     run_scenario(cfg, sc, log=lambda m: None)
     before = set((tmp_path / "cache").glob("*.pkl"))
-    monkeypatch.setattr(B, "code_digest", lambda: "changed-policy")
+    monkeypatch.setattr(B, "code_digest", lambda gyre=True: "changed-policy")
     run_scenario(cfg, sc, log=lambda m: None)
     after = set((tmp_path / "cache").glob("*.pkl"))
     assert before < after and len(after) == 2 * len(before)
+
+
+def test_a_change_to_gyre_alone_reruns_only_gyres_runs(tmp_path: Path, monkeypatch) -> None:
+    """Gyre's module is read by the gyre policy alone: after a change to it the baselines'
+    runs come from the cache and only Gyre's rerun."""
+    import sim.bench as B
+
+    cfg = tiny().model_copy(update={"variants": {}, "static_training_cells": [2]})
+    sc = cfg.scenarios[0]
+    monkeypatch.setenv(B.CACHE_ENV, str(tmp_path / "cache"))
+    first = run_scenario(cfg, sc, log=lambda m: None)
+    before = set((tmp_path / "cache").glob("*.pkl"))
+    real = B.code_digest
+    monkeypatch.setattr(B, "code_digest", lambda gyre=True: "changed-gyre" if gyre else real(False))
+    run_scenario(cfg, sc, log=lambda m: None)
+    new = set((tmp_path / "cache").glob("*.pkl")) - before
+    gyre_runs = [k for k in first.runs if k.startswith("gyre")]
+    assert gyre_runs and len(new) == len(gyre_runs) < len(first.runs)
 
 
 def test_merge_keeps_the_scenarios_this_run_did_not_measure(tmp_path: Path) -> None:

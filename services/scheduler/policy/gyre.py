@@ -76,14 +76,17 @@ then sat in training between batches while committed work waited for slots. Only
 rate target is 1 and a training rate has been measured:
 
 * the core rolls out while the trainer has nothing to do (no batch in progress, fewer than
-  ``breathe_in`` x B groups ready) and W_eta exceeds what rollout holds without it; it comes
-  back once ``breathe_in`` x B groups are ready, even if W_eta is not covered then (the
-  trainer is the pipeline's next step: the gate waits for its version);
+  ``breathe_in`` x B groups ready) and W_eta exceeds what rollout holds without it by
+  ``breathe_out`` of its slots; it comes back once ``breathe_in`` x B groups are ready,
+  even if W_eta is not covered then (the trainer is the pipeline's next step: the gate
+  waits for its version). W_eta counts the decision's own dispatch, so at a publication
+  the core leaves before the control loop joins it to the next batch;
 * while there is work a joining cell could claim (ready groups, or a batch in progress
-  waiting for its stragglers' groups; not the optimizer step alone), every cell W_eta leaves
-  idle is lent to training, but only once it is empty: PlanMoves keeps new work off
-  it meanwhile. Lending busy cells rerouted their executions and cost A64 4% and B64 at
-  eta = 0 2% in the simulator; lending empty ones costs A64 0.6% and leaves B64 at eta = 0
+  waiting for its stragglers' groups; not the optimizer step alone) worth ``lend_min_s``
+  of training to it, and W_eta is above 0, every cell W_eta leaves idle is lent to
+  training, but only once it is empty: PlanMoves keeps new work off it meanwhile.
+  Lending busy cells rerouted their executions and cost A64 4% and B64 at eta = 0 2% in
+  the simulator; lending empty ones costs A64 0.6% and leaves B64 at eta = 0
   unchanged (seed 1). A lent cell goes back as soon as W_eta exceeds the rollout capacity
   (no hysteresis: it was there only because rollout could spare it) and stays while rollout
   could not use it (it flapped out and in as ready groups came and were claimed).
@@ -92,6 +95,10 @@ Above a rate target of 1 the trainer's work is continuous and the rate rule alon
 prefix: the first version, which lent busy cells at any rate target, sent cells to training at every dip of W_eta and
 back, and B64 at eta = 0 took 17,188 s instead of 3,659 s (1,140 switches instead of 164;
 docs/history.md).
+
+No cell moves to training while its executions have no free slots on the other rollout
+cells: the live drain calls such a move off (the simulator let them wait homeless, which
+made its small loaded scenario 5% faster than the live system could be).
 
 Tail control. ``PlanMoves`` names the next cells the target will take (plus
 ``plan_ahead``); placement launches nothing new on them while other cells have room, and
@@ -109,6 +116,7 @@ import math
 from services.scheduler.policy import staleness
 from services.scheduler.policy.actions import (
     Action,
+    DispatchBurst,
     Hold,
     Migrate,
     MoveToTraining,
@@ -164,6 +172,13 @@ class GyreConfig:
     breathe_in: float = 0.5
     """Ready groups, as a fraction of the batch, that bring a breathing core back to training
     even when rollout could use its slots (the trainer is then the pipeline's next step)."""
+    lend_min_s: float = 5.0
+    """Training a lent cell must find, in seconds at the measured rate (the claimable tokens
+    shared with the cells already training): about a switch each way (the simulator's 2 +
+    1.5 s, a vLLM-CPU cell's 1-3 s); below it a join only moves the cell there and back."""
+    breathe_out: float = 0.5
+    """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
+    core to rollout: a switch each way is not worth two waiting executions."""
 
     def __post_init__(self) -> None:
         if not (self.min_horizon_s > 0 and math.isfinite(self.min_horizon_s)):
@@ -172,6 +187,10 @@ class GyreConfig:
             raise ValueError("saturated_share must be in (0, 1]")
         if not 0 < self.breathe_in <= 1:
             raise ValueError("breathe_in must be in (0, 1]")
+        if not 0 <= self.breathe_out <= 1:
+            raise ValueError("breathe_out must be in [0, 1]")
+        if self.lend_min_s < 0:
+            raise ValueError("lend_min_s must be >= 0")
         if self.hysteresis < 0 or self.plan_ahead < 0 or self.migrate_max < 0:
             raise ValueError("hysteresis, plan_ahead and migrate_max must be >= 0")
 
@@ -241,10 +260,13 @@ class GyrePolicy:
             # Breathing is for a light trainer (one cell keeps up with the arrivals): its work
             # comes a batch at a time and is short, and the rate rule would park the core on
             # it between batches. Above that the rate rule sizes the prefix (see the docstring).
-            if claimable_work(p) and t_max > keep:
+            if claimable_work(p) and t_max > keep and w > 0 and self.worth_lending(p, elastic):
                 # Breathing in: the cells W_eta leaves idle train instead (rollout has no work
                 # for them; the streaming batch takes them at once). ``keep`` stays the rate
-                # target: lent cells go back as soon as rollout needs their slots again.
+                # target: lent cells go back as soon as rollout needs their slots again. Not
+                # once W_eta is 0: every group the window needs is in, the batch steps in
+                # moments (one cell keeps up) and its publication's dispatch sends a lent cell
+                # straight back (seen in the demo: lent and returned within 0.6 s).
                 return (
                     t_max,
                     keep,
@@ -262,6 +284,14 @@ class GyrePolicy:
             return max(1, t_max), keep, band, f"{why}; capped at {t_max} to cover W_eta {w}"
         return keep, keep, band, why
 
+    def worth_lending(self, p: Pipeline, elastic: list[CellView]) -> bool:
+        """A lent cell would find at least ``lend_min_s`` of training: the claimable tokens
+        (the batch's backlog and the ready groups), shared with the cells training now and
+        it, at the measured rate per cell."""
+        claimable = (0.0 if p.optimizing else p.backlog_tokens) + p.ready_tokens
+        cells = len(training_set(elastic)) + 1
+        return claimable / (cells * p.train_rate_per_cell) >= self.config.lend_min_s
+
     def breathing(self, p: Pipeline, band: int) -> bool:
         """Breathing applies: on, a training rate measured, and one cell keeps up with the
         arrivals (``band``: the rate target before the saturated share)."""
@@ -270,7 +300,9 @@ class GyrePolicy:
     def core_may_leave(self, s: Snapshot, elastic: list[CellView], w: int) -> bool:
         """Breathing out: the trainer has nothing to do (no batch in progress, fewer ready
         groups than bring it back) and the committed work W_eta exceeds what rollout holds
-        without the core, so its slots would be used at once. (The caller also asks that one
+        without the core by ``breathe_out`` of its slots, so they would be used at once (the
+        demo's core left for 2 waiting executions and was back a second later, when W_eta
+        dipped under the capacity again). (The caller also asks that one
         cell keeps up with the arrivals: with a rate target above 1 groups arrive steadily and
         an empty queue is a moment between them, not a lull.)"""
         p = s.pipeline
@@ -281,7 +313,8 @@ class GyrePolicy:
             return False
         slots = max((c.slots for c in elastic), default=0)
         standalone = sum(c.slots for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT)
-        return w > standalone + slots * (len(elastic) - 1)
+        waiting = w - standalone - slots * (len(elastic) - 1)
+        return waiting > 0 and waiting >= self.config.breathe_out * slots
 
     def breathe_in_groups(self, p: Pipeline) -> int:
         """Ready groups that bring a breathing core back (at least one)."""
@@ -293,13 +326,19 @@ class GyrePolicy:
         p = s.pipeline
         if p is None:
             return [Hold("gyre needs the pipeline view (per-version ledger, rates)")]
-        actions: list[Action] = publish_newest(s) + dispatch_to_gate(s)
+        dispatch = dispatch_to_gate(s)
+        actions: list[Action] = publish_newest(s) + dispatch
         elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
         prefix = training_set(elastic)
         repair = WaterlevelPolicy._repair(s.elastic(), prefix)
         if repair:
             return actions + repair
-        w = staleness.waterlevel(p, s.policy_version)
+        # W_eta after this decision's own dispatch: at a publication the next batch's work
+        # goes out now, and a move decided on W_eta before it would be undone by the next
+        # decision (the core, told to breathe out a decision late, had already joined the
+        # next batch and sat RETURNING until that batch stepped).
+        dispatching = sum(a.quota for a in dispatch if isinstance(a, DispatchBurst))
+        w = staleness.waterlevel(p, s.policy_version, dispatching)
         target, keep, band, why = self.target(s, elastic, w)
         actions += self._roles(s, elastic, prefix, target, keep, band, w, why)
         planned = p.planned
@@ -348,6 +387,17 @@ class GyrePolicy:
                 # recompute their prefixes for a join the rate rule did not ask for (lending
                 # busy cells cost A64 4% and B64 at eta 0 2% in the simulator).
                 return [Hold(f"waiting: {cand.cell_id} (lent, load {cand.load}) to empty", cand.cell_id)]
+            room = sum(c.slots - c.load for c in s.cells if c.state is CellState.ROLLOUT and c is not cand)
+            if cand.load > room:
+                # Its executions are rerouted as it drains: with nowhere to go the move is
+                # called off, and deciding it again every tick only repeats that (the demo's
+                # core, back from breathing with rollout full: 4 moves called off in 2 s).
+                return [
+                    Hold(
+                        f"waiting: {cand.cell_id}'s {cand.load} executions have {room} free slots elsewhere",
+                        cand.cell_id,
+                    )
+                ]
             after = capacity(s.cells) - cand.slots
             assert s.pipeline is not None
             ready = s.pipeline.ready_groups

@@ -88,9 +88,11 @@ def groups_needed(p: Pipeline) -> int:
     return max(0, want)
 
 
-def waterlevel(p: Pipeline, trainer_version: int) -> int:
-    """W_eta: committed usable rollout work, in executions (see the module docstring)."""
-    return min(usable_open(p.versions, trainer_version, p.max_staleness), groups_needed(p) * p.group_size)
+def waterlevel(p: Pipeline, trainer_version: int, dispatching: int = 0) -> int:
+    """W_eta: committed usable rollout work, in executions (see the module docstring);
+    ``dispatching``: executions a decision dispatches now, counted as open."""
+    open_ = usable_open(p.versions, trainer_version, p.max_staleness) + dispatching
+    return min(open_, groups_needed(p) * p.group_size)
 
 
 def cells_to_cover(work: int, slots_per_cell: int) -> int:
