@@ -19,6 +19,7 @@ from typing import Any
 from gyre.certs import ensure_process_identity
 from gyre.config import read_file
 from gyre.lifeline import kill_group, spawn
+from gyre.telemetry import LOG_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +66,8 @@ class ServiceProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        if self.log_path:  # the service rotates the file its stderr goes to (gyre/telemetry.py)
+            env[LOG_FILE_ENV] = str(self.log_path.resolve())
         for key, value in self.env.items():  # None: remove an inherited variable
             if value is None:
                 env.pop(key, None)

@@ -1,33 +1,43 @@
 """Soak: does anything grow without bound while Gyre runs for hours?
 
 Runs the demo with mock engines and the real trainers (``python -m apps.demo --engine mock``,
-the default policy) for ``--bursts`` bursts, and samples every ``--interval-s`` seconds:
+the default policy) for ``--bursts`` bursts, or about ``--minutes`` minutes, and samples every
+``--interval-s`` seconds:
 
 - each service's resident memory and open file descriptors (found in ``/proc`` by the run
   folder in its command line: every process the launcher starts names its config there);
 - the run folder's disk: the packer's WAL, the checkpoints, the histories, the logs;
-- etcd's database file (``member/snap/db``, the bbolt file whose size is etcd's ``dbSize``).
+- etcd's database file (``member/snap/db``, the bbolt file whose size is etcd's ``dbSize``),
+  and from etcd's ``/metrics`` (over mutual TLS with the run's operator certificate) its
+  revision, its compacted revision, its keys and the database's size in use.
+
+With ``--chaos`` the demo's chaos schedule repeats while it soaks (``--chaos-repeat``: each
+fault of apps/demo/chaos.py in turn, round after round, until the work is done).
 
 It reports each series' slope per hour, fitted by least squares after the warm-up (the first
 ``--warmup`` share of the samples), with the executions, the versions and the history
 checker's verdict of the run, into ``bench/results/soak.json`` and a plot per series.
 
-    python bench/soak.py                          # the quick mode, 150 bursts: about 10 minutes on 2 cores
-    python bench/soak.py --bursts 1800 --tag 2h    # about two hours
+    python bench/soak.py                              # the quick mode: about 10 minutes on 2 cores
+    python bench/soak.py --minutes 120 --tag 2h        # about two hours
+    python bench/soak.py --minutes 120 --chaos --tag 2h-chaos
 
-What it does not do yet: repeat the chaos schedule while it soaks (the demo's ``--chaos``
-injects each fault once), or read etcd's revision (it needs a client certificate on the
-metrics endpoint); both are open (issue 36).
+The demo ends when its bursts are done (it cannot stop dispatching at a given time and end
+clean), so ``--minutes`` asks for ``--bursts-per-minute`` x minutes bursts (15 a minute: what
+2 loaded cores ran); the time measured is in the summary (``hours``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -120,6 +130,55 @@ def tree_mb(path: Path) -> float:
     return total / 1e6
 
 
+ETCD_METRICS = {
+    "etcd_debugging_mvcc_current_revision": "revision",
+    "etcd_debugging_mvcc_compact_revision": "compact_revision",
+    "etcd_debugging_mvcc_keys_total": "keys",
+    "etcd_mvcc_db_total_size_in_bytes": "db_bytes",
+    "etcd_mvcc_db_total_size_in_use_in_bytes": "db_in_use_bytes",
+}
+
+
+def parse_etcd_metrics(text: str) -> dict[str, float]:
+    """The gauges of :data:`ETCD_METRICS` from etcd's Prometheus text."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ETCD_METRICS:
+            try:
+                out[ETCD_METRICS[name]] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def etcd_metrics(run_dir: Path, timeout_s: float = 5.0) -> dict[str, float]:
+    """etcd's revision and database size from its ``/metrics`` (the client port: mutual TLS
+    with the run's operator identity when the run has certificates); {} when unreachable."""
+    try:
+        import yaml
+
+        config = yaml.safe_load((run_dir / "cluster.yaml").read_text())
+        endpoint = str(config["cluster"]["etcd_endpoints"][0])
+    except (OSError, KeyError, IndexError, TypeError, ValueError):
+        return {}
+    host_port = endpoint.split("://")[-1]
+    ident = next(
+        (run_dir / "certs" / n for n in ("operator", "root") if (run_dir / "certs" / n).is_dir()), None
+    )
+    context = None
+    if ident is not None:
+        context = ssl.create_default_context(cafile=str(ident / "ca.crt"))
+        context.check_hostname = False  # loopback; the chain is still verified
+        context.load_cert_chain(str(ident / "tls.crt"), str(ident / "tls.key"))
+    url = f"{'https' if context else 'http'}://{host_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
+            return parse_etcd_metrics(response.read().decode())
+    except (OSError, ssl.SSLError, ValueError):
+        return {}
+
+
 def sample(run_dir: Path, t_s: float) -> dict[str, Any]:
     procs = processes(run_dir)
     db = run_dir / "etcd" / "data" / "member" / "snap" / "db"
@@ -129,6 +188,7 @@ def sample(run_dir: Path, t_s: float) -> dict[str, Any]:
         "fds": {n: f for n, pid in procs.items() if (f := open_fds(pid)) is not None},
         "disk_mb": {part: round(tree_mb(run_dir / part), 3) for part in DISK_PARTS},
         "etcd_db_mb": round(db.stat().st_size / 1e6, 3) if db.exists() else None,
+        "etcd": etcd_metrics(run_dir),
     }
 
 
@@ -166,6 +226,12 @@ def summarize(samples: list[dict[str, Any]], demo: dict[str, Any], warmup: float
 
     disk = [(s["t_s"], sum(s["disk_mb"].values())) for s in samples]
     db = [(s["t_s"], s["etcd_db_mb"]) for s in samples if s["etcd_db_mb"] is not None]
+
+    def etcd(key: str, scale: float = 1.0) -> list[tuple[float, float]]:
+        return [(s["t_s"], s["etcd"][key] * scale) for s in samples if key in (s.get("etcd") or {})]
+
+    revision, in_use = etcd("revision"), etcd("db_in_use_bytes", 1e-6)
+    last = next((s["etcd"] for s in reversed(samples) if s.get("etcd")), {})
     ex = demo.get("executions", {})
     hours = (samples[-1]["t_s"] - samples[0]["t_s"]) / 3600 if len(samples) > 1 else 0.0
     return {
@@ -177,11 +243,16 @@ def summarize(samples: list[dict[str, Any]], demo: dict[str, Any], warmup: float
         "disk_mb_per_hour": slope_per_hour(disk, warmup),
         "disk_mb_per_hour_by_part": slopes("disk_mb"),
         "etcd_db_mb_per_hour": slope_per_hour(db, warmup),
+        "etcd_revision_per_hour": slope_per_hour(revision, warmup),
+        "etcd_db_in_use_mb_per_hour": slope_per_hour(in_use, warmup),
+        "etcd_last": last,
         "executions": ex.get("finished", 0),
         "lost": ex.get("lost"),
         "versions": demo.get("policy_versions_published"),
         "checker_ok": (demo.get("checker") or {}).get("ok"),
         "outcome": demo.get("outcome"),
+        "faults_injected": (demo.get("chaos") or {}).get("injected", 0),
+        "faults_survived": (demo.get("chaos") or {}).get("survived", 0),
     }
 
 
@@ -191,20 +262,29 @@ def plot(samples: list[dict[str, Any]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    def etcd(key: str, scale: float = 1.0) -> list[tuple[float, float]]:
+        return [(s["t_s"], s["etcd"][key] * scale) for s in samples if key in (s.get("etcd") or {})]
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8), sharex=True)
     panels = [
         (axes[0][0], series(samples, "rss_mb"), "resident memory, MB"),
         (axes[0][1], series(samples, "fds"), "open file descriptors"),
-        (axes[1][0], series(samples, "disk_mb"), "run folder, MB"),
+        (axes[0][2], series(samples, "disk_mb"), "run folder, MB"),
         (
-            axes[1][1],
-            {"etcd db": [(s["t_s"], s["etcd_db_mb"]) for s in samples if s["etcd_db_mb"] is not None]},
-            "etcd database file, MB",
+            axes[1][0],
+            {
+                "db file": [(s["t_s"], s["etcd_db_mb"]) for s in samples if s["etcd_db_mb"] is not None],
+                "db in use": etcd("db_in_use_bytes", 1e-6),
+            },
+            "etcd database, MB",
         ),
+        (axes[1][1], {"revision": etcd("revision"), "compacted": etcd("compact_revision")}, "etcd revision"),
+        (axes[1][2], {"keys": etcd("keys")}, "etcd keys"),
     ]
     for ax, data, title in panels:
         for name, pts in sorted(data.items()):
-            ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], label=name)
+            if pts:
+                ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], label=name)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
@@ -230,7 +310,8 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         BEGIN,
         f"Current figures ({result['date']}, commit `{result['commit']}`, `{result['tag']}`: "
-        f"{c['bursts']} bursts, {c['engine']} engines, chaos {'on' if c['chaos'] else 'off'}, "
+        f"{c['bursts']} bursts, {c['engine']} engines, "
+        f"chaos {'repeating' if c['chaos'] else 'off'}{_faults(s) if c['chaos'] else ''}, "
         f"{s['hours'] * 60:.0f} minutes measured, {s['samples']} samples, slopes after the first "
         f"{s['warmup_share']:.0%}): {s['executions']} executions, {s['lost']} lost, "
         f"{s['versions']} versions, history checker {'ok' if s['checker_ok'] else 'NOT ok'}, "
@@ -245,7 +326,9 @@ def render(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"Disk: {fmt(s['disk_mb_per_hour'])} MB/hour in all ({parts}); etcd's database file "
-        f"{fmt(s['etcd_db_mb_per_hour'])} MB/hour.",
+        f"{fmt(s['etcd_db_mb_per_hour'])} MB/hour ({fmt(s.get('etcd_db_in_use_mb_per_hour'))} in use); "
+        f"etcd's revision {fmt(s.get('etcd_revision_per_hour'))} an hour"
+        f"{_etcd_last(s.get('etcd_last') or {})}.",
         "",
         "![every series over time](../img/soak.png)",
         END,
@@ -253,9 +336,44 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _faults(s: dict[str, Any]) -> str:
+    return f" ({s.get('faults_survived', 0)} of {s.get('faults_injected', 0)} faults survived)"
+
+
+def _etcd_last(last: dict[str, float]) -> str:
+    if "revision" not in last:
+        return ""
+    return (
+        f" (at the end: revision {last['revision']:,.0f}, compacted to "
+        f"{last.get('compact_revision', -1):,.0f}, {last.get('keys', 0):,.0f} keys)"
+    )
+
+
+def bursts_for(minutes: float, per_minute: float) -> int:
+    """Bursts that take about ``minutes`` at ``per_minute`` bursts a minute (at least 1)."""
+    return max(1, math.ceil(minutes * per_minute))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bursts", type=int, default=150, help="bursts of the demo (150: about 10 minutes)")
+    parser.add_argument(
+        "--bursts", type=int, default=None, help="bursts of the demo (default: 150, about 10 minutes)"
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="run for about this long (bursts = minutes x --bursts-per-minute)",
+    )
+    parser.add_argument(
+        "--bursts-per-minute",
+        type=float,
+        default=15.0,
+        help="the demo's pace with mock engines, for --minutes (15: 2 loaded cores)",
+    )
+    parser.add_argument(
+        "--chaos", action="store_true", help="the demo's chaos schedule, repeating while it soaks"
+    )
     parser.add_argument("--interval-s", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=0.25, help="share of the samples before the fit")
     parser.add_argument("--run-dir", type=Path, default=None)
@@ -264,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "soak.png")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks" / "soak.md")
     args = parser.parse_args(argv)
+    if args.bursts is None:
+        args.bursts = 150 if args.minutes is None else bursts_for(args.minutes, args.bursts_per_minute)
     run_dir = args.run_dir or ROOT / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = [
         sys.executable,
@@ -281,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         "0",
         "--run-dir",
         str(run_dir),
+        *(["--chaos-repeat"] if args.chaos else []),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    log = (ROOT / "runs").joinpath(f"{run_dir.name}.log")
+    log = run_dir.parent / f"{run_dir.name}.log"  # the demo's output, beside its run folder
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     samples: list[dict[str, Any]] = []
@@ -298,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                     total = sum(s["rss_mb"].values())
                     print(
                         f"[{s['t_s'] / 60:5.1f} min] {len(s['rss_mb'])} processes, RSS {total:,.0f} MB, "
-                        f"disk {sum(s['disk_mb'].values()):.1f} MB, etcd db {s['etcd_db_mb']} MB",
+                        f"disk {sum(s['disk_mb'].values()):.1f} MB, etcd db {s['etcd_db_mb']} MB, "
+                        f"revision {s['etcd'].get('revision', '?')}",
                         flush=True,
                     )
     summary_path = run_dir / "summary.json"
@@ -310,7 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         "tag": args.tag,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit,
-        "config": {"bursts": args.bursts, "interval_s": args.interval_s, "engine": "mock", "chaos": False},
+        "config": {
+            "bursts": args.bursts,
+            "minutes": args.minutes,
+            "interval_s": args.interval_s,
+            "engine": "mock",
+            "chaos": args.chaos,
+        },
         "summary": summary,
         "samples": samples,
         "run_dir": str(run_dir),

@@ -97,6 +97,31 @@ class ServiceConfig(BaseSettings):
     log_level: str = Field("INFO", description="Python logging level.")
     log_json: bool = Field(True, description="Structured JSON logs (one object a line).")
     history_file: str = Field("", description="Append operations as JSONL here (checker input).")
+    history_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Rotate the history file once it reaches this size: it becomes "
+        "`<history_file>.<n>` (n = 1, 2, ...; the lowest is the oldest) and a new file starts. "
+        "0: never rotate. The checker reads every segment.",
+    )
+    history_keep: int = Field(
+        0,
+        ge=0,
+        description="Rotated history segments kept, the newest (older ones are deleted); 0: all. "
+        "The checker needs a whole history to verify a run: with segments deleted it checks what "
+        "is left and says so (`pruned` in its verdict), and can report violations whose first "
+        "half was deleted.",
+    )
+    log_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Rotate this service's log file (the one the launcher sends its stderr to, "
+        "named by $GYRE_LOG_FILE) once it reaches this size: `<log>.1` is the newest rotated "
+        "file (logging.handlers.RotatingFileHandler). 0: never rotate.",
+    )
+    log_keep: int = Field(
+        3, ge=1, description="Rotated log files kept (`<log>.1` .. `<log>.<log_keep>`), when rotating."
+    )
     tracing: str = Field("off", description='OpenTelemetry exporter: "off", "console" or "otlp".')
     otlp_endpoint: str = Field("127.0.0.1:4317", description="OTLP gRPC collector, if tracing=otlp.")
     tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS (on by default).")

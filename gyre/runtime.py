@@ -176,7 +176,7 @@ def main(
     args = parser.parse_args(argv)
     overrides = config_mod.parse_set(args.set)
     cfg = config_mod.load(config_cls, args.config, **overrides)
-    setup_logging(name, cfg.log_level, cfg.log_json)
+    setup_logging(name, cfg.log_level, cfg.log_json, cfg.log_max_bytes, cfg.log_keep)
     instance = str(getattr(cfg, instance_field)) if instance_field else f"{name}-{os.getpid()}"
     try:  # before the slow start-up: a process without its certificate stops at once
         TlsFiles.resolve(cfg.tls, cfg.identity_name())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import logging.handlers
+import os
 import sys
 from typing import Any
 
@@ -34,9 +36,35 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-def setup_logging(service: str, level: str = "INFO", json_lines: bool = True) -> None:
-    """Configures the root logger for one service process (stderr)."""
-    handler = logging.StreamHandler(sys.stderr)
+LOG_FILE_ENV = "GYRE_LOG_FILE"
+"""Set by the launcher (apps/procs.py) to the file it sends a service's stderr to: the
+service then rotates that file itself (``log_max_bytes``, ``log_keep``)."""
+
+
+class StderrRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """The stdlib's size-rotating handler on the file this process's stderr goes to; after
+    each rollover stderr (fd 2: tracebacks, warnings, faulthandler, what a library prints)
+    follows to the new file, so nothing keeps writing to a rotated one."""
+
+    def doRollover(self) -> None:
+        super().doRollover()
+        if self.stream is not None:
+            sys.stderr.flush()
+            os.dup2(self.stream.fileno(), 2)
+
+
+def setup_logging(
+    service: str, level: str = "INFO", json_lines: bool = True, max_bytes: int = 0, keep: int = 3
+) -> None:
+    """Configures the root logger for one service process: stderr, or, when the launcher
+    names the file stderr goes to ($GYRE_LOG_FILE) and ``max_bytes`` > 0, that file rotated
+    at ``max_bytes`` keeping ``keep`` rotated files (``<file>.1`` the newest)."""
+    log_file = os.environ.get(LOG_FILE_ENV, "")
+    handler: logging.Handler
+    if log_file and max_bytes > 0:
+        handler = StderrRotatingFileHandler(log_file, maxBytes=max_bytes, backupCount=keep)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
     if json_lines:
         handler.setFormatter(
             JsonFormatter(

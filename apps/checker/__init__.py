@@ -25,6 +25,13 @@ merges them, and verifies the promises of docs/reliability.md:
 
 Context a crash took from a history (the packer writes after its WAL fsync) is unknown,
 never a violation by itself.
+
+A rotated history (``history_max_bytes``) is read whole: naming a history, or any of its
+segments, reads ``<file>.1``, ``<file>.2``, ... and then ``<file>``. When retention
+(``history_keep``) deleted its oldest segments, the checker checks what is left and says
+so: the verdict's ``pruned`` names those histories, and a violation may then be an
+operation whose first half was deleted (a close whose launch was in a deleted segment).
+Keep every segment (``history_keep: 0``, the default) for a run you want verified.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.checker.cells import check_cells
-from gyre.history import read
+from gyre.history import base, pruned, read
 from services.packer.packer import LATE_TURN
 from services.scheduler import history as scheduler_history
 
@@ -46,13 +53,15 @@ class Verdict:
 
     violations: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    pruned: list[str] = field(default_factory=list)
+    """Histories whose oldest rotated segments retention deleted: checked as far as kept."""
 
     @property
     def ok(self) -> bool:
         return not self.violations
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "violations": self.violations, "counts": self.counts}
+        return {"ok": self.ok, "violations": self.violations, "counts": self.counts, "pruned": self.pruned}
 
 
 def split(ops: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -290,7 +299,11 @@ def check(ops: Iterable[dict[str, Any]], complete: bool = False) -> Verdict:
 
 
 def check_files(paths: Iterable[str | Path], complete: bool = False) -> Verdict:
+    """The verdict over the named histories, each read whole (its rotated segments too)."""
+    histories = list(dict.fromkeys(base(p) for p in paths))
     ops: list[dict[str, Any]] = []
-    for path in paths:
+    for path in histories:
         ops += read(path)
-    return check(ops, complete=complete)
+    verdict = check(ops, complete=complete)
+    verdict.pruned = [str(p) for p in histories if pruned(p)]
+    return verdict

@@ -1,4 +1,4 @@
-"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--chaos] [--run-dir DIR] [--dashboard-port P]
+"""python -m apps.demo [--engine vllm|mock] [--bursts N] [--chaos] [--chaos-repeat] [--run-dir DIR] [--dashboard-port P]
 [--eval-tasks N] [--no-warm-start]"""
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="kill (SIGKILL) and pause (SIGSTOP) processes on a schedule while the demo runs (apps/demo/chaos.py)",
     )
+    parser.add_argument(
+        "--chaos-repeat",
+        action="store_true",
+        help="--chaos with the schedule repeated until the run's work is done (a soak)",
+    )
     parser.add_argument("--no-live", action="store_true", help="plain output (no live panel)")
     parser.add_argument(
         "--no-warm-start", action="store_true", help="v0 = the random tiny model (no supervised warm start)"
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout_s if args.timeout_s is not None else budget_s(args.bursts),
         env=EnvConfig(**{**DEMO_ENV.model_dump(), **json.loads(args.env)}),
         live=not args.no_live,
-        chaos=Chaos() if args.chaos else None,
+        chaos=Chaos(repeat=args.chaos_repeat) if args.chaos or args.chaos_repeat else None,
         warm_start=not args.no_warm_start,
         eval_tasks=args.eval_tasks,
         eval_samples=args.eval_samples,

@@ -8,11 +8,17 @@ each starts ``gap_s`` after the previous one was survived, so every one meets a 
 system. Each fault's record (what, when, how long until survived) goes to summary.json. A fault
 not survived within ``recover_timeout_s`` does not hold up the schedule; its recovery is
 still awaited before the run ends (the demo's own timeout bounds it).
+
+``repeat`` (``--chaos-repeat``, the soak's chaos) runs the schedule round after round until
+the demo's work is done: the demo then calls :meth:`Chaos.finish`, and the schedule stops at
+the next fault boundary (once one whole round was injected), so the run never ends in the
+middle of a fault.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -69,26 +75,61 @@ class Chaos:
     first_s: float = 8.0
     gap_s: float = 6.0
     recover_timeout_s: float = 120.0
+    repeat: bool = False
+    """Run the schedule again and again until :meth:`finish` (at least once)."""
     records: list[FaultRecord] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    rounds: int = 0
+    """Whole rounds of the schedule injected."""
+    _finishing: bool = field(default=False, init=False, repr=False)
+    _wake: asyncio.Event | None = field(default=None, init=False, repr=False)
+
+    def finish(self) -> None:
+        """The run's work is done: a repeating schedule injects no new fault once a whole
+        round was injected (a schedule run once is not cut short)."""
+        self._finishing = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _stopping(self) -> bool:
+        return self.repeat and self._finishing and self.rounds >= 1
 
     async def run(self, cluster: Cluster) -> None:
-        """Injects every fault in turn (the demo cancels it when the run ends)."""
+        """Injects every fault in turn, round after round with ``repeat`` (the demo cancels
+        it when the run ends)."""
         self.started = time.monotonic()
+        self._wake = asyncio.Event()
         await asyncio.sleep(self.first_s)
         slow: list[asyncio.Task[None]] = []
-        for fault in self.schedule:
-            rec = await self.inject(cluster, fault)
-            self.records.append(rec)
-            watch = asyncio.create_task(self.await_recovery(cluster, fault, rec))
-            # The schedule goes on after recover_timeout_s; a slow recovery is still watched
-            # (and awaited below) so a process that comes back late counts as survived.
-            done, _ = await asyncio.wait({watch}, timeout=self.recover_timeout_s)
-            if not done:
-                rec.detail = f"not running again within {self.recover_timeout_s:.0f} s; the schedule went on"
-                slow.append(watch)
-            await asyncio.sleep(self.gap_s)
+        while not self._stopping():
+            for fault in self.schedule:
+                if self._stopping():
+                    break
+                rec = await self.inject(cluster, fault)
+                self.records.append(rec)
+                watch = asyncio.create_task(self.await_recovery(cluster, fault, rec))
+                # The schedule goes on after recover_timeout_s; a slow recovery is still watched
+                # (and awaited below) so a process that comes back late counts as survived.
+                done, _ = await asyncio.wait({watch}, timeout=self.recover_timeout_s)
+                if not done:
+                    rec.detail = (
+                        f"not running again within {self.recover_timeout_s:.0f} s; the schedule went on"
+                    )
+                    slow.append(watch)
+                await self._gap()
+            else:
+                self.rounds += 1
+            if not self.repeat:
+                break
         await asyncio.gather(*slow)
+
+    async def _gap(self) -> None:
+        """``gap_s``, cut short by :meth:`finish` once a repeating schedule may stop."""
+        if not (self.repeat and self.rounds >= 1) or self._wake is None:
+            await asyncio.sleep(self.gap_s)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.gap_s)
 
     async def inject(self, cluster: Cluster, fault: Fault) -> FaultRecord:
         pid = _pid(cluster, fault.target)
@@ -116,10 +157,14 @@ class Chaos:
         rec.recovered_s = round(time.monotonic() - t0 + fault.pause_s, 1)
 
     def summary(self) -> dict[str, Any]:
+        """What was injected and survived; ``scheduled``: the faults the run had to inject
+        (the schedule, or with ``repeat`` every fault it started)."""
         return {
             "injected": len(self.records),
             "survived": sum(1 for r in self.records if r.survived),
-            "scheduled": len(self.schedule),
+            "scheduled": len(self.records) if self.repeat else len(self.schedule),
+            "repeat": self.repeat,
+            "rounds": self.rounds,
             "faults": [r.to_json() for r in self.records],
         }
 

@@ -92,7 +92,9 @@ class DemoOptions:
     ``cluster.procs[name]``; the supervisor restarts what dies). Cancelled at the end."""
     chaos: Chaos | None = None
     """``--chaos``: its schedule of faults runs as ``during``, the run ends only once every
-    fault was injected and survived (or the timeout), and summary.json reports them."""
+    fault was injected and survived (or the timeout), and summary.json reports them.
+    ``--chaos-repeat``: the schedule repeats until the work is done (then stops at a fault
+    boundary)."""
     warm_start: bool = True
     """v0 is the tiny model after a short supervised warm start on expert trajectories
     (apps/model/warmstart.py), so the reward RL adds is measured from a policy that can
@@ -361,8 +363,11 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 if cluster.dead():  # restarted too often: the supervisor gave up
                     outcome = f"process given up on: {', '.join(cluster.dead())}"
                     break
+                work_done = status is not None and end.done(status, time.monotonic())
+                if work_done and opts.chaos is not None:
+                    opts.chaos.finish()  # a repeating schedule stops at its next fault boundary
                 faults_pending = opts.chaos is not None and during is not None and not during.done()
-                if status is not None and end.done(status, time.monotonic()) and not faults_pending:
+                if work_done and not faults_pending:
                     break
                 if time.monotonic() - started > opts.timeout_s:
                     outcome = f"timed out after {opts.timeout_s:.0f} s"

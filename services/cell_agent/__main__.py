@@ -65,7 +65,7 @@ class _App:
             engine=cfg.engine,
         )
         store = EtcdCellStore(rt.etcd, rt.keys, cfg.cell_id, rt.lease)
-        history = History(cfg.history_file, svc="cell", cell=cfg.cell_id)
+        history = History.of(cfg, svc="cell", cell=cfg.cell_id)
         cell = Cell(
             identity,
             build_engine(cfg),

@@ -78,7 +78,7 @@ async def serve(cfg: DashboardConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    setup_logging("dashboard", cfg.log_level, cfg.log_json)
+    setup_logging("dashboard", cfg.log_level, cfg.log_json, cfg.log_max_bytes, cfg.log_keep)
     try:  # it dials the scheduler with mTLS as the dashboard: no certificate, no start
         set_process_tls(TlsFiles.resolve(cfg.tls, cfg.identity_name()))
     except TlsNotConfigured as exc:

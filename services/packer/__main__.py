@@ -29,7 +29,7 @@ async def build(rt: Runtime) -> Services:
     events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, events)
     packer = Packer(
         cfg,
-        HistoryLog(wal, History(cfg.history_file, svc="packer")) if cfg.history_file else wal,
+        HistoryLog(wal, History.of(cfg, svc="packer")) if cfg.history_file else wal,
         strict=cfg.check_every_change,
     )
     replayed = packer.recover(events)

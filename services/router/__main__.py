@@ -55,7 +55,7 @@ async def build(rt: Runtime) -> Services:
         cfg.turn_buffer,
         cfg.turn_senders,
         cfg.turn_retry_max_s,
-        history=History(cfg.history_file, svc="router"),
+        history=History.of(cfg, svc="router"),
     )
     policy = CallPolicy(
         retry_budget=cfg.retry_budget,

@@ -333,8 +333,11 @@ class Ledger:
         self._by_acquire_key: dict[str, str] = {}  # sha256(acquire key) -> execution
         self._last_close: dict[int, float] = {}  # burst -> latest finished_s of its records
         self.cancelled_groups: dict[str, int] = {}
-        """Groups the scheduler cancelled (cancel early) -> their stamp version; kept when
-        their burst is archived (a new leader rebuilds it from the unarchived records)."""
+        """Groups of the live bursts the scheduler cancelled (cancel early) -> their stamp
+        version. Archiving a burst folds its cancelled groups into
+        ``archived.cancelled_groups`` and drops them here, as a new leader (which rebuilds
+        the dict from the unarchived records) never had them: the dict is bounded by the live
+        bursts, and :attr:`groups_cancelled` counts the run's every one."""
         self.restamped: dict[str, int] = {}
         """Groups the partial rule restamped -> their stamp (newer than their burst's): the
         newest ``policy_version`` among their members' records, so a rebuild recovers it."""
@@ -735,6 +738,8 @@ class Ledger:
             self._launched.pop(b, None)
             self._finished.pop(b, None)
             self._last_close.pop(b, None)
+        for group in [g for g in self.cancelled_groups if _parse_group(g)[0] <= summary.through]:
+            del self.cancelled_groups[group]  # counted in summary.cancelled_groups
         for eid in [e for e, r in self.records.items() if r.burst_id <= summary.through]:
             rec = self.records.pop(eid)
             self.restamped.pop(rec.group_id, None)

@@ -78,7 +78,7 @@ class Scheduler:
         self._wall = wall
         self._policy_given = policy
         self._tasks = tasks
-        self.history = History(config.history_file)  # one history across leaderships (_build runs again)
+        self.history = History.of(config)  # one history across leaderships (_build runs again)
         self._build(store, events or EventLog(config.events_kept), metrics)
 
     def _build(self, store: Store | None, events: EventLog, metrics: Metrics | None) -> None:

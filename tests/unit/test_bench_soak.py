@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import processes, service_name, slope_per_hour, summarize
+from bench.soak import bursts_for, parse_etcd_metrics, processes, service_name, slope_per_hour, summarize
 
 
 def test_service_names_from_command_lines():
@@ -39,20 +39,52 @@ def test_summary_holds_what_the_issue_asks_for():
             "fds": {"router": 40},
             "disk_mb": {"packer-wal": 1.0 + k, "logs": 2.0},
             "etcd_db_mb": 0.5,
+            "etcd": {"revision": 1000.0 + 50 * k, "db_in_use_bytes": 2e6, "keys": 40.0},
         }
         for k in range(10)
     ]
+    samples[3]["etcd"] = {}  # etcd paused by the chaos: that sample has none
     demo = {
         "executions": {"finished": 1200, "lost": 0},
         "policy_versions_published": 71,
         "checker": {"ok": True},
         "outcome": "completed",
+        "chaos": {"injected": 14, "survived": 14, "scheduled": 14},
     }
     s = summarize(samples, demo, warmup=0.0)
     assert s["hours"] == pytest.approx(0.15)
     assert s["rss_mb_per_hour"] == {"cell-0": 60.0, "router": 0.0}
     assert s["disk_mb_per_hour"] == pytest.approx(60.0) and s["etcd_db_mb_per_hour"] == 0.0
     assert (s["executions"], s["lost"], s["checker_ok"], s["versions"]) == (1200, 0, True, 71)
+    assert s["etcd_revision_per_hour"] == pytest.approx(3000.0)  # 50 a minute
+    assert s["etcd_db_in_use_mb_per_hour"] == pytest.approx(0.0)
+    assert s["etcd_last"]["revision"] == 1450.0
+    assert (s["faults_injected"], s["faults_survived"]) == (14, 14)
+
+
+def test_etcd_metrics_are_read_from_its_prometheus_text():
+    text = """# HELP etcd_debugging_mvcc_current_revision The current revision of store.
+# TYPE etcd_debugging_mvcc_current_revision gauge
+etcd_debugging_mvcc_current_revision 48213
+etcd_debugging_mvcc_compact_revision 41002
+etcd_debugging_mvcc_keys_total 57
+etcd_mvcc_db_total_size_in_bytes 2.4576e+06
+etcd_mvcc_db_total_size_in_use_in_bytes 1.2e+06
+etcd_server_quota_backend_bytes 2.147483648e+09
+"""
+    assert parse_etcd_metrics(text) == {
+        "revision": 48213.0,
+        "compact_revision": 41002.0,
+        "keys": 57.0,
+        "db_bytes": 2457600.0,
+        "db_in_use_bytes": 1200000.0,
+    }
+
+
+def test_minutes_ask_for_bursts_at_the_demos_pace():
+    assert bursts_for(120, 15.0) == 1800
+    assert bursts_for(1.5, 15.0) == 23
+    assert bursts_for(0.01, 15.0) == 1
 
 
 def test_processes_are_found_by_the_run_folder_in_their_command_line(tmp_path: Path):

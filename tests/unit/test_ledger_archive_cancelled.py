@@ -53,3 +53,32 @@ def test_archived_cancellations_stay_counted_across_a_failover():
 def test_a_summary_stored_before_the_count_existed_reads_as_none_cancelled():
     raw = b'{"through": 1, "bursts": 1, "tasks": 2, "executions": 4, "by_status": {}}'
     assert ArchiveSummary.from_json(raw).cancelled_groups == 0
+
+
+def test_archiving_folds_cancelled_groups_into_the_count_and_bounds_the_dict():
+    """The leader's ``cancelled_groups`` used to keep every cancelled group of the run (it
+    grew for the life of the process); an archived burst's groups now live on as the
+    summary's count only. The gate's count is the same on this leader and on a successor
+    rebuilt from etcd, and so is the dict (live bursts only)."""
+    ledger = Ledger()
+    live_peak = 0
+    for _ in range(50):
+        b = _burst(ledger)
+        _cancel_group(ledger, b, 0)
+        _cancel_group(ledger, b, 1)
+        live_peak = max(live_peak, len(ledger.cancelled_groups))
+        while (burst := ledger.archivable()) is not None:
+            ledger.apply_archive(ledger.plan_archive(burst))
+    assert ledger.groups_cancelled == 100
+    assert ledger.archived.cancelled_groups == 98  # the newest burst is never archived
+    assert set(ledger.cancelled_groups) == {f"b{b}-t0", f"b{b}-t1"}
+    assert live_peak <= 4
+
+    successor = Ledger()
+    successor.archived = ArchiveSummary.from_json(ledger.archived.to_json())
+    for burst in ledger.bursts.values():
+        successor.apply_burst(burst)
+    for rec in ledger.records.values():
+        successor.load(rec, deadline_s=100.0)
+    assert successor.groups_cancelled == ledger.groups_cancelled == 100
+    assert successor.cancelled_groups == ledger.cancelled_groups

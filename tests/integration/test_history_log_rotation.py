@@ -1,0 +1,92 @@
+"""Rotation with real processes (real etcd, real gRPC): a packer whose history and log rotate
+every few kilobytes, SIGKILLed mid-batch and restarted (a second writer appending to the
+rotated history), writes a history that the checker reads whole across its segments and
+finds clean, with every finish report and every acknowledged micro-step in it; its log is
+rotated within ``log_keep`` files."""
+
+from __future__ import annotations
+
+import asyncio
+
+from apps.checker import check_files
+from apps.procs import ServiceProcess
+from gyre.history import read, segments
+from gyre.v1 import packer_pb2
+from tests.fault.test_packer_restart import CLAIMED, CLOSED, Reconnecting
+from tests.support import packer_kit as tk
+
+
+async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(
+    tmp_path, etcd_server, cluster_name
+):
+    hist, log = tmp_path / "history" / "packer.jsonl", tmp_path / "packer.log"
+    hist.parent.mkdir()
+    path = tk.write_config(
+        tmp_path,
+        etcd_server,
+        cluster_name,
+        batch_size=6,
+        history_file=str(hist),
+        history_max_bytes=1200,
+        log_level="DEBUG",
+        log_max_bytes=600,
+        log_keep=2,
+    )
+    proc = ServiceProcess("packer", path, log_path=log).start()
+    client = Reconnecting(proc)
+    sent = 0
+    try:
+
+        async def feeder():
+            nonlocal sent
+            for g in range(6):
+                for k in range(2):
+                    x = f"g{g}-x{k}"
+                    for i in range(3):
+                        await client.call("RecordTurn", tk.turn_proto(x, f"g{g}", i, prompt=5, output=3 + k))
+                        sent += 1
+                    await client.call("ReportFinish", tk.finish_proto(x, f"g{g}", 2, reward=float(k)))
+
+        feeding = asyncio.create_task(feeder())
+        while sent < 18:
+            await asyncio.sleep(0.005)
+        proc.kill()  # SIGKILL mid-batch
+        proc.target = ""
+        proc2 = ServiceProcess("packer", path, log_path=log).start()
+        proc.target = proc2.target
+        await feeding
+        acked = []
+        while True:
+            r = await client.call(
+                "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="worker", batch_id=1, wait_s=2.0)
+            )
+            if r.outcome == CLOSED:
+                break
+            if r.outcome != CLAIMED:
+                continue
+            await client.call(
+                "AckMicroStep",
+                packer_pb2.AckMicroStepRequest(
+                    cell_id="worker", batch_id=1, micro_step_id=r.micro_step.micro_step_id
+                ),
+            )
+            acked.append(r.micro_step.micro_step_id)
+        proc2.kill()
+    finally:
+        await client.close()
+        proc.kill()
+
+    segs = segments(hist)
+    assert len(segs) >= 2, [p.name for _, p in segs]  # rotated, none deleted (history_keep 0)
+    assert [n for n, _ in segs] == list(range(1, len(segs) + 1))
+    ops = read(hist)
+    assert sum(1 for op in ops if op["op"] == "start") == 2  # both incarnations
+    finished = {op["execution_id"] for op in ops if op["op"] == "finish"}
+    assert finished == {f"g{g}-x{k}" for g in range(6) for k in range(2)}
+    assert {op["ms"] for op in ops if op["op"] == "ack"} == set(acked) and acked
+    verdict = check_files([hist])
+    assert verdict.ok, verdict.violations
+    assert verdict.pruned == [] and verdict.counts["finishes"] == 12
+    logs = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("packer.log"))
+    assert logs == ["packer.log", "packer.log.1", "packer.log.2"]  # log_keep = 2
+    assert all((tmp_path / name).stat().st_size <= 600 for name in logs)
