@@ -830,3 +830,52 @@ def test_gyre_moves_no_cell_whose_executions_have_nowhere_to_go():
     room = _cells([R, R, R, R], slots=8, loads=[5, 8, 8, 3])
     acts = GyrePolicy().decide(_snap(room, half))
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c0"]
+
+
+def _heavy_pipeline(open_executions: int, **kw: Any) -> Pipeline:
+    """A heavy trainer (B64's shape at eta = 1): batches of 20 groups of 5e4 tokens arriving
+    at 0.05 groups/s, 1,000 tokens/s per training cell: a rate target above 1."""
+    base: dict[str, Any] = {
+        "max_staleness": 1,
+        "group_size": 4,
+        "batch_groups": 20,
+        "train_rate_per_cell": 1000.0,
+        "ready_rate": 0.05,
+        "tokens_per_group": 5e4,
+        "versions": (
+            VersionCounts(
+                1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
+            ),
+        ),
+        "published_version": 1,
+    }
+    return Pipeline(**{**base, **kw})
+
+
+def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_when_idle():
+    # B64 (seed 1): while the batch's last executions decode, W_eta leaves most rollout cells
+    # empty while ready groups pile up; the rate rule (horizon 300 s) kept 5-15 of them idle.
+    # Lending them at any rate target (empty ones, worth lend_min_s): B64 2,485 -> 2,349 s,
+    # B64 at eta 0 3,504 -> 3,287 s. Here: rate target 5, W_eta 12 needs 2 of 10 cells.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    busy = _heavy_pipeline(12, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5)
+    acts = GyrePolicy().decide(_snap(_cells([T] * 5 + [R] * 5), busy))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c5"], acts
+    # Not a busy cell (its executions would be rerouted for a move the rate rule did not ask).
+    acts = GyrePolicy().decide(_snap(_cells([T] * 5 + [R] * 5, loads=[0] * 5 + [3, 0, 0, 0, 0]), busy))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    # Without breathing the rate rule alone: the cells stay in rollout.
+    acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T] * 5 + [R] * 5), busy))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    # Saturated rollout (W_eta 90 leaves only 1 cell beyond the rate target's 5): nothing lent,
+    # so the saturated share is not undone (B64 at eta 4 lost 6% when lending refilled it).
+    full = _heavy_pipeline(90, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5)
+    acts = GyrePolicy().decide(_snap(_cells([T] * 5 + [R] * 5), full))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    # Nothing left to claim: a cell beyond the rate target (3 here, its band 1) goes back at
+    # once, where the hysteresis band alone would have kept it idle in training.
+    idle = _heavy_pipeline(12)
+    acts = GyrePolicy().decide(_snap(_cells([T] * 4 + [R] * 6), idle))
+    assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c3"], acts
+    acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T] * 4 + [R] * 6), idle))
+    assert not [a for a in acts if isinstance(a, ReturnToRollout)]

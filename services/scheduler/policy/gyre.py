@@ -70,31 +70,32 @@ Invariant (tested with hypothesis): a move to training never leaves rollout capa
 leaves only to breathe; the training set is a prefix of the elastic cells; at most one move to training
 is in flight; no dispatch exceeds the gate.
 
-Breathing (``breathe``, on by default). The rate rule answers 1 for a light trainer (one cell
-keeps up with the arrivals: the demo's batches train in seconds, every 10-40 s), and the core
-then sat in training between batches while committed work waited for slots. Only when the
-rate target is 1 and a training rate has been measured:
+Breathing (``breathe``, on by default), once a training rate has been measured:
 
-* the core rolls out while the trainer has nothing to do (no batch in progress, fewer than
-  ``breathe_in`` x B groups ready) and W_eta exceeds what rollout holds without it by
-  ``breathe_out`` of its slots; it comes back once ``breathe_in`` x B groups are ready,
-  even if W_eta is not covered then (the trainer is the pipeline's next step: the gate
-  waits for its version). W_eta counts the decision's own dispatch, so at a publication
-  the core leaves before the control loop joins it to the next batch;
-* while there is work a joining cell could claim (ready groups, or a batch in progress
-  waiting for its stragglers' groups; not the optimizer step alone) worth ``lend_min_s``
-  of training to it, and W_eta is above 0, every cell W_eta leaves idle is lent to
-  training, but only once it is empty: PlanMoves keeps new work off it meanwhile.
-  Lending busy cells rerouted their executions and cost A64 4% and B64 at eta = 0 2% in
-  the simulator; lending empty ones costs A64 0.6% and leaves B64 at eta = 0
-  unchanged (seed 1). A lent cell goes back as soon as W_eta exceeds the rollout capacity
-  (no hysteresis: it was there only because rollout could spare it) and stays while rollout
-  could not use it (it flapped out and in as ready groups came and were claimed).
-
-Above a rate target of 1 the trainer's work is continuous and the rate rule alone sizes the
-prefix: the first version, which lent busy cells at any rate target, sent cells to training at every dip of W_eta and
-back, and B64 at eta = 0 took 17,188 s instead of 3,659 s (1,140 switches instead of 164;
-docs/history.md).
+* Lending, at any rate target: while there is work a joining cell could claim (ready groups,
+  or a batch in progress waiting for its stragglers' groups; not the optimizer step alone)
+  worth ``lend_min_s`` of training to it, and W_eta is above 0, every cell W_eta leaves idle
+  beyond the rate target is lent to training, but only once it is empty: PlanMoves keeps new
+  work off it meanwhile. Not while rollout is saturated (W_eta leaves no cell beyond the
+  rate target: lending would undo the saturated share; B64 at eta 4 lost 6% when it did).
+  For a light trainer (rate target 1) a lent cell goes back as soon as W_eta exceeds the
+  rollout capacity (no hysteresis: it was there only because rollout could spare it) and
+  stays while rollout could not use it (it flapped out and in as ready groups came and were
+  claimed). Above, a cell beyond the rate target goes back once nothing is left to claim;
+  W_eta's jumps are the rate rule's and its band's to answer. Measured (seed 1): the rate
+  rule alone kept 5-15 empty rollout cells idle while ready groups piled up at the end of
+  each batch; lending ran B64 2,485 -> 2,349 s and B64 at eta 0 3,504 -> 3,287 s (seed 2:
+  2,549 -> 2,351 and 3,537 -> 3,314), A64 8,865 -> 8,640 s and 8,717 -> 8,712, B64 at eta 2
+  2,047 -> 2,033 and at eta 4 1,787 -> 1,810 s. Lending busy cells rerouted their
+  executions: at any rate target B64 at eta 0 took 17,188 s instead of 3,659 s (1,140
+  switches instead of 164; docs/history.md); for a light trainer it cost A64 4%.
+* The core, for a light trainer only, rolls out while the trainer has nothing to do (no
+  batch in progress, fewer than ``breathe_in`` x B groups ready) and W_eta exceeds what
+  rollout holds without it by ``breathe_out`` of its slots; it comes back once
+  ``breathe_in`` x B groups are ready, even if W_eta is not covered then (the trainer is the
+  pipeline's next step: the gate waits for its version). W_eta counts the decision's own
+  dispatch, so at a publication the core leaves before the control loop joins it to the
+  next batch. Above a rate target of 1 the core's work is continuous.
 
 No cell moves to training while its executions have no free slots on the other rollout
 cells: the live drain calls such a move off (the simulator let them wait homeless, which
@@ -256,23 +257,24 @@ class GyrePolicy:
             # Rollout saturated: W_eta would not fit the cells the target leaves to rollout.
             keep = max(1, round(keep * share))
             why += f"; rollout saturated (W_eta {w} > the slots the target leaves): x{share:g}"
+        if self.lends(p) and claimable_work(p) and t_max > band and w > 0 and self.worth_lending(p, elastic):
+            # Breathing in: the cells W_eta leaves idle train instead (rollout has no work for
+            # them; the streaming batch takes them at once). ``keep`` stays the rate target:
+            # lent cells go back as soon as rollout needs their slots again. Not once W_eta
+            # is 0: every group the window needs is in, the batch steps soon and its
+            # publication's dispatch would send a lent cell straight back (seen in the demo:
+            # lent and returned within 0.6 s).
+            return (
+                t_max,
+                keep,
+                band,
+                f"{why}; {t_max - keep} spare cell(s) lent: W_eta {w} leaves them idle",
+            )
         if self.breathing(p, band):
-            # Breathing is for a light trainer (one cell keeps up with the arrivals): its work
-            # comes a batch at a time and is short, and the rate rule would park the core on
-            # it between batches. Above that the rate rule sizes the prefix (see the docstring).
-            if claimable_work(p) and t_max > keep and w > 0 and self.worth_lending(p, elastic):
-                # Breathing in: the cells W_eta leaves idle train instead (rollout has no work
-                # for them; the streaming batch takes them at once). ``keep`` stays the rate
-                # target: lent cells go back as soon as rollout needs their slots again. Not
-                # once W_eta is 0: every group the window needs is in, the batch steps in
-                # moments (one cell keeps up) and its publication's dispatch sends a lent cell
-                # straight back (seen in the demo: lent and returned within 0.6 s).
-                return (
-                    t_max,
-                    keep,
-                    band,
-                    f"{why}; {t_max - keep} spare cell(s) lent: W_eta {w} leaves them idle",
-                )
+            # The core breathes for a light trainer only (one cell keeps up with the
+            # arrivals): its work comes a batch at a time and is short, and the rate rule
+            # would park the core on it between batches. Above that the rate rule sizes the
+            # prefix and the core's work is continuous.
             if self.core_may_leave(s, elastic, w):
                 return (
                     0,
@@ -291,6 +293,11 @@ class GyrePolicy:
         claimable = (0.0 if p.optimizing else p.backlog_tokens) + p.ready_tokens
         cells = len(training_set(elastic)) + 1
         return claimable / (cells * p.train_rate_per_cell) >= self.config.lend_min_s
+
+    def lends(self, p: Pipeline) -> bool:
+        """Spare cells may be lent: breathing on and a training rate measured (at any rate
+        target: empty cells only, priced by ``lend_min_s``; see the module docstring)."""
+        return self.config.breathe and p.train_rate_per_cell > 0
 
     def breathing(self, p: Pipeline, band: int) -> bool:
         """Breathing applies: on, a training rate measured, and one cell keeps up with the
@@ -429,29 +436,37 @@ class GyrePolicy:
             return [
                 ReturnToRollout(prefix[0].cell_id, f"returned core {prefix[0].cell_id} to rollout: {why}")
             ]
-        lent = [c for c in prefix[max(1, keep) :] if c.state is CellState.TRAINING]
         assert s.pipeline is not None
-        if self.breathing(s.pipeline, band) and lent and t > target and w > capacity(s.cells):
+        lending = self.lends(s.pipeline)
+        light = self.breathing(s.pipeline, band)
+        h = max(1, math.ceil(self.config.hysteresis * band)) if self.config.keep else 0
+        # Lent: beyond the rate target before the saturated share (for a light trainer, every
+        # cell but the core).
+        lent = [c for c in prefix[max(1, band) :] if c.state is CellState.TRAINING]
+        needed = w > capacity(s.cells)
+        idle = not claimable_work(s.pipeline)
+        if lending and lent and t > target and ((light and needed) or (not light and idle and not needed)):
             if lent[-1] is not prefix[-1]:
                 return [
                     Hold(f"waiting: {prefix[-1].cell_id} is {prefix[-1].state.value}", prefix[-1].cell_id)
                 ]
             # A lent cell (beyond the rate target) goes back once rollout's committed work
             # exceeds its slots again (at the next publication W_eta rises by a batch): no
-            # hysteresis, it was only ever there because rollout could spare it.
+            # hysteresis, it was only ever there because rollout could spare it. Above a rate
+            # target of 1 a cell beyond the target goes back once nothing is left to claim
+            # (W_eta's jumps are the rate rule's and its band's to answer: returning at each
+            # jump flapped cells as saturation came and went, B64 at eta 4); kept idle in
+            # training by the band instead, B64 (seed 1) ran 4% slower and at eta 0 5%.
             c = lent[-1]
-            return [
-                ReturnToRollout(
-                    c.cell_id,
-                    f"returned lent {c.cell_id} to rollout: W_eta {w} > capacity {capacity(s.cells)}",
-                )
-            ]
-        if self.breathing(s.pipeline, band) and w <= capacity(s.cells):
+            why_back = f"W_eta {w} > capacity {capacity(s.cells)}" if needed else "nothing left to claim"
+            return [ReturnToRollout(c.cell_id, f"returned lent {c.cell_id} to rollout: {why_back}")]
+        if light and w <= capacity(s.cells):
             # Breathing: rollout could not use a returned cell (its committed work fits the
             # slots it has); a lent cell stays for the next batch instead of flapping out and
             # in as ready groups come and are claimed (seen in the demo: 4 moves in a second).
             return []
-        h = max(1, math.ceil(self.config.hysteresis * band)) if self.config.keep else 0
+        if lending and t <= target:
+            return []  # lent cells: the lending target, not the hysteresis band, holds them
         if t > keep + h:
             last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]
             if last and last[-1] is not prefix[-1]:
