@@ -86,11 +86,13 @@ def _moves(summaries: list[dict[str, Any]]) -> str:
     ]
     if not any(back or joins for _, back, joins in moves):
         return "No cell returned to rollout in any run, and no satellite joined a batch."
+    each_way = sum(1 for to, back, _ in moves if to >= 3 and back >= 3)
     met = sum(1 for to, back, joins in moves if to >= 3 and back >= 3 and joins >= 2)
     return (
         f"Cells moved to training {sum(m[0] for m in moves)} times and back "
         f"{sum(m[1] for m in moves)} times over the runs, with {sum(m[2] for m in moves)} satellite "
-        f"joins; {met} of {n} runs moved cells at least 3 times each way with at least 2 joins."
+        f"joins; {each_way} of {n} runs moved cells at least 3 times each way, "
+        f"{met} of {n} at least 3 times each way with at least 2 joins."
     )
 
 

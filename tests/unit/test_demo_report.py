@@ -51,7 +51,10 @@ def test_the_readme_block_is_replaced_with_a_row_per_run(tmp_path: Path):
     assert "| v0 0.33 [0.25, 0.41] | v11 0.91 [0.85, 0.96] | yes |" in body
     assert "| v11 0.45 [0.38, 0.52] | no |" in body
     assert "in 1 of 2 runs" in body and "moved to training 2 times and back 3 times" in body
-    assert "0 of 2 runs moved cells at least 3 times each way with at least 2 joins" in body
+    assert (
+        "0 of 2 runs moved cells at least 3 times each way, 0 of 2 at least 3 times each way with at least 2 joins"
+        in body
+    )
     # A second run replaces the block, not the text around it.
     (tmp_path / "again").mkdir()
     main([*_runs(tmp_path / "again", [learned]), "--readme", str(readme)])
@@ -65,7 +68,11 @@ def test_the_readme_block_is_replaced_with_a_row_per_run(tmp_path: Path):
     moving = {**_summary((0.33, 0.25, 0.41), (0.91, 0.85, 0.96), back=4), "transitions_to_training": 5}
     (tmp_path / "moving").mkdir()
     main([*_runs(tmp_path / "moving", [{**moving, "satellite_joins": 2}]), "--readme", str(readme)])
-    assert "1 of 1 runs moved cells at least 3 times each way" in readme.read_text()
+    assert "1 of 1 runs moved cells at least 3 times each way, 1 of 1 at least" in readme.read_text()
+    # Without joins the moves each way are still counted.
+    (tmp_path / "no-joins").mkdir()
+    main([*_runs(tmp_path / "no-joins", [moving]), "--readme", str(readme)])
+    assert "1 of 1 runs moved cells at least 3 times each way, 0 of 1 at least" in readme.read_text()
 
 
 def test_a_readme_without_a_block_is_an_error(tmp_path: Path):
