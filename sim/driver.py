@@ -117,6 +117,10 @@ class Driver:
         self.quota = self.groups_per_burst * self.profile.group_size
         self.extra_groups = self.groups_per_burst - bg
         self.show_tail = self.spec.name == "gyre" and pp.gyre_migrate
+        cc = self.cfg.cost
+        self._switch_s = cc.switch_to_train_s + cc.weight_sync_s + cc.switch_to_rollout_s
+        """The switch round trip the live scheduler measures (Pipeline.switch_s): here its
+        cost exactly (a satellite pulls the core's weights on the way in)."""
         self.burst: P.BurstView | None = None
         self.next_task = 0
         self.update_times: list[float] = []
@@ -237,6 +241,7 @@ class Driver:
             train_rate_per_cell=tr.per_cell_rate,
             ready_rate=rate,
             tokens_per_group=per_group,
+            switch_s=self._switch_s,
             versions=versions,
             planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
         )

@@ -268,6 +268,7 @@ class ControlLoop:
             train_rate_per_cell=rates.train_rate_per_cell,
             ready_rate=rates.ready_rate,
             tokens_per_group=rates.tokens_per_group,
+            switch_s=self.transitions.switch_times.round_trip_s,
             versions=versions,
             planned=self.fleet.planned,
         )

@@ -20,6 +20,7 @@ from the top. Every command carries the fencing epoch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -42,6 +43,29 @@ from services.scheduler.supply import SupplyFollower
 from services.scheduler.telemetry import Changes, Telemetry
 
 log = logging.getLogger(__name__)
+
+
+class SwitchTimes:
+    """The recent durations of completed moves, per direction: a round trip is what a move
+    costs the cell (drain and switch to training, switch back and wake)."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._times: dict[CellState, collections.deque[float]] = {
+            CellState.TRAINING: collections.deque(maxlen=keep),
+            CellState.ROLLOUT: collections.deque(maxlen=keep),
+        }
+
+    def record(self, target: CellState, seconds: float) -> None:
+        if target in self._times and seconds >= 0:
+            self._times[target].append(seconds)
+
+    @property
+    def round_trip_s(self) -> float:
+        """Mean to-training plus mean to-rollout seconds; 0 until both were measured."""
+        there, back = self._times[CellState.TRAINING], self._times[CellState.ROLLOUT]
+        if not there or not back:
+            return 0.0
+        return sum(there) / len(there) + sum(back) / len(back)
 
 
 class TransitionRunner:
@@ -82,6 +106,9 @@ class TransitionRunner:
         self._joins: dict[str, asyncio.Task[None]] = {}
         self._joined: set[str] = set()
         """Cells whose JoinBatch succeeded in this leader term."""
+        self.switch_times = SwitchTimes()
+        """Durations of the moves that completed, per direction (the policy prices moves by
+        them)."""
 
     def running(self, cell_id: str) -> bool:
         t = self._tasks.get(cell_id)
@@ -160,7 +187,7 @@ class TransitionRunner:
     # The runs -----------------------------------------------------------------------------
 
     async def _run(self, cell_id: str, target: CellState, reason: str) -> None:
-        lead = self.lead
+        lead, started = self.lead, self.clock()
         try:
             await lead.fenced(
                 lead.store.put_transition(
@@ -173,6 +200,8 @@ class TransitionRunner:
             else:
                 await self._to_rollout(cell_id)
             failpoint("scheduler.transition.done")  # every step taken, the record still there
+            if self.fleet.cells.overlay.get(cell_id) is target:  # not called off
+                self.switch_times.record(target, self.clock() - started)
             await lead.fenced(lead.store.delete_transition(cell_id))
         except StaleEpoch as exc:
             lead.mark_deposed(exc)

@@ -861,6 +861,14 @@ def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_w
     busy = _heavy_pipeline(12, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5)
     acts = GyrePolicy().decide(_snap(_cells([T] * 5 + [R] * 5), busy))
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c5"], acts
+    # Priced by the measured switch round trip when it is longer than lend_min_s: the 6e5
+    # claimable tokens are 100 s of training for a sixth cell, not worth a 120 s round trip.
+    slow = Pipeline(**{**busy.__dict__, "switch_s": 120.0})
+    assert not [
+        a
+        for a in GyrePolicy().decide(_snap(_cells([T] * 5 + [R] * 5), slow))
+        if isinstance(a, MoveToTraining)
+    ]
     # Not a busy cell (its executions would be rerouted for a move the rate rule did not ask).
     acts = GyrePolicy().decide(_snap(_cells([T] * 5 + [R] * 5, loads=[0] * 5 + [3, 0, 0, 0, 0]), busy))
     assert not [a for a in acts if isinstance(a, MoveToTraining)]

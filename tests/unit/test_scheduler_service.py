@@ -829,3 +829,33 @@ async def test_a_core_returned_at_a_publication_is_not_joined_to_the_next_batch(
     await asyncio.sleep(0.05)
     assert peers.commands("join_batch") == []
     assert s.cells.state("core") is CellState.ROLLOUT
+
+
+def test_switch_times_give_a_round_trip_once_both_directions_were_measured():
+    from services.scheduler.transitions import SwitchTimes
+
+    t = SwitchTimes(keep=2)
+    assert t.round_trip_s == 0.0
+    t.record(CellState.TRAINING, 4.0)
+    assert t.round_trip_s == 0.0  # no return measured yet
+    t.record(CellState.ROLLOUT, 2.0)
+    assert t.round_trip_s == 6.0
+    for s in (10.0, 20.0):  # the newest two are kept
+        t.record(CellState.TRAINING, s)
+    t.record(CellState.DRAINING, 99.0)  # not a move's target: ignored
+    assert t.round_trip_s == 17.0
+
+
+async def test_a_completed_move_is_timed_and_the_policy_sees_the_round_trip():
+    s, store, peers, clock = make(
+        policy="gyre", max_staleness=1, cells=[("core", "elastic", 0, 4), ("sa", "standalone", -1, 16)]
+    )
+    await lead(s, store)
+    s.transitions.start("core", CellState.TRAINING, "test")
+    await settle(s)
+    s.transitions.start("core", CellState.ROLLOUT, "test")
+    await settle(s)
+    times = s.transitions.switch_times
+    assert len(times._times[CellState.TRAINING]) == 1 and len(times._times[CellState.ROLLOUT]) == 1
+    snap = s.control.snapshot()
+    assert snap.pipeline is not None and snap.pipeline.switch_s == times.round_trip_s

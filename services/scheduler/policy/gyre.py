@@ -175,8 +175,9 @@ class GyreConfig:
     even when rollout could use its slots (the trainer is then the pipeline's next step)."""
     lend_min_s: float = 5.0
     """Training a lent cell must find, in seconds at the measured rate (the claimable tokens
-    shared with the cells already training): about a switch each way (the simulator's 2 +
-    1.5 s, a vLLM-CPU cell's 1-3 s); below it a join only moves the cell there and back."""
+    shared with the cells already training), at least: below it a join only moves the cell
+    there and back. The bar is the measured switch round trip (``Pipeline.switch_s``) when that
+    is longer (the simulator's costs x5: 17.5 s)."""
     breathe_out: float = 0.5
     """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
     core to rollout: a switch each way is not worth two waiting executions."""
@@ -287,12 +288,12 @@ class GyrePolicy:
         return keep, keep, band, why
 
     def worth_lending(self, p: Pipeline, elastic: list[CellView]) -> bool:
-        """A lent cell would find at least ``lend_min_s`` of training: the claimable tokens
-        (the batch's backlog and the ready groups), shared with the cells training now and
-        it, at the measured rate per cell."""
+        """A lent cell would find at least ``lend_min_s`` of training, or the measured switch
+        round trip if longer: the claimable tokens (the batch's backlog and the ready groups),
+        shared with the cells training now and it, at the measured rate per cell."""
         claimable = (0.0 if p.optimizing else p.backlog_tokens) + p.ready_tokens
         cells = len(training_set(elastic)) + 1
-        return claimable / (cells * p.train_rate_per_cell) >= self.config.lend_min_s
+        return claimable / (cells * p.train_rate_per_cell) >= max(self.config.lend_min_s, p.switch_s)
 
     def lends(self, p: Pipeline) -> bool:
         """Spare cells may be lent: breathing on and a training rate measured (at any rate

@@ -188,6 +188,9 @@ class Pipeline:
     """Recent arrival rate of ready groups, groups/s."""
     tokens_per_group: float = 0.0
     """Recent mean training tokens per ready group."""
+    switch_s: float = 0.0
+    """Measured seconds of a role switch round trip (to training and back, the recent mean of
+    each direction); 0: not measured yet."""
     versions: tuple[VersionCounts, ...] = ()
     planned: tuple[str, ...] = ()
     """Cells the last :class:`~.actions.PlanMoves` named (placement avoids them)."""
