@@ -177,7 +177,7 @@ class GyreConfig:
     """Training a lent cell must find, in seconds at the measured rate (the claimable tokens
     shared with the cells already training), at least: below it a join only moves the cell
     there and back. The bar is the measured switch round trip (``Pipeline.switch_s``) when that
-    is longer (the simulator's costs x5: 17.5 s)."""
+    is longer (the simulator's costs x5: 18 s)."""
     breathe_out: float = 0.5
     """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
     core to rollout: a switch each way is not worth two waiting executions."""
