@@ -12,45 +12,12 @@ import subprocess
 import sys
 import time
 
-import grpc
-
 from apps.procs import ROOT, ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from tests.support import packer_kit as tk
+from tests.support.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
 from tests.tls import RoleStubs
-
-CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
-CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
-
-
-class Reconnecting:
-    """A packer stub that follows the packer across restarts (its port changes)."""
-
-    def __init__(self, proc: ServiceProcess) -> None:
-        self.proc = proc
-        self._target = ""
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: packer_pb2_grpc.PackerStub | None = None
-
-    async def call(self, method: str, request, timeout: float = 5.0):
-        while True:
-            if self._target != self.proc.target:
-                if self._channel is not None:
-                    await self._channel.close()
-                self._target = self.proc.target
-                self._stub = RoleStubs(self._target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
-                self._channel = self._stub
-            try:
-                return await getattr(self._stub, method)(request, timeout=timeout)
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                await asyncio.sleep(0.1)  # the packer is down: retry (every call is idempotent)
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
 
 
 async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, cluster_name):
@@ -67,35 +34,22 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
     )
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     client = Reconnecting(proc)
-    sent = 0
+    feeder = SixGroups(client)
     try:
-
-        async def feeder():
-            nonlocal sent
-            for g in range(6):
-                for k in range(2):
-                    x = f"g{g}-x{k}"
-                    for i in range(3):
-                        await client.call("RecordTurn", tk.turn_proto(x, f"g{g}", i, prompt=5, output=3 + k))
-                        sent += 1
-                    await client.call("ReportFinish", tk.finish_proto(x, f"g{g}", 2, reward=float(k)))
-
-        feeding = asyncio.create_task(feeder())
-        while sent < 12:
-            await asyncio.sleep(0.01)
+        feeding = asyncio.create_task(feeder.run())
+        await feeder.until(12, poll_s=0.01)
         held = await client.call(
             "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="holder", batch_id=1, wait_s=5.0)
         )
         assert held.outcome == CLAIMED
-        while sent < 20:
-            await asyncio.sleep(0.005)
+        await feeder.until(20)
         proc.kill()  # SIGKILL mid-batch, records in flight
-        killed_at = sent
+        killed_at = feeder.sent
         proc.target = ""
         proc2 = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
         proc.target = proc2.target  # the client follows
         await feeding
-        assert sent == 36 and killed_at < 36
+        assert feeder.sent == 36 and killed_at < 36
 
         trained = [(s.execution_id, s.turn_index) for s in held.micro_step.sequences]
         seen_ids = set()

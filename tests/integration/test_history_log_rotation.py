@@ -12,8 +12,8 @@ from apps.checker import check_files
 from apps.procs import ServiceProcess
 from gyre.history import read, segments
 from gyre.v1 import packer_pb2
-from tests.fault.test_packer_restart import CLAIMED, CLOSED, Reconnecting
 from tests.support import packer_kit as tk
+from tests.support.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
 
 
 async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(
@@ -34,22 +34,10 @@ async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(
     )
     proc = ServiceProcess("packer", path, log_path=log).start()
     client = Reconnecting(proc)
-    sent = 0
+    feeder = SixGroups(client)
     try:
-
-        async def feeder():
-            nonlocal sent
-            for g in range(6):
-                for k in range(2):
-                    x = f"g{g}-x{k}"
-                    for i in range(3):
-                        await client.call("RecordTurn", tk.turn_proto(x, f"g{g}", i, prompt=5, output=3 + k))
-                        sent += 1
-                    await client.call("ReportFinish", tk.finish_proto(x, f"g{g}", 2, reward=float(k)))
-
-        feeding = asyncio.create_task(feeder())
-        while sent < 18:
-            await asyncio.sleep(0.005)
+        feeding = asyncio.create_task(feeder.run())
+        await feeder.until(18)
         proc.kill()  # SIGKILL mid-batch
         proc.target = ""
         proc2 = ServiceProcess("packer", path, log_path=log).start()

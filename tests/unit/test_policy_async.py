@@ -488,13 +488,17 @@ def test_gyre_does_not_return_cells_when_w_eta_jumps_past_the_capacity():
 def _demo_pipeline(open_executions: int, **kw: Any) -> Pipeline:
     """The demo's shape: eta = 1, batches of 4 groups of 4, one cell trains faster than
     groups arrive (rate target 1), ``open_executions`` dispatched and running at v1."""
+    return _eta1_pipeline(open_executions, batch_groups=4, tokens_per_group=1000.0, **kw)
+
+
+def _eta1_pipeline(open_executions: int, **kw: Any) -> Pipeline:
+    """eta = 1, groups of 4, 1,000 tokens/s per training cell, ready groups arriving at 0.05/s,
+    ``open_executions`` dispatched and running at v1; ``kw`` sets or overrides the rest."""
     base: dict[str, Any] = {
         "max_staleness": 1,
         "group_size": 4,
-        "batch_groups": 4,
         "train_rate_per_cell": 1000.0,
         "ready_rate": 0.05,
-        "tokens_per_group": 1000.0,
         "versions": (
             VersionCounts(
                 1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
@@ -835,21 +839,7 @@ def test_gyre_moves_no_cell_whose_executions_have_nowhere_to_go():
 def _heavy_pipeline(open_executions: int, **kw: Any) -> Pipeline:
     """A heavy trainer (B64's shape at eta = 1): batches of 20 groups of 5e4 tokens arriving
     at 0.05 groups/s, 1,000 tokens/s per training cell: a rate target above 1."""
-    base: dict[str, Any] = {
-        "max_staleness": 1,
-        "group_size": 4,
-        "batch_groups": 20,
-        "train_rate_per_cell": 1000.0,
-        "ready_rate": 0.05,
-        "tokens_per_group": 5e4,
-        "versions": (
-            VersionCounts(
-                1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
-            ),
-        ),
-        "published_version": 1,
-    }
-    return Pipeline(**{**base, **kw})
+    return _eta1_pipeline(open_executions, batch_groups=20, tokens_per_group=5e4, **kw)
 
 
 def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_when_idle():

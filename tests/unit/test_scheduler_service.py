@@ -770,19 +770,23 @@ async def test_cancel_early_rule_cancels_groups_no_batch_within_eta_can_take():
     s.ledger.check_invariants()
 
 
+def _core_training(s: Scheduler, peers: RecordingPeers) -> None:
+    """The core TRAINING, the satellite and the standalone cell in rollout, batch 2 open."""
+    s.on_cell_states(
+        {
+            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": state}).encode())
+            for cid, state in (("core", "TRAINING"), ("sat1", "ROLLOUT"), ("sa", "ROLLOUT"))
+        }
+    )
+    peers.batch_id = 2
+
+
 async def test_continuous_policy_rejoins_training_cells_after_each_update():
     """No burst end with continuous dispatch: after each published version every cell still
     training joins the next batch (once, however many ticks see the version)."""
     s, store, peers, _ = make(policy="gyre", max_staleness=1)
     await lead(s, store)
-    s.on_cell_states(
-        {
-            b"/s/core": KV(b"/s/core", json.dumps({"state": "TRAINING"}).encode()),
-            b"/s/sat1": KV(b"/s/sat1", json.dumps({"state": "ROLLOUT"}).encode()),
-            b"/s/sa": KV(b"/s/sa", json.dumps({"state": "ROLLOUT"}).encode()),
-        }
-    )
-    peers.batch_id = 2
+    _core_training(s, peers)
     s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
     for _ in range(3):
         await s.reconcile_once()
@@ -804,14 +808,7 @@ async def test_a_core_returned_at_a_publication_is_not_joined_to_the_next_batch(
 
     s, store, peers, _ = make(policy="gyre", max_staleness=1)
     await lead(s, store)
-    s.on_cell_states(
-        {
-            b"/s/core": KV(b"/s/core", json.dumps({"state": "TRAINING"}).encode()),
-            b"/s/sat1": KV(b"/s/sat1", json.dumps({"state": "ROLLOUT"}).encode()),
-            b"/s/sa": KV(b"/s/sa", json.dumps({"state": "ROLLOUT"}).encode()),
-        }
-    )
-    peers.batch_id = 2
+    _core_training(s, peers)
 
     class BreatheOut:
         name = "breathe-out"

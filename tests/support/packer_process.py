@@ -1,0 +1,69 @@
+"""A packer run as a real process in a test: a client that follows it across restarts, and
+the feeder that records six groups' turns and finishes through it while a test kills it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from apps.procs import ServiceProcess
+from gyre.v1 import packer_pb2, packer_pb2_grpc
+from services.packer.servicer import PackerServicer
+from tests.support import packer_kit as tk
+from tests.tls import RoleStubs
+
+CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
+CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
+
+
+class Reconnecting:
+    """A packer stub that follows the packer across restarts (its port changes)."""
+
+    def __init__(self, proc: ServiceProcess) -> None:
+        self.proc = proc
+        self._target = ""
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: packer_pb2_grpc.PackerStub | None = None
+
+    async def call(self, method: str, request, timeout: float = 5.0):
+        while True:
+            if self._target != self.proc.target:
+                if self._channel is not None:
+                    await self._channel.close()
+                self._target = self.proc.target
+                self._stub = RoleStubs(self._target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
+                self._channel = self._stub
+            try:
+                return await getattr(self._stub, method)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                await asyncio.sleep(0.1)  # the packer is down: retry (every call is idempotent)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class SixGroups:
+    """Records 6 groups of 2 executions (3 turns each, then the execution's finish) through
+    ``client``, one call at a time; ``sent`` counts the turns recorded so far (36 in all)."""
+
+    def __init__(self, client: Reconnecting) -> None:
+        self.client = client
+        self.sent = 0
+
+    async def run(self) -> None:
+        for g in range(6):
+            for k in range(2):
+                x = f"g{g}-x{k}"
+                for i in range(3):
+                    await self.client.call("RecordTurn", tk.turn_proto(x, f"g{g}", i, prompt=5, output=3 + k))
+                    self.sent += 1
+                await self.client.call("ReportFinish", tk.finish_proto(x, f"g{g}", 2, reward=float(k)))
+
+    async def until(self, turns: int, poll_s: float = 0.005) -> None:
+        """Returns once ``turns`` turns were recorded."""
+        while self.sent < turns:
+            await asyncio.sleep(poll_s)
