@@ -5,7 +5,8 @@
 The config file is the cluster config every service reads, plus a ``launch:`` section::
 
     launch:
-      etcd: {}                      # a private etcd on cluster.etcd_endpoints[0]
+      etcd: {}                      # a private etcd on cluster.etcd_endpoints[0] (upkeep:
+                                    # apps/etcd_upkeep.py)
       processes:                    # started in order, each waits for its ready line
         - {service: packer}
         - {service: cell_agent, name: cell-0, set: {cell_id: cell-0, kind: elastic, index: 0, port: 50060}}
@@ -43,6 +44,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from apps.etcd_upkeep import EtcdUpkeep
 from apps.limits import check_sequence_limits, check_shared_settings
 from apps.pki import LaunchPki
 from apps.procs import ServiceProcess
@@ -107,6 +109,7 @@ class Cluster:
         check_shared_settings(self.config_path)
         self.env = dict(env or {})
         self.etcd: EtcdServer | None = None
+        self.etcd_upkeep: EtcdUpkeep | None = None
         self.procs: dict[str, ServiceProcess] = {}
         self.supervisor = Supervisor(
             RestartPolicy.from_config(self.launch.get("restart")), journal=self.run_dir / "supervisor.jsonl"
@@ -133,6 +136,12 @@ class Cluster:
         )
         self.etcd.start()
         self.pki.provision_etcd(self.etcd.endpoint)
+        self.etcd_upkeep = EtcdUpkeep.from_config(
+            dict(self.launch.get("etcd") or {}),
+            self.etcd.endpoint,
+            self.pki.tls("root"),
+            self.supervisor.record,
+        )
 
     def process_specs(self) -> list[dict[str, Any]]:
         return list(self.launch.get("processes") or [])
@@ -212,6 +221,8 @@ class Cluster:
         supervisor (restart with back-off when it exits) and starts it."""
         if self.etcd is not None:
             self.supervisor.add(_EtcdChild(self.etcd))
+        if self.etcd_upkeep is not None:
+            self.etcd_upkeep.start()
         exempt = {
             spec.get("name") or spec["service"]
             for spec in self.process_specs()
@@ -246,6 +257,8 @@ class Cluster:
     def stop(self) -> None:
         """Stops every process, the last started first; the processes of one service (the
         cells) stop together, each with its own graceful drain."""
+        if self.etcd_upkeep is not None:
+            self.etcd_upkeep.stop()
         self.supervisor.stop()
         for _ in range(2):  # again for a restart that was still starting during the first pass
             for group in reversed(_runs(self.procs.values(), lambda proc: proc.service)):

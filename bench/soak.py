@@ -184,6 +184,7 @@ def sample(run_dir: Path, t_s: float) -> dict[str, Any]:
     db = run_dir / "etcd" / "data" / "member" / "snap" / "db"
     return {
         "t_s": round(t_s, 1),
+        "pids": procs,
         "rss_mb": {n: r for n, pid in procs.items() if (r := rss_mb(pid)) is not None},
         "fds": {n: f for n, pid in procs.items() if (f := open_fds(pid)) is not None},
         "disk_mb": {part: round(tree_mb(run_dir / part), 3) for part in DISK_PARTS},
@@ -208,6 +209,57 @@ def slope_per_hour(points: Iterable[tuple[float, float]], warmup: float) -> floa
     return sum((x - mx) * (y - my) for x, y in pts) / var * 3600.0
 
 
+def pooled_slope_per_hour(segments: Iterable[Sequence[tuple[float, float]]]) -> float | None:
+    """One slope per hour shared by several segments, each with its own level (least squares
+    with an intercept per segment): a process's growth within each of its lifetimes, so a
+    restart (the chaos schedule's SIGKILL) neither hides nor fakes a trend. None without
+    spread in time."""
+    num = den = 0.0
+    for seg in segments:
+        if len(seg) < 2:
+            continue
+        mx = sum(x for x, _ in seg) / len(seg)
+        my = sum(y for _, y in seg) / len(seg)
+        num += sum((x - mx) * (y - my) for x, y in seg)
+        den += sum((x - mx) ** 2 for x, _ in seg)
+    return None if den == 0 else num / den * 3600.0
+
+
+def floor_points(points: Sequence[tuple[float, float]], window_s: float) -> list[tuple[float, float]]:
+    """The lowest value of each ``window_s`` window, at its time: the level a process comes
+    back to between bursts of work (a trainer's RSS swings by 100-200 MB within a batch, so a
+    trend of a few MB an hour shows in its floor, not in every sample)."""
+    windows: dict[int, tuple[float, float]] = {}
+    for x, y in points:
+        k = int(x // window_s)
+        if k not in windows or y < windows[k][1]:
+            windows[k] = (x, y)
+    return [windows[k] for k in sorted(windows)]
+
+
+def rss_slopes(
+    samples: list[dict[str, Any]], warmup: float, window_s: float | None = None
+) -> dict[str, float | None]:
+    """Per service, the RSS slope per hour within its lifetimes (a segment per pid) after the
+    warm-up; with ``window_s``, of each lifetime's floor per window."""
+    kept = samples[int(len(samples) * warmup) :]
+    segments: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for s in kept:
+        pids = s.get("pids") or {}
+        for name, value in (s.get("rss_mb") or {}).items():
+            segments.setdefault(name, {}).setdefault(int(pids.get(name, 0)), []).append(
+                (s["t_s"], float(value))
+            )
+    out: dict[str, float | None] = {}
+    for name, by_pid in sorted(segments.items()):
+        segs = list(by_pid.values())
+        if window_s is not None:
+            segs = [floor_points(seg, window_s) for seg in segs]
+        slope = pooled_slope_per_hour(segs)
+        out[name] = None if slope is None else round(slope, 2)
+    return out
+
+
 def series(samples: list[dict[str, Any]], key: str) -> dict[str, list[tuple[float, float]]]:
     """Per-name (t, value) series of a per-service or per-part key."""
     out: dict[str, list[tuple[float, float]]] = {}
@@ -217,7 +269,22 @@ def series(samples: list[dict[str, Any]], key: str) -> dict[str, list[tuple[floa
     return out
 
 
-def summarize(samples: list[dict[str, Any]], demo: dict[str, Any], warmup: float) -> dict[str, Any]:
+def etcd_defrags(run_dir: Path | None) -> int:
+    """Defragmentations the launcher's etcd upkeep recorded (``supervisor.jsonl``)."""
+    journal = run_dir / "supervisor.jsonl" if run_dir is not None else None
+    if journal is None or not journal.exists():
+        return 0
+    events = (json.loads(line) for line in journal.read_text().splitlines() if line.strip())
+    return sum(1 for e in events if e.get("name") == "etcd" and e.get("kind") == "defragmented")
+
+
+def summarize(
+    samples: list[dict[str, Any]],
+    demo: dict[str, Any],
+    warmup: float,
+    run_dir: Path | None = None,
+    floor_window_s: float = 600.0,
+) -> dict[str, Any]:
     def slopes(key: str) -> dict[str, float | None]:
         return {
             n: None if (v := slope_per_hour(p, warmup)) is None else round(v, 2)
@@ -238,7 +305,9 @@ def summarize(samples: list[dict[str, Any]], demo: dict[str, Any], warmup: float
         "hours": round(hours, 3),
         "samples": len(samples),
         "warmup_share": warmup,
-        "rss_mb_per_hour": slopes("rss_mb"),
+        "rss_mb_per_hour": rss_slopes(samples, warmup),
+        "rss_floor_mb_per_hour": rss_slopes(samples, warmup, floor_window_s),
+        "floor_window_s": floor_window_s,
         "fds_per_hour": slopes("fds"),
         "disk_mb_per_hour": slope_per_hour(disk, warmup),
         "disk_mb_per_hour_by_part": slopes("disk_mb"),
@@ -246,6 +315,7 @@ def summarize(samples: list[dict[str, Any]], demo: dict[str, Any], warmup: float
         "etcd_revision_per_hour": slope_per_hour(revision, warmup),
         "etcd_db_in_use_mb_per_hour": slope_per_hour(in_use, warmup),
         "etcd_last": last,
+        "etcd_defrags": etcd_defrags(run_dir),
         "executions": ex.get("finished", 0),
         "lost": ex.get("lost"),
         "versions": demo.get("policy_versions_published"),
@@ -374,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chaos", action="store_true", help="the demo's chaos schedule, repeating while it soaks"
     )
+    parser.add_argument(
+        "--chaos-gap-s",
+        type=float,
+        default=6.0,
+        help="seconds from one fault survived to the next (spaced out, each service lives long "
+        "enough between its kills for a slope)",
+    )
     parser.add_argument("--interval-s", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=0.25, help="share of the samples before the fit")
     parser.add_argument("--run-dir", type=Path, default=None)
@@ -401,14 +478,16 @@ def main(argv: list[str] | None = None) -> int:
         "0",
         "--run-dir",
         str(run_dir),
-        *(["--chaos-repeat"] if args.chaos else []),
+        *(["--chaos-repeat", "--chaos-gap-s", str(args.chaos_gap_s)] if args.chaos else []),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = run_dir.parent / f"{run_dir.name}.log"  # the demo's output, beside its run folder
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     samples: list[dict[str, Any]] = []
-    with log.open("w") as out:
+    # Every sample as it is taken, so that a run cut short still has its series.
+    samples_log = run_dir.parent / f"{run_dir.name}.samples.jsonl"
+    with log.open("w") as out, samples_log.open("w") as sample_out:
         demo = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         while demo.poll() is None:
             time.sleep(args.interval_s)
@@ -416,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                 s = sample(run_dir, time.monotonic() - started)
                 if s["rss_mb"]:
                     samples.append(s)
+                    sample_out.write(json.dumps(s) + "\n")
+                    sample_out.flush()
                     total = sum(s["rss_mb"].values())
                     print(
                         f"[{s['t_s'] / 60:5.1f} min] {len(s['rss_mb'])} processes, RSS {total:,.0f} MB, "
@@ -425,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
     summary_path = run_dir / "summary.json"
     demo_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    summary = summarize(samples, demo_summary, args.warmup)
+    summary = summarize(samples, demo_summary, args.warmup, run_dir)
     commit = checkout_commit()
     result = {
         "benchmark": "soak",
@@ -438,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             "interval_s": args.interval_s,
             "engine": "mock",
             "chaos": args.chaos,
+            "chaos_gap_s": args.chaos_gap_s if args.chaos else None,
+            "warmup": args.warmup,
         },
         "summary": summary,
         "samples": samples,

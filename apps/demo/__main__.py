@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--chaos with the schedule repeated until the run's work is done (a soak)",
     )
+    parser.add_argument(
+        "--chaos-gap-s",
+        type=float,
+        default=Chaos.gap_s,
+        help="seconds between a fault survived and the next one (a soak spaces them out)",
+    )
     parser.add_argument("--no-live", action="store_true", help="plain output (no live panel)")
     parser.add_argument(
         "--no-warm-start", action="store_true", help="v0 = the random tiny model (no supervised warm start)"
@@ -75,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout_s if args.timeout_s is not None else budget_s(args.bursts),
         env=EnvConfig(**{**DEMO_ENV.model_dump(), **json.loads(args.env)}),
         live=not args.no_live,
-        chaos=Chaos(repeat=args.chaos_repeat) if args.chaos or args.chaos_repeat else None,
+        chaos=Chaos(gap_s=args.chaos_gap_s, repeat=args.chaos_repeat)
+        if args.chaos or args.chaos_repeat
+        else None,
         warm_start=not args.no_warm_start,
         eval_tasks=args.eval_tasks,
         eval_samples=args.eval_samples,

@@ -164,6 +164,11 @@ class Etcd:
         self._client: aetcd.Client | None = None
 
     @property
+    def timeout_s(self) -> float:
+        """The deadline of each call."""
+        return self._timeout_s
+
+    @property
     def client(self) -> aetcd.Client:
         if self._client is None:
             raise RuntimeError("Etcd.connect() first")

@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import bursts_for, parse_etcd_metrics, processes, service_name, slope_per_hour, summarize
+from bench.soak import (
+    bursts_for,
+    etcd_defrags,
+    floor_points,
+    parse_etcd_metrics,
+    pooled_slope_per_hour,
+    processes,
+    rss_slopes,
+    service_name,
+    slope_per_hour,
+    summarize,
+)
 
 
 def test_service_names_from_command_lines():
@@ -100,3 +111,33 @@ def test_processes_are_found_by_the_run_folder_in_their_command_line(tmp_path: P
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_restart_neither_hides_nor_fakes_growth():
+    # Two lifetimes of one service, each growing 2 MB/hour from its own level: one slope.
+    first = [(t * 60.0, 500.0 + 2.0 * t / 60) for t in range(60)]
+    second = [(3600.0 + t * 60.0, 300.0 + 2.0 * t / 60) for t in range(60)]
+    assert pooled_slope_per_hour([first, second]) == pytest.approx(2.0)
+    # Fitted as one series, the restart's drop reads as a steep fall.
+    assert slope_per_hour(first + second, 0.0) < -100
+
+
+def test_rss_slopes_split_by_pid_and_fit_the_floor():
+    samples = []
+    for i in range(120):
+        t = i * 60.0
+        pid = 10 if i < 60 else 11  # restarted at one hour
+        base = (400.0 if pid == 10 else 380.0) + 1.0 * t / 3600
+        swing = 150.0 if i % 3 else 0.0  # a trainer's batch: up 150 MB, back to its floor
+        samples.append({"t_s": t, "pids": {"cell-0": pid}, "rss_mb": {"cell-0": base + swing}})
+    assert rss_slopes(samples, 0.0, window_s=600)["cell-0"] == pytest.approx(1.0, abs=0.05)
+    assert floor_points([(0, 5.0), (10, 1.0), (700, 3.0)], 600) == [(10, 1.0), (700, 3.0)]
+
+
+def test_defragmentations_are_counted_from_the_launchers_journal(tmp_path: Path):
+    assert etcd_defrags(tmp_path) == 0
+    (tmp_path / "supervisor.jsonl").write_text(
+        '{"name": "etcd", "kind": "defragmented"}\n{"name": "etcd", "kind": "restarted"}\n'
+        '{"name": "router", "kind": "defragmented"}\n'
+    )
+    assert etcd_defrags(tmp_path) == 1
