@@ -43,6 +43,7 @@ def test_cells_stop_together_and_services_in_reverse_order() -> None:
     cluster.supervisor = _Supervisor()  # type: ignore[assignment]
     cluster.procs = {p.name: p for p in procs}  # type: ignore[misc]
     cluster.etcd = None
+    cluster.etcd_upkeep = None
     cluster.stop()
     first_pass = log[: len(procs)]
     assert first_pass[0] == "dashboard"
