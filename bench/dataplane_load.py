@@ -53,8 +53,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from apps.procs import ServiceProcess  # noqa: E402
-from bench.support.pki import BenchPki  # noqa: E402
-from bench.support.router_rig import build_tokenizer_dir, put_route, start_router  # noqa: E402
 from gyre.client.router_stream import RouterStream  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
@@ -67,6 +65,8 @@ from gyre.v1 import (  # noqa: E402
     packer_pb2_grpc,
     router_pb2,
 )
+from testkit.pki import BenchPki  # noqa: E402
+from testkit.router_rig import build_tokenizer_dir, put_route, start_router  # noqa: E402
 
 GROUP_SIZE = 8
 PROMPT_TOKENS = 32

@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.reroute_rig import RerouteRig, Trial
 from gyre.etcd.server import EtcdServer
+from testkit.reroute_rig import RerouteRig, Trial
 
 
 def percentile(values: list[float], q: float) -> float:

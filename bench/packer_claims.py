@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT))
 
 
 from apps.procs import ServiceProcess  # noqa: E402
-from bench.support.pki import BenchPki  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
@@ -55,6 +54,7 @@ from services.packer.config import PackerConfig  # noqa: E402
 from services.packer.model import ClaimOutcome, ExecStatus, Finish, Turn  # noqa: E402
 from services.packer.packer import Packer  # noqa: E402
 from services.packer.wal import EventLog, Wal  # noqa: E402
+from testkit.pki import BenchPki  # noqa: E402
 
 
 def workload(

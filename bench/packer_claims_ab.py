@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 import bench.packer_claims as bench  # from PYTHONPATH: this tree, or an older one (below)
-from bench.support.pki import BenchPki
 from gyre.etcd.server import EtcdServer
+from testkit.pki import BenchPki
 
 MODES = {
     "batched": (True, None),

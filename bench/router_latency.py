@@ -1,7 +1,7 @@
 """Router latency benchmark: what the router adds over calling the engine directly, and how
 long a reroute takes.
 
-Three kinds of processes on loopback, as in production: fake engines (bench/support/fake_engine.py:
+Three kinds of processes on loopback, as in production: fake engines (testkit/fake_engine.py:
 a deterministic token-level engine with a fixed per-token delay, standing in for the mock
 engine), the router (``python -m services.router`` against a private etcd), and this client.
 In the same run, at each concurrency (64, 256 and 1,024 streams of 32 tokens), rounds alternate
@@ -50,8 +50,6 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
-from bench.support.router_rig import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
 from gyre import certs  # noqa: E402
 from gyre.client.router_stream import RouterStream  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
@@ -61,6 +59,8 @@ from gyre.grpcx.tls import TlsFiles, set_process_tls  # noqa: E402
 from gyre.identity import Identity, Role  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 from services.router.config import RouterConfig  # noqa: E402
+from testkit.fake_engine import FakeEngineServer, FakeOptions  # noqa: E402
+from testkit.router_rig import build_tokenizer_dir, put_route, start_router, write_config  # noqa: E402
 
 TOKENS = 32
 TOKEN_DELAY_S = 0.005
@@ -472,7 +472,7 @@ async def main(
                 "step_clock": STEP_CLOCK,
                 "prompt_tokens": len(PROMPT),
                 "rounds": rounds,
-                "engine": "bench/support/fake_engine.py (one message per token and request on Generate; "
+                "engine": "testkit/fake_engine.py (one message per token and request on Generate; "
                 "one message per loop turn for every request of a router on GenerateStream)",
                 "router_engine_path": "GenerateStream (engine_stream: true); *_percall: Generate per request",
                 "coalesce_ms": RouterConfig.model_fields["coalesce_ms"].default,

@@ -28,7 +28,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.recording_peers import RecordingPeers  # noqa: E402
 from gyre import config as config_mod  # noqa: E402
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, Op  # noqa: E402
 from gyre.etcd.client import create_revision_is, mod_revision_is  # noqa: E402
@@ -49,6 +48,7 @@ from services.scheduler.policy import (  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
 from services.scheduler.store import SchedulerStore  # noqa: E402
 from services.scheduler.tasks import GeneratedTasks  # noqa: E402
+from testkit.recording_peers import RecordingPeers  # noqa: E402
 
 
 class _KV:

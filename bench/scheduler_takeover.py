@@ -37,7 +37,6 @@ import aetcd.rpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.support.recording_peers import RecordingPeers
 from gyre import config as config_mod
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, Op
 from gyre.etcd.server import EtcdServer
@@ -46,6 +45,7 @@ from services.scheduler.ledger import ArchiveSummary, Burst, ExecState, Executio
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.store import MAX_TXN_OPS, SchedulerStore
 from services.scheduler.tasks import GeneratedTasks
+from testkit.recording_peers import RecordingPeers
 
 GROUP = 4
 LIVE_BURSTS = 2

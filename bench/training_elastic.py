@@ -33,13 +33,13 @@ import yaml  # noqa: E402
 
 from apps.model.tiny import build_tiny_model  # noqa: E402
 from apps.procs import ServiceProcess  # noqa: E402
-from bench.support.fake_packer import FakePacker, synthetic_batch  # noqa: E402
-from bench.support.pki import BenchPki  # noqa: E402
-from bench.support.training_rig import join_batch  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
 from gyre.ports import free_port  # noqa: E402
+from testkit.fake_packer import FakePacker, synthetic_batch  # noqa: E402
+from testkit.pki import BenchPki  # noqa: E402
+from testkit.training_rig import join_batch  # noqa: E402
 
 
 async def _join(

@@ -2,7 +2,7 @@
 sys.path, and a helper to run service processes on loopback.
 
 Every service runs with mutual TLS, as it does by default: the session has its own CA
-(``tests/tls.py`` issues identities from it on demand) and every service section's
+(``testkit/tls.py`` issues identities from it on demand) and every service section's
 ``tls.dir`` points at it through ``GYRE_<SECTION>__TLS__DIR``. The ``etcd_server`` and
 ``fresh_etcd`` fixtures stay plaintext for tests that are not about security;
 ``secure_etcd`` is etcd with TLS, client-certificate users and per-identity roles."""
@@ -64,7 +64,7 @@ def fresh_etcd() -> Iterator[EtcdServer]:
 @pytest.fixture
 def secure_etcd() -> Iterator[EtcdServer]:
     """A private etcd with TLS and client-certificate auth (users and roles are provisioned
-    per test with ``tests.tls.provision_etcd``)."""
+    per test with ``testkit.tls.provision_etcd``)."""
     server = EtcdServer(tls_dir=PKI / "etcd")
     server.start()
     try:

@@ -17,7 +17,7 @@ from gyre.etcd import Etcd, Keys
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
-from tests.tls import channel
+from testkit.tls import channel
 
 pytestmark = pytest.mark.timeout(120)
 

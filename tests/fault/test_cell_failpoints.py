@@ -21,7 +21,7 @@ from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2 as cpb
-from tests.tls import channel
+from testkit.tls import channel
 
 pytestmark = pytest.mark.timeout(120)
 S = cpb.CellState

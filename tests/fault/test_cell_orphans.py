@@ -15,8 +15,8 @@ from apps.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
-from tests.support.processes import kill_leftovers, survivors, tree
-from tests.tls import channel
+from testkit.processes import kill_leftovers, survivors, tree
+from testkit.tls import channel
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 

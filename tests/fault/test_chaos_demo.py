@@ -17,7 +17,7 @@ import pytest
 
 from apps.demo.chaos import Chaos, Fault
 from apps.demo.runner import run_demo
-from tests.support.demo import short_demo
+from testkit.demo import short_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

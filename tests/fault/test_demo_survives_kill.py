@@ -17,7 +17,7 @@ import pytest
 
 from apps.demo.runner import run_demo
 from apps.launch import Cluster
-from tests.support.demo import restarted, short_demo
+from testkit.demo import restarted, short_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -12,8 +12,8 @@ import secrets
 
 import pytest
 
-from bench.support.reroute_rig import RerouteRig
-from tests.tls import PKI
+from testkit.reroute_rig import RerouteRig
+from testkit.tls import PKI
 
 pytestmark = pytest.mark.timeout(240)
 

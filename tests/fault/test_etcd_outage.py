@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router
 from gyre.etcd import Etcd, Keys
-from tests.support.scheduler_peers import Harness
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router
+from testkit.scheduler_peers import Harness
 
 pytestmark = pytest.mark.timeout(180)
 PROMPT = [30, 31, 32, 33]

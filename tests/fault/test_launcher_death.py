@@ -18,7 +18,7 @@ import yaml
 from gyre.etcd import Etcd, Keys
 from gyre.grpcx.tls import TlsFiles
 from gyre.ports import free_port
-from tests.support.processes import kill_leftovers, survivors, tree
+from testkit.processes import kill_leftovers, survivors, tree
 
 pytestmark = pytest.mark.timeout(180)
 

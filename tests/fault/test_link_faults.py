@@ -1,4 +1,4 @@
-"""Links between services misbehave under traffic (tests/support/proxy.py; real processes,
+"""Links between services misbehave under traffic (testkit/proxy.py; real processes,
 real etcd, real gRPC with mTLS). Router -> engine (the deterministic fake engine), while a
 model call streams through it: delayed, reset mid-stream, black-holed for seconds and then
 reset; each time the harness gets one response holding exactly the tokens of an
@@ -25,20 +25,20 @@ import pytest_asyncio
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
-from tests.support.proxy import LinkProxy
-from tests.support.scheduler_peers import (
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.fake_packer import FakePacker
+from testkit.proxy import LinkProxy
+from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from testkit.scheduler_peers import (
     FakeCellAgent,
     FakeRouter,
     Harness,
     connect,
     wait_until,
 )
-from tests.support.scheduler_peers import write_config as write_scheduler_config
-from tests.tls import tls
+from testkit.scheduler_peers import write_config as write_scheduler_config
+from testkit.tls import tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 PROMPT = [20, 21, 22]

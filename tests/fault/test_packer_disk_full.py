@@ -30,8 +30,8 @@ from gyre.failpoints import FAILPOINT_FILE_ENV
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from services.packer.wal import WAL_NAME
-from tests.support import packer_kit as tk
-from tests.tls import RoleStubs
+from testkit import packer_kit as tk
+from testkit.tls import RoleStubs
 
 pytestmark = pytest.mark.timeout(120)
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED

@@ -15,9 +15,9 @@ import time
 from apps.procs import ROOT, ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.servicer import PackerServicer
-from tests.support import packer_kit as tk
-from tests.support.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
-from tests.tls import RoleStubs
+from testkit import packer_kit as tk
+from testkit.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
+from testkit.tls import RoleStubs
 
 
 async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, cluster_name):
@@ -94,7 +94,7 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
 CLAIMER = """
 import asyncio, sys, grpc
 from gyre.v1 import packer_pb2, packer_pb2_grpc
-from tests.tls import channel
+from testkit.tls import channel
 async def main():
     async with channel(sys.argv[1], "doomed") as ch:
         stub = packer_pb2_grpc.PackerStub(ch)

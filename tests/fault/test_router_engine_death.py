@@ -22,8 +22,11 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.router_rig import (
+from gyre.etcd import Etcd, Keys
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.servicer import RouterServicer
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.router_rig import (
     build_tokenizer_dir,
     new_execution,
     put_route,
@@ -32,10 +35,7 @@ from bench.support.router_rig import (
     start_router,
     write_config,
 )
-from gyre.etcd import Etcd, Keys
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.servicer import RouterServicer
-from tests.tls import PKI, RoleStubs, tls
+from testkit.tls import PKI, RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ MAX_TOKENS = 40
 
 
 class EngineProcess:
-    """bench/support/fake_engine.py as its own process."""
+    """testkit/fake_engine.py as its own process."""
 
     def __init__(self, cell: str, *args: str) -> None:
         self.proc = subprocess.Popen(

@@ -54,9 +54,13 @@ from apps.checker import check_files
 from apps.demo.runner import run_demo
 from apps.launch import Cluster
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import (
+from gyre.etcd import Etcd, Keys
+from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
+from gyre.ports import free_port
+from testkit.demo import restarted, short_demo
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.fake_packer import FakePacker
+from testkit.router_rig import (
     build_tokenizer_dir,
     new_execution,
     put_route,
@@ -65,11 +69,7 @@ from bench.support.router_rig import (
     start_router,
     write_config,
 )
-from gyre.etcd import Etcd, Keys
-from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
-from gyre.ports import free_port
-from tests.support.demo import restarted, short_demo
-from tests.tls import tls
+from testkit.tls import tls
 
 pytestmark = pytest.mark.timeout(600)
 

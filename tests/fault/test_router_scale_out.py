@@ -27,9 +27,16 @@ import pytest
 import pytest_asyncio
 
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import (
+from gyre.etcd import Etcd, Keys
+from gyre.ports import free_port
+from gyre.v1 import router_pb2_grpc
+from services.router.servicer import RouterServicer
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.peers import GrpcPeers, MoveOrder
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.fake_packer import FakePacker
+from testkit.leader import leader_epoch, new_leader
+from testkit.router_rig import (
     build_tokenizer_dir,
     new_execution,
     put_route,
@@ -38,14 +45,7 @@ from bench.support.router_rig import (
     start_router,
     write_config,
 )
-from gyre.etcd import Etcd, Keys
-from gyre.ports import free_port
-from gyre.v1 import router_pb2_grpc
-from services.router.servicer import RouterServicer
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.peers import GrpcPeers, MoveOrder
-from tests.leader import leader_epoch, new_leader
-from tests.tls import PKI, RoleStubs, tls
+from testkit.tls import PKI, RoleStubs, tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 

@@ -23,12 +23,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker
 from gyre.client import HarnessClient
 from gyre.etcd import Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
 from services.scheduler import history
-from tests.support.scheduler_peers import (
+from testkit.fake_packer import FakePacker
+from testkit.scheduler_peers import (
     FakeCellAgent,
     FakeRouter,
     Harness,
@@ -36,7 +36,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
-from tests.tls import PKI, tls
+from testkit.tls import PKI, tls
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,14 +19,14 @@ import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker, synthetic_batch
-from bench.support.training_rig import join_batch
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
 from gyre.ports import free_port
 from services.cell_agent.snapshots import pull_snapshot
-from tests.leader import leader_epoch
-from tests.tls import channel, tls
+from testkit.fake_packer import FakePacker, synthetic_batch
+from testkit.leader import leader_epoch
+from testkit.tls import channel, tls
+from testkit.training_rig import join_batch
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,10 +13,10 @@ import pytest
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker
 from gyre.etcd import Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_ENV
-from tests.support.scheduler_peers import (
+from testkit.fake_packer import FakePacker
+from testkit.scheduler_peers import (
     FakeCellAgent,
     FakeRouter,
     Harness,
@@ -24,7 +24,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
-from tests.tls import tls
+from testkit.tls import tls
 
 pytestmark = pytest.mark.timeout(120)
 

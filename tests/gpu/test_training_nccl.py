@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from bench.support.fake_packer import synthetic_batch
 from gyre.ports import free_port
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups
 from services.cell_agent.training.trainer import Trainer
-from tests.leader import leader_epoch
-from tests.tls import add_port, channel, tls
+from testkit.fake_packer import synthetic_batch
+from testkit.leader import leader_epoch
+from testkit.tls import add_port, channel, tls
 
 pytestmark = [
     pytest.mark.gpu,
@@ -132,11 +132,11 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     import yaml
 
     from apps.procs import ServiceProcess
-    from bench.support.fake_packer import FakePacker
     from gyre.etcd import Etcd, Keys
     from gyre.v1 import cell_agent_pb2 as pb
     from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
     from gyre.v1 import common_pb2 as cpb
+    from testkit.fake_packer import FakePacker
 
     steps = synthetic_batch(2, 16, seed=6, seqs_per_step=8, min_len=128, max_len=256)
     ref = Trainer.from_dir(model_dir, 0, "float64", "cpu")

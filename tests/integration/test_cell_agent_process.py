@@ -10,7 +10,6 @@ import json
 
 import grpc
 import pytest
-import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
@@ -18,31 +17,10 @@ from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
 from services.cell_agent.servicer import CellControlServicer, EngineServicer
-from tests.tls import RoleStubs
+from testkit.cell_config import write_cell_config as write_config
+from testkit.tls import RoleStubs
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def write_config(tmp_path, etcd_server, cluster_name, **cell) -> str:
-    cfg = {
-        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {
-            "cell_id": "cell-p",
-            "kind": "elastic",
-            "index": 0,
-            "slots": 4,
-            "engine": "mock",
-            "mock": {"fixed_decode_step_s": 0.002},
-            "probe_interval_s": 0.5,
-            "lease_ttl_s": 3,
-            "drain_wait_s": 0.5,
-            "log_json": False,
-            **cell,
-        },
-    }
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
 
 
 async def _generate(stub, rid, prompt, n, **kw):

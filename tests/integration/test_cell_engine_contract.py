@@ -22,7 +22,7 @@ from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.engines.base import Engine, FinishReason, Sampling
 from services.cell_agent.lifecycle import CellKind, CellState
 from services.cell_agent.store import EtcdCellStore
-from tests.tls import add_port
+from testkit.tls import add_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 

@@ -26,8 +26,8 @@ import pytest
 
 from apps.procs import ServiceProcess
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.support.browser import CHROMIUM, chromium_page
-from tests.tls import add_port
+from testkit.browser import CHROMIUM, chromium_page
+from testkit.tls import add_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 120  # three bursts of 40 scripted steps, then the last status is held

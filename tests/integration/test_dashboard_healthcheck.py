@@ -21,7 +21,7 @@ from gyre.config import ServiceConfig, TlsConfig
 from gyre.grpcx.server import GrpcServer
 from gyre.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.servicer import ControlServicer
-from tests.tls import PKI, tls
+from testkit.tls import PKI, tls
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "gyre.v1.SchedulerControl"

@@ -22,7 +22,7 @@ import pytest
 from apps.procs import ServiceProcess
 from gyre.etcd import Keys
 from gyre.etcd.server import EtcdServer
-from tests.support.scheduler_peers import connect
+from testkit.scheduler_peers import connect
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,8 +25,8 @@ import pytest
 
 from apps.demo.runner import run_demo
 from gyre.ports import free_port
-from tests.support.browser import CHROMIUM, chromium_page
-from tests.support.demo import short_demo
+from testkit.browser import CHROMIUM, chromium_page
+from testkit.demo import short_demo
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
 from services.cell_agent.servicer import EngineServicer
-from tests.integration.test_cell_agent_process import write_config
-from tests.tls import RoleStubs
+from testkit.cell_config import write_cell_config as write_config
+from testkit.tls import RoleStubs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import pytest
 from apps.etcd_upkeep import EtcdUpkeep
 from gyre.etcd.maintenance import DefragRule, db_size, defragment_if_due
 from gyre.etcd.server import EtcdServer
-from tests.tls import etcd_client, provision_etcd, tls
+from testkit.tls import etcd_client, provision_etcd, tls
 
 CLUSTER = "upkeep"
 

@@ -21,7 +21,7 @@ from gyre.client import HarnessClient
 from gyre.client.harness import LEADER_METADATA
 from gyre.errors import InvalidArgument, Unavailable
 from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.tls import PKI, add_port, tls
+from testkit.tls import PKI, add_port, tls
 
 pytestmark = pytest.mark.timeout(60)
 

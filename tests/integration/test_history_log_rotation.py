@@ -12,8 +12,8 @@ from apps.checker import check_files
 from apps.procs import ServiceProcess
 from gyre.history import read, segments
 from gyre.v1 import packer_pb2
-from tests.support import packer_kit as tk
-from tests.support.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
+from testkit import packer_kit as tk
+from testkit.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
 
 
 async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(

@@ -16,35 +16,17 @@ import asyncio
 import grpc
 import pytest
 
-from apps.procs import ServiceProcess
 from gyre.errors import FailedPrecondition, Unavailable
 from gyre.identity import Role
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.cell_agent.training.microstep import Outcome
 from services.cell_agent.training.packer_client import StreamingPackerSource
 from services.packer.servicer import PackerServicer
-from tests.integration.test_packer_grpc import feed
-from tests.support import packer_kit as tk
-from tests.tls import RoleStubs, channel
+from testkit import packer_kit as tk
+from testkit.packer_process import CLAIMED, CLOSED
+from testkit.tls import RoleStubs, channel
 
-CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
-CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
 Code = grpc.StatusCode
-
-
-@pytest.fixture
-def packer_proc(tmp_path, etcd_server, cluster_name):
-    procs = []
-
-    def start(**packer):
-        path = tk.write_config(tmp_path, etcd_server, cluster_name, **packer)
-        proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        proc.kill()
 
 
 class Cell:
@@ -100,7 +82,7 @@ async def test_claims_and_acks_on_the_stream_equal_the_unary_ones(packer_proc, p
     stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
     cell = Cell(proc.target, "cell0")
     try:
-        await feed(stub, 4, size=3, turns=2)
+        await tk.feed_stub(stub, 4, size=3, turns=2)
         got = await cell.ask(7, claim=claim("cell0", key="k"))
         assert got.tag == 7 and got.code == 0 and got.WhichOneof("response") == "claim"
         assert got.claim.outcome == CLAIMED and 1 <= len(got.claim.micro_steps) <= 4
@@ -152,7 +134,7 @@ async def test_bad_requests_get_their_unary_status_and_the_stream_goes_on(packer
     stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
     cell = Cell(proc.target, "cell0")
     try:
-        await feed(stub, 2, size=2, turns=1)
+        await tk.feed_stub(stub, 2, size=2, turns=1)
         held: list[str] = []  # every micro-step of batch 1 (version 1): batch 2 becomes current
         for tag in range(1, 20):
             ok = await cell.ask(tag, claim=claim("cell0", n=64, version=1, wait_s=0.5))
@@ -235,7 +217,7 @@ async def test_a_stream_cut_mid_way_leaves_the_packer_consistent(packer_proc):
     proc = packer_proc(batch_size=2, claim_ttl_s=1.0)
     stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
     try:
-        await feed(stub, 2, size=2, turns=1)
+        await tk.feed_stub(stub, 2, size=2, turns=1)
         # Cell 0 claims everything on a stream, and the stream is cut before it acks.
         cell = Cell(proc.target, "cell0")
         got = await cell.ask(1, claim=claim("cell0", n=64, key="all"))
@@ -309,7 +291,7 @@ async def test_the_streaming_client_fails_in_flight_requests_and_reopens(packer_
         assert source._stream is not first
         with pytest.raises(FailedPrecondition):
             await source.claim_many(1, 5, 0.0, 1)
-        await feed(stub, 2, size=2, turns=1)
+        await tk.feed_stub(stub, 2, size=2, turns=1)
         claims = await asyncio.wait_for(waiting, 10)
         assert claims[0].outcome is Outcome.CLAIMED
         ids = [c.micro_step.micro_step_id for c in claims]
@@ -332,7 +314,7 @@ async def test_an_ack_carried_with_the_next_claim(packer_proc):
     stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
     cell, other = Cell(proc.target, "cell0"), Cell(proc.target, "cell1")
     try:
-        await feed(stub, 4, size=3, turns=2)
+        await tk.feed_stub(stub, 4, size=3, turns=2)
         first = await cell.ask(1, claim=claim("cell0", n=2, key="c0"))
         ids = [m.micro_step_id for m in first.claim.micro_steps]
         assert first.code == 0 and len(ids) == 2

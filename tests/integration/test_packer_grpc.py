@@ -21,39 +21,9 @@ from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc
 from services.cell_agent.training.microstep import Outcome
 from services.cell_agent.training.packer_client import PackerSource
 from services.packer.servicer import PackerServicer
-from tests.support import packer_kit as tk
-from tests.tls import RoleStubs, channel
-
-CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
-CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED
-
-
-@pytest.fixture
-def packer_proc(tmp_path, etcd_server, cluster_name):
-    procs = []
-
-    def start(**packer):
-        path = tk.write_config(tmp_path, etcd_server, cluster_name, **packer)
-        proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        proc.kill()
-
-
-async def feed(stub, groups, size=3, turns=2, base=0):
-    async def one(g):
-        for k in range(size):
-            x = f"g{g}-x{k}"
-            for i in range(turns):
-                await stub.RecordTurn(
-                    tk.turn_proto(x, f"g{g}", i, prompt=4 + g % 3, output=3 + g % 4), timeout=10
-                )
-            await stub.ReportFinish(tk.finish_proto(x, f"g{g}", size, reward=float(k)), timeout=10)
-
-    await asyncio.gather(*(one(g) for g in range(base, base + groups)))
+from testkit import packer_kit as tk
+from testkit.packer_process import CLAIMED, CLOSED
+from testkit.tls import RoleStubs, channel
 
 
 async def drain(stub, cell, batch_id, trained, wait_s=0.5):
@@ -87,7 +57,7 @@ async def test_sixteen_claimers_race_over_grpc(packer_proc):
     try:
         trained: list[tuple[str, int]] = []
         results = await asyncio.gather(
-            feed(stubs[0], 8),
+            tk.feed_stub(stubs[0], 8),
             *(drain(stubs[i % 4], f"cell{i}", 1, trained) for i in range(16)),
         )
         claimed = [m for ids in results[1:] for m in ids]
@@ -138,7 +108,7 @@ async def test_batched_claims_and_acks_over_grpc(packer_proc):
     try:
         trained: list[tuple[str, int]] = []
         results = await asyncio.gather(
-            feed(stubs[0], 8),
+            tk.feed_stub(stubs[0], 8),
             *(drain_batched(stubs[i % 4], f"cell{i}", 1, trained, 1 + i % 4) for i in range(8)),
         )
         claimed = [m for ids in results[1:] for m in ids]
@@ -168,7 +138,7 @@ async def test_the_trainers_packer_client_claims_and_acks_in_batches(packer_proc
     source = PackerSource(proc.target, "cell7", channel=ch)
     stub = RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
     try:
-        await feed(stub, 2, size=3, turns=2)
+        await tk.feed_stub(stub, 2, size=3, turns=2)
         claims = await source.claim_many(1, 0, 1.0, 64, "k")
         assert all(c.outcome is Outcome.CLAIMED for c in claims) and claims
         ids = [c.micro_step.micro_step_id for c in claims]
@@ -198,7 +168,7 @@ async def _code(call):
 async def test_malformed_records_get_precise_statuses_and_change_nothing(packer_proc):
     proc = packer_proc()
     async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
-        await feed(stub, 1, size=2, turns=1)
+        await tk.feed_stub(stub, 1, size=2, turns=1)
         before = (await stub.GetBatch(packer_pb2.GetBatchRequest(), timeout=5)).counters
 
         bad_len = tk.turn_proto("x1", "g9", 0)
@@ -249,7 +219,7 @@ async def test_policy_version_follows_etcd_and_supply_streams(packer_proc, etcd_
             stream = stub.WatchSupply(packer_pb2.WatchSupplyRequest())
             first = await asyncio.wait_for(stream.read(), 5)
             assert first.batch_id == 1 and first.batch_needs == 2 and first.ready_groups == 0
-            await feed(stub, 1, size=2, turns=1)
+            await tk.feed_stub(stub, 1, size=2, turns=1)
             while True:
                 sig = await asyncio.wait_for(stream.read(), 5)
                 if sig.ready_groups == 1:
@@ -283,7 +253,7 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
     proc = ServiceProcess("packer", path, log_path=tmp_path / "packer.log").start()
     try:
         async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
-            await feed(stub, 1, size=2, turns=2)
+            await tk.feed_stub(stub, 1, size=2, turns=2)
         body = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         )

@@ -19,16 +19,16 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.client import HarnessClient
 from gyre.client.router_stream import RouterStream
 from gyre.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 from gyre.etcd import Etcd, Keys
 from gyre.identity import Role
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.tls import PKI, channel, tls
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.fake_packer import FakePacker
+from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from testkit.tls import PKI, channel, tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 

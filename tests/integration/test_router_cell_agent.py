@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from bench.support.router_rig import build_tokenizer_dir, new_execution
 from gyre.v1 import router_pb2
-from tests.support.router_cells import RouterCells, router_cells
+from testkit.router_cells import RouterCells, router_cells
+from testkit.router_rig import build_tokenizer_dir, new_execution
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 40

@@ -18,8 +18,6 @@ from typing import Any
 import grpc
 import pytest
 
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.loopback import serve_loopback
 from gyre.config import TlsConfig
 from gyre.errors import DeadlineExceeded, FailedPrecondition, Internal, Unavailable
 from gyre.tokens import Chunk, FinishReason
@@ -29,7 +27,9 @@ from gyre.v1 import common_pb2
 from services.router.config import RouterConfig
 from services.router.engine import EngineRequest, Sampling
 from services.router.engine_stream import StreamEngineClient
-from tests.tls import PKI, tls
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.loopback import serve_loopback
+from testkit.tls import PKI, tls
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,9 +20,12 @@ import pytest
 import pytest_asyncio
 
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions, reference
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import (
+from gyre.etcd import Etcd, Keys
+from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.servicer import RouterServicer
+from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.fake_packer import FakePacker
+from testkit.router_rig import (
     build_tokenizer_dir,
     new_execution,
     put_route,
@@ -31,10 +34,7 @@ from bench.support.router_rig import (
     start_router,
     write_config,
 )
-from gyre.etcd import Etcd, Keys
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.servicer import RouterServicer
-from tests.tls import RoleStubs, tls
+from testkit.tls import RoleStubs, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY = 64 * 1024
@@ -439,7 +439,7 @@ async def test_a_message_that_does_not_parse_is_invalid_argument(env, field):
 
 
 async def _raw_generate(env: Env, payload: bytes) -> grpc.StatusCode:
-    from tests.tls import channel as tls_channel
+    from testkit.tls import channel as tls_channel
 
     async with tls_channel(env.proc.target, "harness-1") as ch:
         call = ch.unary_stream(

@@ -26,16 +26,16 @@ import pytest_asyncio
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.router_rig import build_tokenizer_dir, start_router
 from gyre.etcd import Etcd, Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
 from gyre.v1 import packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from services.router.tokenization import Tokenizer
-from tests.support import router_packer as rp
-from tests.support.proxy import LinkProxy
-from tests.tls import RoleStubs
+from testkit import router_packer as rp
+from testkit.fake_engine import FakeEngineServer, FakeOptions
+from testkit.proxy import LinkProxy
+from testkit.router_rig import build_tokenizer_dir, start_router
+from testkit.tls import RoleStubs
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 

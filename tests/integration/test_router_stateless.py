@@ -24,14 +24,14 @@ import pytest
 import pytest_asyncio
 
 from apps.procs import ServiceProcess
-from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.router_rig import build_tokenizer_dir, start_router
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from services.router.tokenization import Tokenizer
-from tests.support import router_packer as rp
-from tests.tls import RoleStubs
+from testkit import router_packer as rp
+from testkit.fake_engine import FakeEngineServer, FakeOptions
+from testkit.router_rig import build_tokenizer_dir, start_router
+from testkit.tls import RoleStubs
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 

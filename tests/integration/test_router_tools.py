@@ -19,18 +19,18 @@ import openai
 import pytest
 import pytest_asyncio
 
-from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import (
+from gyre.etcd import Etcd, Keys
+from services.router.tokenization import Tokenizer
+from testkit.fake_engine import FakeEngineServer, FakeOptions
+from testkit.fake_packer import FakePacker
+from testkit.router_rig import (
     build_tokenizer_dir,
     new_execution,
     put_route,
     start_router,
     write_config,
 )
-from gyre.etcd import Etcd, Keys
-from services.router.tokenization import Tokenizer
-from tests.tls import tls
+from testkit.tls import tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

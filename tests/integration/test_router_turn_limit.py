@@ -13,12 +13,12 @@ import secrets
 import aiohttp
 import pytest
 
-from bench.support.fake_engine import FakeEngineServer, FakeOptions
-from bench.support.fake_packer import FakePacker
-from bench.support.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from services.router.limits import DEFAULT_TURN_TOKENS
-from tests.tls import tls
+from testkit.fake_engine import FakeEngineServer, FakeOptions
+from testkit.fake_packer import FakePacker
+from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from testkit.tls import tls
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,9 +14,9 @@ import json
 import pytest
 import pytest_asyncio
 
-from bench.support.router_rig import new_execution
 from gyre.v1 import cell_agent_pb2, common_pb2, router_pb2
-from tests.support.router_cells import RouterCells, router_cells
+from testkit.router_cells import RouterCells, router_cells
+from testkit.router_rig import new_execution
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 64

@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker
 from gyre.client import HarnessClient
 from gyre.etcd import Keys
 from gyre.v1 import common_pb2, scheduler_pb2
-from tests.support.scheduler_peers import (
+from testkit.fake_packer import FakePacker
+from testkit.scheduler_peers import (
     FakeCellAgent,
     FakeRouter,
     Harness,
@@ -32,7 +32,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
-from tests.tls import PKI, tls
+from testkit.tls import PKI, tls
 
 pytestmark = pytest.mark.timeout(120)
 

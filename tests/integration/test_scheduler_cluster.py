@@ -19,10 +19,10 @@ import grpc
 import pytest
 
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker
 from gyre.etcd import Keys
 from gyre.v1 import common_pb2, scheduler_pb2
-from tests.support.scheduler_peers import (
+from testkit.fake_packer import FakePacker
+from testkit.scheduler_peers import (
     FakeCellAgent,
     FakeRouter,
     Harness,
@@ -31,7 +31,7 @@ from tests.support.scheduler_peers import (
     wait_until,
     write_config,
 )
-from tests.tls import tls
+from testkit.tls import tls
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,7 +31,6 @@ import yaml
 from google.protobuf import descriptor_pool, message_factory
 
 from apps.procs import ServiceProcess
-from bench.support.router_rig import build_tokenizer_dir
 from gyre import apikeys, certs
 from gyre.errors import PermissionDenied, Unavailable
 from gyre.etcd import Etcd, Keys
@@ -57,7 +56,8 @@ from services.cell_agent.snapshots import WeightSnapshotsServicer
 from services.packer.servicer import PackerServicer
 from services.router.servicer import RouterServicer
 from services.scheduler.servicer import ControlServicer, HarnessServicer
-from tests.tls import PKI, channel, provision_etcd, tls
+from testkit.router_rig import build_tokenizer_dir
+from testkit.tls import PKI, channel, provision_etcd, tls
 
 pytestmark = pytest.mark.timeout(240)
 

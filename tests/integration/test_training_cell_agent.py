@@ -19,7 +19,6 @@ import yaml
 
 from apps.checker import check_files
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper
 from gyre.ports import free_port
 from gyre.v1 import cell_agent_pb2 as pb
@@ -28,7 +27,8 @@ from gyre.v1 import common_pb2 as cpb
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
-from tests.tls import channel, tls
+from testkit.fake_packer import FakePacker, synthetic_batch
+from testkit.tls import channel, tls
 
 pytestmark = pytest.mark.timeout(240)
 LR = 5e-3

@@ -16,15 +16,15 @@ import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.fake_packer import FakePacker, synthetic_batch
-from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
 from gyre.ports import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
-from tests.leader import leader_epoch
-from tests.tls import channel, tls
+from testkit.fake_packer import FakePacker, synthetic_batch
+from testkit.leader import leader_epoch
+from testkit.tls import channel, tls
+from testkit.training_rig import join_batch
 
 pytestmark = pytest.mark.timeout(240)
 

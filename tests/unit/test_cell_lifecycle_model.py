@@ -14,7 +14,7 @@ from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
 from services.cell_agent.cell import Cell, CellIdentity
 from services.cell_agent.engines.mock import MockEngine, MockTiming, VirtualClock
 from services.cell_agent.lifecycle import CellKind, CellState
-from tests.support.lifecycle import ALLOWED
+from testkit.lifecycle import ALLOWED
 
 TARGETS = [s for s in CellState if s is not CellState.STARTING]
 

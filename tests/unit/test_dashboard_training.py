@@ -19,7 +19,8 @@ import pytest
 from services.dashboard import metrics
 from services.dashboard.app import PAGE_PATH, DashboardApp
 from services.dashboard.timeline import Timeline, normalize_status
-from tests.unit.test_deploy_dashboard import FakeClock, status
+from testkit.clock import ManualClock
+from testkit.dashboard_status import status
 
 DIAG: dict[str, Any] = {
     "tokens": 1536.0,
@@ -93,14 +94,14 @@ async def test_api_and_metrics_carry_the_diagnostics() -> None:
     async def source() -> dict[str, Any]:
         return next(statuses)
 
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     dash = DashboardApp(source, clock=clock)
-    clock.t += 0.5
+    clock.now += 0.5
     await dash.poll_once()
     text = metrics.render(dash._registry).decode()
     assert "gyre_training_" not in text
     for _ in range(2):
-        clock.t += 0.5
+        clock.now += 0.5
         await dash.poll_once()
     body = json.loads((await dash._timeline(None)).body)  # type: ignore[arg-type]
     assert [e["version"] for e in body["training"]] == [1, 2]

@@ -21,39 +21,8 @@ import pytest
 from services.dashboard import metrics
 from services.dashboard.app import PAGE_PATH, DashboardApp
 from services.dashboard.timeline import GONE, Timeline, normalize_status
-
-
-def status(
-    states: dict[str, str], epoch: int = 1, version: int = 0, w: int = 10, cap: int = 16
-) -> dict[str, Any]:
-    cells = []
-    for i, (cell_id, state) in enumerate(states.items()):
-        standalone = cell_id.startswith("s")
-        cells.append(
-            {
-                "cell_id": cell_id,
-                "kind": "CELL_KIND_STANDALONE" if standalone else "CELL_KIND_ELASTIC",
-                "index": -1 if standalone else i,
-                "state": f"CELL_STATE_{state}",
-                "slots": 8,
-            }
-        )
-    return {
-        "epoch": str(epoch),
-        "capacity": cap,
-        "policy_version": version,
-        "reroutes": 0,
-        "ledger": {"burst_id": 1, "dispatched": 20, "finished": 20 - w, "waterlevel": w},
-        "cells": cells,
-    }
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from testkit.clock import ManualClock
+from testkit.dashboard_status import status
 
 
 def test_normalize_accepts_every_enum_spelling() -> None:
@@ -173,11 +142,11 @@ async def test_poller_records_errors_and_hangs() -> None:
             await asyncio.sleep(3600)
         return status({"c0": "ROLLOUT"})
 
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     dash = DashboardApp(source, poll_interval_s=0.01, poll_timeout_s=0.05, clock=clock)
     results = []
     for _ in script:
-        clock.t += 0.5
+        clock.now += 0.5
         results.append(await dash.poll_once())
     assert results == [True, False, False, True]
     stats = dash.timeline.stats
@@ -201,10 +170,10 @@ async def test_handlers_reflect_latest_status() -> None:
         v = next(versions)
         return status({"c0": "TRAINING" if v else "ROLLOUT", "s9": "ROLLOUT"}, version=v, w=12 - v)
 
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     dash = DashboardApp(source, clock=clock)
     for _ in range(3):
-        clock.t += 0.5
+        clock.now += 0.5
         await dash.poll_once()
     body = json.loads((await dash._timeline(None)).body)  # type: ignore[arg-type]
     assert body["counters"]["policy_version"] == 2 and body["counters"]["waterlevel"] == 10
@@ -229,7 +198,7 @@ async def test_timeline_window() -> None:
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     states = iter(["ROLLOUT"] * 5 + ["TRAINING"] * 5)
 
     async def source() -> dict[str, Any]:
@@ -237,7 +206,7 @@ async def test_timeline_window() -> None:
 
     dash = DashboardApp(source, clock=clock)
     for _ in range(10):
-        clock.t += 1.0
+        clock.now += 1.0
         await dash.poll_once()
     full = json.loads((await dash._timeline(make_mocked_request("GET", "/api/timeline"))).body)
     assert full["series"]["t"] == [float(t) for t in range(1, 11)]

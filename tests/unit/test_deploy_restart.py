@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.unit.test_deploy_manifests import containers, workloads
+from testkit.manifests import containers, workloads
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_SHOTS = {"certs", "etcd-auth", "model", "harness"}  # run to completion, never restarted

@@ -18,7 +18,7 @@ from gyre.history import History, read
 from services.packer.history import HistoryLog
 from services.packer.model import ClaimOutcome
 from services.packer.packer import LATE_TURN
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 def _p(op: str, **f: Any) -> dict[str, Any]:

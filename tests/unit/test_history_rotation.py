@@ -15,7 +15,7 @@ from gyre.history import History, base, pruned, read, segments
 from services.packer.config import PackerConfig
 from services.packer.history import HistoryLog
 from services.packer.model import ClaimOutcome
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def _claim_all(p, cell: str) -> list[str]:

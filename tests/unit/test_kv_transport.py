@@ -178,7 +178,7 @@ def test_a_pin_released_before_its_request_finishes_holds_nothing():
 
 
 def _kv_tls(name: str, role=None) -> KvTls:
-    from tests.tls import tls
+    from testkit.tls import tls
 
     files = tls(name, role)
     return KvTls(files.cert_file, files.key_file, files.ca_file)

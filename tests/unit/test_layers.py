@@ -1,7 +1,10 @@
 """The tree's layers do not reach up: the library (``gyre``) imports no service and no
-application; a service imports no other service and no application; nothing outside
-``tests`` imports test code; benchmarks import no test modules. Checked on the source with
-``ast`` (every ``import`` and ``from ... import``, function-level imports included)."""
+application; a service imports no other service and no application; the product (library,
+services, applications, simulator) imports no test code; benchmarks and the test kit
+(``testkit``: every fake, rig and PKI helper) import no test module; no test module imports
+another (what two tests share lives in ``testkit`` or a ``conftest.py``). Checked on the
+source with ``ast`` (every ``import`` and ``from ... import``, function-level imports
+included)."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def _is(mod: str, prefix: str) -> bool:
 
 def test_library_imports_no_service_application_or_test() -> None:
     def forbidden(path: Path, mod: str) -> str:
-        for up in ("services", "apps", "tests", "bench", "sim"):
+        for up in ("services", "apps", "tests", "testkit", "bench", "sim"):
             if _is(mod, up):
                 return f"the library stands below {up}"
         return ""
@@ -54,7 +57,7 @@ def test_services_import_no_other_service_application_or_test() -> None:
         for svc in SERVICES:
             if svc != own and _is(mod, f"services.{svc}"):
                 return "services talk over gRPC, never import each other"
-        for up in ("apps", "tests", "bench", "sim"):
+        for up in ("apps", "tests", "testkit", "bench", "sim"):
             if _is(mod, up):
                 return f"a service stands below {up}"
         return ""
@@ -62,11 +65,29 @@ def test_services_import_no_other_service_application_or_test() -> None:
     assert _violations("services", forbidden) == []
 
 
-def test_applications_and_benchmarks_import_no_test_code() -> None:
+def test_applications_and_the_simulator_import_no_test_code() -> None:
     def forbidden(path: Path, mod: str) -> str:
-        return "test code is for tests only" if _is(mod, "tests") else ""
+        return "test code is for tests only" if _is(mod, "tests") or _is(mod, "testkit") else ""
 
-    assert [v for top in ("apps", "bench", "sim") for v in _violations(top, forbidden)] == []
+    assert [v for top in ("apps", "sim") for v in _violations(top, forbidden)] == []
+
+
+def test_benchmarks_and_the_test_kit_import_no_test_module() -> None:
+    def forbidden(path: Path, mod: str) -> str:
+        return "a test module is no library: share through testkit" if _is(mod, "tests") else ""
+
+    assert [v for top in ("bench", "testkit") for v in _violations(top, forbidden)] == []
+
+
+def _is_test_module(mod: str) -> bool:
+    return _is(mod, "tests") and any(part.startswith("test_") for part in mod.split("."))
+
+
+def test_no_test_module_imports_another() -> None:
+    def forbidden(path: Path, mod: str) -> str:
+        return "share through testkit or a conftest.py" if _is_test_module(mod) else ""
+
+    assert _violations("tests", forbidden) == []
 
 
 def test_no_test_modules_inside_services() -> None:
@@ -127,7 +148,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_cycles() -> None:
     paths = {}
-    for top in ("gyre", "services", "apps", "sim", "bench"):
+    for top in ("gyre", "services", "apps", "sim", "bench", "testkit"):
         for p in (ROOT / top).rglob("*.py"):
             if "v1" not in p.relative_to(ROOT).parts:
                 paths[".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = p

@@ -21,7 +21,7 @@ import torch
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.microstep import MicroStep, Sequence
 from services.cell_agent.training.trainer import LossConfig, Trainer
-from tests.support.training_fakes import tiny_lm
+from testkit.training_fakes import tiny_lm
 
 VOCAB = 64
 TARGET = torch.arange(8, 16)  # 8 of 64 token ids

@@ -13,7 +13,7 @@ import pytest
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.packer.model import ClaimOutcome
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 class CountingLog(tk.MemoryLog):

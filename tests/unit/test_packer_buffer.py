@@ -16,7 +16,7 @@ from services.packer.advantages import group_advantages, is_stale
 from services.packer.model import ExecStatus, Finish, Turn
 from services.packer.packer import Packer
 from services.packer.wal import MemoryLog
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def test_group_ready_only_when_all_members_closed():

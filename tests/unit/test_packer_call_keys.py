@@ -15,7 +15,7 @@ import pytest
 from gyre.errors import FailedPrecondition, InvalidArgument
 from services.packer.model import Turn
 from services.packer.snapshot import compacted
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def _three_turns(p, key: str = "call-2"):

@@ -13,7 +13,7 @@ import pytest
 
 from gyre.errors import FailedPrecondition, StaleEpoch
 from services.packer.model import ClaimOutcome
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def _drain(p, cell, batch_id, version=0, trained=None, wait_s=0.0):

@@ -12,7 +12,7 @@ from services.packer.packer import Packer
 from services.packer.servicer import supply_to_proto
 from services.packer.snapshot import compacted
 from services.packer.state import PackerState
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def _group(p: Packer, g: str, rewards: list[float], statuses: list[ExecStatus] | None = None) -> None:

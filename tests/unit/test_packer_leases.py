@@ -12,7 +12,7 @@ import pytest
 from gyre.errors import FailedPrecondition, InvalidArgument
 from services.packer.model import ClaimOutcome
 from services.packer.snapshot import compacted
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def _sealed_batch(p):

@@ -15,7 +15,7 @@ from gyre.errors import GyreError
 from services.packer.model import ClaimOutcome, ExecStatus
 from services.packer.packer import Packer
 from services.packer.wal import MemoryLog
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 _group = st.tuples(
     st.just("group"),

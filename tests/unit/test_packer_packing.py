@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from services.packer.model import ClaimOutcome
 from services.packer.packing import first_fit_decreasing
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 def _ffd_by_scan(items, budget):

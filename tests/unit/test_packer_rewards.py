@@ -13,7 +13,7 @@ from services.packer.model import Finish
 from services.packer.packer import Packer
 from services.packer.wal import Wal
 from services.scheduler.config import SchedulerConfig
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 @pytest.mark.parametrize("reward", [1e154, -1e154, 1e10, -2e9])

@@ -13,40 +13,13 @@ import random
 from services.packer.segments import split_segments
 from services.packer.snapshot import restore, to_event
 from services.packer.state import PackerState
-from tests.support import packer_kit as tk
-
-
-def episode(x: str, g: str, turns: int, rng: random.Random, edit_at: int = -1, version: int = 3) -> list:
-    """Turns of a token-consistent episode (each prompt = previous prompt + output + an
-    observation), except at ``edit_at`` where the history is rewritten."""
-    out = []
-    context = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 9))]
-    for i in range(turns):
-        if i == edit_at:
-            context = [rng.randrange(3, 500) for _ in range(4)]  # a summary replaces history
-        n = rng.randrange(1, 6)
-        output = [rng.randrange(3, 500) for _ in range(n)]
-        mask = [1] * n if i != 1 else [1] * (n - 1) + [0]
-        out.append(
-            tk.turn(
-                x,
-                g,
-                i,
-                prompt_ids=list(context),
-                output_ids=output,
-                logprobs=[-0.1 * (j + 1) for j in range(n)],
-                versions=[version + i] * n,
-                mask=mask,
-            )
-        )
-        context = context + output + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 5))]
-    return out
+from testkit import packer_kit as tk
 
 
 async def _run(budget: int = 4096):
     rng = random.Random(5)
     p, log, _ = tk.make_packer(batch_size=1, micro_step_token_budget=budget)
-    eps = {"g-x0": episode("g-x0", "g", 5, rng), "g-x1": episode("g-x1", "g", 4, rng, edit_at=2)}
+    eps = {"g-x0": tk.episode("g-x0", "g", 5, rng), "g-x1": tk.episode("g-x1", "g", 4, rng, edit_at=2)}
     for k, (x, turns) in enumerate(eps.items()):
         for t in turns:
             await p.record_turn(t)
@@ -121,7 +94,7 @@ async def test_old_assign_events_replay_a_turn_each():
 
 def test_split_segments_rule():
     rng = random.Random(1)
-    turns = {t.turn_index: t for t in episode("x", "g", 6, rng, edit_at=4)}
+    turns = {t.turn_index: t for t in tk.episode("x", "g", 6, rng, edit_at=4)}
     assert split_segments(turns) == [(0, 1, 2, 3), (4, 5)]
     # A missing record: turn 3 still extends turn 1 (turn 2's tokens are context in it, not
     # trained, since nothing recorded their log-probs).

@@ -20,7 +20,7 @@ from services.packer.segments import split_segments
 from services.packer.snapshot import restore, to_event
 from services.packer.state import PackerState
 from services.packer.wal import Wal
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 def _episode(x: str, g: str, temps: list[float]) -> list[Turn]:

@@ -13,7 +13,7 @@ from gyre.errors import FailedPrecondition, FatalError
 from services.packer.model import ClaimOutcome
 from services.packer.packer import Packer
 from services.packer.wal import MemoryLog, Wal
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 
 async def _scenario(p):

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from services.packer import model
 from services.packer.model import ClaimOutcome, MicroStepView, PackedSequence, WireCache
 from services.packer.packer import Packer
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
 
 ClaimsResponse = model.packer_pb2.ClaimMicroStepsResponse
 ClaimResponse = model.packer_pb2.ClaimMicroStepResponse

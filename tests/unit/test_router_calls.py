@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from bench.support.fake_engine import context_state, next_state, reference, token_for
 from gyre.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from gyre.tokens import Chunk, FinishReason
 from services.router.calls import CallPolicy, RouterStats
@@ -22,6 +21,7 @@ from services.router.failures import FailureReporter
 from services.router.manager import CallManager
 from services.router.routes import Route, RouteTable
 from services.router.turns import Turn, TurnRecorder
+from testkit.fake_engine import context_state, next_state, reference, token_for
 
 PROMPT = [5, 6, 7, 8]
 

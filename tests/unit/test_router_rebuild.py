@@ -36,7 +36,7 @@ from services.router.stops import OutputText
 from services.router.tokenization import Tokenizer, normalize_messages
 from services.router.trajectory import ChatState
 from services.router.turns import Turn, TurnRecorder
-from tests.support.packer_kit import make_packer
+from testkit.packer_kit import make_packer
 
 EX = "x-1"
 

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from bench.support.recording_peers import RecordingPeers
 from gyre.errors import InvalidArgument, Unavailable
 from services.scheduler.policy import CellState
-from tests.unit.test_scheduler_service import lead, make, settle
+from testkit.recording_peers import RecordingPeers
+from testkit.scheduler_rig import lead, make, settle
 
 CELLS = [("a", "standalone", -1, 4), ("b", "standalone", -1, 4)]
 

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_scheduler_service import make  # same test folder
 
-from bench.support.recording_peers import RecordingPeers
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
 from services.scheduler.ledger import ExecState, Ledger
-from tests.support.scheduler_fakes import FakeStore
+from testkit.recording_peers import RecordingPeers
+from testkit.scheduler_fakes import FakeStore
 
 OPS = st.lists(
     st.tuples(

@@ -20,13 +20,13 @@ import asyncio
 import pytest
 from test_scheduler_service import lead, make  # same test folder
 
-from bench.support.recording_peers import RecordingPeers
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from gyre.etcd.values import token_sha256
 from services.packer.model import ExecStatus, Finish
 from services.scheduler.ledger import ExecState, derive_token
 from services.scheduler.peers import FinishReport
-from tests.support import packer_kit as tk
+from testkit import packer_kit as tk
+from testkit.recording_peers import RecordingPeers
 
 KEY = "k" * 8 + "0123456789abcdef"
 

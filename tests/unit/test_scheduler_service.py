@@ -14,14 +14,11 @@ retried until the packer acknowledges them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 
 import pytest
 
-from bench.support.recording_peers import RecordingPeers
-from gyre import config as config_mod
 from gyre.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -31,104 +28,12 @@ from gyre.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.ledger import ExecState
 from services.scheduler.peers import SupplyUpdate
 from services.scheduler.policy import CellState
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.tasks import GeneratedTasks
-from tests.support.scheduler_fakes import FakeStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclasses.dataclass
-class KV:
-    key: bytes
-    value: bytes
-
-
-CELLS = [
-    # id, kind, index, slots
-    ("core", "elastic", 0, 4),
-    ("sat1", "elastic", 1, 4),
-    ("sa", "standalone", -1, 8),
-]
-
-
-def make(
-    policy: str = "waterlevel",
-    cells=CELLS,
-    store: FakeStore | None = None,
-    peers: RecordingPeers | None = None,
-    clock: Clock | None = None,
-    **overrides,
-) -> tuple[Scheduler, FakeStore, RecordingPeers, Clock]:
-    opts = dict(
-        policy=policy,
-        batch_size=4,
-        group_size=2,
-        over_provision=0.0,
-        interval_s=0.0,
-        fraction=0.5,
-        heartbeat_deadline_s=10.0,
-        drain_timeout_s=1.0,
-        packer_target="fake:1",
-        router_target="router:1",
-    )
-    opts.update(overrides)
-    cfg = config_mod.load(SchedulerConfig, None, **opts)
-    store = store or FakeStore(epoch=7)
-    peers = peers or RecordingPeers()
-    clock = clock or Clock()
-    s = Scheduler(cfg, store, peers, GeneratedTasks(seed=1), clock=clock, wall=clock)
-    s.on_cells(
-        {
-            f"/c/{cid}".encode(): KV(
-                f"/c/{cid}".encode(),
-                json.dumps(
-                    {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
-                ).encode(),
-            )
-            for cid, kind, idx, slots in cells
-        }
-    )
-    states = {cid: CellState.ROLLOUT for cid, *_ in cells}
-
-    def publish_states() -> None:
-        s.on_cell_states(
-            {
-                f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
-                for cid, st in states.items()
-            }
-        )
-
-    def on_state(target: str, state: CellState) -> None:  # the agent writes its state key
-        states[target.split(":")[0]] = state
-        publish_states()
-
-    peers.on_state = on_state
-    publish_states()
-    return s, store, peers, clock
-
-
-async def lead(s: Scheduler, store: FakeStore) -> None:
-    await s.take_over(store.epoch)
-    await s.reconcile_once()  # dispatches the first burst
-
-
-async def settle(s: Scheduler) -> None:
-    for _ in range(500):
-        if not any(s.transitions.running(c) for c in [*s.cells.records, *s.routes.counts()]):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("transition did not finish")
+from testkit.recording_peers import RecordingPeers
+from testkit.scheduler_rig import CELLS, KV, lead, make, settle
 
 
 async def test_bad_finish_reports_change_nothing():

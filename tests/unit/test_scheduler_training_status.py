@@ -19,7 +19,7 @@ from services.dashboard.source import status_to_dict
 from services.dashboard.timeline import normalize_status
 from services.scheduler.servicer import ControlServicer
 from services.scheduler.status import TrainingDiagnostics
-from tests.unit.test_scheduler_service import KV, lead, make
+from testkit.scheduler_rig import KV, lead, make
 
 DIAG: dict[str, Any] = {
     "tokens": 1536.0,

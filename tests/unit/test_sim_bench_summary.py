@@ -14,7 +14,7 @@ import yaml
 
 from sim.bench import run_all, run_scenario, summarize
 from sim.config import PolicyEntry, SimConfig, TargetConfig
-from tests.unit.test_sim_conservation import small_config
+from testkit.sim_rig import small_config
 
 KEYS = {
     "gyre_s",

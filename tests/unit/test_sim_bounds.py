@@ -12,7 +12,7 @@ import pytest
 
 from sim.bounds import gate_path, gate_schedule, limits, physical_limit, publish_times, staleness_limit
 from sim.driver import PolicySpec, run_policy
-from tests.unit.test_sim_conservation import small_config
+from testkit.sim_rig import small_config
 
 
 def test_latency_chain_by_hand() -> None:

@@ -10,7 +10,6 @@ import types
 
 import pytest
 
-from bench.support.fake_packer import FakePacker
 from gyre import config as config_mod
 from gyre.v1 import packer_pb2 as ppb
 from services.cell_agent.config import CellAgentConfig
@@ -19,7 +18,8 @@ from services.cell_agent.training import hook as hook_mod
 from services.cell_agent.training.config import MockTrainerSettings
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
 from services.cell_agent.training.mock_trainer import MockTrainingHook, sequence_tokens
-from tests.support.training_fakes import FakeSource
+from testkit.fake_packer import FakePacker
+from testkit.training_fakes import FakeSource
 
 
 class CountingSource(FakeSource):

@@ -10,7 +10,7 @@ from sim.cluster import ExecState
 from sim.config import CostConfig, SimConfig
 from sim.cost import CostModel
 from sim.driver import PolicySpec, run_policy
-from tests.unit.test_sim_conservation import CheckingDriver, small_config
+from testkit.sim_rig import CheckingDriver, small_config
 
 
 def test_kv_capacity_follows_the_gpu_and_the_model() -> None:

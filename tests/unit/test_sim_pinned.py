@@ -17,7 +17,7 @@ import pytest
 from sim.bounds import physical_limit
 from sim.config import ClusterConfig, ScenarioConfig, SimConfig
 from sim.driver import PolicySpec, run_policy
-from tests.unit.test_sim_conservation import small_config
+from testkit.sim_rig import small_config
 
 LOADED = ClusterConfig(cells=8, standalone_cells=1, slots_per_cell=4)
 SPECS = {

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from apps.supervise import RestartPolicy, Supervisor
-from tests.support.supervise_fakes import FakeChild
+from testkit.supervise_fakes import FakeChild
 
 FAST = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.05, jitter=0.5, max_restarts=3, window_s=60)
 

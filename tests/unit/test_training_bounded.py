@@ -22,14 +22,14 @@ import sys
 
 import pytest
 
-from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre import heap
 from gyre.errors import FailedPrecondition
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.controller import BatchOutcome, ControllerParams, TrainingController
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
-from tests.support.training_fakes import (
+from testkit.fake_packer import FakePacker, synthetic_batch
+from testkit.training_fakes import (
     FakeSource,
     InProcessCollective,
     InProcessMembership,

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from bench.support.fake_packer import synthetic_batch
 from services.cell_agent.training.checkpoint import Checkpointer
 from services.cell_agent.training.core import FAILPOINT_ENV, CoreOptimizer, FailpointCrash, OptimConfig
 from services.cell_agent.training.microstep import MicroStep, Sequence
 from services.cell_agent.training.ports import JoinResult
 from services.cell_agent.training.trainer import LossConfig, StaleGradient, Trainer, token_losses
-from tests.support.training_fakes import InProcessMembership, tiny_lm
+from testkit.fake_packer import synthetic_batch
+from testkit.training_fakes import InProcessMembership, tiny_lm
 
 OPT = OptimConfig(lr=1e-2)
 

@@ -13,13 +13,14 @@ import copy
 import pytest
 import torch
 
-from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.errors import NotFound
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.controller import ControllerParams, TrainingController
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.trainer import Trainer
-from tests.support.training_fakes import (
+from testkit.fake_packer import FakePacker, synthetic_batch
+from testkit.training_fakes import (
+    TOL,
     FakeSource,
     InProcessCollective,
     InProcessMembership,
@@ -27,7 +28,6 @@ from tests.support.training_fakes import (
     tiny_lm,
 )
 
-TOL = 1e-10
 MICRO_STEPS = 8
 OPT = OptimConfig(lr=1e-2, max_grad_norm=0.5, weight_decay=0.01)
 

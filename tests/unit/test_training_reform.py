@@ -14,7 +14,6 @@ import asyncio
 
 import pytest
 
-from bench.support.fake_packer import FakePacker, synthetic_batch
 from gyre.errors import Unavailable
 from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.config import TrainingSettings
@@ -22,7 +21,8 @@ from services.cell_agent.training.controller import ControllerParams, TrainingCo
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.service import TrainingService
 from services.cell_agent.training.trainer import Trainer
-from tests.support.training_fakes import (
+from testkit.fake_packer import FakePacker, synthetic_batch
+from testkit.training_fakes import (
     FakeSource,
     InProcessCollective,
     InProcessMembership,

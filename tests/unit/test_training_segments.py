@@ -12,16 +12,14 @@ import torch
 
 from services.cell_agent.training.microstep import MicroStep, Sequence
 from services.cell_agent.training.trainer import LossConfig, Trainer
-from tests.support import packer_kit as tk
-from tests.support.training_fakes import tiny_lm
-from tests.unit.test_packer_segments import episode
-from tests.unit.test_training_equivalence import TOL
+from testkit import packer_kit as tk
+from testkit.training_fakes import TOL, tiny_lm
 
 
 async def _packed():
     rng = random.Random(11)
     p, _, _ = tk.make_packer(batch_size=1, micro_step_token_budget=4096)
-    eps = [episode(f"g-x{k}", "g", 4 + k, rng, edit_at=3 if k == 2 else -1, version=0) for k in range(3)]
+    eps = [tk.episode(f"g-x{k}", "g", 4 + k, rng, edit_at=3 if k == 2 else -1, version=0) for k in range(3)]
     for k, turns in enumerate(eps):
         for t in turns:
             await p.record_turn(t)

@@ -3,7 +3,7 @@
 :class:`FakeStore` keeps the same keys as :class:`~services.scheduler.store.SchedulerStore`
 with etcd-like revisions and the same guards (create-if-absent, compare mod revision), and
 refuses every write once :meth:`FakeStore.depose` was called (a newer leader exists).
-Stand-in peers live in :mod:`bench.support.recording_peers`.
+Stand-in peers live in :mod:`testkit.recording_peers`.
 """
 
 from __future__ import annotations

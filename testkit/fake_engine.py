@@ -7,7 +7,7 @@ same policy version produces exactly the tokens the first engine would have. Scr
 die (``os._exit``) or hang after k tokens of a request, per-token delay, tokens per chunk;
 the same on both ``Generate`` and ``GenerateStream`` (the real engine's stream session).
 
-Run as a process: ``python bench/support/fake_engine.py --cell-id c1 [--die-after-tokens 5]``
+Run as a process: ``python testkit/fake_engine.py --cell-id c1 [--die-after-tokens 5]``
 prints ``{"ready": "fake_engine", "target": "127.0.0.1:PORT"}``.
 """
 
@@ -29,12 +29,12 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.support.loopback import serve_loopback  # noqa: E402
 from gyre.errors import FailedPrecondition, GyreError, status_for  # noqa: E402
 from gyre.grpcx.tls import TlsFiles, process_tls, set_process_tls  # noqa: E402
 from gyre.tokens import Chunk  # noqa: E402
 from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2  # noqa: E402
 from services.cell_agent.engine_stream import EngineStreamSession  # noqa: E402
+from testkit.loopback import serve_loopback  # noqa: E402
 
 _MOD = (1 << 61) - 1
 FIRST_TOKEN = 3  # ids below are special tokens; the fake never emits them unless asked

@@ -1,6 +1,6 @@
 """Helpers for the router's integration and fault tests: a tokenizer directory, a router
 process, route writes as the scheduler would make them, SSE parsing (the packer it
-records turns with: :class:`bench.support.fake_packer.FakePacker`)."""
+records turns with: :class:`testkit.fake_packer.FakePacker`)."""
 
 from __future__ import annotations
 

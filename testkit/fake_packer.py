@@ -14,7 +14,7 @@ Each caller finds the part it talks to:
   and release them on demand, or for one cell, so satellites join at chosen micro-steps.
   Its ``*_sync`` methods are the same claim side without gRPC, for in-process tests.
 
-It lives in ``bench/support`` because benchmarks drive trainers with it and benchmarks may
+It lives in ``testkit`` because benchmarks drive trainers with it and benchmarks may
 not import test code (tests may import bench rigs). :meth:`FakePacker.start` serves it on a
 loopback port with the packer's certificate (callers check it), as the real one does.
 """
@@ -29,13 +29,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from bench.support.loopback import serve_loopback
 from gyre.errors import FailedPrecondition, InvalidArgument
 from gyre.grpcx.errors import rpc, rpc_stream
 from gyre.grpcx.tls import TlsFiles
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
 from services.cell_agent.training.microstep import Claim, MicroStep, Outcome, Sequence
+from testkit.loopback import serve_loopback
 
 
 def synthetic_batch(

@@ -4,6 +4,7 @@ check (shared by unit, integration and fault tests and the benchmark)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 from gyre.v1 import common_pb2, packer_pb2
@@ -12,19 +13,7 @@ from services.packer.model import ExecStatus, Finish, Turn
 from services.packer.packer import Packer
 from services.packer.state import PackerState
 from services.packer.wal import MemoryLog
-
-
-class ManualClock:
-    """A clock that moves only when told (lease/TTL expiry without sleeping)."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from testkit.clock import ManualClock
 
 
 def config(**overrides: Any) -> PackerConfig:
@@ -110,6 +99,52 @@ async def feed_group(
         for i in range(turns):
             await packer.record_turn(turn(x, g, i, prompt, output))
         await packer.report_finish(finish(x, g, size, reward=float(k)))
+
+
+async def feed_stub(stub: Any, groups: int, size: int = 3, turns: int = 2, base: int = 0) -> None:
+    """Over gRPC (a ``PackerStub``): records ``turns`` turns for each of ``size`` executions of
+    groups ``g<base>`` .. ``g<base + groups - 1>`` and finishes them, every group at once."""
+    import asyncio
+
+    async def one(g: int) -> None:
+        for k in range(size):
+            x = f"g{g}-x{k}"
+            for i in range(turns):
+                await stub.RecordTurn(
+                    turn_proto(x, f"g{g}", i, prompt=4 + g % 3, output=3 + g % 4), timeout=10
+                )
+            await stub.ReportFinish(finish_proto(x, f"g{g}", size, reward=float(k)), timeout=10)
+
+    await asyncio.gather(*(one(g) for g in range(base, base + groups)))
+
+
+def episode(
+    x: str, g: str, turns: int, rng: random.Random, edit_at: int = -1, version: int = 3
+) -> list[Turn]:
+    """Turns of a token-consistent episode (each prompt = previous prompt + output + an
+    observation), except at ``edit_at`` where the history is rewritten."""
+    out: list[Turn] = []
+    context = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 9))]
+    for i in range(turns):
+        if i == edit_at:
+            context = [rng.randrange(3, 500) for _ in range(4)]  # a summary replaces history
+        n = rng.randrange(1, 6)
+        output = [rng.randrange(3, 500) for _ in range(n)]
+        mask = [1] * n if i != 1 else [1] * (n - 1) + [0]
+        out.append(
+            turn(
+                x,
+                g,
+                i,
+                prompt_ids=list(context),
+                output_ids=output,
+                logprobs=[-0.1 * (j + 1) for j in range(n)],
+                versions=[version + i] * n,
+                mask=mask,
+            )
+        )
+        context = context + output + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 5))]
+    return out
 
 
 def snapshot(state: PackerState) -> dict[str, Any]:

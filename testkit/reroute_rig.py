@@ -22,11 +22,11 @@ import grpc
 import yaml
 
 from apps.procs import ServiceProcess
-from bench.support.pki import BenchPki
-from bench.support.router_rig import build_tokenizer_dir
 from gyre.etcd import Etcd, Keys
 from gyre.identity import Role
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from testkit.pki import BenchPki
+from testkit.router_rig import build_tokenizer_dir
 
 PROMPT = [30, 31, 32, 33]
 

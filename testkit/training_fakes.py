@@ -1,6 +1,6 @@
 """In-process fakes of the training controller's ports (a packer source, membership,
 collectives, publisher) for unit tests; the fake packer itself lives in
-``bench.support.fake_packer``."""
+``testkit.fake_packer``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from typing import Any
 
 import torch
 
-from bench.support.fake_packer import FakePacker
 from services.cell_agent.training.microstep import Claim
 from services.cell_agent.training.ports import JoinResult
+from testkit.fake_packer import FakePacker
+
+TOL = 1e-10
+"""Equivalence tolerance of float64 training runs that must agree (elastic vs one cell,
+segments vs turns)."""
 
 
 class FakeSource:

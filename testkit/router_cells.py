@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from apps.procs import ServiceProcess
-from bench.support.router_rig import put_route, start_router, write_config
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import cell_agent_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from services.cell_agent.servicer import EngineServicer
 from services.router.servicer import RouterServicer
-from tests.leader import leader_epoch
-from tests.tls import RoleStubs, tls
+from testkit.leader import leader_epoch
+from testkit.router_rig import put_route, start_router, write_config
+from testkit.tls import RoleStubs, tls
 
 
 @dataclasses.dataclass

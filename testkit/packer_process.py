@@ -10,8 +10,8 @@ import grpc
 from apps.procs import ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.servicer import PackerServicer
-from tests.support import packer_kit as tk
-from tests.tls import RoleStubs
+from testkit import packer_kit as tk
+from testkit.tls import RoleStubs
 
 CLAIMED = packer_pb2.CLAIM_OUTCOME_CLAIMED
 CLOSED = packer_pb2.CLAIM_OUTCOME_CLOSED

@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.support.router_rig import new_execution, put_route
 from gyre.v1 import packer_pb2
 from services.router.tokenization import Tokenizer
+from testkit.router_rig import new_execution, put_route
 
 
 def packer_config(tmp: Path, cluster: str, etcd_endpoint: str) -> Path:

@@ -6,7 +6,7 @@
 revision == command epoch), so a deposed leader's command is refused. It records every
 command and can hold a target state or JoinBatch (the command hangs until released;
 ``waiting`` counts the held ones) to freeze a transition at a chosen step. :class:`FakeRouter`
-records MoveExecutions (the packer: :class:`bench.support.fake_packer.FakePacker`). Both
+records MoveExecutions (the packer: :class:`testkit.fake_packer.FakePacker`). Both
 bind 127.0.0.1 on a free port. :class:`Harness` is a minimal
 harness over gRPC; :func:`write_config` writes a cluster YAML for scheduler processes.
 """
@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 
-from bench.support.loopback import Registrar, serve_loopback
 from gyre.errors import GyreError, StaleEpoch
 from gyre.etcd import Etcd, Keys, Op
 from gyre.etcd.client import create_revision_is
@@ -39,7 +38,8 @@ from gyre.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.tls import channel, tls
+from testkit.loopback import Registrar, serve_loopback
+from testkit.tls import channel, tls
 
 log = logging.getLogger(__name__)
 _NAMES = {v: k for k, v in common_pb2.CellState.items()}

@@ -1,1 +1,0 @@
-"""Test-only support: fakes of stores and peers, scripted stand-in services, builders."""
