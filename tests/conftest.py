@@ -28,6 +28,9 @@ from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.grpcx.tls import TlsFiles, set_process_tls  # noqa: E402
 from gyre.identity import SERVICE_ROLES, service_identity  # noqa: E402
 
+# Fixtures shared across tiers live in the test kit, one module per rig.
+pytest_plugins = ["testkit.router_env", "testkit.scheduler_env"]
+
 PKI = Path(tempfile.mkdtemp(prefix="gyre-test-pki-"))
 atexit.register(shutil.rmtree, PKI, True)
 certs.ensure(PKI, [*certs.BASE_IDENTITIES, *(service_identity(s, "cell-0") for s in SERVICE_ROLES)])

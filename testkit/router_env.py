@@ -1,0 +1,3 @@
+"""Fixtures shared by tests across tiers (registered by tests/conftest.py)."""
+
+from __future__ import annotations
