@@ -22,10 +22,11 @@ test: install lint  ## lint, types, then the whole suite (unit, integration, fau
 	@./scripts/install_browser.sh
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
-lint: install  ## ruff (rules + formatting) and mypy (strict on gyre/ and the policy), as configured in pyproject.toml
+lint: install  ## ruff (rules + formatting), mypy (strict on gyre/ and the policy) and vulture (dead code), as configured in pyproject.toml
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
+	.venv/bin/vulture
 
 test-fast: install  ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -36,7 +36,6 @@ class FenceGuard:
     def __init__(self, initial: int = 0, leader_epoch: LeaderEpoch | None = None) -> None:
         self._highest = Epoch(initial)
         self._leader_epoch = leader_epoch
-        self.verifications = 0
 
     @property
     def highest(self) -> Epoch:
@@ -79,7 +78,6 @@ class FenceGuard:
         """A fresh read per command (a shared one might predate the election that made the
         command's sender leader). Only mTLS-authorized schedulers get here."""
         assert self._leader_epoch is not None
-        self.verifications += 1
         return await self._leader_epoch()
 
     def observe(self, epoch: int) -> None:

@@ -29,8 +29,6 @@ trained within eta (:func:`unconsumable`). What happens to it is the rule
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 CANCEL = "cancel"
 PARTIAL = "partial"
 STALE_RULES = (CANCEL, PARTIAL)
@@ -68,9 +66,3 @@ def goes_on(rule: str, started: bool, moved: int = 0, max_moved: int | None = No
     if rule not in STALE_RULES:
         raise ValueError(f"stale_rule must be one of {', '.join(STALE_RULES)}, got {rule!r}")
     return rule == PARTIAL and started and (max_moved is None or moved <= max_moved)
-
-
-def group_stamp(member_stamps: Iterable[int], default: int) -> int:
-    """A group's stamp from its members' (a restamp moves the open members, so the newest
-    one is the group's; ``default``, the burst's stamp, when none is known)."""
-    return max(member_stamps, default=default)

@@ -292,7 +292,7 @@ class Cluster:
             self.preemptions += 1
 
     def _reschedule(self, c: Cell) -> None:
-        """Schedules the engine's next finish (``Engine.time_to`` inlined: the hot path)."""
+        """Schedules the engine's next finish (the decode time to the next finish, inlined: the hot path)."""
         eng = c.engine
         eng.gen += 1
         fv = eng.next_finish_v()

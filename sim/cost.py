@@ -48,10 +48,6 @@ class DecodeRate:
     def step(self, v: float) -> float:
         return max(self.comp, self.m0 + self.m1 * v) + self.oh
 
-    def _cross(self) -> float:
-        """V at which the memory term overtakes the compute term (-inf: memory from start)."""
-        return self.vc
-
     def time(self, v0: float, v1: float) -> float:
         """Seconds to advance from v0 to v1 (v1 >= v0)."""
         if v1 <= v0:

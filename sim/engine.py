@@ -161,9 +161,6 @@ class Engine:
             evicted += 1
         return evicted
 
-    def stall_s(self) -> float:
-        return self.stall_total if self.stalls else 0.0
-
     def advance(self, t: float, acc: dict[str, float]) -> None:
         """Moves the engine's clock to t, charging the elapsed time to its categories."""
         dt = t - self.t_last
@@ -202,10 +199,6 @@ class Engine:
             self.rate_base = self.v
             self.rate = self.cost.decode_rate(n, self.a + n * self.v)
         return self.rate
-
-    def time_to(self, v1: float) -> float:
-        """Decode seconds (stalls excluded) until the engine's clock reaches v1."""
-        return self._rate().time(self.v - self.rate_base, v1 - self.rate_base)
 
     def add_stall(self, category: str, seconds: float) -> None:
         if seconds > 0:
@@ -250,8 +243,7 @@ class Engine:
 
     def take_finished(self) -> list[Execution]:
         """At a finish event: snaps V up to the earliest live finish (the float slack of the
-        integration), then pops every sequence whose turn is done (``next_finish_v`` and
-        ``pop_finished`` in one pass over the heap)."""
+        integration), then pops every sequence whose turn is done, in one pass over the heap."""
         heap = self.heap
         active = self.active
         pop = heapq.heappop
@@ -275,21 +267,6 @@ class Engine:
             if fv > lim:
                 break
             pop(heap)
-            out.append(ex)
-        return out
-
-    def pop_finished(self) -> list[Execution]:
-        out = []
-        heap = self.heap
-        while heap:
-            fv, xid, tok = heap[0]
-            ex = self.active.get(xid)
-            if ex is None or ex.token != tok:
-                heapq.heappop(heap)
-                continue
-            if fv > self.v + 1e-6:
-                break
-            heapq.heappop(heap)
             out.append(ex)
         return out
 

@@ -45,11 +45,6 @@ class Episode:
         """Final context length: every prompt, observation and generated token."""
         return sum(self.prompt_tokens) + sum(self.output_tokens)
 
-    @property
-    def off_gpu_s(self) -> float:
-        """Time the episode spends outside the GPU: sandbox, tools, reward."""
-        return self.sandbox_s + sum(self.tool_s) + self.reward_s
-
 
 def _ln(rng: np.random.Generator, d: LogNormal, size: int | None = None, scale: float = 1.0) -> np.ndarray:
     x = d.median * scale * np.exp(d.sigma * rng.standard_normal(size))

@@ -88,7 +88,6 @@ class FakePacker(ppb_grpc.PackerServicer):
         self._cond = threading.Condition()
         self.turns: dict[tuple[str, int], ppb.TurnRecord] = {}
         self.reports: dict[str, ppb.FinishReport] = {}
-        self.report_calls = 0
         self.sealed: list[tuple[int, int]] = []
         self.supply = ppb.SupplySignal(ready_groups=0, batch_needs=0, batch_id=1)
         self._supply_changed = asyncio.Event()
@@ -128,7 +127,6 @@ class FakePacker(ppb_grpc.PackerServicer):
     async def ReportFinish(
         self, request: ppb.FinishReport, context: grpc.aio.ServicerContext
     ) -> ppb.ReportFinishResponse:  # noqa: N802
-        self.report_calls += 1
         dup = request.execution_id in self.reports
         self.reports.setdefault(request.execution_id, request)
         return ppb.ReportFinishResponse(duplicate=dup)

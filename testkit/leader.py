@@ -19,9 +19,3 @@ async def new_leader(etcd: Etcd, keys: Keys) -> int:
     """A failover: the leader key replaced; returns the new (higher) epoch."""
     await etcd.delete(keys.leader())
     return await leader_epoch(etcd, keys)
-
-
-async def epoch_at(endpoint: str, cluster: str) -> int:
-    """:func:`leader_epoch` with a short-lived plaintext client."""
-    async with Etcd([endpoint]) as etcd:
-        return await leader_epoch(etcd, Keys(cluster))

@@ -28,7 +28,6 @@ class LinkProxy:
         self.delay_s = 0.0
         self.black = False
         self.target = ""
-        self.connections = 0
         self.resets = 0
         self._server: asyncio.AbstractServer | None = None
         self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -66,7 +65,6 @@ class LinkProxy:
         except OSError:
             _abort(client_w)
             return
-        self.connections += 1
         pair = (client_w, up_w)
         self._live.add(pair)
         try:

@@ -12,7 +12,6 @@ version that generated most of the episode's tokens.
 from __future__ import annotations
 
 import collections
-import json
 import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -160,10 +159,6 @@ def plot_learning(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def dump(path: str | Path, obj: Any) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2))
 
 
 def versions_to_evaluate(run_dir: str | Path) -> dict[int, Any]:

@@ -28,8 +28,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
-import random
 import tempfile
 import time
 from collections.abc import Sequence
@@ -652,54 +650,3 @@ def policy_gradient_step(
     model.eval()
     stats["loss"] = float(loss.detach())
     return stats
-
-
-def train_grpo(
-    policy: Policy,
-    tasks: Sequence[Task],
-    env: EnvConfig,
-    updates: int,
-    groups_per_update: int = 4,
-    group_size: int = 4,
-    lr: float = 3e-4,
-    seed: int = 0,
-    eval_every: int = 0,
-    eval_tasks: Sequence[Task] = (),
-    eval_samples: int = 4,
-) -> list[dict[str, Any]]:
-    """A minimal synchronous GRPO loop: each update samples ``groups_per_update`` tasks
-    (cycling through ``tasks`` in a seeded order) × ``group_size`` episodes with the current
-    policy and takes one :func:`policy_gradient_step` (AdamW; measured from the warm-started
-    v0: 3e-4 rises over ~8 updates, 1e-3 within 5, 1e-2 wrecks the policy at the first step).
-    With ``eval_every``, evaluates on ``eval_tasks`` before the first update and every
-    ``eval_every`` updates. Returns one log row per update (and per evaluation)."""
-    import torch
-
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
-    order = list(tasks)
-    random.Random(seed).shuffle(order)
-    log: list[dict[str, Any]] = []
-
-    def run_eval(update: int) -> None:
-        res = evaluate(policy, eval_tasks, env, eval_samples, seed=10_000)
-        log.append(
-            {"update": update, "episodes": update * groups_per_update * group_size, "eval": res.summary()}
-        )
-
-    if eval_every and eval_tasks:
-        run_eval(0)
-    for u in range(updates):
-        chosen = [order[(u * groups_per_update + g) % len(order)] for g in range(groups_per_update)]
-        jobs = [(t, m) for t in chosen for m in range(group_size)]
-        rollouts = sample_rollouts(policy, jobs, env, seed=seed * 7919 + u)
-        stats = policy_gradient_step(policy, opt, rollouts)
-        rewards = [r.reward for r in rollouts]
-        log.append({"update": u + 1, "reward": sum(rewards) / len(rewards), **stats})
-        if eval_every and eval_tasks and (u + 1) % eval_every == 0:
-            run_eval(u + 1)
-    return log
-
-
-def ci_separated(a: EvalResult, b: EvalResult) -> bool:
-    """True when b's 95% interval lies wholly above a's."""
-    return b.ci95[0] > a.ci95[1] and not math.isclose(b.ci95[0], a.ci95[1])

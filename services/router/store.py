@@ -40,7 +40,6 @@ class RouteStore:
         self._max_waiters = max_waiters
         self._waiting = 0
         self.misses = 0
-        self.misses_limited = 0
 
     async def run(self) -> None:
         await self.mirror.run()
@@ -93,7 +92,6 @@ class RouteStore:
             pass
         retry = self._misses.take(peer)
         if retry > 0:
-            self.misses_limited += 1
             raise RateLimited(f"too many unknown execution tokens; retry in {retry:.2f} s")
         self.misses += 1
         if self._waiting >= self._max_waiters:

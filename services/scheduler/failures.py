@@ -45,7 +45,6 @@ class EngineFailures:
         self.probe_timeout_s = probe_timeout_s
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self.reports = 0
-        self.found_dead = 0
 
     async def report(self, cell_id: str, target: str, reason: str) -> tuple[bool, int]:
         """(dead, executions on the cell). Only the leader acts (UNAVAILABLE elsewhere)."""
@@ -63,7 +62,6 @@ class EngineFailures:
         if not dead:
             return False, executions
         if cell_id not in self.fleet.cells.down:
-            self.found_dead += 1
             self.fleet.mark_down(cell_id)
             self.telemetry.emit(
                 "engine_dead",

@@ -19,7 +19,6 @@ class Recorded(Chaos):
 
     recover_s: float = 0.02
     in_flight: int = 0
-    max_in_flight_at_finish: int = -1
 
     async def inject(self, cluster: Any, fault: Fault) -> FaultRecord:
         self.in_flight += 1

@@ -314,7 +314,6 @@ def test_configmap_is_what_pods_mount() -> None:
                 assert mounts.get("config") == "/etc/gyre"
 
 
-COMPONENTS = ("etcd", "etcd-auth", "scheduler", "router", "packer", "cell-agent", "dashboard", "harness")
 OUTSIDE = "outside"  # a pod in another namespace (an operator's tool, Prometheus, a remote harness)
 
 

@@ -117,7 +117,7 @@ async def _mock_run(engine: MockEngine, rid: str, n: int, **sampling) -> tuple[l
 async def test_mock_logprobs_follow_the_temperature():
     engine = MockEngine(MockTiming(time_scale=0.0), VirtualClock())
     await engine.start()
-    greedy_ids, greedy_lps = await _mock_run(engine, "g", 12)
+    _, greedy_lps = await _mock_run(engine, "g", 12)
     at_1 = await _mock_run(engine, "t1", 12, temperature=1.0, seed=9)
     for temp in (0.3, 0.7, 1.5):
         ids, lps = await _mock_run(engine, f"t{temp}", 12, temperature=temp, seed=9)

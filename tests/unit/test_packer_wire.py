@@ -20,7 +20,6 @@ from services.packer.packer import Packer
 from testkit import packer_kit as tk
 
 ClaimsResponse = model.packer_pb2.ClaimMicroStepsResponse
-ClaimResponse = model.packer_pb2.ClaimMicroStepResponse
 
 
 async def _feed(p: Packer, g: str, size: int, rng: random.Random, version: int = 0) -> None:

@@ -234,7 +234,6 @@ class MockEngine(Engine):
         self._wakeup = asyncio.Event()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
-        self._hung = False
         self._loop_task: asyncio.Task[None] | None = None
         self._kv_handles: dict[str, str] = {}  # handle id -> file path or "" (memory)
 
@@ -476,7 +475,6 @@ class MockEngine(Engine):
                     if 0 <= self.faults.hang_after_tokens <= self.stats.tokens:
                         # Nothing moves any more; only a health probe timeout notices.
                         log.warning("mock engine hangs (scripted fault)")
-                        self._hung = True
                         await asyncio.Event().wait()
         except asyncio.CancelledError:
             raise

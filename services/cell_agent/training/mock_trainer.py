@@ -104,7 +104,6 @@ class MockTrainingHook:
         self._channel: grpc.aio.Channel | None = None
         self.trained_tokens = 0
         self.micro_steps = 0
-        self._published_initial = False
 
     @property
     def target(self) -> str:
