@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gyre.ids import GroupId
 from services.packer.intake import Intake
+from services.packer.records import Batch, Group
 from services.packer.state import PackerState
 
 
@@ -35,7 +37,7 @@ class SupplySignal:
         turns). This is what another training cell could still take a share of."""
         st = self.state
         batch = st.current_batch()
-        open_groups = len(st.groups_with_unclaimed_work(batch))
+        open_groups = len(self._groups_with_unclaimed_work(batch))
         if batch.sealed:
             needs = open_groups
         else:
@@ -50,11 +52,35 @@ class SupplySignal:
             "unclaimed_micro_steps": sum(b.unclaimed for b in st.batches.values() if not b.done),
             "ready_unassigned": len(st.ready),
             "counters": self.counters(),
-            "ready_tokens": float(sum(st.group_tokens(st.groups[g]) for g in st.ready)),
-            "backlog_tokens": float(st.backlog_tokens()),
+            "ready_tokens": float(sum(self._group_tokens(st.groups[g]) for g in st.ready)),
+            "backlog_tokens": float(self._backlog_tokens()),
             "tokens_trained": float(st.tokens_trained),
             "optimizing": st.optimizing(),
             "batch_assigned": len(batch.groups),
             "groups_ready_total": st.groups_ready_total,
             "groups_filtered": st.groups_filtered,
         }
+
+    def _groups_with_unclaimed_work(self, batch: Batch) -> set[GroupId]:
+        """Groups of ``batch`` with a turn not yet claimed (unpacked, or in a free micro-step)."""
+        st = self.state
+        out = {st.execs[x].group_id for x, _ in batch.pending}
+        for mid in batch.free:
+            out.update(st.execs[x].group_id for x, _ in st.micro_steps[mid].seqs)
+        return out
+
+    @staticmethod
+    def _group_tokens(group: Group) -> int:
+        """Packed tokens a group will train, about (each execution's longest turn)."""
+        return sum(max((t.tokens for t in ex.turns.values()), default=0) for ex in group.execs.values())
+
+    def _backlog_tokens(self) -> int:
+        """Packed tokens assigned to a batch and not trained yet (not packed, or in an
+        unacknowledged micro-step)."""
+        out = 0
+        for b in self.state.batches.values():
+            if b.done:
+                continue
+            out += sum(self.state.segment(r).tokens for r in b.pending)
+            out += sum(m.packed_tokens for m in b.micro_steps if m.acked_by is None)
+        return out
