@@ -1,9 +1,18 @@
-"""Token-budget bin packing of sequences into micro-steps: first-fit decreasing."""
+"""Micro-step building: a batch's trajectory segments bin-packed under the token budget
+(first-fit decreasing, a pure function), the ``emit`` events that make the bins micro-steps,
+and the sequences a claim hands out, with their wire forms (:class:`Packing`)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
+
+from gyre.ids import BatchId
+from services.packer.config import PackerConfig
+from services.packer.journal import Journal
+from services.packer.model import MicroStepView, PackedSequence, WireCache
+from services.packer.records import Batch, MicroStep
+from services.packer.segments import Segment, split_segments
 
 K = TypeVar("K", bound=Hashable)
 
@@ -43,3 +52,68 @@ def first_fit_decreasing(items: Sequence[tuple[K, int]], budget: int) -> list[li
             tree[node] = left if left >= right else right
             node //= 2
     return bins
+
+
+class Packing:
+    """Packs assigned segments into micro-steps; builds the views and sequences claims answer."""
+
+    def __init__(self, *, cfg: PackerConfig, journal: Journal) -> None:
+        self.cfg = cfg
+        self.journal = journal
+        self.state = journal.state
+        # Wire forms of the sequences of ready groups (config pre_encode): claims answer
+        # from them instead of building protos (services.packer.model.WireCache).
+        self.wire = WireCache()
+
+    def pack(self, batch: Batch, flush: bool) -> None:
+        """First-fit decreasing over the batch's unpacked segments (each costs all its tokens
+        once); emits bins that are full enough (or every bin when ``flush``); the rest wait
+        for more sequences."""
+        if not batch.pending:
+            return
+        st, budget = self.state, self.cfg.micro_step_token_budget
+        sizes = {ref: st.segment_tokens(ref) for ref in batch.pending}
+        bins = first_fit_decreasing([(ref, sizes[ref]) for ref in batch.pending], budget)
+        threshold = self.cfg.emit_fill_fraction * budget
+        emitted = len(batch.micro_steps)
+        for refs in bins:
+            if flush or sum(sizes[r] for r in refs) >= threshold:
+                self.journal.commit(
+                    {
+                        "t": "emit",
+                        "b": batch.id,
+                        "ms": f"b{batch.id}-m{emitted}",
+                        "seqs": [[x, i] for x, i in refs],
+                    }
+                )
+                emitted += 1
+
+    def pre_encode(self, execution_ids: Iterable[str]) -> None:
+        """With ``pre_encode``, the wire forms of a group that just became ready: encoded
+        now, while rollouts arrive, rather than on the claim path; the same segments the
+        group's assignment will cut (split_segments of the same turns)."""
+        if not self.cfg.pre_encode:
+            return
+        for x in execution_ids:
+            turns = self.state.execs[x].turns
+            for indexes in split_segments(turns):
+                self.wire.put(self.sequence(x, indexes))
+
+    def forget_gone(self) -> None:
+        """The wire forms of executions trained or dropped go."""
+        self.wire.keep(self.state.execs)
+
+    def view(self, ms: MicroStep, batch: Batch) -> MicroStepView:
+        st = self.state
+        seqs = tuple(self.sequence(x, st.execs[x].segments[i]) for x, i in ms.seqs)
+        return MicroStepView(
+            ms.id, BatchId(batch.id), batch.version or 0, seqs, ms.loss_tokens, ms.packed_tokens
+        )
+
+    def sequence(self, execution_id: str, indexes: tuple[int, ...]) -> PackedSequence:
+        """The packed sequence of one segment (turn ``indexes`` of a ready execution)."""
+        ex = self.state.execs[execution_id]
+        segment = Segment(tuple(ex.turns[i] for i in indexes))
+        fallback = ex.finish.policy_version if ex.finish is not None else 0
+        advantage = self.state.groups[ex.group_id].advantages[execution_id]
+        return PackedSequence(segment, advantage, segment.oldest_version(fallback))

@@ -1,8 +1,9 @@
 """The packer's state as a deterministic event-sourced machine: the trajectory buffer,
 groups, batches, micro-steps and claims, changed only by :meth:`PackerState.apply`.
 
-Every change is an event (a JSON-ready dict). The controller (:mod:`services.packer.packer`)
-decides which events to apply (validation, readiness rules, packing, claims) and writes
+Every change is an event (a JSON-ready dict). The packer's parts (intake, packing, claims,
+batches; composed in :mod:`services.packer.packer`) decide which events to apply
+(validation, readiness rules, packing, claims) and the journal (:mod:`.journal`) writes
 them to the WAL; replaying the WAL through ``apply`` rebuilds exactly this state. ``apply``
 takes no decisions that depend on config, clock or policy version, so a replay cannot
 diverge from the run that wrote it. Claim deadlines are runtime only (not replayed).
@@ -93,28 +94,6 @@ class PackerState:
         """The oldest batch still open to joiners (not closed): what ``batch_id`` 0 means.
         The batch being filled is never closed, so there always is one."""
         return self.batches[min(b for b, batch in self.batches.items() if not batch.closed)]
-
-    def groups_with_unclaimed_work(self, batch: Batch) -> set[GroupId]:
-        """Groups of ``batch`` with a turn not yet claimed (unpacked, or in a free micro-step)."""
-        out = {self.execs[x].group_id for x, _ in batch.pending}
-        for mid in batch.free:
-            out.update(self.execs[x].group_id for x, _ in self.micro_steps[mid].seqs)
-        return out
-
-    def group_tokens(self, group: Group) -> int:
-        """Packed tokens a group will train, about (each execution's longest turn)."""
-        return sum(max((t.tokens for t in ex.turns.values()), default=0) for ex in group.execs.values())
-
-    def backlog_tokens(self) -> int:
-        """Packed tokens assigned to a batch and not trained yet (not packed, or in an
-        unacknowledged micro-step)."""
-        out = 0
-        for b in self.batches.values():
-            if b.done:
-                continue
-            out += sum(self.segment(r).tokens for r in b.pending)
-            out += sum(m.packed_tokens for m in b.micro_steps if m.acked_by is None)
-        return out
 
     def stamp(self, group: Group) -> int:
         """The policy version a group serves: the newest its members' finish reports carry

@@ -18,7 +18,7 @@ the harness got an answer to (none lost, none recorded twice).
 Router failpoints (services/router):
 - ``router.turn.completed``: a call's every token streamed, its turn not yet queued;
 - ``router.turn.recorded``: the packer holds the turn, the call not yet ended.
-Packer failpoints (services/packer/packer.py):
+Packer failpoints (services/packer: intake.py, claims.py, batches.py):
 - ``packer.turn.durable`` / ``packer.finish.durable``: the record in the WAL, not answered;
 - ``packer.claim.granted``: a claim in memory and the WAL buffer, not durable, not answered;
 - ``packer.batch.sealed``: a batch sealed in memory, not durable, no claimer told.
