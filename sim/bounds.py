@@ -78,6 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gyre.staleness import PARTIAL
 from sim.config import ScenarioConfig, SimConfig
 from sim.cost import CostModel
 from sim.workload import Episode, make_trace
@@ -312,7 +313,7 @@ def _staleness_limit(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> Stale
     # the recursion runs with eta = N (no latency window) or eta + L, a weaker bound that
     # still holds.
     eta = tr.max_staleness
-    if tr.stale_rule == "partial":
+    if tr.stale_rule == PARTIAL:
         eta = tr.updates if tr.partial_max_versions is None else eta + tr.partial_max_versions
     cells = sc.cluster.cells
     tau_opt = cfg.cost.train_step_fixed_s
@@ -516,7 +517,7 @@ def _gate_path(cfg: SimConfig, sc: ScenarioConfig, costs: _Costs) -> GatePath:
         updates=tr.updates,
         cells=sc.cluster.cells,
         tau_opt=cfg.cost.train_step_fixed_s,
-        partial=tr.stale_rule == "partial",
+        partial=tr.stale_rule == PARTIAL,
         partial_max_versions=tr.partial_max_versions,
     )
 

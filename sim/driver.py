@@ -21,13 +21,6 @@ from sim.events import EventLoop
 from sim.metrics import RunResult, collect
 from sim.workload import make_trace
 
-_STATE = {
-    Role.ROLLOUT: P.CellState.ROLLOUT,
-    Role.DRAINING: P.CellState.DRAINING,
-    Role.TRAINING: P.CellState.TRAINING,
-    Role.RETURNING: P.CellState.RETURNING,
-}
-
 MAX_ROUNDS = 8
 """decide() calls per boundary: actions are applied, then the policy is asked again."""
 
@@ -164,7 +157,7 @@ class Driver:
                         c.cid,
                         P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
                         -1 if c.standalone else c.index,
-                        _STATE[c.role],
+                        c.role,
                         c.slots,
                         key[2],
                     )
@@ -177,7 +170,7 @@ class Driver:
                         c.cid,
                         P.CellKind.STANDALONE if c.standalone else P.CellKind.ELASTIC,
                         -1 if c.standalone else c.index,
-                        _STATE[c.role],
+                        c.role,
                         c.slots,
                     )
                     for c in cl.cells

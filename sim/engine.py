@@ -11,6 +11,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from gyre.etcd.values import CellState
 from sim.cost import CostModel, DecodeRate
 from sim.workload import Episode
 
@@ -20,13 +21,10 @@ CATEGORIES = ("decode", "prefill", "train", "weight_sync", "role_switch", "idle_
 EPS = 1e-9
 
 
-class Role(enum.Enum):
-    """A cell's role lifecycle (names match services.scheduler.policy.CellState)."""
-
-    ROLLOUT = "ROLLOUT"
-    DRAINING = "DRAINING"  # moving to training: drained, switching
-    TRAINING = "TRAINING"
-    RETURNING = "RETURNING"  # moving back to rollout: switching
+Role = CellState
+"""A cell's role lifecycle: the live system's :class:`CellState` (the simulator uses ROLLOUT,
+DRAINING: moving to training, drained and switching, TRAINING, and RETURNING: switching back
+to rollout)."""
 
 
 class ExecState(enum.Enum):

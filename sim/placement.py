@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gyre.etcd.values import CellRecord
 from services.scheduler import placement as SP
-from services.scheduler.policy import CellKind, CellState
+from services.scheduler.policy import CellKind
 
 if TYPE_CHECKING:
     from sim.engine import Cell
@@ -50,10 +50,10 @@ class SchedulerPlacement:
             )
             for c in cells
         }
-        self._table.states = {c.cid: CellState(c.role.value) for c in cells}
+        self._table.states = {c.cid: c.role for c in cells}
 
     def role_changed(self, cell: Cell) -> None:
-        self._table.states[cell.cid] = CellState(cell.role.value)
+        self._table.states[cell.cid] = cell.role
 
     def pick(self, exclude: Cell | None = None) -> Cell | None:
         counts = {cid: len(c.execs) for cid, c in self._cells.items()}

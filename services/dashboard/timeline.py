@@ -28,15 +28,18 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-STATES = ("STARTING", "ROLLOUT", "DRAINING", "TRAINING", "RETURNING", "FAILED")
-"""Cell states as the dashboard names them (CellState without its prefix)."""
+from gyre.diagnostics import MAX_LAG_BUCKETS, TRAINING_SCALARS
+from gyre.etcd.values import CellKind, CellState
+
+STATES = tuple(s.value for s in CellState)
+"""Cell states as the dashboard names them (CellState's names: STARTING, ROLLOUT, ...)."""
 GONE = "GONE"
 """The pseudo-state of a cell absent from the latest status (its registration lapsed)."""
 UNKNOWN = "UNKNOWN"
-KINDS = ("STANDALONE", "ELASTIC")
+KINDS = tuple(k.name for k in CellKind)
 
-_STATE_BY_NUMBER = {0: UNKNOWN, **{i + 1: s for i, s in enumerate(STATES)}}
-_KIND_BY_NUMBER = {0: UNKNOWN, 1: "STANDALONE", 2: "ELASTIC"}
+_STATE_BY_NUMBER = {0: UNKNOWN, **{int(s.to_proto()): s.value for s in CellState}}
+_KIND_BY_NUMBER = {0: UNKNOWN, **{int(k.to_proto()): k.name for k in CellKind}}
 
 LEDGER_FIELDS = ("burst_id", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
 STATUS_FIELDS = (
@@ -69,19 +72,6 @@ SERIES_FIELDS = (
 VERSION_FIELDS = ("policy_version", "dispatched", "launched", "finished", "queued", "running", "waterlevel")
 """A per-version ledger (SchedulerStatus.versions): bursts overlap, each serving its version."""
 MAX_VERSIONS = 64
-TRAINING_FIELDS = (
-    "tokens",
-    "clip_fraction",
-    "behaviour_weight_mean",
-    "behaviour_weight_max",
-    "behaviour_weight_capped_share",
-    "entropy",
-    "logprob_gap_lag0",
-    "lag_mean",
-    "grad_norm",
-)
-"""The scalar training diagnostics (SchedulerStatus.training), kept per policy version."""
-MAX_LAG_BUCKETS = 16
 MAX_TRAINING = 256
 
 
@@ -141,7 +131,7 @@ def _training(raw: Any) -> dict[str, Any] | None:
     if not isinstance(hist, list | tuple):
         raise ValueError("training.lag_hist must be a list")
     out: dict[str, Any] = {"policy_version": _int(raw, "policy_version")}
-    out.update({k: _float(raw, k) for k in TRAINING_FIELDS})
+    out.update({k: _float(raw, k) for k in TRAINING_SCALARS})
     out["lag_hist"] = [_finite("training.lag_hist", x) for x in hist[:MAX_LAG_BUCKETS]]
     return out
 
@@ -365,7 +355,7 @@ class Timeline:
         self._training[version] = {
             "version": version,
             "t_s": t_s,
-            **{k: training[k] for k in TRAINING_FIELDS},
+            **{k: training[k] for k in TRAINING_SCALARS},
         }
         while len(self._training) > self.max_training:
             del self._training[min(self._training)]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from gyre.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from gyre.failpoints import failpoint
 from gyre.ids import check_idempotency_key
-from gyre.staleness import unconsumable
+from gyre.staleness import PARTIAL, unconsumable
 from services.packer.advantages import group_advantages, is_stale, reward_std
 from services.packer.config import PackerConfig
 from services.packer.journal import Journal
@@ -254,7 +254,7 @@ class Intake:
     def _age_of(self, group: Group, oldest: int) -> int:
         """The version staleness is judged by: the oldest token's (cancel rule), or the
         group's stamp (partial rule: a restamped group keeps its older tokens)."""
-        return self.state.stamp(group) if self.cfg.stale_rule == "partial" else oldest
+        return self.state.stamp(group) if self.cfg.stale_rule == PARTIAL else oldest
 
     def _scan_key(self, full: bool) -> tuple[int, bool, int, str | None]:
         """What the ready groups' staleness depends on besides their own versions: the policy

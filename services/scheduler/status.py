@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from gyre.diagnostics import MAX_LAG_BUCKETS, TRAINING_SCALARS
 from services.scheduler.fleet import Fleet
 from services.scheduler.policy import CellKind, CellState, LedgerCounts
 
@@ -23,21 +24,6 @@ class CellStatus:
     """Executions routed to it (reservations included)."""
     target: str
     policy_version: int
-
-
-TRAINING_SCALARS = (
-    "tokens",
-    "clip_fraction",
-    "behaviour_weight_mean",
-    "behaviour_weight_max",
-    "behaviour_weight_capped_share",
-    "entropy",
-    "logprob_gap_lag0",
-    "lag_mean",
-    "grad_norm",
-)
-"""The scalar diagnostics of a training step, as the policy record's ``training`` names them."""
-MAX_LAG_BUCKETS = 16
 
 
 @dataclasses.dataclass(frozen=True)

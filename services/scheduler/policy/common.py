@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.scheduler.policy import staleness
-from services.scheduler.policy.actions import Action, DispatchBurst, PublishPolicy, SealBatch
-from services.scheduler.policy.snapshot import CellView, Snapshot
+from services.scheduler.policy.actions import Action, DispatchBurst, PublishPolicy, ReturnToRollout, SealBatch
+from services.scheduler.policy.snapshot import TRAINING_SIDE, CellState, CellView, Snapshot
 
 
 def fmt(x: float) -> str:
@@ -85,4 +85,25 @@ def dispatch_to_gate(s: Snapshot, burst_id: int | None = None) -> list[Action]:
             f"<= gate {gate} = (v{s.policy_version} + eta {p.max_staleness} + 1) x {p.batch_groups} "
             f"+ {p.extra_groups}",
         )
+    ]
+
+
+def repair_prefix(elastic: list[CellView], prefix: list[CellView]) -> list[Action]:
+    """After a cell loss or restart: training without the core is pointless, and cells
+    above a gap in the prefix break the order; both go back to rollout."""
+    if not prefix:
+        return []
+    if not prefix[0].is_core:
+        return [
+            ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: the core is not training")
+            for c in prefix
+        ]
+    alive = [c for c in elastic if c.state is not CellState.FAILED]
+    k = next((i for i, c in enumerate(alive) if c.state not in TRAINING_SIDE), len(alive))
+    return [
+        ReturnToRollout(
+            c.cell_id, f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix"
+        )
+        for c in alive[k:]
+        if c.state in TRAINING_SIDE
     ]

@@ -124,7 +124,7 @@ from services.scheduler.policy.actions import (
     PlanMoves,
     ReturnToRollout,
 )
-from services.scheduler.policy.common import dispatch_to_gate, drained_actions, publish_newest
+from services.scheduler.policy.common import dispatch_to_gate, drained_actions, publish_newest, repair_prefix
 from services.scheduler.policy.snapshot import (
     IN_FLIGHT,
     TRAINING_SIDE,
@@ -135,7 +135,6 @@ from services.scheduler.policy.snapshot import (
     capacity,
     training_set,
 )
-from services.scheduler.policy.waterlevel import WaterlevelPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +337,7 @@ class GyrePolicy:
         actions: list[Action] = publish_newest(s) + dispatch
         elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
         prefix = training_set(elastic)
-        repair = WaterlevelPolicy._repair(s.elastic(), prefix)
+        repair = repair_prefix(s.elastic(), prefix)
         if repair:
             return actions + repair
         # W_eta after this decision's own dispatch: at a publication the next batch's work

@@ -26,12 +26,11 @@ from services.scheduler.policy.actions import (
     PublishPolicy,
     ReturnToRollout,
 )
-from services.scheduler.policy.common import drained_actions, fmt, next_burst
+from services.scheduler.policy.common import drained_actions, fmt, next_burst, repair_prefix
 from services.scheduler.policy.snapshot import (
     IN_FLIGHT,
     TRAINING_SIDE,
     CellState,
-    CellView,
     Snapshot,
     SupplyTracker,
     capacity,
@@ -110,7 +109,7 @@ class WaterlevelPolicy:
     def _mid_burst(self, s: Snapshot) -> list[Action]:
         elastic = s.elastic()
         prefix = training_set(elastic)
-        repair = self._repair(elastic, prefix)
+        repair = repair_prefix(elastic, prefix)
         if repair:
             return repair
         busy = [c for c in elastic if c.state in IN_FLIGHT]
@@ -144,27 +143,6 @@ class WaterlevelPolicy:
             MoveToTraining(
                 cand.cell_id, f"moved {cand.cell_id} to training: capacity {after} >= W {w}, {why}"
             )
-        ]
-
-    @staticmethod
-    def _repair(elastic: list[CellView], prefix: list[CellView]) -> list[Action]:
-        """After a cell loss or restart: training without the core is pointless, and cells
-        above a gap in the prefix break the order; both go back to rollout."""
-        if not prefix:
-            return []
-        if not prefix[0].is_core:
-            return [
-                ReturnToRollout(c.cell_id, f"returned {c.cell_id} to rollout: the core is not training")
-                for c in prefix
-            ]
-        alive = [c for c in elastic if c.state is not CellState.FAILED]
-        k = next((i for i, c in enumerate(alive) if c.state not in TRAINING_SIDE), len(alive))
-        return [
-            ReturnToRollout(
-                c.cell_id, f"returned {c.cell_id} to rollout: {alive[k].cell_id} broke the training prefix"
-            )
-            for c in alive[k:]
-            if c.state in TRAINING_SIDE
         ]
 
     def _burst_end(self, s: Snapshot) -> list[Action]:
