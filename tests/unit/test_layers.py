@@ -41,12 +41,18 @@ def _is(mod: str, prefix: str) -> bool:
     return mod == prefix or mod.startswith(prefix + ".")
 
 
+def _above(mod: str, layer: str, ups: tuple[str, ...]) -> str:
+    """Why ``layer`` may not import ``mod`` (one of ``ups``, the tops that stand above it),
+    or "" when ``mod`` is none of them."""
+    for up in ups:
+        if _is(mod, up):
+            return f"{layer} stands below {up}"
+    return ""
+
+
 def test_library_imports_no_service_application_or_test() -> None:
     def forbidden(path: Path, mod: str) -> str:
-        for up in ("services", "apps", "tests", "testkit", "bench", "sim"):
-            if _is(mod, up):
-                return f"the library stands below {up}"
-        return ""
+        return _above(mod, "the library", ("services", "apps", "tests", "testkit", "bench", "sim"))
 
     assert _violations("gyre", forbidden) == []
 
@@ -57,10 +63,7 @@ def test_services_import_no_other_service_application_or_test() -> None:
         for svc in SERVICES:
             if svc != own and _is(mod, f"services.{svc}"):
                 return "services talk over gRPC, never import each other"
-        for up in ("apps", "tests", "testkit", "bench", "sim"):
-            if _is(mod, up):
-                return f"a service stands below {up}"
-        return ""
+        return _above(mod, "a service", ("apps", "tests", "testkit", "bench", "sim"))
 
     assert _violations("services", forbidden) == []
 
