@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists())
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, type_checking: bool = True) -> set[str]:
+    """Every module ``path`` imports (``import`` and ``from ... import``, function level
+    included); with ``type_checking`` False, not those under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text(), str(path))
+    if not type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -112,18 +118,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
 def _runtime_imports(path: Path, known: set[str]) -> set[str]:
     """The modules of ``known`` that ``path`` imports when it runs: every import, function
     level included, but not those under ``if TYPE_CHECKING:``."""
-    tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            node.body = []
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out & known
+    return _imports(path, type_checking=False) & known
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str]:
