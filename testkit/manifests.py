@@ -12,6 +12,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
+PROMISED_MODULES = {
+    "services.scheduler",
+    "services.router",
+    "services.packer",
+    "services.cell_agent",
+    "services.dashboard",
+    "apps.harness.example",
+    "apps.model.tiny",
+}
+"""The modules a deployment (compose file or manifests) runs at the least: every service,
+the example harness and the tiny model."""
 
 
 class StrictLoader(yaml.SafeLoader):

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from testkit.manifests import final_command, module_exists, python_module
+from testkit.manifests import PROMISED_MODULES, final_command, module_exists, python_module
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -125,15 +125,7 @@ def test_services_and_commands() -> None:
             assert cmd[-2:] == ["--config", "/etc/gyre/cluster.yaml"], name
             mounts = {v["target"]: v for v in svc["volumes"]}
             assert Path(mounts["/etc/gyre/cluster.yaml"]["source"]) == CLUSTER
-    assert {
-        "services.scheduler",
-        "services.router",
-        "services.packer",
-        "services.cell_agent",
-        "services.dashboard",
-        "apps.harness.example",
-        "apps.model.tiny",
-    } <= modules
+    assert PROMISED_MODULES <= modules
 
 
 @needs_compose

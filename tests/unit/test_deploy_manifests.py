@@ -27,6 +27,7 @@ import yaml
 
 from testkit.manifests import (
     K8S,
+    PROMISED_MODULES,
     StrictLoader,
     by_kind,
     containers,
@@ -203,15 +204,7 @@ def test_every_command_names_an_existing_module() -> None:
                 continue
             seen.add(module)
             assert module_exists(module), f"{doc['metadata']['name']}: no {module}"
-    assert {
-        "services.scheduler",
-        "services.router",
-        "services.packer",
-        "services.cell_agent",
-        "services.dashboard",
-        "apps.harness.example",
-        "apps.model.tiny",
-    } <= seen
+    assert PROMISED_MODULES <= seen
 
 
 def test_topology() -> None:
