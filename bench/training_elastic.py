@@ -37,7 +37,7 @@ from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
 from testkit.fake_packer import FakePacker, synthetic_batch  # noqa: E402
 from testkit.pki import BenchPki  # noqa: E402
-from testkit.training_rig import join_batch, trainer_cells, trainer_config  # noqa: E402
+from testkit.training_rig import join_batch, start_cells, trainer_cells, trainer_config  # noqa: E402
 
 
 async def _join(
@@ -94,9 +94,7 @@ async def run_k(
     lead = (pki, (await client.get(Keys(cluster).leader())).create_revision)
     kw = dict(seqs_per_step=4, min_len=64, max_len=128, seed=11)
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 120)
-        targets = [p.target for p in procs]
+        targets = await start_cells(procs, 120)
         core = targets[0]
         # Batch 1: the core alone.
         packer.add_batch(1, 0, synthetic_batch(1, max(4, micro // 4), **kw))

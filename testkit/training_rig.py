@@ -70,6 +70,14 @@ def trainer_cells(
     ]
 
 
+async def start_cells(cells: list[ServiceProcess], timeout_s: float) -> list[str]:
+    """Starts ``cells`` one after the other (off the event loop, each given ``timeout_s`` to
+    be ready): their targets."""
+    for cell in cells:
+        await asyncio.to_thread(cell.start, timeout_s)
+    return [cell.target for cell in cells]
+
+
 async def join_batch(
     channel: grpc.aio.Channel,
     epoch: int,

@@ -24,7 +24,7 @@ from services.cell_agent.snapshots import pull_snapshot
 from testkit.fake_packer import FakePacker, synthetic_batch
 from testkit.leader import leader_epoch
 from testkit.tls import channel, tls
-from testkit.training_rig import join_batch, trainer_cell, trainer_cells, trainer_config
+from testkit.training_rig import join_batch, start_cells, trainer_cell, trainer_cells, trainer_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,9 +54,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster_name))
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 90)
-        core, sat = procs[0].target, procs[1].target
+        core, sat = await start_cells(procs, 90)
         for _ in range(300):  # the core exposes version 0 once its trainer is up
             try:
                 _, before = await pull_snapshot(core, 0)

@@ -136,7 +136,7 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
     from gyre.v1 import common_pb2 as cpb
     from testkit.fake_packer import FakePacker
-    from testkit.training_rig import trainer_cells, trainer_config
+    from testkit.training_rig import start_cells, trainer_cells, trainer_config
 
     steps = synthetic_batch(2, 16, seed=6, seqs_per_step=8, min_len=128, max_len=256)
     ref = Trainer.from_dir(model_dir, 0, "float64", "cpu")
@@ -179,9 +179,7 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
             ).joined
 
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 180)
-        core, sat = procs[0].target, procs[1].target
+        core, sat = await start_cells(procs, 180)
         packer.add_batch(1, 0, steps, released=3)
         start = time.perf_counter()
         assert await join(core, 1, core)

@@ -23,7 +23,7 @@ from services.cell_agent.snapshots import pull_snapshot
 from services.packer.servicer import PackerServicer
 from testkit.leader import leader_epoch
 from testkit.tls import RoleStubs, channel
-from testkit.training_rig import join_batch, trainer_cells, trainer_config
+from testkit.training_rig import join_batch, start_cells, trainer_cells, trainer_config
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_SIZE = 3
@@ -111,9 +111,7 @@ async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[st
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster))
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 90)
-        targets = [p.target for p in procs]
+        targets = await start_cells(procs, 90)
         async with RoleStubs(packer.target, ppb_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             await _feed(stub, 0)
             batch = (await stub.GetBatch(ppb.GetBatchRequest(batch_id=0), timeout=10)).batch_id
