@@ -32,14 +32,12 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from apps.model.tiny import build_tiny_model  # noqa: E402
-from apps.procs import ServiceProcess  # noqa: E402
 from gyre.etcd import Etcd, Keys  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.identity import Role  # noqa: E402
-from gyre.ports import free_port  # noqa: E402
 from testkit.fake_packer import FakePacker, synthetic_batch  # noqa: E402
 from testkit.pki import BenchPki  # noqa: E402
-from testkit.training_rig import join_batch  # noqa: E402
+from testkit.training_rig import join_batch, start_cells, trainer_cells, trainer_config  # noqa: E402
 
 
 async def _join(
@@ -76,33 +74,19 @@ async def run_k(
     cluster = f"bench{k}"
     pki = BenchPki(work / "certs")  # mTLS on every hop, as Gyre runs by default
     packer = await FakePacker().start(pki.tls("packer", Role.PACKER))
-    cfg = {
-        "cluster": {"name": cluster, "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
-        "trainer_cell": {
-            "training": {
-                "model_dir": str(model_dir),
-                "dtype": dtype,
-                "lr": 1e-4,
-                "world_size": k,
-                "dist_master": f"127.0.0.1:{free_port()}",
-                "packer_target": packer.target,
-                "claim_wait_s": 0.5,
-                "snapshot_chunk_bytes": 1 << 20,
-            }
-        },
-    }
+    cfg = trainer_config(
+        {"name": cluster, "etcd_endpoints": [etcd.endpoint], "tls": {"dir": pki.tls_dir}},
+        model_dir,
+        k,
+        dtype=dtype,
+        lr=1e-4,
+        packer_target=packer.target,
+        claim_wait_s=0.5,
+        snapshot_chunk_bytes=1 << 20,
+    )
     path = work / f"k{k}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    procs = [
-        ServiceProcess(
-            "cell_agent.training.worker",
-            path,
-            {"cell_id": f"c{i}", "index": i},
-            env={"OMP_NUM_THREADS": "1"},
-            log_path=work / f"k{k}-c{i}.log",
-        )
-        for i in range(k)
-    ]
+    procs = trainer_cells(path, k, work, log_prefix=f"k{k}-")
     client = Etcd([etcd.endpoint])
     await client.connect()
     key = Keys(cluster).policy()
@@ -110,9 +94,7 @@ async def run_k(
     lead = (pki, (await client.get(Keys(cluster).leader())).create_revision)
     kw = dict(seqs_per_step=4, min_len=64, max_len=128, seed=11)
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 120)
-        targets = [p.target for p in procs]
+        targets = await start_cells(procs, 120)
         core = targets[0]
         # Batch 1: the core alone.
         packer.add_batch(1, 0, synthetic_batch(1, max(4, micro // 4), **kw))

@@ -1,9 +1,25 @@
 """What the dashboard reads: a scheduler status as its JSON (``SchedulerStatus`` in proto3
-JSON), built from cell states."""
+JSON), built from cell states; and the training diagnostics a core publishes with a
+version (``DIAG``), as the scheduler's status and the dashboard carry them."""
 
 from __future__ import annotations
 
 from typing import Any
+
+DIAG: dict[str, Any] = {
+    "tokens": 1536.0,
+    "clip_fraction": 0.125,
+    "behaviour_weight_mean": 0.98,
+    "behaviour_weight_max": 4.5,
+    "behaviour_weight_capped_share": 0.01,
+    "entropy": 1.75,
+    "logprob_gap_lag0": 0.002,
+    "lag_hist": [1000.0, 400.0, 136.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    "lag_mean": 0.435,
+    "grad_norm": 0.8,
+}
+"""One version's training diagnostics (``TrainingDiagnostics`` as JSON): every field set,
+distinct values. Never changed in place: tests copy it (``{**DIAG, ...}``)."""
 
 
 def status(

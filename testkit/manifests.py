@@ -1,6 +1,7 @@
 """The Kubernetes manifests of ``deploy/k8s`` as the tests read them: strict YAML (a
 duplicate key is an error), every document of every manifest, the workloads and their
-containers."""
+containers; and, for manifests and the compose file alike, the Python module a container's
+command runs and whether the tree has it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
+PROMISED_MODULES = {
+    "services.scheduler",
+    "services.router",
+    "services.packer",
+    "services.cell_agent",
+    "services.dashboard",
+    "apps.harness.example",
+    "apps.model.tiny",
+}
+"""The modules a deployment (compose file or manifests) runs at the least: every service,
+the example harness and the tiny model."""
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -62,3 +74,27 @@ def containers(doc: dict[str, Any], init: bool = True) -> list[dict[str, Any]]:
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def final_command(command: list[str]) -> list[str]:
+    """A container's command as it runs in the end: ``sh -c "a || b"`` is the words of its
+    last alternative (the one that starts the service); any other command is itself."""
+    if command[:2] == ["sh", "-c"]:
+        return command[2].split("||")[-1].split()
+    return command
+
+
+def python_module(command: list[str]) -> str | None:
+    """The module the :func:`final_command` of ``command`` runs with ``-m``; None without one."""
+    cmd = final_command(command)
+    return cmd[cmd.index("-m") + 1] if "-m" in cmd else None
+
+
+def module_exists(module: str) -> bool:
+    """Whether the tree has ``module``: for ``services.<svc>...`` the service's folder (its
+    ``__main__.py`` may land later), else the module's file or a package with a ``__main__.py``."""
+    parts = module.split(".")
+    if parts[0] == "services":
+        return (ROOT / "services" / parts[1]).is_dir()
+    path = ROOT.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()

@@ -42,38 +42,32 @@ for _section in SERVICE_ROLES:
 set_process_tls(TlsFiles.from_dir(PKI / "cell-0"))
 
 
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    """A private etcd (temp dir, loopback, free ports) shared by one test module."""
-    server = EtcdServer()
+def _running(server: EtcdServer) -> Iterator[EtcdServer]:
+    """``server`` started, and cleaned up (stopped, its data removed) once the fixture ends."""
     server.start()
     try:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    """A private etcd (temp dir, loopback, free ports) shared by one test module."""
+    yield from _running(EtcdServer())
 
 
 @pytest.fixture
 def fresh_etcd() -> Iterator[EtcdServer]:
     """A private etcd for one test (for tests that restart, pause or kill it)."""
-    server = EtcdServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from _running(EtcdServer())
 
 
 @pytest.fixture
 def secure_etcd() -> Iterator[EtcdServer]:
     """A private etcd with TLS and client-certificate auth (users and roles are provisioned
     per test with ``testkit.tls.provision_etcd``)."""
-    server = EtcdServer(tls_dir=PKI / "etcd")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from _running(EtcdServer(tls_dir=PKI / "etcd"))
 
 
 @pytest.fixture

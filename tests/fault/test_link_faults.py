@@ -30,14 +30,13 @@ from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
 from testkit.fake_packer import FakePacker
 from testkit.proxy import LinkProxy
 from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from testkit.scheduler_env import scheduler_env
 from testkit.scheduler_peers import (
     FakeCellAgent,
     FakeRouter,
     Harness,
-    connect,
     wait_until,
 )
-from testkit.scheduler_peers import write_config as write_scheduler_config
 from testkit.tls import tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -176,58 +175,24 @@ async def _move_held(etcd_server, cluster_name, tmp_path, lease_ttl_s: int = 5, 
     """Four executions, two on the core; the two elsewhere finish, supply arrives and the
     scheduler moves the core to training (its link delays every chunk 50 ms): yields once
     the core is DRAINING with both of its routes moved and its command to enter TRAINING held."""
-    etcd = await connect(etcd_server.endpoint)
-    keys = Keys(cluster_name)
-    core = await FakeCellAgent(etcd, keys, "core", "elastic", 0, 2, lease_ttl_s=lease_ttl_s).start()
-    link = await LinkProxy(core.target).start()
-    core.target = link.target  # the scheduler reaches the core through the link
-    await core._register()
-    sa = await FakeCellAgent(etcd, keys, "sa-0", "standalone", -1, 2, lease_ttl_s=lease_ttl_s).start()
-    router = await FakeRouter(etcd, keys).start()
-    packer = await FakePacker().start(tls("packer"))
-    core.hold["TRAINING"] = asyncio.Event()
-    hist = tmp_path / "history.jsonl"
-    cfg = write_scheduler_config(
-        tmp_path,
-        etcd_server.endpoint,
-        cluster_name,
-        batch_size=2,
-        packer_target=packer.target,
-        history_file=str(hist),
-        policy="waterlevel",  # the move follows the seed's rule: capacity without the core >= W
-        **scheduler,
-    )
-    proc = ServiceProcess("scheduler", cfg, log_path=tmp_path / "sched.log")
-    await asyncio.to_thread(proc.start)
-    h = Harness(proc.target)
-    try:
+    async with scheduler_env(etcd_server.endpoint, cluster_name, tmp_path) as env:
+        core, _ = await env.move_cells(lease_ttl_s)
+        link = env.track(await LinkProxy(core.target).start())
+        core.target = link.target  # the scheduler reaches the core through the link
+        await core._register()
+        router, packer = await env.router(), await env.packer()
+        core.hold["TRAINING"] = asyncio.Event()
+        cfg = env.move_config(packer_target=packer.target, history_file=str(env.history), **scheduler)
+        _, h = await env.start(cfg, "sched")
         await h.wait_leader()
         link.delay_s = 0.05
-        execs = [await h.acquire() for _ in range(4)]
-        assert all(execs)
-        on_core = [
-            e
-            for e in execs
-            if json.loads((await etcd.get(keys.route(e.execution_id))).value)["cell_id"] == "core"
-        ]
-        for e in execs:
-            if e not in on_core:
-                await h.finish(e)
-        packer.set_supply(2, 2)
+        on_core = await env.start_move(h, packer)
 
         async def held():
             return core.state == "DRAINING" and len(router.moves) == 2
 
         await wait_until(held, timeout_s=30, what="the command to enter TRAINING in flight")
-        yield Move(etcd, keys, core, link, router, packer, h, hist, on_core)
-    finally:
-        core.hold["TRAINING"].set()
-        await h.close()
-        await asyncio.to_thread(proc.stop)
-        for x in (core, sa, router, packer):
-            await x.stop()
-        await link.stop()
-        await etcd.close()
+        yield Move(env.etcd, env.keys, core, link, router, packer, h, env.history, on_core)
 
 
 async def _moved(m: Move) -> bool:

@@ -18,15 +18,13 @@ import pytest
 import torch
 import yaml
 
-from apps.procs import ServiceProcess
 from gyre.errors import NotFound
 from gyre.etcd import Etcd, Keys
-from gyre.ports import free_port
 from services.cell_agent.snapshots import pull_snapshot
 from testkit.fake_packer import FakePacker, synthetic_batch
 from testkit.leader import leader_epoch
 from testkit.tls import channel, tls
-from testkit.training_rig import join_batch
+from testkit.training_rig import join_batch, start_cells, trainer_cell, trainer_cells, trainer_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,38 +39,22 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     packer = await FakePacker().start(tls("packer"))
-    cfg = {
-        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "trainer_cell": {
-            "training": {
-                "model_dir": str(model_dir),
-                "dtype": "float32",
-                "world_size": 2,
-                "dist_master": f"127.0.0.1:{free_port()}",
-                "dist_timeout_s": 60,
-                "packer_target": packer.target,
-                "claim_wait_s": 0.2,
-            }
-        },
-    }
+    cfg = trainer_config(
+        {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        model_dir,
+        2,
+        dtype="float32",
+        dist_timeout_s=60,
+        packer_target=packer.target,
+        claim_wait_s=0.2,
+    )
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    procs = [
-        ServiceProcess(
-            "cell_agent.training.worker",
-            tmp_path / "c.yaml",
-            {"cell_id": f"c{i}", "index": i},
-            env={"OMP_NUM_THREADS": "1"},
-            log_path=tmp_path / f"c{i}.log",
-        )
-        for i in range(2)
-    ]
+    procs = trainer_cells(tmp_path / "c.yaml", 2, tmp_path)
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster_name))
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 90)
-        core, sat = procs[0].target, procs[1].target
+        core, sat = await start_cells(procs, 90)
         for _ in range(300):  # the core exposes version 0 once its trainer is up
             try:
                 _, before = await pull_snapshot(core, 0)
@@ -104,15 +86,7 @@ async def test_satellite_killed_mid_batch(tmp_path, etcd_server, cluster_name):
         assert version == 0
         assert all(torch.equal(after[n], t) for n, t in before.items())  # no partial update
         # The supervisor restarts the satellite; the groups re-form by themselves.
-        procs.append(
-            ServiceProcess(
-                "cell_agent.training.worker",
-                tmp_path / "c.yaml",
-                {"cell_id": "c1", "index": 1},
-                env={"OMP_NUM_THREADS": "1"},
-                log_path=tmp_path / "c1-restarted.log",
-            )
-        )
+        procs.append(trainer_cell(tmp_path / "c.yaml", "c1", 1, tmp_path / "c1-restarted.log"))
         await asyncio.to_thread(procs[-1].start, 90)
         joined = False
         for _ in range(300):

@@ -131,12 +131,12 @@ def test_nccl_prefix_groups_reduce_and_broadcast():
 async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir, tmp_path):
     import yaml
 
-    from apps.procs import ServiceProcess
     from gyre.etcd import Etcd, Keys
     from gyre.v1 import cell_agent_pb2 as pb
     from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
     from gyre.v1 import common_pb2 as cpb
     from testkit.fake_packer import FakePacker
+    from testkit.training_rig import start_cells, trainer_cells, trainer_config
 
     steps = synthetic_batch(2, 16, seed=6, seqs_per_step=8, min_len=128, max_len=256)
     ref = Trainer.from_dir(model_dir, 0, "float64", "cpu")
@@ -146,32 +146,19 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
     want = ref.state_dict()
 
     packer = await FakePacker().start(tls("packer"))
-    cfg = {
-        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "trainer_cell": {
-            "training": {
-                "model_dir": str(model_dir),
-                "dtype": "float32",
-                "lr": 1e-3,
-                "world_size": 2,
-                "device": "auto",
-                "dist_backend": "auto",
-                "dist_master": f"127.0.0.1:{free_port()}",
-                "packer_target": packer.target,
-                "claim_wait_s": 0.2,
-            }
-        },
-    }
+    cfg = trainer_config(
+        {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
+        model_dir,
+        2,
+        dtype="float32",
+        lr=1e-3,
+        device="auto",
+        dist_backend="auto",
+        packer_target=packer.target,
+        claim_wait_s=0.2,
+    )
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    procs = [
-        ServiceProcess(
-            "cell_agent.training.worker",
-            tmp_path / "c.yaml",
-            {"cell_id": f"g{i}", "index": i},
-            log_path=tmp_path / f"g{i}.log",
-        )
-        for i in range(2)
-    ]
+    procs = trainer_cells(tmp_path / "c.yaml", 2, tmp_path, prefix="g", single_threaded=False)
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster_name))  # fenced commands need a real leader
@@ -192,9 +179,7 @@ async def test_two_gpu_cells_equal_one_cell(etcd_server, cluster_name, model_dir
             ).joined
 
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 180)
-        core, sat = procs[0].target, procs[1].target
+        core, sat = await start_cells(procs, 180)
         packer.add_batch(1, 0, steps, released=3)
         start = time.perf_counter()
         assert await join(core, 1, core)

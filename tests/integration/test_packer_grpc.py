@@ -8,8 +8,11 @@ WatchSupply streams the supply as groups become ready."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 import pytest
@@ -51,25 +54,39 @@ async def drain(stub, cell, batch_id, trained, wait_s=0.5):
         assert not ack.duplicate
 
 
-async def test_sixteen_claimers_race_over_grpc(packer_proc):
-    proc = packer_proc(batch_size=8)
-    stubs = [RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) for _ in range(4)]
+@contextlib.asynccontextmanager
+async def _four_stubs(target: str) -> AsyncIterator[list[RoleStubs]]:
+    """Four packer stubs on ``target`` (closed on the way out)."""
+    stubs = [RoleStubs(target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) for _ in range(4)]
     try:
+        yield stubs
+    finally:
+        for stub in stubs:
+            await stub.close()
+
+
+async def _feed_and_drain(
+    stubs: list[RoleStubs], drains: list[Coroutine[Any, Any, list[str]]]
+) -> tuple[list[list[str]], list[str], packer_pb2.BatchStatus]:
+    """Eight groups fed through the first stub while ``drains`` claim batch 1: the micro-steps
+    of each drain, all of them, and the batch's status once every drain is done."""
+    results = await asyncio.gather(tk.feed_stub(stubs[0], 8), *drains)
+    drained: list[list[str]] = list(results[1:])
+    status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
+    return drained, [m for ids in drained for m in ids], status
+
+
+async def test_sixteen_claimers_race_over_grpc(packer_proc):
+    async with _four_stubs(packer_proc(batch_size=8).target) as stubs:
         trained: list[tuple[str, int]] = []
-        results = await asyncio.gather(
-            tk.feed_stub(stubs[0], 8),
-            *(drain(stubs[i % 4], f"cell{i}", 1, trained) for i in range(16)),
+        _, claimed, status = await _feed_and_drain(
+            stubs, [drain(stubs[i % 4], f"cell{i}", 1, trained) for i in range(16)]
         )
-        claimed = [m for ids in results[1:] for m in ids]
-        status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
         assert status.done and status.sealed and status.closed
         assert len(claimed) == len(set(claimed)) == status.micro_steps == status.acked
         assert len(trained) == len(set(trained)) == 8 * 3 * 2
         c = status.counters
         assert c.produced == c.consumed == 48 and c.buffered == 0
-    finally:
-        for stub in stubs:
-            await stub.close()
 
 
 async def drain_batched(stub, cell, batch_id, trained, n):
@@ -103,33 +120,25 @@ async def drain_batched(stub, cell, batch_id, trained, n):
 
 
 async def test_batched_claims_and_acks_over_grpc(packer_proc):
-    proc = packer_proc(batch_size=8)
-    stubs = [RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) for _ in range(4)]
-    try:
+    async with _four_stubs(packer_proc(batch_size=8).target) as stubs:
         trained: list[tuple[str, int]] = []
-        results = await asyncio.gather(
-            tk.feed_stub(stubs[0], 8),
-            *(drain_batched(stubs[i % 4], f"cell{i}", 1, trained, 1 + i % 4) for i in range(8)),
+        drained, claimed, status = await _feed_and_drain(
+            stubs, [drain_batched(stubs[i % 4], f"cell{i}", 1, trained, 1 + i % 4) for i in range(8)]
         )
-        claimed = [m for ids in results[1:] for m in ids]
-        status = await stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
         assert status.done and len(claimed) == len(set(claimed)) == status.micro_steps == status.acked
         assert len(trained) == len(set(trained)) == 8 * 3 * 2
         bad = packer_pb2.ClaimMicroStepsRequest(cell_id="cell0", batch_id=0, max_micro_steps=0)
         assert await _code(stubs[0].ClaimMicroSteps(bad, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
         # A cell's own micro-step with an unknown one (any cell that trained one: cell 0,
         # claiming one at a time against cells claiming up to 4, may have trained none).
-        owner, mine = next((i, ids) for i, ids in enumerate(results[1:]) if ids)
+        owner, mine = next((i, ids) for i, ids in enumerate(drained) if ids)
         unknown = packer_pb2.AckMicroStepsRequest(
             cell_id=f"cell{owner}", batch_id=1, micro_step_ids=[mine[0], "nope"]
         )
         assert await _code(stubs[0].AckMicroSteps(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
-        theirs = next(ids for ids in results[2:] if ids)  # trained by another cell
+        theirs = next(ids for ids in drained[1:] if ids)  # trained by another cell
         other = packer_pb2.AckMicroStepsRequest(cell_id="cell0", batch_id=1, micro_step_ids=theirs[:1])
         assert await _code(stubs[0].AckMicroSteps(other, timeout=5)) == grpc.StatusCode.FAILED_PRECONDITION
-    finally:
-        for stub in stubs:
-            await stub.close()
 
 
 async def test_the_trainers_packer_client_claims_and_acks_in_batches(packer_proc):

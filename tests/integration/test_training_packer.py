@@ -16,7 +16,6 @@ import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from gyre.ports import free_port
 from gyre.v1 import common_pb2 as cpb
 from gyre.v1 import packer_pb2 as ppb
 from gyre.v1 import packer_pb2_grpc as ppb_grpc
@@ -24,7 +23,7 @@ from services.cell_agent.snapshots import pull_snapshot
 from services.packer.servicer import PackerServicer
 from testkit.leader import leader_epoch
 from testkit.tls import RoleStubs, channel
-from testkit.training_rig import join_batch
+from testkit.training_rig import join_batch, start_cells, trainer_cells, trainer_config
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_SIZE = 3
@@ -84,51 +83,35 @@ async def _join(epoch: int, target: str, batch: int, prefix: int, core: str) -> 
 
 async def _run(tmp, etcd_server, cluster: str, model_dir, cells: int) -> dict[str, torch.Tensor]:
     tmp.mkdir()
-    cfg = {
-        "cluster": {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
-        "packer": {
-            "wal_dir": str(tmp / "wal"),
-            "wal_fsync": False,
-            "batch_size": 2,
-            "micro_step_token_budget": 48,
-            "claim_ttl_s": 3.0,
-            "reap_interval_s": 0.2,
-            "ready_grace_s": 0.0,
-            "log_level": "WARNING",
-        },
-        "trainer_cell": {
-            "training": {
-                "model_dir": str(model_dir),
-                "dtype": "float64",
-                "lr": 5e-3,
-                "world_size": cells,
-                "dist_master": f"127.0.0.1:{free_port()}",
-                "claim_wait_s": 0.3,
-            }
-        },
+    cfg = trainer_config(
+        {"name": cluster, "etcd_endpoints": [etcd_server.endpoint]},
+        model_dir,
+        cells,
+        dtype="float64",
+        lr=5e-3,
+        claim_wait_s=0.3,
+    )
+    cfg["packer"] = {
+        "wal_dir": str(tmp / "wal"),
+        "wal_fsync": False,
+        "batch_size": 2,
+        "micro_step_token_budget": 48,
+        "claim_ttl_s": 3.0,
+        "reap_interval_s": 0.2,
+        "ready_grace_s": 0.0,
+        "log_level": "WARNING",
     }
     path = tmp / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     packer = ServiceProcess("packer", path, log_path=tmp / "packer.log").start(timeout_s=60)
     cfg["trainer_cell"]["training"]["packer_target"] = packer.target
     path.write_text(yaml.safe_dump(cfg))
-    procs = [
-        ServiceProcess(
-            "cell_agent.training.worker",
-            path,
-            {"cell_id": f"c{i}", "index": i},
-            env={"OMP_NUM_THREADS": "1"},
-            log_path=tmp / f"c{i}.log",
-        )
-        for i in range(cells)
-    ]
+    procs = trainer_cells(path, cells, tmp)
     etcd = Etcd([etcd_server.endpoint])
     await etcd.connect()
     epoch = await leader_epoch(etcd, Keys(cluster))
     try:
-        for p in procs:
-            await asyncio.to_thread(p.start, 90)
-        targets = [p.target for p in procs]
+        targets = await start_cells(procs, 90)
         async with RoleStubs(packer.target, ppb_grpc.PackerStub, PackerServicer.ACCESS) as stub:
             await _feed(stub, 0)
             batch = (await stub.GetBatch(ppb.GetBatchRequest(batch_id=0), timeout=10)).batch_id

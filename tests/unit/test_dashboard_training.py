@@ -20,20 +20,8 @@ from services.dashboard import metrics
 from services.dashboard.app import PAGE_PATH, DashboardApp
 from services.dashboard.timeline import Timeline, normalize_status
 from testkit.clock import ManualClock
-from testkit.dashboard_status import status
+from testkit.dashboard_status import DIAG, status
 
-DIAG: dict[str, Any] = {
-    "tokens": 1536.0,
-    "clip_fraction": 0.125,
-    "behaviour_weight_mean": 0.98,
-    "behaviour_weight_max": 4.5,
-    "behaviour_weight_capped_share": 0.01,
-    "entropy": 1.75,
-    "logprob_gap_lag0": 0.002,
-    "lag_hist": [1000.0, 400.0, 136.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-    "lag_mean": 0.435,
-    "grad_norm": 0.8,
-}
 SERIES_KEYS = {"version", "t_s", *(k for k in DIAG if k != "lag_hist")}
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from testkit.manifests import PROMISED_MODULES, final_command, module_exists, python_module
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 CLUSTER = ROOT / "deploy" / "compose" / "cluster.yaml"
@@ -113,32 +115,17 @@ def test_services_and_commands() -> None:
     } <= set(services)
     modules = set()
     for name, svc in services.items():
-        cmd = svc.get("command") or []
-        if cmd[:2] == ["sh", "-c"]:
-            cmd = cmd[2].split("||")[-1].split()
-        if "-m" not in cmd:
+        cmd = final_command(svc.get("command") or [])
+        module = python_module(cmd)
+        if module is None:
             continue
-        module = cmd[cmd.index("-m") + 1]
         modules.add(module)
-        parts = module.split(".")
-        if parts[0] == "services":  # services/<svc>/__main__.py may land later
-            assert (ROOT / "services" / parts[1]).is_dir(), f"{name}: {module} does not exist"
-        else:
-            path = ROOT.joinpath(*parts)
-            assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), f"{name}: {module}"
-        if parts[0] == "services":
+        assert module_exists(module), f"{name}: {module} does not exist"
+        if module.split(".")[0] == "services":
             assert cmd[-2:] == ["--config", "/etc/gyre/cluster.yaml"], name
             mounts = {v["target"]: v for v in svc["volumes"]}
             assert Path(mounts["/etc/gyre/cluster.yaml"]["source"]) == CLUSTER
-    assert {
-        "services.scheduler",
-        "services.router",
-        "services.packer",
-        "services.cell_agent",
-        "services.dashboard",
-        "apps.harness.example",
-        "apps.model.tiny",
-    } <= modules
+    assert PROMISED_MODULES <= modules
 
 
 @needs_compose

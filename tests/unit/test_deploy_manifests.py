@@ -27,16 +27,18 @@ import yaml
 
 from testkit.manifests import (
     K8S,
+    PROMISED_MODULES,
     StrictLoader,
     by_kind,
     containers,
     env_of,
     load_all,
     manifest_files,
+    module_exists,
+    python_module,
     workloads,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30"  # oldest we target: the pod-index label needs >= 1.28
 NOT_IN_KUSTOMIZATION = {"harness-job.yaml"}  # a one-off Job, applied by hand
 
@@ -197,28 +199,12 @@ def test_every_command_names_an_existing_module() -> None:
     seen = set()
     for doc in workloads():
         for c in containers(doc):
-            cmd = c.get("command") or []
-            if cmd[:2] == ["sh", "-c"]:
-                cmd = cmd[2].split("||")[-1].split()
-            if "-m" not in cmd:
+            module = python_module(c.get("command") or [])
+            if module is None:
                 continue
-            module = cmd[cmd.index("-m") + 1]
             seen.add(module)
-            parts = module.split(".")
-            if parts[0] == "services":  # services/<svc>/ may land its __main__ later
-                assert (ROOT / "services" / parts[1]).is_dir(), f"{doc['metadata']['name']}: no {module}"
-            else:
-                path = ROOT.joinpath(*parts)
-                assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), module
-    assert {
-        "services.scheduler",
-        "services.router",
-        "services.packer",
-        "services.cell_agent",
-        "services.dashboard",
-        "apps.harness.example",
-        "apps.model.tiny",
-    } <= seen
+            assert module_exists(module), f"{doc['metadata']['name']}: no {module}"
+    assert PROMISED_MODULES <= seen
 
 
 def test_topology() -> None:

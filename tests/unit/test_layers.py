@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists())
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, type_checking: bool = True) -> set[str]:
+    """Every module ``path`` imports (``import`` and ``from ... import``, function level
+    included); with ``type_checking`` False, not those under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text(), str(path))
+    if not type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -41,12 +47,18 @@ def _is(mod: str, prefix: str) -> bool:
     return mod == prefix or mod.startswith(prefix + ".")
 
 
+def _above(mod: str, layer: str, ups: tuple[str, ...]) -> str:
+    """Why ``layer`` may not import ``mod`` (one of ``ups``, the tops that stand above it),
+    or "" when ``mod`` is none of them."""
+    for up in ups:
+        if _is(mod, up):
+            return f"{layer} stands below {up}"
+    return ""
+
+
 def test_library_imports_no_service_application_or_test() -> None:
     def forbidden(path: Path, mod: str) -> str:
-        for up in ("services", "apps", "tests", "testkit", "bench", "sim"):
-            if _is(mod, up):
-                return f"the library stands below {up}"
-        return ""
+        return _above(mod, "the library", ("services", "apps", "tests", "testkit", "bench", "sim"))
 
     assert _violations("gyre", forbidden) == []
 
@@ -57,10 +69,7 @@ def test_services_import_no_other_service_application_or_test() -> None:
         for svc in SERVICES:
             if svc != own and _is(mod, f"services.{svc}"):
                 return "services talk over gRPC, never import each other"
-        for up in ("apps", "tests", "testkit", "bench", "sim"):
-            if _is(mod, up):
-                return f"a service stands below {up}"
-        return ""
+        return _above(mod, "a service", ("apps", "tests", "testkit", "bench", "sim"))
 
     assert _violations("services", forbidden) == []
 
@@ -109,18 +118,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
 def _runtime_imports(path: Path, known: set[str]) -> set[str]:
     """The modules of ``known`` that ``path`` imports when it runs: every import, function
     level included, but not those under ``if TYPE_CHECKING:``."""
-    tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            node.body = []
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out & known
+    return _imports(path, type_checking=False) & known
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str]:

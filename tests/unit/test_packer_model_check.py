@@ -69,20 +69,24 @@ async def attempt(p: Packer, call) -> None:  # type: ignore[no-untyped-def]
         assert tk.snapshot(p.state) == before
 
 
-async def run(program: list[tuple]) -> None:
-    cfg = tk.config(
-        batch_size=2,
-        micro_step_token_budget=32,
+def _fresh_packer(batch_size: int, token_budget: int, fill: float) -> tuple[Packer, tk.ManualClock]:
+    """A recovered-empty packer on a manual clock (claims live 5 s, a failed member leaves the
+    rest of its group, any group trains), and its clock."""
+    packer, _, clock = tk.make_packer(
+        batch_size=batch_size,
+        micro_step_token_budget=token_budget,
         claim_ttl_s=5.0,
-        emit_fill_fraction=0.6,
+        emit_fill_fraction=fill,
         failed_member_rule="keep_rest",
         min_group_members=1,
         drop_zero_variance=False,
     )
-    clock = tk.ManualClock()
-    log = MemoryLog()
-    p = Packer(cfg, log, clock=clock)
-    p.recover([])
+    return packer, clock
+
+
+async def run(program: list[tuple]) -> None:
+    p, clock = _fresh_packer(2, 32, 0.6)
+    cfg = p.cfg
     claims: dict[str, list[tuple[str, int]]] = {}  # micro-step -> its turns, from claim answers
     held: list[tuple[str, int, str]] = []  # (cell, batch, micro-step) as the cells believe
     trained: list[tuple[str, int]] = []
@@ -197,19 +201,8 @@ async def simulate(seed: int, steps: int) -> dict[str, int]:
     import random
 
     rng = random.Random(seed)
-    cfg = tk.config(
-        batch_size=3,
-        micro_step_token_budget=40,
-        claim_ttl_s=5.0,
-        emit_fill_fraction=0.7,
-        failed_member_rule="keep_rest",
-        min_group_members=1,
-        drop_zero_variance=False,
-    )
-    clock = tk.ManualClock()
-    log = MemoryLog()
-    p = Packer(cfg, log, clock=clock)
-    p.recover([])
+    p, clock = _fresh_packer(3, 40, 0.7)
+    cfg = p.cfg
     cells = [f"c{i}" for i in range(4)]
     held: dict[str, list[tuple[int, str]]] = {c: [] for c in cells}
     claims: dict[str, list[tuple[str, int]]] = {}

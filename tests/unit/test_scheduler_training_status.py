@@ -19,20 +19,8 @@ from services.dashboard.source import status_to_dict
 from services.dashboard.timeline import normalize_status
 from services.scheduler.servicer import ControlServicer
 from services.scheduler.status import TrainingDiagnostics
+from testkit.dashboard_status import DIAG
 from testkit.scheduler_rig import KV, lead, make
-
-DIAG: dict[str, Any] = {
-    "tokens": 1536.0,
-    "clip_fraction": 0.125,
-    "behaviour_weight_mean": 0.98,
-    "behaviour_weight_max": 4.5,
-    "behaviour_weight_capped_share": 0.01,
-    "entropy": 1.75,
-    "logprob_gap_lag0": 0.002,
-    "lag_hist": [1000.0, 400.0, 136.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-    "lag_mean": 0.435,
-    "grad_norm": 0.8,
-}
 
 
 def record(version: int, training: dict[str, Any] | None = None) -> dict[bytes, KV]:
