@@ -48,7 +48,7 @@ def _engine(tokens_per_chunk: int) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "bench" / "support" / "fake_engine.py"),
+            str(ROOT / "testkit" / "fake_engine.py"),
             "--insecure",
             "--tokens-per-chunk",
             str(tokens_per_chunk),

@@ -45,13 +45,14 @@ sys.path.insert(0, str(ROOT))
 
 from apps.procs import ServiceProcess  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
+from gyre.execution import ExecutionStatus  # noqa: E402
 from gyre.identity import Role  # noqa: E402
 from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
 from services.cell_agent.training.config import TrainingSettings  # noqa: E402
 from services.cell_agent.training.microstep import Outcome  # noqa: E402
 from services.cell_agent.training.packer_client import PackerSource  # noqa: E402
 from services.packer.config import PackerConfig  # noqa: E402
-from services.packer.model import ClaimOutcome, ExecStatus, Finish, Turn  # noqa: E402
+from services.packer.model import ClaimOutcome, Finish, Turn  # noqa: E402
 from services.packer.packer import Packer  # noqa: E402
 from services.packer.wal import EventLog, Wal  # noqa: E402
 from testkit.pki import BenchPki  # noqa: E402
@@ -83,7 +84,7 @@ def workload(
                         1 << 20,
                     )
                 )
-            fs.append(Finish.validated(x, gid, group_size, ExecStatus.COMPLETED, float(k), 0, 1 << 16))
+            fs.append(Finish.validated(x, gid, group_size, ExecutionStatus.COMPLETED, float(k), 0, 1 << 16))
         out.append((ts, fs))
     return out
 

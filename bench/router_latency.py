@@ -262,7 +262,7 @@ def _engine(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "bench" / "support" / "fake_engine.py"),
+            str(ROOT / "testkit" / "fake_engine.py"),
             "--token-delay-s",
             str(TOKEN_DELAY_S),
             *(["--step-clock"] if STEP_CLOCK else []),

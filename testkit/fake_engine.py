@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gyre.errors import FailedPrecondition, GyreError, status_for  # noqa: E402
 from gyre.grpcx.tls import TlsFiles, process_tls, set_process_tls  # noqa: E402

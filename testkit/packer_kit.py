@@ -7,9 +7,10 @@ import dataclasses
 import random
 from typing import Any
 
+from gyre.execution import ExecutionStatus
 from gyre.v1 import common_pb2, packer_pb2
 from services.packer.config import PackerConfig
-from services.packer.model import ExecStatus, Finish, Turn
+from services.packer.model import Finish, Turn
 from services.packer.packer import Packer
 from services.packer.state import PackerState
 from services.packer.wal import MemoryLog
@@ -58,7 +59,7 @@ def finish(
     g: str,
     size: int,
     reward: float = 1.0,
-    status: ExecStatus = ExecStatus.COMPLETED,
+    status: ExecutionStatus = ExecutionStatus.COMPLETED,
     version: int = 0,
 ) -> Finish:
     return Finish.validated(x, g, size, status, reward, version, 1 << 16)

@@ -41,25 +41,16 @@ from gyre.apikeys import METADATA_KEY
 from gyre.backoff import Backoff
 from gyre.client.router_stream import RouterStream
 from gyre.errors import GyreError, InvalidArgument, NotFound, Unavailable, from_http_status, from_rpc_error
+from gyre.execution import ExecutionStatus
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured
 from gyre.identity import Role
-from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from gyre.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_STATUS = {
-    "completed": common_pb2.EXECUTION_STATUS_COMPLETED,
-    "failed": common_pb2.EXECUTION_STATUS_FAILED,
-    "cancelled": common_pb2.EXECUTION_STATUS_CANCELLED,
-}
-_FINAL_STATUS: dict[str, common_pb2.ExecutionStatus] = {
-    "COMPLETED": common_pb2.EXECUTION_STATUS_COMPLETED,
-    "FAILED": common_pb2.EXECUTION_STATUS_FAILED,
-    "TIMED_OUT": common_pb2.EXECUTION_STATUS_TIMED_OUT,
-    "CANCELLED": common_pb2.EXECUTION_STATUS_CANCELLED,
-}
-_FINAL_NAMES: dict[int, str] = {status: name for name, status in _FINAL_STATUS.items()}
+HARNESS_STATUSES = ("completed", "failed", "cancelled")
+"""The ends a harness may report (TIMED_OUT is the scheduler's own)."""
 
 
 LEADER_METADATA = "x-gyre-leader"
@@ -367,10 +358,13 @@ class ExecutionHandle:
 
     def _closed(self, status: int) -> bool:
         """Records a final status the scheduler reports; True when the execution is closed."""
-        if status in _FINAL_NAMES:
-            self.closed_as = _FINAL_NAMES[status]
-            return True
-        return False
+        try:
+            closed = ExecutionStatus.from_proto(status)
+        except InvalidArgument:
+            return False
+        if closed.final:
+            self.closed_as = closed.value
+        return closed.final
 
     async def heartbeat(self) -> scheduler_pb2.HeartbeatResponse:
         """Keeps the execution alive; retried across a failover (it only pushes a deadline)."""
@@ -386,13 +380,13 @@ class ExecutionHandle:
     ) -> scheduler_pb2.FinishExecutionResponse:
         """Reports the end, retried across a failover (up to the client's ``retry_s``).
         Safe to retry: the idempotency key makes repeats no-ops."""
-        if status not in _STATUS:
-            raise InvalidArgument(f"status must be one of {sorted(_STATUS)}")
+        if status not in HARNESS_STATUSES:
+            raise InvalidArgument(f"status must be one of {sorted(HARNESS_STATUSES)}")
         if status == "completed" and not math.isfinite(reward):
             raise InvalidArgument("reward must be finite")
         request = scheduler_pb2.FinishExecutionRequest(
             execution_id=self.execution_id,
-            status=_STATUS[status],
+            status=ExecutionStatus.from_name(status).to_proto(),
             reward=reward,
             idempotency_key=self._idempotency_key,
         )
@@ -408,7 +402,7 @@ class ExecutionHandle:
             # The scheduler closed it (its heartbeat or a model call said so) and has since
             # archived its burst: the report is the duplicate it would have been answered as.
             reply = scheduler_pb2.FinishExecutionResponse(
-                status=_FINAL_STATUS[self.closed_as], duplicate=True
+                status=ExecutionStatus(self.closed_as).to_proto(), duplicate=True
             )
         self.finished = True
         self._reported_cancel = status == "cancelled" and not reply.duplicate

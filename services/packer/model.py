@@ -13,8 +13,9 @@ from collections.abc import Container, Iterable
 from typing import Any
 
 from gyre.errors import InvalidArgument, ResourceExhausted
+from gyre.execution import ExecutionStatus
 from gyre.ids import BatchId, CellId, ExecutionId, GroupId, PolicyVersion, check_idempotency_key
-from gyre.v1 import common_pb2, packer_pb2
+from gyre.v1 import packer_pb2
 from services.packer.segments import Segment
 
 MAX_ID_CHARS = 256
@@ -32,26 +33,13 @@ the group statistics finite: the squares in a std overflow to inf near 1e154, an
 advantage of inf or NaN cannot be written to the WAL (nor trained)."""
 
 
-class ExecStatus(enum.Enum):
-    """How an execution closed (the closed subset of gyre.v1.ExecutionStatus)."""
-
-    COMPLETED = "completed"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    CANCELLED = "cancelled"
-
-    @property
-    def ok(self) -> bool:
-        return self is ExecStatus.COMPLETED
-
-
-_STATUS_FROM_PROTO = {
-    common_pb2.EXECUTION_STATUS_COMPLETED: ExecStatus.COMPLETED,
-    common_pb2.EXECUTION_STATUS_FAILED: ExecStatus.FAILED,
-    common_pb2.EXECUTION_STATUS_TIMED_OUT: ExecStatus.TIMED_OUT,
-    common_pb2.EXECUTION_STATUS_CANCELLED: ExecStatus.CANCELLED,
-}
-_STATUS_TO_PROTO = {v: k for k, v in _STATUS_FROM_PROTO.items()}
+def _closed_status(value: int) -> ExecutionStatus | None:
+    """The final status of a proto number; None for QUEUED, RUNNING or an unknown number."""
+    try:
+        status = ExecutionStatus.from_proto(value)
+    except InvalidArgument:
+        return None
+    return status if status.final else None
 
 
 class ClaimOutcome(enum.Enum):
@@ -284,7 +272,7 @@ class Finish:
     execution_id: ExecutionId
     group_id: GroupId
     group_size: int
-    status: ExecStatus
+    status: ExecutionStatus
     reward: float
     policy_version: PolicyVersion
 
@@ -294,7 +282,7 @@ class Finish:
         execution_id: str,
         group_id: str,
         group_size: int,
-        status: ExecStatus | None,
+        status: ExecutionStatus | None,
         reward: float,
         policy_version: int,
         max_group_size: int,
@@ -331,7 +319,7 @@ class Finish:
             msg.execution_id,
             msg.group_id,
             msg.group_size,
-            _STATUS_FROM_PROTO.get(msg.status),
+            _closed_status(msg.status),
             msg.reward,
             msg.policy_version,
             max_group_size,
@@ -343,7 +331,7 @@ class Finish:
             execution_id=self.execution_id,
             group_id=self.group_id,
             group_size=self.group_size,
-            status=_STATUS_TO_PROTO[self.status],
+            status=self.status.to_proto(),
             reward=self.reward,
             policy_version=self.policy_version,
         )
@@ -353,7 +341,7 @@ class Finish:
             "x": self.execution_id,
             "g": self.group_id,
             "n": self.group_size,
-            "s": self.status.value,
+            "s": self.status.value.lower(),  # the WAL's spelling: completed, timed_out, ...
             "r": self.reward,
             "v": self.policy_version,
         }
@@ -364,7 +352,7 @@ class Finish:
             ExecutionId(d["x"]),
             GroupId(d["g"]),
             int(d["n"]),
-            ExecStatus(d["s"]),
+            ExecutionStatus.from_name(d["s"]),
             float(d["r"]),
             PolicyVersion(int(d["v"])),
         )

@@ -21,8 +21,9 @@ import collections
 from typing import Any
 
 from gyre.errors import FatalError
+from gyre.execution import ExecutionStatus
 from gyre.ids import BatchId, CellId, ExecutionId, GroupId
-from services.packer.model import ExecStatus, Finish, Turn
+from services.packer.model import Finish, Turn
 from services.packer.records import (
     Batch,
     Event,
@@ -227,7 +228,7 @@ class PackerState:
         early cancels every open member) and counts it itself."""
         members = [*group.execs, *group.gone]
         return any(
-            (f := self.finished.get(x)) is not None and f.status is ExecStatus.CANCELLED for x in members
+            (f := self.finished.get(x)) is not None and f.status is ExecutionStatus.CANCELLED for x in members
         )
 
     def _free_group(self, group: Group) -> None:

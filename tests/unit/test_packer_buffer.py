@@ -11,9 +11,10 @@ import math
 import pytest
 
 from gyre.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, ResourceExhausted
+from gyre.execution import ExecutionStatus
 from gyre.v1 import common_pb2, packer_pb2
 from services.packer.advantages import group_advantages, is_stale
-from services.packer.model import ExecStatus, Finish, Turn
+from services.packer.model import Finish, Turn
 from services.packer.packer import Packer
 from services.packer.wal import MemoryLog
 from testkit import packer_kit as tk
@@ -92,7 +93,9 @@ async def test_finish_without_turns_is_accepted_and_counts_as_closed():
     assert p.supply()["ready_unassigned"] == 1
 
 
-@pytest.mark.parametrize("status", [ExecStatus.FAILED, ExecStatus.TIMED_OUT, ExecStatus.CANCELLED])
+@pytest.mark.parametrize(
+    "status", [ExecutionStatus.FAILED, ExecutionStatus.TIMED_OUT, ExecutionStatus.CANCELLED]
+)
 async def test_failed_member_drops_group_under_drop_group(status):
     p, _, _ = tk.make_packer(failed_member_rule="drop_group")
     for k in range(3):
@@ -111,7 +114,7 @@ async def test_keep_rest_drops_only_failed_members():
     for k in range(3):
         await p.record_turn(tk.turn(f"x{k}", "g", 0))
     await p.report_finish(tk.finish("x0", "g", 3, reward=0.0))
-    await p.report_finish(tk.finish("x1", "g", 3, status=ExecStatus.FAILED))
+    await p.report_finish(tk.finish("x1", "g", 3, status=ExecutionStatus.FAILED))
     await p.report_finish(tk.finish("x2", "g", 3, reward=2.0))
     c = p.state.counters()
     assert c["dropped"] == {"failed_execution": 1}
@@ -126,7 +129,7 @@ async def test_keep_rest_with_too_few_completed_drops_group():
     for k in range(2):
         await p.record_turn(tk.turn(f"x{k}", "g", 0))
     await p.report_finish(tk.finish("x0", "g", 2, reward=1.0))
-    await p.report_finish(tk.finish("x1", "g", 2, status=ExecStatus.CANCELLED))
+    await p.report_finish(tk.finish("x1", "g", 2, status=ExecutionStatus.CANCELLED))
     assert p.state.counters()["dropped"] == {"failed_group": 2}
 
 

@@ -7,7 +7,7 @@ executions, waterlevel 0, until the time budget ran out)."""
 
 from __future__ import annotations
 
-from services.packer.model import ExecStatus
+from gyre.execution import ExecutionStatus
 from services.packer.packer import Packer
 from services.packer.servicer import supply_to_proto
 from services.packer.snapshot import compacted
@@ -15,8 +15,10 @@ from services.packer.state import PackerState
 from testkit import packer_kit as tk
 
 
-async def _group(p: Packer, g: str, rewards: list[float], statuses: list[ExecStatus] | None = None) -> None:
-    statuses = statuses or [ExecStatus.COMPLETED] * len(rewards)
+async def _group(
+    p: Packer, g: str, rewards: list[float], statuses: list[ExecutionStatus] | None = None
+) -> None:
+    statuses = statuses or [ExecutionStatus.COMPLETED] * len(rewards)
     for k, (r, status) in enumerate(zip(rewards, statuses, strict=True)):
         await p.record_turn(tk.turn(f"{g}-{k}", g, 0))
         await p.report_finish(tk.finish(f"{g}-{k}", g, len(rewards), reward=r, status=status))
@@ -25,8 +27,8 @@ async def _group(p: Packer, g: str, rewards: list[float], statuses: list[ExecSta
 async def test_zero_variance_and_failed_groups_are_filtered_cancelled_ones_are_not():
     p, log, clock = tk.make_packer(drop_zero_variance=True)
     await _group(p, "solved", [1.0, 1.0])  # the policy learned it: zero variance
-    await _group(p, "crashed", [1.0, 0.0], [ExecStatus.COMPLETED, ExecStatus.FAILED])
-    await _group(p, "cancelled", [1.0, 0.0], [ExecStatus.COMPLETED, ExecStatus.CANCELLED])
+    await _group(p, "crashed", [1.0, 0.0], [ExecutionStatus.COMPLETED, ExecutionStatus.FAILED])
+    await _group(p, "cancelled", [1.0, 0.0], [ExecutionStatus.COMPLETED, ExecutionStatus.CANCELLED])
     await _group(p, "kept", [1.0, 0.0])
     assert p.state.groups_dropped == {"zero_variance": 1, "failed_group": 2}
     assert p.supply()["groups_filtered"] == 2  # the scheduler counts "cancelled" itself

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre.errors import GyreError
-from services.packer.model import ClaimOutcome, ExecStatus
+from gyre.execution import ExecutionStatus
+from services.packer.model import ClaimOutcome
 from services.packer.packer import Packer
 from services.packer.wal import MemoryLog
 from testkit import packer_kit as tk
@@ -111,7 +112,7 @@ async def run(program: list[tuple]) -> None:
                 await p.record_turn(tk.turn(f"g{g}-x{x}", f"g{g}", i, n_p, n_o, version=v))
             elif kind == "finish":
                 _, g, x, size, ok, r = op
-                status = ExecStatus.COMPLETED if ok else ExecStatus.FAILED
+                status = ExecutionStatus.COMPLETED if ok else ExecutionStatus.FAILED
                 await p.report_finish(tk.finish(f"g{g}-x{x}", f"g{g}", size, reward=float(r), status=status))
             elif kind == "claim":
                 _, cell, batch, version = op
@@ -149,7 +150,7 @@ async def run(program: list[tuple]) -> None:
                             p, p.record_turn(tk.turn(f"g{g}-x{x}", f"g{g}", i, 3 + x, 2 + i, version=v))
                         )
                 for x in range(size):
-                    status = ExecStatus.COMPLETED if ok[x] else ExecStatus.FAILED
+                    status = ExecutionStatus.COMPLETED if ok[x] else ExecutionStatus.FAILED
                     await attempt(
                         p,
                         p.report_finish(
@@ -231,7 +232,7 @@ async def simulate(seed: int, steps: int) -> dict[str, int]:
                         )
                 for x in rng.sample(range(size), size):
                     ok = rng.random() > 0.1
-                    status = ExecStatus.COMPLETED if ok else ExecStatus.FAILED
+                    status = ExecutionStatus.COMPLETED if ok else ExecutionStatus.FAILED
                     await p.report_finish(tk.finish(f"{g}-x{x}", g, size, reward=float(x), status=status))
                 count("group")
             elif roll < 0.55:

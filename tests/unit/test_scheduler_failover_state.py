@@ -22,7 +22,8 @@ from test_scheduler_service import lead, make  # same test folder
 
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from gyre.etcd.values import token_sha256
-from services.packer.model import ExecStatus, Finish
+from gyre.execution import ExecutionStatus
+from services.packer.model import Finish
 from services.scheduler.ledger import ExecState, derive_token
 from services.scheduler.peers import FinishReport
 from testkit import packer_kit as tk
@@ -162,7 +163,7 @@ class InProcessPacker(RecordingPeers):
                 report.execution_id,
                 report.group_id,
                 report.group_size,
-                ExecStatus(report.status.value.lower()),
+                ExecutionStatus(report.status.value.lower()),
                 report.reward,
                 report.policy_version,
                 1 << 16,
