@@ -90,8 +90,8 @@ async def build(rt: Runtime) -> Services:
         **limits,
     )
     api = OpenAIApi(
-        manager,
-        tokenizer,
+        manager=manager,
+        tokenizer=tokenizer,
         model_name=cfg.served_model_name or Path(cfg.model_dir).name,
         max_body_bytes=cfg.max_body_bytes,
         default_max_tokens=cfg.default_max_tokens,

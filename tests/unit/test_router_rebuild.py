@@ -97,8 +97,8 @@ class Router:
         policy = CallPolicy(turn_record_wait_s=5.0, rebuild_wait_s=rebuild_wait_s)
         self.manager = CallManager(table, engine, policy, self.turns, turn_source=link)  # type: ignore[arg-type]
         self.api = OpenAIApi(
-            self.manager,
-            tok,
+            manager=self.manager,
+            tokenizer=tok,
             model_name="tiny",
             max_body_bytes=1 << 20,
             max_prompt_tokens=4096,
