@@ -54,7 +54,7 @@ from services.router.stops import OutputText
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CallPolicy:
     """How a call reacts to moves and failures (from RouterConfig)."""
 
@@ -69,7 +69,7 @@ class CallPolicy:
     rebuild_wait_s: float = 30.0  # a call waits this long at most for the packer's GetTrajectory
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class RouterStats:
     """Counters of one router process (GetRouterStatus)."""
 
