@@ -40,10 +40,10 @@ async def build(rt: Runtime) -> Services:
     tokenizer = await asyncio.to_thread(Tokenizer.load, cfg.model_dir)
     table = RouteTable()
     store = RouteStore(
-        rt.etcd,
-        rt.keys,
-        table,
-        cfg.route_resync_s,
+        etcd=rt.etcd,
+        keys=rt.keys,
+        table=table,
+        resync_s=cfg.route_resync_s,
         miss_wait_s=cfg.unknown_token_wait_s,
         miss_rate_per_s=cfg.unknown_token_rate_per_s,
         miss_burst=cfg.unknown_token_burst,
@@ -51,10 +51,10 @@ async def build(rt: Runtime) -> Services:
     engines = StreamEngineClient(cfg) if cfg.engine_stream else GrpcEngineClient(cfg)
     sink = PackerTurnSink(cfg.packer_target, cfg) if cfg.packer_target else None
     turns = TurnRecorder(
-        sink,
-        cfg.turn_buffer,
-        cfg.turn_senders,
-        cfg.turn_retry_max_s,
+        sink=sink,
+        capacity=cfg.turn_buffer,
+        senders=cfg.turn_senders,
+        retry_max_s=cfg.turn_retry_max_s,
         history=History.of(cfg, svc="router"),
     )
     policy = CallPolicy(
@@ -70,7 +70,9 @@ async def build(rt: Runtime) -> Services:
     )
     reports = SchedulerReports(cfg, lambda: servicer.leader_mirror.items if servicer.leader_mirror else {})
     reporter = FailureReporter(reports.send) if cfg.report_engine_failures else None
-    manager = CallManager(table, engines, policy, turns, reporter=reporter, turn_source=sink)
+    manager = CallManager(
+        routes=table, engines=engines, policy=policy, turns=turns, reporter=reporter, turn_source=sink
+    )
     context = cfg.max_model_len or model_context(cfg.model_dir)
     limits: dict[str, Any] = dict(
         max_prompt_tokens=cfg.max_prompt_tokens,
@@ -80,9 +82,9 @@ async def build(rt: Runtime) -> Services:
         context_tokens=context,
     )
     servicer = RouterServicer(
-        manager,
-        store,
-        turns,
+        manager=manager,
+        store=store,
+        turns=turns,
         vocab_size=tokenizer.vocab_size,
         stop_token_ids=tokenizer.stop_token_ids,
         move_route_wait_s=cfg.move_route_wait_s,
@@ -90,8 +92,8 @@ async def build(rt: Runtime) -> Services:
         **limits,
     )
     api = OpenAIApi(
-        manager,
-        tokenizer,
+        manager=manager,
+        tokenizer=tokenizer,
         model_name=cfg.served_model_name or Path(cfg.model_dir).name,
         max_body_bytes=cfg.max_body_bytes,
         default_max_tokens=cfg.default_max_tokens,

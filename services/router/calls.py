@@ -5,9 +5,10 @@ generated with the remaining budget, so the harness sees one unbroken response.
 Pure asyncio: the engine is behind :class:`~services.router.engine.EngineClient` and routes
 come from a :class:`~services.router.routes.RouteTable`. The loop is:
 
-1. read the execution's current route; start an attempt (the engine client's reader hands
-   it each chunk, or, for a client that only streams, a *pump* task reads the stream; each
-   chunk is appended to the call's output and handed to the consumer);
+1. read the execution's current route; start an attempt (:mod:`services.router.attempt`:
+   the engine client's reader hands it each chunk, or, for a client that only streams, a
+   *pump* task reads the stream; each chunk is appended to the call's output and handed to
+   the consumer through an :class:`~services.router.outbox.Outbox`);
 2. wait for the attempt to end or for a move (one future: no task of its own);
 3. on a move: optionally export the KV blocks at the source, stop the attempt, abort the
    source request, and go to 1 (a move costs no retry budget);
@@ -29,7 +30,6 @@ text and the recorded tokens are cut at the same place and the engine request is
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -45,14 +45,16 @@ from gyre.errors import (
 )
 from gyre.failpoints import failpoint
 from gyre.tokens import Chunk, FinishReason
+from services.router.attempt import Attempt, CallEngine
 from services.router.engine import EngineClient, EngineRequest, KvHandle, Sampling
+from services.router.outbox import Outbox
 from services.router.routes import Route, RouteTable, closed_error
 from services.router.stops import OutputText
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CallPolicy:
     """How a call reacts to moves and failures (from RouterConfig)."""
 
@@ -67,7 +69,7 @@ class CallPolicy:
     rebuild_wait_s: float = 30.0  # a call waits this long at most for the packer's GetTrajectory
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class RouterStats:
     """Counters of one router process (GetRouterStatus)."""
 
@@ -85,11 +87,6 @@ class RouterStats:
     """Calls ended because their execution closed under them (e.g. cancelled by the scheduler)."""
 
 
-class _End:
-    """Sentinel: the stream ended normally (the last chunk carried the finish reason)."""
-
-
-_END = _End()
 _RETRYABLE = (Unavailable, DeadlineExceeded, FailedPrecondition)
 
 
@@ -98,6 +95,7 @@ class ModelCall:
 
     def __init__(
         self,
+        *,
         call_id: str,
         execution_id: str,
         prompt_token_ids: list[int],
@@ -128,11 +126,10 @@ class ModelCall:
         self.cells_visited: list[str] = []
         """The cell of every attempt so far, in order."""
         self._routes = routes
-        self._engines = engines
+        self._engine = CallEngine(engines, policy, stats, background)
         self._policy = policy
         self._stats = stats
         self._deadline = deadline
-        self._background = background
         self._report = report
         self._stops = frozenset(sampling.stop_token_ids)
         self._whole = whole  # the caller wants the whole answer: run and answer at the end
@@ -141,13 +138,12 @@ class ModelCall:
         self.output_text = output_text
         self.trajectory: Any = None
         """The execution's trajectory this call produced, once it completed (the manager's)."""
-        self._attempt: _Attempt | None = None
+        self._attempt: Attempt | None = None
         """The attempt running now (set with ``route``)."""
         self._closed = False
         self._route_changed = asyncio.Event()
         self._move_waiters: list[asyncio.Future[None]] = []
-        self._buf: collections.deque[Any] = collections.deque()
-        self._ready = asyncio.Event()
+        self._out = Outbox()
         self._started = False
         self._runner: asyncio.Task[None] | None = None
 
@@ -198,49 +194,15 @@ class ModelCall:
         self._started = True
         if self._whole:  # nothing to hand out before the end: run in the caller's task
             await self._run()
-            outcome = self._buf.popleft()  # only the end was buffered
-            if isinstance(outcome, BaseException):
-                raise outcome
+            self._out.raise_failure()
             for chunk in self._answer():
                 yield chunk
             return
-        first = True
         self._runner = asyncio.create_task(self._run(), name=f"call.{self.call_id}")
         try:
-            while True:
-                while not self._buf:
-                    self._ready.clear()
-                    await self._ready.wait()
-                if self._policy.coalesce_s > 0 and not first and _open_ended(self._buf[-1]):
-                    # Let more tokens join this message (never the first: time to first token
-                    # pays no window).
-                    await asyncio.sleep(self._policy.coalesce_s)
-                first = False
-                merged: Chunk | None = None
-                end: Any = None
-                while self._buf:
-                    item = self._buf.popleft()
-                    if isinstance(item, Chunk):
-                        if merged is None:
-                            merged = item
-                        elif item.policy_version != merged.policy_version:
-                            self._buf.appendleft(item)  # never merge across policy versions
-                            break
-                        else:
-                            # Emitted chunks are owned by this buffer alone: merge in place.
-                            merged.token_ids.extend(item.token_ids)
-                            merged.logprobs.extend(item.logprobs)
-                            merged.text += item.text
-                            merged.finish_reason = item.finish_reason
-                    else:
-                        end = item
-                        break
-                if merged is not None:
-                    yield merged
-                if isinstance(end, BaseException):
-                    raise end
-                if end is _END:
-                    return
+            coalesce_s = self._policy.coalesce_s
+            while (merged := await self._out.next(coalesce_s)) is not None:
+                yield merged
         finally:
             if not self._runner.done():
                 self._runner.cancel()
@@ -267,27 +229,23 @@ class ModelCall:
             chunks[-1].text = self.output_text.take(finished=True)
         return chunks
 
-    def _emit(self, item: Any) -> None:
-        self._buf.append(item)
-        self._ready.set()
-
     # The attempt loop --------------------------------------------------------------------
 
     async def _run(self) -> None:
         try:
             async with asyncio.timeout_at(self._deadline):
                 await self._attempts()
-            self._emit(_END)
+            self._out.end()
         except TimeoutError:
             self._stats.failed_calls += 1
-            self._emit(DeadlineExceeded(f"model call {self.call_id} passed its deadline"))
+            self._out.fail(DeadlineExceeded(f"model call {self.call_id} passed its deadline"))
         except GyreError as exc:
             self._stats.failed_calls += 1
-            self._emit(exc)
+            self._out.fail(exc)
         except Exception as exc:  # a bug must end the call cleanly, never hang the harness
             log.exception("model call crashed", extra={"execution_id": self.execution_id})
             self._stats.failed_calls += 1
-            self._emit(GyreError(f"internal error: {type(exc).__name__}"))
+            self._out.fail(GyreError(f"internal error: {type(exc).__name__}"))
         finally:
             self.route, self._attempt = None, None
             self._resolve_move_waiters()
@@ -308,14 +266,14 @@ class ModelCall:
             if self.attempts > 1 and kv is None:
                 self._stats.kv_recomputes += 1
             self._resolve_move_waiters()  # the previous attempt, if any, is stopped
-            attempt = self._start(route, request, kv)
+            attempt = self._engine.start(self, route, request, kv, self._deadline)
             self.route, self._attempt = route, attempt
             self.cells_visited.append(route.cell_id)
             kv = None
             try:
                 await attempt.woken
             except asyncio.CancelledError:
-                await self._stop(attempt, route, request)
+                await self._engine.stop(attempt, route, request)
                 raise
             if attempt.ended:
                 await attempt.close()
@@ -327,7 +285,7 @@ class ModelCall:
                 await self._failed(route, request, attempt.error)
                 continue
             if self._closed:
-                await self._stop(attempt, route, request)
+                await self._engine.stop(attempt, route, request)
                 self.route, self._attempt = None, None
                 raise self._closed_error()
             # A move: 3. export (optional), stop the source, continue at the new route.
@@ -335,9 +293,9 @@ class ModelCall:
             self.reroutes += 1
             self._stats.reroutes += 1
             if self._policy.kv_handoff:
-                handle = await self._export(route, request)
+                handle = await self._engine.export(route, request)
                 kv = (handle, route.target) if handle is not None else None
-            await self._stop(attempt, route, request)
+            await self._engine.stop(attempt, route, request)
             failpoint("router.move.stopped")  # the source attempt stopped, the continuation not started
             self.route, self._attempt = None, None
             self._resolve_move_waiters()
@@ -358,7 +316,7 @@ class ModelCall:
             return True  # the answer is built from the output at the end (_answer)
         version = self.policy_versions[-1] if self.policy_versions else 0
         text = self.output_text.take(finished=True) if self.output_text is not None else ""
-        self._emit(Chunk([], [], version, self.finish, text))
+        self._out.put(Chunk([], [], version, self.finish, text))
         return True
 
     def _next_request(self, kv_handle: KvHandle | None) -> EngineRequest:
@@ -374,25 +332,7 @@ class ModelCall:
             kv_handle=kv_handle,
         )
 
-    def _start(self, route: Route, request: EngineRequest, kv: tuple[KvHandle, str] | None) -> _Attempt:
-        """Starts one attempt at ``route``: the engine client's reader hands it each chunk
-        (a client that can ``attach``), or a pump task reads the engine's stream. An engine
-        silent for ``engine_idle_timeout_s`` fails the attempt (a watchdog timer, re-armed
-        lazily, not per chunk)."""
-        loop = asyncio.get_running_loop()
-        attempt = _Attempt(self, loop, kv, self._policy.engine_idle_timeout_s, route.target)
-        timeout_s = max(0.001, self._deadline - loop.time())
-        attach = getattr(self._engines, "attach", None)
-        if attach is None:
-            attempt.iterate(self._engines.generate(route.target, request, timeout_s), request.request_id)
-            return attempt
-        try:
-            attempt.detach = attach(route.target, request, timeout_s, attempt)
-        except Exception as exc:  # the engine client refused it: a failed attempt
-            attempt.on_end(None, exc)
-        return attempt
-
-    def _take(self, chunk: Chunk) -> FinishReason | None:
+    def take(self, chunk: Chunk) -> FinishReason | None:
         """Appends an engine chunk to the output and hands it to the consumer. A chunk
         without a log-prob per token raises Internal (the attempt failed: nothing of it is
         taken, and the turn is never recorded with a made-up log-prob)."""
@@ -434,7 +374,7 @@ class ModelCall:
         if self._whole:
             return  # the answer is built from the output at the end (_answer)
         text = self.output_text.take(finished=finish is not None) if self.output_text is not None else ""
-        self._emit(Chunk(ids, logprobs, version, finish, text))
+        self._out.put(Chunk(ids, logprobs, version, finish, text))
 
     @property
     def text(self) -> str:
@@ -447,7 +387,7 @@ class ModelCall:
             raise exc  # the request itself is bad; no engine will take it
         if exc is not None and not isinstance(exc, _RETRYABLE) and not isinstance(exc, GyreError):
             raise exc
-        self._abort(route, request)
+        self._engine.abort(route, request)
         self.failures += 1
         self._stats.engine_failures += 1
         reason = f"{exc}" if exc is not None else "stream ended early"
@@ -500,189 +440,8 @@ class ModelCall:
                 async with asyncio.timeout_at(until):
                     await self._route_changed.wait()
 
-    async def _stop(self, attempt: _Attempt, route: Route, request: EngineRequest) -> None:
-        """Stops an attempt (detaching or closing its stream cancels the engine call) and
-        aborts it."""
-        self._abort(route, request)
-        await attempt.close()
-
-    def _abort(self, route: Route, request: EngineRequest) -> None:
-        self._stats.aborts_sent += 1
-        self._background(self._send_abort(route.target, request.request_id))
-
-    async def _send_abort(self, target: str, request_id: str) -> None:
-        try:
-            await self._engines.abort(target, request_id, self._policy.abort_timeout_s)
-        except GyreError as exc:  # the engine may be gone; cancelling the stream sufficed
-            log.info("abort failed", extra={"target": target, "request_id": request_id, "error": str(exc)})
-
-    async def _export(self, route: Route, request: EngineRequest) -> KvHandle | None:
-        try:
-            async with asyncio.timeout(self._policy.kv_timeout_s):
-                return await self._engines.export_kv(
-                    route.target, request.request_id, self._policy.kv_timeout_s
-                )
-        except (GyreError, TimeoutError) as exc:  # timeout or no support: the destination recomputes
-            log.info("kv export failed; recomputing", extra={"target": route.target, "error": str(exc)})
-            return None
-
-    async def _release(self, kv: tuple[KvHandle, str]) -> None:
-        handle, target = kv
-        try:
-            await self._engines.release_kv(target, handle.handle_id, self._policy.kv_timeout_s)
-        except GyreError as exc:
-            log.info("kv release failed", extra={"target": target, "error": str(exc)})
-
     def _resolve_move_waiters(self) -> None:
         waiters, self._move_waiters = self._move_waiters, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
-
-
-class _Attempt:
-    """One attempt's side of the engine: takes its chunks into the call, and wakes the call's
-    loop (:attr:`woken`, one future) when the attempt ended or the call must move.
-
-    With an engine client that can *attach* (``attach(target, request, timeout_s, sink)``,
-    the router's GenerateStream client), the engine's reader hands each chunk to
-    :meth:`on_chunk` synchronously and :meth:`on_end` once, so a token costs the router no
-    task wake-up and no iterator step, and the attempt no task at all. Otherwise
-    :meth:`iterate` starts a pump task reading the engine's stream of chunks (one Generate
-    call per request).
-    """
-
-    __slots__ = (
-        "call",
-        "loop",
-        "kv",
-        "first",
-        "last",
-        "woken",
-        "ended",
-        "finish",
-        "error",
-        "detach",
-        "_pump",
-        "_idle_s",
-        "_target",
-        "_dog",
-    )
-
-    def __init__(
-        self,
-        call: ModelCall,
-        loop: asyncio.AbstractEventLoop,
-        kv: tuple[KvHandle, str] | None,
-        idle_s: float,
-        target: str,
-    ) -> None:
-        self.call = call
-        self.loop = loop
-        self.kv = kv
-        self.first = True
-        self.last = loop.time()
-        """When the engine last sent something (the watchdog reads it)."""
-        self.woken: asyncio.Future[None] = loop.create_future()
-        self.ended = False
-        self.finish: FinishReason | None = None
-        self.error: BaseException | None = None
-        self.detach: Callable[[], None] | None = None
-        self._pump: asyncio.Task[None] | None = None
-        self._idle_s = idle_s
-        self._target = target
-        self._dog: asyncio.TimerHandle | None = loop.call_at(self.last + idle_s, self._watch)
-
-    def wake_up(self) -> None:
-        """Wakes the call's loop (the attempt ended, or the call must move)."""
-        if not self.woken.done():
-            self.woken.set_result(None)
-
-    def _end(self, finish: FinishReason | None, error: BaseException | None) -> None:
-        if self.ended:
-            return
-        self.ended, self.finish, self.error = True, finish, error
-        if self._dog is not None:
-            self._dog.cancel()
-            self._dog = None
-        self.wake_up()
-
-    def _watch(self) -> None:
-        """The watchdog: an engine silent for ``idle_s`` fails the attempt."""
-        if self.loop.time() - self.last >= self._idle_s:
-            self._dog = None
-            self._end(None, Unavailable(f"engine at {self._target} sent nothing for {self._idle_s}s"))
-        else:
-            self._dog = self.loop.call_at(self.last + self._idle_s, self._watch)
-
-    def _arrived(self) -> None:
-        self.last = self.loop.time()
-        if self.first:
-            self.first = False
-            if self.kv is not None:  # the destination took over: release the source's blocks
-                self.call._stats.kv_handoffs += 1
-                self.call._background(self.call._release(self.kv))
-
-    def iterate(self, stream: AsyncIterator[Chunk], name: str) -> None:
-        async def pump() -> None:
-            try:
-                async for chunk in stream:
-                    self.on_chunk(chunk)
-                    if self.ended:
-                        return
-                self._end(None, None)  # the stream ended without a finish: it stopped early
-            except Exception as exc:  # a domain error, or a bug: the attempt failed
-                self._end(None, exc)
-            finally:
-                await _aclose(stream)
-
-        self._pump = asyncio.create_task(pump(), name=f"pump.{name}")
-
-    def on_chunk(self, chunk: Chunk) -> None:
-        if self.ended:
-            return  # the call already had what it needs (a stop token, max_tokens)
-        self._arrived()
-        try:
-            finish = self.call._take(chunk)
-        except Exception as exc:  # a bug must fail this call, not the engine's reader
-            self._end(None, exc)
-            return
-        if finish is not None:
-            self._end(finish, None)
-
-    def on_end(self, finish: FinishReason | None, error: BaseException | None) -> None:
-        """The engine ended the request: ``finish`` (its last tokens came before), ``error``,
-        or neither (it stopped early: a failure the call retries)."""
-        if finish is not None and error is None:
-            versions = self.call.policy_versions
-            self.on_chunk(Chunk([], [], versions[-1] if versions else 0, finish))
-        self._end(None, error)
-
-    async def close(self) -> None:
-        """Stops what still runs: the watchdog, the engine request (detach, a no-op once
-        the engine ended it), the pump; releases a KV hand-off the destination never
-        took."""
-        if self._dog is not None:
-            self._dog.cancel()
-            self._dog = None
-        if self.detach is not None:
-            detach, self.detach = self.detach, None
-            detach()
-        if self._pump is not None:
-            self._pump.cancel()
-            await asyncio.gather(self._pump, return_exceptions=True)
-            self._pump = None
-        if self.first and self.kv is not None:
-            kv, self.kv = self.kv, None
-            self.call._background(self.call._release(kv))  # the destination never took over
-
-
-def _open_ended(item: Any) -> bool:
-    """True for a chunk that more tokens may follow."""
-    return isinstance(item, Chunk) and item.finish_reason is None
-
-
-async def _aclose(stream: AsyncIterator[Chunk]) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()

@@ -20,6 +20,10 @@ A chat call's prompt continues its execution's token sequence (see
 generated tool calls come back as ``tool_calls`` (deltas when streaming), parsed by
 :mod:`services.router.toolcalls`; ``stop`` strings of any length end a call as in vLLM
 (:mod:`services.router.stops`), ``include_stop_str_in_output`` honoured.
+
+What a request says is read and checked by this module's functions (:func:`parse_body`,
+:func:`parse_sampling`, :func:`response_options`, :func:`request_timeout`); the answers,
+JSON, SSE and errors, are written by :mod:`services.router.http_responses`.
 """
 
 from __future__ import annotations
@@ -29,9 +33,7 @@ import contextlib
 import json
 import logging
 import math
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -42,14 +44,11 @@ from gyre.errors import (
     NotFound,
     ResourceExhausted,
     Unauthenticated,
-    http_status_for,
-    retry_after_for,
 )
 from gyre.ids import check_idempotency_key
 from gyre.telemetry import tag_execution
-from gyre.tokens import Chunk, FinishReason
-from services.router.calls import ModelCall
 from services.router.engine import Sampling
+from services.router.http_responses import error_response, stream_response, unary_response
 from services.router.limits import CallLimits
 from services.router.manager import CallManager
 from services.router.routes import Route
@@ -61,25 +60,15 @@ from services.router.trajectory import ChatState, Prompt, Trajectory, chat_promp
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
 
 class OpenAIApi:
     """Builds the aiohttp application; one instance per router process."""
 
     def __init__(
         self,
+        *,
         manager: CallManager,
         tokenizer: Tokenizer,
-        *,
         model_name: str,
         max_body_bytes: int,
         max_prompt_tokens: int,
@@ -137,12 +126,12 @@ class OpenAIApi:
             tag_execution(route.execution_id, cell_id=route.cell_id)
             body = await self._read_json(request)  # 2. what (413 / 400)
             idempotency_key = check_idempotency_key(request.headers.get("Idempotency-Key", ""))
-            timeout_s = self._timeout(request)
+            timeout_s = request_timeout(request.headers.get("x-gyre-timeout-s"), self._request_timeout_s)
             prompt, sampling, opts = await self._parse(
                 body, chat, route, idempotency_key, timeout_s
             )  # 3. validate, tokenize
         except GyreError as exc:
-            return _error_response(exc)
+            return error_response(exc)
         gen = self._manager.generate(
             route,
             prompt,
@@ -157,8 +146,8 @@ class OpenAIApi:
         )
         async with contextlib.aclosing(gen):
             if opts["stream"]:
-                return await self._stream(request, gen, prompt, opts, chat)
-            return await self._unary(gen, prompt, opts, chat)
+                return await stream_response(request, gen, prompt, opts, chat, self.model_name)
+            return await unary_response(gen, prompt, opts, chat, self.model_name)
 
     async def _authorize(self, request: web.Request) -> Route:
         header = request.headers.get("Authorization", "")
@@ -179,18 +168,6 @@ class OpenAIApi:
             raise ResourceExhausted(f"request body larger than {self._max_body_bytes} bytes") from exc
         return parse_body(raw)
 
-    def _timeout(self, request: web.Request) -> float:
-        raw = request.headers.get("x-gyre-timeout-s")
-        if raw is None:
-            return self._request_timeout_s
-        try:
-            value = float(raw)
-        except ValueError as exc:
-            raise InvalidArgument("x-gyre-timeout-s must be a number of seconds") from exc
-        if not value > 0 or not math.isfinite(value):
-            raise InvalidArgument("x-gyre-timeout-s must be > 0")
-        return min(value, self._request_timeout_s)
-
     async def _parse(
         self,
         body: dict[str, Any],
@@ -199,29 +176,13 @@ class OpenAIApi:
         idempotency_key: str = "",
         timeout_s: float | None = None,
     ) -> tuple[list[int], Sampling, dict[str, Any]]:
-        model = body.get("model")
-        if model not in (None, "", self.model_name):
-            raise NotFound(f"model {model!r} is not served here (serving {self.model_name!r})")
-        if body.get("n", 1) != 1:
-            raise InvalidArgument("only n=1 is supported")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = self._default_max_tokens if max_tokens is None else _int(max_tokens, "max_tokens")
-        stops = list(self._tok.stop_token_ids)
-        extra_stops = body.get("stop_token_ids") or []
-        if not isinstance(extra_stops, list):
-            raise InvalidArgument("stop_token_ids must be a list of token ids")
-        stops += [_int(t, "stop_token_ids[]") for t in extra_stops]
-        stop_strings = parse_stop(body.get("stop"))
-        include_stop = body.get("include_stop_str_in_output", False)
-        if not isinstance(include_stop, bool):
-            raise InvalidArgument("include_stop_str_in_output must be a boolean")
-        sampling = Sampling(
-            max_tokens=max_tokens,
-            temperature=_float(body.get("temperature", 1.0), "temperature"),
-            top_p=_float(body.get("top_p", 1.0), "top_p"),
-            seed=_int(body.get("seed", 0) or 0, "seed"),
-            stop_token_ids=tuple(dict.fromkeys(stops)),
-        ).validate(self._max_tokens_limit)
+        sampling, stop_strings, include_stop = parse_sampling(
+            body,
+            model_name=self.model_name,
+            stop_token_ids=self._tok.stop_token_ids,
+            default_max_tokens=self._default_max_tokens,
+            max_tokens_limit=self._max_tokens_limit,
+        )
         parser: ToolCallParser | None = None
         chat_input: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None
         break_reason = None
@@ -237,16 +198,8 @@ class OpenAIApi:
                 raise InvalidArgument("tools need /v1/chat/completions")
             prompt = await self._completion_prompt(body.get("prompt"))
         sampling = self._limits.fit(len(prompt), sampling)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise InvalidArgument("stream must be a boolean")
         opts = {
-            "stream": stream,
-            "token_ids": bool(body.get("return_token_ids", False)),
-            "logprobs": bool(body.get("logprobs", False)),
-            "usage": bool((body.get("stream_options") or {}).get("include_usage", False))
-            if isinstance(body.get("stream_options"), dict)
-            else False,
+            **response_options(body),
             "box": [],
             "text": OutputText(self._tok, stop_strings, include_stop),
             "break_reason": break_reason,
@@ -326,178 +279,6 @@ class OpenAIApi:
             return list(prompt)
         raise InvalidArgument("prompt must be a string or a non-empty list of token ids")
 
-    # Responses ---------------------------------------------------------------------------
-
-    async def _unary(
-        self, gen: AsyncIterator[Chunk], prompt: list[int], opts: dict[str, Any], chat: bool
-    ) -> web.Response:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        text = ""
-        finish = None
-        try:
-            async for chunk in gen:
-                ids.extend(chunk.token_ids)
-                logprobs.extend(chunk.logprobs)
-                text += chunk.text
-                finish = chunk.finish_reason or finish
-        except GyreError as exc:
-            return _error_response(exc)
-        parser: ToolCallParser | None = opts["parser"]
-        parsed = opts.get("parsed")
-        content, tool_calls = parsed or (parser.parse(text) if parser is not None else (text, []))
-        reason = finish.openai if finish else None
-        if tool_calls and finish is FinishReason.STOP:
-            reason = "tool_calls"
-        choice: dict[str, Any] = {
-            "index": 0,
-            "finish_reason": reason,
-            "stop_reason": opts["text"].stop_reason,
-        }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-            if tool_calls:
-                choice["message"]["tool_calls"] = tool_calls
-        else:
-            choice["text"] = text
-        if opts["logprobs"]:
-            choice["logprobs"] = {
-                "content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs, strict=True)]
-            }
-        if opts["token_ids"]:
-            choice["token_ids"] = ids
-        body = self._envelope(chat, False)
-        body["choices"] = [choice]
-        body["usage"] = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(ids),
-            "total_tokens": len(prompt) + len(ids),
-        }
-        if opts["token_ids"]:
-            body["prompt_token_ids"] = prompt
-        body["gyre"] = {"reroutes": _reroutes(opts)}
-        return web.json_response(body)
-
-    async def _stream(
-        self,
-        request: web.Request,
-        gen: AsyncIterator[Chunk],
-        prompt: list[int],
-        opts: dict[str, Any],
-        chat: bool,
-    ) -> web.StreamResponse:
-        # Wait for the first chunk before committing to 200, so an early failure is a 5xx.
-        try:
-            first: Chunk | None = await anext(gen)
-        except StopAsyncIteration:
-            first = None
-        except GyreError as exc:
-            return _error_response(exc)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        envelope = self._envelope(chat, True)
-        parser: ToolCallParser | None = opts["parser"]
-        completion = 0
-        head = {**envelope, "prompt_token_ids": prompt} if opts["token_ids"] else envelope
-        if chat:
-            await _send(
-                resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            )
-            head = envelope
-        try:
-            chunk = first
-            while chunk is not None:
-                completion += len(chunk.token_ids)
-                text = chunk.text
-                if chunk.finish_reason is not None:
-                    # Complete the call first (its turn is recorded, the trajectory updated),
-                    # so a harness that acts on the finish reason finds it continued.
-                    await anext(gen, None)
-                reason = chunk.finish_reason.openai if chunk.finish_reason else None
-                choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-                if chat and parser is not None:
-                    content, calls = parser.stream(text, chunk.token_ids)
-                    if chunk.finish_reason is not None:
-                        calls += parser.finish()
-                        if parser.called and chunk.finish_reason is FinishReason.STOP:
-                            choice["finish_reason"] = "tool_calls"
-                    delta: dict[str, Any] = {}
-                    if content:
-                        delta["content"] = content
-                    if calls:
-                        delta["tool_calls"] = calls
-                    if (
-                        not delta
-                        and chunk.finish_reason is None
-                        and not (opts["token_ids"] or opts["logprobs"])
-                    ):
-                        chunk = await anext(gen, None)
-                        continue  # nothing to say yet (a tool call's JSON is forming)
-                    choice["delta"] = delta
-                elif chat:
-                    choice["delta"] = {"content": text}
-                else:
-                    choice["text"] = text
-                if chunk.finish_reason is not None:
-                    choice["stop_reason"] = opts["text"].stop_reason
-                if opts["token_ids"]:
-                    choice["token_ids"] = chunk.token_ids
-                if opts["logprobs"]:
-                    choice["logprobs"] = {
-                        "content": [
-                            {"token_id": t, "logprob": lp}
-                            for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)
-                        ]
-                    }
-                await _send(resp, head, choice)
-                head = envelope
-                chunk = await anext(gen, None) if chunk.finish_reason is None else None
-            if opts["usage"]:
-                usage = {
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": completion,
-                    "total_tokens": len(prompt) + completion,
-                }
-                await resp.write(_sse({**envelope, "choices": [], "usage": usage}))
-        except GyreError as exc:
-            status = http_status_for(exc)
-            await resp.write(
-                _sse(
-                    {
-                        "error": {
-                            "message": str(exc),
-                            "type": _ERROR_TYPES.get(status, "server_error"),
-                            "code": status,
-                        }
-                    }
-                )
-            )
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    def _envelope(self, chat: bool, stream: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-        return {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-
-
-def _reroutes(opts: dict[str, Any]) -> int:
-    box: list[ModelCall] = opts["box"]
-    return box[0].reroutes if box else 0
-
-
-async def _send(resp: web.StreamResponse, envelope: dict[str, Any], choice: dict[str, Any]) -> None:
-    await resp.write(_sse({**envelope, "choices": [choice]}))
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
 
 def _calls(trajectory: Trajectory | None) -> int:
     """How many messages the chat call that made ``trajectory`` had (-1: none, or token-level)."""
@@ -509,22 +290,70 @@ def _answered(messages: list[dict[str, Any]], start: int) -> bool:
     return any(m["role"] == "assistant" for m in messages[start:])
 
 
-def _error_response(exc: GyreError) -> web.Response:
-    """The JSON error body; a retryable error (503) carries ``Retry-After`` (whole seconds)."""
-    status = http_status_for(exc)
-    hint = retry_after_for(exc)
-    headers = {"Retry-After": str(max(1, math.ceil(hint)))} if hint is not None else None
-    return web.json_response(
-        {
-            "error": {
-                "message": str(exc) or type(exc).__name__,
-                "type": _ERROR_TYPES.get(status, "server_error"),
-                "code": status,
-            }
-        },
-        status=status,
-        headers=headers,
-    )
+def request_timeout(raw: str | None, limit_s: float) -> float:
+    """The call's deadline in seconds: ``x-gyre-timeout-s`` (``raw``), at most ``limit_s``,
+    which is also the default."""
+    if raw is None:
+        return limit_s
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise InvalidArgument("x-gyre-timeout-s must be a number of seconds") from exc
+    if not value > 0 or not math.isfinite(value):
+        raise InvalidArgument("x-gyre-timeout-s must be > 0")
+    return min(value, limit_s)
+
+
+def parse_sampling(
+    body: dict[str, Any],
+    *,
+    model_name: str,
+    stop_token_ids: Sequence[int],
+    default_max_tokens: int,
+    max_tokens_limit: int,
+) -> tuple[Sampling, list[str], bool]:
+    """A request's sampling (the model's ``stop_token_ids`` and the request's), its stop
+    strings and ``include_stop_str_in_output``; its ``model`` (404 when another) and ``n``
+    are checked first."""
+    model = body.get("model")
+    if model not in (None, "", model_name):
+        raise NotFound(f"model {model!r} is not served here (serving {model_name!r})")
+    if body.get("n", 1) != 1:
+        raise InvalidArgument("only n=1 is supported")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = default_max_tokens if max_tokens is None else _int(max_tokens, "max_tokens")
+    stops = list(stop_token_ids)
+    extra_stops = body.get("stop_token_ids") or []
+    if not isinstance(extra_stops, list):
+        raise InvalidArgument("stop_token_ids must be a list of token ids")
+    stops += [_int(t, "stop_token_ids[]") for t in extra_stops]
+    stop_strings = parse_stop(body.get("stop"))
+    include_stop = body.get("include_stop_str_in_output", False)
+    if not isinstance(include_stop, bool):
+        raise InvalidArgument("include_stop_str_in_output must be a boolean")
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=_float(body.get("temperature", 1.0), "temperature"),
+        top_p=_float(body.get("top_p", 1.0), "top_p"),
+        seed=_int(body.get("seed", 0) or 0, "seed"),
+        stop_token_ids=tuple(dict.fromkeys(stops)),
+    ).validate(max_tokens_limit)
+    return sampling, stop_strings, include_stop
+
+
+def response_options(body: dict[str, Any]) -> dict[str, Any]:
+    """How the request wants its answer: ``stream``, and with token ids, log-probs, usage."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidArgument("stream must be a boolean")
+    return {
+        "stream": stream,
+        "token_ids": bool(body.get("return_token_ids", False)),
+        "logprobs": bool(body.get("logprobs", False)),
+        "usage": bool((body.get("stream_options") or {}).get("include_usage", False))
+        if isinstance(body.get("stream_options"), dict)
+        else False,
+    }
 
 
 MAX_JSON_DEPTH = 64

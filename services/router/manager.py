@@ -35,6 +35,7 @@ class CallManager:
 
     def __init__(
         self,
+        *,
         routes: RouteTable,
         engines: EngineClient,
         policy: CallPolicy,

@@ -48,10 +48,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def __init__(
         self,
+        *,
         manager: CallManager,
         store: RouteStore | None,
         turns: TurnRecorder,
-        *,
         vocab_size: int,
         stop_token_ids: tuple[int, ...],
         max_prompt_tokens: int,

@@ -21,6 +21,7 @@ class RouteStore:
 
     def __init__(
         self,
+        *,
         etcd: Etcd,
         keys: Keys,
         table: RouteTable,

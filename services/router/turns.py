@@ -117,6 +117,7 @@ class TurnRecorder:
 
     def __init__(
         self,
+        *,
         sink: TurnSink | None,
         capacity: int = 10000,
         senders: int = 4,

@@ -51,8 +51,8 @@ class StubManager:
 
 def _servicer(store: RouteStore, manager: StubManager) -> RouterServicer:
     return RouterServicer(
-        manager,
-        store,
+        manager=manager,
+        store=store,
         turns=None,
         vocab_size=100,
         stop_token_ids=(0,),
@@ -80,7 +80,7 @@ async def test_forged_far_future_epoch_neither_acts_nor_raises_the_routers_floor
     ok, epoch = await etcd.create(keys.leader(), b"the-real-leader")
     assert ok
     manager = StubManager()
-    servicer = _servicer(RouteStore(etcd, keys, RouteTable()), manager)
+    servicer = _servicer(RouteStore(etcd=etcd, keys=keys, table=RouteTable()), manager)
 
     with pytest.raises(Aborted) as err:
         await servicer.MoveExecutions(_move(FORGED), FakeContext())
@@ -97,7 +97,7 @@ async def test_an_older_epoch_is_refused_once_a_newer_leader_is_verified(etcd, c
     keys = Keys(cluster_name)
     _, first = await etcd.create(keys.leader(), b"first")
     manager = StubManager()
-    servicer = _servicer(RouteStore(etcd, keys, RouteTable()), manager)
+    servicer = _servicer(RouteStore(etcd=etcd, keys=keys, table=RouteTable()), manager)
     await servicer.MoveExecutions(_move(first), FakeContext())
     await etcd.delete(keys.leader())
     _, second = await etcd.create(keys.leader(), b"second")
@@ -112,7 +112,7 @@ async def test_the_leader_watch_raises_the_floor_without_a_command(etcd, cluster
     keys = Keys(cluster_name)
     _, first = await etcd.create(keys.leader(), b"first")
     manager = StubManager()
-    servicer = _servicer(RouteStore(etcd, keys, RouteTable()), manager)
+    servicer = _servicer(RouteStore(etcd=etcd, keys=keys, table=RouteTable()), manager)
     await servicer.MoveExecutions(_move(first), FakeContext())
     watch = asyncio.create_task(servicer.leader_mirror.run())
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from gyre.errors import InvalidArgument, Unavailable, from_rpc_error, retry_after_for
 from gyre.grpcx.errors import rpc
-from services.router.http_api import _error_response
+from services.router.http_responses import error_response as _error_response
 
 
 class _Aborted(Exception):

@@ -162,9 +162,10 @@ def setup(
     table.apply(route("a", 1))
     engines = Setup.engines(scripts)
     sink = Sink()
-    turns = TurnRecorder(sink)
+    turns = TurnRecorder(sink=sink)
     pol = CallPolicy(**{"failover_wait_s": 0.05, "engine_idle_timeout_s": 5.0, **policy})  # type: ignore[arg-type]
-    return CallManager(table, engines, pol, turns, RouterStats()), table, engines, sink, turns
+    mgr = CallManager(routes=table, engines=engines, policy=pol, turns=turns, stats=RouterStats())
+    return mgr, table, engines, sink, turns
 
 
 async def run_call(
@@ -579,7 +580,7 @@ async def test_a_completed_call_ends_once_its_turn_is_recorded():
 
     mgr, _, _, _, _ = setup({"a": Script()}, turn_record_wait_s=30.0)
     sink = SlowSink()
-    mgr._turns = turns = TurnRecorder(sink)
+    mgr._turns = turns = TurnRecorder(sink=sink)
     task = asyncio.create_task(turns.run())
     call = asyncio.create_task(run_call(mgr, 5))
     await asyncio.sleep(0.2)

@@ -36,8 +36,8 @@ class Manager:
 
 def _api(tok: Tokenizer, manager: Manager) -> OpenAIApi:
     return OpenAIApi(
-        manager,  # type: ignore[arg-type]
-        tok,
+        manager=manager,  # type: ignore[arg-type]
+        tokenizer=tok,
         model_name="tiny",
         max_body_bytes=1 << 20,
         max_prompt_tokens=4096,

@@ -93,12 +93,14 @@ class Router:
     def __init__(self, tok: Tokenizer, link: PackerLink, engine: Engine, rebuild_wait_s: float = 5.0) -> None:
         table = RouteTable()
         table.apply(Route(EX, "a", "a", "ab" * 32, "g1", 1, 1, 1, created_revision=10))
-        self.turns = TurnRecorder(link, senders=1)
+        self.turns = TurnRecorder(sink=link, senders=1)
         policy = CallPolicy(turn_record_wait_s=5.0, rebuild_wait_s=rebuild_wait_s)
-        self.manager = CallManager(table, engine, policy, self.turns, turn_source=link)  # type: ignore[arg-type]
+        self.manager = CallManager(
+            routes=table, engines=engine, policy=policy, turns=self.turns, turn_source=link
+        )  # type: ignore[arg-type]
         self.api = OpenAIApi(
-            self.manager,
-            tok,
+            manager=self.manager,
+            tokenizer=tok,
             model_name="tiny",
             max_body_bytes=1 << 20,
             max_prompt_tokens=4096,

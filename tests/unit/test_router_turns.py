@@ -38,7 +38,7 @@ async def _no_sleep(_: float) -> None:
 
 async def test_retries_until_acknowledged():
     sink = FlakySink(failures=5)
-    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    rec = TurnRecorder(sink=sink, senders=1, sleep=_no_sleep)
     task = asyncio.create_task(rec.run())
     for i in range(3):
         rec.submit(turn(i))
@@ -49,7 +49,7 @@ async def test_retries_until_acknowledged():
 
 async def test_submit_never_blocks_and_overflow_drops_oldest():
     sink = FlakySink(failures=0, delay_s=10.0)  # a packer that hangs
-    rec = TurnRecorder(sink, capacity=3, senders=1)
+    rec = TurnRecorder(sink=sink, capacity=3, senders=1)
     task = asyncio.create_task(rec.run())
     await asyncio.sleep(0)
     loop = asyncio.get_running_loop()
@@ -64,7 +64,7 @@ async def test_submit_never_blocks_and_overflow_drops_oldest():
 
 async def test_refused_turn_is_not_retried():
     sink = FlakySink(failures=0)
-    rec = TurnRecorder(sink, senders=2, sleep=_no_sleep)
+    rec = TurnRecorder(sink=sink, senders=2, sleep=_no_sleep)
     task = asyncio.create_task(rec.run())
     rec.submit(turn(-1))
     rec.submit(turn(1))
@@ -80,7 +80,7 @@ async def test_oversized_turn_is_not_retried():
             raise ResourceExhausted("turn exceeds the micro-step token budget")
 
     sink = TooBig(failures=0)
-    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    rec = TurnRecorder(sink=sink, senders=1, sleep=_no_sleep)
     task = asyncio.create_task(rec.run())
     rec.submit(turn(0))
     assert await rec.flush(2.0)
@@ -89,7 +89,7 @@ async def test_oversized_turn_is_not_retried():
 
 
 async def test_no_packer_configured_is_a_no_op():
-    rec = TurnRecorder(None)
+    rec = TurnRecorder(sink=None)
     rec.submit(turn(0))
     assert rec.pending == 0
 
@@ -116,8 +116,8 @@ async def test_taken_index_is_renumbered_not_lost():
     from services.router.routes import RouteTable
 
     sink = TakenSink()
-    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
-    mgr = CallManager(RouteTable(), None, CallPolicy(), rec)  # type: ignore[arg-type]
+    rec = TurnRecorder(sink=sink, senders=1, sleep=_no_sleep)
+    mgr = CallManager(routes=RouteTable(), engines=None, policy=CallPolicy(), turns=rec)  # type: ignore[arg-type]
     task = asyncio.create_task(rec.run())
     rec.submit(turn(0))
     assert await rec.flush(2.0)
@@ -134,7 +134,9 @@ async def test_history_records_turns_recorded_refused_and_dropped(tmp_path):
 
     path = tmp_path / "router.jsonl"
     sink = FlakySink(failures=1)
-    rec = TurnRecorder(sink, capacity=2, senders=1, sleep=_no_sleep, history=History(str(path), svc="router"))
+    rec = TurnRecorder(
+        sink=sink, capacity=2, senders=1, sleep=_no_sleep, history=History(str(path), svc="router")
+    )
     for i in (0, 1, -1):  # the third overflows the buffer: turn 0 is dropped
         rec.submit(turn(i))
     task = asyncio.create_task(rec.run())
@@ -150,7 +152,7 @@ async def test_history_records_turns_recorded_refused_and_dropped(tmp_path):
 
 async def test_submit_tells_when_the_packer_holds_the_turn():
     sink = FlakySink(failures=2)
-    rec = TurnRecorder(sink, senders=1, sleep=_no_sleep)
+    rec = TurnRecorder(sink=sink, senders=1, sleep=_no_sleep)
     task = asyncio.create_task(rec.run())
     ok, bad = rec.submit(turn(0)), rec.submit(turn(-1))
     assert ok is not None and bad is not None
@@ -162,14 +164,14 @@ async def test_submit_tells_when_the_packer_holds_the_turn():
 
 async def test_waiting_for_a_record_is_bounded_and_never_cancels_it():
     sink = FlakySink(failures=0, delay_s=0.2)
-    rec = TurnRecorder(sink, senders=1)
+    rec = TurnRecorder(sink=sink, senders=1)
     task = asyncio.create_task(rec.run())
     done = rec.submit(turn(0))
     assert done is not None
     assert await TurnRecorder.wait_recorded(done, 0.0) is False  # not yet
     assert await TurnRecorder.wait_recorded(done, 10.0) is True  # the send went on
     assert sink.got == [0]
-    dropped = TurnRecorder(sink, capacity=1, senders=1)
+    dropped = TurnRecorder(sink=sink, capacity=1, senders=1)
     first = dropped.submit(turn(1))
     dropped.submit(turn(2))  # overflow: the oldest is dropped, and says so
     assert first is not None and first.done() and first.result() is False

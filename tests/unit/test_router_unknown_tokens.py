@@ -45,7 +45,9 @@ def _route(eid: str, token: str, expires_s: float = 0.0) -> Route:
 async def test_unknown_tokens_wait_for_the_watch_and_never_read_etcd():
     etcd = CountingEtcd()
     table = RouteTable()
-    store = RouteStore(etcd, Keys("t"), table, miss_wait_s=2.0, miss_rate_per_s=100, miss_burst=100)
+    store = RouteStore(
+        etcd=etcd, keys=Keys("t"), table=table, miss_wait_s=2.0, miss_rate_per_s=100, miss_burst=100
+    )
 
     async def arrives_later() -> None:
         await asyncio.sleep(0.1)
@@ -58,14 +60,21 @@ async def test_unknown_tokens_wait_for_the_watch_and_never_read_etcd():
     assert route.execution_id == "e1"
     start = time.monotonic()
     with pytest.raises(Unauthenticated):
-        await RouteStore(etcd, Keys("t"), RouteTable(), miss_wait_s=0.1).authorize("forged", peer="p")
+        await RouteStore(etcd=etcd, keys=Keys("t"), table=RouteTable(), miss_wait_s=0.1).authorize(
+            "forged", peer="p"
+        )
     assert time.monotonic() - start < 1.0
     assert etcd.reads == 0
 
 
 async def test_misses_are_rate_limited_per_peer():
     store = RouteStore(
-        CountingEtcd(), Keys("t"), RouteTable(), miss_wait_s=0.0, miss_rate_per_s=0.001, miss_burst=2
+        etcd=CountingEtcd(),
+        keys=Keys("t"),
+        table=RouteTable(),
+        miss_wait_s=0.0,
+        miss_rate_per_s=0.001,
+        miss_burst=2,
     )
     for _ in range(2):
         with pytest.raises(Unauthenticated):
@@ -79,7 +88,7 @@ async def test_misses_are_rate_limited_per_peer():
 async def test_an_expired_token_is_refused_without_waiting():
     table = RouteTable(wall=lambda: 1000.0)
     table.apply(_route("e1", "tok", expires_s=999.0))
-    store = RouteStore(CountingEtcd(), Keys("t"), table, miss_wait_s=5.0)
+    store = RouteStore(etcd=CountingEtcd(), keys=Keys("t"), table=table, miss_wait_s=5.0)
     start = time.monotonic()
     with pytest.raises(ExpiredToken):
         await store.authorize("tok", "e1")
@@ -98,7 +107,12 @@ async def test_the_default_wait_outlasts_a_watch_lagging_two_seconds():
     table = RouteTable()
     wait_s = RouterConfig.model_fields["unknown_token_wait_s"].default
     store = RouteStore(
-        CountingEtcd(), Keys("t"), table, miss_wait_s=wait_s, miss_rate_per_s=100, miss_burst=100
+        etcd=CountingEtcd(),
+        keys=Keys("t"),
+        table=table,
+        miss_wait_s=wait_s,
+        miss_rate_per_s=100,
+        miss_burst=100,
     )
 
     async def arrives_later() -> None:
