@@ -50,7 +50,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "bench" / "support" / "fake_engine.py"),
+                str(ROOT / "testkit" / "fake_engine.py"),
                 "--cell-id",
                 cell,
                 "--token-delay-s",
