@@ -54,7 +54,7 @@ class RouterEnv:
         self,
         etcd_endpoint: str,
         tmp: Path,
-        prefix: str,
+        prefix: str = "r",
         *,
         cluster: str | None = None,
         engines: Iterable[FakeOptions] = (),
