@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -39,6 +40,7 @@ from testkit.router_rig import (
     new_execution,
     put_route,
     read_sse,
+    sse_token_ids,
     start_router,
     write_config,
 )
@@ -192,6 +194,30 @@ async def stream_completion(
     ):
         assert r.status == 200, await r.text()
         return await read_sse(r)
+
+
+async def stream_tokens(
+    url: str, token: str, body: dict[str, Any], after_line: Callable[[list[int]], Awaitable[None]]
+) -> tuple[list[int], bool]:
+    """One streamed completion at a router's HTTP API, read line by line: ``after_line(got)``
+    is awaited after every line (``got``: the tokens received so far; where a test kills or
+    moves something mid-stream). Returns the tokens received and whether the stream broke
+    (``aiohttp.ClientError``) instead of ending."""
+    got: list[int] = []
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        try:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    got.extend(sse_token_ids([json.loads(line[6:])]))
+                await after_line(got)
+        except aiohttp.ClientError:
+            return got, True
+    return got, False
 
 
 def chat_api(manager: Any, tok: Tokenizer) -> OpenAIApi:

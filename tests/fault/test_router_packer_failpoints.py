@@ -47,7 +47,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from apps.checker import check_files
@@ -58,7 +57,7 @@ from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
 from gyre.ports import free_port
 from testkit.demo import restarted, short_demo
 from testkit.fake_engine import FakeOptions, reference
-from testkit.router_env import RouterEnv, stream_completion
+from testkit.router_env import RouterEnv, stream_completion, stream_tokens
 from testkit.router_rig import sse_token_ids, start_router
 
 pytestmark = pytest.mark.timeout(600)
@@ -176,24 +175,13 @@ async def test_router_dies_between_a_moves_stop_and_its_continuation(
                 mp.setenv(FAILPOINT_FILE_ENV, str(armed))
                 router, url = await asyncio.to_thread(start_router, env.cfg, tmp_path / "router.log")
             ex, tok = await env.routed("a")
-            headers = {"Authorization": f"Bearer {tok}"}
-            got: list[int] = []
-            broke = False
-            async with (
-                aiohttp.ClientSession() as s,
-                s.post(f"{url}/completions", json=body, headers=headers) as r,
-            ):
-                assert r.status == 200
-                try:
-                    async for raw in r.content:
-                        line = raw.decode().strip()
-                        if line.startswith("data: {"):
-                            got.extend(sse_token_ids([json.loads(line[6:])]))
-                        if len(got) >= 6 and not armed.exists():
-                            armed.write_text("router.move.stopped\n")
-                            await env.route(ex, "b", tok)  # the move
-                except aiohttp.ClientError:
-                    broke = True
+
+            async def move_after_6(got: list[int]) -> None:
+                if len(got) >= 6 and not armed.exists():
+                    armed.write_text("router.move.stopped\n")
+                    await env.route(ex, "b", tok)  # the move
+
+            got, broke = await stream_tokens(url, tok, body, move_after_6)
             assert await asyncio.to_thread(router.proc.wait, 30) == EXIT_STATUS  # it died there
             assert broke or len(got) < MAX_TOKENS, "the stream outlived its router"
             assert got == want[: len(got)]

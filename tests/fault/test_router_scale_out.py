@@ -16,11 +16,9 @@ Real router processes and a real etcd; the engines are the deterministic fake en
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -29,7 +27,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.peers import GrpcPeers, MoveOrder
 from testkit.fake_engine import FakeOptions, reference
 from testkit.leader import leader_epoch, new_leader
-from testkit.router_env import RouterEnv, stream_completion
+from testkit.router_env import RouterEnv, stream_completion, stream_tokens
 from testkit.router_rig import sse_token_ids, start_router
 from testkit.tls import PKI, tls
 
@@ -124,24 +122,12 @@ async def test_router_killed_mid_stream_the_harness_retries_at_another(env):
     doomed, doomed_url = start_router(env.cfg, env.tmp / "doomed.log")
     try:
         ex, tok = await env.routed("a")
-        got: list[int] = []
-        failed = False
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(
-                f"{doomed_url}/completions", json=_body(), headers={"Authorization": f"Bearer {tok}"}
-            ) as r,
-        ):
-            assert r.status == 200
-            try:
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if line.startswith("data: {"):
-                        got.extend(sse_token_ids([json.loads(line[6:])]))
-                    if len(got) >= 8 and doomed.alive:
-                        doomed.kill()  # SIGKILL: no drain, no goodbye
-            except aiohttp.ClientError:
-                failed = True
+
+        async def kill_after_8(got: list[int]) -> None:
+            if len(got) >= 8 and doomed.alive:
+                doomed.kill()  # SIGKILL: no drain, no goodbye
+
+        got, failed = await stream_tokens(doomed_url, tok, _body(), kill_after_8)
         assert failed or len(got) < MAX_TOKENS, "the stream outlived its router"
         assert got == want[: len(got)]
         # The engine saw its caller vanish: the dead router's request is no longer running.
