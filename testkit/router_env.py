@@ -10,10 +10,12 @@ and, unless told otherwise, a recording packer (:class:`testkit.fake_packer.Fake
         ex, token = await env.routed("a")                 # a new execution routed to cell a
         events = await stream_completion(env.url, token, {"prompt": [20], "stream": True})
 
-Everything it started stops when the block ends (what a test adds: :meth:`RouterEnv.defer`).
-A test module that needs more (routed executions, a link proxy) subclasses it and sets its
-own attributes once the environment is up. The calls the router's tests make over HTTP
-and the unit tests' :func:`chat_api` live here too."""
+Everything it started stops when the block ends, the routers first; what a test adds
+(a link proxy, a channel) stops with it through :meth:`RouterEnv.defer`. A test module
+that needs more (routed executions, a proxy) subclasses it and sets its own attributes once
+the environment is up. The calls the router's tests make over HTTP
+(:func:`stream_completion`, :func:`stream_tokens`) and the unit tests' in-process API
+(:func:`chat_api`) live here too."""
 
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ class RouterEnv:
         """The routers' settings in ``cfg`` (those a test gave, and the defaults)."""
         self.engines: dict[str, FakeEngineServer] = {}
         self.routers: list[tuple[ServiceProcess, str]] = []
-        """Each router process and its HTTP base URL, in the order started."""
+        """Each router process and its HTTP base URL, in the order started (a test that
+        restarts one puts the new one in its place: it stops with the environment too)."""
         self.stubs: list[RoleStubs] = []
         """A ``Router`` gRPC stub per router, in the same order."""
         self._etcd_endpoint = etcd_endpoint
@@ -87,6 +90,7 @@ class RouterEnv:
         self._with_packer = packer
         self._packer: FakePacker | None = None
         self._n_routers = routers
+        self._started: list[ServiceProcess] = []
         self._stack = contextlib.AsyncExitStack()
 
     @property
@@ -125,7 +129,10 @@ class RouterEnv:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
+        try:
+            await self._stop_routers()  # first: nothing they call goes away under them
+        finally:
+            await self._stack.aclose()
 
     async def _start(self) -> None:
         build_tokenizer_dir(self.tok_dir)
@@ -139,6 +146,7 @@ class RouterEnv:
         write_config(
             self.cfg, self.cluster, self._etcd_endpoint, model_dir=str(self.tok_dir), **self.settings
         )
+        self.defer(self._stop_routers)  # (should a router's start fail)
         logs = ["router"] if self._n_routers == 1 else [f"router{i}" for i in range(self._n_routers)]
         for proc, url in await asyncio.gather(*(self._launch(log) for log in logs)):  # side by side
             self._adopt(proc, url)
@@ -146,8 +154,8 @@ class RouterEnv:
         self.defer(self.etcd.close)
 
     def defer(self, callback: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Has ``callback(*args)`` awaited when the environment stops (before what was
-        started earlier stops)."""
+        """Has ``callback(*args)`` awaited when the environment stops: once the routers have
+        stopped, before what was started earlier stops."""
         self._stack.push_async_callback(callback, *args)
 
     async def add_router(self, log: str = "router", **overrides: Any) -> tuple[ServiceProcess, str]:
@@ -160,8 +168,14 @@ class RouterEnv:
 
     async def _launch(self, log: str, **overrides: Any) -> tuple[ServiceProcess, str]:
         proc, url = await asyncio.to_thread(start_router, self.cfg, self.tmp / f"{log}.log", **overrides)
-        self.defer(asyncio.to_thread, proc.stop)
+        self._started.append(proc)
         return proc, url
+
+    async def _stop_routers(self) -> None:
+        """Stops every router this environment started and every one in ``routers`` now."""
+        procs = {id(p): p for p in [*self._started, *(p for p, _ in self.routers)]}
+        for proc in procs.values():
+            await asyncio.to_thread(proc.stop)
 
     def _adopt(self, proc: ServiceProcess, url: str) -> None:
         self.routers.append((proc, url))
