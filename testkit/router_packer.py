@@ -1,20 +1,27 @@
 """Routers in front of a real packer process, with the deterministic fake engine: the
-configs, a scripted execution and the calls the router-statelessness tests make (shared by
-tests/integration/test_router_stateless.py and test_router_rebuild_cluster.py)."""
+environment, a scripted execution and the calls the router-statelessness tests make (shared
+by tests/integration/test_router_stateless.py and test_router_rebuild_cluster.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 
-from gyre.v1 import packer_pb2
+from apps.procs import ServiceProcess
+from gyre.v1 import packer_pb2, packer_pb2_grpc
+from services.packer.servicer import PackerServicer
 from services.router.tokenization import Tokenizer
-from testkit.router_rig import new_execution, put_route
+from testkit.fake_engine import FakeOptions
+from testkit.router_env import RouterEnv
+from testkit.tls import RoleStubs
 
 
 def packer_config(tmp: Path, cluster: str, etcd_endpoint: str) -> Path:
@@ -31,23 +38,48 @@ def packer_config(tmp: Path, cluster: str, etcd_endpoint: str) -> Path:
     return path
 
 
-def router_config(tmp: Path, cluster: str, etcd_endpoint: str, tok_dir: Path, packer_target: str) -> Path:
-    """A router config in ``tmp``: the tokenizer in ``tok_dir``, the packer at ``packer_target``."""
-    path = tmp / "cluster.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "cluster": {"name": cluster, "etcd_endpoints": [etcd_endpoint]},
-                "router": {
-                    "model_dir": str(tok_dir),
-                    "packer_target": packer_target,
-                    "http_port": 0,
-                    "log_json": False,
-                },
+@contextlib.asynccontextmanager
+async def packer_env(
+    etcd_endpoint: str, tmp: Path, prefix: str, routers: int = 0
+) -> AsyncIterator[dict[str, Any]]:
+    """A packer process (:func:`packer_config`) and the fake engine at cell a in a fresh
+    cluster (its name: ``prefix`` and random hex digits), with ``routers`` routers on one
+    config in front of them (:class:`testkit.router_env.RouterEnv`; more:
+    ``env["rig"].add_router``). Yields the environment the helpers here take: ``rig``,
+    ``cfg``, ``tmp``, ``routers`` (a test may put a restarted router in its place),
+    ``engine``, ``packer`` (a stub of the packer process), ``packer_target``, ``etcd``,
+    ``keys`` and ``tok`` (the routers' tokenizer). Everything stops on exit."""
+    cluster = prefix + secrets.token_hex(4)
+    config = packer_config(tmp, cluster, etcd_endpoint)
+    packer = ServiceProcess("packer", config, log_path=tmp / "packer.log").start()
+    try:
+        async with (
+            RouterEnv(
+                etcd_endpoint,
+                tmp,
+                cluster=cluster,
+                model="tiny",
+                engines=[FakeOptions(cell_id="a")],
+                packer=False,
+                routers=routers,
+                packer_target=packer.target,
+            ) as rig,
+            RoleStubs(packer.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub,
+        ):
+            yield {
+                "rig": rig,
+                "cfg": rig.cfg,
+                "tmp": tmp,
+                "routers": rig.routers,
+                "engine": rig.engine,
+                "packer": stub,
+                "packer_target": packer.target,
+                "etcd": rig.etcd,
+                "keys": rig.keys,
+                "tok": Tokenizer.load(rig.tok_dir),
             }
-        )
-    )
-    return path
+    finally:
+        packer.stop()
 
 
 def chars(tok: Tokenizer, text: str) -> list[int]:
@@ -64,8 +96,7 @@ async def scripted_execution(env: dict[str, Any], *answers: str) -> tuple[str, s
     fake = env["engine"].engine
     fake.opts.script = tuple(tuple(o) for o in outs)
     fake.requests.clear()
-    ex, token = new_execution()
-    await put_route(env["etcd"], env["keys"], ex, "a", env["engine"].target, token)
+    ex, token = await env["rig"].routed("a")
     await asyncio.sleep(0.3)  # the routers' watches
     return ex, token, outs
 

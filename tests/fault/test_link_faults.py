@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import secrets
 from pathlib import Path
 
 import aiohttp
@@ -24,12 +23,11 @@ import pytest
 import pytest_asyncio
 
 from apps.checker import check_files
-from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
-from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
+from testkit.fake_engine import FakeOptions, reference
 from testkit.fake_packer import FakePacker
 from testkit.proxy import LinkProxy
-from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from testkit.router_env import RouterEnv
 from testkit.scheduler_env import scheduler_env
 from testkit.scheduler_peers import (
     FakeCellAgent,
@@ -37,56 +35,33 @@ from testkit.scheduler_peers import (
     Harness,
     wait_until,
 )
-from testkit.tls import tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 PROMPT = [20, 21, 22]
 MAX_TOKENS = 60
 
 
-@dataclasses.dataclass
-class Env:
-    proc: ServiceProcess
-    url: str
-    etcd: Etcd
-    keys: Keys
-    engine: FakeEngineServer
+class Env(RouterEnv):
+    """The router, its one engine (cell a) and the link proxy in front of it."""
+
     proxy: LinkProxy
-    packer: FakePacker
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("links")
-    tok = build_tokenizer_dir(tmp / "model")
-    packer = await FakePacker().start(tls("packer"))
-    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.02)).start()
-    proxy = await LinkProxy(engine.target).start()
-    cluster = "lk" + secrets.token_hex(4)
-    cfg = write_config(
-        tmp / "cluster.yaml",
-        cluster,
+    async with Env(
         etcd_server.endpoint,
-        model_dir=str(tok),
-        packer_target=packer.target,
-        http_port=0,
+        tmp_path_factory.mktemp("links"),
+        "lk",
+        engines=[FakeOptions(cell_id="a", token_delay_s=0.02)],
         retry_budget=20,  # a black-holed link fails every attempt until it is reset
         failover_wait_s=0.2,  # no scheduler here: retry at the same route soon
         engine_idle_timeout_s=1.0,
         report_engine_failures=False,
-        log_json=False,
-    )
-    proc, url = await asyncio.to_thread(start_router, cfg, tmp / "router.log")
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    try:
-        yield Env(proc, url, etcd, Keys(cluster), engine, proxy, packer)
-    finally:
-        await asyncio.to_thread(proc.stop)
-        await etcd.close()
-        await proxy.stop()
-        await engine.stop(0)
-        await packer.stop()
+    ) as e:
+        e.proxy = await LinkProxy(e.engine.target).start()
+        e.defer(e.proxy.stop)
+        yield e
 
 
 async def _call(env: Env, token: str) -> dict:
@@ -115,8 +90,7 @@ async def _started(env: Env, execution_id: str, tokens: int) -> None:
 async def _through(env: Env, fault) -> tuple[list[int], int]:
     """One call through the proxy, ``fault(env)`` injected once 10 tokens have streamed;
     the harness's tokens and the engine attempts the call took."""
-    ex, token = new_execution()
-    await put_route(env.etcd, env.keys, ex, "a", env.proxy.target, token)
+    ex, token = await env.routed("a", env.proxy.target)
     call = asyncio.create_task(_call(env, token))
     await asyncio.wait_for(_started(env, ex, 10), 30)
     await fault(env)

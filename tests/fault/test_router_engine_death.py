@@ -9,33 +9,24 @@ with UNAVAILABLE), and one more router calls Generate per request (the older pat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
 
-from gyre.etcd import Etcd, Keys
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.servicer import RouterServicer
-from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
-from testkit.router_rig import (
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    read_sse,
-    sse_token_ids,
-    start_router,
-    write_config,
-)
-from testkit.tls import PKI, RoleStubs, tls
+from gyre.v1 import common_pb2, router_pb2
+from testkit.fake_engine import FakeOptions, reference
+from testkit.router_env import RouterEnv, stream_completion
+from testkit.router_rig import sse_token_ids
+from testkit.tls import PKI, tls
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +41,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "bench" / "support" / "fake_engine.py"),
+                str(ROOT / "testkit" / "fake_engine.py"),
                 "--cell-id",
                 cell,
                 "--token-delay-s",
@@ -80,67 +71,56 @@ class EngineProcess:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("router_fault")
-    tok = build_tokenizer_dir(tmp / "model")
-    cluster = "rf" + secrets.token_hex(4)
-    cfg = write_config(
-        tmp / "cluster.yaml",
-        cluster,
+    async with RouterEnv(
         etcd_server.endpoint,
-        model_dir=str(tok),
-        http_port=0,
-        log_json=False,
+        tmp_path_factory.mktemp("router_fault"),
+        "rf",
+        engines=[FakeOptions(cell_id="b", token_delay_s=0.01)],
+        packer=False,
+        routers=0,
         failover_wait_s=0.5,
         engine_idle_timeout_s=1.0,
         abort_timeout_s=0.3,
         engine_stream=True,
-    )
-    with_budget, url = start_router(cfg, tmp / "router_budget.log", retry_budget=2)
-    no_budget, url0 = start_router(cfg, tmp / "router_nobudget.log", retry_budget=0)
-    per_request, url_pr = start_router(
-        cfg, tmp / "router_per_request.log", retry_budget=2, engine_stream=False
-    )
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    healthy = await FakeEngineServer(FakeOptions(cell_id="b", token_delay_s=0.01)).start()
-    ch1 = RoleStubs(with_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
-    ch0 = RoleStubs(no_budget.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
-    try:
+    ) as rig:
+        _, url = await rig.add_router("router_budget", retry_budget=2)
+        _, url0 = await rig.add_router("router_nobudget", retry_budget=0)
+        _, url_pr = await rig.add_router("router_per_request", retry_budget=2, engine_stream=False)
         yield {
+            "rig": rig,
             "url": url,
             "url0": url0,
             "url_per_request": url_pr,
-            "etcd": etcd,
-            "keys": Keys(cluster),
-            "b": healthy,
-            "stub": ch1,
-            "stub0": ch0,
+            "b": rig.engines["b"],
+            "stub": rig.stubs[0],
+            "stub0": rig.stubs[1],
         }
+
+
+@contextlib.asynccontextmanager
+async def _engine_process(env, *args: str) -> AsyncIterator[tuple[EngineProcess, str, str]]:
+    """A fake engine process at cell a (``args``: how it misbehaves) and a new execution
+    routed to it, which the routers have learnt: the engine, the execution and its token.
+    The process is killed on exit."""
+    engine = EngineProcess("a", *args)
+    try:
+        ex, tok = await env["rig"].routed("a", engine.target)
+        await asyncio.sleep(0.3)
+        yield engine, ex, tok
     finally:
-        with_budget.stop()
-        no_budget.stop()
-        per_request.stop()
-        await ch1.close()
-        await ch0.close()
-        await etcd.close()
-        await healthy.stop(0)
+        engine.kill()
 
 
 async def _scheduler_moves_when(env, cond, execution_id: str, token: str) -> None:
     """The scheduler's reaction to a dead/hung cell: rewrite the route to the healthy engine."""
     while not cond():
         await asyncio.sleep(0.01)
-    await put_route(env["etcd"], env["keys"], execution_id, "b", env["b"].target, token)
+    await env["rig"].route(execution_id, "b", token)
 
 
 async def _sse(url: str, token: str) -> list[dict]:
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r,
-    ):
-        assert r.status == 200, await r.text()
-        return await read_sse(r)
+    return await stream_completion(url, token, body)
 
 
 async def _grpc(stub, execution_id: str, token: str) -> list[int]:
@@ -163,11 +143,7 @@ async def _grpc(stub, execution_id: str, token: str) -> list[int]:
     ("api", "router"), [("sse", "engine_stream"), ("grpc", "engine_stream"), ("sse", "per_request")]
 )
 async def test_killed_engine_with_budget_completes_identically(env, api, router):
-    dying = EngineProcess("a", "--die-after-tokens", "12")
-    try:
-        ex, tok = new_execution()
-        await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
-        await asyncio.sleep(0.3)
+    async with _engine_process(env, "--die-after-tokens", "12") as (dying, ex, tok):
         mover = asyncio.create_task(_scheduler_moves_when(env, dying.dead, ex, tok))
         streams = env["b"].engine.streams
         if api == "sse":
@@ -184,16 +160,10 @@ async def test_killed_engine_with_budget_completes_identically(env, api, router)
             assert env["b"].engine.streams >= 1
         else:
             assert env["b"].engine.streams == streams
-    finally:
-        dying.kill()
 
 
 async def test_hung_engine_is_moved_away_identically(env):
-    hanging = EngineProcess("a")
-    try:
-        ex, tok = new_execution()
-        await put_route(env["etcd"], env["keys"], ex, "a", hanging.target, tok)
-        await asyncio.sleep(0.3)
+    async with _engine_process(env) as (hanging, ex, tok):
         stream = asyncio.create_task(_sse(env["url"], tok))
         await asyncio.sleep(0.15)  # some tokens flow, then the engine freezes
         hanging.proc.send_signal(signal.SIGSTOP)
@@ -201,16 +171,10 @@ async def test_hung_engine_is_moved_away_identically(env):
         events = await asyncio.wait_for(stream, 30)
         assert not any("error" in e for e in events), events
         assert sse_token_ids(events) == reference(1, PROMPT, MAX_TOKENS)
-    finally:
-        hanging.kill()
 
 
 async def test_killed_engine_without_budget_is_a_clean_error(env):
-    dying = EngineProcess("a", "--die-after-tokens", "12")
-    try:
-        ex, tok = new_execution()
-        await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
-        await asyncio.sleep(0.3)
+    async with _engine_process(env, "--die-after-tokens", "12") as (_, ex, tok):
         t0 = time.monotonic()
         events = await asyncio.wait_for(_sse(env["url0"], tok), 30)
         assert time.monotonic() - t0 < 10
@@ -222,21 +186,13 @@ async def test_killed_engine_without_budget_is_a_clean_error(env):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await asyncio.wait_for(_grpc(env["stub0"], ex, tok), 30)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        dying.kill()
 
 
 async def test_killed_engine_with_no_destination_is_a_clean_error(env):
-    dying = EngineProcess("a", "--die-after-tokens", "12")
-    try:
-        ex, tok = new_execution()
-        await put_route(env["etcd"], env["keys"], ex, "a", dying.target, tok)
-        await asyncio.sleep(0.3)
+    async with _engine_process(env, "--die-after-tokens", "12") as (_, ex, tok):
         t0 = time.monotonic()
         events = await asyncio.wait_for(_sse(env["url"], tok), 30)  # budget 2, but nowhere to go
         assert time.monotonic() - t0 < 10
         assert events[-2]["error"]["code"] == 503 and "3 engine failure" in events[-2]["error"]["message"]
         status = await env["stub"].GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
         assert status.failed_calls >= 1 and status.inflight == 0
-    finally:
-        dying.kill()

@@ -47,29 +47,18 @@ import asyncio
 import json
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from apps.checker import check_files
 from apps.demo.runner import run_demo
 from apps.launch import Cluster
 from apps.procs import ServiceProcess
-from gyre.etcd import Etcd, Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
 from gyre.ports import free_port
 from testkit.demo import restarted, short_demo
-from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
-from testkit.fake_packer import FakePacker
-from testkit.router_rig import (
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    read_sse,
-    sse_token_ids,
-    start_router,
-    write_config,
-)
-from testkit.tls import tls
+from testkit.fake_engine import FakeOptions, reference
+from testkit.router_env import RouterEnv, stream_completion, stream_tokens
+from testkit.router_rig import sse_token_ids, start_router
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -168,81 +157,53 @@ async def test_router_dies_between_a_moves_stop_and_its_continuation(
 ):
     armed = tmp_path / "failpoints"
     hist = tmp_path / "router.jsonl"
-    packer = await FakePacker().start(tls("packer"))
-    engines = {
-        cell: await FakeEngineServer(FakeOptions(cell_id=cell, token_delay_s=0.02)).start() for cell in "ab"
-    }
-    port = free_port()
-    cfg = write_config(
-        tmp_path / "cluster.yaml",
-        cluster_name,
-        etcd_server.endpoint,
-        model_dir=str(build_tokenizer_dir(tmp_path / "model")),
-        packer_target=packer.target,
-        http_port=port,
-        unknown_token_wait_s=20.0,
-        log_json=False,
-        history_file=str(hist),
-    )
-    router: ServiceProcess | None = None
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    keys = Keys(cluster_name)
     want = reference(1, PROMPT, MAX_TOKENS)
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(FAILPOINT_FILE_ENV, str(armed))
-            router, url = await asyncio.to_thread(start_router, cfg, tmp_path / "router.log")
-        ex, tok = new_execution()
-        await put_route(etcd, keys, ex, "a", engines["a"].target, tok)
-        headers = {"Authorization": f"Bearer {tok}"}
-        got: list[int] = []
-        broke = False
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(f"{url}/completions", json=body, headers=headers) as r,
-        ):
-            assert r.status == 200
-            try:
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if line.startswith("data: {"):
-                        got.extend(sse_token_ids([json.loads(line[6:])]))
-                    if len(got) >= 6 and not armed.exists():
-                        armed.write_text("router.move.stopped\n")
-                        await put_route(etcd, keys, ex, "b", engines["b"].target, tok)  # the move
-            except aiohttp.ClientError:
-                broke = True
-        assert await asyncio.to_thread(router.proc.wait, 30) == EXIT_STATUS  # it died there
-        assert broke or len(got) < MAX_TOKENS, "the stream outlived its router"
-        assert got == want[: len(got)]
-        assert not any(e.engine.requests for e in [engines["b"]]), "the continuation started"
-        armed.unlink()
-        router, url2 = await asyncio.to_thread(start_router, cfg, tmp_path / "router.log")  # the supervisor
-        assert url2 == url
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(f"{url}/completions", json=body, headers=headers) as r,
-        ):
-            assert r.status == 200, await r.text()
-            events = await read_sse(r)  # the harness's retry, at the route's new cell
-        assert events[-1] == {"done": True} and not any("error" in e for e in events), events
-        assert sse_token_ids(events) == want
-        for _ in range(500):
-            if (ex, 0) in packer.turns:
-                break
-            await asyncio.sleep(0.02)
-        assert list(packer.turns[(ex, 0)].output_token_ids) == want
-        assert (ex, 1) not in packer.turns  # recorded once
-        verdict = check_files([hist])
-        assert verdict.ok, verdict.violations
-        assert verdict.counts["turns_recorded"] == 1
-    finally:
-        armed.unlink(missing_ok=True)
-        if router is not None:
-            router.stop()
-        await etcd.close()
-        for e in engines.values():
-            await e.stop(0)
-        await packer.stop()
+    router: ServiceProcess | None = None
+    async with RouterEnv(
+        etcd_server.endpoint,
+        tmp_path,
+        cluster=cluster_name,
+        engines=[FakeOptions(cell_id=cell, token_delay_s=0.02) for cell in "ab"],
+        routers=0,  # started here: it dies, and its restart must have the same address
+        http_port=free_port(),
+        unknown_token_wait_s=20.0,
+        history_file=str(hist),
+    ) as env:
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(FAILPOINT_FILE_ENV, str(armed))
+                router, url = await asyncio.to_thread(start_router, env.cfg, tmp_path / "router.log")
+            ex, tok = await env.routed("a")
+
+            async def move_after_6(got: list[int]) -> None:
+                if len(got) >= 6 and not armed.exists():
+                    armed.write_text("router.move.stopped\n")
+                    await env.route(ex, "b", tok)  # the move
+
+            got, broke = await stream_tokens(url, tok, body, move_after_6)
+            assert await asyncio.to_thread(router.proc.wait, 30) == EXIT_STATUS  # it died there
+            assert broke or len(got) < MAX_TOKENS, "the stream outlived its router"
+            assert got == want[: len(got)]
+            assert not any(e.engine.requests for e in [env.engines["b"]]), "the continuation started"
+            armed.unlink()
+            # The supervisor's restart, on the same address.
+            router, url2 = await asyncio.to_thread(start_router, env.cfg, tmp_path / "router.log")
+            assert url2 == url
+            # The harness's retry, at the route's new cell.
+            events = await stream_completion(url, tok, body)
+            assert events[-1] == {"done": True} and not any("error" in e for e in events), events
+            assert sse_token_ids(events) == want
+            for _ in range(500):
+                if (ex, 0) in env.packer.turns:
+                    break
+                await asyncio.sleep(0.02)
+            assert list(env.packer.turns[(ex, 0)].output_token_ids) == want
+            assert (ex, 1) not in env.packer.turns  # recorded once
+            verdict = check_files([hist])
+            assert verdict.ok, verdict.violations
+            assert verdict.counts["turns_recorded"] == 1
+        finally:
+            armed.unlink(missing_ok=True)
+            if router is not None:
+                router.stop()

@@ -16,36 +16,20 @@ Real router processes and a real etcd; the engines are the deterministic fake en
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import secrets
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
-from apps.procs import ServiceProcess
-from gyre.etcd import Etcd, Keys
 from gyre.ports import free_port
-from gyre.v1 import router_pb2_grpc
-from services.router.servicer import RouterServicer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.peers import GrpcPeers, MoveOrder
-from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
-from testkit.fake_packer import FakePacker
+from testkit.fake_engine import FakeOptions, reference
 from testkit.leader import leader_epoch, new_leader
-from testkit.router_rig import (
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    read_sse,
-    sse_token_ids,
-    start_router,
-    write_config,
-)
-from testkit.tls import PKI, RoleStubs, tls
+from testkit.router_env import RouterEnv, stream_completion, stream_tokens
+from testkit.router_rig import sse_token_ids, start_router
+from testkit.tls import PKI, tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -53,68 +37,20 @@ PROMPT = [40, 41, 42, 43, 44]
 MAX_TOKENS = 40
 
 
-@dataclasses.dataclass
-class Env:
-    cfg: Any
-    tmp: Any
-    routers: list[tuple[ServiceProcess, str]]
-    stubs: list[RoleStubs]
-    etcd: Etcd
-    keys: Keys
-    engines: dict[str, FakeEngineServer]
-    packer: FakePacker
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("routers")
-    tok = build_tokenizer_dir(tmp / "model")
-    cluster = "rs" + secrets.token_hex(4)
-    packer = await FakePacker().start(tls("packer"))
-    engines = {
-        cell: await FakeEngineServer(FakeOptions(cell_id=cell, token_delay_s=0.01)).start()
-        for cell in ("a", "b")
-    }
-    cfg = write_config(
-        tmp / "cluster.yaml",
-        cluster,
+    async with RouterEnv(
         etcd_server.endpoint,
-        model_dir=str(tok),
-        packer_target=packer.target,
-        http_port=0,
+        tmp_path_factory.mktemp("routers"),
+        "rs",
+        engines=[FakeOptions(cell_id=cell, token_delay_s=0.01) for cell in ("a", "b")],
+        routers=2,
         retry_budget=0,
         failover_wait_s=0.5,
         unknown_token_wait_s=20.0,
         move_route_wait_s=20.0,
-        log_json=False,
-    )
-    routers = list(
-        await asyncio.gather(
-            *(asyncio.to_thread(start_router, cfg, tmp / f"router{i}.log") for i in range(2))
-        )
-    )
-    stubs = [RoleStubs(p.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS) for p, _ in routers]
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    try:
-        yield Env(cfg, tmp, routers, stubs, etcd, Keys(cluster), engines, packer)
-    finally:
-        for p, _ in routers:
-            p.stop()
-        for s in stubs:
-            await s.close()
-        await etcd.close()
-        for e in engines.values():
-            await e.stop(0)
-        await packer.stop()
-
-
-async def _routed(env: Env, cell: str) -> tuple[str, str]:
-    """A new execution routed to ``cell`` (routers learn it from their watch; a call that
-    comes first waits for it: ``unknown_token_wait_s``)."""
-    ex, tok = new_execution()
-    await put_route(env.etcd, env.keys, ex, cell, env.engines[cell].target, tok)
-    return ex, tok
+    ) as e:
+        yield e
 
 
 def _body() -> dict[str, Any]:
@@ -122,15 +58,10 @@ def _body() -> dict[str, Any]:
 
 
 async def _sse(url: str, token: str) -> list[dict[str, Any]]:
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{url}/completions", json=_body(), headers={"Authorization": f"Bearer {token}"}) as r,
-    ):
-        assert r.status == 200, await r.text()
-        return await read_sse(r)
+    return await stream_completion(url, token, _body())
 
 
-def _progress(env: Env, cell: str, execution_id: str) -> int:
+def _progress(env: RouterEnv, cell: str, execution_id: str) -> int:
     """Tokens the newest attempt of ``execution_id`` at ``cell`` has produced."""
     engine = env.engines[cell].engine
     rids = [r.request_id for r in engine.requests if r.execution_id == execution_id]
@@ -146,7 +77,7 @@ async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def _turn(env: Env, execution_id: str) -> Any:
+async def _turn(env: RouterEnv, execution_id: str) -> Any:
     """The packer's record of the execution's turn 0 (once the recorder sent it)."""
     await _until(lambda: (execution_id, 0) in env.packer.turns, "the turn record")
     return env.packer.turns[(execution_id, 0)]
@@ -154,7 +85,7 @@ async def _turn(env: Env, execution_id: str) -> Any:
 
 async def test_reroute_reaches_the_call_on_each_router(env):
     want = reference(1, PROMPT, MAX_TOKENS)
-    calls = [await _routed(env, "a") for _ in env.routers]
+    calls = [await env.routed("a") for _ in env.routers]
     running = [
         asyncio.create_task(_sse(url, tok)) for (_, url), (_, tok) in zip(env.routers, calls, strict=True)
     ]
@@ -165,7 +96,7 @@ async def test_reroute_reaches_the_call_on_each_router(env):
     epoch = await leader_epoch(env.etcd, env.keys)
     moves = []
     for ex, tok in calls:
-        route_epoch = await put_route(env.etcd, env.keys, ex, "b", env.engines["b"].target, tok)
+        route_epoch = await env.route(ex, "b", tok)
         moves.append(MoveOrder(ex, "a", "b", route_epoch))
     # The scheduler's own fan-out, with a router that is gone but still registered among
     # them: the live routers still get the move.
@@ -190,25 +121,13 @@ async def test_router_killed_mid_stream_the_harness_retries_at_another(env):
     want = reference(1, PROMPT, MAX_TOKENS)
     doomed, doomed_url = start_router(env.cfg, env.tmp / "doomed.log")
     try:
-        ex, tok = await _routed(env, "a")
-        got: list[int] = []
-        failed = False
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(
-                f"{doomed_url}/completions", json=_body(), headers={"Authorization": f"Bearer {tok}"}
-            ) as r,
-        ):
-            assert r.status == 200
-            try:
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if line.startswith("data: {"):
-                        got.extend(sse_token_ids([json.loads(line[6:])]))
-                    if len(got) >= 8 and doomed.alive:
-                        doomed.kill()  # SIGKILL: no drain, no goodbye
-            except aiohttp.ClientError:
-                failed = True
+        ex, tok = await env.routed("a")
+
+        async def kill_after_8(got: list[int]) -> None:
+            if len(got) >= 8 and doomed.alive:
+                doomed.kill()  # SIGKILL: no drain, no goodbye
+
+        got, failed = await stream_tokens(doomed_url, tok, _body(), kill_after_8)
         assert failed or len(got) < MAX_TOKENS, "the stream outlived its router"
         assert got == want[: len(got)]
         # The engine saw its caller vanish: the dead router's request is no longer running.

@@ -13,7 +13,6 @@ process, mutual TLS, the deterministic fake engine, a recording packer):
 from __future__ import annotations
 
 import asyncio
-import secrets
 
 import grpc
 import pytest
@@ -22,12 +21,10 @@ import pytest_asyncio
 from gyre.client import HarnessClient
 from gyre.client.router_stream import RouterStream
 from gyre.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
-from gyre.etcd import Etcd, Keys
 from gyre.identity import Role
 from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
-from testkit.fake_packer import FakePacker
-from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
+from testkit.fake_engine import FakeOptions, reference
+from testkit.router_env import RouterEnv
 from testkit.tls import PKI, channel, tls
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -37,50 +34,28 @@ TOKENS = 24
 MAX_CALLS = 40
 
 
+class Env(RouterEnv):
+    """The router, its one engine (cell a) and a harness's channel to the router."""
+
+    channel: grpc.aio.Channel
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("call_stream")
-    tok = build_tokenizer_dir(tmp / "model")
-    cluster = "cs" + secrets.token_hex(4)
-    packer = await FakePacker().start(tls("packer"))
-    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.005, step_clock=True)).start()
-    cfg = write_config(
-        tmp / "cluster.yaml",
-        cluster,
+    async with Env(
         etcd_server.endpoint,
-        model_dir=str(tok),
-        packer_target=packer.target,
-        http_port=0,
-        log_json=False,
+        tmp_path_factory.mktemp("call_stream"),
+        "cs",
+        engines=[FakeOptions(cell_id="a", token_delay_s=0.005, step_clock=True)],
         max_stream_calls=MAX_CALLS,
-    )
-    proc, _ = start_router(cfg, tmp / "router.log")
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    ch = channel(proc.target, "harness-mux", Role.HARNESS, Role.ROUTER)
-    try:
-        yield {
-            "etcd": etcd,
-            "keys": Keys(cluster),
-            "engine": engine,
-            "packer": packer,
-            "channel": ch,
-            "router": proc.target,
-        }
-    finally:
-        proc.stop()
-        await ch.close()
-        await etcd.close()
-        await engine.stop(0)
-        await packer.stop()
+    ) as e:
+        e.channel = channel(e.proc.target, "harness-mux", Role.HARNESS, Role.ROUTER)
+        e.defer(e.channel.close)
+        yield e
 
 
-async def _executions(env, n: int) -> list[tuple[str, str]]:
-    out = []
-    for _ in range(n):
-        ex, token = new_execution()
-        await put_route(env["etcd"], env["keys"], ex, "a", env["engine"].target, token)
-        out.append((ex, token))
+async def _executions(env: Env, n: int) -> list[tuple[str, str]]:
+    out = [await env.routed("a") for _ in range(n)]
     await asyncio.sleep(0.3)  # the router's watch
     return out
 
@@ -97,11 +72,11 @@ def _tokens(responses: list[router_pb2.GenerateResponse]) -> list[int]:
 
 async def test_calls_of_many_executions_share_one_stream(env):
     execs = await _executions(env, 32)
-    stream = RouterStream(env["channel"])
+    stream = RouterStream(env.channel)
     try:
         answers = await asyncio.gather(*(stream.generate(token, _request(ex)) for ex, token in execs))
         # Generate, answered once, gives the same call's tokens (a second call of each).
-        stub = router_pb2_grpc.RouterStub(env["channel"])
+        stub = router_pb2_grpc.RouterStub(env.channel)
         ex, token = execs[0]
         request = _request(ex)
         request.answer_once = True
@@ -118,15 +93,15 @@ async def test_calls_of_many_executions_share_one_stream(env):
     assert all(len(a) == 1 and a[0].chunk.finish_reason for a in answers)  # answered once
     assert stream.streams == 1
     for _ in range(100):
-        if all((ex, 0) in env["packer"].turns for ex, _ in execs):
+        if all((ex, 0) in env.packer.turns for ex, _ in execs):
             break
         await asyncio.sleep(0.05)
-    assert all(list(env["packer"].turns[(ex, 0)].output_token_ids) == want for ex, _ in execs)
+    assert all(list(env.packer.turns[(ex, 0)].output_token_ids) == want for ex, _ in execs)
 
 
 async def test_a_refused_call_gets_its_status_and_the_others_complete(env):
     (ex1, token1), (ex2, _) = await _executions(env, 2)
-    stream = RouterStream(env["channel"])
+    stream = RouterStream(env.channel)
     try:
         ok, stranger, bad, unknown = await asyncio.gather(
             stream.generate(token1, _request(ex1)),
@@ -145,10 +120,10 @@ async def test_a_refused_call_gets_its_status_and_the_others_complete(env):
 
 async def test_a_cancelled_call_ends_its_engine_request_and_the_stream_goes_on(env):
     (ex, token), (ex2, token2) = await _executions(env, 2)
-    stream = RouterStream(env["channel"])
+    stream = RouterStream(env.channel)
     try:
         long = asyncio.create_task(stream.generate(token, _request(ex, max_tokens=2000)))
-        fake = env["engine"].engine
+        fake = env.engine.engine
         for _ in range(400):
             if any(r.execution_id == ex for r in fake.requests) and fake.running:
                 break
@@ -170,7 +145,7 @@ async def test_a_cancelled_call_ends_its_engine_request_and_the_stream_goes_on(e
 
 async def test_calls_beyond_the_limit_are_resource_exhausted(env):
     execs = await _executions(env, MAX_CALLS + 5)
-    stream = RouterStream(env["channel"])
+    stream = RouterStream(env.channel)
     try:
         results = await asyncio.gather(
             *(stream.generate(token, _request(ex, max_tokens=200)) for ex, token in execs),
@@ -185,7 +160,7 @@ async def test_calls_beyond_the_limit_are_resource_exhausted(env):
 
 async def test_a_reused_tag_in_flight_ends_the_stream(env):
     ((ex, token),) = await _executions(env, 1)
-    stub = router_pb2_grpc.RouterStub(env["channel"])
+    stub = router_pb2_grpc.RouterStub(env.channel)
     call = stub.GenerateStream(timeout=30)
     twice = router_pb2.StreamCall(tag=7, token=token, request=_request(ex, max_tokens=500))
     await call.write(router_pb2.GenerateStreamRequest(calls=[twice, twice]))
@@ -198,7 +173,7 @@ async def test_a_reused_tag_in_flight_ends_the_stream(env):
 
 async def test_streamed_calls_come_in_parts_with_generates_tokens(env):
     execs = await _executions(env, 8)
-    stream = RouterStream(env["channel"])
+    stream = RouterStream(env.channel)
     want = reference(1, PROMPT, TOKENS)
 
     async def one(ex: str, token: str) -> list[router_pb2.GenerateResponse]:
@@ -212,7 +187,7 @@ async def test_streamed_calls_come_in_parts_with_generates_tokens(env):
         first = await anext(parts)
         assert first.chunk.token_ids
         await parts.aclose()
-        fake = env["engine"].engine
+        fake = env.engine.engine
         rid = next(r.request_id for r in fake.requests if r.execution_id == ex)
         for _ in range(400):
             if rid not in fake.running:
@@ -232,8 +207,8 @@ async def test_the_harness_client_keeps_one_stream_per_router(env):
     tls("harness-client", Role.HARNESS)
     ((ex, token),) = await _executions(env, 1)
     async with HarnessClient("127.0.0.1:1", harness_id="h", tls_dir=PKI / "harness-client") as client:
-        stream = client.router_stream(env["router"])
-        assert client.router_stream(env["router"]) is stream
+        stream = client.router_stream(env.proc.target)
+        assert client.router_stream(env.proc.target) is stream
         assert _tokens(await stream.generate(token, _request(ex))) == reference(1, PROMPT, TOKENS)
     with pytest.raises(RuntimeError, match="closed"):  # closed with the client
         await stream.generate(token, _request(ex))

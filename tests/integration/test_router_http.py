@@ -10,8 +10,6 @@ beyond int64, a message that does not parse on gRPC);
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import secrets
 import time
 
 import aiohttp
@@ -19,22 +17,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from apps.procs import ServiceProcess
-from gyre.etcd import Etcd, Keys
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.servicer import RouterServicer
+from gyre.v1 import common_pb2, router_pb2
 from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
-from testkit.fake_packer import FakePacker
-from testkit.router_rig import (
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    read_sse,
-    sse_token_ids,
-    start_router,
-    write_config,
-)
-from testkit.tls import RoleStubs, tls
+from testkit.router_env import RouterEnv
+from testkit.router_rig import read_sse, sse_token_ids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY = 64 * 1024
@@ -42,15 +28,9 @@ CONTEXT = 3000  # router.max_model_len
 TURN = 2500  # router.max_turn_tokens (the packer's budget)
 
 
-@dataclasses.dataclass
-class Env:
-    proc: ServiceProcess
-    url: str
-    etcd: Etcd
-    keys: Keys
-    stub: router_pb2_grpc.RouterStub
-    engine: FakeEngineServer
-    packer: FakePacker
+class Env(RouterEnv):
+    """The router, its one engine (cell a) and two executions routed there."""
+
     ex1: str
     tok1: str
     ex2: str
@@ -59,43 +39,22 @@ class Env:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("router_http")
-    tok = build_tokenizer_dir(tmp / "tiny")
-    cluster = "rh" + secrets.token_hex(4)
-    packer = await FakePacker().start(tls("packer"))
-    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.01)).start()
-    cfg = write_config(
-        tmp / "cluster.yaml",
-        cluster,
+    async with Env(
         etcd_server.endpoint,
-        model_dir=str(tok),
-        packer_target=packer.target,
-        http_port=0,
+        tmp_path_factory.mktemp("router_http"),
+        "rh",
+        model="tiny",
+        engines=[FakeOptions(cell_id="a", token_delay_s=0.01)],
         max_body_bytes=MAX_BODY,
         max_tokens_limit=4096,
-        log_json=False,
         max_model_len=CONTEXT,
         max_turn_tokens=TURN,
         unknown_token_wait_s=1.0,  # well inside the bad-input cases' 5 s client deadline
-    )
-    proc, url = start_router(cfg, tmp / "router.log")
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    keys = Keys(cluster)
-    ex1, tok1 = new_execution()
-    ex2, tok2 = new_execution()
-    await put_route(etcd, keys, ex1, "a", engine.target, tok1)
-    await put_route(etcd, keys, ex2, "a", engine.target, tok2)
-    await asyncio.sleep(0.3)
-    channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
-    try:
-        yield Env(proc, url, etcd, keys, channel, engine, packer, ex1, tok1, ex2, tok2)
-    finally:
-        proc.stop()
-        await channel.close()
-        await etcd.close()
-        await engine.stop(0)
-        await packer.stop()
+    ) as e:
+        e.ex1, e.tok1 = await e.routed("a")
+        e.ex2, e.tok2 = await e.routed("a")
+        await asyncio.sleep(0.3)
+        yield e
 
 
 def chat_body(**kw):
@@ -406,8 +365,7 @@ async def test_route_written_just_before_the_call_is_honoured(env):
     """Read-your-writes: the scheduler writes a route and returns the execution; the harness
     may call before the router's watch delivers it. The router reads etcd before a 401."""
     for _ in range(5):
-        ex, tok = new_execution()
-        await put_route(env.etcd, env.keys, ex, "a", env.engine.target, tok)
+        ex, tok = await env.routed("a")
         async with (
             aiohttp.ClientSession() as s,
             s.post(
@@ -417,8 +375,7 @@ async def test_route_written_just_before_the_call_is_honoured(env):
             ) as r,
         ):
             assert r.status == 200, await r.text()
-        ex, tok = new_execution()
-        await put_route(env.etcd, env.keys, ex, "a", env.engine.target, tok)
+        ex, tok = await env.routed("a")
         req = router_pb2.GenerateRequest(
             execution_id=ex, prompt_token_ids=[5], sampling=common_pb2.SamplingParams(max_tokens=2)
         )

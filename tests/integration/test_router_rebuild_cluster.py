@@ -18,24 +18,16 @@ that re-rendered an answer would show).
 from __future__ import annotations
 
 import asyncio
-import secrets
 
 import aiohttp
 import pytest
 import pytest_asyncio
 
 from apps.checker import check_files
-from apps.procs import ServiceProcess
-from gyre.etcd import Etcd, Keys
 from gyre.failpoints import EXIT_STATUS, FAILPOINT_FILE_ENV
-from gyre.v1 import packer_pb2_grpc
-from services.packer.servicer import PackerServicer
-from services.router.tokenization import Tokenizer
 from testkit import router_packer as rp
-from testkit.fake_engine import FakeEngineServer, FakeOptions
 from testkit.proxy import LinkProxy
-from testkit.router_rig import build_tokenizer_dir, start_router
-from testkit.tls import RoleStubs
+from testkit.router_rig import start_router
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 
@@ -43,57 +35,28 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rebuild")
-    tok_dir = build_tokenizer_dir(tmp / "tiny")
-    cluster = "rb" + secrets.token_hex(4)
-    engine = await FakeEngineServer(FakeOptions(cell_id="a")).start()
-    packer = ServiceProcess(
-        "packer", rp.packer_config(tmp, cluster, etcd_server.endpoint), log_path=tmp / "packer.log"
-    ).start()
-    link = await LinkProxy(packer.target).start()  # router 1's link to the packer
-    armed = tmp / "failpoints"
-    cfg = rp.router_config(tmp, cluster, etcd_server.endpoint, tok_dir, packer.target)
-    hist = [tmp / "router0.jsonl", tmp / "router1.jsonl"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAILPOINT_FILE_ENV, str(armed))  # router 0 (and its restart) read it
-        router0 = await asyncio.to_thread(start_router, cfg, tmp / "router0.log", history_file=str(hist[0]))
-    # Router 1 reaches the packer through the proxy; a GetTrajectory the cut link swallows
-    # fails after 1 s (the deadline of its packer calls) and is asked again.
-    router1 = await asyncio.to_thread(
-        start_router,
-        cfg,
-        tmp / "router1.log",
-        packer_target=link.target,
-        rpc_timeout_s=1.0,
-        rebuild_wait_s=30.0,
-        history_file=str(hist[1]),
-    )
-    routers = [router0, router1]
-    stubs = RoleStubs(packer.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    try:
-        yield {
-            "cfg": cfg,
-            "tmp": tmp,
-            "armed": armed,
-            "hist": hist,
-            "link": link,
-            "routers": routers,
-            "engine": engine,
-            "packer": stubs,
-            "etcd": etcd,
-            "keys": Keys(cluster),
-            "tok": Tokenizer.load(tok_dir),
-        }
-    finally:
-        armed.unlink(missing_ok=True)
-        for proc, _ in routers:
-            proc.stop()
-        packer.stop()
-        await link.stop()
-        await stubs.close()
-        await etcd.close()
-        await engine.stop(0)
+    async with rp.packer_env(etcd_server.endpoint, tmp, "rb") as e:
+        link = await LinkProxy(e["packer_target"]).start()  # router 1's link to the packer
+        e["rig"].defer(link.stop)
+        armed = tmp / "failpoints"
+        hist = [tmp / "router0.jsonl", tmp / "router1.jsonl"]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(FAILPOINT_FILE_ENV, str(armed))  # router 0 (and its restart) read it
+            await e["rig"].add_router("router0", history_file=str(hist[0]))
+        # Router 1 reaches the packer through the proxy; a GetTrajectory the cut link swallows
+        # fails after 1 s (the deadline of its packer calls) and is asked again.
+        await e["rig"].add_router(
+            "router1",
+            packer_target=link.target,
+            rpc_timeout_s=1.0,
+            rebuild_wait_s=30.0,
+            history_file=str(hist[1]),
+        )
+        e.update(armed=armed, hist=hist, link=link)
+        try:
+            yield e
+        finally:
+            armed.unlink(missing_ok=True)
 
 
 def _next(messages: list[dict[str, str]], answer: str, k: int) -> list[dict[str, str]]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,40 +20,16 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from apps.procs import ServiceProcess
-from gyre.etcd import Etcd, Keys
-from gyre.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.servicer import RouterServicer
-from testkit.fake_engine import FakeEngineServer, FakeOptions, reference
-from testkit.fake_packer import FakePacker
+from gyre.v1 import common_pb2, router_pb2
+from testkit.fake_engine import FakeOptions, reference
 from testkit.leader import leader_epoch, new_leader
-from testkit.router_rig import (
-    build_tokenizer_dir,
-    new_execution,
-    put_route,
-    read_sse,
-    sse_token_ids,
-    start_router,
-    write_config,
-)
-from testkit.tls import RoleStubs, tls
+from testkit.router_env import RouterEnv
+from testkit.router_rig import read_sse, sse_token_ids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MAX_TOKENS = 48
 MESSAGES = [{"role": "user", "content": "read notes.txt and answer"}]
-
-
-@dataclasses.dataclass
-class Env:
-    proc: ServiceProcess
-    url: str
-    etcd: Etcd
-    keys: Keys
-    stub: router_pb2_grpc.RouterStub
-    engines: dict[str, FakeEngineServer]
-    packer: FakePacker
-    engine_stream: bool
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -73,52 +47,32 @@ async def per_request_env(etcd_server, tmp_path_factory):
 
 
 @contextlib.asynccontextmanager
-async def _router_env(engine_stream: bool, etcd_server, tmp_path_factory) -> AsyncIterator[Env]:
-    tmp = tmp_path_factory.mktemp("router")
-    tok = build_tokenizer_dir(tmp / "model")
-    cluster = "rr" + secrets.token_hex(4)
-    packer = await FakePacker().start(tls("packer"))
-    engines = {}
+async def _router_env(engine_stream: bool, etcd_server, tmp_path_factory) -> AsyncIterator[RouterEnv]:
     # 15 ms a token: a call lasts ~0.7 s, so a move (an etcd write, then MoveExecutions) lands
     # while it still runs even on a loaded machine (at 4 ms the third move of a 48-token call
     # sometimes found it finished: moved_requests 0).
-    for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2)):
-        engines[cell] = await FakeEngineServer(
-            FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.015, tokens_per_chunk=2)
-        ).start()
-    cfg = write_config(
-        tmp / "cluster.yaml",
-        cluster,
+    engines = [
+        FakeOptions(cell_id=cell, policy_version=version, token_delay_s=0.015, tokens_per_chunk=2)
+        for cell, version in (("a", 1), ("b", 1), ("c", 1), ("v2", 2))
+    ]
+    async with RouterEnv(
         etcd_server.endpoint,
-        model_dir=str(tok),
-        packer_target=packer.target,
-        http_port=0,
+        tmp_path_factory.mktemp("router"),
+        "rr",
+        engines=engines,
         retry_budget=0,
         failover_wait_s=0.5,
-        log_json=False,
         engine_stream=engine_stream,
-    )
-    proc, url = start_router(cfg, tmp / "router.log")
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    channel = RoleStubs(proc.target, router_pb2_grpc.RouterStub, RouterServicer.ACCESS)
-    try:
-        yield Env(proc, url, etcd, Keys(cluster), channel, engines, packer, engine_stream)
-    finally:
-        proc.stop()
-        await channel.close()
-        await etcd.close()
-        for e in engines.values():
-            await e.stop(0)
-        await packer.stop()
+    ) as env:
+        yield env
 
 
-async def _attempts(env: Env, cell: str, execution_id: str) -> list[str]:
+async def _attempts(env: RouterEnv, cell: str, execution_id: str) -> list[str]:
     return [r.request_id for r in env.engines[cell].engine.requests if r.execution_id == execution_id]
 
 
 async def scheduler_moves(
-    env: Env, execution_id: str, token: str, path: list[str], every: int, check_moved: bool = True
+    env: RouterEnv, execution_id: str, token: str, path: list[str], every: int, check_moved: bool = True
 ) -> int:
     """Acts as the scheduler: each time the current engine has produced ``every`` tokens of
     the call, rewrites the route to the next cell and calls MoveExecutions."""
@@ -130,7 +84,7 @@ async def scheduler_moves(
             if rids and progress.get(rids[-1], 0) >= every:
                 break
             await asyncio.sleep(0.002)
-        epoch = await put_route(env.etcd, env.keys, execution_id, dest, env.engines[dest].target, token)
+        epoch = await env.route(execution_id, dest, token)
         reply = await env.stub.MoveExecutions(
             router_pb2.MoveExecutionsRequest(
                 fence=common_pb2.Fence(epoch=await leader_epoch(env.etcd, env.keys)),
@@ -150,7 +104,7 @@ async def scheduler_moves(
 
 
 async def http_call(
-    env: Env, token: str, stream: bool, execution_id: str | None = None
+    env: RouterEnv, token: str, stream: bool, execution_id: str | None = None
 ) -> tuple[list[int], list[int], dict[str, Any]]:
     """(prompt ids, output ids, last body/event) of one chat completion."""
     headers = {"Authorization": f"Bearer {token}"}
@@ -179,7 +133,7 @@ async def http_call(
 
 
 async def grpc_call(
-    env: Env,
+    env: RouterEnv,
     execution_id: str,
     token: str,
     prompt: list[int],
@@ -208,7 +162,7 @@ async def grpc_call(
     return out, reroutes, finish
 
 
-async def _turn(env: Env, execution_id: str, index: int = 0):
+async def _turn(env: RouterEnv, execution_id: str, index: int = 0):
     for _ in range(500):
         got = env.packer.turns.get((execution_id, index))
         if got is not None:
@@ -221,10 +175,8 @@ async def _turn(env: Env, execution_id: str, index: int = 0):
 @pytest.mark.parametrize("path", [["a", "b"], ["a", "b", "c", "a"]], ids=["once", "thrice"])
 async def test_http_rerouted_call_is_token_identical(env, stream, path):
     # The same request without a move, then with moves along `path`.
-    ex0, tok0 = new_execution()
-    await put_route(env.etcd, env.keys, ex0, "a", env.engines["a"].target, tok0)
-    ex1, tok1 = new_execution()
-    await put_route(env.etcd, env.keys, ex1, "a", env.engines["a"].target, tok1)
+    ex0, tok0 = await env.routed("a")
+    ex1, tok1 = await env.routed("a")
     await asyncio.sleep(0.3)  # the watch delivers the new routes
     prompt0, plain, _ = await http_call(env, tok0, stream)
     mover = asyncio.create_task(scheduler_moves(env, ex1, tok1, path, every=6))
@@ -254,8 +206,7 @@ async def test_http_rerouted_call_is_token_identical(env, stream, path):
 async def test_grpc_rerouted_call_is_token_identical(env, path, answer_once):
     """Streamed, or answered once (``answer_once``: one message with every token, however
     many engines the call went through; the turn record is the same)."""
-    ex, tok = new_execution()
-    await put_route(env.etcd, env.keys, ex, path[0], env.engines[path[0]].target, tok)
+    ex, tok = await env.routed(path[0])
     await asyncio.sleep(0.3)
     prompt = [11, 12, 13, 14, 15]
     mover = asyncio.create_task(scheduler_moves(env, ex, tok, path, every=5))
@@ -272,7 +223,7 @@ async def test_grpc_rerouted_call_is_token_identical(env, path, answer_once):
     assert reroutes == len(path) - 1
     assert finish == common_pb2.FINISH_REASON_LENGTH
     # On the stream path every attempt at an engine rode the one stream this router keeps there.
-    assert {env.engines[c].engine.streams for c in path} == {1 if env.engine_stream else 0}
+    assert {env.engines[c].engine.streams for c in path} == {1 if env.settings["engine_stream"] else 0}
     status = await env.stub.GetRouterStatus(router_pb2.GetRouterStatusRequest(), timeout=5)
     assert status.reroutes >= reroutes and status.inflight == 0
 
@@ -285,8 +236,7 @@ async def test_grpc_call_moved_thrice_is_token_identical_on_per_request_engine_c
 
 
 async def test_destination_with_other_policy_version_is_refused(env):
-    ex, tok = new_execution()
-    await put_route(env.etcd, env.keys, ex, "a", env.engines["a"].target, tok)
+    ex, tok = await env.routed("a")
     await asyncio.sleep(0.3)
     mover = asyncio.create_task(scheduler_moves(env, ex, tok, ["a", "v2"], every=5, check_moved=False))
     headers = {"Authorization": f"Bearer {tok}"}

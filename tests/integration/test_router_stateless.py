@@ -18,20 +18,12 @@ so a re-rendered history would show)."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 
 import pytest
 import pytest_asyncio
 
-from apps.procs import ServiceProcess
-from gyre.etcd import Etcd, Keys
-from gyre.v1 import packer_pb2_grpc
-from services.packer.servicer import PackerServicer
-from services.router.tokenization import Tokenizer
 from testkit import router_packer as rp
-from testkit.fake_engine import FakeEngineServer, FakeOptions
-from testkit.router_rig import build_tokenizer_dir, start_router
-from testkit.tls import RoleStubs
+from testkit.router_rig import start_router
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
@@ -39,39 +31,8 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(etcd_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stateless")
-    tok_dir = build_tokenizer_dir(tmp / "tiny")
-    cluster = "sl" + secrets.token_hex(4)
-    engine = await FakeEngineServer(FakeOptions(cell_id="a")).start()
-    packer = ServiceProcess(
-        "packer", rp.packer_config(tmp, cluster, etcd_server.endpoint), log_path=tmp / "packer.log"
-    ).start()
-    cfg = rp.router_config(tmp, cluster, etcd_server.endpoint, tok_dir, packer.target)
-    routers = list(
-        await asyncio.gather(
-            *(asyncio.to_thread(start_router, cfg, tmp / f"router{i}.log") for i in range(2))
-        )
-    )
-    stubs = RoleStubs(packer.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS)
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    try:
-        yield {
-            "cfg": cfg,
-            "tmp": tmp,
-            "routers": routers,
-            "engine": engine,
-            "packer": stubs,
-            "etcd": etcd,
-            "keys": Keys(cluster),
-            "tok": Tokenizer.load(tok_dir),
-        }
-    finally:
-        for proc, _ in routers:
-            proc.stop()
-        packer.stop()
-        await stubs.close()
-        await etcd.close()
-        await engine.stop(0)
+    async with rp.packer_env(etcd_server.endpoint, tmp, "sl", routers=2) as e:
+        yield e
 
 
 async def test_any_router_continues_a_chat_execution_and_a_retry_keeps_its_turn(env):

@@ -8,52 +8,32 @@ room left, ends with "length", and its turn is recorded."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 
 import aiohttp
 import pytest
 
-from gyre.etcd import Etcd, Keys
 from services.router.limits import DEFAULT_TURN_TOKENS
-from testkit.fake_engine import FakeEngineServer, FakeOptions
-from testkit.fake_packer import FakePacker
-from testkit.router_rig import build_tokenizer_dir, new_execution, put_route, start_router, write_config
-from testkit.tls import tls
+from testkit.fake_engine import FakeOptions
+from testkit.router_env import RouterEnv
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def test_an_oversized_turn_is_refused_without_max_turn_tokens(etcd_server, tmp_path):
-    tok = build_tokenizer_dir(tmp_path / "tiny")
-    cluster = "rt" + secrets.token_hex(4)
-    packer = await FakePacker().start(tls("packer"))
-    engine = await FakeEngineServer(FakeOptions(cell_id="a", token_delay_s=0.001)).start()
-    cfg = write_config(
-        tmp_path / "cluster.yaml",
-        cluster,
-        etcd_server.endpoint,
-        model_dir=str(tok),
-        packer_target=packer.target,
-        http_port=0,
-        log_json=False,
-    )
-    proc, url = await asyncio.to_thread(start_router, cfg, tmp_path / "router.log")
-    etcd = Etcd([etcd_server.endpoint], 5.0)
-    await etcd.connect()
-    try:
-        ex, token = new_execution()
-        await put_route(etcd, Keys(cluster), ex, "a", engine.target, token)
+    engines = [FakeOptions(cell_id="a", token_delay_s=0.001)]
+    async with RouterEnv(etcd_server.endpoint, tmp_path, "rt", engines=engines, model="tiny") as env:
+        ex, token = await env.routed("a")
         headers = {"Authorization": f"Bearer {token}"}
         async with aiohttp.ClientSession() as s:
             body = {"prompt": [20] * DEFAULT_TURN_TOKENS, "max_tokens": 8}
-            async with s.post(f"{url}/completions", json=body, headers=headers) as r:
+            async with s.post(f"{env.url}/completions", json=body, headers=headers) as r:
                 text = await r.text()
                 assert r.status == 400, text
                 assert "trainable turn" in text and str(DEFAULT_TURN_TOKENS) in text
-            assert engine.engine.requests == [] and packer.turns == {}
+            assert env.engine.engine.requests == [] and env.packer.turns == {}
             for _ in range(100):  # the route arrives through the router's watch
                 body = {"prompt": [20] * (DEFAULT_TURN_TOKENS - 4), "max_tokens": 8}
-                async with s.post(f"{url}/completions", json=body, headers=headers) as r:
+                async with s.post(f"{env.url}/completions", json=body, headers=headers) as r:
                     data = await r.json()
                 if r.status == 200:
                     break
@@ -62,12 +42,7 @@ async def test_an_oversized_turn_is_refused_without_max_turn_tokens(etcd_server,
             assert data["usage"]["completion_tokens"] == 4  # cut to the room left
             assert data["choices"][0]["finish_reason"] == "length"
         for _ in range(100):
-            if packer.turns:
+            if env.packer.turns:
                 break
             await asyncio.sleep(0.1)
-        assert len(packer.turns) == 1
-    finally:
-        await asyncio.to_thread(proc.stop)
-        await etcd.close()
-        await engine.stop(0)
-        await packer.stop()
+        assert len(env.packer.turns) == 1

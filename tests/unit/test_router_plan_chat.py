@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.router.http_api import OpenAIApi
 from services.router.manager import Resumed
 from services.router.tokenization import Tokenizer, normalize_messages
 from services.router.trajectory import ChatState, Trajectory, TrajectoryStore, chat_prompt
+from testkit.router_env import chat_api
 
 
 class Manager:
@@ -32,19 +32,6 @@ class Manager:
     def adopt(self, execution_id: str, resumed: Resumed) -> None:
         self.adopted.append(resumed)
         self.trajectories.install(execution_id, resumed.trajectory)
-
-
-def _api(tok: Tokenizer, manager: Manager) -> OpenAIApi:
-    return OpenAIApi(
-        manager=manager,  # type: ignore[arg-type]
-        tokenizer=tok,
-        model_name="tiny",
-        max_body_bytes=1 << 20,
-        max_prompt_tokens=4096,
-        max_tokens_limit=64,
-        default_max_tokens=16,
-        request_timeout_s=10.0,
-    )
 
 
 def _conversation(tok: Tokenizer, n: int) -> tuple[list[dict[str, Any]], list[Trajectory]]:
@@ -71,7 +58,7 @@ async def test_a_router_with_an_older_state_takes_the_packers_later_one(tok):
     messages, after = _conversation(tok, 2)
     manager = Manager(Resumed(after[1], 2))
     manager.trajectories.install("x", after[0])  # this router served turn 0 only
-    planned = await _api(tok, manager)._plan_chat("x", "", messages, [])
+    planned = await chat_api(manager, tok)._plan_chat("x", "", messages, [])
     assert manager.asked == 1 and manager.adopted and planned.break_reason is None
     assert planned.token_ids[: len(after[1].tokens)] == list(after[1].tokens)
 
@@ -83,7 +70,7 @@ async def test_an_older_state_at_the_packer_never_replaces_this_routers(tok):
     messages = normalize_messages([*messages, {"role": "assistant", "content": "prefill"}])
     manager = Manager(Resumed(after[0], 1))
     manager.trajectories.install("x", after[1])
-    planned = await _api(tok, manager)._plan_chat("x", "", messages, [])
+    planned = await chat_api(manager, tok)._plan_chat("x", "", messages, [])
     assert manager.asked == 1 and not manager.adopted
     assert planned.break_reason is None
     assert planned.token_ids[: len(after[1].tokens)] == list(after[1].tokens)
@@ -93,7 +80,7 @@ async def test_a_state_the_history_ends_with_and_a_first_call_ask_no_packer(tok)
     messages, after = _conversation(tok, 2)
     manager = Manager(None)
     manager.trajectories.install("x", after[1])
-    api = _api(tok, manager)
+    api = chat_api(manager, tok)
     assert (await api._plan_chat("x", "", messages, [])).break_reason is None
     assert (await api._plan_chat("y", "", [{"role": "user", "content": "hi"}], [])).break_reason == "first"
     assert manager.asked == 0

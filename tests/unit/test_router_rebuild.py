@@ -29,7 +29,6 @@ from services.packer.model import Turn as PackerTurn
 from services.packer.packer import Packer
 from services.router.calls import CallPolicy
 from services.router.engine import EngineRequest, KvHandle, Sampling
-from services.router.http_api import OpenAIApi
 from services.router.manager import CallManager
 from services.router.routes import Route, RouteTable
 from services.router.stops import OutputText
@@ -37,6 +36,7 @@ from services.router.tokenization import Tokenizer, normalize_messages
 from services.router.trajectory import ChatState
 from services.router.turns import Turn, TurnRecorder
 from testkit.packer_kit import make_packer
+from testkit.router_env import chat_api
 
 EX = "x-1"
 
@@ -98,16 +98,7 @@ class Router:
         self.manager = CallManager(
             routes=table, engines=engine, policy=policy, turns=self.turns, turn_source=link
         )  # type: ignore[arg-type]
-        self.api = OpenAIApi(
-            manager=self.manager,
-            tokenizer=tok,
-            model_name="tiny",
-            max_body_bytes=1 << 20,
-            max_prompt_tokens=4096,
-            max_tokens_limit=64,
-            default_max_tokens=16,
-            request_timeout_s=10.0,
-        )
+        self.api = chat_api(self.manager, tok)
         self.sender = asyncio.get_running_loop().create_task(self.turns.run())
         self.tok = tok
 

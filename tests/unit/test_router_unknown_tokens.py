@@ -42,21 +42,28 @@ def _route(eid: str, token: str, expires_s: float = 0.0) -> Route:
     )
 
 
-async def test_unknown_tokens_wait_for_the_watch_and_never_read_etcd():
-    etcd = CountingEtcd()
-    table = RouteTable()
-    store = RouteStore(
-        etcd=etcd, keys=Keys("t"), table=table, miss_wait_s=2.0, miss_rate_per_s=100, miss_burst=100
-    )
+async def _authorized_as_the_route_arrives(store: RouteStore, table: RouteTable, after_s: float) -> Route:
+    """Execution e1's token, authorized while its route reaches ``table`` only ``after_s``
+    later (as the watch delivers it)."""
 
     async def arrives_later() -> None:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(after_s)
         table.apply(_route("e1", "tok"))
         await store.mirror._notify()
 
     task = asyncio.create_task(arrives_later())
     route = await store.authorize("tok", "e1", peer="p")
     await task
+    return route
+
+
+async def test_unknown_tokens_wait_for_the_watch_and_never_read_etcd():
+    etcd = CountingEtcd()
+    table = RouteTable()
+    store = RouteStore(
+        etcd=etcd, keys=Keys("t"), table=table, miss_wait_s=2.0, miss_rate_per_s=100, miss_burst=100
+    )
+    route = await _authorized_as_the_route_arrives(store, table, 0.1)
     assert route.execution_id == "e1"
     start = time.monotonic()
     with pytest.raises(Unauthenticated):
@@ -114,13 +121,5 @@ async def test_the_default_wait_outlasts_a_watch_lagging_two_seconds():
         miss_rate_per_s=100,
         miss_burst=100,
     )
-
-    async def arrives_later() -> None:
-        await asyncio.sleep(2.0)
-        table.apply(_route("e1", "tok"))
-        await store.mirror._notify()
-
-    task = asyncio.create_task(arrives_later())
-    route = await store.authorize("tok", "e1", peer="p")
-    await task
+    route = await _authorized_as_the_route_arrives(store, table, 2.0)
     assert route.execution_id == "e1"
