@@ -42,6 +42,7 @@ from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
+from services.scheduler.parts import Shared
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
 from services.scheduler.policy import Policy, capacity, make_policy
@@ -111,57 +112,39 @@ class Scheduler:
         )
         self.relay = FinishRelay(self.ledger, peers, on_refused=self._report_refused)
         self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
-        self.bursts = Bursts(
-            cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall
+        shared = Shared(
+            cfg=cfg,
+            lead=self.lead,
+            ledger=self.ledger,
+            fleet=self.fleet,
+            peers=peers,
+            history=self.history,
+            telemetry=self.telemetry,
+            changes=self.changes,
+            clock=clock,
+            wall=wall,
         )
-        self.executions = Executions(
-            cfg,
-            self.ledger,
-            self.fleet,
-            self.lead,
-            self.harnesses,
-            self.relay,
-            self.history,
-            self.telemetry,
-            self.changes,
-            clock,
-            wall,
-        )
+        self.bursts = Bursts(shared=shared, tasks=tasks)
+        self.executions = Executions(shared=shared, harnesses=self.harnesses, relay=self.relay)
         self.transitions = TransitionRunner(
-            cfg,
-            self.lead,
-            self.fleet,
-            peers,
-            self.publication,
-            self.supply,
-            self.telemetry,
-            self.history,
-            self.changes,
-            self.executions.reload_routes,
-            clock,
+            shared=shared,
+            publication=self.publication,
+            supply=self.supply,
+            reload_routes=self.executions.reload_routes,
         )
         self.commands = Commands(
-            self.lead, peers, self.bursts, self.transitions, self.publication, self.telemetry, self.fleet
+            shared=shared, bursts=self.bursts, transitions=self.transitions, publication=self.publication
         )
-        self.failures = EngineFailures(
-            self.lead, self.fleet, peers, self.transitions, self.telemetry, cfg.engine_probe_timeout_s
-        )
+        self.failures = EngineFailures(shared=shared, transitions=self.transitions)
         self.control = ControlLoop(
-            cfg,
-            self.policy,
-            self.lead,
-            self.ledger,
-            self.fleet,
-            self.bursts,
-            self.executions,
-            self.supply,
-            self.publication,
-            self.transitions,
-            self.commands,
-            self.telemetry,
-            self.changes,
-            clock,
-            wall,
+            shared=shared,
+            policy=self.policy,
+            bursts=self.bursts,
+            executions=self.executions,
+            supply=self.supply,
+            publication=self.publication,
+            transitions=self.transitions,
+            commands=self.commands,
         )
 
     async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:

@@ -31,16 +31,13 @@ from gyre.backoff import Backoff
 from gyre.errors import Conflict, GyreError, InvalidArgument, StaleEpoch
 from gyre.etcd.values import Route
 from gyre.failpoints import failpoint
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.fleet import CellGone, Fleet
-from services.scheduler.history import History
-from services.scheduler.leadership import Leadership
-from services.scheduler.peers import MoveOrder, Peers
+from services.scheduler.fleet import CellGone
+from services.scheduler.parts import Part, Shared
+from services.scheduler.peers import MoveOrder
 from services.scheduler.placement import pick_destinations
 from services.scheduler.policy import CellState, training_set
 from services.scheduler.publication import Publication
 from services.scheduler.supply import SupplyFollower
-from services.scheduler.telemetry import Changes, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -68,35 +65,22 @@ class SwitchTimes:
         return sum(there) / len(there) + sum(back) / len(back)
 
 
-class TransitionRunner:
+class TransitionRunner(Part):
     """Runs at most one transition per cell as a task; the policy runs one at a time."""
 
     def __init__(
         self,
-        cfg: SchedulerConfig,
-        lead: Leadership,
-        fleet: Fleet,
-        peers: Peers,
+        *,
+        shared: Shared,
         publication: Publication,
         supply: SupplyFollower,
-        telemetry: Telemetry,
-        history: History,
-        changes: Changes,
         reload_routes: Callable[[], Awaitable[None]],
-        clock: Callable[[], float],
     ) -> None:
-        self.cfg = cfg
-        self.lead = lead
-        self.fleet = fleet
-        self.peers = peers
+        super().__init__(shared=shared)
         self.publication = publication
         self.supply = supply
-        self.telemetry = telemetry
-        self.history = history
-        self.changes = changes
         self.reload_routes = reload_routes
         """Re-reads the routes from etcd (after a lost CAS)."""
-        self.clock = clock
         self.reroutes = 0
         """Executions rerouted so far (moves, rescues and migrations)."""
         self.migrations = 0
