@@ -63,6 +63,7 @@ class Scheduler:
 
     def __init__(
         self,
+        *,
         config: SchedulerConfig,
         store: Store | None,
         peers: Peers,
@@ -98,11 +99,16 @@ class Scheduler:
         self.fleet = Fleet(self.lead, cfg.router_target)
         self.changes = Changes()
         self.supply = SupplyFollower(
-            peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s
+            peers=peers,
+            batch_size=cfg.batch_size,
+            fraction=cfg.fraction,
+            clock=clock,
+            changes=self.changes,
+            rate_window_s=cfg.rate_window_s,
         )
         self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
-            KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
+            keys=KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
             require_key=cfg.harness_require_key,
             max_inflight=cfg.harness_max_inflight,
             rate_per_s=cfg.harness_acquire_rate_per_s,
@@ -110,7 +116,7 @@ class Scheduler:
             trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file,
             clock=clock,
         )
-        self.relay = FinishRelay(self.ledger, peers, on_refused=self._report_refused)
+        self.relay = FinishRelay(ledger=self.ledger, peers=peers, on_refused=self._report_refused)
         self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
         shared = Shared(
             cfg=cfg,
