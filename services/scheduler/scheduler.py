@@ -41,7 +41,7 @@ from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
-from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
+from services.scheduler.ledger import Ledger
 from services.scheduler.parts import Shared
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
@@ -132,6 +132,9 @@ class Scheduler:
         )
         self.bursts = Bursts(shared=shared, tasks=tasks)
         self.executions = Executions(shared=shared, harnesses=self.harnesses, relay=self.relay)
+        # The harness API's heartbeat and finish are the executions' own (see Harness API).
+        self.heartbeat = self.executions.heartbeat
+        self.finish = self.executions.finish
         self.transitions = TransitionRunner(
             shared=shared,
             publication=self.publication,
@@ -277,6 +280,7 @@ class Scheduler:
         self.changes.wake()
 
     # Harness API --------------------------------------------------------------------------
+    # ``heartbeat`` and ``finish`` are :class:`Executions`' methods, bound by ``_build``.
 
     async def acquire(
         self, harness_id: str, wait_s: float, key: str = ""
@@ -284,22 +288,6 @@ class Scheduler:
         """(launched or None, burst exhausted, retry-after hint): see Executions.acquire."""
         got = await self.executions.acquire(harness_id, wait_s, key)
         return got.launched, got.exhausted, got.retry_after_s
-
-    async def heartbeat(
-        self, execution_id: str, token: str, harness: str | None = None
-    ) -> tuple[float, ExecState]:
-        return await self.executions.heartbeat(execution_id, token, harness)
-
-    async def finish(
-        self,
-        execution_id: str,
-        token: str,
-        status: ExecState,
-        reward: float,
-        key: str,
-        harness: str | None = None,
-    ) -> FinishOutcome:
-        return await self.executions.finish(execution_id, token, status, reward, key, harness)
 
     async def engine_failed(self, cell_id: str, target: str, reason: str) -> tuple[bool, int]:
         """A router's engine-failure report: (dead, executions on the cell)."""
