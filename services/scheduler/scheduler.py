@@ -5,16 +5,17 @@ Where each concern lives (every part has a typed interface; none reaches into an
 
 * :mod:`leadership` - epoch, deposition, the fenced store;
 * :mod:`fleet` - cells, routes, routers, engine versions, commands to cell agents;
-* :mod:`bursts` (+ the pure :mod:`ledger`) - dispatching bursts, D / L / F;
+* :mod:`bursts` (+ the pure :mod:`ledger` and its :mod:`accounts`) - dispatching bursts, D / L / F;
 * :mod:`executions` - acquire, heartbeat, finish, time-outs;
 * :mod:`relay` - finish reports to the packer;
 * :mod:`supply` - the packer's supply signal;
 * :mod:`publication` - the newest policy version and loading it on rollout engines;
-* :mod:`transitions` - moving cells between roles, reroutes, rescues;
+* :mod:`transitions` - moving cells between roles, reroutes, rescues (+ :mod:`joins`, JoinBatch);
 * :mod:`failures` - engine failures reported by routers (probe, mark down, reroute at once);
 * :mod:`commands` - the policy's actions carried out (``match`` over the action union);
 * :mod:`control` - the control loop and the policy's snapshot;
-* :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
+* :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups;
+* :mod:`parts` - ``Shared``, what every part is built with (by keyword).
 
 It never imports grpc. Every change follows plan -> fenced write -> apply, so memory never
 runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and
