@@ -78,7 +78,7 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[f
         max_bursts=1,
     )
     store = SchedulerStore(etcd, keys, election)
-    s = Scheduler(cfg, store, RecordingPeers(), GeneratedTasks())
+    s = Scheduler(config=cfg, store=store, peers=RecordingPeers(), tasks=GeneratedTasks())
     cell = CellRecord("sa", CellKind.STANDALONE, -1, n, "sa:1")
     s.on_cells({b"c": _KV(b"c", cell.to_json())})
     s.on_cell_states({b"s/sa": _KV(b"s/sa", b'{"state": "ROLLOUT"}')})

@@ -144,7 +144,7 @@ async def _one(n: int, burst_size: int, archive: bool) -> dict[str, object]:
         cfg = config_mod.load(
             SchedulerConfig, None, cluster_name=CLUSTER, policy="rollout_only", group_size=GROUP
         )
-        s = Scheduler(cfg, store, RecordingPeers(), GeneratedTasks())
+        s = Scheduler(config=cfg, store=store, peers=RecordingPeers(), tasks=GeneratedTasks())
         t0 = time.perf_counter()
         await s.take_over(int(epoch))
         takeover_s = time.perf_counter() - t0

@@ -59,7 +59,7 @@ def make(
     store = store or FakeStore(epoch=7)
     peers = peers or RecordingPeers()
     clock = clock or ManualClock()
-    s = Scheduler(cfg, store, peers, GeneratedTasks(seed=1), clock=clock, wall=clock)
+    s = Scheduler(config=cfg, store=store, peers=peers, tasks=GeneratedTasks(seed=1), clock=clock, wall=clock)
     s.on_cells(
         {
             f"/c/{cid}".encode(): KV(

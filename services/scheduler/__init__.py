@@ -4,17 +4,19 @@ Modules, by concern (``scheduler`` composes them; each has a typed interface):
 
 * pure: ``policy`` (role decisions from a snapshot: gyre, the default; waterlevel;
   the baselines colocated, static, async-static, async-static-lend; rollout_only),
-  ``ledger`` (D / L / F, exactly-once close), ``placement`` (cell/route tables, placement
-  order);
+  ``ledger`` (D / L / F, exactly-once close; the counts are its ``accounts``), ``placement``
+  (cell/route tables, placement order);
 * ``leadership`` (epoch, deposition, the fenced ``store``: its ``Store`` protocol and the
   etcd ``SchedulerStore``), ``fleet`` (cells, routes, routers, engine versions, commands
   to cell agents), ``bursts`` (dispatch), ``executions`` (acquire, heartbeat, finish,
   time-outs), ``relay`` (finish reports to the packer), ``supply`` (the packer's supply
   signal), ``publication`` (policy versions onto rollout engines), ``transitions`` (role
-  moves, reroutes, rescues, resumable), ``commands`` (the policy's actions, one ``match``),
-  ``control`` (the control loop, the snapshot), ``status`` (typed GetStatus),
-  ``telemetry`` and ``events`` (events, metrics, wake-ups), ``harness_gate``, ``history``,
-  ``tasks``, ``peers`` (outgoing gRPC), ``servicer`` (gRPC edge), ``config``.
+  moves, reroutes, rescues, resumable), ``joins`` (JoinBatch of training cells),
+  ``commands`` (the policy's actions, one ``match``), ``control`` (the control loop, the
+  snapshot), ``status`` (typed GetStatus), ``telemetry`` and ``events`` (events, metrics,
+  wake-ups), ``harness_gate``, ``history``, ``tasks``, ``peers`` (outgoing gRPC),
+  ``servicer`` (gRPC edge), ``config``; ``parts`` (``Shared``, what every part is built
+  with).
 
 What it writes in etcd (all with ``LeaderElection.fenced_txn``):
 

@@ -44,7 +44,7 @@ async def build(rt: Runtime) -> Services:
         metrics.serve(cfg.host, cfg.metrics_port)
     peers = GrpcPeers(cfg, cfg.packer_target, cfg.rpc_timeout_s, cfg.command_timeout_s)
     sched = Scheduler(
-        cfg,
+        config=cfg,
         store=None,
         peers=peers,
         tasks=make_task_source(cfg.tasks_file, cfg.task_seed, cfg.loop_tasks),

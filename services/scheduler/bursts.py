@@ -7,43 +7,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from gyre.errors import Conflict
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.history import History
-from services.scheduler.leadership import Leadership
-from services.scheduler.ledger import Burst, Ledger, Task
+from services.scheduler.ledger import Burst, Task
+from services.scheduler.parts import Part, Shared
 from services.scheduler.policy import BurstView
 from services.scheduler.tasks import TaskSource
-from services.scheduler.telemetry import Changes, Telemetry
 
 log = logging.getLogger(__name__)
 
 
-class Bursts:
+class Bursts(Part):
     """Dispatches bursts of tasks from the task source into the ledger."""
 
-    def __init__(
-        self,
-        cfg: SchedulerConfig,
-        ledger: Ledger,
-        tasks: TaskSource,
-        lead: Leadership,
-        history: History,
-        telemetry: Telemetry,
-        changes: Changes,
-        wall: Callable[[], float],
-    ) -> None:
-        self.cfg = cfg
-        self.ledger = ledger
+    def __init__(self, *, shared: Shared, tasks: TaskSource) -> None:
+        super().__init__(shared=shared)
         self.tasks = tasks
-        self.lead = lead
-        self.history = history
-        self.telemetry = telemetry
-        self.changes = changes
-        self.wall = wall
 
     def current(self) -> BurstView | None:
         """The newest burst as the policy sees it."""

@@ -11,9 +11,7 @@ import logging
 
 from gyre.errors import GyreError
 from services.scheduler.bursts import Bursts
-from services.scheduler.fleet import Fleet
-from services.scheduler.leadership import Leadership
-from services.scheduler.peers import Peers
+from services.scheduler.parts import Part, Shared
 from services.scheduler.policy import (
     Action,
     CellState,
@@ -30,32 +28,21 @@ from services.scheduler.policy import (
     capacity,
 )
 from services.scheduler.publication import Publication
-from services.scheduler.telemetry import Telemetry
 from services.scheduler.transitions import TransitionRunner
 
 log = logging.getLogger(__name__)
 
 
-class Commands:
+class Commands(Part):
     """Applies actions to the cluster; counts role switches."""
 
     def __init__(
-        self,
-        lead: Leadership,
-        peers: Peers,
-        bursts: Bursts,
-        transitions: TransitionRunner,
-        publication: Publication,
-        telemetry: Telemetry,
-        fleet: Fleet,
+        self, *, shared: Shared, bursts: Bursts, transitions: TransitionRunner, publication: Publication
     ) -> None:
-        self.lead = lead
-        self.fleet = fleet
-        self.peers = peers
+        super().__init__(shared=shared)
         self.bursts = bursts
         self.transitions = transitions
         self.publication = publication
-        self.telemetry = telemetry
         self.to_training = 0
         self.to_rollout = 0
         self._sealed: set[int] = set()

@@ -8,17 +8,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
 
 from gyre.errors import StaleEpoch
 from gyre.staleness import goes_on, oldest_usable, restamp_version, unconsumable
 from services.scheduler.bursts import Bursts
 from services.scheduler.commands import Commands
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.executions import Executions
-from services.scheduler.fleet import Fleet
-from services.scheduler.leadership import Leadership
-from services.scheduler.ledger import Ledger
+from services.scheduler.parts import Part, Shared
 from services.scheduler.policy import (
     ASYNC_POLICIES,
     CellState,
@@ -31,51 +27,37 @@ from services.scheduler.policy import (
 )
 from services.scheduler.publication import Publication
 from services.scheduler.supply import SupplyFollower
-from services.scheduler.telemetry import Changes, Telemetry
 from services.scheduler.transitions import TransitionRunner
 
 log = logging.getLogger(__name__)
 
 
-class ControlLoop:
+class ControlLoop(Part):
     """Decides with the policy and applies its actions, every ``reconcile_s`` or sooner."""
 
     def __init__(
         self,
-        cfg: SchedulerConfig,
+        *,
+        shared: Shared,
         policy: Policy,
-        lead: Leadership,
-        ledger: Ledger,
-        fleet: Fleet,
         bursts: Bursts,
         executions: Executions,
         supply: SupplyFollower,
         publication: Publication,
         transitions: TransitionRunner,
         commands: Commands,
-        telemetry: Telemetry,
-        changes: Changes,
-        clock: Callable[[], float],
-        wall: Callable[[], float],
     ) -> None:
-        self.cfg = cfg
+        super().__init__(shared=shared)
         self.policy = policy
-        self.lead = lead
-        self.ledger = ledger
-        self.fleet = fleet
         self.bursts = bursts
         self.executions = executions
         self.supply = supply
         self.publication = publication
         self.transitions = transitions
         self.commands = commands
-        self.telemetry = telemetry
-        self.changes = changes
-        self.clock = clock
-        self.wall = wall
-        self.continuous = cfg.policy in ASYNC_POLICIES
+        self.continuous = self.cfg.policy in ASYNC_POLICIES
         """The policy dispatches continuously under the staleness gate (bursts overlap)."""
-        fleet.spread = cfg.policy == "gyre" and cfg.gyre_plan
+        self.fleet.spread = self.cfg.policy == "gyre" and self.cfg.gyre_plan
         self._drained_since: float | None = None
         self._joined_version = 0
 

@@ -19,30 +19,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from gyre.errors import Conflict, FailedPrecondition, Unauthenticated, Unavailable
 from gyre.etcd.values import Route, token_sha256
 from gyre.evolve import evolve
 from gyre.failpoints import failpoint
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
-from services.scheduler.history import History
-from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import (
     Burst,
     ExecState,
     ExecutionRecord,
     FinishOutcome,
-    Ledger,
     derive_token,
     validate_acquire_key,
     validate_finish,
 )
+from services.scheduler.parts import Part, Shared
 from services.scheduler.placement import pick_launch_cell
 from services.scheduler.relay import FinishRelay
-from services.scheduler.telemetry import Changes, Telemetry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,34 +60,13 @@ class Acquired:
     retry_after_s: float = 0.0
 
 
-class Executions:
+class Executions(Part):
     """Launches, heartbeats and closes of executions."""
 
-    def __init__(
-        self,
-        cfg: SchedulerConfig,
-        ledger: Ledger,
-        fleet: Fleet,
-        lead: Leadership,
-        harnesses: HarnessGate,
-        relay: FinishRelay,
-        history: History,
-        telemetry: Telemetry,
-        changes: Changes,
-        clock: Callable[[], float],
-        wall: Callable[[], float],
-    ) -> None:
-        self.cfg = cfg
-        self.ledger = ledger
-        self.fleet = fleet
-        self.lead = lead
+    def __init__(self, *, shared: Shared, harnesses: HarnessGate, relay: FinishRelay) -> None:
+        super().__init__(shared=shared)
         self.harnesses = harnesses
         self.relay = relay
-        self.history = history
-        self.telemetry = telemetry
-        self.changes = changes
-        self.clock = clock
-        self.wall = wall
         self._locks: dict[str, asyncio.Lock] = {}
         self._acquiring: dict[str, asyncio.Lock] = {}  # sha256(acquire key) -> its acquires, one at a time
 

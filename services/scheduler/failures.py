@@ -16,33 +16,19 @@ import asyncio
 import logging
 
 from gyre.errors import DeadlineExceeded, GyreError, InvalidArgument, Unavailable
-from services.scheduler.fleet import Fleet
-from services.scheduler.leadership import Leadership
-from services.scheduler.peers import Peers
-from services.scheduler.telemetry import Telemetry
+from services.scheduler.parts import Part, Shared
 from services.scheduler.transitions import TransitionRunner
 
 log = logging.getLogger(__name__)
 
 
-class EngineFailures:
+class EngineFailures(Part):
     """Probes reported engines; marks the dead ones down and reroutes their executions."""
 
-    def __init__(
-        self,
-        lead: Leadership,
-        fleet: Fleet,
-        peers: Peers,
-        transitions: TransitionRunner,
-        telemetry: Telemetry,
-        probe_timeout_s: float,
-    ) -> None:
-        self.lead = lead
-        self.fleet = fleet
-        self.peers = peers
+    def __init__(self, *, shared: Shared, transitions: TransitionRunner) -> None:
+        super().__init__(shared=shared)
         self.transitions = transitions
-        self.telemetry = telemetry
-        self.probe_timeout_s = probe_timeout_s
+        self.probe_timeout_s = self.cfg.engine_probe_timeout_s
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self.reports = 0
 

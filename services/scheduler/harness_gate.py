@@ -25,8 +25,8 @@ class HarnessGate:
 
     def __init__(
         self,
-        keys: KeyFile | None,
         *,
+        keys: KeyFile | None,
         require_key: bool = False,
         max_inflight: int = 0,
         rate_per_s: float = 0.0,

@@ -48,6 +48,7 @@ class FinishRelay:
 
     def __init__(
         self,
+        *,
         ledger: Ledger,
         peers: Peers,
         workers: int = 4,

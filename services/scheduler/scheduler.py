@@ -5,16 +5,17 @@ Where each concern lives (every part has a typed interface; none reaches into an
 
 * :mod:`leadership` - epoch, deposition, the fenced store;
 * :mod:`fleet` - cells, routes, routers, engine versions, commands to cell agents;
-* :mod:`bursts` (+ the pure :mod:`ledger`) - dispatching bursts, D / L / F;
+* :mod:`bursts` (+ the pure :mod:`ledger` and its :mod:`accounts`) - dispatching bursts, D / L / F;
 * :mod:`executions` - acquire, heartbeat, finish, time-outs;
 * :mod:`relay` - finish reports to the packer;
 * :mod:`supply` - the packer's supply signal;
 * :mod:`publication` - the newest policy version and loading it on rollout engines;
-* :mod:`transitions` - moving cells between roles, reroutes, rescues;
+* :mod:`transitions` - moving cells between roles, reroutes, rescues (+ :mod:`joins`, JoinBatch);
 * :mod:`failures` - engine failures reported by routers (probe, mark down, reroute at once);
 * :mod:`commands` - the policy's actions carried out (``match`` over the action union);
 * :mod:`control` - the control loop and the policy's snapshot;
-* :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups.
+* :mod:`status` - the typed status; :mod:`telemetry` - events, metrics, wake-ups;
+* :mod:`parts` - ``Shared``, what every part is built with (by keyword).
 
 It never imports grpc. Every change follows plan -> fenced write -> apply, so memory never
 runs ahead of etcd; a write refused for a stale epoch marks the process deposed, and
@@ -41,7 +42,8 @@ from services.scheduler.fleet import Fleet
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.history import History
 from services.scheduler.leadership import Leadership
-from services.scheduler.ledger import ExecState, FinishOutcome, Ledger
+from services.scheduler.ledger import Ledger
+from services.scheduler.parts import Shared
 from services.scheduler.peers import FinishReport, Peers, SupplyUpdate
 from services.scheduler.placement import CellTable, RouteTable
 from services.scheduler.policy import Policy, capacity, make_policy
@@ -62,6 +64,7 @@ class Scheduler:
 
     def __init__(
         self,
+        *,
         config: SchedulerConfig,
         store: Store | None,
         peers: Peers,
@@ -97,11 +100,16 @@ class Scheduler:
         self.fleet = Fleet(self.lead, cfg.router_target)
         self.changes = Changes()
         self.supply = SupplyFollower(
-            peers, cfg.batch_size, cfg.fraction, clock, self.changes, cfg.rate_window_s
+            peers=peers,
+            batch_size=cfg.batch_size,
+            fraction=cfg.fraction,
+            clock=clock,
+            changes=self.changes,
+            rate_window_s=cfg.rate_window_s,
         )
         self.telemetry = Telemetry(events, metrics, self._reading)
         self.harnesses = HarnessGate(
-            KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
+            keys=KeyFile.load(cfg.harness_keys_file) if cfg.harness_keys_file else None,
             require_key=cfg.harness_require_key,
             max_inflight=cfg.harness_max_inflight,
             rate_per_s=cfg.harness_acquire_rate_per_s,
@@ -109,59 +117,44 @@ class Scheduler:
             trust_unauthenticated=cfg.tls.insecure and not cfg.harness_keys_file,
             clock=clock,
         )
-        self.relay = FinishRelay(self.ledger, peers, on_refused=self._report_refused)
+        self.relay = FinishRelay(ledger=self.ledger, peers=peers, on_refused=self._report_refused)
         self.publication = Publication(self.lead, self.fleet, peers, self.telemetry)
-        self.bursts = Bursts(
-            cfg, self.ledger, tasks, self.lead, self.history, self.telemetry, self.changes, wall
+        shared = Shared(
+            cfg=cfg,
+            lead=self.lead,
+            ledger=self.ledger,
+            fleet=self.fleet,
+            peers=peers,
+            history=self.history,
+            telemetry=self.telemetry,
+            changes=self.changes,
+            clock=clock,
+            wall=wall,
         )
-        self.executions = Executions(
-            cfg,
-            self.ledger,
-            self.fleet,
-            self.lead,
-            self.harnesses,
-            self.relay,
-            self.history,
-            self.telemetry,
-            self.changes,
-            clock,
-            wall,
-        )
+        self.bursts = Bursts(shared=shared, tasks=tasks)
+        self.executions = Executions(shared=shared, harnesses=self.harnesses, relay=self.relay)
+        # The harness API's heartbeat and finish are the executions' own (see Harness API).
+        self.heartbeat = self.executions.heartbeat
+        self.finish = self.executions.finish
         self.transitions = TransitionRunner(
-            cfg,
-            self.lead,
-            self.fleet,
-            peers,
-            self.publication,
-            self.supply,
-            self.telemetry,
-            self.history,
-            self.changes,
-            self.executions.reload_routes,
-            clock,
+            shared=shared,
+            publication=self.publication,
+            supply=self.supply,
+            reload_routes=self.executions.reload_routes,
         )
         self.commands = Commands(
-            self.lead, peers, self.bursts, self.transitions, self.publication, self.telemetry, self.fleet
+            shared=shared, bursts=self.bursts, transitions=self.transitions, publication=self.publication
         )
-        self.failures = EngineFailures(
-            self.lead, self.fleet, peers, self.transitions, self.telemetry, cfg.engine_probe_timeout_s
-        )
+        self.failures = EngineFailures(shared=shared, transitions=self.transitions)
         self.control = ControlLoop(
-            cfg,
-            self.policy,
-            self.lead,
-            self.ledger,
-            self.fleet,
-            self.bursts,
-            self.executions,
-            self.supply,
-            self.publication,
-            self.transitions,
-            self.commands,
-            self.telemetry,
-            self.changes,
-            clock,
-            wall,
+            shared=shared,
+            policy=self.policy,
+            bursts=self.bursts,
+            executions=self.executions,
+            supply=self.supply,
+            publication=self.publication,
+            transitions=self.transitions,
+            commands=self.commands,
         )
 
     async def step_down(self, tasks: TaskSource, inputs: Mapping[str, Mapping[bytes, Any]]) -> None:
@@ -288,6 +281,7 @@ class Scheduler:
         self.changes.wake()
 
     # Harness API --------------------------------------------------------------------------
+    # ``heartbeat`` and ``finish`` are :class:`Executions`' methods, bound by ``_build``.
 
     async def acquire(
         self, harness_id: str, wait_s: float, key: str = ""
@@ -295,22 +289,6 @@ class Scheduler:
         """(launched or None, burst exhausted, retry-after hint): see Executions.acquire."""
         got = await self.executions.acquire(harness_id, wait_s, key)
         return got.launched, got.exhausted, got.retry_after_s
-
-    async def heartbeat(
-        self, execution_id: str, token: str, harness: str | None = None
-    ) -> tuple[float, ExecState]:
-        return await self.executions.heartbeat(execution_id, token, harness)
-
-    async def finish(
-        self,
-        execution_id: str,
-        token: str,
-        status: ExecState,
-        reward: float,
-        key: str,
-        harness: str | None = None,
-    ) -> FinishOutcome:
-        return await self.executions.finish(execution_id, token, status, reward, key, harness)
 
     async def engine_failed(self, cell_id: str, target: str, reason: str) -> tuple[bool, int]:
         """A router's engine-failure report: (dead, executions on the cell)."""

@@ -6,7 +6,7 @@ Layout (gyre/etcd/keys.py): ``keys.burst(b)`` = a burst record (quota, tasks, ve
 a transition under way (resumable). Per-execution records are independent (docs/design/tooling.md:
 a shared counter key collapses under contention), and the counts are derived by reading them.
 
-``keys.ledger_summary()`` = the :class:`~services.scheduler.ledger.ArchiveSummary` of the
+``keys.ledger_summary()`` = the :class:`~services.scheduler.accounts.ArchiveSummary` of the
 archived bursts, whose burst and execution keys are gone (deleted in the same transaction
 that folds them in), so the keys a takeover reads do not grow with the run. Takeover reads
 are paged (``Etcd.get_prefix_paged``: ``READ_PAGE`` keys per request, one revision): one
@@ -31,8 +31,9 @@ from gyre.errors import Conflict
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
 from gyre.etcd.client import create_revision_is, mod_revision_is, prefix_end
 from gyre.etcd.values import Route
+from services.scheduler.accounts import ArchiveSummary
 from services.scheduler.group_commit import GroupCommit
-from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord
+from services.scheduler.ledger import Burst, ExecutionRecord
 
 MAX_TXN_OPS = 120
 """etcd refuses transactions with more than 128 operations (its default --max-txn-ops)."""

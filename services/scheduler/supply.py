@@ -71,6 +71,7 @@ class SupplyFollower:
 
     def __init__(
         self,
+        *,
         peers: Peers,
         batch_size: int,
         fraction: float,

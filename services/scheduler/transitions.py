@@ -7,7 +7,8 @@ Rollout -> training (docs/architecture.md, "Rerouting a live execution"), for ce
      rollout cells by descending index) and CAS its route (route epoch + 1), fenced;
   4. Router.MoveExecutions on every router: outstanding requests continue at the destination;
   5. wait until c's engine runs no request (bounded by ``drain_timeout_s``);
-  6. CellControl.SetState(c, TRAINING), then JoinBatch(current batch, prefix size, core);
+  6. CellControl.SetState(c, TRAINING), then JoinBatch(current batch, prefix size, core),
+     retried in the background (:mod:`joins`);
   7. delete the transition record.
 Training -> rollout: SetState(RETURNING), LoadPolicy(newest) if the cell is behind,
 SetState(ROLLOUT) (a cell still DRAINING is simply called back: DRAINING -> ROLLOUT).
@@ -22,27 +23,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from gyre.backoff import Backoff
 from gyre.errors import Conflict, GyreError, InvalidArgument, StaleEpoch
 from gyre.etcd.values import Route
 from gyre.failpoints import failpoint
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.fleet import CellGone, Fleet
-from services.scheduler.history import History
-from services.scheduler.leadership import Leadership
-from services.scheduler.peers import MoveOrder, Peers
+from services.scheduler.fleet import CellGone
+from services.scheduler.joins import BatchJoins
+from services.scheduler.parts import Part, Shared
+from services.scheduler.peers import MoveOrder
 from services.scheduler.placement import pick_destinations
-from services.scheduler.policy import CellState, training_set
+from services.scheduler.policy import CellState
 from services.scheduler.publication import Publication
 from services.scheduler.supply import SupplyFollower
-from services.scheduler.telemetry import Changes, Telemetry
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class SwitchTimes:
@@ -68,44 +68,30 @@ class SwitchTimes:
         return sum(there) / len(there) + sum(back) / len(back)
 
 
-class TransitionRunner:
+class TransitionRunner(Part):
     """Runs at most one transition per cell as a task; the policy runs one at a time."""
 
     def __init__(
         self,
-        cfg: SchedulerConfig,
-        lead: Leadership,
-        fleet: Fleet,
-        peers: Peers,
+        *,
+        shared: Shared,
         publication: Publication,
         supply: SupplyFollower,
-        telemetry: Telemetry,
-        history: History,
-        changes: Changes,
         reload_routes: Callable[[], Awaitable[None]],
-        clock: Callable[[], float],
     ) -> None:
-        self.cfg = cfg
-        self.lead = lead
-        self.fleet = fleet
-        self.peers = peers
+        super().__init__(shared=shared)
         self.publication = publication
-        self.supply = supply
-        self.telemetry = telemetry
-        self.history = history
-        self.changes = changes
         self.reload_routes = reload_routes
         """Re-reads the routes from etcd (after a lost CAS)."""
-        self.clock = clock
         self.reroutes = 0
         """Executions rerouted so far (moves, rescues and migrations)."""
         self.migrations = 0
         """Executions migrated one by one (the policy's Migrate)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._side: set[asyncio.Future[Any]] = set()
-        self._joins: dict[str, asyncio.Task[None]] = {}
-        self._joined: set[str] = set()
-        """Cells whose JoinBatch succeeded in this leader term."""
+        self.joins = BatchJoins(
+            shared=shared, publication=publication, supply=supply, moving=self.running, spawn=self._spawn
+        )
         self.switch_times = SwitchTimes()
         """Durations of the moves that completed, per direction (the policy prices moves by
         them)."""
@@ -142,29 +128,23 @@ class TransitionRunner:
 
     def joined(self, cell_id: str) -> bool:
         """True once this leader term's JoinBatch to the cell succeeded."""
-        return cell_id in self._joined
+        return self.joins.joined(cell_id)
 
     def forget_joins(self) -> None:
         """A new term: the joins of an earlier one are not known to have landed."""
-        self._joined.clear()
+        self.joins.forget()
 
     def rejoin(self, cell_id: str) -> None:
         """JoinBatch for a cell that stays in training (the next batch), unless its join is
         already under way."""
-        joining = self._joins.get(cell_id)
-        if joining is None or joining.done():
-            self._start_join(cell_id)
+        self.joins.rejoin(cell_id)
 
-    def _start_join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(self._join(cell_id, after))
-        self._joins[cell_id] = task
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Runs ``coro`` in the background (joins, migrations); ``cancel_all`` cancels it."""
+        task = asyncio.ensure_future(coro)
         self._side.add(task)
         task.add_done_callback(self._side.discard)
-
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task: asyncio.Future[Any] = asyncio.ensure_future(coro)
-        self._side.add(task)
-        task.add_done_callback(self._side.discard)
+        return task
 
     async def cancel_all(self) -> None:
         tasks = [*self._tasks.values(), *self._side]
@@ -261,7 +241,7 @@ class TransitionRunner:
             "cell_in_training", f"{cell_id} is training ({moved} executions rerouted)", cell_id=cell_id
         )
         # Outside the transition (a later return must not wait on it), after it.
-        self._start_join(cell_id, self._tasks.get(cell_id))
+        self.joins.start(cell_id, self._tasks.get(cell_id))
 
     async def reroute(self, cell_id: str) -> int | None:
         """Moves every route off ``cell_id``; None when destinations ran out."""
@@ -462,73 +442,3 @@ class TransitionRunner:
             f"{cell_id} is back in rollout at policy v{self.fleet.version(cell_id)}",
             cell_id=cell_id,
         )
-
-    async def _join_batch(self, cell_id: str, batch_id: int, version: int, prefix: int, core: str) -> bool:
-        return await self.peers.join_batch(
-            self.fleet.target(cell_id), self.lead.epoch, batch_id, version, prefix, core
-        )
-
-    async def _join(self, cell_id: str, after: asyncio.Task[None] | None = None) -> None:
-        """JoinBatch(current batch) until the cell joins one, or leaves training (or the
-        cluster), or a transition starts for it. A refusal (window closed, previous batch
-        still stepping, no trainer) is retried with backoff: the next batch may take it. So
-        is a cell that does not answer while it stays registered (a partition longer than a
-        few command deadlines): giving up would leave it training without a batch, and
-        nothing would train, publish or rejoin it again."""
-        if after is not None:  # the move to training that spawned us finishes first
-            await asyncio.wait([after])
-        fleet, emit = self.fleet, self.telemetry.emit
-        backoff, told = Backoff(0.5, 5.0), set()  # (event, batch) already emitted
-
-        def once(event: str, batch_id: int, message: str) -> None:
-            if (event, batch_id) not in told:
-                told.add((event, batch_id))
-                emit(event, message, cell_id=cell_id)
-
-        while not self.lead.deposed.is_set():
-            if fleet.cells.state(cell_id) is not CellState.TRAINING or self.running(cell_id):
-                return
-            try:
-                batch_id = await self.peers.current_batch()
-            except GyreError:
-                batch_id = self.supply.raw.batch_id
-            views = fleet.cells.views()
-            # Cells join in prefix order, so when cell i joins the prefix is [core .. i].
-            rec = fleet.cells.get(cell_id)
-            prefix = rec.index + 1 if rec is not None and rec.index >= 0 else len(training_set(views))
-            core = next((fleet.cells.get(v.cell_id) for v in views if v.is_core), None)
-            core_target = core.target if core is not None else ""
-            version = self.publication.version
-            try:
-                joined = await fleet.call(
-                    cell_id,
-                    functools.partial(
-                        self._join_batch, cell_id, batch_id, version, max(prefix, 1), core_target
-                    ),
-                    attempts=5,
-                )
-            except CellGone:
-                emit(
-                    "join_failed",
-                    f"{cell_id} left the cluster before joining batch {batch_id}",
-                    cell_id=cell_id,
-                )
-                return
-            except GyreError as exc:  # unreachable, or refused: again while it trains
-                once("join_failed", batch_id, f"{cell_id} could not join batch {batch_id}: {exc}; retrying")
-                await backoff.sleep()
-                continue
-            if joined:
-                self._joined.add(cell_id)
-                emit(
-                    "joined_batch",
-                    f"{cell_id} joined batch {batch_id} (prefix {prefix}, v{version})",
-                    cell_id=cell_id,
-                )
-                return
-            once(
-                "join_missed",
-                batch_id,
-                f"{cell_id} missed batch {batch_id} (prefix {prefix}, v{version}); retrying",
-            )
-            await backoff.sleep()

@@ -17,7 +17,7 @@ OPERATOR = Identity(Role.OPERATOR, "operator")
 
 
 def test_principals():
-    gate = HarnessGate(KeyFile({"alice": hash_key("k1")}))
+    gate = HarnessGate(keys=KeyFile({"alice": hash_key("k1")}))
     assert gate.principal(HARNESS, None) == "harness-a"
     assert gate.principal(HARNESS, "k1") == "key:alice"
     with pytest.raises(Unauthenticated):
@@ -26,16 +26,16 @@ def test_principals():
         gate.principal(OPERATOR, None)
     with pytest.raises(Unauthenticated):
         gate.principal(None, None, "claimed")  # no mTLS and trust not configured
-    assert HarnessGate(None, trust_unauthenticated=True).principal(None, None, "h1") == "h1"
+    assert HarnessGate(keys=None, trust_unauthenticated=True).principal(None, None, "h1") == "h1"
     with pytest.raises(Unauthenticated):
-        HarnessGate(KeyFile({}), require_key=True).principal(HARNESS, None)
+        HarnessGate(keys=KeyFile({}), require_key=True).principal(HARNESS, None)
     with pytest.raises(Unauthenticated):
-        HarnessGate(None).principal(HARNESS, "k1")  # keys are not enabled
+        HarnessGate(keys=None).principal(HARNESS, "k1")  # keys are not enabled
 
 
 def test_rate_and_inflight_limits():
     now = [0.0]
-    gate = HarnessGate(None, max_inflight=2, rate_per_s=1.0, burst=2, clock=lambda: now[0])
+    gate = HarnessGate(keys=None, max_inflight=2, rate_per_s=1.0, burst=2, clock=lambda: now[0])
     gate.admit_acquire("a")
     gate.admit_acquire("a")
     with pytest.raises(RateLimited):
