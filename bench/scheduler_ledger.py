@@ -33,8 +33,8 @@ from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, Op  # noqa: E402
 from gyre.etcd.client import create_revision_is, mod_revision_is  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.etcd.values import CellRecord  # noqa: E402
+from gyre.execution import ExecutionStatus  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.ledger import ExecState  # noqa: E402
 from services.scheduler.policy import (  # noqa: E402
     BurstView,
     CellKind,
@@ -92,7 +92,7 @@ async def _scheduler_run(etcd: Etcd, cluster: str, n: int, conc: int) -> tuple[f
             got, _, _ = await s.acquire(f"bench{i}", 0)
             if got is None:
                 return
-            await s.finish(got.record.execution_id, got.token, ExecState.COMPLETED, 1.0, "k")
+            await s.finish(got.record.execution_id, got.token, ExecutionStatus.COMPLETED, 1.0, "k")
             done += 1
 
     txns = store.group.transactions

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import aetcd.rpc
 
+from gyre.execution import ExecutionStatus
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -41,7 +43,7 @@ from gyre import config as config_mod
 from gyre.etcd import Etcd, Keys, LeaderElection, LeaseKeeper, Op
 from gyre.etcd.server import EtcdServer
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.ledger import ArchiveSummary, Burst, ExecState, ExecutionRecord, Task
+from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord, Task
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.store import MAX_TXN_OPS, SchedulerStore
 from services.scheduler.tasks import GeneratedTasks
@@ -71,7 +73,7 @@ def _burst(burst_id: int, executions: int) -> tuple[Burst, list[bytes]]:
             gid,
             task.task_id,
             burst.policy_version,
-            ExecState.COMPLETED,
+            ExecutionStatus.COMPLETED,
             "ab" * 32,
             "harness-0042",
             1.7e9,

@@ -24,11 +24,11 @@ from collections.abc import Iterable
 from gyre.errors import Conflict, FailedPrecondition, Unauthenticated, Unavailable
 from gyre.etcd.values import Route, token_sha256
 from gyre.evolve import evolve
+from gyre.execution import ExecutionStatus
 from gyre.failpoints import failpoint
 from services.scheduler.harness_gate import HarnessGate
 from services.scheduler.ledger import (
     Burst,
-    ExecState,
     ExecutionRecord,
     FinishOutcome,
     derive_token,
@@ -270,7 +270,7 @@ class Executions(Part):
 
     async def heartbeat(
         self, execution_id: str, token: str, harness: str | None = None
-    ) -> tuple[float, ExecState]:
+    ) -> tuple[float, ExecutionStatus]:
         """Pushes the execution's deadline (memory only); returns seconds left and its state."""
         self.lead.require()
         rec = self._authorize(execution_id, token, harness)
@@ -281,7 +281,7 @@ class Executions(Part):
         self,
         execution_id: str,
         token: str,
-        status: ExecState,
+        status: ExecutionStatus,
         reward: float,
         key: str,
         harness: str | None = None,
@@ -302,7 +302,7 @@ class Executions(Part):
         """Closes, as TIMED_OUT, running executions whose heartbeat deadline passed."""
         for rec in self.ledger.plan_timeouts(self.clock()):
             async with self._lock_of(rec.execution_id):
-                if self.ledger.records[rec.execution_id].state is ExecState.RUNNING:
+                if self.ledger.records[rec.execution_id].state is ExecutionStatus.RUNNING:
                     await self._close(rec)
 
     async def cancel(self, execution_ids: Iterable[str], reason: str) -> list[str]:
@@ -395,7 +395,7 @@ class Executions(Part):
             reward=closed.reward,
         )
         self.relay.report(closed)
-        if closed.state is ExecState.TIMED_OUT:
+        if closed.state is ExecutionStatus.TIMED_OUT:
             self.telemetry.emit(
                 "timed_out",
                 f"{closed.execution_id} timed out: no heartbeat for {self.cfg.heartbeat_deadline_s:.1f} s",

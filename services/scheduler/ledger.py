@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import enum
 import hashlib
 import hmac
 import json
@@ -47,32 +46,16 @@ from typing import Any
 from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from gyre.etcd.values import token_sha256
 from gyre.evolve import evolve
+from gyre.execution import FINAL, ExecutionStatus
 from services.scheduler.accounts import ArchiveSummary, LedgerAccounts, parse_group
 from services.scheduler.policy import LedgerCounts as LedgerCounts  # the counts' type, re-exported
 
-
-class ExecState(enum.Enum):
-    """Execution status (names as in the proto's ExecutionStatus, without the prefix)."""
-
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    TIMED_OUT = "TIMED_OUT"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def final(self) -> bool:
-        return self in FINAL
-
-
-FINAL = frozenset({ExecState.COMPLETED, ExecState.FAILED, ExecState.TIMED_OUT, ExecState.CANCELLED})
-HARNESS_FINAL = frozenset({ExecState.COMPLETED, ExecState.FAILED, ExecState.CANCELLED})
+HARNESS_FINAL = frozenset({ExecutionStatus.COMPLETED, ExecutionStatus.FAILED, ExecutionStatus.CANCELLED})
 """The statuses a harness may report (TIMED_OUT is the scheduler's own)."""
 
-_ALLOWED: dict[ExecState, frozenset[ExecState]] = {
-    ExecState.QUEUED: frozenset({ExecState.RUNNING, ExecState.CANCELLED}),
-    ExecState.RUNNING: FINAL,
+_ALLOWED: dict[ExecutionStatus, frozenset[ExecutionStatus]] = {
+    ExecutionStatus.QUEUED: frozenset({ExecutionStatus.RUNNING, ExecutionStatus.CANCELLED}),
+    ExecutionStatus.RUNNING: FINAL,
 }
 """The one table of allowed execution transitions; final states go nowhere. QUEUED ->
 CANCELLED is the scheduler withdrawing a queued execution (its group can no longer be
@@ -167,7 +150,7 @@ class ExecutionRecord:
     group_id: str
     task_id: str
     policy_version: int
-    state: ExecState
+    state: ExecutionStatus
     token_sha256: str
     harness_id: str = ""
     launched_s: float = 0.0
@@ -190,7 +173,7 @@ class ExecutionRecord:
     @classmethod
     def from_json(cls, raw: bytes, revision: int = 0) -> ExecutionRecord:
         d: dict[str, Any] = json.loads(raw)
-        d["state"] = ExecState(d["state"])
+        d["state"] = ExecutionStatus(d["state"])
         d["revision"] = revision
         return cls(**d)
 
@@ -199,7 +182,7 @@ class ExecutionRecord:
 class Finish:
     """What FinishExecution reports, validated."""
 
-    status: ExecState
+    status: ExecutionStatus
     reward: float
     idempotency_key: str
 
@@ -213,7 +196,7 @@ class FinishOutcome:
 
 
 def validate_finish(
-    status: ExecState, reward: float, key: str, reward_min: float, reward_max: float
+    status: ExecutionStatus, reward: float, key: str, reward_min: float, reward_max: float
 ) -> Finish:
     """Checks a harness's finish report; raises InvalidArgument with the reason.
 
@@ -224,7 +207,7 @@ def validate_finish(
         raise InvalidArgument(f"status must be COMPLETED, FAILED or CANCELLED, not {status.value}")
     if not 1 <= len(key) <= 128:
         raise InvalidArgument("idempotency_key must have 1..128 characters")
-    if status is ExecState.COMPLETED:
+    if status is ExecutionStatus.COMPLETED:
         if not math.isfinite(reward):
             raise InvalidArgument(f"reward must be finite, got {reward}")
         if not reward_min <= reward <= reward_max:
@@ -318,7 +301,7 @@ class Ledger(LedgerAccounts):
             group_id,
             task.task_id,
             self.stamp(group_id, burst),
-            ExecState.RUNNING,
+            ExecutionStatus.RUNNING,
             token_sha256,
             harness_id,
             now_s,
@@ -403,7 +386,7 @@ class Ledger(LedgerAccounts):
             if rec.state.final:
                 return None
             return dataclasses.replace(
-                rec, state=ExecState.CANCELLED, idempotency_key=CANCEL_KEY, finished_s=now_s
+                rec, state=ExecutionStatus.CANCELLED, idempotency_key=CANCEL_KEY, finished_s=now_s
             )
         if execution_id in self._reserved or not self.is_queued(execution_id):
             return None
@@ -418,7 +401,7 @@ class Ledger(LedgerAccounts):
             group_id,
             task.task_id,
             self.stamp(group_id, burst),
-            ExecState.CANCELLED,
+            ExecutionStatus.CANCELLED,
             "",
             idempotency_key=CANCEL_KEY,
             finished_s=now_s,
@@ -428,7 +411,7 @@ class Ledger(LedgerAccounts):
         """The running execution's record restamped with ``version`` (the partial rule; not
         applied). None when it is not running or already carries that stamp or a newer one."""
         rec = self.records.get(execution_id)
-        if rec is None or rec.state is not ExecState.RUNNING or rec.policy_version >= version:
+        if rec is None or rec.state is not ExecutionStatus.RUNNING or rec.policy_version >= version:
             return None
         return dataclasses.replace(rec, policy_version=version)
 
@@ -437,10 +420,10 @@ class Ledger(LedgerAccounts):
         out = []
         for eid, deadline in self._deadline.items():
             rec = self.records[eid]
-            if now_s >= deadline and rec.state is ExecState.RUNNING:
+            if now_s >= deadline and rec.state is ExecutionStatus.RUNNING:
                 out.append(
                     dataclasses.replace(
-                        rec, state=ExecState.TIMED_OUT, finished_s=now_s, idempotency_key="timeout"
+                        rec, state=ExecutionStatus.TIMED_OUT, finished_s=now_s, idempotency_key="timeout"
                     )
                 )
         return out
@@ -456,7 +439,7 @@ class Ledger(LedgerAccounts):
             self.restamps += rec.group_id not in self.restamped
             self.restamped[rec.group_id] = rec.policy_version
         old = self.records.get(rec.execution_id)
-        old_state = old.state if old is not None else ExecState.QUEUED
+        old_state = old.state if old is not None else ExecutionStatus.QUEUED
         if old is not None and old_state is rec.state:
             self.records[rec.execution_id] = rec
             return
@@ -472,7 +455,7 @@ class Ledger(LedgerAccounts):
                 self._by_token[rec.token_sha256] = rec.execution_id
             if rec.acquire_key_sha256:
                 self._by_acquire_key[rec.acquire_key_sha256] = rec.execution_id
-        if rec.state is ExecState.RUNNING:
+        if rec.state is ExecutionStatus.RUNNING:
             if deadline_s is not None:
                 self._deadline[rec.execution_id] = deadline_s
         else:  # a final state
@@ -493,8 +476,8 @@ class Ledger(LedgerAccounts):
             return
         if rec.state.final:
             # QUEUED -> RUNNING -> final, in one go.
-            self.apply(dataclasses.replace(rec, state=ExecState.RUNNING))
-        self.apply(rec, deadline_s if rec.state is ExecState.RUNNING else None)
+            self.apply(dataclasses.replace(rec, state=ExecutionStatus.RUNNING))
+        self.apply(rec, deadline_s if rec.state is ExecutionStatus.RUNNING else None)
 
     # Archive ------------------------------------------------------------------------------
 
@@ -532,7 +515,7 @@ class Ledger(LedgerAccounts):
         rec = self.records.get(execution_id)
         if rec is None:
             raise self._unknown(execution_id)
-        if rec.state is ExecState.RUNNING:
+        if rec.state is ExecutionStatus.RUNNING:
             self._deadline[execution_id] = now_s + deadline_after_s
             return deadline_after_s
         return 0.0
@@ -541,4 +524,4 @@ class Ledger(LedgerAccounts):
         return self._deadline.get(execution_id)
 
     def running_ids(self) -> list[str]:
-        return [e for e, r in self.records.items() if r.state is ExecState.RUNNING]
+        return [e for e, r in self.records.items() if r.state is ExecutionStatus.RUNNING]

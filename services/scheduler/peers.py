@@ -17,6 +17,7 @@ import grpc
 
 from gyre.config import ServiceConfig
 from gyre.errors import from_rpc_error
+from gyre.execution import ExecutionStatus
 from gyre.grpcx.channel import open_channel, unary
 from gyre.identity import Role
 from gyre.v1 import (
@@ -28,7 +29,6 @@ from gyre.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from services.scheduler.ledger import ExecState
 from services.scheduler.policy import CellState
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class FinishReport:
     execution_id: str
     group_id: str
     group_size: int
-    status: ExecState
+    status: ExecutionStatus
     reward: float
     policy_version: int
 
@@ -108,7 +108,6 @@ class Peers(Protocol):
     async def close(self) -> None: ...
 
 
-_STATUS = {s: getattr(common_pb2, f"EXECUTION_STATUS_{s.value}") for s in ExecState}
 _CELL_STATE = {s: getattr(common_pb2, f"CELL_STATE_{s.value}") for s in CellState}
 _CELL_STATE_BACK = {v: k for k, v in _CELL_STATE.items()}
 
@@ -142,7 +141,7 @@ class GrpcPeers:
             execution_id=report.execution_id,
             group_id=report.group_id,
             group_size=report.group_size,
-            status=_STATUS[report.status],
+            status=report.status.to_proto(),
             reward=report.reward,
             policy_version=report.policy_version,
         )

@@ -23,25 +23,16 @@ import grpc
 
 from gyre import apikeys
 from gyre.errors import InvalidArgument, StaleEpoch, Unavailable
+from gyre.execution import ExecutionStatus
 from gyre.grpcx.auth import AccessTable, allow, caller
 from gyre.grpcx.errors import bearer_token, metadata_value, rpc, rpc_stream
 from gyre.identity import Role
-from gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from gyre.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.events import Event
-from services.scheduler.ledger import ExecState
 from services.scheduler.policy import LedgerCounts
 from services.scheduler.scheduler import Launched, Scheduler
 from services.scheduler.status import CellStatus, TrainingDiagnostics
 
-_STATUS_FROM = {
-    common_pb2.EXECUTION_STATUS_COMPLETED: ExecState.COMPLETED,
-    common_pb2.EXECUTION_STATUS_FAILED: ExecState.FAILED,
-    common_pb2.EXECUTION_STATUS_CANCELLED: ExecState.CANCELLED,
-    common_pb2.EXECUTION_STATUS_TIMED_OUT: ExecState.TIMED_OUT,
-    common_pb2.EXECUTION_STATUS_RUNNING: ExecState.RUNNING,
-    common_pb2.EXECUTION_STATUS_QUEUED: ExecState.QUEUED,
-}
-_STATUS_TO = {v: k for k, v in _STATUS_FROM.items()}
 MAX_ID = 256
 HARNESS_SERVICE = "gyre.v1.HarnessService"
 T = TypeVar("T")
@@ -200,7 +191,7 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
         left, state = await _at_leader(self.s, context, self.s.heartbeat(eid, token, self._harness(context)))
-        return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=_STATUS_TO[state])
+        return scheduler_pb2.HeartbeatResponse(deadline_s=left, status=state.to_proto())
 
     @rpc
     async def FinishExecution(
@@ -208,9 +199,10 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
     ) -> scheduler_pb2.FinishExecutionResponse:
         eid = _execution_id(request.execution_id)
         token = bearer_token(context)
-        status = _STATUS_FROM.get(request.status)
-        if status is None:
-            raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED")
+        try:
+            status = ExecutionStatus.from_proto(request.status)
+        except InvalidArgument:
+            raise InvalidArgument("status must be COMPLETED, FAILED or CANCELLED") from None
         out = await _at_leader(
             self.s,
             context,
@@ -219,7 +211,7 @@ class HarnessServicer(scheduler_pb2_grpc.HarnessServiceServicer):
             ),
         )
         return scheduler_pb2.FinishExecutionResponse(
-            status=_STATUS_TO[out.record.state], duplicate=out.duplicate
+            status=out.record.state.to_proto(), duplicate=out.duplicate
         )
 
 

@@ -19,7 +19,8 @@ from gyre.errors import Conflict, StaleEpoch
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
 from gyre.etcd.lease import LeaseKeeper
 from gyre.etcd.values import Route
-from services.scheduler.ledger import ArchiveSummary, Burst, ExecState, ExecutionRecord, Task
+from gyre.execution import ExecutionStatus
+from services.scheduler.ledger import ArchiveSummary, Burst, ExecutionRecord, Task
 from services.scheduler.store import MAX_TXN_OPS, SchedulerStore
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,7 +59,7 @@ def _closed_burst(burst_id: int, groups: int, group_size: int = 4) -> tuple[Burs
                 gid,
                 task.task_id,
                 0,
-                ExecState.COMPLETED,
+                ExecutionStatus.COMPLETED,
                 "ab" * 32,
                 "harness-0000",
                 1.7e9,
@@ -111,7 +112,7 @@ async def test_takeover_reads_a_ledger_too_large_for_one_request(etcd_server, cl
             await _write(etcd, keys, *_closed_burst(b, 250))
         loaded = await store.load()
         assert len(loaded.executions) == 12_000 and len(loaded.bursts) == 12
-        assert all(r.state is ExecState.COMPLETED for r in loaded.executions)
+        assert all(r.state is ExecutionStatus.COMPLETED for r in loaded.executions)
     finally:
         await keeper.revoke()
         await etcd.close()
@@ -157,7 +158,7 @@ async def test_grouped_launches_and_closes_keep_their_guards_and_the_fence(etcd_
     store, _, keeper = await _leader_store(etcd, keys)
     try:
         _, recs = _closed_burst(1, 16)  # 64 executions
-        running = [dataclasses.replace(r, state=ExecState.RUNNING) for r in recs]
+        running = [dataclasses.replace(r, state=ExecutionStatus.RUNNING) for r in recs]
         routes = [Route(r.execution_id, "cell-a", "a:1", "ab" * 32, r.group_id, 1, 0) for r in recs]
         sent = store.group.transactions
         revs = await asyncio.gather(*(store.launch(r, rt) for r, rt in zip(running, routes, strict=True)))
@@ -169,7 +170,7 @@ async def test_grouped_launches_and_closes_keep_their_guards_and_the_fence(etcd_
         assert isinstance(results[0], Conflict)
         assert all(isinstance(x, int) for x in results[1:])
         kv = await etcd.get(keys.execution(1, recs[1].execution_id))
-        assert ExecutionRecord.from_json(kv.value, kv.mod_revision).state is ExecState.COMPLETED
+        assert ExecutionRecord.from_json(kv.value, kv.mod_revision).state is ExecutionStatus.COMPLETED
         assert await etcd.get(keys.route(recs[1].execution_id)) is None
         assert await etcd.get(keys.route(recs[0].execution_id)) is not None  # its close did not apply
 

@@ -9,19 +9,22 @@ import pytest
 
 from gyre.etcd.values import Route
 from gyre.evolve import evolve
-from services.scheduler.ledger import ExecState, ExecutionRecord
+from gyre.execution import ExecutionStatus
+from services.scheduler.ledger import ExecutionRecord
 
 
 def _record() -> ExecutionRecord:
-    return ExecutionRecord("b1-t0-0", 1, 0, "g", "t", 3, ExecState.RUNNING, "sha", "h", 1.5)
+    return ExecutionRecord("b1-t0-0", 1, 0, "g", "t", 3, ExecutionStatus.RUNNING, "sha", "h", 1.5)
 
 
 def test_evolve_equals_replace_and_leaves_the_original():
     rec = _record()
-    new = evolve(rec, revision=7, state=ExecState.COMPLETED, reward=1.0)
-    assert new == dataclasses.replace(rec, revision=7, state=ExecState.COMPLETED, reward=1.0)
-    assert rec.revision == 0 and rec.state is ExecState.RUNNING
-    assert hash(new) == hash(dataclasses.replace(rec, revision=7, state=ExecState.COMPLETED, reward=1.0))
+    new = evolve(rec, revision=7, state=ExecutionStatus.COMPLETED, reward=1.0)
+    assert new == dataclasses.replace(rec, revision=7, state=ExecutionStatus.COMPLETED, reward=1.0)
+    assert rec.revision == 0 and rec.state is ExecutionStatus.RUNNING
+    assert hash(new) == hash(
+        dataclasses.replace(rec, revision=7, state=ExecutionStatus.COMPLETED, reward=1.0)
+    )
     route = Route("b1-t0-0", "cell-1", "127.0.0.1:1", "sha", "g", 1, 3)
     assert evolve(route, epoch=1, mod_revision=9) == dataclasses.replace(route, epoch=1, mod_revision=9)
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from test_scheduler_service import make  # same test folder
 
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
-from services.scheduler.ledger import ExecState, Ledger
+from gyre.execution import ExecutionStatus
+from services.scheduler.ledger import Ledger
 from testkit.recording_peers import RecordingPeers
 from testkit.scheduler_fakes import FakeStore
 
@@ -101,22 +102,26 @@ async def _history(ops: list[tuple[str, int]]) -> None:
             if op == "bad":
                 before = s.ledger.counts()
                 try:
-                    await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, math.nan, "k")
+                    await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, math.nan, "k")
                     raise AssertionError("NaN reward accepted")
                 except GyreError:
                     pass
                 assert s.ledger.counts() == before
             else:
-                out = await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 0.5, f"k{arg}")
+                out = await s.finish(
+                    g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 0.5, f"k{arg}"
+                )
                 was_final = out.duplicate
                 if op == "dup":
-                    again = await s.finish(g.record.execution_id, g.token, ExecState.FAILED, 0.0, "other")
+                    again = await s.finish(
+                        g.record.execution_id, g.token, ExecutionStatus.FAILED, 0.0, "other"
+                    )
                     assert again.duplicate and again.record.state is out.record.state
-                assert was_final or out.record.state is ExecState.COMPLETED
+                assert was_final or out.record.state is ExecutionStatus.COMPLETED
         elif op == "finish_all":  # every held execution still running closes (a burst can end)
             for g, _ in cands:
-                if s.ledger.records[g.record.execution_id].state is ExecState.RUNNING:
-                    await s.finish(g.record.execution_id, g.token, ExecState.FAILED, 0.0, "all")
+                if s.ledger.records[g.record.execution_id].state is ExecutionStatus.RUNNING:
+                    await s.finish(g.record.execution_id, g.token, ExecutionStatus.FAILED, 0.0, "all")
         elif op == "heartbeat" and cands:
             g, _ = cands[arg % len(cands)]
             await s.heartbeat(g.record.execution_id, g.token)
@@ -138,7 +143,7 @@ async def _history(ops: list[tuple[str, int]]) -> None:
             g, _ = cands[arg % len(cands)]
             before = await _rebuild(store)
             try:
-                await old.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "old")
+                await old.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "old")
             except StaleEpoch:
                 pass
             except GyreError:
@@ -155,7 +160,7 @@ async def _history(ops: list[tuple[str, int]]) -> None:
         assert {e: r.state for e, r in rebuilt.records.items()} == {
             e: r.state for e, r in s.ledger.records.items()
         }
-        running = {e for e, r in s.ledger.records.items() if r.state is ExecState.RUNNING}
+        running = {e for e, r in s.ledger.records.items() if r.state is ExecutionStatus.RUNNING}
         assert set(store.routes) == running
         assert set(s.routes.routes) == running
         assert s.ledger.counts().launched == len({g.record.execution_id for g, _ in held}) + sum(

@@ -24,7 +24,7 @@ from gyre.errors import FailedPrecondition, InvalidArgument, NotFound, Permissio
 from gyre.etcd.values import token_sha256
 from gyre.execution import ExecutionStatus
 from services.packer.model import Finish
-from services.scheduler.ledger import ExecState, derive_token
+from services.scheduler.ledger import derive_token
 from services.scheduler.peers import FinishReport
 from testkit import packer_kit as tk
 from testkit.recording_peers import RecordingPeers
@@ -59,7 +59,7 @@ async def test_acquire_retried_with_its_key_returns_the_same_execution_across_a_
     again2, _, _ = await s2.acquire("h", 0, KEY)
     assert (again2.record.execution_id, again2.token) == (first.record.execution_id, first.token)
     assert s2.ledger.counts().launched == 2
-    await s2.finish(first.record.execution_id, first.token, ExecState.COMPLETED, 1.0, "f")
+    await s2.finish(first.record.execution_id, first.token, ExecutionStatus.COMPLETED, 1.0, "f")
     with pytest.raises(FailedPrecondition):
         await s2.acquire("h", 0, KEY)
 
@@ -81,9 +81,9 @@ async def test_new_leader_gives_running_executions_a_full_heartbeat_deadline():
     s2, _, _ = await _failover(s, store, clock, heartbeat_deadline_s=10.0)
     clock.now += 9.0  # the failover gap: heartbeats go nowhere
     await s2.reconcile_once()
-    assert s2.ledger.records[a.record.execution_id].state is ExecState.RUNNING
+    assert s2.ledger.records[a.record.execution_id].state is ExecutionStatus.RUNNING
     left, state = await s2.heartbeat(a.record.execution_id, a.token)
-    assert state is ExecState.RUNNING and left == 10.0
+    assert state is ExecutionStatus.RUNNING and left == 10.0
 
 
 class ForgetfulPacker(RecordingPeers):
@@ -114,7 +114,7 @@ async def test_refused_reports_after_a_failover_do_not_block_later_ones():
     await lead(s, store)
     held = [(await s.acquire("h", 0))[0] for _ in range(4)]
     for g in held[:3]:
-        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     # The packer has trained and forgotten every group closed before the failover.
     packer = ForgetfulPacker({g.record.group_id for g in held[:3]} - {held[3].record.group_id})
     packer.report_failures = 2  # and is briefly down
@@ -122,7 +122,7 @@ async def test_refused_reports_after_a_failover_do_not_block_later_ones():
     task = asyncio.create_task(s2.report_loop())
     try:
         last = held[3]
-        await s2.finish(last.record.execution_id, last.token, ExecState.COMPLETED, 0.5, "k")
+        await s2.finish(last.record.execution_id, last.token, ExecutionStatus.COMPLETED, 0.5, "k")
         await _wait_for(lambda: last.record.execution_id in packer.reports, "the later report")
         await _wait_for(lambda: not s2.relay.unsettled, "every report settled")
         assert all(n == 1 for n in packer.refusals.values()) and packer.refusals  # refused once, not retried
@@ -141,7 +141,7 @@ async def test_refused_report_is_settled_while_an_undelivered_one_is_retried():
     try:
         got = [(await s.acquire("h", 0))[0] for _ in range(4)]  # groups b1-t0 and b1-t1
         for g in got:
-            await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+            await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
         await _wait_for(lambda: not s.relay.unsettled, "settled")
         assert set(packer.reports) == {g.record.execution_id for g in got if g.record.group_id == "b1-t1"}
         assert s.relay.counts.refused == 2 and s.relay.counts.retries >= 3
@@ -163,7 +163,7 @@ class InProcessPacker(RecordingPeers):
                 report.execution_id,
                 report.group_id,
                 report.group_size,
-                ExecutionStatus(report.status.value.lower()),
+                report.status,  # one ExecutionStatus on both sides
                 report.reward,
                 report.policy_version,
                 1 << 16,
@@ -183,7 +183,9 @@ async def test_failover_after_more_batches_than_the_packer_remembers_does_not_st
         held = [(await s.acquire("h", 0))[0] for _ in range(12)]  # groups b1-t0 .. b1-t5
         for g in held[:10]:  # five groups close, one batch each, and are trained
             await peer.packer.record_turn(tk.turn(g.record.execution_id, g.record.group_id, 0))
-            await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, float(g.record.seq % 2), "k")
+            await s.finish(
+                g.record.execution_id, g.token, ExecutionStatus.COMPLETED, float(g.record.seq % 2), "k"
+            )
         await _wait_for(lambda: len(peer.reports) == 10, "reports of five groups")
         for b in range(1, 6):
             r = await peer.packer.claim("core", b, 0, 0)
@@ -197,7 +199,7 @@ async def test_failover_after_more_batches_than_the_packer_remembers_does_not_st
     try:
         last = held[10]
         await peer.packer.record_turn(tk.turn(last.record.execution_id, last.record.group_id, 0))
-        await s2.finish(last.record.execution_id, last.token, ExecState.COMPLETED, 1.0, "k")
+        await s2.finish(last.record.execution_id, last.token, ExecutionStatus.COMPLETED, 1.0, "k")
         await _wait_for(lambda: last.record.execution_id in peer.packer.state.finished, "the later report")
         await _wait_for(lambda: not s2.relay.unsettled, "every report settled")
         assert s2.relay.counts.refused >= 6  # b1-t0 .. b1-t2: trained and forgotten, refused once each
@@ -211,7 +213,7 @@ async def _run_burst(s) -> list:
     while (g := (await s.acquire("h", 0))[0]) is not None:
         got.append(g)
     for g in got:
-        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     return got
 
 
@@ -233,7 +235,7 @@ async def test_closed_bursts_are_archived_and_a_new_leader_rebuilds_the_same_tot
         assert s.ledger.finished_by_status()["COMPLETED"] == 8
         assert sum(c.dispatched for c in s.ledger.counts_by_version().values()) == 16
         with pytest.raises(NotFound):
-            await s.finish(first[0].record.execution_id, first[0].token, ExecState.COMPLETED, 1.0, "k")
+            await s.finish(first[0].record.execution_id, first[0].token, ExecutionStatus.COMPLETED, 1.0, "k")
         s.ledger.check_invariants()
         await _run_burst(s)
         await s.reconcile_once()

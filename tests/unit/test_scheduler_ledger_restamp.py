@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.scheduler.ledger import ExecState, Ledger, LedgerCounts, Task
+from gyre.execution import ExecutionStatus
+from services.scheduler.ledger import Ledger, LedgerCounts, Task
 
 
 def _ledger() -> tuple[Ledger, list]:
@@ -31,7 +32,7 @@ def test_a_restamp_moves_the_group_and_its_counts() -> None:
     assert led.plan_restamp("b1-t2-0", 2) is None  # queued: takes the stamp at launch
     for eid in ("b1-t0-0", "b1-t0-1", "b1-t1-0"):
         rec = led.plan_restamp(eid, 2)
-        assert rec is not None and rec.policy_version == 2 and rec.state is ExecState.RUNNING
+        assert rec is not None and rec.policy_version == 2 and rec.state is ExecutionStatus.RUNNING
         led.apply(dataclasses.replace(rec, revision=20))
     assert (
         led.stamp("b1-t0", burst) == 2 and led.stamp("b1-t1", burst) == 2 and led.stamp("b1-t2", burst) == 0
@@ -44,7 +45,7 @@ def test_a_restamp_moves_the_group_and_its_counts() -> None:
     assert led.plan_launch(burst, 3, "tok3", "h", 2.0).policy_version == 2
     assert led.plan_launch(burst, 4, "tok4", "h", 2.0).policy_version == 0
     # A close keeps the record's stamp: the packer is told v2.
-    closed = dataclasses.replace(led.records["b1-t0-0"], state=ExecState.COMPLETED, finished_s=3.0)
+    closed = dataclasses.replace(led.records["b1-t0-0"], state=ExecutionStatus.COMPLETED, finished_s=3.0)
     led.apply(closed)
     assert led.counts_by_version()[2] == LedgerCounts(4, 3, 1)
     assert led.plan_restamp("b1-t0-0", 3) is None  # closed

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gyre.etcd.values import token_sha256
-from services.scheduler.ledger import ExecState, Ledger, Task, validate_finish
+from gyre.execution import ExecutionStatus
+from services.scheduler.ledger import Ledger, Task, validate_finish
 from services.scheduler.policy import (
     BurstView,
     CellKind,
@@ -122,7 +123,9 @@ class World:
             )
             if running:
                 eid = running[arg % len(running)]
-                out = led.plan_finish(eid, validate_finish(ExecState.COMPLETED, 0.5, "k", 0.0, 1.0), self.now)
+                out = led.plan_finish(
+                    eid, validate_finish(ExecutionStatus.COMPLETED, 0.5, "k", 0.0, 1.0), self.now
+                )
                 if out.duplicate:
                     assert op == "dup_finish"
                 else:

@@ -28,7 +28,7 @@ from gyre.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.scheduler.ledger import ExecState
+from gyre.execution import ExecutionStatus
 from services.scheduler.peers import SupplyUpdate
 from services.scheduler.policy import CellState
 from services.scheduler.scheduler import Scheduler
@@ -45,26 +45,30 @@ async def test_bad_finish_reports_change_nothing():
     before, writes = s.ledger.counts(), store.writes
     eid = a.record.execution_id
     cases = [
-        (NotFound, ("b9-t0-0", a.token, ExecState.COMPLETED, 1.0, "k")),
-        (Unauthenticated, (eid, "not-a-token", ExecState.COMPLETED, 1.0, "k")),
-        (PermissionDenied, (eid, b.token, ExecState.COMPLETED, 1.0, "k")),
-        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, math.nan, "k")),
-        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, math.inf, "k")),
-        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, -0.5, "k")),
-        (InvalidArgument, (eid, a.token, ExecState.TIMED_OUT, 0.0, "k")),
-        (InvalidArgument, (eid, a.token, ExecState.COMPLETED, 1.0, "")),
+        (NotFound, ("b9-t0-0", a.token, ExecutionStatus.COMPLETED, 1.0, "k")),
+        (Unauthenticated, (eid, "not-a-token", ExecutionStatus.COMPLETED, 1.0, "k")),
+        (PermissionDenied, (eid, b.token, ExecutionStatus.COMPLETED, 1.0, "k")),
+        (InvalidArgument, (eid, a.token, ExecutionStatus.COMPLETED, math.nan, "k")),
+        (InvalidArgument, (eid, a.token, ExecutionStatus.COMPLETED, math.inf, "k")),
+        (InvalidArgument, (eid, a.token, ExecutionStatus.COMPLETED, -0.5, "k")),
+        (InvalidArgument, (eid, a.token, ExecutionStatus.TIMED_OUT, 0.0, "k")),
+        (InvalidArgument, (eid, a.token, ExecutionStatus.COMPLETED, 1.0, "")),
     ]
     for exc, args in cases:
         with pytest.raises(exc):
             await s.finish(*args)
         assert s.ledger.counts() == before and store.writes == writes, exc
-    out = await s.finish(eid, a.token, ExecState.COMPLETED, 0.75, "k1")
-    assert not out.duplicate and out.record.state is ExecState.COMPLETED
+    out = await s.finish(eid, a.token, ExecutionStatus.COMPLETED, 0.75, "k1")
+    assert not out.duplicate and out.record.state is ExecutionStatus.COMPLETED
     assert s.ledger.counts().finished == 1 and store.route_of(eid) is None
     writes = store.writes
     for key in ("k1", "another-key"):
-        again = await s.finish(eid, a.token, ExecState.FAILED, 0.0, key)
-        assert again.duplicate and again.record.state is ExecState.COMPLETED and again.record.reward == 0.75
+        again = await s.finish(eid, a.token, ExecutionStatus.FAILED, 0.0, key)
+        assert (
+            again.duplicate
+            and again.record.state is ExecutionStatus.COMPLETED
+            and again.record.reward == 0.75
+        )
     assert store.writes == writes and s.ledger.counts().finished == 1
 
 
@@ -77,12 +81,12 @@ async def test_missed_heartbeat_times_out_once():
     await s.heartbeat(b.record.execution_id, b.token)
     clock.now += 6  # a: 12 s without heartbeat (> 10), b: 6 s
     await s.reconcile_once()
-    assert s.ledger.records[a.record.execution_id].state is ExecState.TIMED_OUT
-    assert s.ledger.records[b.record.execution_id].state is ExecState.RUNNING
+    assert s.ledger.records[a.record.execution_id].state is ExecutionStatus.TIMED_OUT
+    assert s.ledger.records[b.record.execution_id].state is ExecutionStatus.RUNNING
     await s.reconcile_once()
     assert s.ledger.counts().finished == 1
-    late = await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 1.0, "k")
-    assert late.duplicate and late.record.state is ExecState.TIMED_OUT
+    late = await s.finish(a.record.execution_id, a.token, ExecutionStatus.COMPLETED, 1.0, "k")
+    assert late.duplicate and late.record.state is ExecutionStatus.TIMED_OUT
     s.ledger.check_invariants()
 
 
@@ -93,9 +97,9 @@ async def test_deposed_leader_changes_nothing():
     before = s.ledger.counts()
     store.depose()
     with pytest.raises(StaleEpoch):
-        await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(a.record.execution_id, a.token, ExecutionStatus.COMPLETED, 1.0, "k")
     assert s.deposed.is_set() and s.ledger.counts() == before
-    assert s.ledger.records[a.record.execution_id].state is ExecState.RUNNING
+    assert s.ledger.records[a.record.execution_id].state is ExecutionStatus.RUNNING
     with pytest.raises(StaleEpoch):
         await s.acquire("h", 0)
 
@@ -123,7 +127,7 @@ async def test_move_to_training_reroutes_with_fenced_commands():
     assert "capacity 12 < W 16" in s.events.after(0)[-1].message
     # Four standalone executions finish: W = 12 <= 12.
     for g in launched[:4]:
-        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     await s.reconcile_once()
     await settle(s)
     moved = [g for g in launched if g.route.cell_id == "core"]
@@ -175,7 +179,7 @@ async def test_new_leader_rebuilds_ledger_and_resumes_transition():
     await lead(s, store)
     launched = await _fill(s, 16)
     for g in launched[:5]:
-        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     counts = s.ledger.counts()
     s.supply_raw = SupplyUpdate(4, 4, 1)
     peers.hold_set_state = asyncio.Event()  # the cell agent hangs: the transition stalls
@@ -204,8 +208,8 @@ async def test_new_leader_rebuilds_ledger_and_resumes_transition():
     # The old leader can no longer write.
     g = launched[6]
     with pytest.raises(StaleEpoch):
-        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
-    out = await s2.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
+    out = await s2.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     assert not out.duplicate and s2.ledger.counts().finished == counts.finished + 1
 
 
@@ -216,13 +220,13 @@ async def test_finish_reports_retried_until_acknowledged():
     task = asyncio.create_task(s.report_loop())
     try:
         a, _, _ = await s.acquire("h", 0)
-        await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 0.5, "k")
+        await s.finish(a.record.execution_id, a.token, ExecutionStatus.COMPLETED, 0.5, "k")
         for _ in range(300):
             if a.record.execution_id in peers.reports:
                 break
             await asyncio.sleep(0.01)
         rep = peers.reports[a.record.execution_id]
-        assert rep.status is ExecState.COMPLETED and rep.reward == 0.5 and rep.group_size == 2
+        assert rep.status is ExecutionStatus.COMPLETED and rep.reward == 0.5 and rep.group_size == 2
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -243,10 +247,10 @@ async def test_a_close_whose_answer_etcd_lost_is_recorded_and_reported_once(tmp_
         a, _, _ = await s.acquire("h", 0)
         eid = a.record.execution_id
         store.lose_next_close_answer = 1
-        out = await s.finish(eid, a.token, ExecState.COMPLETED, 0.5, "k")
+        out = await s.finish(eid, a.token, ExecutionStatus.COMPLETED, 0.5, "k")
         assert (
             not out.duplicate
-            and s.ledger.records[eid].state is ExecState.COMPLETED
+            and s.ledger.records[eid].state is ExecutionStatus.COMPLETED
             and s.ledger.counts().finished == 1
         )
         for _ in range(300):
@@ -254,7 +258,7 @@ async def test_a_close_whose_answer_etcd_lost_is_recorded_and_reported_once(tmp_
                 break
             await asyncio.sleep(0.01)
         assert eid in peers.reports and peers.reports[eid].reward == 0.5
-        again = await s.finish(eid, a.token, ExecState.COMPLETED, 0.5, "k")
+        again = await s.finish(eid, a.token, ExecutionStatus.COMPLETED, 0.5, "k")
         assert again.duplicate and s.ledger.counts().finished == 1
     finally:
         task.cancel()
@@ -273,10 +277,10 @@ async def test_a_launch_whose_answer_etcd_lost_is_recorded_once(tmp_path):
     store.lose_next_launch_answer = 1
     with pytest.raises(Unavailable):
         await s.acquire("h", 0, key="k1-0123456789abcdef")
-    (eid,) = [e for e, r in s.ledger.records.items() if r.state is ExecState.RUNNING]
+    (eid,) = [e for e, r in s.ledger.records.items() if r.state is ExecutionStatus.RUNNING]
     again, _, _ = await s.acquire("h", 0, key="k1-0123456789abcdef")  # the harness retries with its key
     assert again is not None and again.record.execution_id == eid
-    await s.finish(eid, again.token, ExecState.COMPLETED, 0.5, "f")
+    await s.finish(eid, again.token, ExecutionStatus.COMPLETED, 0.5, "f")
     ops = read(hist)
     assert [op["execution_id"] for op in ops if op["op"] == "launch"] == [eid]
     assert not check(ops), check(ops)
@@ -313,7 +317,7 @@ async def test_acquire_waits_for_a_free_slot():
     assert none is None and not exhausted and retry > 0
     waiter = asyncio.create_task(s.acquire("h", 5))
     await asyncio.sleep(0.05)
-    await s.finish(a.record.execution_id, a.token, ExecState.FAILED, 0.0, "k")
+    await s.finish(a.record.execution_id, a.token, ExecutionStatus.FAILED, 0.0, "k")
     got, _, _ = await asyncio.wait_for(waiter, 5)
     assert got is not None and got.route.cell_id == "sa"
 
@@ -360,7 +364,7 @@ async def test_drained_burst_trains_on_what_is_ready_and_seals():
         await s.finish(
             g.record.execution_id,
             g.token,
-            ExecState.FAILED if g is not launched[0] else ExecState.COMPLETED,
+            ExecutionStatus.FAILED if g is not launched[0] else ExecutionStatus.COMPLETED,
             1.0,
             "k",
         )
@@ -383,7 +387,7 @@ async def test_drained_burst_with_nothing_trainable_goes_on():
     s, store, peers, clock = make(drain_grace_s=1.0)
     await lead(s, store)
     for g in await _fill(s, 8):
-        await s.finish(g.record.execution_id, g.token, ExecState.FAILED, 0.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.FAILED, 0.0, "k")
     s.supply_raw = SupplyUpdate(0, 4, 1)
     clock.now += 1.5
     await s.reconcile_once()
@@ -414,10 +418,10 @@ async def test_colocated_baseline_trains_everyone_at_the_barrier():
     launched = await _fill(s, 8)
     s.supply_raw = SupplyUpdate(4, 4, 1)
     for g in launched[:-1]:
-        await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     await s.reconcile_once()
     assert not any(s.transitions.running(c) for c in ("core", "sat1"))  # W 1 > 0: barrier
-    await s.finish(launched[-1].record.execution_id, launched[-1].token, ExecState.COMPLETED, 1.0, "k")
+    await s.finish(launched[-1].record.execution_id, launched[-1].token, ExecutionStatus.COMPLETED, 1.0, "k")
     await s.reconcile_once()
     await settle(s)
     assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.TRAINING
@@ -453,7 +457,7 @@ async def test_overlapping_launches_never_overfill_a_cell():
     assert s.ledger.counts().launched == 5 and len(store.execs) == 5
     # A failed write gives the execution and the slot back.
     g = launched[0]
-    await s.finish(g.record.execution_id, g.token, ExecState.COMPLETED, 1.0, "k")
+    await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
     store.fail_next = 1
     with pytest.raises(Unavailable):
         await s.acquire("h", 0)
@@ -587,9 +591,9 @@ async def test_cancel_closes_running_and_withdraws_queued_executions_once():
     assert sorted(done) == [f"{group}-0", f"{group}-1"]
     assert store.route_of(a.record.execution_id) is None and not s.routes.routes
     left, state = await s.heartbeat(a.record.execution_id, a.token)
-    assert (left, state) == (0.0, ExecState.CANCELLED)
-    out = await s.finish(a.record.execution_id, a.token, ExecState.COMPLETED, 1.0, "k")
-    assert out.duplicate and out.record.state is ExecState.CANCELLED
+    assert (left, state) == (0.0, ExecutionStatus.CANCELLED)
+    out = await s.finish(a.record.execution_id, a.token, ExecutionStatus.COMPLETED, 1.0, "k")
+    assert out.duplicate and out.record.state is ExecutionStatus.CANCELLED
     c = s.ledger.counts()
     assert (c.dispatched, c.launched, c.finished) == (8, 2, 2)
     s.ledger.check_invariants()
@@ -603,7 +607,7 @@ async def test_cancel_closes_running_and_withdraws_queued_executions_once():
             if f"{group}-1" in peers.reports:
                 break
             await asyncio.sleep(0.01)
-        assert {peers.reports[f"{group}-{m}"].status for m in (0, 1)} == {ExecState.CANCELLED}
+        assert {peers.reports[f"{group}-{m}"].status for m in (0, 1)} == {ExecutionStatus.CANCELLED}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -643,7 +647,7 @@ async def test_status_has_the_ledger_per_policy_version():
     await lead(s, store)
     s.on_policy({b"p": KV(b"p", json.dumps({"version": 3, "source_target": "core:1"}).encode())})
     for g in [await s.acquire("h", 0) for _ in range(8)]:
-        await s.finish(g[0].record.execution_id, g[0].token, ExecState.COMPLETED, 1.0, "k")
+        await s.finish(g[0].record.execution_id, g[0].token, ExecutionStatus.COMPLETED, 1.0, "k")
     await s.reconcile_once()  # burst 2 at v3
     a, _, _ = await s.acquire("h", 0)
     st = s.status()
@@ -670,7 +674,7 @@ async def test_cancel_early_rule_cancels_groups_no_batch_within_eta_can_take():
     c = s.ledger.counts()
     assert c.finished == c.dispatched == 8 and s.ledger.finished_by_status() == {"CANCELLED": 8}
     assert store.route_of(a.record.execution_id) is None
-    assert (await s.heartbeat(a.record.execution_id, a.token))[1] is ExecState.CANCELLED
+    assert (await s.heartbeat(a.record.execution_id, a.token))[1] is ExecutionStatus.CANCELLED
     assert any(e.kind == "cancelled" and "max_staleness 1" in e.message for e in s.events.after(0))
     s.ledger.check_invariants()
 
