@@ -80,17 +80,17 @@ class Driver:
         self.profile = self.cfg.profiles[sc.profile]
         self.trace = make_trace(self.cfg, sc)
         self.cluster = Cluster(
-            self.loop,
-            self.cfg.cost,
-            sc.cluster.cells,
-            sc.cluster.standalone_cells,
-            sc.cluster.slots_per_cell,
-            sc.training.batch_groups,
-            sc.training.max_staleness,
-            self._placement(),
-            pp.rate_window_s,
-            sc.training.stale_rule,
-            sc.training.partial_max_versions,
+            loop=self.loop,
+            cost_cfg=self.cfg.cost,
+            cells=sc.cluster.cells,
+            standalone=sc.cluster.standalone_cells,
+            slots=sc.cluster.slots_per_cell,
+            batch_groups=sc.training.batch_groups,
+            max_staleness=sc.training.max_staleness,
+            placement=self._placement(),
+            rate_window_s=pp.rate_window_s,
+            stale_rule=sc.training.stale_rule,
+            partial_max_versions=sc.training.partial_max_versions,
         )
         gyre = pp.gyre_config(pp.drain_grace_s)
         self.policy = P.make_policy(

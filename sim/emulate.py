@@ -300,9 +300,9 @@ async def _emulate(
 
         trace = Trace(cfg.profiles[sc.profile], sc.seed, sc.drift)
         driver = ReplayDriver(
-            trace,
-            conf["scheduler"]["_target"],
-            conf["router"]["_target"],
+            trace=trace,
+            scheduler_target=conf["scheduler"]["_target"],
+            router_target=conf["router"]["_target"],
             time_scale=time_scale,
             workers=cells * sc.cluster.slots_per_cell + 8,
             tls_dir=None if cluster.pki.insecure else str(cluster.pki.identity_dir("harness")),

@@ -75,10 +75,10 @@ class ReplayDriver:
 
     def __init__(
         self,
+        *,
         trace: Trace,
         scheduler_target: str,
         router_target: str,
-        *,
         time_scale: float,
         workers: int,
         max_context: int = 1 << 17,

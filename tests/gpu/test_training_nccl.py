@@ -92,7 +92,14 @@ async def test_gpu_core_step_matches_cpu_and_snapshot_travels(model_dir):
 
 def _nccl_rank(rank: int, world: int, port: int, q) -> None:
     torch.cuda.set_device(rank)
-    groups = PrefixGroups(rank, world, f"127.0.0.1:{port}", "nccl", torch.device(f"cuda:{rank}"), 60)
+    groups = PrefixGroups(
+        rank=rank,
+        world_size=world,
+        master=f"127.0.0.1:{port}",
+        backend="nccl",
+        device=torch.device(f"cuda:{rank}"),
+        timeout_s=60,
+    )
     groups.setup()
     try:
         t = torch.full((1 << 20,), float(rank + 1), device=f"cuda:{rank}")

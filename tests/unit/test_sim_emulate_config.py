@@ -78,7 +78,7 @@ def test_trainer_and_engine_follow_the_cost_model(scaled) -> None:
 def test_driver_maps_tasks_and_members_deterministically(scaled) -> None:
     cfg, sc = scaled
     trace = Trace(cfg.profiles[sc.profile], sc.seed, sc.drift)
-    d = ReplayDriver(trace, "s:1", "r:1", time_scale=10.0, workers=1)
+    d = ReplayDriver(trace=trace, scheduler_target="s:1", router_target="r:1", time_scale=10.0, workers=1)
     assert task_index("task-17") == 17
     got = [d.episode_for("task-3", "g3", 0) for _ in range(3)]
     assert [e.member for e in got] == [0, 1, 2]
@@ -176,7 +176,11 @@ def test_driver_counts_a_scheduler_cancel_apart_from_a_failure(scaled, closed_as
     (the emulation test failed in CI when a cancel fell between two turns)."""
     cfg, sc = scaled
     d = ReplayDriver(
-        Trace(cfg.profiles[sc.profile], sc.seed, sc.drift), "s:1", "r:1", time_scale=1e6, workers=1
+        trace=Trace(cfg.profiles[sc.profile], sc.seed, sc.drift),
+        scheduler_target="s:1",
+        router_target="r:1",
+        time_scale=1e6,
+        workers=1,
     )
     d._router = _Refusing()
     handle = _Handle(closed_as)

@@ -12,8 +12,8 @@ from sim.events import EventLoop
 def _cluster(batch_groups: int) -> tuple[Cluster, list[int]]:
     loop = EventLoop()
     cl = Cluster(
-        loop,
-        CostConfig(weight_sync_s=0.0),
+        loop=loop,
+        cost_cfg=CostConfig(weight_sync_s=0.0),
         cells=2,
         standalone=0,
         slots=4,

@@ -93,13 +93,13 @@ async def test_after_200_batches_the_core_keeps_the_newest_few():
     for b in range(1, 201):
         await _train(ctl, packer, b)
     assert ctl.status()["last_batch_id"] == 200
-    assert sorted(ctl._tasks) == list(range(193, 201))
-    assert sorted(ctl.outcomes) == list(range(193, 201))
+    assert sorted(ctl.book.tasks) == list(range(193, 201))
+    assert sorted(ctl.book.outcomes) == list(range(193, 201))
     assert _outcomes_alive() - before <= 8  # nothing else holds an old batch's outcome
     # A redelivered JoinBatch of a kept batch is idempotent; a forgotten one starts nothing.
     assert await ctl.join_batch(200, ctl.version, 1, "")
     assert not await ctl.join_batch(5, 1, 1, "")
-    assert 5 not in ctl._tasks and len(ctl._tasks) == 8
+    assert 5 not in ctl.book.tasks and len(ctl.book.tasks) == 8
 
 
 async def test_a_failed_attempt_leaves_no_claim_times_behind():
@@ -109,11 +109,11 @@ async def test_a_failed_attempt_leaves_no_claim_times_behind():
     assert await ctl.join_batch(1, version, 1, "")
     with pytest.raises(FailedPrecondition):
         await asyncio.wait_for(ctl.wait_batch(1), 30)
-    assert ctl._claimed_at == {}
+    assert ctl.claims.claimed_at == {}
     # The next attempt gets every micro-step back and trains them all.
     assert await ctl.join_batch(1, version, 1, "")
     out = await asyncio.wait_for(ctl.wait_batch(1), 30)
-    assert out.applied and out.local_micro_steps == 6 and ctl._claimed_at == {}
+    assert out.applied and out.local_micro_steps == 6 and ctl.claims.claimed_at == {}
 
 
 async def test_each_batch_hands_the_freed_heap_back(monkeypatch):

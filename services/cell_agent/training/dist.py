@@ -51,6 +51,7 @@ class PrefixGroups:
 
     def __init__(
         self,
+        *,
         rank: int,
         world_size: int,
         master: str,

@@ -174,7 +174,12 @@ class TrainingService:
             LossConfig(s.clip_eps_low, s.clip_eps_high, s.objective, s.behaviour_weight_cap),
         )
         groups = PrefixGroups(
-            self.index, s.world_size, s.dist_master, s.dist_backend, device, s.dist_timeout_s
+            rank=self.index,
+            world_size=s.world_size,
+            master=s.dist_master,
+            backend=s.dist_backend,
+            device=device,
+            timeout_s=s.dist_timeout_s,
         )
         await asyncio.to_thread(groups.setup)
         self.groups = groups
