@@ -10,6 +10,7 @@ and ``grpc-retry-pushback-ms`` for gRPC's own retry policy).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -28,14 +29,8 @@ def rpc(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
+        async with _statuses(context, fn):
             return await fn(self, request, context)
-        except asyncio.CancelledError:
-            raise
-        except GyreError as exc:
-            await _abort(context, exc)
-        except Exception as exc:
-            await _unexpected(context, exc, fn)
 
     return wrapper  # type: ignore[return-value]
 
@@ -45,17 +40,25 @@ def rpc_stream(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
+        async with _statuses(context, fn):
             async for item in fn(self, request, context):
                 yield item
-        except asyncio.CancelledError:
-            raise
-        except GyreError as exc:
-            await _abort(context, exc)
-        except Exception as exc:
-            await _unexpected(context, exc, fn)
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.asynccontextmanager
+async def _statuses(context: grpc.aio.ServicerContext, fn: Callable[..., Any]) -> AsyncIterator[None]:
+    """What the body raises becomes the call's status: a domain error its own, anything
+    else INTERNAL; cancellation passes through."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        raise
+    except GyreError as exc:
+        await _abort(context, exc)
+    except Exception as exc:
+        await _unexpected(context, exc, fn)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: GyreError) -> None:
