@@ -238,18 +238,26 @@ def floor_points(points: Sequence[tuple[float, float]], window_s: float) -> list
 
 
 def rss_slopes(
-    samples: list[dict[str, Any]], warmup: float, window_s: float | None = None
+    samples: list[dict[str, Any]], warmup: float, window_s: float | None = None, settle_s: float = 300.0
 ) -> dict[str, float | None]:
     """Per service, the RSS slope per hour within its lifetimes (a segment per pid) after the
-    warm-up; with ``window_s``, of each lifetime's floor per window."""
+    warm-up; with ``window_s``, of each lifetime's floor per window. The first ``settle_s`` of
+    a lifetime are left out: a restarted process loads its model, replays its WAL or rejoins
+    its batch before it runs as it will (its climb is a start, not a trend)."""
+    born: dict[tuple[str, int], float] = {}
+    for s in samples:
+        for name, pid in (s.get("pids") or {}).items():
+            born.setdefault((name, int(pid)), s["t_s"])
     kept = samples[int(len(samples) * warmup) :]
     segments: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for s in kept:
         pids = s.get("pids") or {}
         for name, value in (s.get("rss_mb") or {}).items():
-            segments.setdefault(name, {}).setdefault(int(pids.get(name, 0)), []).append(
-                (s["t_s"], float(value))
-            )
+            pid = int(pids.get(name, 0))
+            first = born.get((name, pid), samples[0]["t_s"])
+            if first > samples[0]["t_s"] and s["t_s"] - first < settle_s:
+                continue  # a restart settling (the run's first processes have the warm-up)
+            segments.setdefault(name, {}).setdefault(pid, []).append((s["t_s"], float(value)))
     out: dict[str, float | None] = {}
     for name, by_pid in sorted(segments.items()):
         segs = list(by_pid.values())
@@ -458,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "soak.png")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks" / "soak.md")
+    parser.add_argument(
+        "--from-samples",
+        type=Path,
+        default=None,
+        help="summarize a finished run again from its samples file (with --run-dir, the run's "
+        "folder): no demo is started; the commit recorded is this checkout's",
+    )
     args = parser.parse_args(argv)
     if args.bursts is None:
         args.bursts = 150 if args.minutes is None else bursts_for(args.minutes, args.bursts_per_minute)
@@ -485,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     samples: list[dict[str, Any]] = []
+    if args.from_samples is not None:
+        samples = [json.loads(line) for line in args.from_samples.read_text().splitlines() if line]
+        return write_result(args, run_dir, samples, returncode=0)
     # Every sample as it is taken, so that a run cut short still has its series.
     samples_log = run_dir.parent / f"{run_dir.name}.samples.jsonl"
     with log.open("w") as out, samples_log.open("w") as sample_out:
@@ -504,6 +522,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"revision {s['etcd'].get('revision', '?')}",
                         flush=True,
                     )
+    return write_result(args, run_dir, samples, demo.returncode)
+
+
+def write_result(
+    args: argparse.Namespace, run_dir: Path, samples: list[dict[str, Any]], returncode: int
+) -> int:
+    """Summarizes the samples with the run's summary.json into ``--out``, the plot and the
+    doc block; returns the exit status (the demo's)."""
     summary_path = run_dir / "summary.json"
     demo_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary = summarize(samples, demo_summary, args.warmup, run_dir)
@@ -532,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(samples, args.plot)
         replace_block(args.doc, BEGIN, END, render(result), title="Soak (`bench/soak.py`)")
     print(json.dumps(summary, indent=1))
-    return 0 if demo.returncode == 0 else 1
+    return 0 if returncode == 0 else 1
 
 
 if __name__ == "__main__":

@@ -141,3 +141,18 @@ def test_defragmentations_are_counted_from_the_launchers_journal(tmp_path: Path)
         '{"name": "router", "kind": "defragmented"}\n'
     )
     assert etcd_defrags(tmp_path) == 1
+
+
+def test_a_restarted_process_settles_before_its_slope_counts():
+    # cell-0 runs flat at 400 MB; restarted at 30 min it climbs from 100 to 400 MB in its
+    # first 5 minutes (loading its model), then runs flat again.
+    samples = []
+    for i in range(120):
+        t = i * 30.0
+        if t < 1800:
+            pid, rss = 10, 400.0
+        else:
+            pid, rss = 11, min(400.0, 100.0 + (t - 1800) * 1.0)
+        samples.append({"t_s": t, "pids": {"cell-0": pid}, "rss_mb": {"cell-0": rss}})
+    assert rss_slopes(samples, 0.0)["cell-0"] == pytest.approx(0.0, abs=1e-6)
+    assert rss_slopes(samples, 0.0, settle_s=0.0)["cell-0"] > 100  # the start read as growth
