@@ -7,6 +7,7 @@ import logging
 
 from gyre.backoff import Backoff
 from gyre.etcd.election import verified_fence
+from gyre.heap import release_free_heap
 from gyre.history import History
 from gyre.runtime import Runtime, Services, main
 from services.packer.config import PackerConfig
@@ -25,14 +26,17 @@ async def build(rt: Runtime) -> Services:
     cfg = rt.config
     assert isinstance(cfg, PackerConfig)
     wal = Wal(cfg.wal_dir, fsync=cfg.wal_fsync)
-    events = await asyncio.to_thread(wal.open)
-    events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, events)
+    logged = await asyncio.to_thread(wal.open)
+    events = await open_incarnation(rt.etcd if cfg.wal_check_incarnation else None, rt.keys, wal, logged)
+    del logged
     packer = Packer(
         cfg,
         HistoryLog(wal, History.of(cfg, svc="packer")) if cfg.history_file else wal,
         strict=cfg.check_every_change,
     )
     replayed = packer.recover(events)
+    del events  # the log's lines: the replay is done with them
+    await asyncio.to_thread(release_free_heap)  # what the replay freed goes back to the system
     await wal.sync()
     log.info("packer recovered", extra={"events": replayed, "counters": packer.counters()})
     rt.supervisor.spawn("wal", wal.watch())

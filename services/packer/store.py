@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gyre.etcd import Etcd, Keys, PrefixMirror
 from gyre.etcd.client import KV
@@ -123,7 +123,9 @@ def incarnation_key(keys: Keys) -> bytes:
     return (keys.root + "packer/wal_id").encode()
 
 
-async def open_incarnation(etcd: Etcd | None, keys: Keys, wal: Wal, events: list[Event]) -> list[Event]:
+async def open_incarnation(
+    etcd: Etcd | None, keys: Keys, wal: Wal, events: Sequence[Event]
+) -> Sequence[Event]:
     """The events to recover from: ``events`` when their header id is the one etcd holds;
     otherwise (a fresh etcd: an earlier cluster's WAL) the old log is archived and a new one
     starts with a new header. ``etcd`` None skips the check (keeps any existing log)."""
