@@ -245,18 +245,20 @@ def rss_slopes(
     a lifetime are left out: a restarted process loads its model, replays its WAL or rejoins
     its batch before it runs as it will (its climb is a start, not a trend)."""
     born: dict[tuple[str, int], float] = {}
+    first_pid: dict[str, int] = {}
     for s in samples:
         for name, pid in (s.get("pids") or {}).items():
             born.setdefault((name, int(pid)), s["t_s"])
+            first_pid.setdefault(name, int(pid))
     kept = samples[int(len(samples) * warmup) :]
     segments: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for s in kept:
         pids = s.get("pids") or {}
         for name, value in (s.get("rss_mb") or {}).items():
             pid = int(pids.get(name, 0))
-            first = born.get((name, pid), samples[0]["t_s"])
-            if first > samples[0]["t_s"] and s["t_s"] - first < settle_s:
-                continue  # a restart settling (the run's first processes have the warm-up)
+            restarted = pid != first_pid.get(name, pid)  # the first process has the warm-up
+            if restarted and s["t_s"] - born.get((name, pid), s["t_s"]) < settle_s:
+                continue  # a restart settling
             segments.setdefault(name, {}).setdefault(pid, []).append((s["t_s"], float(value)))
     out: dict[str, float | None] = {}
     for name, by_pid in sorted(segments.items()):

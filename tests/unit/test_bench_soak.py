@@ -156,3 +156,17 @@ def test_a_restarted_process_settles_before_its_slope_counts():
         samples.append({"t_s": t, "pids": {"cell-0": pid}, "rss_mb": {"cell-0": rss}})
     assert rss_slopes(samples, 0.0)["cell-0"] == pytest.approx(0.0, abs=1e-6)
     assert rss_slopes(samples, 0.0, settle_s=0.0)["cell-0"] > 100  # the start read as growth
+
+
+def test_a_process_first_seen_late_is_no_restart():
+    # The cells come up after the other services: their first sample is not the run's.
+    samples = [{"t_s": 0.0, "pids": {"router": 1}, "rss_mb": {"router": 100.0}}]
+    for i in range(1, 4):
+        samples.append(
+            {
+                "t_s": i * 20.0,
+                "pids": {"router": 1, "cell-0": 2},
+                "rss_mb": {"router": 100.0, "cell-0": 400.0 + i},
+            }
+        )
+    assert rss_slopes(samples, 0.0)["cell-0"] == pytest.approx(180.0)
