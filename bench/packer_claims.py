@@ -47,7 +47,7 @@ from apps.procs import ServiceProcess  # noqa: E402
 from gyre.etcd.server import EtcdServer  # noqa: E402
 from gyre.execution import ExecutionStatus  # noqa: E402
 from gyre.identity import Role  # noqa: E402
-from gyre.v1 import common_pb2, packer_pb2, packer_pb2_grpc  # noqa: E402
+from gyre.v1 import packer_pb2, packer_pb2_grpc  # noqa: E402
 from services.cell_agent.training.config import TrainingSettings  # noqa: E402
 from services.cell_agent.training.microstep import Outcome  # noqa: E402
 from services.cell_agent.training.packer_client import PackerSource  # noqa: E402
@@ -87,6 +87,20 @@ def workload(
             fs.append(Finish.validated(x, gid, group_size, ExecutionStatus.COMPLETED, float(k), 0, 1 << 16))
         out.append((ts, fs))
     return out
+
+
+def _turn_record(t: Turn) -> packer_pb2.TurnRecord:
+    """``t`` as the senders send it: no loss mask, temperature, key or chat state (the
+    packer's defaults), so the bytes on the wire are only the turn's tokens."""
+    return packer_pb2.TurnRecord(
+        execution_id=t.execution_id,
+        group_id=t.group_id,
+        turn_index=t.turn_index,
+        prompt_token_ids=t.prompt,
+        output_token_ids=t.output,
+        output_logprobs=t.logprobs,
+        output_policy_versions=t.versions,
+    )
 
 
 class NullLog:
@@ -280,13 +294,9 @@ async def _stream_claimer(
 
     pending = await stream.send(claim=claim())
     while True:
-        r = await pending
-        calls[0] += 1
-        assert r.code == 0, r
-        if r.claim.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
+        ids = _stream_claimed(await pending, claimed, calls)
+        if ids is None:
             return
-        ids = [m.micro_step_id for m in r.claim.micro_steps]
-        claimed.extend(ids)
         if not ids:
             pending = await stream.send(claim=claim())
             continue
@@ -306,8 +316,8 @@ async def _ack_with_claim_claimer(
     stream: _ClaimStream, cell: str, batch: int, claim_n: int, claimed: list[str], calls: list[int]
 ) -> None:
     """Claims, then each ack carried with the next claim (ClaimStream's ``ack_first``)."""
-    ids: list[str] = []
-    while True:
+    ids: list[str] | None = []
+    while ids is not None:
         claim = packer_pb2.ClaimMicroStepsRequest(
             cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
         )
@@ -317,12 +327,19 @@ async def _ack_with_claim_claimer(
             assert r.HasField("acked"), r
         else:
             r = await (await stream.send(claim=claim))
-        calls[0] += 1
-        assert r.code == 0, r
-        if r.claim.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
-            return
-        ids = [m.micro_step_id for m in r.claim.micro_steps]
-        claimed.extend(ids)
+        ids = _stream_claimed(r, claimed, calls)
+
+
+def _stream_claimed(r: Any, claimed: list[str], calls: list[int]) -> list[str] | None:
+    """A ClaimStream answer ``r`` to a claim, counted in ``calls[0]`` and checked: None once the
+    batch is closed, else the micro-step ids it claimed (added to ``claimed``; maybe none)."""
+    calls[0] += 1
+    assert r.code == 0, r
+    if r.claim.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
+        return None
+    ids = [m.micro_step_id for m in r.claim.micro_steps]
+    claimed.extend(ids)
+    return ids
 
 
 def _cpu_s(pid: int) -> float:
@@ -407,29 +424,9 @@ class _Target:
             while queue:
                 ts, fs = queue.pop()
                 for t in ts:
-                    await self.turn_stubs[i % 4].RecordTurn(
-                        packer_pb2.TurnRecord(
-                            execution_id=t.execution_id,
-                            group_id=t.group_id,
-                            turn_index=t.turn_index,
-                            prompt_token_ids=t.prompt,
-                            output_token_ids=t.output,
-                            output_logprobs=t.logprobs,
-                            output_policy_versions=t.versions,
-                        ),
-                        timeout=10,
-                    )
+                    await self.turn_stubs[i % 4].RecordTurn(_turn_record(t), timeout=10)
                 for f in fs:
-                    await self.finish_stubs[i % 4].ReportFinish(
-                        packer_pb2.FinishReport(
-                            execution_id=f.execution_id,
-                            group_id=f.group_id,
-                            group_size=f.group_size,
-                            status=common_pb2.EXECUTION_STATUS_COMPLETED,
-                            reward=f.reward,
-                        ),
-                        timeout=10,
-                    )
+                    await self.finish_stubs[i % 4].ReportFinish(f.to_proto(), timeout=10)
 
         start, cpu0 = time.perf_counter(), self.cpu()
         await asyncio.gather(*(sender(i) for i in range(8)))

@@ -45,19 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".gyre" / "podman"
 IMAGES = {"gyre": "gyre:0.1.0", "etcd": "gyre-etcd:0.1.0"}
 ONE_SHOTS = ("certs", "etcd-auth", "model")
-HEALTHY = (
-    "etcd",
-    "scheduler",
-    "router",
-    "router-2",
-    "packer",
-    "cell-0",
-    "cell-1",
-    "cell-2",
-    "rollout-0",
-    "dashboard",
-)
 CELLS = ("cell-0", "cell-1", "cell-2", "rollout-0")
+HEALTHY = ("etcd", "scheduler", "router", "router-2", "packer", *CELLS, "dashboard")
 KILLED_CELL = "cell-2"
 PODMAN_CONF = (
     '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'

@@ -8,9 +8,11 @@ import random
 from typing import Any
 
 from gyre.execution import ExecutionStatus
+from gyre.history import History
 from gyre.v1 import common_pb2, packer_pb2
 from services.packer.config import PackerConfig
-from services.packer.model import Finish, Turn
+from services.packer.history import HistoryLog
+from services.packer.model import ClaimOutcome, ClaimResult, Finish, Turn
 from services.packer.packer import Packer
 from services.packer.state import PackerState
 from services.packer.wal import MemoryLog
@@ -102,6 +104,34 @@ async def feed_group(
         await packer.report_finish(finish(x, g, size, reward=float(k)))
 
 
+async def claimed_ids(packer: Packer, cell: str) -> list[str]:
+    """The ids of the micro-steps of batch 1 that ``cell`` claims, one at a time (version 0,
+    no wait), until a claim gets none."""
+    got = []
+    while (r := await packer.claim(cell, 1, 0, 0)).outcome is ClaimOutcome.CLAIMED:
+        got.append(r.micro_step.micro_step_id)
+    return got
+
+
+async def history_run(history: History, commits: int = 1) -> None:
+    """A real packer (micro-steps of 16 tokens) writing ``history``, then closing it: two
+    groups, a first attempt at batch 1 that acks one micro-step and fails, a second that
+    acks them all, and ``commits`` commits (a retried commit is not a second step)."""
+    p, log, _ = make_packer(micro_step_token_budget=16)
+    p.log = HistoryLog(log, history)
+    await p.open_batch("core", 1)
+    await feed_group(p, "g1", size=2, turns=2)
+    await feed_group(p, "g2", size=2, turns=1)
+    first = await claimed_ids(p, "core")
+    await p.ack("core", 1, first[0])
+    await p.open_batch("core", 1)  # a failed attempt
+    for ms in await claimed_ids(p, "core"):
+        await p.ack("core", 1, ms)
+    for _ in range(commits):
+        await p.commit("core", 1)
+    history.close()
+
+
 async def feed_stub(stub: Any, groups: int, size: int = 3, turns: int = 2, base: int = 0) -> None:
     """Over gRPC (a ``PackerStub``): records ``turns`` turns for each of ``size`` executions of
     groups ``g<base>`` .. ``g<base + groups - 1>`` and finishes them, every group at once."""
@@ -146,6 +176,18 @@ def episode(
         )
         context = context + output + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 5))]
     return out
+
+
+async def claim_episodes(packer: Packer, g: str, episodes: dict[str, list[Turn]]) -> ClaimResult:
+    """Records the turns of each execution of group ``g`` (``episodes``: its turns by
+    execution id) and finishes it (reward: its place in ``episodes``), makes the group ready
+    and claims the current batch's first micro-step as cell ``c``."""
+    for k, (x, turns) in enumerate(episodes.items()):
+        for t in turns:
+            await packer.record_turn(t)
+        await packer.report_finish(finish(x, g, len(episodes), reward=float(k)))
+    await packer.reap()
+    return await packer.claim("c", 0, 0, 0)
 
 
 def snapshot(state: PackerState) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""A packer run as a real process in a test: a client that follows it across restarts, and
-the feeder that records six groups' turns and finishes through it while a test kills it."""
+"""A packer run as a real process in a test: a client that follows it across restarts, the
+feeder that records six groups' turns and finishes through it while a test kills it, and a
+worker that claims and acks a batch's micro-steps through it to the end."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -67,3 +69,25 @@ class SixGroups:
         """Returns once ``turns`` turns were recorded."""
         while self.sent < turns:
             await asyncio.sleep(poll_s)
+
+
+async def worked(
+    client: Reconnecting, batch_id: int = 1, cell_id: str = "worker"
+) -> AsyncIterator[packer_pb2.ClaimMicroStepResponse]:
+    """Claims the micro-steps of ``batch_id`` one at a time as ``cell_id`` until the batch is
+    closed; yields each claim, then acks it (the caller's checks come before the ack)."""
+    while True:
+        r = await client.call(
+            "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id=cell_id, batch_id=batch_id, wait_s=2.0)
+        )
+        if r.outcome == CLOSED:
+            return
+        if r.outcome != CLAIMED:
+            continue
+        yield r
+        await client.call(
+            "AckMicroStep",
+            packer_pb2.AckMicroStepRequest(
+                cell_id=cell_id, batch_id=batch_id, micro_step_id=r.micro_step.micro_step_id
+            ),
+        )

@@ -1,13 +1,16 @@
 """The scheduler against in-memory fakes of etcd and its peers: ``make`` builds a scheduler
 on a :class:`FakeStore`, :class:`RecordingPeers` and a manual clock, with three cells whose
 agents answer role commands at once; ``lead`` takes over and dispatches the first burst;
-``settle`` waits for the transitions in flight."""
+``settle`` waits for the transitions in flight, ``reconciled`` reconciles once and settles;
+``publish_cells`` / ``publish_states`` / ``publish_policy`` deliver what etcd's watches
+would (cell registrations, cell state keys, a policy record)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from gyre import config as config_mod
@@ -24,6 +27,7 @@ from testkit.scheduler_fakes import FakeStore
 class KV:
     key: bytes
     value: bytes
+    mod_revision: int = 0
 
 
 CELLS = [
@@ -60,6 +64,23 @@ def make(
     peers = peers or RecordingPeers()
     clock = clock or ManualClock()
     s = Scheduler(config=cfg, store=store, peers=peers, tasks=GeneratedTasks(seed=1), clock=clock, wall=clock)
+    publish_cells(s, cells)
+    states = {cid: CellState.ROLLOUT for cid, *_ in cells}
+
+    def on_state(target: str, state: CellState) -> None:  # the agent writes its state key
+        states[target.split(":")[0]] = state
+        publish_states(s, states)
+
+    peers.on_state = on_state
+    publish_states(s, states)
+    return s, store, peers, clock
+
+
+def publish_cells(
+    s: Scheduler, cells: list[tuple[str, str, int, int]], revisions: Mapping[str, int] | None = None
+) -> None:
+    """The registrations of ``cells`` (id, kind, index, slots; address ``<id>:1``), each key
+    at its ``revisions`` entry (0 without), as the cells watch delivers them."""
     s.on_cells(
         {
             f"/c/{cid}".encode(): KV(
@@ -67,27 +88,26 @@ def make(
                 json.dumps(
                     {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
                 ).encode(),
+                (revisions or {}).get(cid, 0),
             )
             for cid, kind, idx, slots in cells
         }
     )
-    states = {cid: CellState.ROLLOUT for cid, *_ in cells}
 
-    def publish_states() -> None:
-        s.on_cell_states(
-            {
-                f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
-                for cid, st in states.items()
-            }
-        )
 
-    def on_state(target: str, state: CellState) -> None:  # the agent writes its state key
-        states[target.split(":")[0]] = state
-        publish_states()
+def publish_states(s: Scheduler, states: Mapping[str, CellState]) -> None:
+    """The state keys of the cells in ``states``, as the cell states watch delivers them."""
+    s.on_cell_states(
+        {
+            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
+            for cid, st in states.items()
+        }
+    )
 
-    peers.on_state = on_state
-    publish_states()
-    return s, store, peers, clock
+
+def publish_policy(s: Scheduler, version: int, source: str = "core:1") -> None:
+    """The policy record of ``version``, published by the trainer at ``source``."""
+    s.on_policy({b"p": KV(b"p", json.dumps({"version": version, "source_target": source}).encode())})
 
 
 async def lead(s: Scheduler, store: FakeStore) -> None:
@@ -101,3 +121,9 @@ async def settle(s: Scheduler) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("transition did not finish")
+
+
+async def reconciled(s: Scheduler) -> None:
+    """One reconcile, then the transitions it started settle."""
+    await s.reconcile_once()
+    await settle(s)

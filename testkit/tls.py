@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import grpc
 
@@ -16,6 +16,9 @@ from gyre.etcd.access import provision
 from gyre.grpcx.channel import dial
 from gyre.grpcx.tls import TlsFiles
 from gyre.identity import Identity, Role
+
+if TYPE_CHECKING:
+    from services.cell_agent.engines.kv_transport import KvTls
 
 PKI = Path(os.environ["GYRE_TEST_PKI"])
 
@@ -41,6 +44,15 @@ def tls(name: str = "operator", role: Role | None = None) -> TlsFiles:
     who = identity(name, role)
     certs.ensure(PKI, [who])
     return TlsFiles.from_dir(PKI / who.name)
+
+
+def kv_tls(name: str, role: Role | None = None) -> KvTls:
+    """The TLS files of an identity as the KV transport takes them (a ``KvServer``, a
+    ``read``)."""
+    from services.cell_agent.engines.kv_transport import KvTls  # torch: only where KV is moved
+
+    files = tls(name, role)
+    return KvTls(files.cert_file, files.key_file, files.ca_file)
 
 
 def channel(

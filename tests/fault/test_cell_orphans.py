@@ -9,12 +9,12 @@ import os
 import signal
 
 import pytest
-import yaml
 
 from apps.procs import ServiceProcess
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
+from testkit.cell_config import write_vllm_cell_config
 from testkit.processes import kill_leftovers, survivors, tree
 from testkit.tls import channel
 
@@ -22,23 +22,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 
 def _config(tmp_path, etcd_server, cluster_name, model) -> str:
-    cfg = {
-        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {
-            "cell_id": "cell-o",
-            "kind": "standalone",
-            "index": -1,
-            "engine": "vllm",
-            "model_dir": str(model),
-            "max_model_len": 2048,
-            "max_num_seqs": 8,
-            "pid_dir": str(tmp_path / "pids"),
-            "log_json": False,
-        },
-    }
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+    return write_vllm_cell_config(
+        tmp_path, etcd_server, cluster_name, model, cell_id="cell-o", pid_dir=str(tmp_path / "pids")
+    )
 
 
 def _engine_cores(pid: int) -> list:

@@ -11,13 +11,13 @@ import signal
 import grpc
 import psutil
 import pytest
-import yaml
 
 from apps.procs import ServiceProcess
 from gyre.etcd import Etcd, Keys
 from gyre.v1 import cell_agent_pb2 as pb
 from gyre.v1 import cell_agent_pb2_grpc as pb_grpc
 from gyre.v1 import common_pb2
+from testkit.cell_config import write_vllm_cell_config
 from testkit.tls import channel
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -28,22 +28,7 @@ async def test_killed_engine_core_fails_streams_and_ends_the_agent(tmp_path, etc
     from apps.model.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
-    cfg = {
-        "cluster": {"name": cluster_name, "etcd_endpoints": [etcd_server.endpoint]},
-        "cell_agent": {
-            "cell_id": "cell-v",
-            "kind": "standalone",
-            "index": -1,
-            "engine": "vllm",
-            "model_dir": str(model),
-            "max_model_len": 2048,
-            "max_num_seqs": 8,
-            "probe_interval_s": 1.0,
-            "log_json": False,
-        },
-    }
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = write_vllm_cell_config(tmp_path, etcd_server, cluster_name, model, probe_interval_s=1.0)
     proc = ServiceProcess("cell_agent", path, log_path=tmp_path / "cell.log").start(timeout_s=180)
     etcd = Etcd([etcd_server.endpoint], timeout_s=2.0)
     await etcd.connect()

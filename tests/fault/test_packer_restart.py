@@ -16,7 +16,7 @@ from apps.procs import ROOT, ServiceProcess
 from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.servicer import PackerServicer
 from testkit import packer_kit as tk
-from testkit.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
+from testkit.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups, worked
 from testkit.tls import RoleStubs
 
 
@@ -53,24 +53,11 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
 
         trained = [(s.execution_id, s.turn_index) for s in held.micro_step.sequences]
         seen_ids = set()
-        while True:
-            r = await client.call(
-                "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="worker", batch_id=1, wait_s=2.0)
-            )
-            if r.outcome == CLOSED:
-                break
-            if r.outcome != CLAIMED:
-                continue
+        async for r in worked(client):
             assert r.micro_step.micro_step_id != held.micro_step.micro_step_id  # held across restart
             assert r.micro_step.micro_step_id not in seen_ids
             seen_ids.add(r.micro_step.micro_step_id)
             trained += [(s.execution_id, s.turn_index) for s in r.micro_step.sequences]
-            await client.call(
-                "AckMicroStep",
-                packer_pb2.AckMicroStepRequest(
-                    cell_id="worker", batch_id=1, micro_step_id=r.micro_step.micro_step_id
-                ),
-            )
         ack = await client.call(
             "AckMicroStep",
             packer_pb2.AckMicroStepRequest(

@@ -15,14 +15,7 @@ from apps.harness.example import run_harness
 from apps.launch import Cluster
 from gyre.grpcx.channel import dial
 from gyre.identity import Role
-from gyre.v1 import (
-    packer_pb2,
-    packer_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from testkit.service_status import packer_batch, router_status, scheduler_status
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -69,19 +62,15 @@ async def test_walking_skeleton(tmp_path: Path, model_dir: Path):
         assert stats.completed == 4  # batch_size 2 groups x group_size 2
         operator = cluster.pki.tls("operator")  # mTLS on by default: the launcher issued it
         async with dial(sched, operator, Role.SCHEDULER) as ch:
-            status = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(
-                scheduler_pb2.GetStatusRequest(), timeout=5
-            )
+            status = await scheduler_status(ch)
         ledger = status.ledger
         assert ledger.dispatched == ledger.finished == 4
         assert ledger.waterlevel == 0 and ledger.queued == 0 and ledger.running == 0
         async with dial(cluster.procs["router"].target, operator, Role.ROUTER) as ch:
-            rstatus = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(
-                router_pb2.GetRouterStatusRequest(), timeout=5
-            )
+            rstatus = await router_status(ch)
         assert rstatus.turn_records >= stats.turns
         async with dial(cluster.procs["packer"].target, operator, Role.PACKER) as ch:
-            batch = await packer_pb2_grpc.PackerStub(ch).GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
+            batch = await packer_batch(ch)
         assert batch.groups_packed + batch.batch_size >= 2  # the packer saw the groups
         assert not cluster.dead()
     finally:

@@ -11,9 +11,8 @@ import asyncio
 from apps.checker import check_files
 from apps.procs import ServiceProcess
 from gyre.history import read, segments
-from gyre.v1 import packer_pb2
 from testkit import packer_kit as tk
-from testkit.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups
+from testkit.packer_process import Reconnecting, SixGroups, worked
 
 
 async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(
@@ -44,20 +43,7 @@ async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(
         proc.target = proc2.target
         await feeding
         acked = []
-        while True:
-            r = await client.call(
-                "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="worker", batch_id=1, wait_s=2.0)
-            )
-            if r.outcome == CLOSED:
-                break
-            if r.outcome != CLAIMED:
-                continue
-            await client.call(
-                "AckMicroStep",
-                packer_pb2.AckMicroStepRequest(
-                    cell_id="worker", batch_id=1, micro_step_id=r.micro_step.micro_step_id
-                ),
-            )
+        async for r in worked(client):
             acked.append(r.micro_step.micro_step_id)
         proc2.kill()
     finally:

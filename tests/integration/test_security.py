@@ -57,6 +57,7 @@ from services.packer.servicer import PackerServicer
 from services.router.servicer import RouterServicer
 from services.scheduler.servicer import ControlServicer, HarnessServicer
 from testkit.router_rig import build_tokenizer_dir
+from testkit.service_status import cell_status, packer_batch, router_status, scheduler_status
 from testkit.tls import PKI, channel, provision_etcd, tls
 
 pytestmark = pytest.mark.timeout(240)
@@ -241,9 +242,7 @@ async def _status(cluster: Cluster) -> dict[str, Any]:
     """What each service reports (as the operator), minus what moves on its own."""
     out: dict[str, Any] = {}
     async with channel(cluster.target("scheduler"), "operator") as ch:
-        st = await scheduler_pb2_grpc.SchedulerControlStub(ch).GetStatus(
-            scheduler_pb2.GetStatusRequest(), timeout=5
-        )
+        st = await scheduler_status(ch)
         out["scheduler"] = (
             st.epoch,
             st.total.dispatched,
@@ -252,17 +251,13 @@ async def _status(cluster: Cluster) -> dict[str, Any]:
             [(c.cell_id, c.state) for c in st.cells],
         )
     async with channel(cluster.target("packer"), "operator") as ch:
-        b = await packer_pb2_grpc.PackerStub(ch).GetBatch(packer_pb2.GetBatchRequest(), timeout=5)
+        b = await packer_batch(ch)
         out["packer"] = (b.batch_id, b.sealed, b.counters.produced, b.counters.consumed, b.counters.packed)
     async with channel(cluster.target("router"), "operator") as ch:
-        r = await router_pb2_grpc.RouterStub(ch).GetRouterStatus(
-            router_pb2.GetRouterStatusRequest(), timeout=5
-        )
+        r = await router_status(ch)
         out["router"] = (r.reroutes, r.failed_calls, r.turn_records)
     async with channel(cluster.target("cell"), "operator") as ch:
-        c = await cell_agent_pb2_grpc.CellControlStub(ch).GetCellStatus(
-            cell_agent_pb2.GetCellStatusRequest(), timeout=5
-        )
+        c = await cell_status(ch)
         out["cell"] = (c.state, c.epoch, c.load.policy_version, c.load.running_requests)
     return out
 

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 COMPOSE_CLUSTER = ROOT / "deploy" / "compose" / "cluster.yaml"
 K8S = ROOT / "deploy" / "k8s"
+LOCAL_CLUSTER = ROOT / "deploy" / "local" / "cluster.yaml"
 
 SECTION_MODULES = {
     "scheduler": "services.scheduler.config",
@@ -256,21 +257,29 @@ def test_sections_agree_with_each_other() -> None:
     assert cell_sts["spec"]["serviceName"] == "cell"
 
 
+def _shipped_cluster_files(tmp_path: Path) -> list[Path]:
+    """Every shipped cluster config (compose, Kubernetes's ConfigMap, local) as a file under
+    ``tmp_path``, as the launcher would load it."""
+    paths = []
+    for name, text in (
+        ("compose", COMPOSE_CLUSTER.read_text()),
+        ("k8s", k8s_cluster_yaml()),
+        ("local", LOCAL_CLUSTER.read_text()),
+    ):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        paths.append(path)
+    return paths
+
+
 def test_the_longest_segment_fits_a_micro_step(tmp_path: Path) -> None:
     """Every shipped config trains its longest trajectory segment (apps/limits.py); a budget
     below it is refused when the config is loaded."""
     from apps.limits import check_sequence_limits
 
-    local = ROOT / "deploy" / "local" / "cluster.yaml"
-    for name, text in (
-        ("compose", COMPOSE_CLUSTER.read_text()),
-        ("k8s", k8s_cluster_yaml()),
-        ("local", local.read_text()),
-    ):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(text)
+    for path in _shipped_cluster_files(tmp_path):
         assert check_sequence_limits(path) >= 2048
-    doc = yaml.safe_load(local.read_text())
+    doc = yaml.safe_load(LOCAL_CLUSTER.read_text())
     doc["packer"]["micro_step_token_budget"] = 1024
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -283,16 +292,9 @@ def test_scheduler_and_packer_agree_on_the_staleness_bound(tmp_path: Path) -> No
     refused when the launcher loads it."""
     from apps.limits import check_shared_settings
 
-    local = ROOT / "deploy" / "local" / "cluster.yaml"
-    for name, text in (
-        ("compose", COMPOSE_CLUSTER.read_text()),
-        ("k8s", k8s_cluster_yaml()),
-        ("local", local.read_text()),
-    ):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(text)
+    for path in _shipped_cluster_files(tmp_path):
         check_shared_settings(path)
-    doc = yaml.safe_load(local.read_text())
+    doc = yaml.safe_load(LOCAL_CLUSTER.read_text())
     doc.setdefault("cluster", {})["max_staleness"] = 2
     path = tmp_path / "shared.yaml"
     path.write_text(yaml.safe_dump(doc))

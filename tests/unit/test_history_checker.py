@@ -15,8 +15,6 @@ import pytest
 from apps.checker import check, check_files
 from apps.checker.__main__ import main
 from gyre.history import History, read
-from services.packer.history import HistoryLog
-from services.packer.model import ClaimOutcome
 from services.packer.packer import LATE_TURN
 from testkit import packer_kit as tk
 
@@ -249,29 +247,9 @@ def test_files_and_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main([str(sched), str(pack)]) == 1
 
 
-async def _claim_all(p, cell: str) -> list[str]:
-    got = []
-    while (r := await p.claim(cell, 1, 0, 0)).outcome is ClaimOutcome.CLAIMED:
-        got.append(r.micro_step.micro_step_id)
-    return got
-
-
 async def test_a_real_packers_history_checks_clean(tmp_path: Path):
     path = tmp_path / "packer.jsonl"
-    p, log, _ = tk.make_packer(micro_step_token_budget=16)
-    history = History(str(path), svc="packer")
-    p.log = HistoryLog(log, history)
-    await p.open_batch("core", 1)
-    await tk.feed_group(p, "g1", size=2, turns=2)
-    await tk.feed_group(p, "g2", size=2, turns=1)
-    first = await _claim_all(p, "core")
-    await p.ack("core", 1, first[0])
-    await p.open_batch("core", 1)  # a failed attempt
-    for ms in await _claim_all(p, "core"):
-        await p.ack("core", 1, ms)
-    await p.commit("core", 1)
-    await p.commit("core", 1)  # a retried commit is not a second step
-    history.close()
+    await tk.history_run(History(str(path), svc="packer"), commits=2)  # a retried commit
     ops = read(path)
     kinds = {op["op"] for op in ops}
     assert {"start", "finish", "assign", "emit", "claim", "ack", "open", "commit", "activate"} <= kinds

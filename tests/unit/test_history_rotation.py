@@ -13,33 +13,7 @@ from apps.checker.__main__ import main
 from gyre.config import load
 from gyre.history import History, base, pruned, read, segments
 from services.packer.config import PackerConfig
-from services.packer.history import HistoryLog
-from services.packer.model import ClaimOutcome
 from testkit import packer_kit as tk
-
-
-async def _claim_all(p, cell: str) -> list[str]:
-    got = []
-    while (r := await p.claim(cell, 1, 0, 0)).outcome is ClaimOutcome.CLAIMED:
-        got.append(r.micro_step.micro_step_id)
-    return got
-
-
-async def _packer_run(history: History) -> None:
-    """A real packer through two groups, a failed attempt and a commit (as in
-    test_history_checker's real packer), writing ``history``."""
-    p, log, _ = tk.make_packer(micro_step_token_budget=16)
-    p.log = HistoryLog(log, history)
-    await p.open_batch("core", 1)
-    await tk.feed_group(p, "g1", size=2, turns=2)
-    await tk.feed_group(p, "g2", size=2, turns=1)
-    first = await _claim_all(p, "core")
-    await p.ack("core", 1, first[0])
-    await p.open_batch("core", 1)
-    for ms in await _claim_all(p, "core"):
-        await p.ack("core", 1, ms)
-    await p.commit("core", 1)
-    history.close()
 
 
 def _without_t(ops: list[dict]) -> list[dict]:
@@ -50,8 +24,8 @@ async def test_a_history_split_over_rotated_segments_checks_the_same_as_one_file
     one, split = tmp_path / "one" / "packer.jsonl", tmp_path / "split" / "packer.jsonl"
     one.parent.mkdir()
     split.parent.mkdir()
-    await _packer_run(History(str(one), svc="packer"))
-    await _packer_run(History(str(split), svc="packer", max_bytes=600))
+    await tk.history_run(History(str(one), svc="packer"))
+    await tk.history_run(History(str(split), svc="packer", max_bytes=600))
 
     segs = segments(split)
     assert len(segs) >= 2 and [n for n, _ in segs] == list(range(1, len(segs) + 1))
@@ -87,7 +61,7 @@ def test_writers_of_one_file_lose_no_line_when_one_rotates(tmp_path: Path):
 
 async def test_retention_keeps_the_newest_segments_and_the_checker_says_so(tmp_path: Path, capsys):
     path = tmp_path / "packer.jsonl"
-    await _packer_run(History(str(path), svc="packer", max_bytes=600, keep=2))
+    await tk.history_run(History(str(path), svc="packer", max_bytes=600, keep=2))
     segs = segments(path)
     assert len(segs) == 2 and segs[0][0] > 1 and pruned(path)
     verdict = check_files([path])

@@ -16,7 +16,6 @@ import torch
 from services.cell_agent.engines.kv_transport import (
     KvReadError,
     KvServer,
-    KvTls,
     PagedCaches,
     PinTable,
     ReadSpec,
@@ -177,27 +176,21 @@ def test_a_pin_released_before_its_request_finishes_holds_nothing():
     assert len(table) == 0
 
 
-def _kv_tls(name: str, role=None) -> KvTls:
-    from testkit.tls import tls
-
-    files = tls(name, role)
-    return KvTls(files.cert_file, files.key_file, files.ca_file)
-
-
 def test_with_tls_only_cell_agents_read():
     from gyre.identity import Role
+    from testkit.tls import kv_tls
 
     table = PinTable()
     caches = _caches(fill=True)
-    server = KvServer(table, caches, B, tls=_kv_tls("cell-a"))
+    server = KvServer(table, caches, B, tls=kv_tls("cell-a"))
     try:
         _pin_finished(table)
         dst = _caches(fill=False)
-        assert read(_spec(server), dst, tls=_kv_tls("cell-b")) == 5  # mutual TLS, both cells
+        assert read(_spec(server), dst, tls=kv_tls("cell-b")) == 5  # mutual TLS, both cells
         assert _same_blocks(caches, SRC_BLOCKS[:5], dst, [2, 4, 6, 8, 10])
         with pytest.raises(KvReadError):
             read(_spec(server), _caches(fill=False))  # plaintext: no handshake, no blocks
         with pytest.raises(KvReadError):
-            read(_spec(server), _caches(fill=False), tls=_kv_tls("router", Role.ROUTER))  # not a cell
+            read(_spec(server), _caches(fill=False), tls=kv_tls("router", Role.ROUTER))  # not a cell
     finally:
         server.close()

@@ -20,12 +20,7 @@ async def _run(budget: int = 4096):
     rng = random.Random(5)
     p, log, _ = tk.make_packer(batch_size=1, micro_step_token_budget=budget)
     eps = {"g-x0": tk.episode("g-x0", "g", 5, rng), "g-x1": tk.episode("g-x1", "g", 4, rng, edit_at=2)}
-    for k, (x, turns) in enumerate(eps.items()):
-        for t in turns:
-            await p.record_turn(t)
-        await p.report_finish(tk.finish(x, "g", 2, reward=float(k)))
-    await p.reap()
-    claim = await p.claim("c", 0, 0, 0)
+    claim = await tk.claim_episodes(p, "g", eps)
     return p, log, eps, claim
 
 

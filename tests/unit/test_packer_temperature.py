@@ -97,12 +97,7 @@ def test_a_temperature_change_starts_a_new_segment():
 async def test_packed_segments_never_mix_temperatures():
     p, _, _ = tk.make_packer(batch_size=1, micro_step_token_budget=4096)
     eps = {"g-x0": _episode("g-x0", "g", [1.0, 0.6, 0.6]), "g-x1": _episode("g-x1", "g", [0.6, 0.6])}
-    for k, (x, turns) in enumerate(eps.items()):
-        for t in turns:
-            await p.record_turn(t)
-        await p.report_finish(tk.finish(x, "g", 2, reward=float(k)))
-    await p.reap()
-    claim = await p.claim("c", 0, 0, 0)
+    claim = await tk.claim_episodes(p, "g", eps)
     assert claim.micro_step is not None
     seqs = sorted(
         (s.segment.last.execution_id, [t.turn_index for t in s.segment.turns], s.to_proto().temperature)

@@ -5,15 +5,12 @@ nothing. The mark lasts until the cell registers again."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 import pytest
 
 from gyre.errors import InvalidArgument, Unavailable
 from services.scheduler.policy import CellState
 from testkit.recording_peers import RecordingPeers
-from testkit.scheduler_rig import lead, make, settle
+from testkit.scheduler_rig import lead, make, publish_cells, settle
 
 CELLS = [("a", "standalone", -1, 4), ("b", "standalone", -1, 4)]
 
@@ -31,32 +28,10 @@ class _Peers(RecordingPeers):
         return 0
 
 
-@dataclasses.dataclass
-class _KV:
-    key: bytes
-    value: bytes
-    mod_revision: int
-
-
-def _register(s, revisions: dict[str, int]) -> None:
-    s.on_cells(
-        {
-            f"/c/{cid}".encode(): _KV(
-                f"/c/{cid}".encode(),
-                json.dumps(
-                    {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
-                ).encode(),
-                revisions[cid],
-            )
-            for cid, kind, idx, slots in CELLS
-        }
-    )
-
-
 async def _setup():
     peers = _Peers()
     s, store, _, _ = make(policy="rollout_only", cells=CELLS, peers=peers, batch_size=2)
-    _register(s, {"a": 5, "b": 6})
+    publish_cells(s, CELLS, {"a": 5, "b": 6})
     await lead(s, store)
     got = [await s.acquire("h", 0) for _ in range(2)]
     assert all(x[0] is not None for x in got)
@@ -79,7 +54,7 @@ async def test_a_dead_engine_is_marked_down_and_its_executions_rerouted_at_once(
     assert (await s.engine_failed(dead, f"{dead}:1", "again"))[0] is True
     assert len(peers.probes) == probes
     # The cell restarts and registers again (a new put): it takes work again.
-    _register(s, {"a": 9, "b": 9})
+    publish_cells(s, CELLS, {"a": 9, "b": 9})
     assert s.cells.state(dead) is CellState.ROLLOUT
 
 

@@ -14,7 +14,6 @@ retried until the packer acknowledges them.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 
 import pytest
@@ -33,7 +32,16 @@ from services.scheduler.peers import SupplyUpdate
 from services.scheduler.policy import CellState
 from services.scheduler.scheduler import Scheduler
 from testkit.recording_peers import RecordingPeers
-from testkit.scheduler_rig import CELLS, KV, lead, make, settle
+from testkit.scheduler_rig import (
+    CELLS,
+    lead,
+    make,
+    publish_cells,
+    publish_policy,
+    publish_states,
+    reconciled,
+    settle,
+)
 
 
 async def test_bad_finish_reports_change_nothing():
@@ -128,8 +136,7 @@ async def test_move_to_training_reroutes_with_fenced_commands():
     # Four standalone executions finish: W = 12 <= 12.
     for g in launched[:4]:
         await s.finish(g.record.execution_id, g.token, ExecutionStatus.COMPLETED, 1.0, "k")
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     moved = [g for g in launched if g.route.cell_id == "core"]
     for g in moved:
         route, epoch = store.route_of(g.record.execution_id)
@@ -158,13 +165,11 @@ async def test_burst_end_returns_satellites_and_dispatches_next():
     await lead(s, store)
     s.supply_raw = SupplyUpdate(4, 4, 1)
     for _ in range(2):  # core, then sat1 (W 8 <= 16)
-        await s.reconcile_once()
-        await settle(s)
+        await reconciled(s)
     assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.TRAINING
     # The core's optimizer step publishes v1.
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
-    await s.reconcile_once()
-    await settle(s)
+    publish_policy(s, 1)
+    await reconciled(s)
     await asyncio.sleep(0.05)
     assert s.cells.state("sat1") is CellState.ROLLOUT
     assert ("sat1:1", 7, 1, "core:1") in peers.commands("load_policy")
@@ -294,12 +299,7 @@ async def test_a_new_leader_joins_the_cells_already_training():
     # joins again after a takeover.
     s, store, peers, _ = make(policy="gyre")
     states = {cid: CellState.ROLLOUT for cid, *_ in CELLS} | {"core": CellState.TRAINING}
-    s.on_cell_states(
-        {
-            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": st.value}).encode())
-            for cid, st in states.items()
-        }
-    )
+    publish_states(s, states)
     await lead(s, store)
     for _ in range(200):
         if peers.commands("join_batch"):
@@ -329,25 +329,13 @@ async def test_executions_of_a_lost_cell_are_rerouted_after_grace():
     on_sat = [g for g in launched if g.route.cell_id == "sat1"]
     assert len(on_sat) == 2
     alive = [c for c in CELLS if c[0] != "sat1"]
-    s.on_cells(
-        {
-            f"/c/{cid}".encode(): KV(
-                f"/c/{cid}".encode(),
-                json.dumps(
-                    {"cell_id": cid, "kind": kind, "index": idx, "slots": slots, "target": f"{cid}:1"}
-                ).encode(),
-            )
-            for cid, kind, idx, slots in alive
-        }
-    )
-    await s.reconcile_once()
-    await settle(s)
+    publish_cells(s, alive)
+    await reconciled(s)
     assert all(
         store.route_of(g.record.execution_id)[0]["cell_id"] == "sat1" for g in on_sat
     )  # within the grace
     clock.now += 3.5
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     for g in on_sat:
         route, epoch = store.route_of(g.record.execution_id)
         assert route["cell_id"] == "core" and epoch == 2
@@ -372,8 +360,7 @@ async def test_drained_burst_trains_on_what_is_ready_and_seals():
     await s.reconcile_once()
     assert not s.transitions.running("core")
     clock.now += 1.5
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     assert s.cells.state("core") is CellState.TRAINING
     assert "drained" in [e for e in s.events.after(0) if e.kind == "cell_to_training"][0].message
     s.supply_raw = SupplyUpdate(0, 3, 1)  # the core's claim assigned the group: 1 of 4 in the batch
@@ -422,12 +409,10 @@ async def test_colocated_baseline_trains_everyone_at_the_barrier():
     await s.reconcile_once()
     assert not any(s.transitions.running(c) for c in ("core", "sat1"))  # W 1 > 0: barrier
     await s.finish(launched[-1].record.execution_id, launched[-1].token, ExecutionStatus.COMPLETED, 1.0, "k")
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     assert s.cells.state("core") is CellState.TRAINING and s.cells.state("sat1") is CellState.TRAINING
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
-    await s.reconcile_once()
-    await settle(s)
+    publish_policy(s, 1)
+    await reconciled(s)
     assert s.cells.state("core") is CellState.ROLLOUT and s.cells.state("sat1") is CellState.ROLLOUT
     assert sorted(s.ledger.bursts) == [1, 2]
 
@@ -477,8 +462,7 @@ async def test_a_missed_join_is_retried_and_does_not_block_a_return():
 
     peers.join_batch = join_batch
     s.supply_raw = SupplyUpdate(4, 4, 1)
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     for _ in range(100):
         if len(peers.commands("join_batch")) >= 3:
             break
@@ -487,7 +471,7 @@ async def test_a_missed_join_is_retried_and_does_not_block_a_return():
     assert kinds.count("join_missed") == 1 and "joined_batch" in kinds  # one event per missed batch
     # With the trainer never joining, a burst-end return still goes through.
     answers[:] = [False] * 1000
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    publish_policy(s, 1)
     s.transitions.rejoin("core")
     await asyncio.sleep(0.05)
     s.transitions.start("core", CellState.ROLLOUT, "test")
@@ -511,8 +495,7 @@ async def test_a_join_the_cell_does_not_answer_is_retried_while_it_trains():
 
     peers.join_batch = join_batch
     s.supply_raw = SupplyUpdate(4, 4, 1)
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     for _ in range(100):
         if "joined_batch" in [e.kind for e in s.events.after(0)]:
             break
@@ -559,8 +542,7 @@ async def test_a_failed_move_calls_the_drain_off():
 
     old, T.MAX_REFUSALS = T.MAX_REFUSALS, 2
     try:
-        await s.reconcile_once()
-        await settle(s)
+        await reconciled(s)
     finally:
         T.MAX_REFUSALS = old
     assert s.cells.state("core") is CellState.ROLLOUT and not store.transitions
@@ -572,8 +554,7 @@ async def test_a_cell_stranded_in_returning_is_brought_back():
     s, store, peers, clock = make(policy="rollout_only")
     await lead(s, store)
     peers.on_state("sat1:1", CellState.RETURNING)  # e.g. a return whose leader died before recording it
-    await s.reconcile_once()
-    await settle(s)
+    await reconciled(s)
     assert s.cells.state("sat1") is CellState.ROLLOUT
     assert [a[2] for a in peers.commands("set_state")] == [CellState.RETURNING, CellState.ROLLOUT]
 
@@ -645,7 +626,7 @@ async def test_migrate_moves_one_execution_with_a_fenced_route_cas_and_tells_the
 async def test_status_has_the_ledger_per_policy_version():
     s, store, peers, _ = make(policy="rollout_only", max_bursts=2)
     await lead(s, store)
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 3, "source_target": "core:1"}).encode())})
+    publish_policy(s, 3)
     for g in [await s.acquire("h", 0) for _ in range(8)]:
         await s.finish(g[0].record.execution_id, g[0].token, ExecutionStatus.COMPLETED, 1.0, "k")
     await s.reconcile_once()  # burst 2 at v3
@@ -665,7 +646,7 @@ async def test_cancel_early_rule_cancels_groups_no_batch_within_eta_can_take():
     s, store, peers, _ = make(policy="rollout_only", max_bursts=1, max_staleness=1)
     await lead(s, store)
     a, _, _ = await s.acquire("h", 0)
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    publish_policy(s, 1)
     s.supply_raw = SupplyUpdate(0, 4, 2, batch_assigned=3)
     await s.reconcile_once()
     assert s.ledger.counts().finished == 0
@@ -681,12 +662,7 @@ async def test_cancel_early_rule_cancels_groups_no_batch_within_eta_can_take():
 
 def _core_training(s: Scheduler, peers: RecordingPeers) -> None:
     """The core TRAINING, the satellite and the standalone cell in rollout, batch 2 open."""
-    s.on_cell_states(
-        {
-            f"/s/{cid}".encode(): KV(f"/s/{cid}".encode(), json.dumps({"state": state}).encode())
-            for cid, state in (("core", "TRAINING"), ("sat1", "ROLLOUT"), ("sa", "ROLLOUT"))
-        }
-    )
+    publish_states(s, {"core": CellState.TRAINING, "sat1": CellState.ROLLOUT, "sa": CellState.ROLLOUT})
     peers.batch_id = 2
 
 
@@ -696,7 +672,7 @@ async def test_continuous_policy_rejoins_training_cells_after_each_update():
     s, store, peers, _ = make(policy="gyre", max_staleness=1)
     await lead(s, store)
     _core_training(s, peers)
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
+    publish_policy(s, 1)
     for _ in range(3):
         await s.reconcile_once()
     for _ in range(100):
@@ -728,9 +704,8 @@ async def test_a_core_returned_at_a_publication_is_not_joined_to_the_next_batch(
             return [Hold("test")]
 
     s.control.policy = BreatheOut()
-    s.on_policy({b"p": KV(b"p", json.dumps({"version": 1, "source_target": "core:1"}).encode())})
-    await s.reconcile_once()
-    await settle(s)
+    publish_policy(s, 1)
+    await reconciled(s)
     await s.reconcile_once()
     await asyncio.sleep(0.05)
     assert peers.commands("join_batch") == []
