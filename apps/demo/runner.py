@@ -49,6 +49,7 @@ from apps.docblock import checkout_commit
 from apps.harness.env import EVAL_SEED, EnvConfig, eval_tasks
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
+from services.dashboard.timeline import LEDGER_FIELDS, STATUS_FIELDS
 from services.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,22 +207,8 @@ def status_from_timeline(body: dict[str, Any]) -> dict[str, Any]:
     """The latest scheduler status, as the dashboard's timeline JSON carries it."""
     c = body["counters"]
     return {
-        **{
-            k: c[k]
-            for k in (
-                "capacity",
-                "ready_groups",
-                "batch_size",
-                "policy_version",
-                "reroutes",
-                "bursts_completed",
-                "transitions_to_training",
-                "transitions_to_rollout",
-            )
-        },
-        "ledger": {
-            k: c[k] for k in ("burst_id", "dispatched", "finished", "queued", "running", "waterlevel")
-        },
+        **{k: c[k] for k in STATUS_FIELDS if k in c},
+        "ledger": {k: c[k] for k in LEDGER_FIELDS if k in c},
         "total": {k: c.get(f"total_{k}", 0) for k in ("dispatched", "finished")},
         "cells": [cell for cell in body.get("cells", []) if cell.get("state") != "GONE"],
     }
