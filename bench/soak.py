@@ -397,18 +397,19 @@ def render(result: dict[str, Any]) -> str:
         f"{s['versions']} versions, history checker {'ok' if s['checker_ok'] else 'NOT ok'}, "
         f"outcome {s['outcome']}.",
         "",
-        "| process | RSS slope, MB/hour | open fds slope, per hour |",
-        "|---|---:|---:|",
+        "| process | RSS slope, MB/hour | RSS floor slope, MB/hour | open fds slope, per hour |",
+        "|---|---:|---:|---:|",
     ]
+    floor = s.get("rss_floor_mb_per_hour") or {}
     for name, v in s["rss_mb_per_hour"].items():
-        lines.append(f"| {name} | {fmt(v)} | {fmt(s['fds_per_hour'].get(name))} |")
+        lines.append(f"| {name} | {fmt(v)} | {fmt(floor.get(name))} | {fmt(s['fds_per_hour'].get(name))} |")
     parts = ", ".join(f"{k} {fmt(v)}" for k, v in s["disk_mb_per_hour_by_part"].items())
     lines += [
         "",
         f"Disk: {fmt(s['disk_mb_per_hour'])} MB/hour in all ({parts}); etcd's database file "
         f"{fmt(s['etcd_db_mb_per_hour'])} MB/hour ({fmt(s.get('etcd_db_in_use_mb_per_hour'))} in use); "
         f"etcd's revision {fmt(s.get('etcd_revision_per_hour'))} an hour"
-        f"{_etcd_last(s.get('etcd_last') or {})}.",
+        f"{_etcd_last(s.get('etcd_last') or {})}; {s.get('etcd_defrags', 0)} defragmentations.",
         "",
         "![every series over time](../img/soak.png)",
         END,
