@@ -474,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="summarize a finished run again from its samples file (with --run-dir, the run's "
-        "folder): no demo is started; the commit recorded is this checkout's",
+        "folder): no demo is started",
+    )
+    parser.add_argument(
+        "--run-commit",
+        default=None,
+        help="with --from-samples: the commit the run ran at (default: this checkout's)",
     )
     args = parser.parse_args(argv)
     if args.bursts is None:
@@ -537,6 +542,8 @@ def write_result(
     demo_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary = summarize(samples, demo_summary, args.warmup, run_dir)
     commit = checkout_commit()
+    if getattr(args, "run_commit", None):
+        commit = f"{args.run_commit} (summarized at {commit})"
     result = {
         "benchmark": "soak",
         "tag": args.tag,
