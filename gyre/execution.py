@@ -48,6 +48,13 @@ class ExecutionStatus(enum.Enum):
         except KeyError:
             raise InvalidArgument(f"unknown execution status {value}") from None
 
+    @classmethod
+    def closed_from_proto(cls, value: int) -> ExecutionStatus | None:
+        """The final status of a proto number; None for QUEUED, RUNNING, UNSPECIFIED or an
+        unknown number (a finish report's status, a closed execution's answer)."""
+        status = _FROM_PROTO.get(value)
+        return status if status is not None and status.final else None
+
     def to_proto(self) -> common_pb2.ExecutionStatus:
         return cast(common_pb2.ExecutionStatus, _TO_PROTO[self])
 

@@ -358,13 +358,10 @@ class ExecutionHandle:
 
     def _closed(self, status: int) -> bool:
         """Records a final status the scheduler reports; True when the execution is closed."""
-        try:
-            closed = ExecutionStatus.from_proto(status)
-        except InvalidArgument:
-            return False
-        if closed.final:
+        closed = ExecutionStatus.closed_from_proto(status)
+        if closed is not None:
             self.closed_as = closed.value
-        return closed.final
+        return closed is not None
 
     async def heartbeat(self) -> scheduler_pb2.HeartbeatResponse:
         """Keeps the execution alive; retried across a failover (it only pushes a deadline)."""

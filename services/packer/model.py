@@ -33,15 +33,6 @@ the group statistics finite: the squares in a std overflow to inf near 1e154, an
 advantage of inf or NaN cannot be written to the WAL (nor trained)."""
 
 
-def _closed_status(value: int) -> ExecutionStatus | None:
-    """The final status of a proto number; None for QUEUED, RUNNING or an unknown number."""
-    try:
-        status = ExecutionStatus.from_proto(value)
-    except InvalidArgument:
-        return None
-    return status if status.final else None
-
-
 class ClaimOutcome(enum.Enum):
     """What a claim got."""
 
@@ -319,7 +310,7 @@ class Finish:
             msg.execution_id,
             msg.group_id,
             msg.group_size,
-            _closed_status(msg.status),
+            ExecutionStatus.closed_from_proto(msg.status),
             msg.reward,
             msg.policy_version,
             max_group_size,

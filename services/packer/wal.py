@@ -334,8 +334,9 @@ class WalEvents(Sequence[Event]):
     bytes, the events not. Decoded, an event takes about eight times its line (its token ids
     become int objects); a packer that held a 117 MB log's 66,000 events while it replayed
     them peaked near 1 GB and kept ~700 MB resident after the replay (freed objects scattered
-    among the kept ones). Read it once in order to replay it; equal to a list of the same
-    events."""
+    among the kept ones). Each line is decoded twice at a restart, once by :meth:`Wal.open`
+    to check it and once by the replay: CPU traded for memory, once per start. Read it once
+    in order to replay it; equal to a list of the same events."""
 
     def __init__(self, lines: list[bytes]) -> None:
         self._lines = lines
