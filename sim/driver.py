@@ -24,6 +24,9 @@ from sim.workload import make_trace
 MAX_ROUNDS = 8
 """decide() calls per boundary: actions are applied, then the policy is asked again."""
 
+CONTEXT_EVERY_S = 10.0
+"""How often the mean context of the open executions is measured (simulated seconds)."""
+
 
 @dataclass
 class PolicySpec:
@@ -114,6 +117,11 @@ class Driver:
         self._switch_s = cc.switch_to_train_s + cc.weight_sync_s + cc.switch_to_rollout_s
         """The switch round trip the live scheduler measures (Pipeline.switch_s): here its
         cost exactly (a satellite pulls the core's weights on the way in)."""
+        kv = cc.kv_capacity_tokens
+        self._kv_tokens = kv if math.isfinite(kv) else 0.0
+        self._measure_context = self.spec.name == "gyre"
+        self._context_at = -math.inf
+        self._context_tokens = 0.0
         self.burst: P.BurstView | None = None
         self.next_task = 0
         self.update_times: list[float] = []
@@ -235,9 +243,28 @@ class Driver:
             ready_rate=rate,
             tokens_per_group=per_group,
             switch_s=self._switch_s,
+            kv_tokens_per_cell=self._kv_tokens,
+            context_tokens=self._context() if self._measure_context else 0.0,
             versions=versions,
             planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
         )
+
+    def _context(self) -> float:
+        """Mean context of the launched, open executions (Pipeline.context_tokens), measured
+        every ``CONTEXT_EVERY_S`` of simulated time as a live scheduler would sample it."""
+        now = self.loop.now
+        if now - self._context_at >= CONTEXT_EVERY_S:
+            self._context_at = now
+            total = n = 0
+            for groups in self.cluster.live.values():
+                for g in groups.values():
+                    for ex in g.members:
+                        if ex.cell is not None and ex.state is not ExecState.CLOSED:
+                            total += ex.ctx
+                            n += 1
+            if n:
+                self._context_tokens = total / n
+        return self._context_tokens
 
     def _tail(self, limit: int = 256) -> tuple[P.ExecView, ...]:
         """Open executions of the oldest consumable version (the tail the batch waits on)."""

@@ -62,6 +62,11 @@ class GyreSettings(BaseModel):
         description="Gyre: training seconds a cell lent to the streaming batch must find (about a "
         "switch each way).",
     )
+    gyre_kv: bool = Field(
+        GyreConfig.kv,
+        description="Gyre lever: rollout capacity in executions the KV cache keeps resident at the "
+        "measured mean context, where that is fewer than the slots.",
+    )
     gyre_breathe_out: float = Field(
         GyreConfig.breathe_out,
         ge=0,

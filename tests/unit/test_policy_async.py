@@ -877,3 +877,59 @@ def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_w
     assert [a.cell_id for a in acts if isinstance(a, ReturnToRollout)] == ["c3"], acts
     acts = GyrePolicy(GyreConfig(breathe=False)).decide(_snap(_cells([T] * 4 + [R] * 6), idle))
     assert not [a for a in acts if isinstance(a, ReturnToRollout)]
+
+
+def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
+    # A64 (seed 1): 48 slots a cell, but agents of ~60k tokens of context, of which one
+    # cell's KV (1.88 M tokens) keeps ~30 resident. Counted in slots, moves and lending packed
+    # the agents left in rollout beyond what the KV holds; every turn of an evicted agent
+    # prefilled its whole context again (kv recompute 0.8 M GPU-s in a 31,000 s run). In
+    # executions the KV keeps: A64 8,590 -> 7,824 s. Here: 10 slots, but 1e5 KV tokens over
+    # a mean context of 5e4 keep 2 executions a cell; W_eta 16.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    kv = {"kv_tokens_per_cell": 1e5, "context_tokens": 5e4}
+    p = _heavy_pipeline(16, **kv)
+    assert p.kv_slots(10) == 2 and _heavy_pipeline(16).kv_slots(10) == 10
+    # The rate target (3) asks for a third training cell: in slots the 7 rollout cells left
+    # hold 70 >= 16; in what their KV keeps, 14 < 16, so c2 stays in rollout.
+    cells = _cells([T] * 2 + [R] * 8)
+    assert [
+        a.cell_id
+        for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, p))
+        if isinstance(a, MoveToTraining)
+    ] == ["c2"]
+    assert not [a for a in GyrePolicy().decide(_snap(cells, p)) if isinstance(a, MoveToTraining)]
+    # Lending likewise: the spare cells of the slot count are not spare in KV.
+    busy = _heavy_pipeline(12, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5, **kv)
+    cells = _cells([T] * 5 + [R] * 5)
+    assert [
+        a.cell_id
+        for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, busy))
+        if isinstance(a, MoveToTraining)
+    ] == ["c5"]
+    assert not [a for a in GyrePolicy().decide(_snap(cells, busy)) if isinstance(a, MoveToTraining)]
+    # Unmeasured (no context yet, or no KV size known): slots, as before.
+    assert Pipeline(max_staleness=1, group_size=4, batch_groups=2, kv_tokens_per_cell=1e5).kv_slots(10) == 10
+
+
+def test_gyre_keeps_a_lent_cell_while_work_is_left_to_claim_and_rollout_does_not_need_it():
+    # A64 with drift (seed 1): a cell was lent while the claimable work was worth lend_min_s
+    # a cell; as the cells trained it down below that bar, the lending target fell to the rate
+    # target and the hysteresis band sent the lent cells back, to be lent again when the next
+    # groups arrived: 3,147 lends and 2,993 returns in a 30,774 s run. A lent cell now goes
+    # back when nothing is left to claim or rollout needs its slots, not on the bar.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    cells = _cells([T] * 8 + [R] * 2)  # rate target 3 (band 1): c3..c7 are lent
+    little = _heavy_pipeline(12, ready_groups=1, ready_tokens=2e4, batch_assigned=5, backlog_tokens=1e4)
+    assert not [a for a in GyrePolicy().decide(_snap(cells, little)) if isinstance(a, ReturnToRollout)]
+    # Rollout needs them (W_eta 30 > the 20 slots it has): the band sends them back, last first.
+    needed = _heavy_pipeline(30, ready_groups=1, ready_tokens=2e4, batch_assigned=5, backlog_tokens=1e4)
+    assert [
+        a.cell_id for a in GyrePolicy().decide(_snap(cells, needed)) if isinstance(a, ReturnToRollout)
+    ] == ["c7"]
+    # Nothing left to claim: back at once.
+    assert [
+        a.cell_id
+        for a in GyrePolicy().decide(_snap(cells, _heavy_pipeline(12)))
+        if isinstance(a, ReturnToRollout)
+    ] == ["c7"]

@@ -108,3 +108,26 @@ def test_a_run_trains_at_the_calibrated_cost() -> None:
     per_token = r.gpu_s["train"] / r.consumed_tokens
     per_token_bare = bare.gpu_s["train"] / bare.consumed_tokens
     assert per_token > 1.3 * per_token_bare
+
+
+def test_gyre_sees_the_kv_size_and_the_measured_context() -> None:
+    """The driver hands Gyre what the live scheduler would measure: one engine's KV in tokens
+    and the mean context of the launched, open executions (sampled every 10 s); the
+    baselines get neither (they do not read them)."""
+    cfg, sc = _tight(6_000)
+    seen: list[tuple[float, float]] = []
+
+    class Watching(KvCheckingDriver):
+        def snapshot(self):  # type: ignore[no-untyped-def]
+            snap = super().snapshot()
+            if snap.pipeline is not None:
+                seen.append((snap.pipeline.kv_tokens_per_cell, snap.pipeline.context_tokens))
+            return snap
+
+    assert Watching(cfg, sc, PolicySpec("gyre")).run().reached
+    assert all(kv == pytest.approx(6_000) for kv, _ in seen)
+    contexts = [ctx for _, ctx in seen if ctx > 0]
+    assert contexts and max(contexts) < 6_000 * 4  # a mean context, not a sum
+    seen.clear()
+    Watching(cfg, sc, PolicySpec("async-static", training_cells=3)).run()
+    assert seen and all(ctx == 0 for _, ctx in seen)

@@ -97,6 +97,22 @@ Breathing (``breathe``, on by default), once a training rate has been measured:
   dispatch, so at a publication the core leaves before the control loop joins it to the
   next batch. Above a rate target of 1 the core's work is continuous.
 
+Capacity in KV (``kv``, on by default). Every comparison of rollout capacity with W_eta
+above (the cap, lending, returns, breathing out) counts a cell as the executions its KV cache
+keeps resident at the measured mean context (``Pipeline.kv_slots``), where that is fewer than
+its slots. An agent waiting on a tool keeps its prefix cached; beyond what the KV holds,
+prefixes are evicted and every turn of an evicted agent prefills its whole context again.
+Measured on A64 (cells of 48 slots whose KV keeps ~30 agents of ~60k tokens): in slots,
+moves and lending packed the agents left in rollout past the KV and 6-8% of the run went to
+recomputing prefixes; in KV, seeds 1-2 ran 8,590 / 8,720 -> 7,824 / 7,746 s. The live
+scheduler does not fill the two inputs yet (``kv_tokens_per_cell``, ``context_tokens``), and
+the policy then counts slots, as before.
+
+A lent cell (beyond the rate target) stays while work is left to claim and rollout does not
+need its slots, even when what is left is below the lending bar: returned on the bar, the
+cells of A64 with drift went back as they trained the claimable work down and were lent
+again as the next groups arrived (3,147 lends, 2,993 returns in one run).
+
 No cell moves to training while its executions have no free slots on the other rollout
 cells: the live drain calls such a move off (the simulator let them wait homeless, which
 made its small loaded scenario 5% faster than the live system could be).
@@ -113,6 +129,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 from services.scheduler.policy import staleness
 from services.scheduler.policy.actions import (
@@ -132,9 +149,14 @@ from services.scheduler.policy.snapshot import (
     CellView,
     Pipeline,
     Snapshot,
-    capacity,
     training_set,
 )
+
+
+def rollout_capacity(cells: Iterable[CellView], p: Pipeline) -> int:
+    """Executions the rollout cells hold without evicting: each cell's slots, or what its KV
+    cache keeps resident at the measured context (:meth:`Pipeline.kv_slots`), if fewer."""
+    return sum(p.kv_slots(c.slots) for c in cells if c.state is CellState.ROLLOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +199,12 @@ class GyreConfig:
     shared with the cells already training), at least: below it a join only moves the cell
     there and back. The bar is the measured switch round trip (``Pipeline.switch_s``) when that
     is longer (the simulator's costs x5: 18 s)."""
+    kv: bool = True
+    """Rollout capacity in executions the KV cache keeps resident (``Pipeline.kv_slots``: the
+    cell's KV tokens over the measured mean context), where that is fewer than the slots;
+    False: slots alone. Measured on A64 (seeds 1-2): slots alone let moves and lending pack
+    agents of ~60k tokens of context 48 to a cell whose KV holds ~30, and every turn of an
+    evicted agent prefilled its whole context again."""
     breathe_out: float = 0.5
     """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
     core to rollout: a switch each way is not worth two waiting executions."""
@@ -238,8 +266,10 @@ class GyrePolicy:
         saturated share (what the hysteresis band is a fraction of), and why."""
         p = s.pipeline
         assert p is not None
-        slots = max((c.slots for c in elastic), default=1) or 1
-        standalone = sum(c.slots for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT)
+        slots = p.kv_slots(max((c.slots for c in elastic), default=1) or 1)
+        standalone = sum(
+            p.kv_slots(c.slots) for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT
+        )
         t_max = len(elastic) - staleness.cells_to_cover(max(0, w - standalone), slots)
         if self.config.rates:
             t, why = rate_target(p, self.config.min_horizon_s)
@@ -318,8 +348,10 @@ class GyrePolicy:
             return False
         if p.ready_groups >= self.breathe_in_groups(p):
             return False
-        slots = max((c.slots for c in elastic), default=0)
-        standalone = sum(c.slots for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT)
+        slots = p.kv_slots(max((c.slots for c in elastic), default=0))
+        standalone = sum(
+            p.kv_slots(c.slots) for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT
+        )
         waiting = w - standalone - slots * (len(elastic) - 1)
         return waiting > 0 and waiting >= self.config.breathe_out * slots
 
@@ -333,6 +365,9 @@ class GyrePolicy:
         p = s.pipeline
         if p is None:
             return [Hold("gyre needs the pipeline view (per-version ledger, rates)")]
+        if not self.config.kv and p.context_tokens:
+            p = dataclasses.replace(p, context_tokens=0.0)
+            s = dataclasses.replace(s, pipeline=p)
         dispatch = dispatch_to_gate(s)
         actions: list[Action] = publish_newest(s) + dispatch
         elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
@@ -405,8 +440,8 @@ class GyrePolicy:
                         cand.cell_id,
                     )
                 ]
-            after = capacity(s.cells) - cand.slots
             assert s.pipeline is not None
+            after = rollout_capacity(s.cells, s.pipeline) - s.pipeline.kv_slots(cand.slots)
             ready = s.pipeline.ready_groups
             if (
                 after < w
@@ -443,7 +478,8 @@ class GyrePolicy:
         # Lent: beyond the rate target before the saturated share (for a light trainer, every
         # cell but the core).
         lent = [c for c in prefix[max(1, band) :] if c.state is CellState.TRAINING]
-        needed = w > capacity(s.cells)
+        cap = rollout_capacity(s.cells, s.pipeline)
+        needed = w > cap
         idle = not claimable_work(s.pipeline)
         if lending and lent and t > target and ((light and needed) or (not light and idle and not needed)):
             if lent[-1] is not prefix[-1]:
@@ -458,14 +494,14 @@ class GyrePolicy:
             # jump flapped cells as saturation came and went, B64 at eta 4); kept idle in
             # training by the band instead, B64 (seed 1) ran 4% slower and at eta 0 5%.
             c = lent[-1]
-            why_back = f"W_eta {w} > capacity {capacity(s.cells)}" if needed else "nothing left to claim"
+            why_back = f"W_eta {w} > capacity {cap}" if needed else "nothing left to claim"
             return [ReturnToRollout(c.cell_id, f"returned lent {c.cell_id} to rollout: {why_back}")]
-        if light and w <= capacity(s.cells):
+        if light and w <= cap:
             # Breathing: rollout could not use a returned cell (its committed work fits the
             # slots it has); a lent cell stays for the next batch instead of flapping out and
             # in as ready groups come and are claimed (seen in the demo: 4 moves in a second).
             return []
-        if lending and t <= target:
+        if lending and (t <= target or (lent and not needed)):
             return []  # lent cells: the lending target, not the hysteresis band, holds them
         if t > keep + h:
             last = [c for c in prefix if c.state is CellState.TRAINING and not c.is_core]

@@ -191,6 +191,11 @@ class Pipeline:
     switch_s: float = 0.0
     """Measured seconds of a role switch round trip (to training and back, the recent mean of
     each direction); 0: not measured yet."""
+    kv_tokens_per_cell: float = 0.0
+    """KV cache of one rollout cell, tokens (vLLM: GPU blocks x block size); 0: unknown."""
+    context_tokens: float = 0.0
+    """Recent mean context of a launched, open execution, tokens: the KV it keeps resident
+    (running, or cached while its tool runs); 0: not measured yet."""
     versions: tuple[VersionCounts, ...] = ()
     planned: tuple[str, ...] = ()
     """Cells the last :class:`~.actions.PlanMoves` named (placement avoids them)."""
@@ -202,6 +207,14 @@ class Pipeline:
             raise ValueError("batch_groups and group_size must be >= 1")
         if self.extra_groups < 0:
             raise ValueError("extra_groups must be >= 0")
+
+    def kv_slots(self, slots: int) -> int:
+        """Executions a cell of ``slots`` holds without evicting: its slots, or fewer when its
+        KV cache cannot keep that many contexts resident (each one beyond it evicts cached
+        prefixes, and every turn of an evicted execution prefills its whole context again)."""
+        if self.kv_tokens_per_cell <= 0 or self.context_tokens <= 0:
+            return slots
+        return max(1, min(slots, int(self.kv_tokens_per_cell // self.context_tokens)))
 
     @property
     def usable_dispatched(self) -> int:
