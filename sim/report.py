@@ -110,15 +110,19 @@ def _ratios(summary: dict[str, dict[str, Any]], key: str) -> list[float]:
     return [v for s in summary.values() if isinstance(v := s.get(key), float | int)]
 
 
+SWITCH_PREFIX = "vs_oracle_async_static_switch_x"
+"""Summary keys of the switch-cost sensitivity (one per factor)."""
+
+
 def headline_markdown(summary: dict[str, dict[str, Any]], switch_key: str | None) -> str:
     """The page's opening table: Gyre against the hindsight oracle and the baselines a user
     has (prior static, 50:50), the switch-cost sensitivity, KV pressure and the simulator's
-    cost per scenario; then the issue's checks over the scenarios."""
-    sw = (
-        f" | vs oracle, switch ×{switch_key.removeprefix('vs_oracle_async_static_switch_x')}"
-        if switch_key
-        else ""
-    )
+    cost per scenario; then the issue's checks over the scenarios. Without ``switch_key`` (a
+    suite without the switch rows, merged into the file) the summary's own switch key, if any:
+    the rows of earlier suites keep their column."""
+    if switch_key is None:
+        switch_key = next((k for s in summary.values() for k in s if k.startswith(SWITCH_PREFIX)), None)
+    sw = f" | vs oracle, switch ×{switch_key.removeprefix(SWITCH_PREFIX)}" if switch_key else ""
     lines = [
         "| scenario | cells | seeds | Gyre (s) | vs oracle async static (hindsight) | vs prior static | "
         f"vs 50:50 static{sw} | preemptions / prefix evictions | decide() p50 / p99 (ms) | "

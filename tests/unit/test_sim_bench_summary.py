@@ -273,3 +273,22 @@ def test_several_suites_write_one_results_file(tmp_path: Path) -> None:
     text = doc.read_text()
     assert text.index("BEGIN CLUSTER TABLE") < text.index("BEGIN CLUSTER RESULTS")
     assert "| small |" in text and "| wide |" in text
+
+
+def test_the_headline_keeps_the_switch_column_of_merged_rows() -> None:
+    """A suite without the switch rows (the scale suite), merged into a file whose earlier
+    rows have them, dropped the column and its target line from the page's table."""
+    from sim.report import headline_markdown
+
+    ratios = ("vs_oracle_async_static", "vs_prior_static", "vs_half_static")
+    summary = {
+        "A64": {
+            "gyre_s": 10.0,
+            "spread": dict.fromkeys(ratios, [1.0, 1.05, 1.1]),
+            "vs_oracle_async_static_switch_x5": 1.04,
+        },
+        "B256": {"gyre_s": 20.0, "spread": dict.fromkeys(ratios, [1.02, 1.02, 1.02])},
+    }
+    table = headline_markdown(summary, None)
+    assert "switch ×5" in table and "1.04×" in table
+    assert "switch" not in headline_markdown({"B256": summary["B256"]}, None)
