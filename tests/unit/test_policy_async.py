@@ -880,12 +880,12 @@ def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_w
 
 
 def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
-    # A64 (seed 1): 48 slots a cell, but agents of ~60k tokens of context, of which one
-    # cell's KV (1.88 M tokens) keeps ~30 resident. Counted in slots, moves and lending packed
+    # A64 (seed 1): 48 slots a cell, but agents of ~50k tokens of context at the median, of
+    # which one cell's KV (1.88 M tokens) keeps ~37. Counted in slots, moves and lending packed
     # the agents left in rollout beyond what the KV holds; every turn of an evicted agent
-    # prefilled its whole context again (kv recompute 0.8 M GPU-s in a 31,000 s run). In
-    # executions the KV keeps: A64 8,590 -> 7,824 s. Here: 10 slots, but 1e5 KV tokens over
-    # a mean context of 5e4 keep 2 executions a cell; W_eta 16.
+    # prefilled its whole context again (18,829 GPU-s of recompute in the 8,590 s run; 4,438
+    # in 7,824 s counted in KV). Here: 10 slots, but 1e5 KV tokens over a mean context of 5e4
+    # keep 2 executions a cell; W_eta 16.
     R, T = CellState.ROLLOUT, CellState.TRAINING
     kv = {"kv_tokens_per_cell": 1e5, "context_tokens": 5e4}
     p = _heavy_pipeline(16, **kv)

@@ -102,9 +102,10 @@ above (the cap, lending, returns, breathing out) counts a cell as the executions
 keeps resident at the measured mean context (``Pipeline.kv_slots``), where that is fewer than
 its slots. An agent waiting on a tool keeps its prefix cached; beyond what the KV holds,
 prefixes are evicted and every turn of an evicted agent prefills its whole context again.
-Measured on A64 (cells of 48 slots whose KV keeps ~30 agents of ~60k tokens): in slots,
-moves and lending packed the agents left in rollout past the KV and 6-8% of the run went to
-recomputing prefixes; in KV, seeds 1-2 ran 8,590 / 8,720 -> 7,824 / 7,746 s. The live
+Measured on A64 (cells of 48 slots; a mean context of ~50k tokens, 29k-68k over the run,
+so the KV keeps 24-48 agents, 37 at the median): in slots, moves and lending packed the
+agents left in rollout past the KV and 3-4% of the GPU time went to recomputing prefixes
+(18,829 / 22,981 GPU-s; in KV 4,438 / 1,541); seeds 1-2 ran 8,590 / 8,720 -> 7,824 / 7,746 s. The live
 scheduler does not fill the two inputs yet (``kv_tokens_per_cell``, ``context_tokens``), and
 the policy then counts slots, as before.
 
@@ -203,7 +204,7 @@ class GyreConfig:
     """Rollout capacity in executions the KV cache keeps resident (``Pipeline.kv_slots``: the
     cell's KV tokens over the measured mean context), where that is fewer than the slots;
     False: slots alone. Measured on A64 (seeds 1-2): slots alone let moves and lending pack
-    agents of ~60k tokens of context 48 to a cell whose KV holds ~30, and every turn of an
+    agents of ~50k tokens of context 48 to a cell whose KV keeps ~37, and every turn of an
     evicted agent prefilled its whole context again."""
     breathe_out: float = 0.5
     """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
