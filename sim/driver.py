@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler import policy as P
@@ -23,6 +24,11 @@ from sim.workload import make_trace
 
 MAX_ROUNDS = 8
 """decide() calls per boundary: actions are applied, then the policy is asked again."""
+
+RECOMPUTE_WINDOW_S = 1800.0
+"""Window of the measured recompute share (Pipeline.kv_recompute_share), simulated seconds:
+long enough that the thrash which engaged Gyre's dispatch cut stays in it while the cut
+works (over 600 s the cut engaged and released as the recompute came and went)."""
 
 CONTEXT_EVERY_S = 10.0
 """How often the mean context of the open executions is measured (simulated seconds)."""
@@ -122,6 +128,9 @@ class Driver:
         self._measure_context = self.spec.name == "gyre"
         self._context_at = -math.inf
         self._context_tokens = 0.0
+        self._recompute: deque[tuple[float, float, float]] = deque()  # (t, recompute GPU-s, rollout cell-s)
+        self._rollout_cell_s = 0.0
+        self._recompute_share = 0.0
         self.burst: P.BurstView | None = None
         self.next_task = 0
         self.update_times: list[float] = []
@@ -245,6 +254,7 @@ class Driver:
             switch_s=self._switch_s,
             kv_tokens_per_cell=self._kv_tokens,
             context_tokens=self._context() if self._measure_context else 0.0,
+            kv_recompute_share=self._recompute_share,
             versions=versions,
             planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
         )
@@ -254,6 +264,7 @@ class Driver:
         every ``CONTEXT_EVERY_S`` of simulated time as a live scheduler would sample it."""
         now = self.loop.now
         if now - self._context_at >= CONTEXT_EVERY_S:
+            self._measure_recompute(now, now - self._context_at if self._recompute else 0.0)
             self._context_at = now
             total = n = 0
             for groups in self.cluster.live.values():
@@ -265,6 +276,21 @@ class Driver:
             if n:
                 self._context_tokens = total / n
         return self._context_tokens
+
+    def _measure_recompute(self, now: float, dt: float) -> None:
+        """The share of the rollout cells' time spent prefilling again what the KV evicted or
+        preempted, over the last ``RECOMPUTE_WINDOW_S`` (Pipeline.kv_recompute_share; a live
+        scheduler reads it from the engines' prefix-cache and preemption counters)."""
+        cl = self.cluster
+        self._rollout_cell_s += dt * sum(1 for c in cl.cells if c.role is Role.ROLLOUT)
+        q = self._recompute
+        q.append((now, cl.kv_recompute_gpu_s, self._rollout_cell_s))
+        while len(q) > 2 and now - q[1][0] >= RECOMPUTE_WINDOW_S:
+            q.popleft()
+        _, r0, c0 = q[0]
+        self._recompute_share = (
+            (cl.kv_recompute_gpu_s - r0) / (self._rollout_cell_s - c0) if self._rollout_cell_s > c0 else 0.0
+        )
 
     def _tail(self, limit: int = 256) -> tuple[P.ExecView, ...]:
         """Open executions of the oldest consumable version (the tail the batch waits on)."""

@@ -67,6 +67,13 @@ class GyreSettings(BaseModel):
         description="Gyre lever: rollout capacity in executions the KV cache keeps resident at the "
         "measured mean context, where that is fewer than the slots.",
     )
+    gyre_kv_cut_share: float = Field(
+        GyreConfig.kv_cut_share,
+        gt=0,
+        le=1,
+        description="Gyre: share of rollout time spent recomputing evicted prefixes from which "
+        "dispatch is cut to what the rollout KV keeps (1: off).",
+    )
     gyre_breathe_out: float = Field(
         GyreConfig.breathe_out,
         ge=0,

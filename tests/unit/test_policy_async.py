@@ -933,3 +933,32 @@ def test_gyre_keeps_a_lent_cell_while_work_is_left_to_claim_and_rollout_does_not
         for a in GyrePolicy().decide(_snap(cells, _heavy_pipeline(12)))
         if isinstance(a, ReturnToRollout)
     ] == ["c7"]
+
+
+def test_gyre_cuts_dispatch_to_the_rollout_kv_while_recompute_takes_rollout_time():
+    # A64 with drift (seeds 1-2): contexts grow 2.6x over the run, and the gate let ~2,500
+    # agents out where the rollout cells' KV kept ~1,500; every agent beyond it evicted the
+    # cached prefixes of others waiting on tools (0.6-0.8 M GPU-s of recompute). While
+    # recomputing takes kv_cut_share (10%) of the rollout cells' time, dispatch is cut to
+    # what their KV keeps: 31,369 / 35,136 -> 27,793 / 26,556 s. Where recompute is cheap
+    # (short contexts) the cut stays off: cut always, the small KV-bound scenario ran 1.8x
+    # slower. Here 8 rollout cells keep 2 executions each (16) and 12 are open.
+    R, T = CellState.ROLLOUT, CellState.TRAINING
+    kv = {"kv_tokens_per_cell": 1e5, "context_tokens": 5e4}
+    cells = _cells([T] * 2 + [R] * 8)
+
+    def dispatched(p: Pipeline, config: GyreConfig | None = None, cells: tuple[CellView, ...] = cells) -> int:
+        acts = GyrePolicy(config).decide(_snap(cells, p, quota=400))
+        return sum(a.quota for a in acts if isinstance(a, DispatchBurst))
+
+    gate = dispatched(_heavy_pipeline(12, **kv))  # recompute not measured: the gate's room
+    assert gate > 4
+    thrashing = _heavy_pipeline(12, kv_recompute_share=0.3, **kv)
+    assert dispatched(thrashing) == 4  # one group of 4 fits the 16 the KV keeps
+    assert dispatched(_heavy_pipeline(12, kv_recompute_share=0.05, **kv)) == gate  # cheap: no cut
+    assert dispatched(thrashing, GyreConfig(kv=False)) == gate
+    assert dispatched(thrashing, GyreConfig(kv_cut_share=1.0)) == gate  # 1: off
+    # Full: nothing goes out until executions close; with nothing open, one group always does.
+    assert dispatched(_heavy_pipeline(16, kv_recompute_share=0.3, **kv)) == 0
+    one = _cells([T] * 9 + [R])  # one rollout cell keeping 2: less than a group
+    assert dispatched(_heavy_pipeline(0, kv_recompute_share=0.3, **kv), cells=one) == 4

@@ -112,22 +112,26 @@ def test_a_run_trains_at_the_calibrated_cost() -> None:
 
 def test_gyre_sees_the_kv_size_and_the_measured_context() -> None:
     """The driver hands Gyre what the live scheduler would measure: one engine's KV in tokens
-    and the mean context of the launched, open executions (sampled every 10 s); the
-    baselines get neither (they do not read them)."""
+    and the mean context of the launched, open executions (sampled every 10 s), and the
+    share of rollout time spent recomputing evicted prefixes; the baselines get no context
+    (they do not read it)."""
     cfg, sc = _tight(6_000)
-    seen: list[tuple[float, float]] = []
+    seen: list[tuple[float, float, float]] = []
 
     class Watching(KvCheckingDriver):
         def snapshot(self):  # type: ignore[no-untyped-def]
             snap = super().snapshot()
             if snap.pipeline is not None:
-                seen.append((snap.pipeline.kv_tokens_per_cell, snap.pipeline.context_tokens))
+                p = snap.pipeline
+                seen.append((p.kv_tokens_per_cell, p.context_tokens, p.kv_recompute_share))
             return snap
 
     assert Watching(cfg, sc, PolicySpec("gyre")).run().reached
-    assert all(kv == pytest.approx(6_000) for kv, _ in seen)
-    contexts = [ctx for _, ctx in seen if ctx > 0]
+    assert all(kv == pytest.approx(6_000) for kv, *_ in seen)
+    contexts = [ctx for _, ctx, _ in seen if ctx > 0]
     assert contexts and max(contexts) < 6_000 * 4  # a mean context, not a sum
+    shares = [share for *_, share in seen]
+    assert max(shares) > 0 and all(0 <= share < 1 for share in shares)  # this KV evicts
     seen.clear()
     Watching(cfg, sc, PolicySpec("async-static", training_cells=3)).run()
-    assert seen and all(ctx == 0 for _, ctx in seen)
+    assert seen and all(ctx == 0 for _, ctx, _ in seen)

@@ -4,7 +4,9 @@ bound, cells sized from rates, committed work always covered, tail control.
 Dispatch. Like the asynchronous baselines, groups go out whenever the staleness gate
 ``(v + eta + 1) x B + X`` has room (:func:`.common.dispatch_to_gate`), stamped with the
 version they serve; unconsumable groups are cancelled early by the mechanism
-(:mod:`.staleness`), the same rule for every policy. Gyre differs only in where cells are.
+(:mod:`.staleness`), the same rule for every policy. Gyre differs in where cells are, and in
+one cut: while recomputing evicted prefixes takes a share of rollout's time, it dispatches no
+more than the rollout cells' KV keeps ("Capacity in KV" below).
 
 Roles, from rates (not thresholds). With ``r`` the training rate of one cell, ``g`` the
 tokens per ready group and ``lambda`` the arrival rate of ready groups, both measured over
@@ -109,6 +111,18 @@ agents left in rollout past the KV and 3-4% of the GPU time went to recomputing 
 scheduler does not fill the two inputs yet (``kv_tokens_per_cell``, ``context_tokens``), and
 the policy then counts slots, as before.
 
+Dispatch is cut to what the rollout cells' KV keeps (the open executions stay within
+``rollout_capacity``; with nothing open one group always goes out) while recomputing
+evicted prefixes takes at least ``kv_cut_share`` (10%) of the rollout cells' time
+(``Pipeline.kv_recompute_share``). Under drift (A64 with contexts growing 2.6x over the run)
+the gate let ~2,500 agents out where the KV kept ~1,500: seeds 1-2 ran 31,369 / 35,136 ->
+27,793 / 26,556 s (the T = 16 split, whose slow trainer throttles its own dispatch: 22,251 /
+22,291 s). Cut whenever the KV binds, the small KV-bound test scenario (engines of 6,000
+tokens, short contexts) ran 1.8x slower: there recomputing is cheap and the concurrency the
+cut takes away is not. Measured over 600 s the share engaged and released the cut as the
+recompute came and went (A64-drift 34,980 s); the simulator measures it over 1,800 s. The
+live scheduler does not measure it yet either.
+
 A lent cell (beyond the rate target) stays while work is left to claim and rollout does not
 need its slots, even when what is left is below the lending bar: returned on the bar, the
 cells of A64 with drift went back as they trained the claimable work down and were lent
@@ -206,6 +220,10 @@ class GyreConfig:
     False: slots alone. Measured on A64 (seeds 1-2): slots alone let moves and lending pack
     agents of ~50k tokens of context 48 to a cell whose KV keeps ~37, and every turn of an
     evicted agent prefilled its whole context again."""
+    kv_cut_share: float = 0.1
+    """Share of the rollout cells' time spent recomputing evicted prefixes
+    (``Pipeline.kv_recompute_share``) from which dispatch is cut to what the rollout cells'
+    KV keeps (with ``kv``); 1 turns the cut off."""
     breathe_out: float = 0.5
     """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
     core to rollout: a switch each way is not worth two waiting executions."""
@@ -217,6 +235,8 @@ class GyreConfig:
             raise ValueError("saturated_share must be in (0, 1]")
         if not 0 < self.breathe_in <= 1:
             raise ValueError("breathe_in must be in (0, 1]")
+        if not 0 < self.kv_cut_share <= 1:
+            raise ValueError("kv_cut_share must be in (0, 1]")
         if not 0 <= self.breathe_out <= 1:
             raise ValueError("breathe_out must be in [0, 1]")
         if self.lend_min_s < 0:
@@ -369,7 +389,7 @@ class GyrePolicy:
         if not self.config.kv and p.context_tokens:
             p = dataclasses.replace(p, context_tokens=0.0)
             s = dataclasses.replace(s, pipeline=p)
-        dispatch = dispatch_to_gate(s)
+        dispatch = self._kv_bounded(s, dispatch_to_gate(s))
         actions: list[Action] = publish_newest(s) + dispatch
         elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
         prefix = training_set(elastic)
@@ -520,6 +540,37 @@ class GyrePolicy:
                     )
                 ]
         return []
+
+    def _kv_bounded(self, s: Snapshot, dispatch: list[Action]) -> list[Action]:
+        """The gate's dispatch, cut to whole groups so that the open executions stay within
+        what the rollout cells' KV keeps, while recomputing evicted prefixes takes at least
+        ``kv_cut_share`` of the rollout cells' time (see the module docstring)."""
+        p = s.pipeline
+        assert p is not None
+        if not (self.config.kv and dispatch and p.context_tokens > 0):
+            return dispatch
+        if p.kv_recompute_share < self.config.kv_cut_share:
+            return dispatch
+        cap = rollout_capacity(s.cells, p)
+        open_now = sum(v.open for v in p.versions)
+        out: list[Action] = []
+        for a in dispatch:
+            if isinstance(a, DispatchBurst):
+                room = (cap - open_now) // p.group_size * p.group_size
+                if open_now == 0:
+                    room = max(room, p.group_size)  # a group always goes out: never a stall
+                if room <= 0:
+                    continue
+                if room < a.quota:
+                    a = dataclasses.replace(
+                        a,
+                        quota=room,
+                        reason=f"{a.reason}; cut to {room}: recomputing evicted prefixes takes "
+                        f"{p.kv_recompute_share:.0%} of rollout, and its KV keeps {cap} executions",
+                    )
+                open_now += a.quota
+            out.append(a)
+        return out
 
     def _plan(self, elastic: list[CellView], prefix: list[CellView], target: int) -> tuple[str, ...]:
         """The cells the target takes next, plus ``plan_ahead``, in move order."""

@@ -196,6 +196,9 @@ class Pipeline:
     context_tokens: float = 0.0
     """Recent mean context of a launched, open execution, tokens: the KV it keeps resident
     (running, or cached while its tool runs); 0: not measured yet."""
+    kv_recompute_share: float = 0.0
+    """Share of the rollout cells' time recently spent prefilling again the prefixes their KV
+    evicted or preempted; 0: none, or not measured."""
     versions: tuple[VersionCounts, ...] = ()
     planned: tuple[str, ...] = ()
     """Cells the last :class:`~.actions.PlanMoves` named (placement avoids them)."""
