@@ -125,7 +125,8 @@ class Driver:
         cost exactly (a satellite pulls the core's weights on the way in)."""
         kv = cc.kv_capacity_tokens
         self._kv_tokens = kv if math.isfinite(kv) else 0.0
-        self._measure_context = self.spec.name == "gyre"
+        self._measure_kv = self.spec.name == "gyre"
+        """Gyre reads the KV inputs (context, recompute share); the baselines get zeros."""
         self._context_at = -math.inf
         self._context_tokens = 0.0
         self._recompute: deque[tuple[float, float, float]] = deque()  # (t, recompute GPU-s, rollout cell-s)
@@ -223,6 +224,8 @@ class Driver:
 
     def _pipeline(self) -> P.Pipeline:
         cl = self.cluster
+        if self._measure_kv:
+            self._sample_kv()
         tr = cl.trainer
         eta = tr.max_staleness
         lo = tr.version - eta - 1
@@ -253,29 +256,30 @@ class Driver:
             tokens_per_group=per_group,
             switch_s=self._switch_s,
             kv_tokens_per_cell=self._kv_tokens,
-            context_tokens=self._context() if self._measure_context else 0.0,
+            context_tokens=self._context_tokens,
             kv_recompute_share=self._recompute_share,
             versions=versions,
             planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
         )
 
-    def _context(self) -> float:
-        """Mean context of the launched, open executions (Pipeline.context_tokens), measured
-        every ``CONTEXT_EVERY_S`` of simulated time as a live scheduler would sample it."""
+    def _sample_kv(self) -> None:
+        """Every ``CONTEXT_EVERY_S`` of simulated time, as a live scheduler would sample them:
+        the mean context of the launched, open executions (Pipeline.context_tokens) and the
+        recompute share (:meth:`_measure_recompute`)."""
         now = self.loop.now
-        if now - self._context_at >= CONTEXT_EVERY_S:
-            self._measure_recompute(now, now - self._context_at if self._recompute else 0.0)
-            self._context_at = now
-            total = n = 0
-            for groups in self.cluster.live.values():
-                for g in groups.values():
-                    for ex in g.members:
-                        if ex.cell is not None and ex.state is not ExecState.CLOSED:
-                            total += ex.ctx
-                            n += 1
-            if n:
-                self._context_tokens = total / n
-        return self._context_tokens
+        if now - self._context_at < CONTEXT_EVERY_S:
+            return
+        self._measure_recompute(now, now - self._context_at if self._recompute else 0.0)
+        self._context_at = now
+        total = n = 0
+        for groups in self.cluster.live.values():
+            for g in groups.values():
+                for ex in g.members:
+                    if ex.cell is not None and ex.state is not ExecState.CLOSED:
+                        total += ex.ctx
+                        n += 1
+        if n:
+            self._context_tokens = total / n
 
     def _measure_recompute(self, now: float, dt: float) -> None:
         """The share of the rollout cells' time spent prefilling again what the KV evicted or

@@ -107,9 +107,9 @@ prefixes are evicted and every turn of an evicted agent prefills its whole conte
 Measured on A64 (cells of 48 slots; a mean context of ~50k tokens, 29k-68k over the run,
 so the KV keeps 24-48 agents, 37 at the median): in slots, moves and lending packed the
 agents left in rollout past the KV and 3-4% of the GPU time went to recomputing prefixes
-(18,829 / 22,981 GPU-s; in KV 4,438 / 1,541); seeds 1-2 ran 8,590 / 8,720 -> 7,824 / 7,746 s. The live
-scheduler does not fill the two inputs yet (``kv_tokens_per_cell``, ``context_tokens``), and
-the policy then counts slots, as before.
+(18,829 / 22,981 GPU-s; in KV 4,438 / 1,541); seeds 1-2 ran 8,590 / 8,720 -> 7,824 / 7,746
+s. The live scheduler does not fill the two inputs yet (``kv_tokens_per_cell``,
+``context_tokens``), and the policy then counts slots, as before.
 
 Dispatch is cut to what the rollout cells' KV keeps (the open executions stay within
 ``rollout_capacity``; with nothing open one group always goes out) while recomputing
@@ -288,9 +288,7 @@ class GyrePolicy:
         p = s.pipeline
         assert p is not None
         slots = p.kv_slots(max((c.slots for c in elastic), default=1) or 1)
-        standalone = sum(
-            p.kv_slots(c.slots) for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT
-        )
+        standalone = rollout_capacity((c for c in s.cells if not c.elastic), p)
         t_max = len(elastic) - staleness.cells_to_cover(max(0, w - standalone), slots)
         if self.config.rates:
             t, why = rate_target(p, self.config.min_horizon_s)
@@ -370,9 +368,7 @@ class GyrePolicy:
         if p.ready_groups >= self.breathe_in_groups(p):
             return False
         slots = p.kv_slots(max((c.slots for c in elastic), default=0))
-        standalone = sum(
-            p.kv_slots(c.slots) for c in s.cells if not c.elastic and c.state is CellState.ROLLOUT
-        )
+        standalone = rollout_capacity((c for c in s.cells if not c.elastic), p)
         waiting = w - standalone - slots * (len(elastic) - 1)
         return waiting > 0 and waiting >= self.config.breathe_out * slots
 
@@ -547,10 +543,8 @@ class GyrePolicy:
         ``kv_cut_share`` of the rollout cells' time (see the module docstring)."""
         p = s.pipeline
         assert p is not None
-        if not (self.config.kv and dispatch and p.context_tokens > 0):
-            return dispatch
-        if p.kv_recompute_share < self.config.kv_cut_share:
-            return dispatch
+        if not dispatch or p.context_tokens <= 0 or p.kv_recompute_share < self.config.kv_cut_share:
+            return dispatch  # (with ``kv`` off, decide() has zeroed the context)
         cap = rollout_capacity(s.cells, p)
         open_now = sum(v.open for v in p.versions)
         out: list[Action] = []
