@@ -74,6 +74,13 @@ class GyreSettings(BaseModel):
         description="Gyre: share of rollout time spent recomputing evicted prefixes from which "
         "dispatch is cut to what the rollout KV keeps (1: off).",
     )
+    gyre_parallel_moves: float = Field(
+        GyreConfig.parallel_moves,
+        ge=0,
+        le=1,
+        description="Gyre: moves to training in flight at once, as a fraction of the elastic cells "
+        "(at least one; 0: one at a time).",
+    )
     gyre_breathe_out: float = Field(
         GyreConfig.breathe_out,
         ge=0,

@@ -230,6 +230,7 @@ CONFIGS = st.builds(
     hysteresis=st.sampled_from([0.0, 0.2, 1.0]),
     saturated_share=st.sampled_from([0.6, 1.0]),
     breathe=st.booleans(),
+    parallel_moves=st.sampled_from([0.0, 1 / 32, 0.25, 1.0]),
 )
 
 
@@ -243,25 +244,32 @@ def test_gyre_invariants_on_random_snapshots(s, cfg):
     by_id = {c.cell_id: c for c in s.cells}
     elastic = s.elastic()
     prefix_ok = is_prefix(s.cells)
-    assert len(moves) <= 1
+    policy = GyrePolicy(cfg)
+    draining = [x for x in elastic if x.state is CellState.DRAINING]
+    assert len(moves) <= max(0, policy.max_moves(len(elastic)) - len(draining))
+    assert len({m.cell_id for m in moves}) == len(moves)
     plans = [a.cell_ids for a in acts if isinstance(a, PlanMoves)]
     planned = plans[-1] if plans else p.planned
+    # Invariant: committed usable work stays covered by what the moves leave in rollout,
+    # except by a breathing core coming back to a batch's worth of ready groups (the trainer
+    # is then the next step).
+    core_back = any(
+        cfg.breathe and by_id[m.cell_id].is_core and p.ready_groups >= policy.breathe_in_groups(p)
+        for m in moves
+    )
+    assert capacity(s.cells) - sum(by_id[m.cell_id].slots for m in moves) >= w or core_back or not moves
     for m in moves:
-        c = by_id[m.cell_id]
-        # Invariant: committed usable work stays covered, except by a breathing core coming
-        # back to a batch's worth of ready groups (the trainer is then the next step).
-        policy = GyrePolicy(cfg)
-        core_back = cfg.breathe and c.is_core and p.ready_groups >= policy.breathe_in_groups(p)
-        assert capacity(s.cells) - c.slots >= w or core_back
-        assert c.state is CellState.ROLLOUT
-        assert not any(x.state is CellState.DRAINING for x in elastic)
-        # The prefix grows by the lowest-index cell not training.
-        if prefix_ok:
-            after = tuple(
-                CellView(x.cell_id, x.kind, x.index, CellState.DRAINING if x is c else x.state, x.slots)
-                for x in s.cells
+        assert by_id[m.cell_id].state is CellState.ROLLOUT
+    # The prefix grows by the lowest-index cells not training.
+    if prefix_ok and moves:
+        moved = {m.cell_id for m in moves}
+        after = tuple(
+            CellView(
+                x.cell_id, x.kind, x.index, CellState.DRAINING if x.cell_id in moved else x.state, x.slots
             )
-            assert is_prefix(after)
+            for x in s.cells
+        )
+        assert is_prefix(after)
     for a in acts:
         if (
             isinstance(a, ReturnToRollout)
@@ -428,6 +436,60 @@ def test_gyre_grows_the_prefix_from_rates_and_keeps_rollout_covering_w_eta():
     assert moves and capacity(s2.cells) - 10 >= w
     s3 = _snap(_cells([T, T, T, R, R, R]), p2)  # 20 slots after the move < 30: hold
     assert not [a for a in GyrePolicy().decide(s3) if isinstance(a, MoveToTraining)]
+
+
+def test_gyre_puts_several_moves_in_flight_at_scale():
+    """B1024's start-up: with one move in flight the training prefix grew a cell per switch
+    (a one-update run at 256 cells: 1 -> 102 cells in 280 s, the T = 128 split done in 287 s).
+    ``parallel_moves`` of the elastic cells move at once, the next ones by index, each
+    leaving rollout covering W_eta and its executions somewhere to go."""
+    R, T, D = CellState.ROLLOUT, CellState.TRAINING, CellState.DRAINING
+    p = Pipeline(
+        max_staleness=1,
+        group_size=4,
+        batch_groups=400,
+        batch_assigned=400,
+        ready_groups=200,
+        train_rate_per_cell=1000.0,
+        ready_rate=10.0,
+        tokens_per_group=5e4,
+        versions=(VersionCounts(1, groups=100, dispatched=400, launched=400, finished=300),),
+        published_version=1,
+    )
+    cells = _cells([T] + [R] * 63)
+    cfg = GyreConfig(parallel_moves=1 / 16)
+    moved = [a.cell_id for a in GyrePolicy(cfg).decide(_snap(cells, p)) if isinstance(a, MoveToTraining)]
+    assert moved == ["c1", "c2", "c3", "c4"]
+    # One at a time with parallel_moves 0 (the old rule) ...
+    one = GyreConfig(parallel_moves=0.0)
+    assert [a.cell_id for a in GyrePolicy(one).decide(_snap(cells, p)) if isinstance(a, MoveToTraining)] == [
+        "c1"
+    ]
+    # ... and the moves in flight count: two draining leave room for two more.
+    draining = _cells([T, D, D] + [R] * 61)
+    acts = GyrePolicy(cfg).decide(_snap(draining, p))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c3", "c4"]
+    full = _cells([T, D, D, D, D] + [R] * 59)
+    acts = GyrePolicy(cfg).decide(_snap(full, p))
+    assert not [a for a in acts if isinstance(a, MoveToTraining)]
+    assert any(isinstance(a, Hold) and "DRAINING" in a.reason for a in acts)
+    # Together the moves leave rollout covering W_eta: 100 open executions (10 cells of 10
+    # slots) cap the prefix at 54, so from 50 only 4 go, however many may be in flight.
+    w100 = Pipeline(**{**p.__dict__, "ready_groups": 0, "backlog_tokens": 3e6, "ready_rate": 0.4})
+    assert staleness.waterlevel(w100, 1) == 100
+    tight = _cells([T] * 50 + [R] * 14)
+    acts = GyrePolicy(GyreConfig(parallel_moves=1.0)).decide(_snap(tight, w100))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c50", "c51", "c52", "c53"]
+    # The free slots the earlier moves of a decision leave count for the later ones: three
+    # cells of 8 executions and two empty ones have 26 free slots; c1's executions leave 16,
+    # c2's leave 6, and c3's 8 would find 4 free slots elsewhere, so only two go.
+    few = Pipeline(
+        **{**p.__dict__, "versions": (VersionCounts(1, groups=5, dispatched=20, launched=20, finished=2),)}
+    )
+    busy = _cells([T] + [R] * 5, loads=[0, 8, 8, 8, 0, 0])
+    acts = GyrePolicy(GyreConfig(parallel_moves=1.0)).decide(_snap(busy, few))
+    assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c1", "c2"]
+    assert any(isinstance(a, Hold) and a.cell_id == "c3" and "free slots" in a.reason for a in acts)
 
 
 def test_gyre_returns_satellites_only_beyond_the_hysteresis_band():

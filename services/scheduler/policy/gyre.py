@@ -57,20 +57,29 @@ the rate rule states that directly (no supply -> no work -> T = 1) and reacts wi
 decision instead of after ``interval_s``, and it never sends a cell to train on a batch that
 the arrival rate cannot feed.
 
-Hysteresis. A cell moves to training when ``T < target`` (one move in flight at a time,
-core first, the prefix grows by index); a satellite returns only when ``T > T_rate + h``
-with ``h = max(1, ceil(hysteresis x T_rate))`` (``T_rate`` uncapped, see above, and before
-the saturated share: a band measured against the share was narrower, and satellites went
-back and forth as saturation came and went; B64 at eta = 4, seeds 1-3: switch + reroute
-GPU-seconds 2.1% -> 1.7-1.9%, 1,772 -> 1,765 s median; A64 at eta = 2: 5,322 -> 5,265 s;
-eta <= 1 never saturates and is unchanged). Nothing
-happens at an update: satellites stay across updates whenever the next batch's supply keeps
-the target up (there is no burst end any more).
+Hysteresis. A cell moves to training when ``T < target`` (core first, the prefix grows by
+index, up to ``parallel_moves`` of the elastic cells in flight: "Moves in flight" below); a
+satellite returns only when ``T > T_rate + h`` with ``h = max(1, ceil(hysteresis x
+T_rate))`` (``T_rate`` uncapped, see above, and before the saturated share: a band measured
+against the share was narrower, and satellites went back and forth as saturation came and
+went; B64 at eta = 4, seeds 1-3: switch + reroute GPU-seconds 2.1% -> 1.7-1.9%, 1,772 ->
+1,765 s median; A64 at eta = 2: 5,322 -> 5,265 s; eta <= 1 never saturates and is
+unchanged). Nothing happens at an update: satellites stay across updates whenever the next
+batch's supply keeps the target up (there is no burst end any more).
 
 Invariant (tested with hypothesis): a move to training never leaves rollout capacity below
 ``W_eta`` (except a breathing core coming back to ``breathe_in`` x B ready groups); the core
-leaves only to breathe; the training set is a prefix of the elastic cells; at most one move to training
-is in flight; no dispatch exceeds the gate.
+leaves only to breathe; the training set is a prefix of the elastic cells; at most
+``max_moves`` moves to training are in flight; no dispatch exceeds the gate.
+
+Moves in flight. Up to ``parallel_moves`` (1/32) of the elastic cells move to training at
+once, the next ones by index, each checked with the capacity and free slots the earlier moves
+of the decision leave. One at a time, the prefix grew a cell per switch: at 1,024 cells
+(B1024, one update) it needed ~1,400 s to reach the 512 cells the arrivals asked for, and
+Gyre took 503 s where the T = 512 split took 283 s; 32 in flight: 287 s. Below 64 elastic
+cells this is one move at a time, as before; at 64 two (seeds 1-2: A64, B64, B64 at eta 0
+and B64 with drift within 1% either way; A64 with drift, a chaotic scenario, moved from
+27,793 / 26,556 s to 19,330 / 34,856 s).
 
 Breathing (``breathe``, on by default), once a training rate has been measured:
 
@@ -224,6 +233,9 @@ class GyreConfig:
     """Share of the rollout cells' time spent recomputing evicted prefixes
     (``Pipeline.kv_recompute_share``) from which dispatch is cut to what the rollout cells'
     KV keeps (with ``kv``); 1 turns the cut off."""
+    parallel_moves: float = 1 / 32
+    """Moves to training in flight at once, as a fraction of the elastic cells (at least one;
+    0: one at a time). See "Moves in flight" in the module docstring."""
     breathe_out: float = 0.5
     """Executions waiting for slots, as a fraction of the core's slots, that send a breathing
     core to rollout: a switch each way is not worth two waiting executions."""
@@ -239,6 +251,8 @@ class GyreConfig:
             raise ValueError("kv_cut_share must be in (0, 1]")
         if not 0 <= self.breathe_out <= 1:
             raise ValueError("breathe_out must be in [0, 1]")
+        if not 0 <= self.parallel_moves <= 1:
+            raise ValueError("parallel_moves must be in [0, 1]")
         if self.lend_min_s < 0:
             raise ValueError("lend_min_s must be >= 0")
         if self.hysteresis < 0 or self.plan_ahead < 0 or self.migrate_max < 0:
@@ -430,60 +444,7 @@ class GyrePolicy:
         (the rate target uncapped) plus the hysteresis band."""
         t = len(prefix)
         if t < target:
-            busy = [c for c in elastic if c.state is CellState.DRAINING]
-            if busy:
-                return [Hold(f"waiting: {busy[0].cell_id} is DRAINING", busy[0].cell_id)]
-            rest = [c for c in elastic if c.state not in TRAINING_SIDE]
-            if not rest:
-                return []
-            cand = rest[0]
-            if cand.state is not CellState.ROLLOUT:
-                return [Hold(f"waiting: next cell {cand.cell_id} is {cand.state.value}", cand.cell_id)]
-            if t + 1 > band and not cand.is_core and cand.load > 0:
-                # A lent cell (beyond the rate target, breathing) joins only once it is empty:
-                # its slots are spare only if nothing runs there, and PlanMoves keeps new
-                # work off it meanwhile. Draining it would reroute its executions and
-                # recompute their prefixes for a join the rate rule did not ask for (lending
-                # busy cells cost A64 4% and B64 at eta 0 2% in the simulator).
-                return [Hold(f"waiting: {cand.cell_id} (lent, load {cand.load}) to empty", cand.cell_id)]
-            room = sum(c.slots - c.load for c in s.cells if c.state is CellState.ROLLOUT and c is not cand)
-            if cand.load > room:
-                # Its executions are rerouted as it drains: with nowhere to go the move is
-                # called off, and deciding it again every tick only repeats that (the demo's
-                # core, back from breathing with rollout full: 4 moves called off in 2 s).
-                return [
-                    Hold(
-                        f"waiting: {cand.cell_id}'s {cand.load} executions have {room} free slots elsewhere",
-                        cand.cell_id,
-                    )
-                ]
-            assert s.pipeline is not None
-            after = rollout_capacity(s.cells, s.pipeline) - s.pipeline.kv_slots(cand.slots)
-            ready = s.pipeline.ready_groups
-            if (
-                after < w
-                and cand.is_core
-                and self.config.breathe
-                and ready >= self.breathe_in_groups(s.pipeline)
-            ):
-                # The trainer is the next step: without a new version the gate stays shut and
-                # the work W_eta counts cannot grow; the core comes back whatever rollout holds.
-                return [
-                    MoveToTraining(
-                        cand.cell_id,
-                        f"moved core {cand.cell_id} back to training: {ready} groups ready "
-                        f"({why}); capacity {after} < W_eta {w}",
-                    )
-                ]
-            if after < w:
-                return [Hold(f"kept {cand.cell_id} in rollout: capacity {after} < W_eta {w}", cand.cell_id)]
-            return [
-                MoveToTraining(
-                    cand.cell_id,
-                    f"moved {cand.cell_id} to training: T {t} -> {t + 1} of target {target} ({why}); "
-                    f"capacity {after} >= W_eta {w}",
-                )
-            ]
+            return self._moves(s, elastic, t, target, band, w, why)
         if target == 0 and t == 1 and prefix[0].is_core and prefix[0].state is CellState.TRAINING:
             return [
                 ReturnToRollout(prefix[0].cell_id, f"returned core {prefix[0].cell_id} to rollout: {why}")
@@ -536,6 +497,84 @@ class GyrePolicy:
                     )
                 ]
         return []
+
+    def max_moves(self, elastic: int) -> int:
+        """Moves to training in flight at once: ``parallel_moves`` of the elastic cells, at
+        least one."""
+        return max(1, math.floor(self.config.parallel_moves * elastic))
+
+    def _moves(
+        self, s: Snapshot, elastic: list[CellView], t: int, target: int, band: int, w: int, why: str
+    ) -> list[Action]:
+        """Moves towards ``target``, the next cells by index, as many as the moves in flight
+        allow (``parallel_moves``): each candidate must pass the checks with the capacity and
+        the free slots the earlier ones of this decision leave. The first that fails ends the
+        decision (the training set stays a prefix), with a Hold that says why."""
+        p = s.pipeline
+        assert p is not None
+        busy = [c for c in elastic if c.state is CellState.DRAINING]
+        budget = min(self.max_moves(len(elastic)) - len(busy), target - t)
+        if budget <= 0:
+            return [Hold(f"waiting: {busy[0].cell_id} is DRAINING", busy[0].cell_id)]
+        rest = [c for c in elastic if c.state not in TRAINING_SIDE]
+        cap = rollout_capacity(s.cells, p)
+        room = sum(c.slots - c.load for c in s.cells if c.state is CellState.ROLLOUT)
+        out: list[Action] = []
+        for cand in rest[:budget]:
+            hold = self._blocked(cand, t + len(out), band, room)
+            if hold is not None:
+                return [*out, hold]
+            cap -= p.kv_slots(cand.slots)
+            room -= cand.slots
+            n = t + len(out)
+            ready = p.ready_groups
+            if cap < w and cand.is_core and self.config.breathe and ready >= self.breathe_in_groups(p):
+                # The trainer is the next step: without a new version the gate stays shut and
+                # the work W_eta counts cannot grow; the core comes back whatever rollout holds.
+                out.append(
+                    MoveToTraining(
+                        cand.cell_id,
+                        f"moved core {cand.cell_id} back to training: {ready} groups ready "
+                        f"({why}); capacity {cap} < W_eta {w}",
+                    )
+                )
+                continue
+            if cap < w:
+                return [
+                    *out,
+                    Hold(f"kept {cand.cell_id} in rollout: capacity {cap} < W_eta {w}", cand.cell_id),
+                ]
+            out.append(
+                MoveToTraining(
+                    cand.cell_id,
+                    f"moved {cand.cell_id} to training: T {n} -> {n + 1} of target {target} ({why}); "
+                    f"capacity {cap} >= W_eta {w}",
+                )
+            )
+        return out
+
+    def _blocked(self, cand: CellView, n: int, band: int, room: int) -> Hold | None:
+        """Why ``cand``, the next cell of a prefix of ``n``, cannot move now (None: it can).
+        ``room``: the free slots of the rollout cells once this decision's earlier moves left."""
+        if cand.state is not CellState.ROLLOUT:
+            return Hold(f"waiting: next cell {cand.cell_id} is {cand.state.value}", cand.cell_id)
+        if n + 1 > band and not cand.is_core and cand.load > 0:
+            # A lent cell (beyond the rate target, breathing) joins only once it is empty:
+            # its slots are spare only if nothing runs there, and PlanMoves keeps new
+            # work off it meanwhile. Draining it would reroute its executions and
+            # recompute their prefixes for a join the rate rule did not ask for (lending
+            # busy cells cost A64 4% and B64 at eta 0 2% in the simulator).
+            return Hold(f"waiting: {cand.cell_id} (lent, load {cand.load}) to empty", cand.cell_id)
+        free = room - (cand.slots - cand.load)
+        if cand.load > free:
+            # Its executions are rerouted as it drains: with nowhere to go the move is
+            # called off, and deciding it again every tick only repeats that (the demo's
+            # core, back from breathing with rollout full: 4 moves called off in 2 s).
+            return Hold(
+                f"waiting: {cand.cell_id}'s {cand.load} executions have {free} free slots elsewhere",
+                cand.cell_id,
+            )
+        return None
 
     def _kv_bounded(self, s: Snapshot, dispatch: list[Action]) -> list[Action]:
         """The gate's dispatch, cut to whole groups so that the open executions stay within
