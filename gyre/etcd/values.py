@@ -58,6 +58,8 @@ class CellRecord:
     target: str
     engine: str = "mock"
     policy_version: int = 0
+    kv_tokens: int = 0
+    """Tokens the engine's KV cache holds (0: unknown, e.g. a record from an older agent)."""
 
     @classmethod
     def from_json(cls, raw: bytes) -> CellRecord:
@@ -74,6 +76,7 @@ class CellRecord:
             str(d.get("target", "")),
             str(d.get("engine", "mock")),
             int(d.get("policy_version", 0)),
+            max(0, int(d.get("kv_tokens", 0))),
         )
 
     def to_json(self) -> bytes:
@@ -86,6 +89,7 @@ class CellRecord:
                 "target": self.target,
                 "engine": self.engine,
                 "policy_version": self.policy_version,
+                "kv_tokens": self.kv_tokens,
             }
         ).encode()
 

@@ -369,7 +369,7 @@ class WatchSupplyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SupplySignal(_message.Message):
-    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped", "batch_active", "unclaimed_micro_steps", "ready_unassigned", "counters", "ready_tokens", "backlog_tokens", "tokens_trained", "optimizing", "groups_ready_total", "batch_assigned", "groups_filtered")
+    __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped", "batch_active", "unclaimed_micro_steps", "ready_unassigned", "counters", "ready_tokens", "backlog_tokens", "tokens_trained", "optimizing", "groups_ready_total", "batch_assigned", "groups_filtered", "open_context_tokens")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +392,7 @@ class SupplySignal(_message.Message):
     GROUPS_READY_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BATCH_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FILTERED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ready_groups: int
     batch_needs: int
     batch_id: int
@@ -407,4 +408,5 @@ class SupplySignal(_message.Message):
     groups_ready_total: int
     batch_assigned: int
     groups_filtered: int
-    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., batch_active: _Optional[bool] = ..., unclaimed_micro_steps: _Optional[int] = ..., ready_unassigned: _Optional[int] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ..., ready_tokens: _Optional[float] = ..., backlog_tokens: _Optional[float] = ..., tokens_trained: _Optional[float] = ..., optimizing: _Optional[bool] = ..., groups_ready_total: _Optional[int] = ..., batch_assigned: _Optional[int] = ..., groups_filtered: _Optional[int] = ...) -> None: ...
+    open_context_tokens: float
+    def __init__(self, ready_groups: _Optional[int] = ..., batch_needs: _Optional[int] = ..., batch_id: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., batch_active: _Optional[bool] = ..., unclaimed_micro_steps: _Optional[int] = ..., ready_unassigned: _Optional[int] = ..., counters: _Optional[_Union[PackerCounters, _Mapping]] = ..., ready_tokens: _Optional[float] = ..., backlog_tokens: _Optional[float] = ..., tokens_trained: _Optional[float] = ..., optimizing: _Optional[bool] = ..., groups_ready_total: _Optional[int] = ..., batch_assigned: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., open_context_tokens: _Optional[float] = ...) -> None: ...

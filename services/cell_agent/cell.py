@@ -129,7 +129,14 @@ class Cell:
         """The record at ``keys.cell(cell_id)``."""
         i = self.identity
         return CellRecord(
-            i.cell_id, i.kind, i.index, i.slots, self.target, i.engine, self.engine.policy_version
+            i.cell_id,
+            i.kind,
+            i.index,
+            i.slots,
+            self.target,
+            i.engine,
+            self.engine.policy_version,
+            self.engine.kv_tokens,
         )
 
     async def close(self) -> None:

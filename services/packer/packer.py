@@ -65,7 +65,7 @@ class Packer:
         self.claims = Claims(
             cfg=config, clock=clock, journal=self.journal, batches=self.batches, packing=self.packing
         )
-        self.signal = SupplySignal(state=self.state, intake=self.intake)
+        self.signal = SupplySignal(state=self.state, intake=self.intake, clock=clock)
 
     def _forward(self) -> None:
         """What moves work forward after every change (the journal calls it)."""

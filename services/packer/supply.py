@@ -7,6 +7,9 @@ counts (the metrics and every batch answer carry them). Queries only: nothing he
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from gyre.ids import GroupId
@@ -18,9 +21,16 @@ from services.packer.state import PackerState
 class SupplySignal:
     """The supply signal and the counters, computed from the state on demand."""
 
-    def __init__(self, *, state: PackerState, intake: Intake) -> None:
+    CONTEXT_EVERY_S = 1.0
+    """How often the mean open context is measured (a pass over the open executions)."""
+
+    def __init__(
+        self, *, state: PackerState, intake: Intake, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.state = state
         self.intake = intake
+        self.clock = clock
+        self._context: tuple[float, float] = (-math.inf, 0.0)  # (measured at, mean tokens)
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -59,7 +69,26 @@ class SupplySignal:
             "batch_assigned": len(batch.groups),
             "groups_ready_total": st.groups_ready_total,
             "groups_filtered": st.groups_filtered,
+            "open_context_tokens": self.open_context_tokens(),
         }
+
+    def open_context_tokens(self) -> float:
+        """Mean tokens of the latest turn of the open executions that have one (the KV each
+        keeps on its engine), to two significant digits; 0 when none is open. Measured at
+        most every ``CONTEXT_EVERY_S`` (supply() runs at every record; the pass does not
+        need to), and rounded so that the signal does not change at every turn."""
+        now = self.clock()
+        at, mean = self._context
+        if now - at < self.CONTEXT_EVERY_S:
+            return mean
+        total = n = 0
+        for ex in self.state.execs.values():
+            if ex.finish is None and ex.turns:
+                total += ex.turns[max(ex.turns)].tokens
+                n += 1
+        mean = float(f"{total / n:.2g}") if n else 0.0
+        self._context = (now, mean)
+        return mean
 
     def _groups_with_unclaimed_work(self, batch: Batch) -> set[GroupId]:
         """Groups of ``batch`` with a turn not yet claimed (unpacked, or in a free micro-step)."""

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 
 from gyre.errors import StaleEpoch
+from gyre.etcd.values import CellKind
 from gyre.staleness import goes_on, oldest_usable, restamp_version, unconsumable
 from services.scheduler.bursts import Bursts
 from services.scheduler.commands import Commands
@@ -251,9 +252,19 @@ class ControlLoop(Part):
             ready_rate=rates.ready_rate,
             tokens_per_group=rates.tokens_per_group,
             switch_s=self.transitions.switch_times.round_trip_s,
+            kv_tokens_per_cell=self.kv_tokens_per_cell(),
+            context_tokens=raw.open_context_tokens,
             versions=versions,
             planned=self.fleet.planned,
         )
+
+    def kv_tokens_per_cell(self) -> float:
+        """The smallest KV cache the elastic cells' engines reported, tokens (0: none did).
+        The policy counts one per-cell figure; with mixed engines the smallest never packs
+        a cell past what its KV keeps."""
+        records = self.fleet.cells.records.values()
+        sizes = [r.kv_tokens for r in records if r.kind is CellKind.ELASTIC and r.kv_tokens > 0]
+        return float(min(sizes, default=0))
 
     def tail(self, limit: int = 256) -> tuple[ExecView, ...]:
         """Running executions of the oldest version still consumable (the tail the batch

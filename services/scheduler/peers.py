@@ -68,6 +68,8 @@ class SupplyUpdate:
     """Groups assigned to the current batch."""
     groups_filtered: int = 0
     """Groups the packer dropped that the scheduler did not cancel (over the run)."""
+    open_context_tokens: float = 0.0
+    """Mean context of the open executions, tokens (0: none open, or an older packer)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,7 @@ class GrpcPeers:
                     int(sig.groups_ready_total),
                     int(sig.batch_assigned),
                     int(sig.groups_filtered),
+                    float(sig.open_context_tokens),
                 )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err

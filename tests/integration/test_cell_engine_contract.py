@@ -100,6 +100,16 @@ async def test_streaming_with_logprobs(engine):
     assert engine.running_requests == 0
 
 
+async def test_the_engine_reports_its_kv_size(engine):
+    """The cell's registration carries it; the scheduler counts a rollout cell as the
+    executions this KV keeps at the measured context (vLLM: the blocks its core allocated
+    at start-up times the block size; the mock: its prefix cache)."""
+    assert engine.kv_tokens > 0 and engine.kv_tokens % 16 == 0
+    if engine.kind == "vllm":
+        cache = engine._llm.vllm_config.cache_config
+        assert engine.kv_tokens == cache.num_gpu_blocks * cache.block_size
+
+
 async def test_abort_one_of_several(engine):
     n = 600
     streams = {i: engine.generate(f"many-{i}", PROMPTS[i], Sampling(max_tokens=n)) for i in range(3)}

@@ -83,6 +83,12 @@ async def test_full_cycle_calls_the_hook_and_persists_every_step():
     ]
     assert hook.calls == ["enter", "leave"]
     assert store.records[0].target == "127.0.0.1:9" and store.records[0].kind is CellKind.ELASTIC
+    # The registration carries the engine's KV size, and its JSON keeps it (an older
+    # agent's record without it reads as 0: unknown).
+    rec = store.records[0]
+    assert rec.kv_tokens == cell.engine.kv_tokens > 0
+    assert CellRecord.from_json(rec.to_json()) == rec
+    assert CellRecord.from_json(rec.to_json().replace(b', "kv_tokens"', b', "old"')).kv_tokens == 0
     await cell.close()
 
 

@@ -273,3 +273,23 @@ async def test_supply_carries_the_tokens_and_counts_the_schedulers_rates_need():
     assert s2["optimizing"]  # batch 1 trained on v0; v1 is not published yet
     await p.observe_policy(1)
     assert not p.supply()["optimizing"]
+
+
+async def test_supply_carries_the_mean_context_of_the_open_executions():
+    """The scheduler counts a rollout cell as the executions its KV keeps at this context:
+    each open execution's latest turn (prompt and output), closed ones left out, measured at
+    most once a second and rounded to two significant digits."""
+    p, _, clock = tk.make_packer(batch_size=4, micro_step_token_budget=4000)
+    assert p.supply()["open_context_tokens"] == 0
+    await p.record_turn(tk.turn("a", "g", 0, prompt=100, output=20))
+    await p.record_turn(tk.turn("a", "g", 1, prompt=1000, output=234))  # the latest: 1,234
+    await p.record_turn(tk.turn("b", "g", 0, prompt=300, output=66))  # 366
+    clock.advance(1.0)
+    assert p.supply()["open_context_tokens"] == 800.0  # (1,234 + 366) / 2
+    await p.report_finish(tk.finish("a", "g", 3))
+    assert p.supply()["open_context_tokens"] == 800.0  # not measured again within a second
+    clock.advance(1.0)
+    assert p.supply()["open_context_tokens"] == 370.0  # b alone, 366 to two digits
+    await p.report_finish(tk.finish("b", "g", 3))
+    clock.advance(1.0)
+    assert p.supply()["open_context_tokens"] == 0

@@ -14,6 +14,7 @@ retried until the packer acknowledges them.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -34,6 +35,7 @@ from services.scheduler.scheduler import Scheduler
 from testkit.recording_peers import RecordingPeers
 from testkit.scheduler_rig import (
     CELLS,
+    KV,
     lead,
     make,
     publish_cells,
@@ -740,3 +742,41 @@ async def test_a_completed_move_is_timed_and_the_policy_sees_the_round_trip():
     assert len(times._times[CellState.TRAINING]) == 1 and len(times._times[CellState.ROLLOUT]) == 1
     snap = s.control.snapshot()
     assert snap.pipeline is not None and snap.pipeline.switch_s == times.round_trip_s
+
+
+async def test_the_policy_sees_the_engines_kv_and_the_packers_open_context():
+    """Live Gyre counts a rollout cell as the executions its KV keeps: the elastic engines'
+    smallest KV size from their registrations (a standalone engine's is not a cell the
+    policy moves) and the packer's mean open context."""
+    s, store, peers, clock = make(policy="gyre", max_staleness=1)
+    s.on_cells(
+        {
+            f"/c/{cid}".encode(): KV(
+                f"/c/{cid}".encode(),
+                json.dumps(
+                    {
+                        "cell_id": cid,
+                        "kind": kind,
+                        "index": i,
+                        "slots": 4,
+                        "target": f"{cid}:1",
+                        "kv_tokens": kv,
+                    }
+                ).encode(),
+            )
+            for cid, kind, i, kv in [
+                ("core", "elastic", 0, 6000),
+                ("sat1", "elastic", 1, 9000),
+                ("sa", "standalone", -1, 1000),
+            ]
+        }
+    )
+    s.supply_raw = SupplyUpdate(0, 4, 1, open_context_tokens=2000.0)
+    p = s.control.snapshot().pipeline
+    assert p is not None
+    assert (p.kv_tokens_per_cell, p.context_tokens) == (6000.0, 2000.0)
+    assert p.kv_slots(4) == 3  # 6,000 tokens keep three contexts of 2,000
+    # An older agent's record has no kv_tokens: unknown, and the policy counts slots.
+    publish_cells(s, [("core", "elastic", 0, 4), ("sat1", "elastic", 1, 4)])
+    p = s.control.snapshot().pipeline
+    assert p is not None and p.kv_tokens_per_cell == 0 and p.kv_slots(4) == 4

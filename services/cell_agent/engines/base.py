@@ -109,6 +109,12 @@ class Engine(abc.ABC):
     def running_requests(self) -> int:
         """Requests the engine holds now (waiting or running)."""
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the engine's KV cache holds (0: unknown). The scheduler counts a rollout
+        cell as the executions this keeps resident at the measured mean context."""
+        return 0
+
     async def probe(self, timeout_s: float) -> None:
         """Health probe: generates one token. Raises :class:`EngineDead` on a timeout or an
         error, after failing every waiter."""

@@ -237,6 +237,11 @@ class MockEngine(Engine):
         self._loop_task: asyncio.Task[None] | None = None
         self._kv_handles: dict[str, str] = {}  # handle id -> file path or "" (memory)
 
+    @property
+    def kv_tokens(self) -> int:
+        """The prefix cache's capacity: where the timing model keeps the mock's KV."""
+        return self._cache_capacity_blocks * self._block
+
     # Lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:

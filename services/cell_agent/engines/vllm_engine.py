@@ -157,6 +157,14 @@ class VllmEngine(Engine):
             pass
         log.info("vllm engine started", extra={"model_dir": self.model_dir, "can_sleep": self.can_sleep})
 
+    @property
+    def kv_tokens(self) -> int:
+        """KV blocks the engine core allocated at start-up times the block size (0 before)."""
+        if self._llm is None:
+            return 0
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+
     def _build(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -117,8 +117,10 @@ Measured on A64 (cells of 48 slots; a mean context of ~50k tokens, 29k-68k over 
 so the KV keeps 24-48 agents, 37 at the median): in slots, moves and lending packed the
 agents left in rollout past the KV and 3-4% of the GPU time went to recomputing prefixes
 (18,829 / 22,981 GPU-s; in KV 4,438 / 1,541); seeds 1-2 ran 8,590 / 8,720 -> 7,824 / 7,746
-s. The live scheduler does not fill the two inputs yet (``kv_tokens_per_cell``,
-``context_tokens``), and the policy then counts slots, as before.
+s. The live scheduler fills both: ``kv_tokens_per_cell`` is the smallest KV the elastic
+engines registered (vLLM: the blocks its core allocated times the block size), and
+``context_tokens`` the packer's mean open context (each open execution's latest turn).
+Where either is unknown (0) the policy counts slots.
 
 Dispatch is cut to what the rollout cells' KV keeps (the open executions stay within
 ``rollout_capacity``; with nothing open one group always goes out) while recomputing
@@ -130,7 +132,8 @@ the gate let ~2,500 agents out where the KV kept ~1,500: seeds 1-2 ran 31,369 / 
 tokens, short contexts) ran 1.8x slower: there recomputing is cheap and the concurrency the
 cut takes away is not. Measured over 600 s the share engaged and released the cut as the
 recompute came and went (A64-drift 34,980 s); the simulator measures it over 1,800 s. The
-live scheduler does not measure it yet either.
+live scheduler does not measure it yet (it needs the engines' recomputed prefill), so live
+the cut never engages.
 
 A lent cell (beyond the rate target) stays while work is left to claim and rollout does not
 need its slots, even when what is left is below the lending bar: returned on the bar, the
