@@ -74,6 +74,13 @@ class GyreSettings(BaseModel):
         description="Gyre: share of rollout time spent recomputing evicted prefixes from which "
         "dispatch is cut to what the rollout KV keeps (1: off).",
     )
+    gyre_kv_fill: float = Field(
+        GyreConfig.kv_fill,
+        gt=0,
+        le=1,
+        description="Gyre: share of a cell's KV cache its rollout capacity counts on (the rest is "
+        "headroom for growing contexts and cells holding longer agents than the mean); 1: all of it.",
+    )
     gyre_parallel_moves: float = Field(
         GyreConfig.parallel_moves,
         ge=0,

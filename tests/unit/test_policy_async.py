@@ -38,7 +38,7 @@ from services.scheduler.policy import (
     staleness,
     training_set,
 )
-from services.scheduler.policy.gyre import rate_target
+from services.scheduler.policy.gyre import rate_target, rollout_capacity
 
 # Staleness ---------------------------------------------------------------------------------
 
@@ -947,7 +947,7 @@ def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
     # the agents left in rollout beyond what the KV holds; every turn of an evicted agent
     # prefilled its whole context again (18,829 GPU-s of recompute in the 8,590 s run; 4,438
     # in 7,824 s counted in KV). Here: 10 slots, but 1e5 KV tokens over a mean context of 5e4
-    # keep 2 executions a cell; W_eta 16.
+    # keep 2 executions a cell (counted on all of it: kv_fill 1); W_eta 16.
     R, T = CellState.ROLLOUT, CellState.TRAINING
     kv = {"kv_tokens_per_cell": 1e5, "context_tokens": 5e4}
     p = _heavy_pipeline(16, **kv)
@@ -960,7 +960,8 @@ def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
         for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, p))
         if isinstance(a, MoveToTraining)
     ] == ["c2"]
-    assert not [a for a in GyrePolicy().decide(_snap(cells, p)) if isinstance(a, MoveToTraining)]
+    whole = GyrePolicy(GyreConfig(kv_fill=1.0))
+    assert not [a for a in whole.decide(_snap(cells, p)) if isinstance(a, MoveToTraining)]
     # Lending likewise: the spare cells of the slot count are not spare in KV.
     busy = _heavy_pipeline(12, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5, **kv)
     cells = _cells([T] * 5 + [R] * 5)
@@ -969,7 +970,7 @@ def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
         for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, busy))
         if isinstance(a, MoveToTraining)
     ] == ["c5"]
-    assert not [a for a in GyrePolicy().decide(_snap(cells, busy)) if isinstance(a, MoveToTraining)]
+    assert not [a for a in whole.decide(_snap(cells, busy)) if isinstance(a, MoveToTraining)]
     # Unmeasured (no context yet, or no KV size known): slots, as before.
     assert Pipeline(max_staleness=1, group_size=4, batch_groups=2, kv_tokens_per_cell=1e5).kv_slots(10) == 10
 
@@ -997,6 +998,29 @@ def test_gyre_keeps_a_lent_cell_while_work_is_left_to_claim_and_rollout_does_not
     ] == ["c7"]
 
 
+def test_gyre_counts_on_a_share_of_each_cells_kv():
+    """A64 with drift, open executions at the rollout KV's capacity counted on all of it:
+    recomputing evicted prefixes still took 60% of rollout's time (contexts grow as agents
+    decode, and placement balances executions, not tokens, so cells holding longer agents
+    than the mean evict). Counted on kv_fill (0.6) of it, seeds 1-4 ran 19,348 / 20,288 /
+    20,019 / 24,571 s instead of 19,330 / 34,856 / 25,893 / 26,723 s."""
+    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, kv_tokens_per_cell=1e5, context_tokens=1e4)
+    cells = _cells([CellState.TRAINING] + [CellState.ROLLOUT] * 4, slots=48)
+    s = _snap(cells, p)
+    seen = []
+
+    class Spy(GyrePolicy):
+        def target(self, snap, elastic, w):
+            seen.append(rollout_capacity(snap.cells, snap.pipeline))
+            return super().target(snap, elastic, w)
+
+    Spy().decide(s)
+    Spy(GyreConfig(kv_fill=1.0)).decide(s)
+    assert seen == [4 * 6, 4 * 10]  # 0.6 x 1e5 / 1e4 = 6 a cell; all of it: 10
+    with pytest.raises(ValueError):
+        GyreConfig(kv_fill=0.0)
+
+
 def test_gyre_cuts_dispatch_to_the_rollout_kv_while_recompute_takes_rollout_time():
     # A64 with drift (seeds 1-2): contexts grow 2.6x over the run, and the gate let ~2,500
     # agents out where the rollout cells' KV kept ~1,500; every agent beyond it evicted the
@@ -1004,9 +1028,10 @@ def test_gyre_cuts_dispatch_to_the_rollout_kv_while_recompute_takes_rollout_time
     # recomputing takes kv_cut_share (10%) of the rollout cells' time, dispatch is cut to
     # what their KV keeps: 31,369 / 35,136 -> 27,793 / 26,556 s. Where recompute is cheap
     # (short contexts) the cut stays off: cut always, the small KV-bound scenario ran 1.8x
-    # slower. Here 8 rollout cells keep 2 executions each (16) and 12 are open.
+    # slower. Here 8 rollout cells keep 2 executions each (16: the kv_fill share of their KV
+    # the capacity counts on is 1e5 tokens, contexts are 5e4) and 12 are open.
     R, T = CellState.ROLLOUT, CellState.TRAINING
-    kv = {"kv_tokens_per_cell": 1e5, "context_tokens": 5e4}
+    kv = {"kv_tokens_per_cell": 1e5 / GyreConfig.kv_fill, "context_tokens": 5e4}
     cells = _cells([T] * 2 + [R] * 8)
 
     def dispatched(p: Pipeline, config: GyreConfig | None = None, cells: tuple[CellView, ...] = cells) -> int:

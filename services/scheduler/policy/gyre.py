@@ -122,6 +122,23 @@ engines registered (vLLM: the blocks its core allocated times the block size), a
 ``context_tokens`` the packer's mean open context (each open execution's latest turn).
 Where either is unknown (0) the policy counts slots.
 
+The capacity counts on ``kv_fill`` (0.6) of each cell's KV, not all of it. With the open
+executions at the KV's whole capacity, A64 with drift still spent ~60% of its rollout
+time recomputing evicted prefixes: contexts grow as agents decode, and placement balances
+executions, not tokens, so the cells holding longer agents than the mean evict. Seeds 1-4
+(time to 10 updates, s):
+
+    kv_fill     A64 with drift                    A64 (seeds 1-2)
+    1.0         19,330  34,856  25,893  26,723    7,706  7,744
+    0.8         22,770  24,391  25,298  21,635    7,936  7,911
+    0.7         26,212  18,986  25,159  29,575    8,017  8,002
+    0.6         19,348  20,288  20,019  24,571    8,211  8,221
+
+The drifting runs are chaotic (a run's recompute feeds on itself), so one seed says
+little; the mean over four fell from 26,700 to 21,100 s. A64, which recomputes little,
+pays 6% (its trainer gets fewer cells). Applied only while the recompute share is high
+(the cut's gate), the headroom came too late: 20,547 / 28,927 s on seeds 1-2.
+
 Dispatch is cut to what the rollout cells' KV keeps (the open executions stay within
 ``rollout_capacity``; with nothing open one group always goes out) while recomputing
 evicted prefixes takes at least ``kv_cut_share`` (10%) of the rollout cells' time
@@ -236,6 +253,12 @@ class GyreConfig:
     """Share of the rollout cells' time spent recomputing evicted prefixes
     (``Pipeline.kv_recompute_share``) from which dispatch is cut to what the rollout cells'
     KV keeps (with ``kv``); 1 turns the cut off."""
+    kv_fill: float = 0.6
+    """Share of a cell's KV cache the capacity counts on (``kv_slots`` at
+    ``kv_fill x kv_tokens_per_cell``); the rest is headroom for the contexts that grow as
+    agents decode and for cells that hold longer agents than the mean (placement balances
+    executions, not tokens). 1: the whole cache. See "Capacity in KV" in the module
+    docstring."""
     parallel_moves: float = 1 / 32
     """Moves to training in flight at once, as a fraction of the elastic cells (at least one;
     0: one at a time). See "Moves in flight" in the module docstring."""
@@ -250,6 +273,8 @@ class GyreConfig:
             raise ValueError("saturated_share must be in (0, 1]")
         if not 0 < self.breathe_in <= 1:
             raise ValueError("breathe_in must be in (0, 1]")
+        if not 0 < self.kv_fill <= 1:
+            raise ValueError("kv_fill must be in (0, 1]")
         if not 0 < self.kv_cut_share <= 1:
             raise ValueError("kv_cut_share must be in (0, 1]")
         if not 0 <= self.breathe_out <= 1:
@@ -402,6 +427,11 @@ class GyrePolicy:
         if not self.config.kv and p.context_tokens:
             p = dataclasses.replace(p, context_tokens=0.0)
             s = dataclasses.replace(s, pipeline=p)
+        elif self.config.kv_fill < 1 and p.kv_tokens_per_cell > 0:
+            # Headroom: what the capacity counts on is kv_fill of each cell's KV.
+            p = dataclasses.replace(p, kv_tokens_per_cell=p.kv_tokens_per_cell * self.config.kv_fill)
+            s = dataclasses.replace(s, pipeline=p)
+
         dispatch = self._kv_bounded(s, dispatch_to_gate(s))
         actions: list[Action] = publish_newest(s) + dispatch
         elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
