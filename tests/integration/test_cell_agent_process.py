@@ -53,6 +53,7 @@ async def test_cell_agent_process(tmp_path, etcd_server, cluster_name):
             "target": proc.target,
             "engine": "mock",
             "policy_version": 0,
+            "kv_tokens": 1 << 20,  # the mock's prefix cache: where it keeps its KV
         }
         assert json.loads((await etcd.get(keys.cell_state("cell-p"))).value)["state"] == "ROLLOUT"
 
