@@ -431,7 +431,6 @@ class GyrePolicy:
             # Headroom: what the capacity counts on is kv_fill of each cell's KV.
             p = dataclasses.replace(p, kv_tokens_per_cell=p.kv_tokens_per_cell * self.config.kv_fill)
             s = dataclasses.replace(s, pipeline=p)
-
         dispatch = self._kv_bounded(s, dispatch_to_gate(s))
         actions: list[Action] = publish_newest(s) + dispatch
         elastic = [c for c in s.elastic() if c.state is not CellState.FAILED]
