@@ -38,7 +38,11 @@ from services.scheduler.policy import (
     staleness,
     training_set,
 )
-from services.scheduler.policy.gyre import rate_target, rollout_capacity
+from services.scheduler.policy.gyre import rate_target
+from testkit.policy_rig import cells as _cells
+from testkit.policy_rig import eta1_pipeline as _eta1_pipeline
+from testkit.policy_rig import heavy_pipeline as _heavy_pipeline
+from testkit.policy_rig import snap as _snap
 
 # Staleness ---------------------------------------------------------------------------------
 
@@ -304,29 +308,6 @@ def test_gyre_invariants_on_random_snapshots(s, cfg):
             )
 
 
-def _cells(states, slots=10, loads=None):
-    loads = loads or [0] * len(states)
-    return tuple(CellView(f"c{i}", CellKind.ELASTIC, i, s, slots, loads[i]) for i, s in enumerate(states))
-
-
-def _snap(cells, p, v=1, needs=None, execs=(), quota=0):
-    """A snapshot of ``cells`` and pipeline ``p``; ``quota``: executions the task source still
-    has (0: nothing to dispatch, so W_eta is what ``p`` holds)."""
-    needs = p.batch_groups - p.batch_assigned if needs is None else needs
-    return Snapshot(
-        100.0,
-        LedgerCounts(0, 0, 0),
-        cells,
-        Supply(min(p.ready_groups, needs), p.batch_groups, needs, v),
-        None,
-        v,
-        quota,
-        None,
-        p,
-        execs,
-    )
-
-
 @pytest.mark.parametrize("policy", ["gyre", "async-static"])
 def test_groups_the_packer_filtered_leave_the_gate_and_are_replaced(policy):
     """The demo's stall: the policy learned, burst 12's 4 groups all earned reward 1 and the
@@ -551,24 +532,6 @@ def _demo_pipeline(open_executions: int, **kw: Any) -> Pipeline:
     """The demo's shape: eta = 1, batches of 4 groups of 4, one cell trains faster than
     groups arrive (rate target 1), ``open_executions`` dispatched and running at v1."""
     return _eta1_pipeline(open_executions, batch_groups=4, tokens_per_group=1000.0, **kw)
-
-
-def _eta1_pipeline(open_executions: int, **kw: Any) -> Pipeline:
-    """eta = 1, groups of 4, 1,000 tokens/s per training cell, ready groups arriving at 0.05/s,
-    ``open_executions`` dispatched and running at v1; ``kw`` sets or overrides the rest."""
-    base: dict[str, Any] = {
-        "max_staleness": 1,
-        "group_size": 4,
-        "train_rate_per_cell": 1000.0,
-        "ready_rate": 0.05,
-        "versions": (
-            VersionCounts(
-                1, groups=open_executions // 4, dispatched=open_executions, launched=open_executions
-            ),
-        ),
-        "published_version": 1,
-    }
-    return Pipeline(**{**base, **kw})
 
 
 def test_breathing_lends_the_cells_w_eta_leaves_idle_to_the_streaming_batch():
@@ -898,12 +861,6 @@ def test_gyre_moves_no_cell_whose_executions_have_nowhere_to_go():
     assert [a.cell_id for a in acts if isinstance(a, MoveToTraining)] == ["c0"]
 
 
-def _heavy_pipeline(open_executions: int, **kw: Any) -> Pipeline:
-    """A heavy trainer (B64's shape at eta = 1): batches of 20 groups of 5e4 tokens arriving
-    at 0.05 groups/s, 1,000 tokens/s per training cell: a rate target above 1."""
-    return _eta1_pipeline(open_executions, batch_groups=20, tokens_per_group=5e4, **kw)
-
-
 def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_when_idle():
     # B64 (seed 1): while the batch's last executions decode, W_eta leaves most rollout cells
     # empty while ready groups pile up; the rate rule (horizon 300 s) kept 5-15 of them idle.
@@ -941,40 +898,6 @@ def test_gyre_lends_empty_rollout_cells_to_a_heavy_trainer_and_takes_them_back_w
     assert not [a for a in acts if isinstance(a, ReturnToRollout)]
 
 
-def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
-    # A64 (seed 1): 48 slots a cell, but agents of ~50k tokens of context at the median, of
-    # which one cell's KV (1.88 M tokens) keeps ~37. Counted in slots, moves and lending packed
-    # the agents left in rollout beyond what the KV holds; every turn of an evicted agent
-    # prefilled its whole context again (18,829 GPU-s of recompute in the 8,590 s run; 4,438
-    # in 7,824 s counted in KV). Here: 10 slots, but 1e5 KV tokens over a mean context of 5e4
-    # keep 2 executions a cell (counted on all of it: kv_fill 1); W_eta 16.
-    R, T = CellState.ROLLOUT, CellState.TRAINING
-    kv = {"kv_tokens_per_cell": 1e5, "context_tokens": 5e4}
-    p = _heavy_pipeline(16, **kv)
-    assert p.kv_slots(10) == 2 and _heavy_pipeline(16).kv_slots(10) == 10
-    # The rate target (3) asks for a third training cell: in slots the 7 rollout cells left
-    # hold 70 >= 16; in what their KV keeps, 14 < 16, so c2 stays in rollout.
-    cells = _cells([T] * 2 + [R] * 8)
-    assert [
-        a.cell_id
-        for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, p))
-        if isinstance(a, MoveToTraining)
-    ] == ["c2"]
-    whole = GyrePolicy(GyreConfig(kv_fill=1.0))
-    assert not [a for a in whole.decide(_snap(cells, p)) if isinstance(a, MoveToTraining)]
-    # Lending likewise: the spare cells of the slot count are not spare in KV.
-    busy = _heavy_pipeline(12, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5, **kv)
-    cells = _cells([T] * 5 + [R] * 5)
-    assert [
-        a.cell_id
-        for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, busy))
-        if isinstance(a, MoveToTraining)
-    ] == ["c5"]
-    assert not [a for a in whole.decide(_snap(cells, busy)) if isinstance(a, MoveToTraining)]
-    # Unmeasured (no context yet, or no KV size known): slots, as before.
-    assert Pipeline(max_staleness=1, group_size=4, batch_groups=2, kv_tokens_per_cell=1e5).kv_slots(10) == 10
-
-
 def test_gyre_keeps_a_lent_cell_while_work_is_left_to_claim_and_rollout_does_not_need_it():
     # A64 with drift (seed 1): a cell was lent while the claimable work was worth lend_min_s
     # a cell; as the cells trained it down below that bar, the lending target fell to the rate
@@ -996,56 +919,3 @@ def test_gyre_keeps_a_lent_cell_while_work_is_left_to_claim_and_rollout_does_not
         for a in GyrePolicy().decide(_snap(cells, _heavy_pipeline(12)))
         if isinstance(a, ReturnToRollout)
     ] == ["c7"]
-
-
-def test_gyre_counts_on_a_share_of_each_cells_kv():
-    """A64 with drift, open executions at the rollout KV's capacity counted on all of it:
-    recomputing evicted prefixes still took 60% of rollout's time (contexts grow as agents
-    decode, and placement balances executions, not tokens, so cells holding longer agents
-    than the mean evict). Counted on kv_fill (0.6) of it, seeds 1-4 ran 19,348 / 20,288 /
-    20,019 / 24,571 s instead of 19,330 / 34,856 / 25,893 / 26,723 s."""
-    p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, kv_tokens_per_cell=1e5, context_tokens=1e4)
-    cells = _cells([CellState.TRAINING] + [CellState.ROLLOUT] * 4, slots=48)
-    s = _snap(cells, p)
-    seen = []
-
-    class Spy(GyrePolicy):
-        def target(self, snap, elastic, w):
-            seen.append(rollout_capacity(snap.cells, snap.pipeline))
-            return super().target(snap, elastic, w)
-
-    Spy().decide(s)
-    Spy(GyreConfig(kv_fill=1.0)).decide(s)
-    assert seen == [4 * 6, 4 * 10]  # 0.6 x 1e5 / 1e4 = 6 a cell; all of it: 10
-    with pytest.raises(ValueError):
-        GyreConfig(kv_fill=0.0)
-
-
-def test_gyre_cuts_dispatch_to_the_rollout_kv_while_recompute_takes_rollout_time():
-    # A64 with drift (seeds 1-2): contexts grow 2.6x over the run, and the gate let ~2,500
-    # agents out where the rollout cells' KV kept ~1,500; every agent beyond it evicted the
-    # cached prefixes of others waiting on tools (0.6-0.8 M GPU-s of recompute). While
-    # recomputing takes kv_cut_share (10%) of the rollout cells' time, dispatch is cut to
-    # what their KV keeps: 31,369 / 35,136 -> 27,793 / 26,556 s. Where recompute is cheap
-    # (short contexts) the cut stays off: cut always, the small KV-bound scenario ran 1.8x
-    # slower. Here 8 rollout cells keep 2 executions each (16: the kv_fill share of their KV
-    # the capacity counts on is 1e5 tokens, contexts are 5e4) and 12 are open.
-    R, T = CellState.ROLLOUT, CellState.TRAINING
-    kv = {"kv_tokens_per_cell": 1e5 / GyreConfig.kv_fill, "context_tokens": 5e4}
-    cells = _cells([T] * 2 + [R] * 8)
-
-    def dispatched(p: Pipeline, config: GyreConfig | None = None, cells: tuple[CellView, ...] = cells) -> int:
-        acts = GyrePolicy(config).decide(_snap(cells, p, quota=400))
-        return sum(a.quota for a in acts if isinstance(a, DispatchBurst))
-
-    gate = dispatched(_heavy_pipeline(12, **kv))  # recompute not measured: the gate's room
-    assert gate > 4
-    thrashing = _heavy_pipeline(12, kv_recompute_share=0.3, **kv)
-    assert dispatched(thrashing) == 4  # one group of 4 fits the 16 the KV keeps
-    assert dispatched(_heavy_pipeline(12, kv_recompute_share=0.05, **kv)) == gate  # cheap: no cut
-    assert dispatched(thrashing, GyreConfig(kv=False)) == gate
-    assert dispatched(thrashing, GyreConfig(kv_cut_share=1.0)) == gate  # 1: off
-    # Full: nothing goes out until executions close; with nothing open, one group always does.
-    assert dispatched(_heavy_pipeline(16, kv_recompute_share=0.3, **kv)) == 0
-    one = _cells([T] * 9 + [R])  # one rollout cell keeping 2: less than a group
-    assert dispatched(_heavy_pipeline(0, kv_recompute_share=0.3, **kv), cells=one) == 4
