@@ -5,10 +5,11 @@ the etcd key's ``version`` (each fenced rewrite adds one). The table keeps the n
 it has seen per execution and never goes back to an older one, so a late watch event or a
 stale relist cannot undo a move. A harness is authorized by sha256(token) == the route's
 ``token_sha256``, until the route's ``expires_s`` (wall clock); closing the execution deletes
-the route, which revokes the token. The table remembers the last ``CLOSED_REMEMBERED`` closed
-executions by token digest, so their holder hears FAILED_PRECONDITION ("closed", HTTP 409: the
-same answer a call in flight gets when its execution closes) rather than UNAUTHENTICATED: a
-harness whose execution the scheduler cancelled between two turns can tell that from a bad token.
+the route, which revokes the token. The table remembers the executions closed within the last
+``CLOSED_REMEMBERED_S`` (at most ``CLOSED_REMEMBERED`` of them) by token digest, so their holder
+hears FAILED_PRECONDITION ("closed", HTTP 409: the same answer a call in flight gets when its
+execution closes) rather than UNAUTHENTICATED: a harness whose execution the scheduler
+cancelled between two turns can tell that from a bad token. Past that, the token is unknown.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ class ExpiredToken(Unauthenticated):
 
 
 CLOSED_REMEMBERED = 65_536
-"""How many closed executions the table remembers (token digest -> id; ~100 bytes each)."""
+"""How many closed executions the table remembers at most (token digest -> id; ~250 bytes each)."""
+
+CLOSED_REMEMBERED_S = 3600.0
+"""How long after its close an execution is remembered: an hour covers a harness's longest tool
+step between two turns; the memory then holds an hour of closes (a 2-hour soak closes ~15,000 an
+hour: ~4 MB) instead of growing to the count bound."""
 
 
 def closed_error(execution_id: str) -> FailedPrecondition:
@@ -53,7 +59,8 @@ class RouteTable:
         self._wall = wall
         self._routes: dict[str, Route] = {}
         self._by_token: dict[str, str] = {}
-        self._closed: OrderedDict[str, str] = OrderedDict()  # token digest -> execution id
+        # token digest -> (execution id, wall time of the close), oldest close first
+        self._closed: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._listeners: list[RouteListener] = []
         self._remove_listeners: list[Callable[[str], None]] = []
 
@@ -92,11 +99,27 @@ class RouteTable:
             return
         if self._by_token.get(old.token_sha256) == execution_id:
             del self._by_token[old.token_sha256]
-        self._closed[old.token_sha256] = execution_id
-        if len(self._closed) > CLOSED_REMEMBERED:
-            self._closed.popitem(last=False)
+        now = self._wall()
+        self._closed.pop(old.token_sha256, None)
+        self._closed[old.token_sha256] = (execution_id, now)
+        self._forget_closed(now)
         for listener in self._remove_listeners:
             listener(execution_id)
+
+    def _forget_closed(self, now: float) -> None:
+        """Drops the closes older than ``CLOSED_REMEMBERED_S`` and those past the count bound."""
+        while self._closed:
+            _, (_, closed_at) = next(iter(self._closed.items()))
+            if len(self._closed) <= CLOSED_REMEMBERED and closed_at >= now - CLOSED_REMEMBERED_S:
+                return
+            self._closed.popitem(last=False)
+
+    def _closed_as(self, digest: str) -> str | None:
+        """The execution ``digest``'s token held, if it closed within ``CLOSED_REMEMBERED_S``."""
+        entry = self._closed.get(digest)
+        if entry is None or entry[1] < self._wall() - CLOSED_REMEMBERED_S:
+            return None
+        return entry[0]
 
     def replace_all(self, routes: Iterable[Route], as_of_revision: int | None = None) -> None:
         """A full view of etcd at ``as_of_revision``: applies newer routes and drops
@@ -126,13 +149,14 @@ class RouteTable:
         if execution_id is None:
             owner = self._by_token.get(digest)
             if owner is None or owner not in self._routes:
-                if digest in self._closed:
-                    raise closed_error(self._closed[digest])
+                closed_as = self._closed_as(digest)
+                if closed_as is not None:
+                    raise closed_error(closed_as)
                 raise Unauthenticated("unknown execution token")
             return self._unexpired(self._routes[owner])
         route = self._routes.get(execution_id)
         if route is None:
-            if self._closed.get(digest) == execution_id:
+            if self._closed_as(digest) == execution_id:
                 raise closed_error(execution_id)
             raise Unauthenticated(f"no live execution {execution_id!r}")
         if hmac.compare_digest(route.token_sha256, digest):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gyre.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
-from services.router.routes import Route, RouteTable, token_sha256
+from services.router.routes import CLOSED_REMEMBERED_S, Route, RouteTable, token_sha256
 
 
 def r(ex: str, cell: str, epoch: int, token: str, created: int = 1) -> Route:
@@ -109,3 +109,30 @@ def test_a_closed_execution_answers_closed_to_its_token_holder_only(monkeypatch)
         t.authorize("tok2", "e2")
     t.apply(r("e2", "b", 1, "tok2", created=5))
     assert t.authorize("tok2", "e2").cell_id == "b"
+
+
+def test_a_closed_execution_is_forgotten_an_hour_after_its_close():
+    """The closed memory is bounded by age as well as by count: over a run of days it holds the
+    last hour's closes, not the last 65,536 (a long soak's router grew until the count bound)."""
+    now = [1000.0]
+    t = RouteTable(wall=lambda: now[0])
+    for i in range(3):
+        t.apply(r(f"e{i}", "a", 1, f"tok{i}"))
+    t.remove("e0")
+    now[0] += CLOSED_REMEMBERED_S - 1
+    t.remove("e1")
+    with pytest.raises(FailedPrecondition, match="e0 was closed"):
+        t.authorize("tok0", "e0")
+    now[0] += 2  # e0 closed more than an hour ago; e1 did not
+    with pytest.raises(Unauthenticated):
+        t.authorize("tok0", "e0")
+    with pytest.raises(Unauthenticated):
+        t.authorize("tok0")
+    with pytest.raises(FailedPrecondition, match="e1 was closed"):
+        t.authorize("tok1")
+    t.remove("e2")  # a close forgets what is past the hour
+    assert len(t._closed) == 2
+    now[0] += CLOSED_REMEMBERED_S + 1
+    t.apply(r("e3", "a", 1, "tok3"))
+    t.remove("e3")
+    assert len(t._closed) == 1
