@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from services.scheduler import policy as P
 from sim.cluster import Cluster, ExecState, Role
@@ -230,9 +230,7 @@ class Driver:
         eta = tr.max_staleness
         lo = tr.version - eta - 1
         versions = tuple(
-            P.VersionCounts(
-                u, vl.groups, vl.dispatched, vl.launched, vl.finished, vl.ready, vl.consumed, vl.cancelled
-            )
+            P.VersionCounts(u, **asdict(vl))  # a counter missing on either side raises
             for u, vl in cl.versions.items()
             if u >= lo or vl.dispatched > vl.finished
         )

@@ -451,23 +451,18 @@ def sample_rollouts(
 ) -> list[Rollout]:
     """One episode per (task, member) with ``policy``, ``batch_size`` episodes at a time
     (their calls batched). Deterministic for a seed. Blocking: runs its own event loop."""
-    return _run(sample_rollouts_async(policy, jobs, env, seed, temperature, batch_size))
+    step = max(1, batch_size)
 
+    async def sample() -> list[Rollout]:
+        sampler = LocalSampler(policy, seed)
+        out: list[Rollout] = []
+        with tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
+            for start in range(0, len(jobs), step):
+                out += await sampler.rollouts(jobs[start : start + step], env, temperature, root)
+        return out
 
-async def sample_rollouts_async(
-    policy: Policy,
-    jobs: Sequence[tuple[Task, int]],
-    env: EnvConfig,
-    seed: int = 0,
-    temperature: float | None = None,
-    batch_size: int = 64,
-) -> list[Rollout]:
-    sampler = LocalSampler(policy, seed)
-    out: list[Rollout] = []
-    with tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
-        for start in range(0, len(jobs), max(1, batch_size)):
-            out += await sampler.rollouts(jobs[start : start + max(1, batch_size)], env, temperature, root)
-    return out
+    rollouts: list[Rollout] = _run(sample())
+    return rollouts
 
 
 def _run(coro: Any) -> Any:
@@ -475,7 +470,8 @@ def _run(coro: Any) -> Any:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    raise RuntimeError("called from a running event loop: await the *_async variant")
+    coro.close()
+    raise RuntimeError("called from a running event loop: run it in a thread (asyncio.to_thread)")
 
 
 # Evaluation --------------------------------------------------------------------------------
@@ -539,23 +535,6 @@ def summarize(rollouts: Sequence[Rollout], seconds: float = 0.0, boot_seed: int 
     )
 
 
-async def evaluate_async(
-    model_or_dir: Policy | str | Path,
-    tasks: Sequence[Task],
-    env: EnvConfig | None = None,
-    samples_per_task: int = 4,
-    seed: int = 0,
-    temperature: float | None = None,
-    batch_size: int = 64,
-) -> EvalResult:
-    policy = as_policy(model_or_dir)
-    env = env or EnvConfig()
-    jobs = [(t, m) for t in tasks for m in range(samples_per_task)]
-    started = time.perf_counter()
-    rollouts = await sample_rollouts_async(policy, jobs, env, seed, temperature, batch_size)
-    return summarize(rollouts, time.perf_counter() - started, boot_seed=seed)
-
-
 def evaluate(
     model_or_dir: Policy | str | Path,
     tasks: Sequence[Task],
@@ -569,11 +548,13 @@ def evaluate(
     :func:`apps.harness.env.eval_tasks`) with the policy at ``temperature`` (None: the
     env's) and returns the mean reward with a 95% bootstrap interval over tasks.
     Deterministic for a seed (and ``batch_size``: the episodes sampled together draw from
-    one generator). Blocking (use :func:`evaluate_async` inside an event loop)."""
-    result: EvalResult = _run(
-        evaluate_async(model_or_dir, tasks, env, samples_per_task, seed, temperature, batch_size)
-    )
-    return result
+    one generator). Blocking (inside an event loop, run it in a thread)."""
+    policy = as_policy(model_or_dir)
+    env = env or EnvConfig()
+    jobs = [(t, m) for t in tasks for m in range(samples_per_task)]
+    started = time.perf_counter()
+    rollouts = sample_rollouts(policy, jobs, env, seed, temperature, batch_size)
+    return summarize(rollouts, time.perf_counter() - started, boot_seed=seed)
 
 
 # Training on the samples -------------------------------------------------------------------

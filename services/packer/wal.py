@@ -220,8 +220,7 @@ class Wal:
                 raise  # the loop is going away; not a write failure
             except OSError as exc:
                 if exc.errno not in _DISK_FULL:
-                    self._failed = exc
-                    self._failed_event.set()
+                    self._fail(exc)
                     raise
                 # No room for the new log beside the old one, which is intact: keep it (and
                 # what was queued for it); the next check tries again.
@@ -230,8 +229,7 @@ class Wal:
                 log.error("no space to compact the WAL; keeping the log", extra={"wal": str(self.path)})
                 size = 0
             except BaseException as exc:
-                self._failed = exc
-                self._failed_event.set()
+                self._fail(exc)
                 raise
             finally:
                 self._flush_task = None
@@ -239,6 +237,11 @@ class Wal:
         self._flush_task = asyncio.create_task(_compact(), name="packer.wal.compact")
         await asyncio.shield(self._flush_task)
         return size
+
+    def _fail(self, exc: BaseException) -> None:
+        """The log failed: every later append and sync raises (FatalError), and waiters wake."""
+        self._failed = exc
+        self._failed_event.set()
 
     def tmp_path(self) -> Path:
         """Where a compaction writes the new log before it replaces the old one."""
@@ -272,8 +275,7 @@ class Wal:
         except asyncio.CancelledError:
             raise  # the loop is going away; not a write failure
         except BaseException as exc:
-            self._failed = exc
-            self._failed_event.set()
+            self._fail(exc)
             raise
         finally:
             self._flush_task = None

@@ -68,29 +68,33 @@ def build_hook(rt: Runtime, cfg: CellAgentConfig, history: History | None = None
     ``history`` (joins, micro-steps trained and acknowledged, steps, publications)."""
     if cfg.kind != "elastic" or cfg.index < 0:
         return NoopTrainingHook()
+
+    def wiring() -> dict[str, Any]:
+        """What either trainer needs of its cell: who it is, where it listens, etcd, its history."""
+        return {
+            "cell_id": cfg.cell_id,
+            "index": cfg.index,
+            "target": lambda: rt.target,
+            "etcd": rt.etcd,
+            "keys": rt.keys,
+            "history": history,
+        }
+
     if isinstance(cfg.training, MockTrainerSettings):  # the cost-model trainer of the emulated cluster
-        from services.cell_agent.training.mock_trainer import build_mock_hook
+        from services.cell_agent.training.mock_trainer import MockTrainingHook
 
         if not cfg.training.enabled:
             return NoopTrainingHook()
         settings_mock = cfg.training
         if not settings_mock.initial_policy_version and cfg.policy_version:
             settings_mock = settings_mock.model_copy(update={"initial_policy_version": cfg.policy_version})
-        return build_mock_hook(rt, cfg, settings_mock, history)
+        return MockTrainingHook(settings_mock, **wiring())
     settings = load_settings(cfg)
     if not settings.enabled:
         return NoopTrainingHook()
     if not settings.model_dir:
         log.info("no model_dir: this cell does not train (no-op training hook)")
         return NoopTrainingHook()
-    service = TrainingService(
-        settings,
-        cell_id=cfg.cell_id,
-        index=cfg.index,
-        target=lambda: rt.target,
-        etcd=rt.etcd,
-        keys=rt.keys,
-        history=history,
-    )
+    service = TrainingService(settings, **wiring())
     rt.supervisor.spawn("training", service.run())
     return CellTrainingHook(service)

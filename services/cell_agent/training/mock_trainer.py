@@ -248,18 +248,3 @@ class MockTrainingHook:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("mock batch failed", extra={"task": task.get_name(), "error": repr(task.exception())})
-
-
-def build_mock_hook(
-    rt: Any, cfg: Any, settings: MockTrainerSettings, history: History | None = None
-) -> MockTrainingHook:
-    """The mock trainer of an elastic cell."""
-    return MockTrainingHook(
-        settings,
-        cell_id=cfg.cell_id,
-        index=cfg.index,
-        target=lambda: rt.target,
-        etcd=rt.etcd,
-        keys=rt.keys,
-        history=history,
-    )
