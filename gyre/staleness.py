@@ -29,9 +29,36 @@ trained within eta (:func:`unconsumable`). What happens to it is the rule
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
 CANCEL = "cancel"
 PARTIAL = "partial"
 STALE_RULES = (CANCEL, PARTIAL)
+
+
+class StalenessSettings(BaseModel):
+    """eta and the rule, declared once for every config that applies them (the scheduler's,
+    the packer's, the simulator's). In a cluster, set them once in ``cluster:``; the
+    launcher refuses a config where the scheduler's and the packer's differ."""
+
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="eta: the most policy versions a consumed group may lag the newest. The policy "
+        "cancels (or restamps) groups that cannot be trained within it; the packer drops a group whose "
+        "oldest output token came from a policy more than eta versions behind the newest known one "
+        "(under partial: whose stamp lags more than eta).",
+    )
+    stale_rule: Literal["cancel", "partial"] = Field(
+        "cancel",
+        description="What happens to a group that cannot be trained within max_staleness: cancel (its "
+        "open members are cancelled, every consumed token is within eta) or partial (a group with a "
+        "member started goes on restamped with a newer version; only unstarted groups are withdrawn; a "
+        "consumed token may be older than eta, and the packer judges staleness by the group's stamp).",
+    )
 
 
 def consumable(group_version: int, trainer_version: int, max_staleness: int) -> bool:

@@ -237,7 +237,6 @@ class TrainingConfig(_Frozen, StaleRuleSettings):
 
     batch_groups: int = Field(64, ge=1, description="Groups per training batch (one update each).")
     overprovision: float = Field(0.25, ge=0, le=4, description="Extra executions dispatched per burst.")
-    max_staleness: int = Field(1, ge=0, description="Oldest policy lag a consumed group may have.")
     updates: int = Field(20, ge=1, description="Stop after this many policy updates.")
     horizon_s: float = Field(7 * 86400.0, gt=0, description="Give up after this much simulated time.")
 

@@ -7,9 +7,10 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from gyre.config import ServiceConfig
+from gyre.staleness import StalenessSettings
 
 
-class PackerConfig(ServiceConfig):
+class PackerConfig(ServiceConfig, StalenessSettings):
     """Settings of one packer process; frozen after start-up."""
 
     SECTION: ClassVar[str] = "packer"
@@ -68,20 +69,6 @@ class PackerConfig(ServiceConfig):
     advantage_eps: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
     zero_variance_tol: float = Field(
         1e-9, ge=0, description="Reward std at or below this counts as zero variance."
-    )
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        description="A group whose oldest output token came from a policy more than this many "
-        "versions behind the newest known version is dropped (reason stale); under the partial rule, "
-        "one whose stamp lags more than this (a restamped group keeps its older tokens).",
-    )
-    stale_rule: Literal["cancel", "partial"] = Field(
-        "cancel",
-        description="The scheduler's rule for groups that cannot be trained within max_staleness "
-        "(gyre.staleness; set it once, in ``cluster:``). Under partial, a restamped group's older "
-        "tokens are kept: staleness is judged by the group's stamp (its members' newest reported "
-        "policy_version), not by its oldest token.",
     )
     claim_ttl_s: float = Field(
         10.0, gt=0, le=600, description="A claim not kept (KeepClaims/claim/ack) this long returns."

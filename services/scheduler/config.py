@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
 from gyre.config import ServiceConfig
+from gyre.staleness import StalenessSettings
 from services.scheduler.policy import GyreConfig, PolicyName
 
 
@@ -115,18 +116,10 @@ class GyreSettings(BaseModel):
         )
 
 
-class StaleRuleSettings(BaseModel):
-    """The rule for groups no batch within max_staleness can take (:mod:`gyre.staleness`):
-    one definition for the scheduler's config and the simulator's."""
+class StaleRuleSettings(StalenessSettings):
+    """eta, the rule for groups no batch within it can take (:mod:`gyre.staleness`) and the
+    partial rule's limit: one definition for the scheduler's config and the simulator's."""
 
-    stale_rule: Literal["cancel", "partial"] = Field(
-        "cancel",
-        description="What happens to a group that cannot be trained within max_staleness (gyre.staleness): "
-        "cancel (its open members are cancelled, every consumed token is within eta) or partial (a group "
-        "with a member started goes on restamped with a newer version; only unstarted groups are "
-        "withdrawn; a consumed token may be older than eta). In a cluster, one setting for the scheduler and "
-        "the packer, like max_staleness.",
-    )
     partial_max_versions: int | None = Field(
         None,
         ge=0,
@@ -200,15 +193,6 @@ class SchedulerConfig(ServiceConfig, GyreSettings, StaleRuleSettings):
         le=600.0,
         description="W = 0 for this long: the burst is drained (seal a partial batch, or skip a burst "
         "with nothing trainable).",
-    )
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        le=1000,
-        description="eta: the most policy versions a consumed group may lag the newest. One setting for the "
-        "whole cluster (put it in the ``cluster:`` section: the packer's field has the same name, and the "
-        "launcher refuses a config where they differ); the policy cancels groups that cannot be trained "
-        "within it, the packer drops them.",
     )
     static_training_cells: int = Field(1, ge=0, description="Training cells of the static-split baseline.")
     reconcile_s: float = Field(0.5, gt=0.0, le=60.0, description="Period of the control loop.")
