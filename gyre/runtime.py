@@ -31,6 +31,7 @@ from gyre.config import ServiceConfig
 from gyre.errors import FatalError, Unavailable
 from gyre.etcd import Etcd, Keys, LeaseKeeper
 from gyre.etcd.client import LeaseNotFound
+from gyre.etcd.values import encode_endpoint
 from gyre.grpcx.server import GrpcServer, Registrar
 from gyre.grpcx.tls import TlsFiles, TlsNotConfigured, set_process_tls
 from gyre.supervisor import Supervisor
@@ -117,7 +118,7 @@ async def serve(
     server = GrpcServer(cfg, services)
     rt.server = server
     rt.port = await server.start()
-    registration = json.dumps({"target": rt.target, "pid": os.getpid()}).encode()
+    registration = encode_endpoint(rt.target, pid=os.getpid())
 
     async def _register(lease_id: int) -> None:
         await etcd.put(rt.keys.service(name, instance), registration, lease=lease_id)

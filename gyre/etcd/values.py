@@ -6,7 +6,11 @@ service that writes or reads them.
 - :class:`CellRecord`: a cell's registration (``keys.cell``);
 - :func:`encode_cell_state` / :func:`decode_cell_state`: the ``keys.cell_state`` value;
 - :class:`Route`: one execution's route (``keys.route``), parsed with one strictness;
-- :func:`token_sha256`: the digest a route stores instead of the execution token.
+- :func:`token_sha256`: the digest a route stores instead of the execution token;
+- :func:`encode_endpoint` / :func:`endpoint_target`: a service's registration and the
+  scheduler leader's key (where the process listens);
+- :func:`encode_policy_record` / :func:`decode_policy_record` / :func:`policy_version`: the
+  published policy (``keys.policy``).
 """
 
 from __future__ import annotations
@@ -215,3 +219,50 @@ class Route:
                 "expires_s": self.expires_s,
             }
         ).encode()
+
+
+def encode_endpoint(target: str, **fields: Any) -> bytes:
+    """Where a process listens: a service's registration (``keys.service``: target, pid) or
+    the scheduler leader's key (``keys.leader``: instance, target)."""
+    return json.dumps({"target": target, **fields}).encode()
+
+
+def endpoint_target(raw: bytes | str | None) -> str:
+    """The ``target`` of an :func:`encode_endpoint` value; "" when it is missing or unreadable
+    (a caller then acts as if nobody were there)."""
+    try:
+        body = json.loads(raw) if raw else None
+        return str(body["target"]) if isinstance(body, dict) and "target" in body else ""
+    except ValueError:
+        return ""
+
+
+def encode_policy_record(version: int, **fields: Any) -> bytes:
+    """The published policy (``keys.policy``): its version, where its weights are served
+    (``source_target``), the batch that made it and that step's training diagnostics."""
+    return json.dumps({"version": version, **fields}).encode()
+
+
+def decode_policy_record(raw: bytes | str) -> dict[str, Any]:
+    """A :func:`encode_policy_record` value; InvalidArgument unless it is an object whose
+    ``version`` is a whole number >= 0."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgument(f"malformed policy record: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidArgument("malformed policy record: not an object")
+    version = body.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise InvalidArgument(f"malformed policy record: version {version!r}")
+    return body
+
+
+def policy_version(raw: bytes | str | None) -> int | None:
+    """The version of a policy record; None when there is none or it is unreadable."""
+    if raw is None:
+        return None
+    try:
+        return int(decode_policy_record(raw)["version"])
+    except InvalidArgument:
+        return None

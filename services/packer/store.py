@@ -5,7 +5,6 @@ the cluster's incarnation (a WAL left by an earlier cluster is archived, not rep
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -13,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from gyre.etcd import Etcd, Keys, PrefixMirror
 from gyre.etcd.client import KV
+from gyre.etcd.values import policy_version
 from services.packer.packer import Packer
 from services.packer.wal import Event, Wal
 
@@ -23,12 +23,10 @@ def policy_version_of(kv: KV | None) -> int | None:
     """The version in a policy record ({"version": int, ...}); None when unreadable."""
     if kv is None:
         return None
-    try:
-        version = json.loads(kv.value)["version"]
-    except (ValueError, KeyError, TypeError):
+    version = policy_version(kv.value)
+    if version is None:
         log.warning("unreadable policy record", extra={"key": kv.key.decode(errors="replace")})
-        return None
-    return version if isinstance(version, int) and version >= 0 else None
+    return version
 
 
 class PolicyMirror:

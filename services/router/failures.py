@@ -12,7 +12,6 @@ instead of waiting for a move that will not come.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -20,6 +19,7 @@ from typing import Any
 
 from gyre.config import ServiceConfig
 from gyre.errors import GyreError
+from gyre.etcd.values import endpoint_target
 from gyre.grpcx.channel import open_channel, unary
 from gyre.identity import Role
 from gyre.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -83,10 +83,7 @@ class SchedulerReports:
 
     def _leader_target(self) -> str:
         for kv in self._leader_items().values():
-            try:
-                return str(json.loads(kv.value)["target"])
-            except (ValueError, KeyError, TypeError):
-                return ""
+            return endpoint_target(kv.value)
         return ""
 
     async def send(self, cell_id: str, target: str, reason: str) -> bool | None:

@@ -12,13 +12,13 @@ again; whoever wins (maybe itself, with a new epoch) rebuilds from etcd.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from grpc_health.v1 import health_pb2
 
 from gyre.errors import GyreError
 from gyre.etcd import LeaderElection, PrefixMirror
+from gyre.etcd.values import encode_endpoint
 from gyre.runtime import Runtime, Services, main
 from gyre.v1 import scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig
@@ -112,7 +112,7 @@ async def after_start(rt: Runtime) -> None:
     sched = _state["scheduler"]
     cfg = rt.config
     assert isinstance(cfg, SchedulerConfig)
-    candidate = json.dumps({"instance": rt.instance, "target": rt.target})
+    candidate = encode_endpoint(rt.target, instance=rt.instance).decode()
     election = LeaderElection(rt.etcd, rt.keys.leader(), candidate, rt.lease)
     sched.store = SchedulerStore(rt.etcd, rt.keys, election)
 

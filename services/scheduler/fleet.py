@@ -10,14 +10,13 @@ tables themselves are pure (:mod:`placement`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from gyre.backoff import Backoff
 from gyre.errors import FailedPrecondition, GyreError, StaleEpoch
-from gyre.etcd.values import CellRecord, Route
+from gyre.etcd.values import CellRecord, Route, endpoint_target
 from services.scheduler.leadership import Leadership
 from services.scheduler.placement import CellTable, RouteTable
 
@@ -80,13 +79,8 @@ class Fleet:
         self.cells.refresh(self._registrations, self._states)
 
     def on_routers(self, items: Mapping[bytes, Any]) -> None:
-        targets = []
-        for kv in items.values():
-            try:
-                targets.append(str(json.loads(kv.value)["target"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        self.router_targets = sorted(set(targets))
+        targets = {endpoint_target(kv.value) for kv in items.values()}
+        self.router_targets = sorted(targets - {""})
 
     def settle_overlays(self, moving: Callable[[str], bool]) -> None:
         """Drops overlays the agents have confirmed (and whose move is over)."""

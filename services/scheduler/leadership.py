@@ -9,12 +9,12 @@ epoch marks the process deposed (it then steps down: a standby again, campaignin
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 from gyre.errors import FailedPrecondition, StaleEpoch, Unavailable
+from gyre.etcd.values import endpoint_target
 from services.scheduler.store import Store
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,7 @@ class Leadership:
         """The leader key changed: remember where the leader is; a newer leader's key while
         we lead means ours lapsed."""
         for kv in items.values():
-            try:
-                self.leader_target = str(json.loads(kv.value).get("target", ""))
-            except (ValueError, TypeError, AttributeError):
-                self.leader_target = ""
+            self.leader_target = endpoint_target(kv.value)
             if self.epoch > 0 and getattr(kv, "create_revision", 0) > self.epoch:
                 # A newer leader's key (ours lapsed): stop before the next write finds out.
                 # (An older revision is only a lagging watch: ignored.)

@@ -10,12 +10,12 @@ skipped), since the old leader may have died mid-publication.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from gyre.errors import GyreError
+from gyre.errors import GyreError, InvalidArgument
+from gyre.etcd.values import decode_policy_record
 from services.scheduler.fleet import CellGone, Fleet
 from services.scheduler.leadership import Leadership
 from services.scheduler.peers import Peers
@@ -47,9 +47,9 @@ class Publication:
     def on_policy(self, items: Mapping[bytes, Any]) -> None:
         for kv in items.values():
             try:
-                self.observe(json.loads(kv.value))
-            except (ValueError, TypeError):
-                log.warning("malformed policy key ignored")
+                self.observe(decode_policy_record(kv.value))
+            except InvalidArgument as exc:
+                log.warning("malformed policy key ignored", extra={"error": str(exc)})
 
     def observe(self, body: Mapping[str, Any]) -> None:
         """A policy record (the key's JSON): a newer version replaces ours, and its training

@@ -24,13 +24,14 @@ its own guards; a lost guard sends them one by one). A lost guard raises
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from gyre.errors import Conflict
+from gyre.errors import Conflict, InvalidArgument
 from gyre.etcd import Etcd, Keys, LeaderElection, Op
 from gyre.etcd.client import create_revision_is, mod_revision_is, prefix_end
-from gyre.etcd.values import Route
+from gyre.etcd.values import Route, decode_policy_record
 from services.scheduler.accounts import ArchiveSummary
 from services.scheduler.group_commit import GroupCommit
 from services.scheduler.ledger import Burst, ExecutionRecord
@@ -39,6 +40,8 @@ MAX_TXN_OPS = 120
 """etcd refuses transactions with more than 128 operations (its default --max-txn-ops)."""
 READ_PAGE = 1000
 """Keys per range request of a takeover (about 400 KiB of execution records)."""
+
+log = logging.getLogger(__name__)
 
 
 class Stored(NamedTuple):
@@ -138,7 +141,13 @@ class SchedulerStore:
 
     async def read_policy(self) -> dict[str, Any] | None:
         kv = await self.etcd.get(self.keys.policy())
-        return None if kv is None else json.loads(kv.value)
+        if kv is None:
+            return None
+        try:
+            return decode_policy_record(kv.value)
+        except InvalidArgument as exc:
+            log.warning("malformed policy key ignored", extra={"error": str(exc)})
+            return None
 
     # Writes -------------------------------------------------------------------------------
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from gyre.etcd import Etcd, Keys
 from gyre.etcd.client import Op, mod_revision_is
+from gyre.etcd.values import decode_policy_record, encode_policy_record, policy_version
 
 log = logging.getLogger(__name__)
 
@@ -22,17 +22,13 @@ class EtcdPolicyPublisher:
         self.source_target = source_target
 
     async def publish(self, version: int, batch_id: int, diagnostics: dict[str, Any] | None = None) -> None:
-        record: dict[str, Any] = {
-            "version": version,
-            "source_target": self.source_target,
-            "batch_id": batch_id,
-        }
+        record: dict[str, Any] = {"source_target": self.source_target, "batch_id": batch_id}
         if diagnostics:
             record["training"] = diagnostics  # the step's loss diagnostics, for the status and dashboard
-        value = json.dumps(record).encode()
+        value = encode_policy_record(version, **record)
         while True:
             cur = await self.etcd.get(self.key)
-            if cur is not None and int(json.loads(cur.value).get("version", 0)) >= version:
+            if cur is not None and (policy_version(cur.value) or 0) >= version:
                 return  # already announced (a restart re-publishing, or a newer one)
             ok, _ = await self.etcd.txn(
                 [mod_revision_is(self.key, cur.mod_revision if cur else 0)], [Op(self.key, value)]
@@ -43,4 +39,4 @@ class EtcdPolicyPublisher:
 
     async def current(self) -> dict | None:
         cur = await self.etcd.get(self.key)
-        return None if cur is None else json.loads(cur.value)
+        return None if cur is None else decode_policy_record(cur.value)
