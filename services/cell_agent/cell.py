@@ -226,13 +226,27 @@ class Cell:
                 "cell state",
                 extra={"from": t.source.name, "to": t.target.name, "epoch": epoch, "reason": reason},
             )
-            try:
-                await self._apply(t)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            # The state is written: its side effects complete even when the caller goes away
+            # (a scheduler killed mid-command cancels this call). Cut short, they would leave
+            # the cell RETURNING with its engine asleep, refusing every later command.
+            applying = asyncio.ensure_future(self._apply(t))
+            cancelled = False
+            while not applying.done():
+                try:
+                    await asyncio.shield(applying)
+                except asyncio.CancelledError:
+                    cancelled = True  # still under the lock: no command sees a half-made state
+                except Exception:
+                    break
+            if applying.exception() is not None:
+                exc = applying.exception()
                 await self._go_failed(f"{t.source.name} -> {t.target.name} failed: {exc!r}")
-                raise Unavailable(f"cell failed during {t.source.name} -> {t.target.name}: {exc}") from exc
+                if not cancelled:
+                    raise Unavailable(
+                        f"cell failed during {t.source.name} -> {t.target.name}: {exc}"
+                    ) from exc
+            if cancelled:
+                raise asyncio.CancelledError()
             return self.state
 
     async def _verify_epoch(self, epoch: int) -> None:

@@ -6,6 +6,7 @@ process (FatalError from the monitor) when the engine dies or its probe hangs.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -187,3 +188,30 @@ async def test_leaving_training_waits_for_the_trainer_and_a_refusal_changes_noth
         await cell.set_state(S.FAILED, 4)
     assert cell.state is S.TRAINING
     await cell.close()
+
+
+@pytest.mark.parametrize("target", [S.TRAINING, S.RETURNING])
+async def test_a_committed_transition_completes_when_its_caller_goes_away(target):
+    """A scheduler SIGKILLed mid-command cancels the call on the cell's side. Once the new
+    state is written, its side effects (the engine's sleep or wake, the training hook) must
+    complete anyway: found by the 2-hour soak, where a scheduler killed during TRAINING ->
+    RETURNING left cell-0 RETURNING with its engine asleep, and every command of the next
+    leader (load the policy, then ROLLOUT) was refused 'while RETURNING' from then on."""
+    cell, store, hook = await _cell()
+    cell.engine.timing = dataclasses.replace(cell.engine.timing, sleep_s=0.3, wake_s=0.3)
+    await cell.set_state(S.DRAINING, 5)
+    if target is S.RETURNING:
+        await cell.set_state(S.TRAINING, 5)
+    call = asyncio.create_task(cell.set_state(target, 5))
+    while cell.state is not target:  # committed: the side effect is under way
+        await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert cell.state is target
+    if target is S.TRAINING:
+        assert cell.engine.sleeping and hook.calls[-1] == "enter"
+        return
+    assert not cell.engine.sleeping
+    assert (await cell.load_policy(5, 0, ""))[0] == 0  # the next leader's first command
+    assert await cell.set_state(S.ROLLOUT, 5) is S.ROLLOUT
