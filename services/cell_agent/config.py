@@ -118,7 +118,10 @@ class CellAgentConfig(ServiceConfig):
         "other cells reach when handoffs cross hosts).",
     )
     kv_pin_ttl_s: float = Field(
-        30.0, gt=0, description="vLLM: a pin not released within this is released (its blocks freed)."
+        30.0,
+        gt=0,
+        description="A KV handle (vLLM: its pinned blocks; the mock: its copy) not imported or released within "
+        "this is dropped.",
     )
     kv_read_timeout_s: float = Field(
         10.0, gt=0, description="vLLM: deadline of a destination's read; past it the prefix is recomputed."

@@ -157,6 +157,27 @@ async def test_kv_export_import_skips_prefill(tmp_path):
         await dst.shutdown()
 
 
+async def test_a_kv_handle_nobody_takes_is_dropped_after_its_ttl(tmp_path):
+    """As vLLM's pins: a handle exported for a hand-off that never happens (the router died
+    between the export and the continuation) is dropped after kv_pin_ttl_s, its copy and its
+    file with it; over a soak of days the mock kept every such handle."""
+    for kv_dir in ("", str(tmp_path)):
+        src, _ = _engine(timing=MockTiming(time_scale=0.0), kv_dir=kv_dir, cell_id="src", kv_pin_ttl_s=0.05)
+        await src.start()
+        gen = src.generate("live", list(range(3, 100)), Sampling(max_tokens=30))
+        async for _ in gen:
+            break
+        handle = await src.export_kv("live")
+        await gen.aclose()
+        assert handle is not None and src.pinned_kv == 1
+        await asyncio.sleep(0.2)
+        assert src.pinned_kv == 0
+        assert src._read_handle(handle) is None
+        assert not list(tmp_path.glob("*.json"))
+        await src.release_kv(handle.handle_id)  # a late release is a no-op
+        await src.shutdown()
+
+
 async def test_abort_one_of_several():
     engine = MockEngine(MockTiming(fixed_decode_step_s=0.002, step_overhead_s=0.0, n_params=1.0), RealClock())
     await engine.start()

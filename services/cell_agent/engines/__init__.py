@@ -52,5 +52,6 @@ def build_engine(cfg: CellAgentConfig) -> Engine:
         model_dir=cfg.model_dir,
         cell_id=cfg.cell_id,
         kv_dir=cfg.kv_dir or mock.kv_dir,
+        kv_pin_ttl_s=cfg.kv_pin_ttl_s,
         policy_version=cfg.policy_version,
     )

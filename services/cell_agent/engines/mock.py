@@ -199,6 +199,7 @@ class MockEngine(Engine):
         model_dir: str = "",
         cell_id: str = "mock",
         kv_dir: str = "",
+        kv_pin_ttl_s: float = 30.0,
         prefix_cache_tokens: int = 1 << 20,
         block_tokens: int = 16,
         policy_version: int = 0,
@@ -236,6 +237,10 @@ class MockEngine(Engine):
         self._unpaused.set()
         self._loop_task: asyncio.Task[None] | None = None
         self._kv_handles: dict[str, str] = {}  # handle id -> file path or "" (memory)
+        # As vLLM's pins (VllmEngine.kv_pin_ttl_s): a handle nobody imports or releases (its
+        # router died between the export and the hand-off) is dropped, not kept for good.
+        self._kv_pin_ttl_s = kv_pin_ttl_s
+        self._kv_expiry: dict[str, asyncio.TimerHandle] = {}
 
     @property
     def kv_tokens(self) -> int:
@@ -366,12 +371,27 @@ class MockEngine(Engine):
             payload = json.dumps({"fingerprint": self._fingerprint.hex(), "tokens": tokens})
             await asyncio.to_thread(_write_atomic, path, payload)
             self._kv_handles[handle_id] = str(path)
-            return KvHandle(handle_id, self._cell_id, len(tokens), str(path), "file")
-        _MEMORY_KV[handle_id] = (self._fingerprint, tokens)
-        self._kv_handles[handle_id] = ""
-        return KvHandle(handle_id, self._cell_id, len(tokens), handle_id, "memory")
+            handle = KvHandle(handle_id, self._cell_id, len(tokens), str(path), "file")
+        else:
+            _MEMORY_KV[handle_id] = (self._fingerprint, tokens)
+            self._kv_handles[handle_id] = ""
+            handle = KvHandle(handle_id, self._cell_id, len(tokens), handle_id, "memory")
+        loop = asyncio.get_running_loop()
+        self._kv_expiry[handle_id] = loop.call_later(self._kv_pin_ttl_s, self._drop_kv, handle_id)
+        return handle
 
     async def release_kv(self, handle_id: str) -> None:
+        self._drop_kv(handle_id)
+
+    @property
+    def pinned_kv(self) -> int:
+        """KV handles exported and not yet released (or expired)."""
+        return len(self._kv_handles)
+
+    def _drop_kv(self, handle_id: str) -> None:
+        timer = self._kv_expiry.pop(handle_id, None)
+        if timer is not None:
+            timer.cancel()
         path = self._kv_handles.pop(handle_id, None)
         _MEMORY_KV.pop(handle_id, None)
         if path:
