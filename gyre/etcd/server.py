@@ -23,6 +23,25 @@ from pathlib import Path
 from gyre.lifeline import spawn
 from gyre.ports import free_port
 
+UPKEEP_FLAGS = (
+    "--auto-compaction-mode=periodic",
+    "--auto-compaction-retention=10m",
+    "--snapshot-count=10000",
+)
+"""What keeps a long-running etcd bounded; docker-compose.yml and the Kubernetes manifest pass
+the same (tests/unit/test_etcd_upkeep_flags.py).
+
+- Revisions older than 10 minutes are dropped every 10 minutes (kube-apiserver compacts its
+  etcd every 5), so the scheduler's archived bursts stop taking space. A watch that falls
+  further behind relists (gyre.etcd.watch). With 1h, etcd's periodic compactor runs hourly
+  and keeps 1-2 hours of revisions: the 2-hour soak's database grew 34 MB/h to the end.
+- etcd holds every Raft entry applied since its last snapshot in memory, and snapshots every
+  ``--snapshot-count`` entries: 100,000 by default in etcd 3.4, about 2.5 hours of Gyre's
+  writes in the soak (~40,000 an hour), over which its RSS grew ~100 MB an hour. 10,000 (as
+  kubeadm configures its etcd) snapshots every ~15 minutes and holds at most that many, plus
+  the 5,000 etcd keeps for a slow follower to catch up.
+"""
+
 
 class EtcdServer:
     """Starts, restarts, pauses and stops one etcd member on loopback."""
@@ -74,16 +93,7 @@ class EtcdServer:
             "error",
             "--logger",
             "zap",
-            # As docker-compose.yml and the Kubernetes manifest: revisions older than 10
-            # minutes are dropped every 10 minutes (kube-apiserver compacts its etcd every 5),
-            # so the scheduler's archived bursts stop taking space (issue 13 part 5). A watch
-            # that falls further behind relists (gyre.etcd.watch). With 1h, etcd's periodic
-            # compactor runs hourly and keeps 1-2 hours of revisions: the 2-hour soak's
-            # database grew 34 MB/h to the end.
-            "--auto-compaction-mode",
-            "periodic",
-            "--auto-compaction-retention",
-            "10m",
+            *UPKEEP_FLAGS,
         ]
         if self.tls_dir is not None:
             args += [
