@@ -233,13 +233,11 @@ class Cell:
             cancelled = False
             while not applying.done():
                 try:
-                    await asyncio.shield(applying)
+                    await asyncio.wait({applying})  # waits without cancelling it or raising its error
                 except asyncio.CancelledError:
                     cancelled = True  # still under the lock: no command sees a half-made state
-                except Exception:
-                    break
-            if applying.exception() is not None:
-                exc = applying.exception()
+            exc = applying.exception()
+            if exc is not None:
                 await self._go_failed(f"{t.source.name} -> {t.target.name} failed: {exc!r}")
                 if not cancelled:
                     raise Unavailable(

@@ -14,11 +14,17 @@ from services.scheduler.policy import (
     GyrePolicy,
     MoveToTraining,
     Pipeline,
+    Snapshot,
 )
 from services.scheduler.policy.gyre import rollout_capacity
 from testkit.policy_rig import cells as _cells
 from testkit.policy_rig import heavy_pipeline as _heavy_pipeline
 from testkit.policy_rig import snap as _snap
+
+
+def _moved(policy: GyrePolicy, snap: Snapshot) -> list[str]:
+    """The cells one decision moves to training."""
+    return [a.cell_id for a in policy.decide(snap) if isinstance(a, MoveToTraining)]
 
 
 def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
@@ -35,22 +41,14 @@ def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
     # The rate target (3) asks for a third training cell: in slots the 7 rollout cells left
     # hold 70 >= 16; in what their KV keeps, 14 < 16, so c2 stays in rollout.
     cells = _cells([T] * 2 + [R] * 8)
-    assert [
-        a.cell_id
-        for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, p))
-        if isinstance(a, MoveToTraining)
-    ] == ["c2"]
+    assert _moved(GyrePolicy(GyreConfig(kv=False)), _snap(cells, p)) == ["c2"]
     whole = GyrePolicy(GyreConfig(kv_fill=1.0))
-    assert not [a for a in whole.decide(_snap(cells, p)) if isinstance(a, MoveToTraining)]
+    assert not _moved(whole, _snap(cells, p))
     # Lending likewise: the spare cells of the slot count are not spare in KV.
     busy = _heavy_pipeline(12, ready_groups=10, ready_tokens=5e5, batch_assigned=5, backlog_tokens=1e5, **kv)
     cells = _cells([T] * 5 + [R] * 5)
-    assert [
-        a.cell_id
-        for a in GyrePolicy(GyreConfig(kv=False)).decide(_snap(cells, busy))
-        if isinstance(a, MoveToTraining)
-    ] == ["c5"]
-    assert not [a for a in whole.decide(_snap(cells, busy)) if isinstance(a, MoveToTraining)]
+    assert _moved(GyrePolicy(GyreConfig(kv=False)), _snap(cells, busy)) == ["c5"]
+    assert not _moved(whole, _snap(cells, busy))
     # Unmeasured (no context yet, or no KV size known): slots, as before.
     assert Pipeline(max_staleness=1, group_size=4, batch_groups=2, kv_tokens_per_cell=1e5).kv_slots(10) == 10
 
