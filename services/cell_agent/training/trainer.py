@@ -126,31 +126,70 @@ class LossStats:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenTargets:
+    """What the loss needs beside the logits, as tensors [B, T] (``adv`` and ``temp``: [B]):
+    the token ids, the loss mask, the behaviour log-probs, each token's version lag (0 when
+    unknown), the sequence's advantage and sampling temperature (0 scored at 1)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    behav: torch.Tensor
+    lag: torch.Tensor
+    adv: torch.Tensor
+    temp: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        seqs: list[Sequence],
+        version: int | None = None,
+        width: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> TokenTargets:
+        """``seqs`` padded right to ``width`` (default: the longest)."""
+        b, t = len(seqs), width or max(len(s.token_ids) for s in seqs)
+        ids = torch.zeros(b, t, dtype=torch.long, device=device)
+        mask = torch.zeros(b, t, dtype=dtype, device=device)
+        behav = torch.zeros(b, t, dtype=dtype, device=device)
+        lag = torch.zeros(b, t, dtype=torch.long, device=device)
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            ids[i, :n] = torch.tensor(s.token_ids, device=device)
+            mask[i, :n] = torch.tensor(s.loss_mask, dtype=dtype, device=device)
+            behav[i, :n] = torch.tensor(s.logprobs, dtype=dtype, device=device)
+            if version is not None and s.policy_versions:
+                lag[i, :n] = (version - torch.tensor(s.policy_versions, device=device)).clamp(
+                    0, LAG_BUCKETS - 1
+                )
+        adv = torch.tensor([s.advantage for s in seqs], dtype=dtype, device=device)
+        temp = torch.tensor(
+            [s.temperature if s.temperature > 0 else 1.0 for s in seqs], dtype=dtype, device=device
+        )
+        return cls(ids, mask, behav, lag, adv, temp)
+
+
 def token_losses(
     logits: torch.Tensor, seqs: list[Sequence], cfg: LossConfig, version: int | None = None
 ) -> tuple[torch.Tensor, int, LossStats]:
     """Sum of the policy-gradient losses of every loss token of ``seqs`` (padded right into
     ``logits`` [B, T, V]), the number of loss tokens, and their diagnostics. ``version``: the
     weights' version (for the lag of each token; None: every token counts as lag 0)."""
-    device = logits.device
     # The loss in at least float32 (bf16 log-softmax over a vocabulary is too coarse).
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    b, t = logits.shape[0], logits.shape[1]
-    ids = torch.zeros(b, t, dtype=torch.long, device=device)
-    mask = torch.zeros(b, t, dtype=dtype, device=device)
-    behav = torch.zeros(b, t, dtype=dtype, device=device)
-    lag = torch.zeros(b, t, dtype=torch.long, device=device)
-    adv = torch.tensor([s.advantage for s in seqs], dtype=dtype, device=device)
-    temp = torch.tensor(
-        [s.temperature if s.temperature > 0 else 1.0 for s in seqs], dtype=dtype, device=device
-    )
-    for i, s in enumerate(seqs):
-        n = len(s.token_ids)
-        ids[i, :n] = torch.tensor(s.token_ids, device=device)
-        mask[i, :n] = torch.tensor(s.loss_mask, dtype=dtype, device=device)
-        behav[i, :n] = torch.tensor(s.logprobs, dtype=dtype, device=device)
-        if version is not None and s.policy_versions:
-            lag[i, :n] = (version - torch.tensor(s.policy_versions, device=device)).clamp(0, LAG_BUCKETS - 1)
+    targets = TokenTargets.of(seqs, version, logits.shape[1], dtype, logits.device)
+    return target_losses(logits, targets, cfg)
+
+
+def target_losses(
+    logits: torch.Tensor, targets: TokenTargets, cfg: LossConfig
+) -> tuple[torch.Tensor, int, LossStats]:
+    """:func:`token_losses` on targets already in tensors (a pipeline's last stage gets
+    them so)."""
+    dtype = targets.mask.dtype
+    ids, mask, behav, lag = targets.ids, targets.mask, targets.behav, targets.lag
+    adv, temp = targets.adv, targets.temp
     # Token j is predicted from the logits at j-1: position 0 is never trained.
     logsm = torch.log_softmax(logits[:, :-1].to(dtype) / temp[:, None, None], dim=-1)
     logp = logsm.gather(-1, ids[:, 1:, None])[..., 0]

@@ -1,0 +1,75 @@
+"""The stages of a pipelined cell, in one process: the layer split, and stage modules that
+compose to the whole model (issue 34)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyre.errors import InvalidArgument
+from services.cell_agent.training.pipeline import StageModule, round_tensors, stage_bounds, unpack_targets
+from services.cell_agent.training.trainer import LossConfig, TokenTargets, target_losses, token_losses
+from testkit.pipeline_rig import micro_steps
+
+
+def test_pipeline_stage_bounds_split_the_layers_evenly():
+    assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert stage_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert stage_bounds(2, 1) == [(0, 2)]
+    with pytest.raises(InvalidArgument):
+        stage_bounds(2, 3)
+    with pytest.raises(InvalidArgument):
+        stage_bounds(2, 0)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_pipeline_stages_compose_to_the_model(stages):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    ids = torch.randint(0, 64, (3, 11))
+    want = model(input_ids=ids).logits
+    mods = [StageModule(model, s, stages) for s in range(stages)]
+    h = ids
+    for m in mods:
+        h = m(h)
+    assert torch.allclose(h, want, atol=1e-10)
+    names = [n for m in mods for n in m.names]
+    every = [n for n, _ in model.named_parameters()]
+    assert set(names) == set(every)
+    # Tied embeddings: the first and the last stage hold the same weight.
+    assert len(names) == len(every) + (1 if stages > 1 else 0)
+    if stages > 1:
+        assert mods[0].names[0] == mods[-1].names[-1] == "model.embed_tokens.weight"
+
+
+def test_pipeline_round_targets_give_the_trainers_loss():
+    """A round's padded target tensor gives the loss of the sequences themselves."""
+    steps = micro_steps(3, vocab=50, seed=1)
+    rows = max(len(s.sequences) for s in steps)
+    width = max(len(q.token_ids) for s in steps for q in s.sequences)
+    ids, target = round_tensors(steps, 5, rows, width)
+    assert ids.shape == (3 * rows, width) and target.shape == (3 * rows, width, 6)
+    torch.manual_seed(0)
+    logits = torch.randn(3 * rows, width, 50, dtype=torch.float64)
+    cfg = LossConfig()
+    loss, n, _ = target_losses(logits, unpack_targets(target, torch.float64), cfg)
+    want_loss, want_n = torch.zeros((), dtype=torch.float64), 0
+    for k, step in enumerate(steps):
+        seqs = list(step.sequences)
+        part = logits[k * rows : k * rows + len(seqs)]
+        part_loss, m, _ = token_losses(part, seqs, cfg, version=5)
+        want_loss, want_n = want_loss + part_loss, want_n + m
+    assert n == want_n
+    assert torch.allclose(loss, want_loss, atol=1e-12)
+    assert isinstance(TokenTargets.of(list(steps[0].sequences)), TokenTargets)
