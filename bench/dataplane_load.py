@@ -52,21 +52,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from apps.procs import ServiceProcess  # noqa: E402
-from gyre.client.router_stream import RouterStream  # noqa: E402
-from gyre.etcd import Etcd, Keys  # noqa: E402
-from gyre.etcd.server import EtcdServer  # noqa: E402
-from gyre.identity import Role  # noqa: E402
-from gyre.v1 import (  # noqa: E402
-    cell_agent_pb2,
-    cell_agent_pb2_grpc,
-    common_pb2,
-    packer_pb2,
-    packer_pb2_grpc,
-    router_pb2,
-)
-from testkit.pki import BenchPki  # noqa: E402
-from testkit.router_rig import build_tokenizer_dir, put_route, start_router  # noqa: E402
+from apps.procs import ServiceProcess
+from gyre.client.router_stream import RouterStream
+from gyre.etcd import Etcd, Keys
+from gyre.etcd.server import EtcdServer
+from gyre.identity import Role
+from gyre.v1 import cell_agent_pb2, cell_agent_pb2_grpc, common_pb2, packer_pb2, packer_pb2_grpc, router_pb2
+from testkit.pki import BenchPki
+from testkit.router_rig import build_tokenizer_dir, put_route, start_router
 
 GROUP_SIZE = 8
 PROMPT_TOKENS = 32
