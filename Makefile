@@ -44,6 +44,8 @@ bench: install  ## benchmarks (~30 min on 2 idle cores); JSON in bench/results/,
 	$(PY) bench/engine_mock.py
 	$(PY) bench/engine_vllm.py
 	$(PY) bench/trajectory_vllm.py
+	$(PY) bench/training_pipeline.py
+	$(PY) bench/doc_tables.py
 
 bench-full: install  ## the cluster benchmark's every scenario, seed and sweep point (hours on 2 cores)
 	$(PY) bench/cluster.py --emulate

@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import doc_tables  # noqa: E402
 from testkit.pipeline_rig import PipelinePlan, micro_steps, run_plan  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "training_pipeline.json"
@@ -207,6 +208,7 @@ def main() -> None:
     )
     if not args.no_doc:
         write_doc(summary)
+        doc_tables.main([])  # the page's opening figures
     print(table(summary))
 
 
