@@ -75,6 +75,9 @@ class PipelinePlan:
     threads: int = 1
     backend: str = "gloo"
     dtype: str = "float64"
+    die: tuple[int, int] | None = None
+    """(rank, round): that rank SIGKILLs itself in the middle of that round's schedule (at
+    its second forward of the round), as a stage process that dies mid-schedule."""
 
     @property
     def cells(self) -> int:
@@ -98,8 +101,9 @@ def run_plan(plan: PipelinePlan, timeout_s: float = 300.0) -> list[dict[str, Any
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
+    living = plan.world - (1 if plan.die else 0)
     try:
-        while len(results) < plan.world:
+        while len(results) < living:
             try:
                 rank, result = out.get(timeout=timeout_s)
             except queue.Empty as exc:
@@ -114,6 +118,9 @@ def run_plan(plan: PipelinePlan, timeout_s: float = 300.0) -> list[dict[str, Any
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    if plan.die:
+        procs[plan.die[0]].join(timeout=10)
+        results[plan.die[0]] = {"rank": plan.die[0], "exitcode": procs[plan.die[0]].exitcode}
     return [results[r] for r in range(plan.world)]
 
 
@@ -173,6 +180,8 @@ def _rank(plan: PipelinePlan, rank: int, port: int) -> dict[str, Any]:
     if device is not None:
         stage.to(device)
     pc = PipelineCell(stage, ranks=cells[cell], group=cell_groups[cell], device=device)
+    if plan.die and plan.die[0] == rank:
+        _die_in_round(stage, pc, plan.die[1])
     core_rank = index  # the core's stage s
     # The core's stages expose the batch's weights, one shard per stage (its snapshot); a
     # satellite's stage loads only its own stage's shard when it joins.
@@ -187,20 +196,16 @@ def _rank(plan: PipelinePlan, rank: int, port: int) -> dict[str, Any]:
         if index == 0 and plan.join_after:
             _wait_for(work / f"core-rounds-{plan.join_after}")
     t0 = time.perf_counter()
-    if index == 0:
-        for r in plan.rounds[cell]:
-            if cell == 0 and plan.pause_s and pc.times.rounds:
-                time.sleep(plan.pause_s)
-            pc.announce([plan.steps[i] for i in r], plan.version)
-            if cell == 0:
-                (work / f"core-rounds-{pc.times.rounds}").touch()
-        drain0 = time.perf_counter()
-        pc.close()
-        drain_s = time.perf_counter() - drain0
-    else:
-        while pc.follow():
-            pass
-        drain_s = 0.0
+    try:
+        drain_s = _stream(plan, pc, cell, index, work)
+    except (RuntimeError, OSError) as exc:  # a stage died: this one fails, not hangs
+        grads = [p.grad for p in stage.parameters() if p.grad is not None]
+        return {
+            "rank": rank,
+            "failed": f"{type(exc).__name__}: {exc}",
+            "grads_left": len(grads),
+            "after_s": time.perf_counter() - t0,
+        }
     wall = time.perf_counter() - t0
     grad = reduce_to_core(pc, core_rank, stage_groups[index] if plan.cells > 1 else None)
     result: dict[str, Any] = {
@@ -223,6 +228,43 @@ def _rank(plan: PipelinePlan, rank: int, port: int) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _stream(plan: PipelinePlan, pc: Any, cell: int, index: int, work: Path) -> float:
+    """The batch's stream on one stage: the leader announces the cell's rounds and closes,
+    the others follow; returns the leader's drain time."""
+    import time
+
+    if index != 0:
+        while pc.follow():
+            pass
+        return 0.0
+    for r in plan.rounds[cell]:
+        if cell == 0 and plan.pause_s and pc.times.rounds:
+            time.sleep(plan.pause_s)
+        pc.announce([plan.steps[i] for i in r], plan.version)
+        if cell == 0:
+            (work / f"core-rounds-{pc.times.rounds}").touch()
+    drain0 = time.perf_counter()
+    pc.close()
+    return time.perf_counter() - drain0
+
+
+def _die_in_round(stage: Any, pc: Any, round_index: int) -> None:
+    """SIGKILLs this process at its second forward of round ``round_index``."""
+    import signal
+
+    forward = stage.forward
+    calls = [0]
+
+    def dying(x: Any) -> Any:
+        if pc.times.rounds == round_index:
+            calls[0] += 1
+            if calls[0] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return forward(x)
+
+    stage.forward = dying
 
 
 def _wait_for(path: Path, timeout_s: float = 120.0) -> None:

@@ -73,3 +73,14 @@ def test_pipeline_pauses_between_rounds_and_drains(models, tmp_path):
     follower = next(r for r in results if r["stage"] == 1)
     assert follower["times"]["rounds"] == 3
     assert follower["times"]["pause_s"] >= 0.5  # two pauses of 0.3 s, waited at the announcement
+
+
+def test_pipeline_stage_killed_mid_schedule_fails_its_cell_without_a_trace(models, tmp_path):
+    """Stage 1 is SIGKILLed in the middle of the second round's schedule. Stage 0 does not
+    hang on its neighbour: its schedule fails, and it keeps no gradient of the batch (so the
+    cell acknowledges nothing and its claims go back, as a dead cell's do)."""
+    plan = _plan(tmp_path, models[2], 2, (((0, 1, 2), (3, 4, 5), (6, 7)),), 8, die=(1, 1))
+    leader, dead = run_plan(plan, timeout_s=120)
+    assert dead["exitcode"] == -9
+    assert "failed" in leader, leader
+    assert leader["grads_left"] == 0

@@ -330,7 +330,13 @@ class PipelineCell:
             sched = schedule(pstage, n, loss_fn=self._loss_fn, scale_grads=False)
             args = (ids.to(self.device),) if self.index == 0 else ()
             tgt = target.to(self.device) if self.stage.last else None
-            sched.step(*args, target=tgt, return_outputs=False)
+            try:
+                sched.step(*args, target=tgt, return_outputs=False)
+            except BaseException:
+                # A neighbour died or the group broke mid-schedule: the batch cannot finish
+                # on this cell, so nothing of it stays (its claims go back unacknowledged).
+                self.end_batch()
+                raise
         self.times.round_span.append((start, time.monotonic()))
         self.times.round_busy_s.append(self.times.busy_s - sum(self.times.round_busy_s))
         self.times.rounds += 1
