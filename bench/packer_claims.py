@@ -11,15 +11,12 @@ the same run on the same machine, and the ratio between them:
 - claims (in process): claim + ack pairs/s by 16 asyncio claimers on the real WAL, over
   ``--rounds`` batches;
 - claims (gRPC): claim + ack pairs/s by 16 claimers, one channel each, to a packer process
-  (one micro-step per call; several per claim, acks one by one or batched; the same claims
-  and batched acks on one ``ClaimStream`` per claimer, one after the other or with the next
-  claim sent while the ack goes through; each ack carried in the next claim's message
-  (``ack_first``); and the trainer's own client with its default
-  ``claim_batch``),
-  against plain GetBatch calls/s from the same 16 callers (the ratio is what a claim costs
-  beyond a round trip); the packer process's and the claimers' CPU per pair; with
-  ``--old-path`` (default) the batched mode also on the old claim path (a second packer
-  process, ``pre_encode`` off), alternating with the default one round by round;
+  (ClaimMicroSteps of ``--claim-batch`` micro-steps and one AckMicroSteps per claim, and the
+  trainer's own client with its default ``claim_batch``), against plain GetBatch calls/s
+  from the same 16 callers (the ratio is what a claim costs beyond a round trip); the
+  packer process's and the claimers' CPU per pair; with ``--old-path`` (default) the
+  batched mode also on the old claim path (a second packer process, ``pre_encode`` off),
+  alternating with the default one round by round;
 - ingest (gRPC): RecordTurn + ReportFinish tokens/s from 8 concurrent senders.
 """
 
@@ -27,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
@@ -191,38 +188,25 @@ async def bench_claims_in_process(args: argparse.Namespace, wal_dir: str) -> dic
 
 
 async def _claimer(
-    stub: Any, cell: str, batch: int, claim_n: int, ack_batched: bool, claimed: list[str], calls: list[int]
+    stub: Any, cell: str, batch: int, claim_n: int, claimed: list[str], calls: list[int]
 ) -> None:
-    """Claims and acks until CLOSED: ClaimMicroStep + AckMicroStep per micro-step when
-    ``claim_n`` is 1, else ClaimMicroSteps of up to ``claim_n`` and their acks one by one or in
-    one AckMicroSteps call. ``calls[0]`` counts the RPCs."""
+    """Claims and acks until CLOSED: ClaimMicroSteps of up to ``claim_n`` and one
+    AckMicroSteps of what it claimed. ``calls[0]`` counts the RPCs."""
     while True:
-        if claim_n == 1:
-            r = await stub.ClaimMicroStep(
-                packer_pb2.ClaimMicroStepRequest(cell_id=cell, batch_id=batch, wait_s=0.05), timeout=10
-            )
-            ids = [r.micro_step.micro_step_id] if r.outcome == packer_pb2.CLAIM_OUTCOME_CLAIMED else []
-        else:
-            r = await stub.ClaimMicroSteps(
-                packer_pb2.ClaimMicroStepsRequest(
-                    cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
-                ),
-                timeout=10,
-            )
-            ids = [m.micro_step_id for m in r.micro_steps]
+        r = await stub.ClaimMicroSteps(
+            packer_pb2.ClaimMicroStepsRequest(
+                cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
+            ),
+            timeout=10,
+        )
+        ids = [m.micro_step_id for m in r.micro_steps]
         calls[0] += 1
         if r.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
             return
         claimed.extend(ids)
-        if ids and ack_batched:
+        if ids:
             await stub.AckMicroSteps(
                 packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch, micro_step_ids=ids), timeout=10
-            )
-            calls[0] += 1
-            continue
-        for m in ids:
-            await stub.AckMicroStep(
-                packer_pb2.AckMicroStepRequest(cell_id=cell, batch_id=batch, micro_step_id=m), timeout=10
             )
             calls[0] += 1
 
@@ -242,104 +226,6 @@ async def _source_claimer(
         if ids:
             await source.ack_many(batch, ids)
             calls[0] += 1
-
-
-class _ClaimStream:
-    """One claimer's ``ClaimStream`` call, raw (protos, as :func:`_claimer` uses the stub):
-    tagged requests, answers resolved by tag."""
-
-    def __init__(self, stub: Any) -> None:
-        self.call = stub.ClaimStream()
-        self.pending: dict[int, asyncio.Future[Any]] = {}
-        self.tags = itertools.count(1)
-        self.reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        async for msg in self.call:
-            self.pending.pop(msg.tag).set_result(msg)
-
-    async def send(self, **request: Any) -> asyncio.Future[Any]:
-        tag = next(self.tags)
-        fut = self.pending[tag] = asyncio.get_running_loop().create_future()
-        await self.call.write(packer_pb2.ClaimStreamRequest(tag=tag, **request))
-        return fut
-
-    async def close(self) -> None:
-        await self.call.done_writing()
-        await self.reader
-
-
-async def _stream_claimer(
-    stream: _ClaimStream,
-    cell: str,
-    batch: int,
-    claim_n: int,
-    pipelined: bool,
-    claimed: list[str],
-    calls: list[int],
-    ack_with_claim: bool = False,
-) -> None:
-    """:func:`_claimer`'s batched mode (claims of up to ``claim_n``, their acks in one request)
-    on the claimer's stream; ``pipelined``: the next claim is sent with the ack, both in flight
-    at once; ``ack_with_claim``: the ack rides in the next claim's message (``ack_first``), one
-    request and one answer for both. ``calls[0]`` counts the requests (messages, not calls)."""
-    if ack_with_claim:
-        await _ack_with_claim_claimer(stream, cell, batch, claim_n, claimed, calls)
-        return
-
-    def claim() -> Any:
-        return packer_pb2.ClaimMicroStepsRequest(
-            cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
-        )
-
-    pending = await stream.send(claim=claim())
-    while True:
-        ids = _stream_claimed(await pending, claimed, calls)
-        if ids is None:
-            return
-        if not ids:
-            pending = await stream.send(claim=claim())
-            continue
-        acked = await stream.send(
-            ack=packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch, micro_step_ids=ids)
-        )
-        if pipelined:
-            pending = await stream.send(claim=claim())
-        a = await acked
-        calls[0] += 1
-        assert a.code == 0, a
-        if not pipelined:
-            pending = await stream.send(claim=claim())
-
-
-async def _ack_with_claim_claimer(
-    stream: _ClaimStream, cell: str, batch: int, claim_n: int, claimed: list[str], calls: list[int]
-) -> None:
-    """Claims, then each ack carried with the next claim (ClaimStream's ``ack_first``)."""
-    ids: list[str] | None = []
-    while ids is not None:
-        claim = packer_pb2.ClaimMicroStepsRequest(
-            cell_id=cell, batch_id=batch, wait_s=0.05, max_micro_steps=claim_n
-        )
-        if ids:
-            acks = packer_pb2.AckMicroStepsRequest(cell_id=cell, batch_id=batch, micro_step_ids=ids)
-            r = await (await stream.send(claim=claim, ack_first=acks))
-            assert r.HasField("acked"), r
-        else:
-            r = await (await stream.send(claim=claim))
-        ids = _stream_claimed(r, claimed, calls)
-
-
-def _stream_claimed(r: Any, claimed: list[str], calls: list[int]) -> list[str] | None:
-    """A ClaimStream answer ``r`` to a claim, counted in ``calls[0]`` and checked: None once the
-    batch is closed, else the micro-step ids it claimed (added to ``claimed``; maybe none)."""
-    calls[0] += 1
-    assert r.code == 0, r
-    if r.claim.outcome == packer_pb2.CLAIM_OUTCOME_CLOSED:
-        return None
-    ids = [m.micro_step_id for m in r.claim.micro_steps]
-    claimed.extend(ids)
-    return ids
 
 
 def _cpu_s(pid: int) -> float:
@@ -433,58 +319,24 @@ class _Target:
         self.ingest_s += time.perf_counter() - start
         self.ingest_cpu += self.cpu() - cpu0
 
-    async def drain(
-        self,
-        args: argparse.Namespace,
-        name: str,
-        claim_n: int,
-        ack_batched: bool | None,
-        stream: str | None = None,
-    ) -> None:
+    async def drain(self, args: argparse.Namespace, name: str, claim_n: int, trainer: bool = False) -> None:
         """The claimers drain the batch just ingested (timed): one round of mode ``name``
-        (``stream``: on one ClaimStream per claimer, opened before the clock starts, "serial",
-        "pipelined" or "ack_with_claim")."""
+        (``trainer``: through the trainer's client, ``PackerSource``, else raw stubs)."""
         m = self.modes.setdefault(
             name,
-            {"claim_micro_steps_per_call": claim_n, "ack_batched": ack_batched, "claims": 0, "seconds": 0.0}
-            | {"rpcs": 0, "packer_cpu_s": 0.0, "claimers_cpu_s": 0.0}
-            | (
-                {
-                    "transport": "stream",
-                    "pipelined": stream == "pipelined",
-                    "ack_with_claim": stream == "ack_with_claim",
-                }
-                if stream
-                else {}
-            ),
+            {"claim_micro_steps_per_call": claim_n, "trainer_client": trainer, "claims": 0, "seconds": 0.0}
+            | {"rpcs": 0, "packer_cpu_s": 0.0, "claimers_cpu_s": 0.0},
         )
         got: list[str] = []
         calls = [0]
-        runs: list[Any]
-        streams: list[_ClaimStream] = []
-        if stream is not None:
-            streams = [_ClaimStream(self.stubs[i]) for i in range(args.claimers)]
-            runs = [
-                _stream_claimer(
-                    s,
-                    f"cell{i}",
-                    self.batch,
-                    claim_n,
-                    stream == "pipelined",
-                    got,
-                    calls,
-                    stream == "ack_with_claim",
-                )
-                for i, s in enumerate(streams)
-            ]
-        elif ack_batched is None:
+        if trainer:
             runs = [
                 _source_claimer(self.sources[i], self.batch, claim_n, got, calls)
                 for i in range(args.claimers)
             ]
         else:
             runs = [
-                _claimer(self.stubs[i], f"cell{i}", self.batch, claim_n, ack_batched, got, calls)
+                _claimer(self.stubs[i], f"cell{i}", self.batch, claim_n, got, calls)
                 for i in range(args.claimers)
             ]
         cpu0, own0, start = self.cpu(), time.process_time(), time.perf_counter()
@@ -492,8 +344,6 @@ class _Target:
         m["seconds"] += time.perf_counter() - start
         m["packer_cpu_s"] += self.cpu() - cpu0
         m["claimers_cpu_s"] += time.process_time() - own0
-        for s in streams:
-            await s.close()
         status = await self.stubs[0].GetBatch(packer_pb2.GetBatchRequest(batch_id=self.batch), timeout=10)
         assert status.done, status
         self.micro_steps += status.micro_steps
@@ -554,45 +404,25 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         tokens = sum(t.tokens for ts, _ in data for t in ts)  # the same per round (same sizes)
         trainer_n = TrainingSettings().claim_batch
         batched = f"claim_{args.claim_batch}_ack_batched"
-        stream = f"stream_claim_{args.claim_batch}_ack_batched"
-        piped = f"{stream}_pipelined"
-        with_claim = f"stream_claim_{args.claim_batch}_ack_with_claim"
-        modes: dict[str, tuple[int, bool | None, str | None]] = {
-            "one_by_one": (1, False, None),
-            f"claim_{args.claim_batch}_ack_each": (args.claim_batch, False, None),
-            batched: (args.claim_batch, True, None),
-            # The batched mode's claims and acks on one ClaimStream per claimer.
-            stream: (args.claim_batch, True, "serial"),
-            piped: (args.claim_batch, True, "pipelined"),
-            # Each ack carried in the next claim's message (ack_first): one request, one answer.
-            with_claim: (args.claim_batch, True, "ack_with_claim"),
-            f"trainer_client_claim_{trainer_n}": (trainer_n, None, None),  # PackerSource, as the trainer
+        trainer_mode = f"trainer_client_claim_{trainer_n}"
+        modes: dict[str, tuple[int, bool]] = {
+            batched: (args.claim_batch, False),
+            trainer_mode: (trainer_n, True),  # PackerSource, as the trainer
         }
-        for name, (claim_n, ack_batched, over) in modes.items():
+        for name, (claim_n, trainer) in modes.items():
             for rnd in range(args.rounds):
                 both = [new, old] if old is not None and name == batched else [new]
                 for t in both if rnd % 2 == 0 else both[::-1]:
                     await t.ingest(args)
-                    await t.drain(args, name, claim_n, ack_batched, over)
+                    await t.drain(args, name, claim_n, trainer)
         out = new.results(args, tokens) | base
-        per_mode = out["modes"]
-        one, best = per_mode["one_by_one"], per_mode[batched]
-        trainer = per_mode[f"trainer_client_claim_{trainer_n}"]
+        batched_row, trainer_row = out["modes"][batched], out["modes"][trainer_mode]
         out |= {
-            "stream_claims_per_s": per_mode[stream]["claims_per_s"],
-            "stream_vs_roundtrip": per_mode[stream]["claim_vs_roundtrip"],
-            "stream_pipelined_claims_per_s": per_mode[piped]["claims_per_s"],
-            "stream_pipelined_vs_roundtrip": per_mode[piped]["claim_vs_roundtrip"],
-            "stream_ack_with_claim_claims_per_s": per_mode[with_claim]["claims_per_s"],
-            "stream_ack_with_claim_vs_roundtrip": per_mode[with_claim]["claim_vs_roundtrip"],
-            "claims": one["claims"],
-            "claims_per_s": one["claims_per_s"],
-            "claim_vs_roundtrip": one["claim_vs_roundtrip"],
-            "batched_claims_per_s": best["claims_per_s"],
-            "batched_vs_roundtrip": best["claim_vs_roundtrip"],
+            "batched_claims_per_s": batched_row["claims_per_s"],
+            "batched_vs_roundtrip": batched_row["claim_vs_roundtrip"],
             "trainer_claim_batch": trainer_n,
-            "trainer_claims_per_s": trainer["claims_per_s"],
-            "trainer_vs_roundtrip": trainer["claim_vs_roundtrip"],
+            "trainer_claims_per_s": trainer_row["claims_per_s"],
+            "trainer_vs_roundtrip": trainer_row["claim_vs_roundtrip"],
         }
         if old is not None:
             out["old_path"] = old.results(args, tokens) | old_base
@@ -603,29 +433,30 @@ async def bench_grpc(args: argparse.Namespace, data: list, workdir: str) -> dict
         etcd.cleanup()
 
 
+MODE = re.compile(r"claim_\d+_ack_batched|trainer_client_claim_\d+")
+"""The modes this benchmark runs. Saved runs also hold rows of modes it ran before their
+protocols were retired (issue 35): one micro-step per call (``one_by_one``), acks one by
+one (``claim_N_ack_each``) and the claim stream (``stream_*``)."""
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The output contract other tools read: claim + ack pairs/s over gRPC with the run's claimers
     (``claim_ack_per_s_16`` when there are 16 of them, as by default) in the best mode of the
     run (``best_mode`` names it), and its baseline; ``batched_unary_per_s`` is the batched mode
-    over unary calls, ``stream_per_s`` / ``stream_pipelined_per_s`` the same claims and acks on
-    one ClaimStream per claimer (serial / the next claim sent with the ack);
-    ``stream_ack_with_claim_per_s`` the same with each ack carried in the next claim's message;
-    ``one_by_one_per_s`` is the same with one micro-step per call;
-    ``trainer_client_per_s`` the trainer's own client (``PackerSource.claim_many`` /
-    ``ack_many`` with the trainer's default ``claim_batch``)."""
+    (ClaimMicroSteps of ``claim_batch`` + one AckMicroSteps), ``trainer_client_per_s`` the
+    trainer's own client (``PackerSource.claim_many`` / ``ack_many`` with the trainer's
+    default ``claim_batch``); with ``--old-path``, the batched mode on the old claim path.
+    Rows of retired modes in a saved run are left out."""
     grpc_ = result["grpc"]
-    batched = grpc_.get("batched_claims_per_s", grpc_["claims_per_s"])  # older runs: one by one only
-    # The best mode of the run (older runs: the batched one, the best they had).
-    rates = {k: m["claims_per_s"] for k, m in grpc_.get("modes", {}).items()} or {"batched": batched}
+    rates = {k: m["claims_per_s"] for k, m in grpc_["modes"].items() if MODE.fullmatch(k)}
     best_mode = max(rates, key=lambda k: rates[k])
     best = rates[best_mode]
+    batched = grpc_["batched_claims_per_s"]
     old: dict[str, Any] = {}
     if grpc_.get("old_path"):  # the batched mode on the old claim path, alternating with the new
         o = grpc_["old_path"]
         mode = next(iter(o["modes"].values()))
-        new_mode = next(
-            m for m in grpc_["modes"].values() if m["ack_batched"] is True and m.get("transport") != "stream"
-        )
+        new_mode = grpc_["modes"][f"claim_{result['params']['claim_batch']}_ack_batched"]
         old = {
             "old_path_per_s": round(mode["claims_per_s"], 1),
             "old_path_baseline_roundtrip_per_s": round(o["baseline_getbatch_per_s"], 1),
@@ -640,21 +471,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "baseline_roundtrip_per_s": round(grpc_["baseline_getbatch_per_s"], 1),
         "ratio_vs_roundtrip": round(best / grpc_["baseline_getbatch_per_s"], 3),
         "batched_unary_per_s": round(batched, 1),
-        "stream_per_s": round(grpc_["stream_claims_per_s"], 1) if "stream_claims_per_s" in grpc_ else None,
-        "stream_pipelined_per_s": round(grpc_["stream_pipelined_claims_per_s"], 1)
-        if "stream_pipelined_claims_per_s" in grpc_
-        else None,
-        "one_by_one_per_s": round(grpc_["claims_per_s"], 1),
-        "trainer_client_per_s": round(grpc_["trainer_claims_per_s"], 1)
-        if "trainer_claims_per_s" in grpc_
-        else None,
+        "trainer_client_per_s": round(grpc_["trainer_claims_per_s"], 1),
         **old,
-        # Runs since the ack carried with the next claim (ack_first) was built.
-        **(
-            {"stream_ack_with_claim_per_s": round(grpc_["stream_ack_with_claim_claims_per_s"], 1)}
-            if "stream_ack_with_claim_claims_per_s" in grpc_
-            else {}
-        ),
     }
 
 
@@ -717,7 +535,7 @@ async def main() -> None:
                 "packing_tokens_per_s (WAL, no fsync)": round(packing[False]["tokens_per_s"]),
                 "packing_tokens_per_s (no log: baseline)": round(null["tokens_per_s"]),
                 "claims_per_s in process (16 claimers)": round(claims["claims_per_s"]),
-                "claims_per_s gRPC (16 claimers)": round(over_grpc["claims_per_s"]),
+                "claims_per_s gRPC, batched (16 claimers)": round(over_grpc["batched_claims_per_s"]),
                 **{f"claims_per_s gRPC {k}": round(v["claims_per_s"]) for k, v in over_grpc["modes"].items()},
                 "GetBatch/s gRPC baseline (16 callers)": round(over_grpc["baseline_getbatch_per_s"]),
                 "ingest tokens/s gRPC (8 senders)": round(over_grpc["ingest_tokens_per_s"]),

@@ -9,9 +9,10 @@ Each caller finds the part it talks to:
 - the scheduler: ``ReportFinish`` is recorded in :attr:`FakePacker.reports` (idempotent),
   ``SealBatch`` in :attr:`FakePacker.sealed`, and ``WatchSupply`` streams the supply the
   test sets (:meth:`FakePacker.set_supply`);
-- trainers: the claim side (``OpenBatch``, ``ClaimMicroStep``, ``AckMicroStep``,
-  ``CommitBatch``) over batches the test adds. It can hold micro-steps back (a data pause)
-  and release them on demand, or for one cell, so satellites join at chosen micro-steps.
+- trainers: the claim side (``OpenBatch``, ``ClaimMicroSteps``, ``AckMicroSteps``,
+  ``KeepClaims``, ``CommitBatch``) over batches the test adds. It can hold micro-steps back
+  (a data pause) and release them on demand, or for one cell, so satellites join at chosen
+  micro-steps.
   Its ``*_sync`` methods are the same claim side without gRPC, for in-process tests.
 
 It lives in ``testkit`` because benchmarks drive trainers with it and benchmarks may
@@ -281,21 +282,6 @@ class FakePacker(ppb_grpc.PackerServicer):
             return b.attempts, len(b.acked), b.committed
 
     @rpc
-    async def ClaimMicroStep(
-        self, request: ppb.ClaimMicroStepRequest, context: grpc.aio.ServicerContext
-    ) -> ppb.ClaimMicroStepResponse:  # noqa: N802
-        if not 0 <= request.wait_s <= 30:
-            raise InvalidArgument("wait_s out of range")
-        c = await asyncio.to_thread(
-            self.claim_sync, request.cell_id, request.batch_id, request.policy_version, request.wait_s
-        )
-        return ppb.ClaimMicroStepResponse(
-            outcome=c.outcome.to_proto(),
-            micro_step=c.micro_step.to_proto() if c.micro_step else None,
-            claim_ttl_s=c.ttl_s,
-        )
-
-    @rpc
     async def ClaimMicroSteps(
         self, request: ppb.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
     ) -> ppb.ClaimMicroStepsResponse:  # noqa: N802
@@ -324,13 +310,6 @@ class FakePacker(ppb_grpc.PackerServicer):
         for m in request.micro_step_ids:
             self.ack_sync(request.batch_id, m)
         return ppb.AckMicroStepsResponse(duplicate=[False] * len(request.micro_step_ids))
-
-    @rpc
-    async def AckMicroStep(
-        self, request: ppb.AckMicroStepRequest, context: grpc.aio.ServicerContext
-    ) -> ppb.AckMicroStepResponse:  # noqa: N802
-        self.ack_sync(request.batch_id, request.micro_step_id)
-        return ppb.AckMicroStepResponse()
 
     @rpc
     async def OpenBatch(

@@ -73,21 +73,26 @@ class SixGroups:
 
 async def worked(
     client: Reconnecting, batch_id: int = 1, cell_id: str = "worker"
-) -> AsyncIterator[packer_pb2.ClaimMicroStepResponse]:
-    """Claims the micro-steps of ``batch_id`` one at a time as ``cell_id`` until the batch is
-    closed; yields each claim, then acks it (the caller's checks come before the ack)."""
+) -> AsyncIterator[packer_pb2.MicroStep]:
+    """Claims the micro-steps of ``batch_id`` one at a time (ClaimMicroSteps of one) as
+    ``cell_id`` until the batch is closed; yields each micro-step, then acks it
+    (AckMicroSteps of one; the caller's checks come before the ack)."""
     while True:
         r = await client.call(
-            "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id=cell_id, batch_id=batch_id, wait_s=2.0)
+            "ClaimMicroSteps",
+            packer_pb2.ClaimMicroStepsRequest(
+                cell_id=cell_id, batch_id=batch_id, wait_s=2.0, max_micro_steps=1
+            ),
         )
         if r.outcome == CLOSED:
             return
         if r.outcome != CLAIMED:
             continue
-        yield r
+        (ms,) = r.micro_steps
+        yield ms
         await client.call(
-            "AckMicroStep",
-            packer_pb2.AckMicroStepRequest(
-                cell_id=cell_id, batch_id=batch_id, micro_step_id=r.micro_step.micro_step_id
+            "AckMicroSteps",
+            packer_pb2.AckMicroStepsRequest(
+                cell_id=cell_id, batch_id=batch_id, micro_step_ids=[ms.micro_step_id]
             ),
         )

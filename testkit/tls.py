@@ -98,7 +98,7 @@ class RoleStubs:
 
         async with RoleStubs(target, PackerStub, PackerServicer.ACCESS) as stub:
             await stub.RecordTurn(turn)                  # as the router
-            await stub.ClaimMicroStep(claim)             # as the cell claim.cell_id names
+            await stub.ClaimMicroSteps(claim)            # as the cell claim.cell_id names
     """
 
     def __init__(

@@ -27,18 +27,12 @@ class FakeSource:
         self.packer = packer
         self.cell_id = cell_id
 
-    async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim:
-        return await asyncio.to_thread(self.packer.claim_sync, self.cell_id, batch_id, policy_version, wait_s)
-
     async def claim_many(
         self, batch_id: int, policy_version: int, wait_s: float, max_micro_steps: int, claim_id: str = ""
     ) -> list[Claim]:
         return await asyncio.to_thread(
             self.packer.claim_many_sync, self.cell_id, batch_id, policy_version, wait_s, max_micro_steps
         )
-
-    async def ack(self, batch_id: int, micro_step_id: str) -> None:
-        self.packer.ack_sync(batch_id, micro_step_id)
 
     async def ack_many(self, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
         for m in micro_step_ids:

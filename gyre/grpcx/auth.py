@@ -16,8 +16,8 @@ guard reads the caller's identity from its verified client certificate (``OU`` =
 ``CN`` = name, see :mod:`gyre.identity`); a caller of another role gets PERMISSION_DENIED
 before the servicer runs, so nothing changes. ``allow(..., own="cell_id")`` further
 requires the request's ``cell_id`` to be the caller's own name: a cell acts only for itself.
-A bidirectional stream is checked once, when it opens, by role only; its servicer checks
-each message's own field with :func:`check_own`.
+A bidirectional stream is checked once, when it opens, by role only (a rule with ``own``
+cannot guard one); its servicer authorizes each message itself where it must.
 
 grpc.aio server interceptors see only the method name and metadata, not the peer's
 certificate, hence wrapping the handlers (whose ``context`` has ``auth_context()``).
@@ -38,7 +38,6 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pool
 
-from gyre.errors import PermissionDenied
 from gyre.identity import Identity, Role
 
 log = logging.getLogger(__name__)
@@ -111,17 +110,6 @@ def not_own(who: Identity | None, field: str, request: Any) -> str | None:
     if who is None or not field or getattr(request, field) == who.name:
         return None
     return f"{who} may act only for itself ({field}={who.name!r})"
-
-
-def check_own(request: Any, field: str) -> None:
-    """The ``own=field`` check for one message of a bidirectional stream (whose rule the
-    guard checks once, when the call opens, and which it cannot check per message): raises
-    PermissionDenied unless ``request.field`` is the caller's own name (the caller of the
-    call being served; nothing to check under ``tls.insecure``)."""
-    refusal = not_own(caller(), field, request)
-    if refusal is not None:
-        log.warning("permission denied", extra={"reason": refusal})
-        raise PermissionDenied(refusal)
 
 
 _SPLIT = re.compile(r"(?<!\\),")

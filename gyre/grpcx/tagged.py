@@ -1,5 +1,5 @@
-"""The requests in flight on one bidirectional stream of tagged requests (``Packer.ClaimStream``,
-``Router.GenerateStream``, ``Engine.GenerateStream``): each request runs in a task of its
+"""The requests in flight on one bidirectional stream of tagged requests
+(``Router.GenerateStream``, ``Engine.GenerateStream``): each request runs in a task of its
 own, so a slow one does not hold up the others, and answers go out in the order they are
 ready.
 

@@ -89,20 +89,6 @@ class ReportFinishResponse(_message.Message):
     duplicate: bool
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
-class ClaimMicroStepRequest(_message.Message):
-    __slots__ = ("cell_id", "batch_id", "policy_version", "wait_s", "claim_id")
-    CELL_ID_FIELD_NUMBER: _ClassVar[int]
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
-    cell_id: str
-    batch_id: int
-    policy_version: int
-    wait_s: float
-    claim_id: str
-    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., claim_id: _Optional[str] = ...) -> None: ...
-
 class MicroStep(_message.Message):
     __slots__ = ("micro_step_id", "batch_id", "sequences", "num_tokens", "policy_version", "packed_tokens")
     MICRO_STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -144,36 +130,6 @@ class PackedSequence(_message.Message):
     turns: int
     temperature: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., execution_id: _Optional[str] = ..., group_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., policy_version: _Optional[int] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., turns: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
-
-class ClaimMicroStepResponse(_message.Message):
-    __slots__ = ("outcome", "micro_step", "claim_ttl_s", "batch_id", "policy_version")
-    OUTCOME_FIELD_NUMBER: _ClassVar[int]
-    MICRO_STEP_FIELD_NUMBER: _ClassVar[int]
-    CLAIM_TTL_S_FIELD_NUMBER: _ClassVar[int]
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    outcome: ClaimOutcome
-    micro_step: MicroStep
-    claim_ttl_s: float
-    batch_id: int
-    policy_version: int
-    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., micro_step: _Optional[_Union[MicroStep, _Mapping]] = ..., claim_ttl_s: _Optional[float] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
-
-class AckMicroStepRequest(_message.Message):
-    __slots__ = ("cell_id", "batch_id", "micro_step_id")
-    CELL_ID_FIELD_NUMBER: _ClassVar[int]
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    MICRO_STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    cell_id: str
-    batch_id: int
-    micro_step_id: str
-    def __init__(self, cell_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., micro_step_id: _Optional[str] = ...) -> None: ...
-
-class AckMicroStepResponse(_message.Message):
-    __slots__ = ("duplicate",)
-    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
-    duplicate: bool
-    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
 class ClaimMicroStepsRequest(_message.Message):
     __slots__ = ("cell_id", "batch_id", "policy_version", "wait_s", "claim_id", "max_micro_steps")
@@ -220,34 +176,6 @@ class AckMicroStepsResponse(_message.Message):
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     duplicate: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, duplicate: _Optional[_Iterable[bool]] = ...) -> None: ...
-
-class ClaimStreamRequest(_message.Message):
-    __slots__ = ("tag", "claim", "ack", "ack_first")
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    CLAIM_FIELD_NUMBER: _ClassVar[int]
-    ACK_FIELD_NUMBER: _ClassVar[int]
-    ACK_FIRST_FIELD_NUMBER: _ClassVar[int]
-    tag: int
-    claim: ClaimMicroStepsRequest
-    ack: AckMicroStepsRequest
-    ack_first: AckMicroStepsRequest
-    def __init__(self, tag: _Optional[int] = ..., claim: _Optional[_Union[ClaimMicroStepsRequest, _Mapping]] = ..., ack: _Optional[_Union[AckMicroStepsRequest, _Mapping]] = ..., ack_first: _Optional[_Union[AckMicroStepsRequest, _Mapping]] = ...) -> None: ...
-
-class ClaimStreamResponse(_message.Message):
-    __slots__ = ("tag", "claim", "ack", "code", "message", "acked")
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    CLAIM_FIELD_NUMBER: _ClassVar[int]
-    ACK_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    ACKED_FIELD_NUMBER: _ClassVar[int]
-    tag: int
-    claim: ClaimMicroStepsResponse
-    ack: AckMicroStepsResponse
-    code: int
-    message: str
-    acked: AckMicroStepsResponse
-    def __init__(self, tag: _Optional[int] = ..., claim: _Optional[_Union[ClaimMicroStepsResponse, _Mapping]] = ..., ack: _Optional[_Union[AckMicroStepsResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acked: _Optional[_Union[AckMicroStepsResponse, _Mapping]] = ...) -> None: ...
 
 class CommitBatchRequest(_message.Message):
     __slots__ = ("cell_id", "batch_id")

@@ -49,16 +49,6 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.FinishReport.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.ReportFinishResponse.FromString,
                 _registered_method=True)
-        self.ClaimMicroStep = channel.unary_unary(
-                '/gyre.v1.Packer/ClaimMicroStep',
-                request_serializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepRequest.SerializeToString,
-                response_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepResponse.FromString,
-                _registered_method=True)
-        self.AckMicroStep = channel.unary_unary(
-                '/gyre.v1.Packer/AckMicroStep',
-                request_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.SerializeToString,
-                response_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.FromString,
-                _registered_method=True)
         self.ClaimMicroSteps = channel.unary_unary(
                 '/gyre.v1.Packer/ClaimMicroSteps',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsRequest.SerializeToString,
@@ -68,11 +58,6 @@ class PackerStub:
                 '/gyre.v1.Packer/AckMicroSteps',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.FromString,
-                _registered_method=True)
-        self.ClaimStream = channel.stream_stream(
-                '/gyre.v1.Packer/ClaimStream',
-                request_serializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamRequest.SerializeToString,
-                response_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamResponse.FromString,
                 _registered_method=True)
         self.CommitBatch = channel.unary_unary(
                 '/gyre.v1.Packer/CommitBatch',
@@ -142,68 +127,33 @@ class PackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ClaimMicroStep(self, request, context):
-        """A training cell claims the next micro-step of a batch. The first claim of a batch pins
-        its weight version (and activates it: ready groups are assigned to it from then on); a
-        claim with another version is FAILED_PRECONDITION. After CLOSED, only cells that already
-        claimed in the batch may still take a micro-step returned by an expired claim.
-        Idempotent on (cell_id, claim_id): a retry answers the micro-step the first call claimed
-        while the cell still holds it, instead of claiming another.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AckMicroStep(self, request, context):
-        """A cell reports a claimed micro-step's gradient computed (accumulated). In a batch the
-        core opened with OpenBatch the micro-step stays leased to the batch until CommitBatch
-        (an attempt that fails, a core crash or a broken collective, gets it back with the next
-        OpenBatch); otherwise the ack is final. Idempotent. NOT_FOUND for an
-        unknown micro-step; FAILED_PRECONDITION when another cell holds or acknowledged it, or
-        this cell never held it. A cell whose claim lapsed may still ack while nobody retook it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ClaimMicroSteps(self, request, context):
-        """ClaimMicroStep for up to max_micro_steps micro-steps of one batch in one call (waits
-        only while it has none). Idempotent on (cell_id, claim_id): a retry answers the
-        micro-steps the first call claimed that the cell still holds (and tops them up to
-        max_micro_steps from the free ones). Outcome CLAIMED when it has at least one.
+        """A training cell claims up to max_micro_steps micro-steps of one batch in one call,
+        waiting up to wait_s only while it has none. The first claim of a batch pins its weight
+        version (and activates it: ready groups are assigned to it from then on); a claim with
+        another version is FAILED_PRECONDITION. Once the batch is sealed and all its
+        micro-steps are claimed (the joining window is closed), only cells that already claimed
+        in the batch may still take micro-steps returned by expired claims; any other cell gets
+        CLOSED.
+        Idempotent on (cell_id, claim_id): a retry answers the micro-steps the first call
+        claimed that the cell still holds, instead of claiming others (and tops them up to
+        max_micro_steps from the free ones). Outcome CLAIMED when it has at least one. The
+        claims are leases of claim_ttl_s; keep them with KeepClaims.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AckMicroSteps(self, request, context):
-        """AckMicroStep for several micro-steps of one batch in one call, made durable by one WAL
-        flush. All or nothing: when any of them would be refused (the same statuses as
-        AckMicroStep), none is acknowledged.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ClaimStream(self, request_iterator, context):
-        """ClaimMicroSteps and AckMicroSteps on one long-lived stream per training cell (one call
-        instead of one per claim and per ack). The cell sends tagged requests; the packer answers
-        each once, with the same tag, in the order they finish (not the order sent): requests on
-        one stream are served concurrently (a claim may wait for work while an ack goes
-        through). Semantics and statuses are exactly those of the unary RPCs (same code): a
-        claim is idempotent on (cell_id, claim_id), an ack all or nothing with one WAL flush.
-        A request whose unary RPC would have failed gets its status in its answer (code and
-        message) and the stream goes on; among them PERMISSION_DENIED when its cell_id is not
-        the caller's own identity (the role is checked once, when the call opens),
-        INVALID_ARGUMENT when it carries neither a claim nor an ack (or an ack_first without a
-        claim; a claim may carry the cell's previous ack: see ack_first), and RESOURCE_EXHAUSTED when
-        the stream already has max_stream_requests (packer config, default 64) in flight.
-        The call itself ends with INVALID_ARGUMENT when a message does not parse or a tag is
-        reused while its request is in flight (the answers could not be told apart). When the
-        cell half-closes, the requests in flight are answered and the call ends OK. Whatever is
-        in flight when the call breaks is safe: a claim whose answer was lost returns to the
-        pool after its TTL (or is answered again by a retry with its claim_id), and an ack is
-        idempotent (resend it).
+        """A cell reports claimed micro-steps of one batch trained (their gradients computed and
+        accumulated), made durable by one WAL flush. In a batch the core opened with OpenBatch
+        the micro-steps stay leased to the batch until CommitBatch (an attempt that fails, a core
+        crash or a broken collective, gets them back with the next OpenBatch); otherwise the ack
+        is final. Idempotent: a micro-step this cell acknowledged before answers duplicate. All
+        or nothing: when any of them is refused, none is acknowledged. NOT_FOUND for an unknown
+        micro-step (or one of another batch); FAILED_PRECONDITION when another cell holds or
+        acknowledged it, or this cell never held it. A cell whose claim lapsed may still ack
+        while nobody retook it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,16 +226,6 @@ def add_PackerServicer_to_server(servicer, server):
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.FinishReport.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.ReportFinishResponse.SerializeToString,
             ),
-            'ClaimMicroStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.ClaimMicroStep,
-                    request_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepRequest.FromString,
-                    response_serializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepResponse.SerializeToString,
-            ),
-            'AckMicroStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.AckMicroStep,
-                    request_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.FromString,
-                    response_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.SerializeToString,
-            ),
             'ClaimMicroSteps': grpc.unary_unary_rpc_method_handler(
                     servicer.ClaimMicroSteps,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimMicroStepsRequest.FromString,
@@ -295,11 +235,6 @@ def add_PackerServicer_to_server(servicer, server):
                     servicer.AckMicroSteps,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.SerializeToString,
-            ),
-            'ClaimStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ClaimStream,
-                    request_deserializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamRequest.FromString,
-                    response_serializer=gyre_dot_v1_dot_packer__pb2.ClaimStreamResponse.SerializeToString,
             ),
             'CommitBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitBatch,
@@ -424,60 +359,6 @@ class Packer:
             _registered_method=True)
 
     @staticmethod
-    def ClaimMicroStep(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/gyre.v1.Packer/ClaimMicroStep',
-            gyre_dot_v1_dot_packer__pb2.ClaimMicroStepRequest.SerializeToString,
-            gyre_dot_v1_dot_packer__pb2.ClaimMicroStepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AckMicroStep(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/gyre.v1.Packer/AckMicroStep',
-            gyre_dot_v1_dot_packer__pb2.AckMicroStepRequest.SerializeToString,
-            gyre_dot_v1_dot_packer__pb2.AckMicroStepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def ClaimMicroSteps(request,
             target,
             options=(),
@@ -521,33 +402,6 @@ class Packer:
             '/gyre.v1.Packer/AckMicroSteps',
             gyre_dot_v1_dot_packer__pb2.AckMicroStepsRequest.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.AckMicroStepsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ClaimStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/gyre.v1.Packer/ClaimStream',
-            gyre_dot_v1_dot_packer__pb2.ClaimStreamRequest.SerializeToString,
-            gyre_dot_v1_dot_packer__pb2.ClaimStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

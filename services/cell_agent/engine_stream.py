@@ -56,8 +56,7 @@ Answer = tuple[int, Chunk] | pb.EngineStreamEnd
 
 class EngineStreamSession:
     """The state of one GenerateStream call: its requests in flight and what is pending
-    (on :class:`gyre.grpcx.tagged.TaggedRequests`, as the router's and the packer's tagged
-    streams are)."""
+    (on :class:`gyre.grpcx.tagged.TaggedRequests`, as the router's tagged stream is)."""
 
     def __init__(self, start: Start, max_requests: int) -> None:
         self._start = start

@@ -20,10 +20,9 @@ How it behaves, in one place (details in each module):
   the batch is sealed). ``batch_size`` groups seal it (or SealBatch at burst end) and open
   the next. CLOSED once every micro-step is claimed; only cells that took part may still
   take a micro-step returned by a lapsed claim (TTL, or their etcd registration vanished).
-- Claims and acks come one at a time (ClaimMicroStep / AckMicroStep), batched
-  (ClaimMicroSteps / AckMicroSteps: several per call, one WAL flush), or as tagged requests
-  on one long-lived ClaimStream per cell (:mod:`.claim_stream`: the batched calls' code,
-  answers and statuses, served concurrently, without gRPC's per-call cost).
+- Claims and acks come batched: ClaimMicroSteps takes up to ``max_micro_steps`` micro-steps
+  of a batch in one call (idempotent on the cell's claim id), AckMicroSteps acknowledges
+  several in one call, all or nothing; one WAL flush each.
 - Supply (WatchSupply): groups with unclaimed work in the batch open to joiners, plus the
   ready groups waiting for it, capped by what it still needs.
 - Durability: an fsync'd, checksummed WAL of events in ``wal_dir`` (:mod:`.wal` says why

@@ -185,12 +185,9 @@ class Claims:
         """Records a micro-step trained; True when it had been acknowledged before."""
         return (await self.ack_many(cell_id, batch_id, [micro_step_id]))[0]
 
-    async def ack_many(
-        self, cell_id: str, batch_id: int, micro_step_ids: list[str], sync: bool = True
-    ) -> list[bool]:
+    async def ack_many(self, cell_id: str, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
         """Records micro-steps trained, all or nothing, with one WAL flush; per micro-step,
-        True when it had been acknowledged before. ``sync=False``: without the flush (the
-        caller flushes before it answers, e.g. with a claim after it)."""
+        True when it had been acknowledged before."""
         cell = check_cell(cell_id)
         if not 1 <= len(micro_step_ids) <= MAX_ACKS_PER_CALL:
             raise InvalidArgument(
@@ -209,8 +206,7 @@ class Claims:
                     self.journal.commit({"t": "ack", "ms": m, "cell": cell})
             self._touch(cell)
             self.journal.after()
-        if sync:
-            await self.journal.sync()
+        await self.journal.sync()
         return dups
 
     def _check_ack(self, cell: CellId, batch_id: int, micro_step_id: str) -> bool:

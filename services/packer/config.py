@@ -100,7 +100,7 @@ class PackerConfig(ServiceConfig, StalenessSettings):
         "CPU (bench/packer_claims.py). A broken invariant ends the process either way.",
     )
     max_claim_wait_s: float = Field(
-        30.0, ge=0, le=30, description="Upper bound on ClaimMicroStepRequest.wait_s."
+        30.0, ge=0, le=30, description="Upper bound on ClaimMicroStepsRequest.wait_s."
     )
     max_buffered_turns: int = Field(
         1_000_000, ge=1, description="Turns held at most; RecordTurn beyond is RESOURCE_EXHAUSTED."
@@ -133,15 +133,8 @@ class PackerConfig(ServiceConfig, StalenessSettings):
     pre_encode: bool = Field(
         True,
         description="Encode each trajectory segment's wire form once, when its group becomes ready, "
-        "and answer ClaimMicroStep(s) by concatenating those bytes (no proto built or serialized "
+        "and answer ClaimMicroSteps by concatenating those bytes (no proto built or serialized "
         "on the claim path; the answer parses to the same message). False: build the protos per claim.",
-    )
-    max_stream_requests: int = Field(
-        64,
-        ge=1,
-        le=4096,
-        description="Requests one ClaimStream call may have in flight; a request beyond is answered "
-        "RESOURCE_EXHAUSTED (the stream goes on).",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0: off).")
     wal_check_incarnation: bool = Field(

@@ -428,43 +428,22 @@ class ClaimResult:
     ttl_s: float
     micro_step: MicroStepView | None = None
 
-    def to_proto(self) -> packer_pb2.ClaimMicroStepResponse:
-        resp = packer_pb2.ClaimMicroStepResponse(
-            outcome=_OUTCOME_TO_PROTO[self.outcome],
-            claim_ttl_s=self.ttl_s,
-            batch_id=self.batch_id,
-            policy_version=self.policy_version,
-        )
-        if self.micro_step is not None:
-            resp.micro_step.CopyFrom(self.micro_step.to_proto())
-        return resp
-
-    def encode(self, micro_step: bytes | None) -> bytes:
-        """A serialized ``ClaimMicroStepResponse`` around an encoded micro-step (see
-        :meth:`MicroStepView.encode`): the bytes ``to_proto().SerializeToString()`` gives."""
-        return self._encode(
-            _LEN_FIELD_2 + _varint(len(micro_step)) + micro_step if micro_step is not None else b""
-        )
-
     def encode_many(self, micro_steps: Iterable[bytes]) -> bytes:
-        """A serialized ``ClaimMicroStepsResponse`` around encoded micro-steps (field 2,
-        repeated, each as tag + length + bytes): the bytes ``to_proto_many`` serializes to."""
-        return self._encode(b"".join(_LEN_FIELD_2 + _varint(len(b)) + b for b in micro_steps))
-
-    def _encode(self, field_2: bytes) -> bytes:
-        # ClaimMicroStepResponse and ClaimMicroStepsResponse number their fields alike:
-        # 1 outcome, 2 the micro-step(s), 3 claim_ttl_s, 4 batch_id, 5 policy_version.
-        head = packer_pb2.ClaimMicroStepResponse(outcome=_OUTCOME_TO_PROTO[self.outcome])
-        tail = packer_pb2.ClaimMicroStepResponse(
+        """A serialized ``ClaimMicroStepsResponse`` around encoded micro-steps (see
+        :meth:`MicroStepView.encode`; field 2, repeated, each as tag + length + bytes): the
+        bytes ``to_proto_many`` serializes to (fields in number order: 1 outcome, 2 the
+        micro-steps, 3 claim_ttl_s, 4 batch_id, 5 policy_version)."""
+        head = packer_pb2.ClaimMicroStepsResponse(outcome=_OUTCOME_TO_PROTO[self.outcome])
+        tail = packer_pb2.ClaimMicroStepsResponse(
             claim_ttl_s=self.ttl_s, batch_id=self.batch_id, policy_version=self.policy_version
         )
+        field_2 = b"".join(_LEN_FIELD_2 + _varint(len(b)) + b for b in micro_steps)
         return head.SerializeToString() + field_2 + tail.SerializeToString()
 
     def to_proto_many(self, views: list[MicroStepView]) -> packer_pb2.ClaimMicroStepsResponse:
         """The answer to a batched claim that took ``views`` (this result is its first claim's)."""
-        one = self.to_proto()
         resp = packer_pb2.ClaimMicroStepsResponse(
-            outcome=one.outcome,
+            outcome=_OUTCOME_TO_PROTO[self.outcome],
             claim_ttl_s=self.ttl_s,
             batch_id=self.batch_id,
             policy_version=self.policy_version,
@@ -546,9 +525,3 @@ class WireCache:
 
 def check_cell(cell_id: str) -> CellId:
     return CellId(check_id(cell_id, "cell_id"))
-
-
-def length_delimited(field: int, payload: bytes) -> bytes:
-    """Field ``field`` (a message or bytes) holding the serialized ``payload``, as protobuf
-    encodes it: appended to a serialized message, the message has that field set."""
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload

@@ -178,10 +178,8 @@ class Packer:
     async def ack(self, cell_id: str, batch_id: int, micro_step_id: str) -> bool:
         return await self.claims.ack(cell_id, batch_id, micro_step_id)
 
-    async def ack_many(
-        self, cell_id: str, batch_id: int, micro_step_ids: list[str], sync: bool = True
-    ) -> list[bool]:
-        return await self.claims.ack_many(cell_id, batch_id, micro_step_ids, sync)
+    async def ack_many(self, cell_id: str, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
+        return await self.claims.ack_many(cell_id, batch_id, micro_step_ids)
 
     async def keep(self, cell_id: str) -> int:
         return await self.claims.keep(cell_id)
@@ -210,10 +208,6 @@ class Packer:
 
     def supply(self) -> dict[str, Any]:
         return self.signal.supply()
-
-    async def sync(self) -> None:
-        """Makes everything changed so far durable (one WAL flush, shared with the others)."""
-        await self.journal.sync()
 
     async def wait_changed(self, timeout_s: float | None) -> None:
         """Returns at the next change, or after ``timeout_s``."""

@@ -13,7 +13,6 @@ from gyre.grpcx.auth import AccessTable, allow
 from gyre.grpcx.errors import rpc, rpc_stream
 from gyre.identity import Role
 from gyre.v1 import packer_pb2, packer_pb2_grpc
-from services.packer.claim_stream import ClaimStreamSession
 from services.packer.config import PackerConfig
 from services.packer.model import Finish, Turn
 from services.packer.packer import Packer
@@ -48,7 +47,7 @@ def supply_to_proto(s: dict[str, Any]) -> packer_pb2.SupplySignal:
     return packer_pb2.SupplySignal(**fields, counters=counters_to_proto(s["counters"]))
 
 
-PRE_ENCODED = ("ClaimMicroStep", "ClaimMicroSteps", "ClaimStream")
+PRE_ENCODED = ("ClaimMicroSteps",)
 """Methods that may answer an already serialized response (bytes; see ``pre_encode``)."""
 
 
@@ -86,7 +85,7 @@ class _PassBytes:
 
 
 def add_to_server(servicer: Any, server: Any) -> None:
-    """``packer_pb2_grpc.add_PackerServicer_to_server``, where ClaimMicroStep(s) may answer
+    """``packer_pb2_grpc.add_PackerServicer_to_server``, where ClaimMicroSteps may answer
     pre-encoded bytes (the wire contract is the generated one: same messages)."""
     packer_pb2_grpc.add_PackerServicer_to_server(servicer, _PassBytes(server))
 
@@ -100,12 +99,8 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
             "RecordTurn": allow(Role.ROUTER),
             "GetTrajectory": allow(Role.ROUTER),
             "ReportFinish": allow(Role.SCHEDULER),
-            "ClaimMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
-            "AckMicroStep": allow(Role.CELL_AGENT, own="cell_id"),
             "ClaimMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
             "AckMicroSteps": allow(Role.CELL_AGENT, own="cell_id"),
-            # Role checked when the call opens; own="cell_id" per request (ClaimStreamSession).
-            "ClaimStream": allow(Role.CELL_AGENT),
             "KeepClaims": allow(Role.CELL_AGENT, own="cell_id"),
             "CommitBatch": allow(Role.CELL_AGENT, own="cell_id"),
             "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
@@ -132,35 +127,14 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         return packer_pb2.ReportFinishResponse(duplicate=await self._packer.report_finish(finish))
 
     @rpc
-    async def ClaimMicroStep(
-        self, request: packer_pb2.ClaimMicroStepRequest, context: grpc.aio.ServicerContext
+    async def ClaimMicroSteps(
+        self, request: packer_pb2.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
     ) -> Any:
+        """The response, or its bytes when ``pre_encode`` is on."""
         wait_s = request.wait_s
         remaining = context.time_remaining()
         if remaining is not None:
             # Answer WAIT before the caller's deadline rather than let the call fail.
-            wait_s = max(0.0, min(wait_s, remaining - 0.2))
-        result = await self._packer.claim(
-            request.cell_id, request.batch_id, request.policy_version, wait_s, request.claim_id
-        )
-        if self._cfg.pre_encode:  # bytes: add_to_server's serializer passes them through
-            view = result.micro_step
-            return result.encode(self._packer.wire.micro_step(view) if view is not None else None)
-        return result.to_proto()
-
-    @rpc
-    async def ClaimMicroSteps(
-        self, request: packer_pb2.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
-        return await self._claim_many(request, context)
-
-    async def _claim_many(
-        self, request: packer_pb2.ClaimMicroStepsRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
-        """ClaimMicroSteps, unary or on a ClaimStream: the response, or its bytes."""
-        wait_s = request.wait_s
-        remaining = context.time_remaining()
-        if remaining is not None:
             wait_s = max(0.0, min(wait_s, remaining - 0.2))
         first, views = await self._packer.claim_many(
             request.cell_id,
@@ -178,45 +152,8 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
     async def AckMicroSteps(
         self, request: packer_pb2.AckMicroStepsRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        return await self._ack_many(request)
-
-    async def _ack_many(self, request: packer_pb2.AckMicroStepsRequest) -> packer_pb2.AckMicroStepsResponse:
-        """AckMicroSteps, unary or on a ClaimStream."""
         dups = await self._packer.ack_many(request.cell_id, request.batch_id, list(request.micro_step_ids))
         return packer_pb2.AckMicroStepsResponse(duplicate=dups)
-
-    async def _ack_then_claim(
-        self,
-        ack: packer_pb2.AckMicroStepsRequest,
-        claim: packer_pb2.ClaimMicroStepsRequest,
-        context: grpc.aio.ServicerContext,
-    ) -> tuple[packer_pb2.AckMicroStepsResponse, Any]:
-        """An ack carried with the next claim (ClaimStream's ``ack_first``): the ack first (its
-        failure raises: no claim), then the claim; one WAL flush for both before the answer.
-        Returns the ack's response and the claim's (or the exception the claim failed with)."""
-        dups = await self._packer.ack_many(ack.cell_id, ack.batch_id, list(ack.micro_step_ids), sync=False)
-        acked = packer_pb2.AckMicroStepsResponse(duplicate=dups)
-        try:
-            claimed = await self._claim_many(claim, context)  # flushes the ack's events too
-        except asyncio.CancelledError:
-            raise  # the call ended: nothing is answered (the ack is flushed with the next sync)
-        except Exception as exc:  # the ack stands: make it durable, answer it with the failure
-            await self._packer.sync()
-            return acked, exc
-        return acked, claimed
-
-    @rpc_stream
-    async def ClaimStream(
-        self, requests: AsyncIterator[packer_pb2.ClaimStreamRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        session = ClaimStreamSession(
-            lambda r: self._claim_many(r, context),
-            self._ack_many,
-            self._cfg.max_stream_requests,
-            ack_claim=lambda a, c: self._ack_then_claim(a, c, context),
-        )
-        async for answer in session.serve(requests):
-            yield answer
 
     @rpc
     async def CommitBatch(
@@ -229,13 +166,6 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
     async def OpenBatch(self, request: packer_pb2.OpenBatchRequest, context: grpc.aio.ServicerContext) -> Any:
         batch = await self._packer.open_batch(request.cell_id, request.batch_id)
         return batch_to_proto(self._packer.batch_status(batch.id))
-
-    @rpc
-    async def AckMicroStep(
-        self, request: packer_pb2.AckMicroStepRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
-        dup = await self._packer.ack(request.cell_id, request.batch_id, request.micro_step_id)
-        return packer_pb2.AckMicroStepResponse(duplicate=dup)
 
     @rpc
     async def KeepClaims(

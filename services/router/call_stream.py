@@ -18,9 +18,9 @@ INVALID_ARGUMENT (the two answers could not be told apart), as a message that do
 parse does. The end of the harness's request stream lets the calls in flight finish, then
 ends the stream; the stream's cancellation cancels them.
 
-The same shape as the packer's ClaimStream (both run on :class:`gyre.grpcx.tagged.TaggedRequests`),
-with the answers batched per message: a router's answers arrive at the rate calls end,
-hundreds a second, where a cell's claims come a few at a time.
+It runs on :class:`gyre.grpcx.tagged.TaggedRequests`, as the engine's stream does, with the
+answers batched per message: a router's answers arrive at the rate calls end, hundreds a
+second.
 """
 
 from __future__ import annotations

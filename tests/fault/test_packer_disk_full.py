@@ -213,19 +213,22 @@ async def test_disk_full_under_the_wal_holds_writes_and_loses_nothing(
             while True:
                 r = await _retrying(
                     stub,
-                    "ClaimMicroStep",
-                    packer_pb2.ClaimMicroStepRequest(cell_id="worker", batch_id=1, wait_s=0.5),
+                    "ClaimMicroSteps",
+                    packer_pb2.ClaimMicroStepsRequest(
+                        cell_id="worker", batch_id=1, wait_s=0.5, max_micro_steps=1
+                    ),
                     stalled,
                 )
                 if r.outcome == CLOSED:
                     break
                 if r.outcome != CLAIMED:
                     continue
-                trained += [(s.execution_id, s.turn_index) for s in r.micro_step.sequences]
-                ack = packer_pb2.AckMicroStepRequest(
-                    cell_id="worker", batch_id=1, micro_step_id=r.micro_step.micro_step_id
+                (ms,) = r.micro_steps
+                trained += [(s.execution_id, s.turn_index) for s in ms.sequences]
+                ack = packer_pb2.AckMicroStepsRequest(
+                    cell_id="worker", batch_id=1, micro_step_ids=[ms.micro_step_id]
                 )
-                await _retrying(stub, "AckMicroStep", ack, stalled)
+                await _retrying(stub, "AckMicroSteps", ack, stalled)
             status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
             assert status.done
             assert len(trained) == len(set(trained)) == 36  # every turn once: none lost, none twice

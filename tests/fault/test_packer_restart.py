@@ -20,6 +20,16 @@ from testkit.packer_process import CLAIMED, CLOSED, Reconnecting, SixGroups, wor
 from testkit.tls import RoleStubs
 
 
+def _claim(cell_id: str, wait_s: float = 0.0) -> packer_pb2.ClaimMicroStepsRequest:
+    """A claim of one micro-step of batch 1."""
+    return packer_pb2.ClaimMicroStepsRequest(cell_id=cell_id, batch_id=1, wait_s=wait_s, max_micro_steps=1)
+
+
+def _ack(cell_id: str, micro_step_id: str) -> packer_pb2.AckMicroStepsRequest:
+    """The ack of one micro-step of batch 1."""
+    return packer_pb2.AckMicroStepsRequest(cell_id=cell_id, batch_id=1, micro_step_ids=[micro_step_id])
+
+
 async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, cluster_name):
     # A tiny compaction threshold: the log is rewritten to snapshots while records arrive,
     # so the SIGKILL may land during a compaction too.
@@ -38,10 +48,9 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
     try:
         feeding = asyncio.create_task(feeder.run())
         await feeder.until(12, poll_s=0.01)
-        held = await client.call(
-            "ClaimMicroStep", packer_pb2.ClaimMicroStepRequest(cell_id="holder", batch_id=1, wait_s=5.0)
-        )
-        assert held.outcome == CLAIMED
+        r = await client.call("ClaimMicroSteps", _claim("holder", wait_s=5.0))
+        assert r.outcome == CLAIMED
+        (held,) = r.micro_steps
         await feeder.until(20)
         proc.kill()  # SIGKILL mid-batch, records in flight
         killed_at = feeder.sent
@@ -51,20 +60,15 @@ async def test_packer_killed_mid_batch_loses_nothing(tmp_path, etcd_server, clus
         await feeding
         assert feeder.sent == 36 and killed_at < 36
 
-        trained = [(s.execution_id, s.turn_index) for s in held.micro_step.sequences]
+        trained = [(s.execution_id, s.turn_index) for s in held.sequences]
         seen_ids = set()
-        async for r in worked(client):
-            assert r.micro_step.micro_step_id != held.micro_step.micro_step_id  # held across restart
-            assert r.micro_step.micro_step_id not in seen_ids
-            seen_ids.add(r.micro_step.micro_step_id)
-            trained += [(s.execution_id, s.turn_index) for s in r.micro_step.sequences]
-        ack = await client.call(
-            "AckMicroStep",
-            packer_pb2.AckMicroStepRequest(
-                cell_id="holder", batch_id=1, micro_step_id=held.micro_step.micro_step_id
-            ),
-        )
-        assert not ack.duplicate
+        async for ms in worked(client):
+            assert ms.micro_step_id != held.micro_step_id  # held across restart
+            assert ms.micro_step_id not in seen_ids
+            seen_ids.add(ms.micro_step_id)
+            trained += [(s.execution_id, s.turn_index) for s in ms.sequences]
+        ack = await client.call("AckMicroSteps", _ack("holder", held.micro_step_id))
+        assert list(ack.duplicate) == [False]
         status = await client.call("GetBatch", packer_pb2.GetBatchRequest(batch_id=1))
         assert status.done
         assert len(trained) == len(set(trained)) == 36  # every turn once: none lost, none twice
@@ -85,9 +89,9 @@ from testkit.tls import channel
 async def main():
     async with channel(sys.argv[1], "doomed") as ch:
         stub = packer_pb2_grpc.PackerStub(ch)
-        r = await stub.ClaimMicroStep(packer_pb2.ClaimMicroStepRequest(
-            cell_id="doomed", batch_id=1, wait_s=5.0), timeout=10)
-        print(r.micro_step.micro_step_id, flush=True)
+        r = await stub.ClaimMicroSteps(packer_pb2.ClaimMicroStepsRequest(
+            cell_id="doomed", batch_id=1, wait_s=5.0, max_micro_steps=1), timeout=10)
+        print(r.micro_steps[0].micro_step_id, flush=True)
         await asyncio.sleep(3600)  # "training", never acks
 asyncio.run(main())
 """
@@ -107,10 +111,9 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
                     await stub.RecordTurn(tk.turn_proto(f"g{g}-x{k}", f"g{g}", 0), timeout=5)
                     await stub.ReportFinish(tk.finish_proto(f"g{g}-x{k}", f"g{g}", 2, reward=k), timeout=5)
             # The core takes the first micro-step (it is a participant of the batch).
-            first = await stub.ClaimMicroStep(
-                packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=1.0), timeout=5
-            )
-            assert first.outcome == CLAIMED
+            r = await stub.ClaimMicroSteps(_claim("core", wait_s=1.0), timeout=5)
+            assert r.outcome == CLAIMED
+            (first,) = r.micro_steps
             # A real core keeps its claims alive while it trains; the claimer's start-up can
             # outlast the claim TTL on a loaded machine (the core's claim expired too: 2).
             keeper = asyncio.create_task(_keep_claims(stub, "core", every_s=0.2))
@@ -122,34 +125,23 @@ async def test_claimer_killed_between_claim_and_ack(tmp_path, etcd_server, clust
                 start_new_session=True,
             )
             doomed_id = (await asyncio.to_thread(claimer.stdout.readline)).strip()  # the loop keeps claims
-            assert doomed_id and doomed_id != first.micro_step.micro_step_id
+            assert doomed_id and doomed_id != first.micro_step_id
             claimer.send_signal(signal.SIGKILL)
             await asyncio.to_thread(claimer.wait)
-            trained = {first.micro_step.micro_step_id}
-            await stub.AckMicroStep(
-                packer_pb2.AckMicroStepRequest(
-                    cell_id="core", batch_id=1, micro_step_id=first.micro_step.micro_step_id
-                ),
-                timeout=5,
-            )
+            trained = {first.micro_step_id}
+            await stub.AckMicroSteps(_ack("core", first.micro_step_id), timeout=5)
             killed = time.monotonic()
             while True:
-                r = await stub.ClaimMicroStep(
-                    packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=0.5), timeout=5
-                )
+                r = await stub.ClaimMicroSteps(_claim("core", wait_s=0.5), timeout=5)
                 if r.outcome == CLAIMED:
                     break
                 # Newcomers are refused once the window is closed; the core waits for the return.
-                late = await stub.ClaimMicroStep(
-                    packer_pb2.ClaimMicroStepRequest(cell_id="newcomer", batch_id=1), timeout=5
-                )
+                late = await stub.ClaimMicroSteps(_claim("newcomer"), timeout=5)
                 assert late.outcome == CLOSED
                 assert time.monotonic() - killed < 20, "claim never returned"
-            assert r.micro_step.micro_step_id == doomed_id
-            assert r.micro_step.micro_step_id not in trained
-            await stub.AckMicroStep(
-                packer_pb2.AckMicroStepRequest(cell_id="core", batch_id=1, micro_step_id=doomed_id), timeout=5
-            )
+            assert [ms.micro_step_id for ms in r.micro_steps] == [doomed_id]
+            assert doomed_id not in trained
+            await stub.AckMicroSteps(_ack("core", doomed_id), timeout=5)
             status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
             assert status.done and status.acked == status.micro_steps == 2
             assert status.counters.claims_expired == 1
@@ -189,31 +181,20 @@ async def test_claims_of_a_cell_whose_registration_vanishes_return_at_once(
             for k in range(2):
                 await stub.RecordTurn(tk.turn_proto(f"x{k}", "g", 0), timeout=5)
                 await stub.ReportFinish(tk.finish_proto(f"x{k}", "g", 2, reward=k), timeout=5)
-            core = await stub.ClaimMicroStep(
-                packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1), timeout=5
-            )
-            lost = await stub.ClaimMicroStep(
-                packer_pb2.ClaimMicroStepRequest(cell_id="cell-9", batch_id=1), timeout=5
-            )
+            core = await stub.ClaimMicroSteps(_claim("core"), timeout=5)
+            lost = await stub.ClaimMicroSteps(_claim("cell-9"), timeout=5)
             assert core.outcome == lost.outcome == CLAIMED
             await asyncio.sleep(0.5)  # the packer's mirror has seen cell-9 registered
             await etcd.revoke(lease)  # cell-9's process died: etcd drops its registration
             deadline = time.monotonic() + 15
             while True:
-                r = await stub.ClaimMicroStep(
-                    packer_pb2.ClaimMicroStepRequest(cell_id="core", batch_id=1, wait_s=0.5), timeout=5
-                )
+                r = await stub.ClaimMicroSteps(_claim("core", wait_s=0.5), timeout=5)
                 if r.outcome == CLAIMED:
                     break
                 assert time.monotonic() < deadline, "claim of the vanished cell never returned"
-            assert r.micro_step.micro_step_id == lost.micro_step.micro_step_id
-            for ms in (core, r):
-                await stub.AckMicroStep(
-                    packer_pb2.AckMicroStepRequest(
-                        cell_id="core", batch_id=1, micro_step_id=ms.micro_step.micro_step_id
-                    ),
-                    timeout=5,
-                )
+            assert [ms.micro_step_id for ms in r.micro_steps] == [lost.micro_steps[0].micro_step_id]
+            for got in (core, r):
+                await stub.AckMicroSteps(_ack("core", got.micro_steps[0].micro_step_id), timeout=5)
             status = await stub.GetBatch(packer_pb2.GetBatchRequest(batch_id=1), timeout=5)
             assert status.done and status.counters.consumed == 2
     finally:

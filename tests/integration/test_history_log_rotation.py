@@ -43,8 +43,8 @@ async def test_a_rotated_history_of_a_killed_and_restarted_packer_checks_clean(
         proc.target = proc2.target
         await feeding
         acked = []
-        async for r in worked(client):
-            acked.append(r.micro_step.micro_step_id)
+        async for ms in worked(client):
+            acked.append(ms.micro_step_id)
         proc2.kill()
     finally:
         await client.close()

@@ -30,11 +30,12 @@ from testkit.tls import RoleStubs, channel
 
 
 async def drain(stub, cell, batch_id, trained, wait_s=0.5):
+    """Claims one micro-step per ClaimMicroSteps call and acks it alone (AckMicroSteps of one)."""
     mine = []
     while True:
-        r = await stub.ClaimMicroStep(
-            packer_pb2.ClaimMicroStepRequest(
-                cell_id=cell, batch_id=batch_id, policy_version=0, wait_s=wait_s
+        r = await stub.ClaimMicroSteps(
+            packer_pb2.ClaimMicroStepsRequest(
+                cell_id=cell, batch_id=batch_id, policy_version=0, wait_s=wait_s, max_micro_steps=1
             ),
             timeout=10,
         )
@@ -42,16 +43,17 @@ async def drain(stub, cell, batch_id, trained, wait_s=0.5):
             return mine
         if r.outcome != CLAIMED:
             continue
-        mine.append(r.micro_step.micro_step_id)
-        trained.extend((s.execution_id, s.turn_index) for s in r.micro_step.sequences)
+        (ms,) = r.micro_steps
+        mine.append(ms.micro_step_id)
+        trained.extend((s.execution_id, s.turn_index) for s in ms.sequences)
         await asyncio.sleep(random.random() * 0.01)
-        ack = await stub.AckMicroStep(
-            packer_pb2.AckMicroStepRequest(
-                cell_id=cell, batch_id=batch_id, micro_step_id=r.micro_step.micro_step_id
+        ack = await stub.AckMicroSteps(
+            packer_pb2.AckMicroStepsRequest(
+                cell_id=cell, batch_id=batch_id, micro_step_ids=[ms.micro_step_id]
             ),
             timeout=10,
         )
-        assert not ack.duplicate
+        assert list(ack.duplicate) == [False]
 
 
 @contextlib.asynccontextmanager
@@ -195,13 +197,14 @@ async def test_malformed_records_get_precise_statuses_and_change_nothing(packer_
         assert await _code(stub.RecordTurn(too_long, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         huge = tk.turn_proto("x1", "g9", 0, prompt=300_000)  # past max_message_bytes (1 MiB)
         assert await _code(stub.RecordTurn(huge, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        unknown = packer_pb2.AckMicroStepRequest(cell_id="c", batch_id=1, micro_step_id="nope")
-        assert await _code(stub.AckMicroStep(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
+        unknown = packer_pb2.AckMicroStepsRequest(cell_id="c", batch_id=1, micro_step_ids=["nope"])
+        assert await _code(stub.AckMicroSteps(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
         late = tk.turn_proto("g0-x0", "g0", 7)
         assert await _code(stub.RecordTurn(late, timeout=5)) == grpc.StatusCode.FAILED_PRECONDITION
-        no_cell = packer_pb2.ClaimMicroStepRequest(batch_id=0)  # a cell claims only for itself
+        # A cell claims only for itself.
+        no_cell = packer_pb2.ClaimMicroStepsRequest(batch_id=0, max_micro_steps=1)
         assert (
-            await _code(stub.as_("cell-0").ClaimMicroStep(no_cell, timeout=5))
+            await _code(stub.as_("cell-0").ClaimMicroSteps(no_cell, timeout=5))
             == grpc.StatusCode.PERMISSION_DENIED
         )
         assert (

@@ -1,8 +1,8 @@
 """Training against the real packer service: the same turn records and finish reports fed
 to two fresh packer processes give the same update whether one cell trains the batch
 alone or a core and a satellite (joining while the data pauses) share it over gloo — the
-packer's micro-steps, advantages and loss masks go through the real ClaimMicroStep /
-AckMicroStep / KeepClaims API, and the core announces the version in etcd."""
+packer's micro-steps, advantages and loss masks go through the real ClaimMicroSteps /
+AckMicroSteps / KeepClaims API, and the core announces the version in etcd."""
 
 from __future__ import annotations
 

@@ -61,10 +61,8 @@ def test_the_documented_roles():
     assert CellControlServicer.ACCESS.rules["LoadPolicy"].roles == {Role.SCHEDULER}
     assert RouterServicer.ACCESS.rules["MoveExecutions"].roles == {Role.SCHEDULER}
     assert PackerServicer.ACCESS.rules["SealBatch"].roles == {Role.SCHEDULER}
-    for m in ("ClaimMicroStep", "AckMicroStep", "KeepClaims"):
+    for m in ("ClaimMicroSteps", "AckMicroSteps", "KeepClaims"):
         assert PackerServicer.ACCESS.rules[m] == allow(Role.CELL_AGENT, own="cell_id")
-    # A stream: the role when it opens, `own` per message (services/packer/claim_stream.py).
-    assert PackerServicer.ACCESS.rules["ClaimStream"] == allow(Role.CELL_AGENT)
     assert WeightSnapshotsServicer.ACCESS.rules["PullSnapshot"].roles == {Role.CELL_AGENT}
     assert ControlServicer.ACCESS.rules["GetStatus"].roles == {Role.DASHBOARD, Role.OPERATOR}
     assert HarnessServicer.ACCESS.rules["AcquireExecution"].roles == {Role.HARNESS}
@@ -105,8 +103,8 @@ def test_the_guard_admits_the_tables_roles_and_own_ids_only():
         return "ok"
 
     guard = Guard(PackerServicer.ACCESS)
-    handler = guard.wrap("ClaimMicroStep", grpc.unary_unary_rpc_method_handler(claim))
-    req = packer_pb2.ClaimMicroStepRequest(cell_id="cell-0")
+    handler = guard.wrap("ClaimMicroSteps", grpc.unary_unary_rpc_method_handler(claim))
+    req = packer_pb2.ClaimMicroStepsRequest(cell_id="cell-0", max_micro_steps=1)
 
     async def run(subject):
         ctx = _Context(subject)

@@ -2,7 +2,7 @@
 (OpenBatch), an ack does not train a micro-step for good; CommitBatch does. A failed attempt
 (a core crash, a broken collective) is retried by opening the batch again, which returns
 every held or acknowledged, uncommitted micro-step to the pool, so nothing trained in a lost
-attempt is lost. ClaimMicroStep is idempotent on its claim id. All of it replays from the
+attempt is lost. A claim is idempotent on its claim id. All of it replays from the
 WAL and survives a compaction to a snapshot."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The tagged-stream core the packer's ClaimStream, the router's GenerateStream and the
-engine's GenerateStream share: answers go out as lists in the order they are ready; with
-``one_turn`` the requests woken by one event answer in one list; ``close_when_idle`` ends
-the call once nothing is in flight while the caller still sends."""
+"""The tagged-stream core the router's GenerateStream and the engine's GenerateStream share:
+answers go out as lists in the order they are ready; with ``one_turn`` the requests woken
+by one event answer in one list; ``close_when_idle`` ends the call once nothing is in
+flight while the caller still sends."""
 
 from __future__ import annotations
 

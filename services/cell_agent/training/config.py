@@ -71,7 +71,7 @@ class TrainingSettings(BaseModel):
     )
     # Streaming claims.
     claim_wait_s: float = Field(
-        1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep when data pauses."
+        1.0, ge=0, le=30, description="Long-poll of one ClaimMicroSteps call when data pauses."
     )
     claim_batch: int = Field(
         4,
@@ -116,7 +116,7 @@ class MockTrainerSettings(BaseModel):
     gpus_per_cell: int = Field(1, ge=1, description="GPUs in one cell.")
     train_step_fixed_s: float = Field(2.0, ge=0, description="Fixed cost of one optimizer update (core).")
     weight_sync_s: float = Field(0.1, ge=0, description="A satellite pulling the batch's weights.")
-    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroStep.")
+    claim_wait_s: float = Field(1.0, ge=0, le=30, description="Long-poll of one ClaimMicroSteps call.")
     claim_batch: int = Field(
         4, ge=1, le=64, description="Micro-steps claimed per ClaimMicroSteps call, acked together."
     )

@@ -15,11 +15,9 @@ from services.cell_agent.training.microstep import Claim
 
 class MicroStepSource(Protocol):
     """The packer's claim API for one cell. A claim retried with the same ``claim_id``
-    answers the same micro-step. In a batch the core opened (``open_batch``), an ack is a
+    answers the same micro-steps. In a batch the core opened (``open_batch``), an ack is a
     lease until the core's ``commit``; opening the batch again (a new attempt after a
     failed one) returns every uncommitted micro-step to the pool."""
-
-    async def claim(self, batch_id: int, policy_version: int, wait_s: float, claim_id: str = "") -> Claim: ...
 
     async def claim_many(
         self, batch_id: int, policy_version: int, wait_s: float, max_micro_steps: int, claim_id: str = ""
@@ -27,8 +25,6 @@ class MicroStepSource(Protocol):
         """Up to ``max_micro_steps`` claims in one call (waiting only for the first): one
         CLAIMED claim per micro-step, or a single WAIT / CLOSED claim."""
         ...
-
-    async def ack(self, batch_id: int, micro_step_id: str) -> None: ...
 
     async def ack_many(self, batch_id: int, micro_step_ids: list[str]) -> list[bool]:
         """Acknowledges several micro-steps in one call (all or nothing)."""
