@@ -245,9 +245,11 @@ def check_cross(sched: list[dict[str, Any]], packer: list[dict[str, Any]]) -> li
     closed = closed_executions(sched, complete=True)
     refused = {str(op["execution_id"]) for op in sched if op.get("op") == "report_refused"}
     finished = {str(op["execution_id"]) for op in packer if op.get("op") == "finish"}
+    # A retried report answered as a duplicate: the first one's line may be what a crash took.
+    again = {str(op["execution_id"]) for op in packer if op.get("op") == "finish_again"}
     bad = [
         f"{eid} closed by the scheduler, never reported to the packer (lost)"
-        for eid in sorted(closed - finished - refused)
+        for eid in sorted(closed - finished - again - refused)
     ]
     bad += [
         f"{eid} finished at the packer, never closed by the scheduler" for eid in sorted(finished - closed)

@@ -8,6 +8,7 @@ until :meth:`sync` has made them durable, then written to the history (``gyre.hi
 op          fields
 ==========  ==============================================================
 finish      execution_id, group_id, status (a finish report accepted)
+finish_again execution_id, group_id (a retried report answered as a duplicate)
 assign      b, g (a ready group placed in batch b)
 drop        g, reason
 emit        ms, b, executions (a micro-step packed)
@@ -24,6 +25,9 @@ policy      v
 An operation is written only after the WAL holds it, so the history never shows what a
 crash took back; a crash between the fsync and the history write leaves the history
 missing that operation's line (the checker treats missing context as unknown, not bad).
+A finish is the exception the cross check cannot treat so (a close the packer never saw is
+an execution lost): the report's retry, answered as a duplicate, writes ``finish_again``
+(:meth:`HistoryLog.note`), so a line a crash took is written again by the retry.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ class HistoryLog:
     def append(self, event: Event) -> None:
         self.inner.append(event)
         self._pending.append(event)
+
+    def note(self, op: str, **fields: Any) -> None:
+        """Writes an operation that changed nothing (what it reports is already durable)."""
+        self.history.append(op, 0, **fields)
 
     async def sync(self) -> None:
         pending, self._pending = self._pending, []

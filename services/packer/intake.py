@@ -132,6 +132,8 @@ class Intake:
                     f"execution {finish.execution_id} was reported finished with other content"
                 )
             await self.journal.sync()
+            # The first report's history line may be what a crash took: say it arrived.
+            self.journal.note("finish_again", execution_id=finish.execution_id, group_id=finish.group_id)
             return True
         self._check_membership(finish.execution_id, finish.group_id)
         if finish.group_id in st.resolved:

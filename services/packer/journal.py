@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from gyre.errors import FatalError
+from services.packer.history import HistoryLog
 from services.packer.records import Event
 from services.packer.state import PackerState
 from services.packer.wal import EventLog
@@ -89,6 +91,11 @@ class Journal:
     async def sync(self) -> None:
         """Makes everything committed so far durable (one WAL flush, shared with the others)."""
         await self.log.sync()
+
+    def note(self, op: str, **fields: Any) -> None:
+        """Writes ``op`` to the operation history, when there is one (nothing changed)."""
+        if isinstance(self.log, HistoryLog):
+            self.log.note(op, **fields)
 
     async def wait_changed(self, timeout_s: float | None) -> None:
         """Returns at the next change, or after ``timeout_s``."""

@@ -353,3 +353,26 @@ def test_an_indeterminate_close_counts_as_a_close_in_a_complete_run():
     h = _lost_line(good(), "close", execution_id="b1-e1")
     assert check(h, complete=True).counts["executions_closed"] == 2
     assert check(h).counts["executions_closed"] == 1  # not complete: it may not have happened
+
+
+async def test_a_finish_whose_line_a_kill_took_is_seen_when_its_report_is_retried(tmp_path: Path):
+    """The packer made a finish report durable and was killed before writing its history line
+    (a failpoint in a concurrent claim; CI: `packer.claim.granted`). The restarted packer
+    answers the scheduler's retry as a duplicate, and its history must show that the report
+    reached it, or the cross check calls the execution lost."""
+    from apps.checker import check_cross
+    from services.packer.history import HistoryLog
+
+    p, log, _ = tk.make_packer()
+    await p.report_finish(tk.finish("x0", "g0", 2))  # durable; its history line never written
+    path = tmp_path / "packer.jsonl"
+    history = History(str(path), svc="packer")
+    p.log = HistoryLog(log, history)  # the restarted packer's history
+    assert await p.report_finish(tk.finish("x0", "g0", 2))  # the scheduler's retry: a duplicate
+    history.close()
+    sched = [
+        _s("dispatch", burst_id=1, quota=1),
+        _s("launch", execution_id="x0"),
+        _s("close", execution_id="x0"),
+    ]
+    assert check_cross(sched, read(path)) == []
