@@ -1,7 +1,7 @@
 """What the demo's policy learned: the held-out evaluation per policy version, the training
-reward keyed by the version that *generated* each episode's tokens (from the packer's WAL:
-its turns carry every token's version, its finish reports the reward), and the core's loss
-diagnostics per step (from its history). ``learning.png`` draws them; ``summary.json`` and
+reward keyed by the version that *generated* each episode's tokens (from the packer's event
+log, read through its API: its turns carry every token's version, its finish reports the
+reward), and the core's loss diagnostics per step (from its history). ``learning.png`` draws them; ``summary.json`` and
 the TensorBoard files carry them.
 
 The dispatch stamp of an execution is not the version that generated it: a long episode's

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 from collections import defaultdict
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import yaml
 from rich.console import Console, Group
 from rich.live import Live
@@ -49,8 +51,11 @@ from apps.docblock import checkout_commit
 from apps.harness.env import EVAL_SEED, EnvConfig, eval_tasks
 from apps.harness.example import HarnessStats, run_harness
 from apps.launch import Cluster
+from gyre.errors import GyreError
 from services.dashboard.timeline import LEDGER_FIELDS, STATUS_FIELDS
 from services.scheduler.config import SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORIES = ("scheduler", "packer", "router", "cell_agent")
@@ -365,6 +370,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 await asyncio.wait_for(asyncio.shield(harness), 30)
         await asyncio.sleep(1.5)  # the dashboard polls every 0.5 s: let it see the last status
         timeline = await dashboard.timeline() or {}
+        packer_log = await _packer_log(cluster, opts.run_dir / "packer-wal")
     finally:
         stop.set()
         if harness is not None and not harness.done():
@@ -393,7 +399,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         outcome = f"faults survived {chaos['survived']} of {chaos['scheduled']} scheduled"
     if outcome == "completed" and not verdict.ok:
         outcome = f"history checker: {len(verdict.violations)} violations"
-    trajectories = _trajectories(opts.run_dir / "packer-wal")
+    trajectories = {**_trajectories(packer_log.events), "read_from": packer_log.source}
     # What the policy learned: every kept version and the last, on the held-out tasks.
     if held_out:
         kept = versions_to_evaluate(opts.run_dir)
@@ -405,7 +411,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                     await loop.run_in_executor(None, _evaluate, opts, model_dir, state(), version, held_out)
                 )
             _print_eval(console, evals[-1])
-    generated = _reward_by_generating_version(opts.run_dir / "packer-wal")
+    generated = reward_by_generating_version(packer_log.events)
     steps = step_diagnostics(opts.run_dir / "history" / "cell_agent.jsonl")
     learning = {
         "eval": _eval_summary(evals, opts),
@@ -512,15 +518,6 @@ def _diag_row(t: dict[str, Any]) -> str:
     )
 
 
-def _reward_by_generating_version(wal_dir: Path) -> dict[int, dict[str, float]]:
-    from apps.demo.trajectories import read_events
-
-    try:
-        return reward_by_generating_version(read_events(wal_dir))
-    except FileNotFoundError:
-        return {}
-
-
 def planned_executions(section: dict[str, Any]) -> int:
     """Executions the scheduler's task supply holds (``max_bursts`` bursts' worth of groups),
     0 when unbounded."""
@@ -604,14 +601,35 @@ def _tokens(t: dict[str, Any]) -> str:
     return f"{t['training_tokens_per_episode']} / {t['per_turn_tokens_per_episode']}"
 
 
-def _trajectories(wal_dir: Path) -> dict[str, Any]:
-    """Token consistency and training tokens, from the packer's WAL (apps/demo/trajectories.py)."""
-    from apps.demo.trajectories import analyze, read_events
+def _trajectories(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Token consistency and training tokens, from the packer's log (apps/demo/trajectories.py)."""
+    from apps.demo.trajectories import analyze
+
+    return analyze(events) if events else {}
+
+
+@dataclass
+class PackerLog:
+    events: list[dict[str, Any]]
+    source: str
+    """Where they came from: the packer's API, or its WAL file when the packer did not answer."""
+
+
+async def _packer_log(cluster: Cluster, wal_dir: Path) -> PackerLog:
+    """The packer's event log, through its API as an operator while the services are up; its
+    WAL file only when the packer does not answer (it was given up on)."""
+    from apps.demo.trajectories import read_events, read_log
 
     try:
-        return analyze(read_events(wal_dir))
+        return PackerLog(await read_log(cluster.procs["packer"].target, cluster.pki.tls("operator")), "api")
+    except (GyreError, grpc.RpcError, OSError) as exc:
+        log.warning(
+            "the packer's log through its API failed; reading its WAL file", extra={"error": repr(exc)}
+        )
+    try:
+        return PackerLog(read_events(wal_dir), "wal file")
     except FileNotFoundError:
-        return {}
+        return PackerLog([], "none")
 
 
 def _print_summary(console: Console, summary: dict[str, Any], run_dir: Path) -> None:

@@ -1,5 +1,7 @@
-"""Token-consistency and training-token figures of a run, from the packer's WAL (what was
-actually recorded and trained, not what the router says about itself).
+"""Token-consistency and training-token figures of a run, from the packer's event log (what
+was actually recorded and trained, not what the router says about itself), read through the
+packer's API (``Packer.ReadLog``, as an operator) while the run's services are up, or from
+its WAL file afterwards:
 
     python -m apps.demo.trajectories RUN_DIR/packer-wal
 
@@ -20,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gyre.grpcx.tls import TlsFiles
 from services.packer.model import Turn
 from services.packer.segments import continues, split_segments
 from services.packer.state import PackerState
@@ -33,6 +36,21 @@ def read_events(wal_dir: str | Path) -> list[dict[str, Any]]:
         _, _, body = line.partition(" ")
         if body:
             events.append(json.loads(body))
+    return events
+
+
+async def read_log(target: str, tls: TlsFiles, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Every event of the packer's log, through its API (``Packer.ReadLog``; ``tls``: an
+    operator's identity)."""
+    from gyre.grpcx.channel import dial
+    from gyre.identity import Role
+    from gyre.v1 import packer_pb2, packer_pb2_grpc
+
+    events: list[dict[str, Any]] = []
+    async with dial(target, tls, expect=Role.PACKER) as channel:
+        stream = packer_pb2_grpc.PackerStub(channel).ReadLog(packer_pb2.ReadLogRequest(), timeout=timeout_s)
+        async for chunk in stream:
+            events += [json.loads(e) for e in chunk.events]
     return events
 
 

@@ -296,6 +296,16 @@ class WatchSupplyRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReadLogRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, events: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SupplySignal(_message.Message):
     __slots__ = ("ready_groups", "batch_needs", "batch_id", "dropped", "batch_active", "unclaimed_micro_steps", "ready_unassigned", "counters", "ready_tokens", "backlog_tokens", "tokens_trained", "optimizing", "groups_ready_total", "batch_assigned", "groups_filtered", "open_context_tokens")
     class DroppedEntry(_message.Message):

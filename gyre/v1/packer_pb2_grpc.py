@@ -84,6 +84,11 @@ class PackerStub:
                 request_serializer=gyre_dot_v1_dot_packer__pb2.WatchSupplyRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_packer__pb2.SupplySignal.FromString,
                 _registered_method=True)
+        self.ReadLog = channel.unary_stream(
+                '/gyre.v1.Packer/ReadLog',
+                request_serializer=gyre_dot_v1_dot_packer__pb2.ReadLogRequest.SerializeToString,
+                response_deserializer=gyre_dot_v1_dot_packer__pb2.LogChunk.FromString,
+                _registered_method=True)
         self.SealBatch = channel.unary_unary(
                 '/gyre.v1.Packer/SealBatch',
                 request_serializer=gyre_dot_v1_dot_packer__pb2.SealBatchRequest.SerializeToString,
@@ -199,6 +204,17 @@ class PackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadLog(self, request, context):
+        """Operator -> packer: the packer's durable event log as it stands, in log order (after a
+        compaction, the compacted state first), for audits of what a run recorded and trained
+        (the demo's trajectory figures). Read-only; the packer reads its own log, so the reader
+        needs no access to its disk. A live log's last event may still be being written: the
+        answer stops before it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SealBatch(self, request, context):
         """Scheduler -> packer: seal a batch with the groups it has plus the ready ones (burst end,
         fewer groups than batch_size will come), even before a claim activated it. Fenced;
@@ -260,6 +276,11 @@ def add_PackerServicer_to_server(servicer, server):
                     servicer.WatchSupply,
                     request_deserializer=gyre_dot_v1_dot_packer__pb2.WatchSupplyRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_packer__pb2.SupplySignal.SerializeToString,
+            ),
+            'ReadLog': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadLog,
+                    request_deserializer=gyre_dot_v1_dot_packer__pb2.ReadLogRequest.FromString,
+                    response_serializer=gyre_dot_v1_dot_packer__pb2.LogChunk.SerializeToString,
             ),
             'SealBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.SealBatch,
@@ -537,6 +558,33 @@ class Packer:
             '/gyre.v1.Packer/WatchSupply',
             gyre_dot_v1_dot_packer__pb2.WatchSupplyRequest.SerializeToString,
             gyre_dot_v1_dot_packer__pb2.SupplySignal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gyre.v1.Packer/ReadLog',
+            gyre_dot_v1_dot_packer__pb2.ReadLogRequest.SerializeToString,
+            gyre_dot_v1_dot_packer__pb2.LogChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ from gyre.v1 import packer_pb2, packer_pb2_grpc
 from services.packer.config import PackerConfig
 from services.packer.model import Finish, Turn
 from services.packer.packer import Packer
+from services.packer.wal import WAL_NAME, encode_event, read_durable
 
 SERVICE_NAME = "gyre.v1.Packer"
 
@@ -106,6 +108,7 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
             "OpenBatch": allow(Role.CELL_AGENT, own="cell_id"),
             "GetBatch": allow(Role.SCHEDULER, Role.CELL_AGENT, Role.DASHBOARD, Role.OPERATOR),
             "WatchSupply": allow(Role.SCHEDULER, Role.DASHBOARD, Role.OPERATOR),
+            "ReadLog": allow(Role.OPERATOR),
             "SealBatch": allow(Role.SCHEDULER),
         },
     )
@@ -192,6 +195,14 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         await self.fence.admit(request.fence.epoch)
         batch = await self._packer.seal(request.batch_id, request.fence.epoch)
         return batch_to_proto(self._packer.batch_status(batch.id))
+
+    @rpc_stream
+    async def ReadLog(
+        self, request: packer_pb2.ReadLogRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[packer_pb2.LogChunk]:
+        chunks = read_durable(Path(self._cfg.wal_dir) / WAL_NAME)
+        while (events := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield packer_pb2.LogChunk(events=[encode_event(e) for e in events])
 
     @rpc_stream
     async def WatchSupply(

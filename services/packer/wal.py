@@ -75,8 +75,13 @@ _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 """One encoder for every event (``json.dumps`` with these options builds one per call)."""
 
 
+def encode_event(event: Event) -> str:
+    """One event as its JSON object (the log's line without its checksum)."""
+    return _JSON.encode(event)
+
+
 def encode(event: Event) -> str:
-    body = _JSON.encode(event)
+    body = encode_event(event)
     return f"{zlib.crc32(body.encode()):08x} {body}\n"
 
 
@@ -363,6 +368,24 @@ class WalEvents(Sequence[Event]):
         return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)
 
     __hash__ = None  # type: ignore[assignment]  # mutable-equal like a list
+
+
+def read_durable(path: str | os.PathLike[str], chunk: int = 512) -> Iterator[list[Event]]:
+    """The intact events of the log at ``path`` as it stands, ``chunk`` at a time, without
+    opening it for appending: the log of a live packer, whose last line may be in the middle
+    of its write (reading stops at the first line that does not check)."""
+    with open(path, "rb") as f:
+        out: list[Event] = []
+        for raw in f:
+            event = _decode(raw.rstrip(b"\n"))
+            if event is None:
+                break
+            out.append(event)
+            if len(out) >= chunk:
+                yield out
+                out = []
+        if out:
+            yield out
 
 
 def _decoded(raw: bytes) -> Event:

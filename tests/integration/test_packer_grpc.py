@@ -290,3 +290,22 @@ async def test_wal_is_replayed_in_the_same_cluster_and_archived_for_a_new_one(
     finally:
         proc.stop()
     assert len(list((tmp_path / "wal").glob("packer.wal.*.old"))) == 1
+
+
+async def test_the_packers_log_is_read_through_its_api_by_an_operator_only(packer_proc, tmp_path):
+    """Packer.ReadLog answers an operator the events of the packer's durable log, the same as
+    its WAL file holds (the demo audits a run through it, with no access to the packer's
+    disk); a router is refused."""
+    from apps.demo.trajectories import analyze, read_events, read_log
+    from testkit.tls import tls
+
+    proc = packer_proc()
+    async with RoleStubs(proc.target, packer_pb2_grpc.PackerStub, PackerServicer.ACCESS) as stub:
+        await tk.feed_stub(stub, 2, size=2, turns=2)
+    events = await read_log(proc.target, tls("operator"))
+    assert events == read_events(tmp_path / "wal")
+    assert {"turn", "finish"} <= {e["t"] for e in events}
+    assert analyze(events)["executions"] == 4
+    with pytest.raises(grpc.RpcError) as refused:
+        await read_log(proc.target, tls("router", Role.ROUTER))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -299,3 +299,16 @@ async def test_a_replay_holds_the_logs_lines_not_its_decoded_events(tmp_path):
     p2 = Packer(tk.config(batch_size=64, micro_step_token_budget=4096), reopened)
     p2.recover(events)  # the replay reads the events one by one, as before
     assert tk.snapshot(p2.state) == tk.snapshot(p.state)
+
+
+def test_a_live_logs_durable_events_are_read_up_to_a_line_in_the_middle_of_its_write(tmp_path):
+    """read_durable (Packer.ReadLog's reader) stops before a last line still being written,
+    and hands the events out in chunks."""
+    from services.packer.wal import WAL_NAME, encode, read_durable
+
+    events = [{"t": "wal", "n": 0}] + [{"t": "policy", "v": v} for v in range(5)]
+    path = tmp_path / WAL_NAME
+    path.write_text("".join(encode(e) for e in events) + encode({"t": "policy", "v": 9})[:12])
+    chunks = list(read_durable(path, chunk=4))
+    assert [len(c) for c in chunks] == [4, 2]
+    assert [e for c in chunks for e in c] == events
