@@ -73,3 +73,28 @@ def test_pipeline_round_targets_give_the_trainers_loss():
     assert n == want_n
     assert torch.allclose(loss, want_loss, atol=1e-12)
     assert isinstance(TokenTargets.of(list(steps[0].sequences)), TokenTargets)
+
+
+def test_pipeline_a_round_on_another_version_is_refused_before_it_is_announced():
+    """A round on another weight version than the batch's is refused by the leader before
+    the other stages hear of it (they would run a round the leader does not)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.cell_agent.training.pipeline import PipelineCell
+
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    cell = PipelineCell(StageModule(Qwen2ForCausalLM(cfg).double(), 0, 1), ranks=[0], group=None)
+    steps = micro_steps(2, vocab=64, seed=2)
+    cell.announce(steps[:1], 5)
+    assert cell.tokens > 0
+    with pytest.raises(InvalidArgument, match="version 6"):
+        cell.announce(steps[1:], 6)
+    cell.end_batch()
+    cell.announce(steps[1:], 6)  # a new batch may be on another version

@@ -265,6 +265,8 @@ class PipelineCell:
             raise InvalidArgument("only stage 0 announces rounds")
         if not steps:
             raise InvalidArgument("a round needs at least one micro-step")
+        if self._version not in (None, version):  # before the others hear of the round
+            raise InvalidArgument(f"round on version {version} in a batch on {self._version}")
         rows = max(len(s.sequences) for s in steps)
         width = max(len(q.token_ids) for s in steps for q in s.sequences)
         ids, target = round_tensors(steps, version, rows, width)
