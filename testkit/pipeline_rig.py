@@ -168,7 +168,7 @@ def _rank(plan: PipelinePlan, rank: int, port: int) -> dict[str, Any]:
     cells = [[c * S + s for s in range(S)] for c in range(plan.cells)]
     cell_groups = [dist.new_group(r) for r in cells]
     stage_groups = [dist.new_group([c * S + s for c in range(plan.cells)]) for s in range(S)]
-    tie_groups(cells)
+    ties = tie_groups(cells)
     model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=getattr(torch, plan.dtype))
     model.config.attention_dropout = 0.0
     if cell > 0:  # a satellite starts from other weights: what it trains on comes from the core
@@ -179,7 +179,9 @@ def _rank(plan: PipelinePlan, rank: int, port: int) -> dict[str, Any]:
     del model
     if device is not None:
         stage.to(device)
-    pc = PipelineCell(stage, ranks=cells[cell], group=cell_groups[cell], device=device)
+    pc = PipelineCell(
+        stage, ranks=cells[cell], group=cell_groups[cell], tie_group=ties.get(cells[cell][0]), device=device
+    )
     if plan.die and plan.die[0] == rank:
         _die_in_round(stage, pc, plan.die[1])
     core_rank = index  # the core's stage s

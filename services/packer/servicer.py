@@ -201,8 +201,11 @@ class PackerServicer(packer_pb2_grpc.PackerServicer):
         self, request: packer_pb2.ReadLogRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[packer_pb2.LogChunk]:
         chunks = read_durable(Path(self._cfg.wal_dir) / WAL_NAME)
-        while (events := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield packer_pb2.LogChunk(events=[encode_event(e) for e in events])
+        try:
+            while (events := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield packer_pb2.LogChunk(events=[encode_event(e) for e in events])
+        finally:
+            chunks.close()  # a call that ends early closes the file now, not at collection
 
     @rpc_stream
     async def WatchSupply(

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, overload
 
@@ -370,7 +370,7 @@ class WalEvents(Sequence[Event]):
     __hash__ = None  # type: ignore[assignment]  # mutable-equal like a list
 
 
-def read_durable(path: str | os.PathLike[str], chunk: int = 512) -> Iterator[list[Event]]:
+def read_durable(path: str | os.PathLike[str], chunk: int = 512) -> Generator[list[Event], None, None]:
     """The intact events of the log at ``path`` as it stands, ``chunk`` at a time, without
     opening it for appending: the log of a live packer, whose last line may be in the middle
     of its write (reading stops at the first line that does not check)."""

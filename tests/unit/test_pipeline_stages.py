@@ -98,3 +98,21 @@ def test_pipeline_a_round_on_another_version_is_refused_before_it_is_announced()
         cell.announce(steps[1:], 6)
     cell.end_batch()
     cell.announce(steps[1:], 6)  # a new batch may be on another version
+
+
+def test_pipeline_a_tied_model_split_across_stages_needs_its_tie_group():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.cell_agent.training.pipeline import PipelineCell
+
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    with pytest.raises(InvalidArgument, match="tie group"):
+        PipelineCell(StageModule(Qwen2ForCausalLM(cfg), 0, 2), ranks=[0, 1], group=None)

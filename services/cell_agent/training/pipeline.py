@@ -231,14 +231,19 @@ class PipelineCell:
         *,
         ranks: list[int],
         group: dist.ProcessGroup | None,
+        tie_group: dist.ProcessGroup | None = None,
         loss: LossConfig | None = None,
         device: torch.device | None = None,
     ) -> None:
         if len(ranks) != stage.stages:
             raise InvalidArgument(f"{len(ranks)} ranks for {stage.stages} stages")
+        if stage.stages > 1 and (stage.first or stage.last) and tied(stage.config) and tie_group is None:
+            raise InvalidArgument("a pipelined model with tied embeddings needs its tie group (tie_groups)")
         self.stage = stage
         self.ranks = ranks
         self.group = group
+        self.tie_group = tie_group
+        """The first and the last stage's group (tied embeddings; see :func:`tie_groups`)."""
         self.loss = loss or LossConfig()
         self.device = device or torch.device("cpu")
         self.dtype = next(stage.parameters()).dtype
@@ -377,7 +382,7 @@ class PipelineCell:
             if tied is not None:
                 g = tied.grad if tied.grad is not None else torch.zeros_like(tied)
                 g = g.contiguous()
-                dist.all_reduce(g, group=_pair_group(self))
+                dist.all_reduce(g, group=self.tie_group)
                 tied.grad = g
             last = self.ranks[-1]
             head = torch.cat(
@@ -395,9 +400,7 @@ class PipelineCell:
 
     def _tied_parameter(self) -> nn.Parameter | None:
         """The parameter the first and the last stage share (tied embeddings), on those two."""
-        if not (self.stage.first or self.stage.last) or not getattr(
-            self.stage.config, "tie_word_embeddings", False
-        ):
+        if not (self.stage.first or self.stage.last) or not tied(self.stage.config):
             return None
         module = self.stage.embed_tokens if self.stage.first else self.stage.lm_head
         assert module is not None
@@ -412,23 +415,16 @@ class PipelineCell:
         self._version = None
 
 
-_PAIR_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
+def tie_groups(cells: list[list[int]]) -> dict[int, dist.ProcessGroup]:
+    """The group of each cell's first and last stage, for the tied embedding's gradient, by
+    the cell's first rank. Call it on every rank: ``new_group`` is collective over the
+    default group."""
+    return {ranks[0]: dist.new_group([ranks[0], ranks[-1]]) for ranks in cells if len(ranks) > 1}
 
 
-def tie_groups(cells: list[list[int]]) -> None:
-    """Creates, on every rank (``new_group`` is collective over the default group), the
-    group of each cell's first and last stage for the tied embedding's gradient."""
-    for ranks in cells:
-        if len(ranks) > 1:
-            pair = (ranks[0], ranks[-1])
-            _PAIR_GROUPS[pair] = dist.new_group(list(pair))
-
-
-def _pair_group(cell: PipelineCell) -> dist.ProcessGroup:
-    pair = (cell.ranks[0], cell.ranks[-1])
-    if pair not in _PAIR_GROUPS:
-        raise InvalidArgument(f"no tie group for stages {pair}: call tie_groups first")
-    return _PAIR_GROUPS[pair]
+def tied(config: Any) -> bool:
+    """The model's input embedding and output head share their weights."""
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
