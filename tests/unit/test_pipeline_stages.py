@@ -12,6 +12,22 @@ from services.cell_agent.training.trainer import LossConfig, TokenTargets, targe
 from testkit.pipeline_rig import micro_steps
 
 
+def _model(layers: int = 2, tied: bool = False):  # a small Qwen2 causal LM, float64
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    return Qwen2ForCausalLM(cfg).double()
+
+
 def test_pipeline_stage_bounds_split_the_layers_evenly():
     assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
     assert stage_bounds(5, 2) == [(0, 3), (3, 5)]
@@ -24,19 +40,7 @@ def test_pipeline_stage_bounds_split_the_layers_evenly():
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_pipeline_stages_compose_to_the_model(stages):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(cfg).double().eval()
+    model = _model(layers=4, tied=True).eval()
     ids = torch.randint(0, 64, (3, 11))
     want = model(input_ids=ids).logits
     mods = [StageModule(model, s, stages) for s in range(stages)]
@@ -78,19 +82,9 @@ def test_pipeline_round_targets_give_the_trainers_loss():
 def test_pipeline_a_round_on_another_version_is_refused_before_it_is_announced():
     """A round on another weight version than the batch's is refused by the leader before
     the other stages hear of it (they would run a round the leader does not)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from services.cell_agent.training.pipeline import PipelineCell
 
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    cell = PipelineCell(StageModule(Qwen2ForCausalLM(cfg).double(), 0, 1), ranks=[0], group=None)
+    cell = PipelineCell(StageModule(_model(), 0, 1), ranks=[0], group=None)
     steps = micro_steps(2, vocab=64, seed=2)
     cell.announce(steps[:1], 5)
     assert cell.tokens > 0
@@ -101,18 +95,7 @@ def test_pipeline_a_round_on_another_version_is_refused_before_it_is_announced()
 
 
 def test_pipeline_a_tied_model_split_across_stages_needs_its_tie_group():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from services.cell_agent.training.pipeline import PipelineCell
 
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
     with pytest.raises(InvalidArgument, match="tie group"):
-        PipelineCell(StageModule(Qwen2ForCausalLM(cfg), 0, 2), ranks=[0, 1], group=None)
+        PipelineCell(StageModule(_model(tied=True), 0, 2), ranks=[0, 1], group=None)

@@ -203,16 +203,15 @@ class _TimedStage(PipelineStage):
     times: RoundTimes
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.times.busy_s += time.perf_counter() - t0
+        return self._busy(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._busy(super().backward_one_chunk, *args, **kwargs)
+
+    def _busy(self, work: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return super().backward_one_chunk(*args, **kwargs)
+            return work(*args, **kwargs)
         finally:
             self.times.busy_s += time.perf_counter() - t0
 
@@ -385,13 +384,19 @@ class PipelineCell:
                 dist.all_reduce(g, group=self.tie_group)
                 tied.grad = g
             last = self.ranks[-1]
-            head = torch.cat(
-                [torch.tensor([float(self.tokens)], dtype=torch.float64), self.stats.sums_tensor()]
-            )
-            peak = torch.tensor([self.stats.weight_max], dtype=torch.float64)
-            head, peak = self._bcast_from(head, last), self._bcast_from(peak, last)
-            self.tokens = int(head[0].item())
-            self.stats = LossStats.from_tensors(head[1:], float(peak[0].item()))
+            head, peak = self.header()
+            self.take_header(self._bcast_from(head, last), self._bcast_from(peak, last))
+
+    def header(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's [tokens, loss sums] (added across stages' cells) and [largest behaviour
+        weight] (the maximum), on this stage's device."""
+        head = torch.cat([torch.tensor([float(self.tokens)], dtype=torch.float64), self.stats.sums_tensor()])
+        peak = torch.tensor([self.stats.weight_max], dtype=torch.float64)
+        return head.to(self.device), peak.to(self.device)
+
+    def take_header(self, head: torch.Tensor, peak: torch.Tensor) -> None:
+        self.tokens = int(head[0].item())
+        self.stats = LossStats.from_tensors(head[1:].cpu(), float(peak[0].item()))
 
     def _bcast_from(self, t: torch.Tensor, src: int) -> torch.Tensor:
         t = t.to(self.device)
@@ -439,16 +444,12 @@ def reduce_to_core(cell: PipelineCell, core_rank: int, group: dist.ProcessGroup 
     grad = cell.stage.flat_grads().contiguous().to(cell.device)
     if group is None:
         return grad.cpu()
-    head = torch.cat([torch.tensor([float(cell.tokens)], dtype=torch.float64), cell.stats.sums_tensor()]).to(
-        cell.device
-    )
-    peak = torch.tensor([cell.stats.weight_max], dtype=torch.float64, device=cell.device)
+    head, peak = cell.header()
     dist.reduce(grad, dst=core_rank, group=group)
     dist.reduce(head, dst=core_rank, group=group)
     dist.reduce(peak, dst=core_rank, group=group, op=dist.ReduceOp.MAX)
     if dist.get_rank() == core_rank:
-        cell.tokens = int(head[0].item())
-        cell.stats = LossStats.from_tensors(head[1:].cpu(), float(peak[0].item()))
+        cell.take_header(head, peak)
     return grad.cpu()
 
 
@@ -474,11 +475,10 @@ class StageOptimizer:
             return 0.0
         stage = self.cell.stage
         stage.set_flat_grads(grad_sum.to(self.params[0].device) / tokens)
+        # The tied embedding's gradient is on the first and the last stage: count it once.
+        twice = self.cell._tied_parameter() if stage.last and not stage.first else None
         squares = sum(
-            float(p.grad.double().pow(2).sum())
-            for p in self.params
-            if p.grad is not None
-            and not (stage.last and not stage.first and p is self.cell._tied_parameter())
+            float(p.grad.double().pow(2).sum()) for p in self.params if p.grad is not None and p is not twice
         )
         total = torch.tensor([squares], dtype=torch.float64, device=self.cell.device)
         if self.cell.stages > 1:
