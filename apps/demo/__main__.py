@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from apps.demo.chaos import Chaos
-from apps.demo.runner import DEMO_CONCURRENCY, DEMO_ENV, DemoOptions, run_demo
+from apps.demo.runner import DEMO_CONCURRENCY, DEMO_ENV, DemoOptions, deep_update, parse_set, run_demo
 from apps.harness.env import EnvConfig
 
 
@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the run's time budget (default: 180 s + 60 s per burst, so a longer run asked for fits)",
     )
     parser.add_argument("--env", default="{}", help="EnvConfig overrides as JSON")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a cluster config override (repeatable), e.g. cell_agent.training.pipeline_stages=2",
+    )
     parser.add_argument(
         "--chaos",
         action="store_true",
@@ -89,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         eval_samples=args.eval_samples,
         eval_every=args.eval_every,
     )
+    for item in args.set:
+        try:
+            deep_update(opts.config_overrides, parse_set(item))
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.run_dir is not None:
         opts.run_dir = args.run_dir
     summary = asyncio.run(run_demo(opts))

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ class DemoOptions:
     concurrency: int = DEMO_CONCURRENCY
     timeout_s: float = 540.0
     env: EnvConfig = DEMO_ENV
-    config_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEMO_OVERRIDES))
+    config_overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: copy.deepcopy(DEMO_OVERRIDES))
     live: bool = True
     during: Callable[[Cluster], Awaitable[None]] | None = None
     """Runs alongside the harness once the cluster is up (fault injection: kill or pause
@@ -164,12 +165,33 @@ def render_config(opts: DemoOptions, model_dir: Path) -> Path:
     # Operation histories for the checker (python -m apps.checker), one file per service.
     for section in HISTORIES:
         data[section]["history_file"] = f"{{run_dir}}/history/{section}.jsonl"
-    for section, values in opts.config_overrides.items():
-        data.setdefault(section, {}).update(values)
+    deep_update(data, opts.config_overrides)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     (opts.run_dir / "history").mkdir(exist_ok=True)
     out = opts.run_dir / "cluster.template.yaml"
     out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def deep_update(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Merges ``overrides`` into ``data`` section by section, nested sections included."""
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(data.get(key), dict):
+            deep_update(data[key], value)
+        else:
+            data[key] = value
+
+
+def parse_set(item: str) -> dict[str, Any]:
+    """``--set cell_agent.training.pipeline_stages=2`` -> ``{"cell_agent": {"training":
+    {"pipeline_stages": 2}}}`` (the value read as YAML)."""
+    path, sep, raw = item.partition("=")
+    keys = [k for k in path.strip().split(".") if k]
+    if not sep or len(keys) < 2:
+        raise ValueError(f"--set wants SECTION.FIELD=VALUE, got {item!r}")
+    out: dict[str, Any] = {keys[-1]: yaml.safe_load(raw)}
+    for key in reversed(keys[:-1]):
+        out = {key: out}
     return out
 
 

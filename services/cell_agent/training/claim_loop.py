@@ -85,8 +85,9 @@ class ClaimLoop:
                         )
                 if self.params.prefetch:  # overlap the next claim with this group's compute
                     pending = asyncio.create_task(self._claim(batch_id, version))
-                for step in steps:
-                    n = await asyncio.to_thread(self.trainer.accumulate, step, version)
+                # The group is one round (a pipelined cell runs it as one 1F1B schedule).
+                counts = await asyncio.to_thread(self.trainer.accumulate_round, steps, version)
+                for step, n in zip(steps, counts, strict=True):
                     self.history.append("train", 0, b=batch_id, ms=step.micro_step_id, v=version)
                     if out.local_micro_steps == 0:
                         out.first_micro_step_s = self.clock() - started

@@ -40,6 +40,15 @@ class TrainingSettings(BaseModel):
     initial_policy_version: int = Field(
         0, ge=0, description="Version of the weights loaded from model_dir (the cluster starts at 0)."
     )
+    pipeline_stages: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Devices (stages) of this cell: above 1 the model is cut by layer into that many "
+        "stages, one worker process each, trained by a 1F1B pipeline (services/cell_agent/training/"
+        "stages.py); the agent keeps the master weights and the optimizer on the host.",
+    )
+    pipeline_threads: int = Field(1, ge=1, le=256, description="CPU threads of each stage worker.")
     # Loss (token-level PPO-clip / GRPO; services/cell_agent/training/trainer.py).
     objective: Literal["decoupled", "coupled"] = Field(
         "decoupled",

@@ -33,6 +33,7 @@ from services.cell_agent.training.controller import BatchOutcome, ControllerPara
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups, StoreMembership
 from services.cell_agent.training.packer_client import PackerSource
+from services.cell_agent.training.stages import PipelinedTrainer
 from services.cell_agent.training.steplog import step_recorder
 from services.cell_agent.training.store import EtcdPolicyPublisher
 from services.cell_agent.training.trainer import LossConfig, Trainer
@@ -46,6 +47,16 @@ def pick_device(setting: str, index: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device(f"cuda:{index % torch.cuda.device_count()}")
     return torch.device("cpu")
+
+
+def stage_devices(setting: str, index: int, stages: int) -> list[str]:
+    """The devices of a pipelined cell's stages: with CUDA (``auto``) the cell's ``stages``
+    consecutive GPUs (cell ``index`` takes GPUs ``index * stages ...``), else ``setting``
+    (``auto``: cpu) for every stage."""
+    if setting == "auto" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [f"cuda:{(index * stages + s) % count}" for s in range(stages)]
+    return ["cpu" if setting == "auto" else setting] * stages
 
 
 class TrainingService:
@@ -78,6 +89,9 @@ class TrainingService:
         self._failed: BaseException | None = None
         self._source: PackerSource | None = None
         self._close_steps: Callable[[], None] | None = None
+        self._pipeline: PipelinedTrainer | None = None
+        """The trainer of a pipelined cell (``pipeline_stages`` > 1), whose stage workers
+        :meth:`keep_groups` restarts when one dies."""
         self.training = False
         """The cell is in TRAINING (between the lifecycle hooks): a batch attempt that failed
         is joined again after the prefix groups are re-formed."""
@@ -139,6 +153,9 @@ class TrainingService:
         backoff = Backoff(1.0, 15.0)
         while True:
             await asyncio.sleep(every_s)
+            if self._pipeline is not None and self._pipeline.workers.check() is not None:
+                await self._restart_stages(ctl, backoff)
+                continue
             if groups.world_size <= 1:
                 continue
             if ctl.broken is None:
@@ -160,19 +177,58 @@ class TrainingService:
                 except GyreError as exc:  # the scheduler's next command will do
                     log.warning("joining the failed batch again failed", extra={"error": repr(exc)})
 
+    async def _restart_stages(self, ctl: TrainingController, backoff: Backoff) -> None:
+        """A stage worker died: joins are refused and the batch in flight (which failed with
+        it) leaves nothing behind; the workers start again from the agent's weights, and in
+        training the cell joins again the batch whose attempt failed (the core gets every
+        micro-step of it back from the packer)."""
+        assert self._pipeline is not None
+        pipeline = self._pipeline
+        ctl.request_reform(f"pipeline stage died: {pipeline.workers.failed}")
+        try:
+            await ctl.repair(pipeline.restart_workers)
+            backoff.reset()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a device still busy: try again later)
+            log.warning("restarting the pipeline stages failed; retrying", extra={"error": repr(exc)})
+            await backoff.sleep()
+            return
+        if pipeline.workers.failed is not None:  # a batch was still failing: next round
+            return
+        log.info("pipeline stages restarted", extra={"cell_id": self.cell_id, "pids": pipeline.workers.pids})
+        if self.training and ctl.broken is None:
+            try:
+                await ctl.retry_failed()
+            except GyreError as exc:  # the scheduler's next command will do
+                log.warning("joining the failed batch again failed", extra={"error": repr(exc)})
+
     async def build(self) -> TrainingController:
         s = self.settings
         while self.target.endswith(":0") or not self.target:  # the server is not up yet
             await asyncio.sleep(0.05)
         device = pick_device(s.device, self.index)
-        trainer = await asyncio.to_thread(
-            Trainer.from_dir,
-            s.model_dir,
-            s.initial_policy_version,
-            s.dtype,
-            str(device),
-            LossConfig(s.clip_eps_low, s.clip_eps_high, s.objective, s.behaviour_weight_cap),
-        )
+        loss = LossConfig(s.clip_eps_low, s.clip_eps_high, s.objective, s.behaviour_weight_cap)
+        trainer: Trainer
+        if s.pipeline_stages > 1:
+            pipelined = await asyncio.to_thread(
+                PipelinedTrainer.with_workers,
+                s.model_dir,
+                s.initial_policy_version,
+                s.pipeline_stages,
+                dtype=s.dtype,
+                loss=loss,
+                devices=stage_devices(s.device, self.index, s.pipeline_stages),
+                threads=s.pipeline_threads,
+                backend=s.dist_backend,
+                cell_id=self.cell_id,
+            )
+            self._pipeline = trainer = pipelined
+            device = torch.device("cpu")  # the master copy stays on the host
+        else:
+            trainer = await asyncio.to_thread(
+                Trainer.from_dir, s.model_dir, s.initial_policy_version, s.dtype, str(device), loss
+            )
         groups = PrefixGroups(
             rank=self.index,
             world_size=s.world_size,
@@ -267,6 +323,9 @@ class TrainingService:
             await self._source.close()
         if self.groups is not None:
             await asyncio.to_thread(self.groups.close)
+        if self._pipeline is not None:
+            await asyncio.to_thread(self._pipeline.close)
+            self._pipeline = None
         if self._close_steps is not None:
             self._close_steps()
             self._close_steps = None

@@ -315,6 +315,11 @@ class Trainer:
             self.stats.add(stats)
         return n
 
+    def accumulate_round(self, steps: list[MicroStep], version: int) -> list[int]:
+        """:meth:`accumulate` of each of ``steps`` (a claimed group); returns their loss-token
+        counts. A pipelined cell runs the group as one round of its schedule."""
+        return [self.accumulate(step, version) for step in steps]
+
     def add_gradient(self, grads: Iterable[torch.Tensor], tokens: int, version: int) -> None:
         """Adds an externally computed gradient sum; refused unless on the window's version."""
         if self.window_version is None:
