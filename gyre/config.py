@@ -132,6 +132,13 @@ class ServiceConfig(BaseSettings):
         "scan only what was allocated since. Measured on the router: CPU per relayed token "
         "about halved (docs/benchmarks/router.md).",
     )
+    heap_profile_s: float = Field(
+        0.0,
+        ge=0,
+        description="Every this many seconds, log the Python heap's growth since the first interval by "
+        "allocation site (tracemalloc: for finding what grows in a long run; it costs memory and CPU). "
+        "0: off.",
+    )
     health_port: int = Field(
         0,
         ge=0,

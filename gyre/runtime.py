@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gyre import config as config_mod
+from gyre import heap
 from gyre.backoff import Backoff
 from gyre.config import ServiceConfig
 from gyre.errors import FatalError, Unavailable
@@ -114,6 +115,8 @@ async def serve(
     sup.install_signal_handlers()
     rt = Runtime(name, instance, cfg, etcd, lease, Keys(cfg.cluster_name), sup)
     sup.spawn("lease", lease.run())
+    if cfg.heap_profile_s > 0:
+        sup.spawn("heap-profile", heap.log_growth(cfg.heap_profile_s))
     services = await build(rt)
     server = GrpcServer(cfg, services)
     rt.server = server
