@@ -3,7 +3,8 @@ satellites) rendezvous once over torch.distributed (gloo) with a group per prefi
 satellites join a streaming batch at different micro-steps by pulling the core's snapshot
 over real gRPC, and after the prefix reduce the core's single optimizer step per batch
 gives the same parameters as one cell alone on the same batches (float64); every satellite
-receives the broadcast weights; the core publishes each version in etcd."""
+receives the broadcast weights; the core publishes each version in etcd. The same holds when
+every cell is a pipeline of two stage processes (``pipeline_stages: 2``)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ async def _join(epoch: int, target: str, batch: int, version: int, prefix: int, 
         return await join_batch(ch, epoch, batch, version, prefix, core)
 
 
-async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_dir, tmp_path):
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "pipeline-of-2-stages"])
+async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_dir, tmp_path, stages):
+    """With ``stages`` 2 every cell is pipelined (two stage workers each): the same result."""
     batches = {1: synthetic_batch(1, MICRO, seed=5), 2: synthetic_batch(2, MICRO, seed=5)}
     want = await asyncio.to_thread(_reference, model_dir, batches)
 
@@ -77,6 +80,7 @@ async def test_three_processes_equal_one_cell(etcd_server, cluster_name, model_d
                 "claim_wait_s": 0.2,
                 "checkpoint_dir": str(tmp_path / "ckpt"),
                 "snapshot_chunk_bytes": 65536,
+                "pipeline_stages": stages,
             },
         },
     }
