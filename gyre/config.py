@@ -137,7 +137,8 @@ class ServiceConfig(BaseSettings):
         ge=0,
         description="Every this many seconds, log the Python heap's growth since the first interval by "
         "allocation site (tracemalloc: for finding what grows in a long run; it costs memory and CPU). "
-        "0: off.",
+        "Tracing starts once the service is ready: the router's first tokenizer load took 391 s traced "
+        "(18 s untraced). 0: off.",
     )
     health_port: int = Field(
         0,
