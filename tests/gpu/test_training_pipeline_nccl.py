@@ -32,3 +32,28 @@ def test_pipeline_nccl_two_stages_match_one_stage(tmp_path: Path) -> None:
     grads = split_by_name(results)
     for name, g in ref["grads"].items():
         assert torch.allclose(grads[name], g, atol=1e-6, rtol=0), name
+
+
+def test_pipelined_trainer_on_two_gpus_matches_one_stage(tmp_path: Path) -> None:
+    """The cell agent's path (``pipeline_stages: 2`` on CUDA): the stage workers on
+    ``cuda:0`` and ``cuda:1`` over NCCL, the master copy on the host."""
+    from services.cell_agent.training.service import stage_devices
+    from services.cell_agent.training.stages import PipelinedTrainer
+    from services.cell_agent.training.trainer import Trainer
+
+    model_dir = model_dir_with(tmp_path, 4)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    steps = micro_steps(6, vocab=vocab, seed=7)
+    devices = stage_devices("auto", 0, 2)
+    assert devices == ["cuda:0", "cuda:1"]
+    pt = PipelinedTrainer.with_workers(str(model_dir), 3, 2, dtype="float64", devices=devices)
+    try:
+        ref = Trainer.from_dir(model_dir, 3, dtype="float64")
+        pt.accumulate_round(steps[:4], 3)
+        pt.accumulate_round(steps[4:], 3)
+        for s in steps:
+            ref.accumulate(s, 3)
+        assert float((pt.flat_grads() - ref.flat_grads()).abs().max()) < 1e-6
+        assert pt.tokens == ref.tokens
+    finally:
+        pt.close()

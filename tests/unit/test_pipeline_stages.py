@@ -99,3 +99,15 @@ def test_pipeline_a_tied_model_split_across_stages_needs_its_tie_group():
 
     with pytest.raises(InvalidArgument, match="tie group"):
         PipelineCell(StageModule(_model(tied=True), 0, 2), ranks=[0, 1], group=None)
+
+
+def test_pipeline_stage_devices_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.cell_agent.training import service
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert service.stage_devices("auto", 1, 2) == ["cpu", "cpu"]
+    assert service.stage_devices("cpu", 0, 3) == ["cpu"] * 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert service.stage_devices("auto", 1, 2) == ["cuda:2", "cuda:3"]  # cell 1's two GPUs
+    assert service.stage_devices("auto", 3, 4) == ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]
