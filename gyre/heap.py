@@ -61,11 +61,14 @@ async def log_growth(every_s: float, top: int = 12, frames: int = 8) -> None:
     tracemalloc.start(frames)
     ignore = (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__))
     await asyncio.sleep(every_s)
-    base = tracemalloc.take_snapshot().filter_traces(ignore)
+    # In a thread: a cell agent's snapshot (~100 MB of traced heap) takes seconds, which the
+    # event loop (the lease keeper among its tasks) must not wait out in one piece.
+    base = (await asyncio.to_thread(tracemalloc.take_snapshot)).filter_traces(ignore)
     while True:
         await asyncio.sleep(every_s)
-        snap = tracemalloc.take_snapshot().filter_traces(ignore)
-        grown = [d for d in snap.compare_to(base, "traceback") if d.size_diff > 0][:top]
+        snap = (await asyncio.to_thread(tracemalloc.take_snapshot)).filter_traces(ignore)
+        diff = await asyncio.to_thread(snap.compare_to, base, "traceback")
+        grown = [d for d in diff if d.size_diff > 0][:top]
         traced, peak = tracemalloc.get_traced_memory()
         log.info(
             "heap growth",
