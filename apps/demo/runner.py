@@ -445,6 +445,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started_wall)),
         "commit": checkout_commit(),
         "engine": opts.engine,
+        "config_overrides": opts.config_overrides,  # what the run changed in the template (--set)
         "wall_s": round(time.monotonic() - started, 1),
         "bursts": final.get("bursts_completed", 0),
         "policy_versions_published": final.get("policy_version", 0),
