@@ -68,7 +68,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), weights_only=True)  # tensors, numbers, containers only
 
 
 def loss_tokens(step: MicroStep) -> int:
