@@ -11,7 +11,6 @@ import asyncio
 import json
 import time
 
-import grpc
 import pytest
 import torch
 import yaml
@@ -39,16 +38,10 @@ def model_dir(tmp_path_factory):
 
 
 async def _join(epoch: int, target: str, batch: int, version: int) -> bool:
-    """JoinBatch as the scheduler sends it: retried while the trainer is (re)starting."""
+    """JoinBatch as the scheduler sends it (``join_batch`` retries while the trainer is
+    still (re)starting)."""
     async with channel(target, "scheduler") as ch:
-        for attempt in range(120):
-            try:
-                return await join_batch(ch, epoch, batch, version, 1, target)
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == 119:
-                    raise
-                await asyncio.sleep(0.5)
-    raise AssertionError("unreachable")
+        return await join_batch(ch, epoch, batch, version, 1, target, timeout_s=60.0)
 
 
 async def _until(check, timeout_s: float, what: str):

@@ -38,7 +38,7 @@ def test_pipelined_trainer_on_two_gpus_matches_one_stage(tmp_path: Path) -> None
     """The cell agent's path (``pipeline_stages: 2`` on CUDA): the stage workers on
     ``cuda:0`` and ``cuda:1`` over NCCL, the master copy on the host."""
     from services.cell_agent.training.service import stage_devices
-    from services.cell_agent.training.stages import PipelinedTrainer
+    from services.cell_agent.training.stages import PipelinedTrainer, StageWorkers
     from services.cell_agent.training.trainer import Trainer
 
     model_dir = model_dir_with(tmp_path, 4)
@@ -46,7 +46,7 @@ def test_pipelined_trainer_on_two_gpus_matches_one_stage(tmp_path: Path) -> None
     steps = micro_steps(6, vocab=vocab, seed=7)
     devices = stage_devices("auto", 0, 2)
     assert devices == ["cuda:0", "cuda:1"]
-    pt = PipelinedTrainer.with_workers(str(model_dir), 3, 2, dtype="float64", devices=devices)
+    pt = PipelinedTrainer.with_workers(StageWorkers(str(model_dir), 2, dtype="float64", devices=devices), 3)
     try:
         ref = Trainer.from_dir(model_dir, 3, dtype="float64")
         pt.accumulate_round(steps[:4], 3)

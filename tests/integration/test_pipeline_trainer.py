@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cell_agent.training.stages import PipelinedTrainer, StageDied, loss_tokens
+from services.cell_agent.training.stages import PipelinedTrainer, StageDied, StageWorkers, loss_tokens
 from services.cell_agent.training.trainer import Trainer
 from testkit.pipeline_rig import micro_steps, model_dir_with
 
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pipelined(model_dir: Path):
-    trainer = PipelinedTrainer.with_workers(str(model_dir), 5, 2, dtype="float64")
+    trainer = PipelinedTrainer.with_workers(StageWorkers(str(model_dir), 2, dtype="float64"), 5)
     yield trainer
     trainer.close()
 

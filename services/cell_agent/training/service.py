@@ -33,7 +33,7 @@ from services.cell_agent.training.controller import BatchOutcome, ControllerPara
 from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.dist import PrefixGroups, StoreMembership
 from services.cell_agent.training.packer_client import PackerSource
-from services.cell_agent.training.stages import PipelinedTrainer
+from services.cell_agent.training.stages import PipelinedTrainer, StageWorkers
 from services.cell_agent.training.steplog import step_recorder
 from services.cell_agent.training.store import EtcdPolicyPublisher
 from services.cell_agent.training.trainer import LossConfig, Trainer
@@ -211,10 +211,8 @@ class TrainingService:
         loss = LossConfig(s.clip_eps_low, s.clip_eps_high, s.objective, s.behaviour_weight_cap)
         trainer: Trainer
         if s.pipeline_stages > 1:
-            pipelined = await asyncio.to_thread(
-                PipelinedTrainer.with_workers,
+            workers = StageWorkers(
                 s.model_dir,
-                s.initial_policy_version,
                 s.pipeline_stages,
                 dtype=s.dtype,
                 loss=loss,
@@ -222,6 +220,9 @@ class TrainingService:
                 threads=s.pipeline_threads,
                 backend=s.dist_backend,
                 cell_id=self.cell_id,
+            )
+            pipelined = await asyncio.to_thread(
+                PipelinedTrainer.with_workers, workers, s.initial_policy_version
             )
             self._pipeline = trainer = pipelined
             device = torch.device("cpu")  # the master copy stays on the host

@@ -34,13 +34,14 @@ import io
 import logging
 import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ from gyre.errors import Unavailable
 from gyre.failpoints import failpoint
 from gyre.ports import free_port
 from services.cell_agent.training.microstep import MicroStep
-from services.cell_agent.training.trainer import DTYPES, LossConfig, LossStats, StaleGradient, Trainer
+from services.cell_agent.training.trainer import LossConfig, LossStats, StaleGradient, Trainer, load_model
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,6 @@ class StageWorkers:
         """Each stage's parameters: (the full model's name, shape), in order."""
         self.failed: str | None = None
         """Why the workers can no longer run a round (a stage died), until :meth:`restart`."""
-        self.starts = 0
         self._following = False
 
     # Life ------------------------------------------------------------------------------
@@ -166,7 +166,6 @@ class StageWorkers:
             listener.close()
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
-        self.starts += 1
         log.info(
             "pipeline stages started",
             extra={"cell_id": self.cell_id, "stages": self.stages, "pids": [p.pid for p in self.procs]},
@@ -178,13 +177,12 @@ class StageWorkers:
 
     def close(self) -> None:
         self.shapes = []
-        for conn in self.conns:
-            with contextlib.suppress(Exception):
+        for conn in self.conns:  # a worker that died has closed its end
+            with contextlib.suppress(OSError, EOFError, ValueError):
                 conn.send(("stop",))
-            with contextlib.suppress(Exception):
-                conn.close()
+            conn.close()
         for p in self.procs:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
             if p.poll() is None:
                 p.kill()
@@ -293,7 +291,7 @@ class StageWorkers:
             if code is not None:
                 self._fail(f"stage {s} exited with status {code}")
 
-    def _fail(self, why: str) -> Any:
+    def _fail(self, why: str) -> NoReturn:
         if self.failed is None:
             self.failed = why
             log.error("pipeline stage failed", extra={"cell_id": self.cell_id, "why": why})
@@ -336,36 +334,11 @@ class PipelinedTrainer(Trainer):
         self._by_name = dict(zip(self.names, self.params, strict=True))
 
     @classmethod
-    def with_workers(
-        cls,
-        model_dir: str,
-        version: int,
-        stages: int,
-        *,
-        dtype: str = "float32",
-        loss: LossConfig | None = None,
-        devices: Sequence[str] | None = None,
-        threads: int = 1,
-        backend: str = "auto",
-        cell_id: str = "",
-    ) -> PipelinedTrainer:
-        """Loads the master copy on the host and starts the stage workers (blocking)."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
-        model.config.attention_dropout = 0.0
-        workers = StageWorkers(
-            str(model_dir),
-            stages,
-            dtype=dtype,
-            loss=loss,
-            devices=devices,
-            threads=threads,
-            backend=backend,
-            cell_id=cell_id,
-        )
+    def with_workers(cls, workers: StageWorkers, version: int) -> PipelinedTrainer:
+        """Loads the master copy on the host and starts ``workers`` (blocking)."""
+        model = load_model(workers.model_dir, workers.dtype)
         workers.start()
-        return cls(model, version, loss, workers)
+        return cls(model, version, workers.loss, workers)
 
     # Accumulation --------------------------------------------------------------------
 
@@ -432,7 +405,6 @@ class PipelinedTrainer(Trainer):
 
 def _serve(conn: Connection, args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from services.cell_agent.training.pipeline import PipelineCell, StageModule, tie_groups
 
@@ -446,8 +418,7 @@ def _serve(conn: Connection, args: argparse.Namespace) -> None:
     )
     ranks = list(range(args.stages))
     ties = tie_groups([ranks])
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=DTYPES[args.dtype])
-    model.config.attention_dropout = 0.0
+    model = load_model(args.model_dir, args.dtype)
     stage = StageModule(model, args.index, args.stages)
     del model
     stage.to(device)

@@ -230,6 +230,17 @@ def target_losses(
     return loss.sum(), int(m.sum().item()), stats
 
 
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> nn.Module:
+    """The transformers causal LM at ``model_dir`` on ``device``, dropout off: gradients must
+    not depend on which cell (or stage) computes a micro-step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+    model.to(device)  # type: ignore[arg-type]  # transformers' decorator types `to` oddly
+    model.config.attention_dropout = 0.0
+    return model
+
+
 class Trainer:
     """One cell's model and gradient accumulator.
 
@@ -264,13 +275,7 @@ class Trainer:
         loss: LossConfig | None = None,
     ) -> Trainer:
         """Loads the transformers causal LM at ``model_dir`` (same architecture as the engine)."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
-        model.to(device)  # type: ignore[arg-type]  # transformers' decorator types `to` oddly
-        # Dropout off: gradients must not depend on which cell computes a micro-step.
-        model.config.attention_dropout = 0.0
-        return cls(model, version, loss)
+        return cls(load_model(model_dir, dtype, device), version, loss)
 
     @property
     def device(self) -> torch.device:
