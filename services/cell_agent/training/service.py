@@ -190,7 +190,7 @@ class TrainingService:
             backoff.reset()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 (a device still busy: try again later)
+        except (GyreError, OSError) as exc:  # a worker that failed to start (a device still busy)
             log.warning("restarting the pipeline stages failed; retrying", extra={"error": repr(exc)})
             await backoff.sleep()
             return
