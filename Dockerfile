@@ -52,6 +52,7 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/gyre/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONPATH=/app \
     HF_HUB_OFFLINE=1 \
+    MALLOC_ARENA_MAX=2 \
     GYRE_CONFIG=/etc/gyre/cluster.yaml
 # 1: also install etcd-server, to run the local launcher / `make demo` inside one container.
 ARG WITH_ETCD=0

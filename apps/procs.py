@@ -22,6 +22,9 @@ from gyre.lifeline import kill_group, spawn
 from gyre.telemetry import LOG_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
+MALLOC_ARENA_MAX = "2"
+"""glibc's malloc arenas per service process (its default: 8 per core), unless the
+environment sets it: the Dockerfile sets the same for compose and Kubernetes."""
 
 
 class ServiceProcess:
@@ -66,6 +69,9 @@ class ServiceProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        # Two malloc arenas, not eight per core: a service's threads (gRPC's, asyncio's,
+        # gloo's) each took one, and freed memory fragmented across them (docs/benchmarks/soak.md).
+        env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
         if self.log_path:  # the service rotates the file its stderr goes to (gyre/telemetry.py)
             env[LOG_FILE_ENV] = str(self.log_path.resolve())
         for key, value in self.env.items():  # None: remove an inherited variable

@@ -140,6 +140,13 @@ class ServiceConfig(BaseSettings):
         "Tracing starts once the service is ready: the router's first tokenizer load took 391 s traced "
         "(18 s untraced). 0: off.",
     )
+    heap_trim_s: float = Field(
+        300.0,
+        ge=0,
+        description="Every this many seconds, hand the heap's free pages back to the system (glibc's "
+        "malloc_trim; gyre/heap.py): freed C memory (gRPC's, torch's) otherwise stays with the "
+        "allocator's arenas and reads as growth. 0: never (a trainer still trims after each batch).",
+    )
     health_port: int = Field(
         0,
         ge=0,

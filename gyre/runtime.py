@@ -135,6 +135,8 @@ async def serve(
         freeze_startup_heap()
     if cfg.heap_profile_s > 0:  # from here: tracing a start-up (a tokenizer's load) slowed it past 120 s
         sup.spawn("heap-profile", heap.log_growth(cfg.heap_profile_s))
+    if cfg.heap_trim_s > 0:
+        sup.spawn("heap-trim", heap.trim_every(cfg.heap_trim_s))
     log.info("service ready", extra={"service": name, "target": rt.target})
     print(json.dumps({"ready": name, "instance": instance, "target": rt.target}), flush=True)
 

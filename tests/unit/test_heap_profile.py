@@ -42,3 +42,45 @@ async def test_the_growth_is_logged_at_the_site_that_allocated(caplog: pytest.Lo
 
 def test_the_profile_is_off_unless_configured() -> None:
     assert ServiceConfig.model_fields["heap_profile_s"].default == 0
+
+
+async def test_the_heap_is_trimmed_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``heap_trim_s`` (on by default): every interval the free arena pages go back."""
+    calls: list[float] = []
+    monkeypatch.setattr(heap, "release_free_heap", lambda: calls.append(1.0) or True)
+    task = asyncio.create_task(heap.trim_every(0.05))
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(calls) >= 3:
+                break
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert len(calls) >= 3
+    assert ServiceConfig.model_fields["heap_trim_s"].default > 0
+
+
+def test_services_start_with_two_malloc_arenas_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's processes get MALLOC_ARENA_MAX=2 (glibc's default is 8 per core), and
+    an operator's own setting wins."""
+    import subprocess
+
+    from apps import procs
+
+    seen: list[dict[str, str]] = []
+
+    def fake_spawn(cmd: list[str], **kw: object) -> subprocess.Popen[str]:
+        seen.append(dict(kw["env"]))  # type: ignore[call-overload]
+        raise OSError("not started")
+
+    monkeypatch.setattr(procs, "spawn", fake_spawn)
+    monkeypatch.setattr(procs, "ensure_process_identity", lambda *a: None)
+    for inherited in (None, "4"):
+        if inherited is None:
+            monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+        else:
+            monkeypatch.setenv("MALLOC_ARENA_MAX", inherited)
+        with pytest.raises(OSError):
+            procs.ServiceProcess("router", None).start(timeout_s=1)
+    assert [e["MALLOC_ARENA_MAX"] for e in seen] == ["2", "4"]
