@@ -82,6 +82,10 @@ class InProcessMembership:
             self._cond.notify_all()
             return joined
 
+    def members(self, batch_id: int) -> int:
+        with self._cond:
+            return self._state[batch_id][1] if batch_id in self._state else 0
+
     def wait_frozen(self, batch_id: int, timeout_s: float) -> int:
         with self._cond:
             if not self._cond.wait_for(lambda: self._state.get(batch_id, (0, 0, False))[2], timeout_s):

@@ -3,7 +3,8 @@ few per call (the next call prefetched while the current group computes), trains
 batch's version, acks each group in one call, keeps the claims' leases alive meanwhile, and
 records when each micro-step was handed out and acknowledged in the history. A WAIT is a
 consistent pause point (no micro-step is half done), and so is the moment a broken prefix
-group abandons the attempt. The core commits the batch here once its step is durable.
+group abandons the attempt, or a cell told to leave training before it trained anything
+leaves it (:class:`BatchLeft`). The core commits the batch here once its step is durable.
 
 Claims carry an idempotency key, so a retried claim never takes a second micro-step.
 """
@@ -15,7 +16,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from gyre.errors import FailedPrecondition, NotFound, Unavailable
 from gyre.history import History
@@ -27,6 +28,12 @@ from services.cell_agent.training.retry import keep_claims, retrying
 from services.cell_agent.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+class BatchLeft(Unavailable):
+    """The cell left the batch at a WAIT before it trained any micro-step of it: it was
+    told to leave training, and nothing of the attempt is lost or kept (the core opens the
+    batch again when it is joined to it again)."""
 
 
 class ClaimLoop:
@@ -41,6 +48,7 @@ class ClaimLoop:
         params: ControllerParams,
         clock: Callable[[], float],
         broken: Callable[[], str | None],
+        leave: Callable[[int], Awaitable[str | None]] | None = None,
     ) -> None:
         self.source = source
         self.trainer = trainer
@@ -49,6 +57,9 @@ class ClaimLoop:
         self.clock = clock
         self.broken = broken
         """Why the prefix groups are unusable, or None (the controller's state)."""
+        self.leave = leave
+        """leave(batch_id): why this cell leaves the batch now, or None; asked at a WAIT
+        before the cell trained anything of the batch (:class:`BatchLeft`)."""
         self._keep_every_s = params.keep_claims_every_s
         self.claimed_at: dict[str, float] = {}
         """When each claimed, not yet acked micro-step was handed out (the history's attempt)."""
@@ -72,6 +83,10 @@ class ClaimLoop:
                 if claims[0].outcome is Outcome.CLOSED:
                     break
                 if claims[0].outcome is Outcome.WAIT:
+                    if out.local_micro_steps == 0 and self.leave is not None:
+                        why = await self.leave(batch_id)
+                        if why is not None:  # no claim outstanding, nothing trained
+                            raise BatchLeft(f"batch {batch_id} left before its first micro-step: {why}")
                     pending = asyncio.create_task(self._claim(batch_id, version))
                     continue
                 steps = [c.micro_step for c in claims if c.micro_step is not None]

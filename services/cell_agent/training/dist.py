@@ -259,6 +259,12 @@ class StoreMembership:
                 self.store.set(self._k(batch_id, "k"), n)
                 return int(n)
 
+    def members(self, batch_id: int) -> int:
+        m = self._k(batch_id, "m")
+        if not self.store.check([m]):
+            return 0
+        return int(self.store.get(m).decode().partition(":")[2])
+
     def wait_frozen(self, batch_id: int, timeout_s: float) -> int:
         key = self._k(batch_id, "k")
         deadline = time.monotonic() + timeout_s

@@ -62,6 +62,10 @@ class Membership(Protocol):
 
     def wait_frozen(self, batch_id: int, timeout_s: float) -> int: ...
 
+    def members(self, batch_id: int) -> int:
+        """Cells in the batch so far, the core included (0: not opened)."""
+        ...
+
 
 class Collective(Protocol):
     """Collectives over the prefix group of size ``k`` (ranks 0..k-1; rank 0 is the core).
