@@ -200,7 +200,8 @@ class TrainingController:
     async def _leave_early(self, batch_id: int) -> str | None:
         """Why the batch is left now (None: it is not): the cell is leaving training and is
         the core with no satellite in the batch (a satellite's part is awaited by the core's
-        reduce, so it drains)."""
+        reduce, so it drains). The scheduler returns the core only once it is the whole
+        training prefix, so no satellite can register between this check and the leave."""
         if not self._leaving or not self.is_core:
             return None
         members = await asyncio.to_thread(self.membership.members, batch_id)
