@@ -11,8 +11,12 @@ from typing import Any
 
 import torch
 
+from services.cell_agent.snapshots import SnapshotStore
+from services.cell_agent.training.controller import ControllerParams, TrainingController
+from services.cell_agent.training.core import CoreOptimizer, OptimConfig
 from services.cell_agent.training.microstep import Claim
 from services.cell_agent.training.ports import JoinResult
+from services.cell_agent.training.trainer import Trainer
 from testkit.fake_packer import FakePacker
 
 TOL = 1e-10
@@ -181,3 +185,27 @@ def tiny_lm(seed: int = 0, dtype: torch.dtype = torch.float64, vocab: int = 512,
             if p.dim() > 1:
                 p.mul_(5.0)
     return model
+
+
+def core_controller(packer: FakePacker, membership: InProcessMembership | None = None) -> TrainingController:
+    """A core's :class:`TrainingController` (index 0, the tiny model at version 1) over
+    ``packer``, alone in its prefix, with short claim waits: for tests of how a batch is
+    joined, abandoned or left."""
+
+    async def no_pull(target: str, version: int) -> Any:
+        raise AssertionError("the core never pulls")
+
+    trainer = Trainer(tiny_lm(seed=0), version=1)
+    return TrainingController(
+        cell_id="c0",
+        index=0,
+        trainer=trainer,
+        snapshots=SnapshotStore(keep=2),
+        source=FakeSource(packer, "c0"),
+        membership=membership or InProcessMembership(),
+        collective=InProcessCollective().for_rank(0),
+        publisher=RecordingPublisher(),
+        puller=no_pull,
+        core=CoreOptimizer(trainer, OptimConfig(lr=1e-2)),
+        params=ControllerParams(claim_wait_s=0.05, join_wait_s=5.0, collective_timeout_s=60),
+    )

@@ -16,42 +16,15 @@ import time
 
 import pytest
 
-from services.cell_agent.snapshots import SnapshotStore
-from services.cell_agent.training.controller import ControllerParams, TrainingController
-from services.cell_agent.training.core import CoreOptimizer, OptimConfig
-from services.cell_agent.training.trainer import Trainer
+from services.cell_agent.training.controller import TrainingController
 from testkit.fake_packer import FakePacker, synthetic_batch
 from testkit.training_fakes import (
-    FakeSource,
-    InProcessCollective,
     InProcessMembership,
-    RecordingPublisher,
-    tiny_lm,
+    core_controller,
 )
 
 pytestmark = pytest.mark.timeout(120)
 STEPS = 3
-
-
-def _core(packer: FakePacker, membership: InProcessMembership | None = None) -> TrainingController:
-    trainer = Trainer(tiny_lm(seed=0), version=1)
-    return TrainingController(
-        cell_id="c0",
-        index=0,
-        trainer=trainer,
-        snapshots=SnapshotStore(keep=2),
-        source=FakeSource(packer, "c0"),
-        membership=membership or InProcessMembership(),
-        collective=InProcessCollective().for_rank(0),
-        publisher=RecordingPublisher(),
-        puller=_no_pull,
-        core=CoreOptimizer(trainer, OptimConfig(lr=1e-2)),
-        params=ControllerParams(claim_wait_s=0.05, join_wait_s=5.0, collective_timeout_s=60),
-    )
-
-
-async def _no_pull(target: str, version: int):
-    raise AssertionError("the core never pulls")
 
 
 async def _leave_then_release(core: TrainingController, packer: FakePacker, after_s: float) -> float:
@@ -72,7 +45,7 @@ async def _leave_then_release(core: TrainingController, packer: FakePacker, afte
 
 async def test_the_core_alone_with_nothing_trained_leaves_at_once_and_the_batch_trains_whole_later():
     packer = FakePacker()
-    core = _core(packer)
+    core = core_controller(packer)
     packer.add_batch(1, 1, synthetic_batch(1, STEPS, seed=5), released=0)
     assert await core.join_batch(1, 1, 1, "")
     await asyncio.sleep(0.2)  # the core waits (WAIT after WAIT) for the batch's first groups
@@ -89,7 +62,7 @@ async def test_the_core_alone_with_nothing_trained_leaves_at_once_and_the_batch_
 
 async def test_a_core_that_trained_a_micro_step_drains_the_batch():
     packer = FakePacker()
-    core = _core(packer)
+    core = core_controller(packer)
     packer.add_batch(1, 1, synthetic_batch(1, STEPS, seed=5), released=1)
     assert await core.join_batch(1, 1, 1, "")
     await asyncio.to_thread(packer.wait_claimed, 1, 1)
@@ -103,7 +76,7 @@ async def test_a_core_that_trained_a_micro_step_drains_the_batch():
 async def test_a_core_with_a_satellite_in_the_batch_drains_it():
     packer = FakePacker()
     membership = InProcessMembership()
-    core = _core(packer, membership)
+    core = core_controller(packer, membership)
     packer.add_batch(1, 1, synthetic_batch(1, STEPS, seed=5), released=0)
     assert await core.join_batch(1, 1, 1, "")
     membership.register(1, 1)  # a satellite joined: the core's reduce awaits its part

@@ -15,19 +15,12 @@ import asyncio
 import pytest
 
 from gyre.errors import Unavailable
-from services.cell_agent.snapshots import SnapshotStore
 from services.cell_agent.training.config import TrainingSettings
-from services.cell_agent.training.controller import ControllerParams, TrainingController
-from services.cell_agent.training.core import CoreOptimizer, OptimConfig
+from services.cell_agent.training.controller import TrainingController
 from services.cell_agent.training.service import TrainingService
-from services.cell_agent.training.trainer import Trainer
 from testkit.fake_packer import FakePacker, synthetic_batch
 from testkit.training_fakes import (
-    FakeSource,
-    InProcessCollective,
-    InProcessMembership,
-    RecordingPublisher,
-    tiny_lm,
+    core_controller,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,27 +43,6 @@ class FakeGroups:
         self.asked = False
 
 
-def _core(packer: FakePacker) -> TrainingController:
-    trainer = Trainer(tiny_lm(seed=0), version=1)
-    return TrainingController(
-        cell_id="c0",
-        index=0,
-        trainer=trainer,
-        snapshots=SnapshotStore(keep=2),
-        source=FakeSource(packer, "c0"),
-        membership=InProcessMembership(),
-        collective=InProcessCollective().for_rank(0),
-        publisher=RecordingPublisher(),
-        puller=_no_pull,
-        core=CoreOptimizer(trainer, OptimConfig(lr=1e-2)),
-        params=ControllerParams(claim_wait_s=0.05, join_wait_s=5.0, collective_timeout_s=60),
-    )
-
-
-async def _no_pull(target: str, version: int):
-    raise AssertionError("the core never pulls")
-
-
 async def _waiting_batch(packer: FakePacker, core: TrainingController) -> None:
     """Batch 1 with one of its micro-steps released: the core trains it, then waits."""
     packer.add_batch(1, 1, synthetic_batch(1, STEPS, seed=5), released=1)
@@ -80,7 +52,7 @@ async def _waiting_batch(packer: FakePacker, core: TrainingController) -> None:
 
 async def test_a_reform_request_abandons_the_waiting_batch_then_it_trains_whole():
     packer = FakePacker()
-    core = _core(packer)
+    core = core_controller(packer)
     await _waiting_batch(packer, core)
     core.request_reform("a peer asked")
     with pytest.raises(Unavailable):
@@ -121,7 +93,7 @@ def _service(tmp_path, core: TrainingController, training: bool) -> tuple[Traini
 
 async def test_keep_groups_reforms_although_a_batch_waits_for_data(tmp_path):
     packer = FakePacker()
-    core = _core(packer)
+    core = core_controller(packer)
     await _waiting_batch(packer, core)
     service, groups = _service(tmp_path, core, training=False)
     await _keep_groups_until(service, lambda: groups.reforms)
@@ -135,7 +107,7 @@ async def test_in_training_the_abandoned_batch_is_joined_again_and_trained(tmp_p
     """The scheduler commanded the join once (a continuous policy commands the next after a
     new version, which this batch must produce): the cell joins it again by itself."""
     packer = FakePacker()
-    core = _core(packer)
+    core = core_controller(packer)
     await _waiting_batch(packer, core)
     service, groups = _service(tmp_path, core, training=True)
     await _keep_groups_until(service, lambda: packer.status(1)[0] >= 2)  # a second attempt opened
