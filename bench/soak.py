@@ -112,6 +112,19 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def rss_anon_mb(pid: int) -> float | None:
+    """The anonymous part of the resident set (heap, stacks, arenas: what a leak grows), as
+    against file-backed pages (mapped libraries, etcd's bbolt database file), which the
+    kernel can drop and which grow with the mapped file, not with a leak."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def open_fds(pid: int) -> int | None:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
@@ -136,6 +149,14 @@ ETCD_METRICS = {
     "etcd_debugging_mvcc_keys_total": "keys",
     "etcd_mvcc_db_total_size_in_bytes": "db_bytes",
     "etcd_mvcc_db_total_size_in_use_in_bytes": "db_in_use_bytes",
+    # Where etcd's own memory goes (issue 36: its RSS grew 5.5 MB/h in the 2-hour soak).
+    "go_memstats_heap_inuse_bytes": "go_heap_inuse_bytes",
+    "go_memstats_heap_released_bytes": "go_heap_released_bytes",
+    "go_goroutines": "goroutines",
+    "etcd_debugging_mvcc_watcher_total": "watchers",
+    "etcd_debugging_mvcc_watch_stream_total": "watch_streams",
+    "etcd_debugging_lease_granted_total": "leases_granted",
+    "etcd_debugging_lease_revoked_total": "leases_revoked",
 }
 
 
@@ -186,6 +207,7 @@ def sample(run_dir: Path, t_s: float) -> dict[str, Any]:
         "t_s": round(t_s, 1),
         "pids": procs,
         "rss_mb": {n: r for n, pid in procs.items() if (r := rss_mb(pid)) is not None},
+        "rss_anon_mb": {n: r for n, pid in procs.items() if (r := rss_anon_mb(pid)) is not None},
         "fds": {n: f for n, pid in procs.items() if (f := open_fds(pid)) is not None},
         "disk_mb": {part: round(tree_mb(run_dir / part), 3) for part in DISK_PARTS},
         "etcd_db_mb": round(db.stat().st_size / 1e6, 3) if db.exists() else None,
@@ -238,7 +260,11 @@ def floor_points(points: Sequence[tuple[float, float]], window_s: float) -> list
 
 
 def rss_slopes(
-    samples: list[dict[str, Any]], warmup: float, window_s: float | None = None, settle_s: float = 300.0
+    samples: list[dict[str, Any]],
+    warmup: float,
+    window_s: float | None = None,
+    settle_s: float = 300.0,
+    key: str = "rss_mb",
 ) -> dict[str, float | None]:
     """Per service, the RSS slope per hour within its lifetimes (a segment per pid) after the
     warm-up; with ``window_s``, of each lifetime's floor per window. The first ``settle_s`` of
@@ -254,7 +280,7 @@ def rss_slopes(
     segments: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for s in kept:
         pids = s.get("pids") or {}
-        for name, value in (s.get("rss_mb") or {}).items():
+        for name, value in (s.get(key) or {}).items():
             pid = int(pids.get(name, 0))
             restarted = pid != first_pid.get(name, pid)  # the first process has the warm-up
             if restarted and s["t_s"] - born.get((name, pid), s["t_s"]) < settle_s:
@@ -317,6 +343,7 @@ def summarize(
         "warmup_share": warmup,
         "rss_mb_per_hour": rss_slopes(samples, warmup),
         "rss_floor_mb_per_hour": rss_slopes(samples, warmup, floor_window_s),
+        "rss_anon_mb_per_hour": rss_slopes(samples, warmup, key="rss_anon_mb"),
         "floor_window_s": floor_window_s,
         "fds_per_hour": slopes("fds"),
         "disk_mb_per_hour": slope_per_hour(disk, warmup),
@@ -324,6 +351,7 @@ def summarize(
         "etcd_db_mb_per_hour": slope_per_hour(db, warmup),
         "etcd_revision_per_hour": slope_per_hour(revision, warmup),
         "etcd_db_in_use_mb_per_hour": slope_per_hour(in_use, warmup),
+        "etcd_go_heap_mb_per_hour": slope_per_hour(etcd("go_heap_inuse_bytes", 2**-20), warmup),
         "etcd_last": last,
         "etcd_defrags": etcd_defrags(run_dir),
         "executions": ex.get("finished", 0),
@@ -397,19 +425,25 @@ def render(result: dict[str, Any]) -> str:
         f"{s['versions']} versions, history checker {'ok' if s['checker_ok'] else 'NOT ok'}, "
         f"outcome {s['outcome']}.",
         "",
-        "| process | RSS slope, MB/hour | RSS floor slope, MB/hour | open fds slope, per hour |",
-        "|---|---:|---:|---:|",
+        "| process | RSS slope, MB/hour | RSS floor slope, MB/hour | anonymous RSS slope, MB/hour "
+        "| open fds slope, per hour |",
+        "|---|---:|---:|---:|---:|",
     ]
     floor = s.get("rss_floor_mb_per_hour") or {}
+    anon = s.get("rss_anon_mb_per_hour") or {}
     for name, v in s["rss_mb_per_hour"].items():
-        lines.append(f"| {name} | {fmt(v)} | {fmt(floor.get(name))} | {fmt(s['fds_per_hour'].get(name))} |")
+        lines.append(
+            f"| {name} | {fmt(v)} | {fmt(floor.get(name))} | {fmt(anon.get(name))} "
+            f"| {fmt(s['fds_per_hour'].get(name))} |"
+        )
     parts = ", ".join(f"{k} {fmt(v)}" for k, v in s["disk_mb_per_hour_by_part"].items())
     lines += [
         "",
         f"Disk: {fmt(s['disk_mb_per_hour'])} MB/hour in all ({parts}); etcd's database file "
         f"{fmt(s['etcd_db_mb_per_hour'])} MB/hour ({fmt(s.get('etcd_db_in_use_mb_per_hour'))} in use); "
         f"etcd's revision {fmt(s.get('etcd_revision_per_hour'))} an hour"
-        f"{_etcd_last(s.get('etcd_last') or {})}; {s.get('etcd_defrags', 0)} defragmentations.",
+        f"{_etcd_last(s.get('etcd_last') or {})}; {s.get('etcd_defrags', 0)} defragmentations; "
+        f"etcd's Go heap in use {fmt(s.get('etcd_go_heap_mb_per_hour'))} MB/hour.",
         "",
         "![every series over time](../img/soak.png)",
         END,

@@ -47,10 +47,16 @@ def test_summary_holds_what_the_issue_asks_for():
         {
             "t_s": 60.0 * k,
             "rss_mb": {"router": 100.0, "cell-0": 500.0 + k},
+            "rss_anon_mb": {"router": 60.0, "cell-0": 300.0 + 2 * k},
             "fds": {"router": 40},
             "disk_mb": {"packer-wal": 1.0 + k, "logs": 2.0},
             "etcd_db_mb": 0.5,
-            "etcd": {"revision": 1000.0 + 50 * k, "db_in_use_bytes": 2e6, "keys": 40.0},
+            "etcd": {
+                "revision": 1000.0 + 50 * k,
+                "db_in_use_bytes": 2e6,
+                "keys": 40.0,
+                "go_heap_inuse_bytes": (20.0 + 0.5 * k) * 2**20,
+            },
         }
         for k in range(10)
     ]
@@ -65,6 +71,8 @@ def test_summary_holds_what_the_issue_asks_for():
     s = summarize(samples, demo, warmup=0.0)
     assert s["hours"] == pytest.approx(0.15)
     assert s["rss_mb_per_hour"] == {"cell-0": 60.0, "router": 0.0}
+    assert s["rss_anon_mb_per_hour"] == {"cell-0": 120.0, "router": 0.0}
+    assert s["etcd_go_heap_mb_per_hour"] == pytest.approx(30.0)
     assert s["disk_mb_per_hour"] == pytest.approx(60.0) and s["etcd_db_mb_per_hour"] == 0.0
     assert (s["executions"], s["lost"], s["checker_ok"], s["versions"]) == (1200, 0, True, 71)
     assert s["etcd_revision_per_hour"] == pytest.approx(3000.0)  # 50 a minute
@@ -82,6 +90,9 @@ etcd_debugging_mvcc_keys_total 57
 etcd_mvcc_db_total_size_in_bytes 2.4576e+06
 etcd_mvcc_db_total_size_in_use_in_bytes 1.2e+06
 etcd_server_quota_backend_bytes 2.147483648e+09
+go_memstats_heap_inuse_bytes 1.7694720e+07
+go_goroutines 77
+etcd_debugging_mvcc_watcher_total 10
 """
     assert parse_etcd_metrics(text) == {
         "revision": 48213.0,
@@ -89,6 +100,9 @@ etcd_server_quota_backend_bytes 2.147483648e+09
         "keys": 57.0,
         "db_bytes": 2457600.0,
         "db_in_use_bytes": 1200000.0,
+        "go_heap_inuse_bytes": 17694720.0,
+        "goroutines": 77.0,
+        "watchers": 10.0,
     }
 
 
