@@ -96,6 +96,11 @@ class GyreSettings(BaseModel):
         description="Gyre: executions waiting for slots, as a fraction of the core's slots, that send "
         "a breathing core to rollout.",
     )
+    gyre_wave_waits: bool = Field(
+        GyreConfig.wave_waits,
+        description="Gyre lever: a dispatch of at least half a batch waits while elastic cells are on "
+        "their way back to rollout, so that it spreads over them too.",
+    )
     gyre_migrate_max: int = Field(GyreConfig.migrate_max, ge=0, description="Gyre: migrations per decision.")
     gyre_migrate_min_load: float = Field(
         GyreConfig.migrate_min_load,
