@@ -312,6 +312,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
     console = Console()
     started, started_wall = time.monotonic(), time.time()
+    commit = checkout_commit()  # now: a commit made while the demo runs is not what it ran
     model_dir = build_model(console)
     loop = asyncio.get_running_loop()
     if opts.warm_start:
@@ -443,7 +444,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     summary = {
         "outcome": outcome,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started_wall)),
-        "commit": checkout_commit(),
+        "commit": commit,
         "engine": opts.engine,
         "config_overrides": opts.config_overrides,  # what the run changed in the template (--set)
         "wall_s": round(time.monotonic() - started, 1),

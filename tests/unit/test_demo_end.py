@@ -5,6 +5,8 @@ that never came, until its timeout."""
 
 from __future__ import annotations
 
+import pytest
+
 from apps.demo.runner import RunEnd, planned_executions
 
 SECTION = {"batch_size": 4, "group_size": 4, "over_provision": 0.25, "batches_per_burst": 1, "max_bursts": 2}
@@ -102,3 +104,26 @@ def test_vllm_cells_get_a_long_ready_wait_and_every_service_a_history(tmp_path):
         assert waits == ({VLLM_READY_TIMEOUT_S} if engine == "vllm" else {None})
         assert all(data[s]["history_file"].endswith(f"history/{s}.jsonl") for s in HISTORIES)
         assert "cell_agent" in HISTORIES
+
+
+def test_the_run_records_the_commit_it_started_at(tmp_path, monkeypatch):
+    """summary.json's commit is the checkout's when the run starts: three runs in a row
+    during which docs were committed all said the last commit, which none of them ran."""
+    import asyncio
+
+    from apps.demo import runner
+
+    calls: list[str] = []
+
+    class Started(Exception):
+        pass
+
+    def model(console):
+        calls.append("model")
+        raise Started
+
+    monkeypatch.setattr(runner, "checkout_commit", lambda: calls.append("commit") or "abc1234")
+    monkeypatch.setattr(runner, "build_model", model)
+    with pytest.raises(Started):
+        asyncio.run(runner.run_demo(runner.DemoOptions(run_dir=tmp_path, dashboard_port=0)))
+    assert calls == ["commit", "model"]
