@@ -4,12 +4,15 @@ Runs the demo with mock engines and the real trainers (``python -m apps.demo --e
 the default policy) for ``--bursts`` bursts, or about ``--minutes`` minutes, and samples every
 ``--interval-s`` seconds:
 
-- each service's resident memory and open file descriptors (found in ``/proc`` by the run
-  folder in its command line: every process the launcher starts names its config there);
+- each service's resident memory, its anonymous part (``RssAnon``: heap and arenas, apart
+  from mapped files such as etcd's database) and its open file descriptors (found in
+  ``/proc`` by the run folder in its command line: every process the launcher starts names
+  its config there);
 - the run folder's disk: the packer's WAL, the checkpoints, the histories, the logs;
 - etcd's database file (``member/snap/db``, the bbolt file whose size is etcd's ``dbSize``),
   and from etcd's ``/metrics`` (over mutual TLS with the run's operator certificate) its
-  revision, its compacted revision, its keys and the database's size in use.
+  revision, its compacted revision, its keys, the database's size in use, and its Go heap,
+  goroutines, watchers and leases.
 
 With ``--chaos`` the demo's chaos schedule repeats while it soaks (``--chaos-repeat``: each
 fault of apps/demo/chaos.py in turn, round after round, until the work is done).
