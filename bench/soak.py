@@ -95,37 +95,26 @@ def processes(run_dir: Path) -> dict[str, int]:
     return out
 
 
+def proc_status(pid: int) -> dict[str, int]:
+    """The numeric fields of ``/proc/<pid>/status`` (kB for the memory ones); {} when the
+    process is gone. Among them ``VmRSS``, and ``RssAnon``: the anonymous part of the
+    resident set (heap, stacks, arenas: what a leak grows), as against file-backed pages
+    (mapped libraries, etcd's bbolt database file), which grow with the mapped file."""
+    out: dict[str, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        first = rest.split()[:1]
+        if first and first[0].isdigit():
+            out[name] = int(first[0])
+    return out
+
+
 def _parent(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("PPid:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def rss_anon_mb(pid: int) -> float | None:
-    """The anonymous part of the resident set (heap, stacks, arenas: what a leak grows), as
-    against file-backed pages (mapped libraries, etcd's bbolt database file), which the
-    kernel can drop and which grow with the mapped file, not with a leak."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    return proc_status(pid).get("PPid")
 
 
 def open_fds(pid: int) -> int | None:
@@ -205,12 +194,13 @@ def etcd_metrics(run_dir: Path, timeout_s: float = 5.0) -> dict[str, float]:
 
 def sample(run_dir: Path, t_s: float) -> dict[str, Any]:
     procs = processes(run_dir)
+    status = {n: proc_status(pid) for n, pid in procs.items()}
     db = run_dir / "etcd" / "data" / "member" / "snap" / "db"
     return {
         "t_s": round(t_s, 1),
         "pids": procs,
-        "rss_mb": {n: r for n, pid in procs.items() if (r := rss_mb(pid)) is not None},
-        "rss_anon_mb": {n: r for n, pid in procs.items() if (r := rss_anon_mb(pid)) is not None},
+        "rss_mb": {n: st["VmRSS"] / 1024 for n, st in status.items() if "VmRSS" in st},
+        "rss_anon_mb": {n: st["RssAnon"] / 1024 for n, st in status.items() if "RssAnon" in st},
         "fds": {n: f for n, pid in procs.items() if (f := open_fds(pid)) is not None},
         "disk_mb": {part: round(tree_mb(run_dir / part), 3) for part in DISK_PARTS},
         "etcd_db_mb": round(db.stat().st_size / 1e6, 3) if db.exists() else None,
