@@ -46,6 +46,24 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _forget_failed_init() -> None:
+    """Puts torch's count of unnamed process groups back to 0 after an
+    ``init_process_group`` that failed (a peer not up, or dead mid-formation).
+
+    The default group rendezvouses under a name taken from that count, and each call takes
+    the next one, failed or not; only destroying the default group sets it back, and a
+    failed call leaves nothing to destroy. A cell that failed once then rendezvoused as
+    group "1", "2", ... while a fresh peer waited under "0": they never met, and the prefix
+    groups were not formed again until every cell restarted (the chaos demo's core,
+    restarted while a satellite died, retried for good). torch has no public way to reset
+    it (2.13: ``distributed_c10d._world.group_count``, reset in ``destroy_process_group``
+    for the same reason: "to allow consistent value to be generated when we re-create
+    process groups after some trainers recover from failure")."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 class PrefixGroups:
     """The process group of the elastic cells and one subgroup per prefix."""
 
@@ -74,16 +92,22 @@ class PrefixGroups:
         self._requests_seen = 0
 
     def setup(self) -> None:
-        """Blocking rendezvous of every elastic cell (run it in a thread)."""
-        self.store = self._connect()
-        if self.rank == 0:
-            self._new_generation()
-        else:
-            gen = self._current_generation()
-            if self.world_size > 1 and self.store.check([f"gyre/formed/{gen}"]):
-                gen = self._ask_for_generation(gen)  # this cell was restarted: form anew
-            self.generation = gen
-        self._form()
+        """Blocking rendezvous of every elastic cell (run it in a thread). One that fails
+        (a peer not up, or dead mid-formation) lets go of its store: the core's next try
+        listens on the same port."""
+        try:
+            self.store = self._connect()
+            if self.rank == 0:
+                self._new_generation()
+            else:
+                gen = self._current_generation()
+                if self.world_size > 1 and self.store.check([f"gyre/formed/{gen}"]):
+                    gen = self._ask_for_generation(gen)  # this cell was restarted: form anew
+                self.generation = gen
+            self._form()
+        except BaseException:
+            self.close()
+            raise
 
     def _connect(self) -> dist.Store:
         host, _, port = self.master.rpartition(":")
@@ -187,10 +211,13 @@ class PrefixGroups:
                 dist.destroy_process_group()
             except Exception as exc:  # noqa: BLE001 (a broken group may fail to close cleanly)
                 log.warning("destroying the broken process group failed", extra={"error": repr(exc)})
+        elif self.world_size > 1:
+            _forget_failed_init()
         self.groups = {}
 
     def close(self) -> None:
         self._destroy()
+        self.store = None  # the core's store stops listening once nothing else holds it
 
     # Collective ----------------------------------------------------------------------
 

@@ -86,7 +86,10 @@ class TrainingService:
         self.controller: TrainingController | None = None
         self.groups: PrefixGroups | None = None
         self._ready = asyncio.Event()
-        self._failed: BaseException | None = None
+        self._failed: str | None = None
+        """The last failed build, as JoinBatch answers it (its repr: the exception itself
+        would keep the build's frames, and with them the core's rendezvous store listening
+        on its port, so the next build could not bind it)."""
         self._source: PackerSource | None = None
         self._close_steps: Callable[[], None] | None = None
         self._pipeline: PipelinedTrainer | None = None
@@ -111,7 +114,13 @@ class TrainingService:
         kept as the answer to every JoinBatch meanwhile, and tried again with back-off; it
         never ends the process (the cell still serves rollouts). Before, one failure was
         final: a satellite whose setup met the core's death never trained again, and the
-        restarted core waited for it forever."""
+        restarted core waited for it forever.
+
+        Only the failure's repr outlives its ``except``: the exception's frames hold what the
+        build made, the core's rendezvous store among them, listening on its port. Kept as
+        the answer, and alive through the back-off, it made the next build fail with
+        EADDRINUSE, and so every other build after it (the chaos demo's core, restarted while
+        a satellite died, never trained again)."""
         try:
             backoff = Backoff(retry_base_s, 30.0)
             while True:
@@ -121,15 +130,15 @@ class TrainingService:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    self._failed = exc
-                    await self._discard()
-                    delay_s = backoff.next()
-                    log.error(
-                        "training failed to start; retrying",
-                        extra={"error": repr(exc), "retry_in_s": round(delay_s, 1)},
-                    )
-                    self._ready.set()  # JoinBatch answers the failure meanwhile
-                    await asyncio.sleep(delay_s)
+                    self._failed = repr(exc)
+                await self._discard()
+                delay_s = backoff.next()
+                log.error(
+                    "training failed to start; retrying",
+                    extra={"error": self._failed, "retry_in_s": round(delay_s, 1)},
+                )
+                self._ready.set()  # JoinBatch answers the failure meanwhile
+                await asyncio.sleep(delay_s)
             self._failed = None
             self._ready.set()
             await self.keep_groups()
@@ -298,7 +307,7 @@ class TrainingService:
         except TimeoutError:
             raise Unavailable("training is still starting (waiting for every elastic cell)") from None
         if self.controller is None:
-            raise Unavailable(f"training failed to start: {self._failed!r}")
+            raise Unavailable(f"training failed to start: {self._failed}")
         return self.controller
 
     async def join_batch(
