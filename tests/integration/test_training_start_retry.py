@@ -23,6 +23,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -98,3 +99,28 @@ async def test_a_core_whose_group_formation_failed_forms_again_on_its_port(tmp_p
         if satellite is not None:
             satellite.kill()
             satellite.wait(10)
+
+
+def test_a_formation_its_peers_abandoned_ends_within_the_formation_timeout():
+    """The chaos demo's second stall: cell-1, restarted, reached the core's store as the core
+    gave that formation up (cell-2 had found cell-1 dead mid-formation); the core and cell-2
+    formed a new generation while cell-1 sat in the old one's rendezvous for the collective
+    timeout (600 s), past the demo's end. A formation now waits for its peers no longer than
+    ``form_timeout_s``; the service then builds again and finds the new generation.
+
+    Here the store is the core's, in this process; the core never comes to the rendezvous."""
+    import torch.distributed as dist
+
+    from services.cell_agent.training.dist import PrefixGroups
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False, use_libuv=True)
+    store.set("gyre/gen", "abandoned")
+    satellite = PrefixGroups(
+        rank=1, world_size=2, master=f"127.0.0.1:{port}", timeout_s=600.0, form_timeout_s=2.0
+    )
+    started = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        satellite.setup()
+    assert time.monotonic() - started < 60
+    assert satellite.store is None and not dist.is_initialized()

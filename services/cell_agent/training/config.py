@@ -74,7 +74,13 @@ class TrainingSettings(BaseModel):
     dist_backend: str = Field(
         "auto", pattern="^(auto|gloo|nccl)$", description="auto: nccl on CUDA, else gloo."
     )
-    dist_timeout_s: float = Field(600.0, gt=0, description="Timeout of rendezvous and of each collective.")
+    dist_timeout_s: float = Field(600.0, gt=0, description="Timeout of each collective.")
+    dist_form_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Timeout of one formation of the prefix groups (every elastic cell's "
+        "rendezvous and connections); a formation that fails is tried again with back-off.",
+    )
     join_wait_s: float = Field(
         10.0, ge=0, description="How long a satellite waits for its predecessor to join."
     )

@@ -76,6 +76,7 @@ class PrefixGroups:
         backend: str = "auto",
         device: torch.device | None = None,
         timeout_s: float = 600.0,
+        form_timeout_s: float | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world {world_size}")
@@ -85,6 +86,10 @@ class PrefixGroups:
         self.device = device or torch.device("cpu")
         self.backend = pick_backend(backend, self.device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.form_timeout = datetime.timedelta(seconds=min(form_timeout_s or timeout_s, timeout_s))
+        """How long one formation waits for every rank (the rendezvous and gloo's or NCCL's
+        connections): a formation its peers gave up for a new generation ends then, and the
+        service builds again. The groups' collectives then get ``timeout``."""
         self.store: dist.Store | None = None
         self.groups: dict[int, Any] = {}  # prefix size -> torch.distributed ProcessGroup
         self.generation = ""
@@ -151,11 +156,18 @@ class PrefixGroups:
                 store=dist.PrefixStore(f"pg/{self.generation}", self.store),
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=self.timeout,
+                timeout=self.form_timeout,
             )
             self.groups = {}
             for k in range(2, self.world_size + 1):
-                self.groups[k] = dist.new_group(list(range(k)), timeout=self.timeout, backend=self.backend)
+                self.groups[k] = dist.new_group(
+                    list(range(k)), timeout=self.form_timeout, backend=self.backend
+                )
+            # Formed: collectives wait as long as a batch's peers may take (torch has no
+            # public setter; 2.13's private one sets the backend's default timeout).
+            mine = [g for k, g in self.groups.items() if self.rank < k]  # others: not a member
+            for group in (None, *mine):
+                dist.distributed_c10d._set_pg_timeout(self.timeout, group)
             if self.rank == 0:
                 self.store.set(f"gyre/formed/{self.generation}", "1")
         self.formations += 1

@@ -246,6 +246,7 @@ class TrainingService:
             backend=s.dist_backend,
             device=device,
             timeout_s=s.dist_timeout_s,
+            form_timeout_s=s.dist_form_timeout_s,
         )
         await asyncio.to_thread(groups.setup)
         self.groups = groups
