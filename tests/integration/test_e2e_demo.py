@@ -70,8 +70,8 @@ async def test_short_demo_moves_cells_both_ways(tmp_path: Path):
     port = free_port()
     # The burst-synchronous policy moves cells to training and back every burst and reroutes
     # their stragglers: this test checks those paths end to end. The default policy (gyre)
-    # runs the demo in test_chaos_demo and test_demo_survives_kill, and the live scheduler's
-    # asynchronous paths in test_scheduler_async.
+    # runs the demo in test_chaos_demo, and the live scheduler's asynchronous paths in
+    # test_scheduler_async.
     # Long, uneven episodes (the short demo's) so stragglers are still running when the core moves.
     opts = short_demo(
         tmp_path / "demo", scheduler={"policy": "waterlevel-sync"}, dashboard_port=port, timeout_s=240
