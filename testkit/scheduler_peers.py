@@ -14,6 +14,7 @@ harness over gRPC; :func:`write_config` writes a cluster YAML for scheduler proc
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
@@ -320,8 +321,12 @@ async def read_events(h: Harness, idle_s: float = 0.5) -> list[scheduler_pb2.Sch
 
 
 async def wait_until(pred, timeout_s: float = 15.0, what: str = "condition"):
+    """``pred()``'s first true value (``pred`` a plain or a coroutine function), polled
+    every 50 ms for up to ``timeout_s``."""
     for _ in range(int(timeout_s * 20)):
-        got = await pred()
+        got = pred()
+        if inspect.isawaitable(got):
+            got = await got
         if got:
             return got
         await asyncio.sleep(0.05)

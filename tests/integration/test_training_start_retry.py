@@ -32,6 +32,7 @@ from apps.procs import ROOT
 from gyre.ports import free_port
 from services.cell_agent.training.config import TrainingSettings
 from services.cell_agent.training.service import TrainingService
+from testkit.scheduler_peers import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,26 +43,23 @@ SATELLITE = textwrap.dedent(
     from services.cell_agent.training.dist import PrefixGroups
 
     # As a satellite's TrainingService does: try again until formed (it may reach one of
-    # the core's attempts as that one times out).
-    for attempt in range(60):
+    # the core's attempts as that one times out). No pause between tries: connecting waits
+    # for the core's next store.
+    deadline = time.monotonic() + 60
+    while True:
         groups = PrefixGroups(rank=1, world_size=2, master=sys.argv[1], timeout_s=10.0)
         try:
             groups.setup()
             break
         except Exception as exc:
+            if time.monotonic() > deadline:
+                raise
             print("retrying", repr(exc), file=sys.stderr, flush=True)
-            time.sleep(0.2)
     print("formed", groups.generation, flush=True)
     sys.stdin.read()  # stays in the world until the test closes its stdin
     groups.close()
     """
 )
-
-
-async def _until(cond, timeout_s: float) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            await asyncio.sleep(0.05)
 
 
 async def test_a_core_whose_group_formation_failed_forms_again_on_its_port(tmp_path, caplog):
@@ -77,7 +75,7 @@ async def test_a_core_whose_group_formation_failed_forms_again_on_its_port(tmp_p
     satellite = None
     try:
         # The satellite is not up: the first formation times out, and the core retries.
-        await _until(lambda: core._failed is not None, 60)
+        await wait_until(lambda: core._failed is not None, 60, "the core's first failed build")
         satellite = subprocess.Popen(
             [sys.executable, "-c", SATELLITE, master],
             cwd=ROOT,
@@ -86,7 +84,9 @@ async def test_a_core_whose_group_formation_failed_forms_again_on_its_port(tmp_p
             stderr=subprocess.PIPE,
             text=True,
         )
-        await _until(lambda: core.controller is not None or satellite.poll() is not None, 90)
+        await wait_until(
+            lambda: core.controller is not None or satellite.poll() is not None, 90, "the groups formed"
+        )
         assert core.controller is not None, satellite.communicate(timeout=5)[1][-3000:]
         assert core._failed is None and core.groups is not None and core.groups.formations == 1
         line = await asyncio.to_thread(satellite.stdout.readline)  # type: ignore[union-attr]
