@@ -132,6 +132,7 @@ class Driver:
         self._recompute: deque[tuple[float, float, float]] = deque()  # (t, recompute GPU-s, rollout cell-s)
         self._rollout_cell_s = 0.0
         self._recompute_share = 0.0
+        self._recompute_peak = 0.0
         self.burst: P.BurstView | None = None
         self.next_task = 0
         self.update_times: list[float] = []
@@ -256,6 +257,7 @@ class Driver:
             kv_tokens_per_cell=self._kv_tokens,
             context_tokens=self._context_tokens,
             kv_recompute_share=self._recompute_share,
+            kv_recompute_peak=self._recompute_peak if self._measure_kv else None,
             versions=versions,
             planned=tuple(sorted(cl.placement.avoid, key=lambda cid: self._cell(cid).index)),
         )
@@ -293,6 +295,7 @@ class Driver:
         self._recompute_share = (
             (cl.kv_recompute_gpu_s - r0) / (self._rollout_cell_s - c0) if self._rollout_cell_s > c0 else 0.0
         )
+        self._recompute_peak = max(self._recompute_peak, self._recompute_share)
 
     def _tail(self, limit: int = 256) -> tuple[P.ExecView, ...]:
         """Open executions of the oldest consumable version (the tail the batch waits on)."""

@@ -82,6 +82,14 @@ class GyreSettings(BaseModel):
         description="Gyre: share of a cell's KV cache its rollout capacity counts on (the rest is "
         "headroom for growing contexts and cells holding longer agents than the mean); 1: all of it.",
     )
+    gyre_kv_headroom_after: float = Field(
+        GyreConfig.kv_headroom_after,
+        ge=0,
+        le=1,
+        description="Gyre: the KV headroom (gyre_kv_fill) applies once recomputing evicted prefixes has "
+        "taken this share of rollout's time in the run (before: the whole KV; where recompute is not "
+        "measured, from the start; 0: always).",
+    )
     gyre_parallel_moves: float = Field(
         GyreConfig.parallel_moves,
         ge=0,

@@ -76,6 +76,43 @@ def test_gyre_counts_on_a_share_of_each_cells_kv():
         GyreConfig(kv_fill=0.0)
 
 
+def test_gyre_keeps_its_kv_headroom_once_recompute_has_taken_rollout_time():
+    """The headroom costs a run whose contexts hold still: A64 (seeds 1-2) ran 8,211 / 8,221 s
+    counted on 0.6 of the KV and 7,748 / 7,744 s on all of it, its recompute never above 3%
+    of rollout's time. A64 with drift crossed 5% 3,000-4,100 s in. So the capacity counts on
+    the whole KV until recompute's share of rollout time first reaches kv_headroom_after
+    (5%), and on kv_fill from then on, even when the share falls again; where recompute is
+    not measured (the live scheduler), on kv_fill from the start, as before."""
+    cells = _cells([CellState.TRAINING] + [CellState.ROLLOUT] * 4, slots=48)
+    seen = []
+
+    class Spy(GyrePolicy):
+        def target(self, snap, elastic, w):
+            seen.append(rollout_capacity(snap.cells, snap.pipeline))
+            return super().target(snap, elastic, w)
+
+    def capacity(peak: float | None, share: float = 0.0, config: GyreConfig | None = None) -> int:
+        p = Pipeline(
+            max_staleness=1,
+            group_size=4,
+            batch_groups=20,
+            kv_tokens_per_cell=1e5,
+            context_tokens=1e4,
+            kv_recompute_share=share,
+            kv_recompute_peak=peak,
+        )
+        Spy(config).decide(_snap(cells, p))
+        return seen[-1]
+
+    assert capacity(None) == 4 * 6  # not measured: 0.6 x 1e5 / 1e4 = 6 a cell
+    assert capacity(0.0) == capacity(0.03, share=0.03) == 4 * 10  # calm: the whole KV
+    assert capacity(0.05, share=0.05) == 4 * 6  # recompute reached 5%: headroom
+    assert capacity(0.3, share=0.0) == 4 * 6  # and kept once the share falls again
+    assert capacity(0.0, config=GyreConfig(kv_headroom_after=0.0)) == 4 * 6  # 0: always
+    with pytest.raises(ValueError):
+        GyreConfig(kv_headroom_after=1.5)
+
+
 def test_gyre_cuts_dispatch_to_the_rollout_kv_while_recompute_takes_rollout_time():
     # A64 with drift (seeds 1-2): contexts grow 2.6x over the run, and the gate let ~2,500
     # agents out where the rollout cells' KV kept ~1,500; every agent beyond it evicted the

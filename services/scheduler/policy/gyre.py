@@ -136,8 +136,23 @@ executions, not tokens, so the cells holding longer agents than the mean evict. 
 
 The drifting runs are chaotic (a run's recompute feeds on itself), so one seed says
 little; the mean over four fell from 26,700 to 21,100 s. A64, which recomputes little,
-pays 6% (its trainer gets fewer cells). Applied only while the recompute share is high
-(the cut's gate), the headroom came too late: 20,547 / 28,927 s on seeds 1-2.
+paid 6% for it (its trainer gets fewer cells). Applied only while the recompute share is
+high (the cut's gate), the headroom came too late: 20,547 / 28,927 s on seeds 1-2.
+
+So the headroom waits for recompute to show (``kv_headroom_after``, 5%): the capacity
+counts on the whole KV until recomputing evicted prefixes first takes 5% of the rollout
+cells' time (``Pipeline.kv_recompute_peak``, the highest share of the run), and on
+``kv_fill`` from then on, even when the share falls again (released, the headroom came and
+went with the recompute it prevented). A64 never reached 3% counted on the whole KV; A64
+with drift crossed 5% 3,000-4,100 s into its runs. Seeds 1-4 (time to 10 updates, s):
+
+    headroom            A64 with drift                    A64 (seeds 1-2)   B64 with drift (1-2)
+    always (0.6)        19,348  20,288  20,019  24,571    8,211  8,221      3,282  3,399
+    after 5% (0.6)      18,004  17,997  18,369  19,610    7,748  7,744      3,247  3,338
+    after 3% (0.6)      23,838  17,997       -       -        -      -          -      -
+
+Where recompute is not measured (the peak is None: the live scheduler, whose engines do
+not report their recomputed prefill yet) the headroom applies from the start.
 
 Dispatch is cut to what the rollout cells' KV keeps (the open executions stay within
 ``rollout_capacity``; with nothing open one group always goes out) while recomputing
@@ -269,6 +284,12 @@ class GyreConfig:
     agents decode and for cells that hold longer agents than the mean (placement balances
     executions, not tokens). 1: the whole cache. See "Capacity in KV" in the module
     docstring."""
+    kv_headroom_after: float = 0.05
+    """The headroom of ``kv_fill`` applies once recomputing evicted prefixes has taken this
+    share of the rollout cells' time in the run (``Pipeline.kv_recompute_peak``); until then
+    the capacity counts on the whole KV. Where recompute is not measured (the peak is None)
+    the headroom applies from the start. 0: always. See "Capacity in KV" in the module
+    docstring."""
     parallel_moves: float = 1 / 32
     """Moves to training in flight at once, as a fraction of the elastic cells (at least one;
     0: one at a time). See "Moves in flight" in the module docstring."""
@@ -289,6 +310,8 @@ class GyreConfig:
             raise ValueError("breathe_in must be in (0, 1]")
         if not 0 < self.kv_fill <= 1:
             raise ValueError("kv_fill must be in (0, 1]")
+        if not 0 <= self.kv_headroom_after <= 1:
+            raise ValueError("kv_headroom_after must be in [0, 1]")
         if not 0 < self.kv_cut_share <= 1:
             raise ValueError("kv_cut_share must be in (0, 1]")
         if not 0 <= self.breathe_out <= 1:
@@ -428,6 +451,13 @@ class GyrePolicy:
         waiting = w - standalone - slots * (len(elastic) - 1)
         return waiting > 0 and waiting >= self.config.breathe_out * slots
 
+    def keeps_headroom(self, p: Pipeline) -> bool:
+        """The capacity counts on ``kv_fill`` of each cell's KV: once recomputing evicted
+        prefixes has taken ``kv_headroom_after`` of rollout's time in the run, or from the
+        start where recompute is not measured."""
+        peak = p.kv_recompute_peak
+        return peak is None or peak >= self.config.kv_headroom_after
+
     def breathe_in_groups(self, p: Pipeline) -> int:
         """Ready groups that bring a breathing core back (at least one)."""
         return max(1, math.ceil(self.config.breathe_in * p.batch_groups))
@@ -441,7 +471,7 @@ class GyrePolicy:
         if not self.config.kv and p.context_tokens:
             p = dataclasses.replace(p, context_tokens=0.0)
             s = dataclasses.replace(s, pipeline=p)
-        elif self.config.kv_fill < 1 and p.kv_tokens_per_cell > 0:
+        elif self.config.kv_fill < 1 and p.kv_tokens_per_cell > 0 and self.keeps_headroom(p):
             # Headroom: what the capacity counts on is kv_fill of each cell's KV.
             p = dataclasses.replace(p, kv_tokens_per_cell=p.kv_tokens_per_cell * self.config.kv_fill)
             s = dataclasses.replace(s, pipeline=p)

@@ -199,6 +199,9 @@ class Pipeline:
     kv_recompute_share: float = 0.0
     """Share of the rollout cells' time recently spent prefilling again the prefixes their KV
     evicted or preempted; 0: none, or not measured."""
+    kv_recompute_peak: float | None = None
+    """The highest ``kv_recompute_share`` measured so far in the run; None: recompute is not
+    measured here (the live scheduler today), so nothing is known about it."""
     versions: tuple[VersionCounts, ...] = ()
     planned: tuple[str, ...] = ()
     """Cells the last :class:`~.actions.PlanMoves` named (placement avoids them)."""
