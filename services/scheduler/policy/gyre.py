@@ -142,8 +142,8 @@ high (the cut's gate), the headroom came too late: 20,547 / 28,927 s on seeds 1-
 So the headroom waits for recompute to show (``kv_headroom_after``, 5%): the capacity
 counts on the whole KV until recomputing evicted prefixes first takes 5% of the rollout
 cells' time (``Pipeline.kv_recompute_peak``, the highest share of the run), and on
-``kv_fill`` from then on, even when the share falls again (released, the headroom came and
-went with the recompute it prevented). A64 never reached 3% counted on the whole KV; A64
+``kv_fill`` from then on, even when the share falls again (gated on the current share
+instead, it came too late: above). A64 never reached 3% counted on the whole KV; A64
 with drift crossed 5% 3,000-4,100 s into its runs. Seeds 1-4 (time to 10 updates, s):
 
     headroom            A64 with drift                    A64 (seeds 1-2)   B64 with drift (1-2)
