@@ -27,6 +27,19 @@ def _moved(policy: GyrePolicy, snap: Snapshot) -> list[str]:
     return [a.cell_id for a in policy.decide(snap) if isinstance(a, MoveToTraining)]
 
 
+def _capacity_seen(snap: Snapshot, config: GyreConfig | None = None) -> int:
+    """The rollout capacity the policy's target compared W_eta with in one decision."""
+    seen = []
+
+    class Spy(GyrePolicy):
+        def target(self, snap, elastic, w):
+            seen.append(rollout_capacity(snap.cells, snap.pipeline))
+            return super().target(snap, elastic, w)
+
+    Spy(config).decide(snap)
+    return seen[-1]
+
+
 def test_gyre_counts_rollout_capacity_in_executions_the_kv_keeps_resident():
     # A64 (seed 1): 48 slots a cell, but agents of ~50k tokens of context at the median, of
     # which one cell's KV (1.88 M tokens) keeps ~37. Counted in slots, moves and lending packed
@@ -62,16 +75,8 @@ def test_gyre_counts_on_a_share_of_each_cells_kv():
     p = Pipeline(max_staleness=1, group_size=4, batch_groups=20, kv_tokens_per_cell=1e5, context_tokens=1e4)
     cells = _cells([CellState.TRAINING] + [CellState.ROLLOUT] * 4, slots=48)
     s = _snap(cells, p)
-    seen = []
-
-    class Spy(GyrePolicy):
-        def target(self, snap, elastic, w):
-            seen.append(rollout_capacity(snap.cells, snap.pipeline))
-            return super().target(snap, elastic, w)
-
-    Spy().decide(s)
-    Spy(GyreConfig(kv_fill=1.0)).decide(s)
-    assert seen == [4 * 6, 4 * 10]  # 0.6 x 1e5 / 1e4 = 6 a cell; all of it: 10
+    assert _capacity_seen(s) == 4 * 6  # 0.6 x 1e5 / 1e4 = 6 a cell
+    assert _capacity_seen(s, GyreConfig(kv_fill=1.0)) == 4 * 10  # all of it: 10
     with pytest.raises(ValueError):
         GyreConfig(kv_fill=0.0)
 
@@ -84,12 +89,6 @@ def test_gyre_keeps_its_kv_headroom_once_recompute_has_taken_rollout_time():
     (5%), and on kv_fill from then on, even when the share falls again; where recompute is
     not measured (the live scheduler), on kv_fill from the start, as before."""
     cells = _cells([CellState.TRAINING] + [CellState.ROLLOUT] * 4, slots=48)
-    seen = []
-
-    class Spy(GyrePolicy):
-        def target(self, snap, elastic, w):
-            seen.append(rollout_capacity(snap.cells, snap.pipeline))
-            return super().target(snap, elastic, w)
 
     def capacity(peak: float | None, share: float = 0.0, config: GyreConfig | None = None) -> int:
         p = Pipeline(
@@ -101,8 +100,7 @@ def test_gyre_keeps_its_kv_headroom_once_recompute_has_taken_rollout_time():
             kv_recompute_share=share,
             kv_recompute_peak=peak,
         )
-        Spy(config).decide(_snap(cells, p))
-        return seen[-1]
+        return _capacity_seen(_snap(cells, p), config)
 
     assert capacity(None) == 4 * 6  # not measured: 0.6 x 1e5 / 1e4 = 6 a cell
     assert capacity(0.0) == capacity(0.03, share=0.03) == 4 * 10  # calm: the whole KV
